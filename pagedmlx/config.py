@@ -1,0 +1,39 @@
+"""EngineConfig: every knob of the engine in one validated place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class EngineConfig:
+    model: Optional[str] = None  # mlx-lm folder or hub name, a .gguf file; None: the default model
+    block_size: int = 16
+    num_blocks: Optional[int] = None  # None: sized from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 2.0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 512  # a prefill chunk of one request takes at most this
+    max_model_len: Optional[int] = None  # None: the model's own limit (or 4096)
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"  # or "priority"
+    dtype: Optional[str] = None  # None: the weights' dtype (float32 on the CPU)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2, got {self.num_blocks}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be >= 0 (0: no cap), got {self.long_prefill_token_threshold}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")

@@ -1,0 +1,241 @@
+"""Scheduler: decides, each step, which requests advance and by how many tokens.
+
+One rule (vLLM v1): every request has num_computed_tokens and each step tries to let it catch up
+with num_tokens (prompt + output so far). A 1-token catch-up is a decode, a long one a (chunked)
+prefill, and a preempted request simply catches up again, mostly from its own cached pages.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from pagedmlx.config import EngineConfig
+from pagedmlx.kv.manager import KVCacheManager
+from pagedmlx.request import Request, RequestStatus
+from pagedmlx.scheduler_output import SchedulerOutput, build_scheduler_output
+
+
+@dataclass
+class RequestUpdate:
+    """What one step did to one request: the tokens it appended and whether it finished."""
+
+    request: Request
+    new_token_ids: list[int]
+    finished: bool
+
+
+class WaitingQueue:
+    """FCFS (a deque) or priority order (a heap on priority, arrival, insertion)."""
+
+    def __init__(self, policy: str):
+        self.policy = policy
+        self._fcfs: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._counter = itertools.count()
+
+    def add(self, request: Request) -> None:
+        if self.policy == "fcfs":
+            self._fcfs.append(request)
+        else:
+            heapq.heappush(self._heap, (request.priority, request.arrival_time, next(self._counter), request))
+
+    def prepend(self, request: Request) -> None:
+        """Put a preempted request back at the head (under priority, its own key places it)."""
+        if self.policy == "fcfs":
+            self._fcfs.appendleft(request)
+        else:
+            self.add(request)
+
+    def peek(self) -> Request:
+        return self._fcfs[0] if self.policy == "fcfs" else self._heap[0][3]
+
+    def pop(self) -> Request:
+        return self._fcfs.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[3]
+
+    def remove(self, request: Request) -> None:
+        if self.policy == "fcfs":
+            self._fcfs.remove(request)
+        else:
+            self._heap = [e for e in self._heap if e[3] is not request]
+            heapq.heapify(self._heap)
+
+    def __iter__(self):
+        return iter(self._fcfs) if self.policy == "fcfs" else (e[3] for e in sorted(self._heap))
+
+    def __len__(self) -> int:
+        return len(self._fcfs) if self.policy == "fcfs" else len(self._heap)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue(config.scheduling_policy)
+        self.running: list[Request] = []  # in admission order: the newest is the preemption victim
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- requests in and out ----------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        n = request.num_prompt_tokens
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens but the context holds {self.max_model_len} "
+                             f"(max_model_len), leaving no room for output")
+        needed = self.kv_cache_manager.num_blocks_needed(n + 1)
+        if needed > self.kv_cache_manager.num_blocks:
+            raise ValueError(f"prompt has {n} tokens and needs {needed} KV blocks, but the pool has only "
+                             f"{self.kv_cache_manager.num_blocks}")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End requests from outside the step (abort, stop string, error). Unknown ids are ignored."""
+        finished = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            self._free(req)
+            finished.append(req)
+        return finished
+
+    def _free(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def _num_new_tokens(self, request: Request, budget: int, num_computed: int) -> int:
+        n = request.num_tokens - num_computed
+        cap = self.config.long_prefill_token_threshold
+        if cap > 0:
+            n = min(n, cap)
+        return min(n, budget)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        scheduled_ids: set[str] = set()
+        preempted: list[Request] = []
+
+        # Running requests first: decodes, then unfinished prefill chunks.
+        decodes = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
+        prefills = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+        for req in decodes + prefills:
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = self._num_new_tokens(req, budget, req.num_computed_tokens)
+            if n <= 0:
+                continue
+            while self.kv_cache_manager.allocate_slots(req, n) is None:
+                victim = next(r for r in reversed(self.running) if r.request_id not in scheduled_ids)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status == RequestStatus.RUNNING:
+                scheduled.append((req, n))
+                scheduled_ids.add(req.request_id)
+                budget -= n
+
+        # Then waiting ones, in queue order, while there is budget, room and pages. Not after a
+        # preemption: the pages just freed belong to the running requests.
+        while (not preempted and budget > 0 and len(self.waiting) > 0
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting.peek()
+            hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(req)
+            n = self._num_new_tokens(req, budget, num_hit_tokens)
+            if self.kv_cache_manager.allocate_slots(req, n, hits, num_hit_tokens) is None:
+                break
+            self.waiting.pop()
+            self.kv_cache_manager.record_prefix_query(req, num_hit_tokens)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit_tokens
+            req.num_computed_tokens = num_hit_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append((req, n))
+            budget -= n
+
+        out = build_scheduler_output(
+            scheduled, self.kv_cache_manager.req_to_block_ids, self.block_size,
+            [r.request_id for r in preempted], self.finished_req_ids)
+        self.finished_req_ids = set()
+        for req, n in scheduled:
+            req.num_computed_tokens += n
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        """Preemption by recompute: free the pages (their hashes stay cached) and requeue at the head."""
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[RequestUpdate]:
+        """Append each sampled token to its request, check stops and free finished requests."""
+        updates = []
+        for rid, token in zip(output.sampled_req_ids, sampled_token_ids):
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted since it was scheduled
+            req.append_output_token(token)
+            finished = self._check_stop(req)
+            if finished:
+                self.running.remove(req)
+                self._free(req)
+            updates.append(RequestUpdate(req, [token], finished))
+        return updates
+
+    def _check_stop(self, req: Request) -> bool:
+        params = req.sampling_params
+        last = req.output_token_ids[-1]
+        if not params.ignore_eos and last in req.eos_token_ids:
+            req.status = RequestStatus.FINISHED_STOPPED
+        elif last in params.stop_token_ids:
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = last
+        elif req.num_tokens >= self.max_model_len or (
+                params.max_tokens is not None and req.num_output_tokens >= params.max_tokens):
+            req.status = RequestStatus.FINISHED_LENGTH
+        return req.is_finished
+
+    def fail_step(self, output: SchedulerOutput) -> list[Request]:
+        """The forward pass of `output` raised: its KV was never written. Forget the hashes of the
+        blocks it was to fill and finish its requests with an error."""
+        for i, rid in enumerate(output.req_ids):
+            req = self.requests.get(rid)
+            if req is not None:
+                computed_before = int(output.seq_lens[i]) - output.num_scheduled_tokens[i]
+                self.kv_cache_manager.uncache_uncomputed(req, computed_before)
+        return self.finish_requests(output.req_ids, RequestStatus.FINISHED_ERROR)
+
+    def get_request(self, request_id: str) -> Optional[Request]:
+        return self.requests.get(request_id)

@@ -1,0 +1,115 @@
+"""SchedulerOutput: one step's batch, flattened token-major, in vLLM's vocabulary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pagedmlx.request import Request
+
+
+@dataclass
+class SchedulerOutput:
+    """What the model runner needs for one forward pass over all scheduled tokens.
+
+    Requests are ordered with single-token rows (decodes) first, then prefill chunks. Token-level
+    arrays have one entry per scheduled token (T); request-level arrays one per request (B).
+    """
+
+    req_ids: list[str]
+    num_scheduled_tokens: list[int]
+    num_decodes: int  # the first num_decodes requests schedule exactly one token
+    input_ids: np.ndarray  # (T,) token ids
+    positions: np.ndarray  # (T,) position of each token in its sequence
+    slot_mapping: np.ndarray  # (T,) page-pool slot each token's K/V is written to
+    query_start_loc: np.ndarray  # (B + 1,) where each request's tokens start in the flat batch
+    seq_lens: np.ndarray  # (B,) tokens of context after this step (cached + new)
+    block_table: np.ndarray  # (B, max_blocks) page ids per request, zero-padded
+    logits_indices: np.ndarray  # (S,) rows whose logits are sampled: the last token of caught-up requests
+    sampled_req_ids: list[str]
+    preempted_req_ids: list[str] = field(default_factory=list)
+    finished_req_ids: set[str] = field(default_factory=set)  # finished since the previous step
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.req_ids
+
+    @classmethod
+    def empty(cls, finished_req_ids: set[str], preempted_req_ids: list[str]) -> "SchedulerOutput":
+        z = np.zeros(0, np.int32)
+        return cls([], [], 0, z, z, z, np.zeros(1, np.int32), z, np.zeros((0, 1), np.int32), z, [],
+                   preempted_req_ids, finished_req_ids)
+
+
+def build_scheduler_output(
+    scheduled: list[tuple[Request, int]],
+    block_ids: dict[str, list[int]],
+    block_size: int,
+    preempted_req_ids: list[str],
+    finished_req_ids: set[str],
+) -> SchedulerOutput:
+    """Flatten the step's (request, num_new_tokens) pairs, read before num_computed_tokens advances."""
+    if not scheduled:
+        return SchedulerOutput.empty(finished_req_ids, preempted_req_ids)
+    scheduled = sorted(scheduled, key=lambda rn: rn[1] != 1)  # stable: decodes first
+    num_decodes = sum(1 for _, n in scheduled if n == 1)
+    req_ids, counts, tokens, starts, seq_lens, tables = [], [], [], [], [], []
+    logits_indices, sampled_req_ids = [], []
+    row = 0
+    for req, n in scheduled:
+        start = req.num_computed_tokens
+        end = start + n
+        req_ids.append(req.request_id)
+        counts.append(n)
+        starts.append(start)
+        seq_lens.append(end)
+        tables.append(block_ids[req.request_id])
+        if n == 1:
+            tokens.append(req.all_token_ids[start])
+        else:
+            tokens.extend(req.all_token_ids[start:end])
+        row += n
+        if end == req.num_tokens:
+            logits_indices.append(row - 1)
+            sampled_req_ids.append(req.request_id)
+
+    counts_np = np.asarray(counts, np.int32)
+    query_start_loc = np.zeros(len(counts) + 1, np.int32)
+    np.cumsum(counts_np, out=query_start_loc[1:])
+    seq_lens_np = np.asarray(seq_lens, np.int32)
+
+    table_lens = np.fromiter((len(t) for t in tables), np.int32, len(tables))
+    block_table = np.zeros((len(tables), max(int(table_lens.max()), 1)), np.int32)
+    block_table[np.arange(block_table.shape[1]) < table_lens[:, None]] = [b for t in tables for b in t]
+
+    # Per-token positions and slots, vectorised over the whole batch.
+    total = int(query_start_loc[-1])
+    token_req = np.repeat(np.arange(len(counts), dtype=np.int32), counts_np)
+    positions = (np.arange(total, dtype=np.int32) - query_start_loc[token_req]
+                 + np.asarray(starts, np.int32)[token_req])
+    slot_mapping = block_table[token_req, positions // block_size] * block_size + positions % block_size
+
+    return SchedulerOutput(
+        req_ids=req_ids,
+        num_scheduled_tokens=counts,
+        num_decodes=num_decodes,
+        input_ids=np.asarray(tokens, np.int32),
+        positions=positions.astype(np.int32),
+        slot_mapping=slot_mapping.astype(np.int32),
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens_np,
+        block_table=block_table,
+        logits_indices=np.asarray(logits_indices, np.int32),
+        sampled_req_ids=sampled_req_ids,
+        preempted_req_ids=preempted_req_ids,
+        finished_req_ids=finished_req_ids,
+    )
