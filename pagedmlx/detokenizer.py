@@ -1,0 +1,61 @@
+"""Incremental detokenization with stop strings.
+
+Text is produced token by token with mlx-lm's streaming detokenizer. A stop string may be split
+across tokens, so the last (longest stop string - 1) characters are held back until the next
+token shows whether they start a stop string; on a match the text is cut before the stop string
+(or after it, with include_stop_str_in_output).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from pagedmlx.request import SamplingParams
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, params: SamplingParams):
+        self._stream = tokenizer.detokenizer if tokenizer is not None else None
+        special = getattr(tokenizer, "all_special_ids", None) or []
+        self._skip_ids = set(special) if params.skip_special_tokens else set()
+        self._stops = params.stop
+        self._include_stop = params.include_stop_str_in_output
+        self._holdback = max((len(s) for s in self._stops), default=1) - 1
+        self.text = ""
+        self._num_emitted = 0
+        self._num_searched = 0  # text before this index holds no stop string
+
+    def update(self, new_token_ids: Sequence[int], finished: bool) -> tuple[str, Optional[str]]:
+        """Add tokens; return (text newly ready for the caller, the stop string matched or None)."""
+        if self._stream is None:
+            return "", None
+        for t in new_token_ids:
+            if t not in self._skip_ids:
+                self._stream.add_token(t)
+        if finished:
+            self._stream.finalize()
+        text = self._stream.text
+        stop = None
+        if self._stops:
+            text, stop = self._find_stop(text)
+        self.text = text
+        if finished or stop is not None:
+            ready = len(text)
+        else:
+            ready = max(self._num_emitted, len(text) - self._holdback)
+        delta = text[self._num_emitted:ready]
+        self._num_emitted = ready
+        return delta, stop
+
+    def _find_stop(self, text: str) -> tuple[str, Optional[str]]:
+        start = max(0, self._num_searched - self._holdback)
+        best, best_at = None, len(text)
+        for s in self._stops:
+            at = text.find(s, start)
+            if at != -1 and at < best_at:
+                best, best_at = s, at
+        self._num_searched = len(text)
+        if best is None:
+            return text, None
+        end = best_at + len(best) if self._include_stop else best_at
+        return text[:end], best

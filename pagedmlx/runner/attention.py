@@ -1,0 +1,196 @@
+"""Paged attention for token-major batches of stock mlx-lm models.
+
+A step's T tokens enter the model as T rows of length 1. Each layer gets a PagedLayerCache whose
+`offset` is the per-token positions (so RoPE rotates each row by its own position), whose
+`update_and_fetch` writes the new K/V into that layer's pages, and which the patched
+`scaled_dot_product_attention` recognises to attend over pages for the whole batch: single-token
+rows (decodes) together, prefill segments causally over their cached prefix plus new tokens.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from pagedmlx.scheduler_output import SchedulerOutput
+
+
+@dataclass
+class AttentionMetadata:
+    """The step's index tensors, built once and shared by every layer."""
+
+    num_tokens: int
+    positions: mx.array  # (T,)
+    write_blocks: mx.array  # (T,) page of each new token
+    write_offsets: mx.array  # (T,) slot inside that page
+    num_decodes: int
+    decode_block_table: Optional[mx.array]  # (Bd, nb)
+    decode_mask: Optional[mx.array]  # (Bd, 1, 1, nb * block_size) keys that exist
+    num_prefill_tokens: int
+    prefill_block_table: Optional[mx.array]  # (P, nb)
+    prefill_query_rows: Optional[mx.array]  # (P * Lmax,) flat row of each padded query slot
+    prefill_mask: Optional[mx.array]  # (P, 1, Lmax, nb * block_size) causal over prefix + new tokens
+    prefill_out_rows: Optional[mx.array]  # (Tp,) padded slot of each real prefill token
+    prefill_max_query_len: int = 0
+
+    @classmethod
+    def build(cls, so: SchedulerOutput, block_size: int) -> "AttentionMetadata":
+        T = so.total_num_scheduled_tokens
+        nd = so.num_decodes
+        md = cls(
+            num_tokens=T,
+            positions=mx.array(so.positions),
+            write_blocks=mx.array(so.slot_mapping // block_size),
+            write_offsets=mx.array(so.slot_mapping % block_size),
+            num_decodes=nd,
+            decode_block_table=None, decode_mask=None,
+            num_prefill_tokens=T - nd,
+            prefill_block_table=None, prefill_query_rows=None, prefill_mask=None, prefill_out_rows=None,
+        )
+        if nd:
+            seq_lens = so.seq_lens[:nd]
+            nb = -(-int(seq_lens.max()) // block_size)
+            md.decode_block_table = mx.array(so.block_table[:nd, :nb])
+            md.decode_mask = mx.array((np.arange(nb * block_size) < seq_lens[:, None])[:, None, None, :])
+        if T > nd:
+            md._build_prefill(so, block_size)
+        return md
+
+    def _build_prefill(self, so: SchedulerOutput, block_size: int) -> None:
+        nd = so.num_decodes
+        qsl = so.query_start_loc[nd:]
+        q_lens = np.diff(qsl)
+        seq_lens = so.seq_lens[nd:]
+        P, L = len(q_lens), int(q_lens.max())
+        nb = -(-int(seq_lens.max()) // block_size)
+        S = nb * block_size
+        j = np.arange(L)
+        valid_q = j[None, :] < q_lens[:, None]  # (P, L)
+        rows = np.where(valid_q, qsl[:-1, None] + j[None, :], 0)
+        # Query j of a segment sits at position (seq_len - q_len + j) and sees keys up to it.
+        q_pos = (seq_lens - q_lens)[:, None] + j[None, :]
+        mask = np.arange(S)[None, None, :] <= q_pos[:, :, None]
+        mask[~valid_q] = False
+        mask[~valid_q, 0] = True  # padded queries see one key, so that softmax stays finite
+        self.prefill_block_table = mx.array(so.block_table[nd:, :nb])
+        self.prefill_query_rows = mx.array(rows.reshape(-1).astype(np.int32))
+        self.prefill_mask = mx.array(mask[:, None])
+        self.prefill_out_rows = mx.array(np.flatnonzero(valid_q.reshape(-1)).astype(np.int32))
+        self.prefill_max_query_len = L
+
+
+class KVPool:
+    """Every layer's pages: keys and values each [num_blocks, block_size, n_kv_heads, head_dim].
+
+    The arrays live only in these lists: a second Python reference would turn each in-place
+    page write into a copy of the whole pool.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, layer_specs: list[tuple[int, int, int, mx.Dtype]]):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.keys = [mx.zeros((num_blocks, block_size, h, dk), dt) for h, dk, _, dt in layer_specs]
+        self.values = [mx.zeros((num_blocks, block_size, h, dv), dt) for h, _, dv, dt in layer_specs]
+        mx.eval(self.keys, self.values)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+
+
+class PagedLayerCache:
+    """Stands in for mlx-lm's KVCache in one layer for one step."""
+
+    def __init__(self, layer: int, pool: KVPool, md: AttentionMetadata):
+        self.layer = layer
+        self.pool = pool
+        self.md = md
+
+    @property
+    def offset(self) -> mx.array:
+        return self.md.positions
+
+    def make_mask(self, *args, **kwargs) -> None:
+        return None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        md, i = self.md, self.layer
+        # (T, n_kv, 1, D) -> (T, n_kv, D), written in place into the pages.
+        self.pool.keys[i][md.write_blocks, md.write_offsets] = keys[:, :, 0, :].astype(self.pool.keys[i].dtype)
+        self.pool.values[i][md.write_blocks, md.write_offsets] = values[:, :, 0, :].astype(self.pool.values[i].dtype)
+        return keys, values
+
+    def attention(self, queries: mx.array, scale: float) -> mx.array:
+        """queries (T, n_heads, 1, D) -> (T, n_heads, 1, Dv), attending over pages."""
+        return paged_attention(queries, self.pool.keys[self.layer], self.pool.values[self.layer], self.md, scale)
+
+
+def _gather(pages: mx.array, block_table: mx.array) -> mx.array:
+    """(num_blocks, bs, h, d) through a (B, nb) block table -> (B, h, nb * bs, d)."""
+    B, nb = block_table.shape
+    g = pages[block_table]  # (B, nb, bs, h, d)
+    return g.reshape(B, nb * pages.shape[1], pages.shape[2], pages.shape[3]).transpose(0, 2, 1, 3)
+
+
+def paged_attention(queries: mx.array, k_pages: mx.array, v_pages: mx.array,
+                    md: AttentionMetadata, scale: float) -> mx.array:
+    outs = []
+    nd = md.num_decodes
+    if nd:
+        q = queries[:nd] if nd < md.num_tokens else queries
+        k = _gather(k_pages, md.decode_block_table)
+        v = _gather(v_pages, md.decode_block_table)
+        outs.append(mx.fast.scaled_dot_product_attention(
+            q.astype(k.dtype), k, v, scale=scale, mask=md.decode_mask).astype(queries.dtype))
+    if md.num_prefill_tokens:
+        P, L = md.prefill_block_table.shape[0], md.prefill_max_query_len
+        H, D = queries.shape[1], queries.shape[3]
+        q = queries[:, :, 0, :][md.prefill_query_rows].reshape(P, L, H, D).transpose(0, 2, 1, 3)
+        k = _gather(k_pages, md.prefill_block_table)
+        v = _gather(v_pages, md.prefill_block_table)
+        o = mx.fast.scaled_dot_product_attention(q.astype(k.dtype), k, v, scale=scale, mask=md.prefill_mask)
+        o = o.transpose(0, 2, 1, 3).reshape(P * L, H, -1)[md.prefill_out_rows]
+        outs.append(o[:, :, None, :].astype(queries.dtype))
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+
+
+# ---- routing mlx-lm's attention call to the pages --------------------------------------------
+
+_SDPA_NAME = "scaled_dot_product_attention"
+
+
+def _make_dispatch(original):
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None, **kwargs):
+        if isinstance(cache, PagedLayerCache):
+            if sinks is not None:
+                raise NotImplementedError("attention sinks are not supported on pages")
+            return cache.attention(queries, scale)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks, **kwargs)
+
+    scaled_dot_product_attention._pagedmlx_original = original
+    return scaled_dot_product_attention
+
+
+def install_paged_attention(model: nn.Module) -> int:
+    """Rebind `scaled_dot_product_attention` in the modules that define the model's layers.
+
+    The dispatcher calls the original for any other cache, so mlx-lm keeps working unchanged in
+    the same process. Returns how many modules were patched (0 means the model computes attention
+    some other way and cannot run on pages).
+    """
+    patched = 0
+    module_names = {type(m).__module__ for _, m in model.named_modules()} | {type(model).__module__}
+    for name in module_names:
+        module = sys.modules.get(name)
+        fn = getattr(module, _SDPA_NAME, None)
+        if fn is None or not callable(fn):
+            continue
+        if not hasattr(fn, "_pagedmlx_original"):
+            setattr(module, _SDPA_NAME, _make_dispatch(fn))
+        patched += 1
+    return patched
