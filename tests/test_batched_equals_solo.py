@@ -1,0 +1,203 @@
+"""A busy engine gives each request exactly what mlx-lm gives that prompt alone (greedy, float32)."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import ARCHS, assert_no_leaks, make_model, solo_greedy
+
+from pagedmlx.config import EngineConfig
+from pagedmlx.engine import LLMEngine
+from pagedmlx.request import RequestStatus, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def make_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+    """Random lengths 1..300; a third extend one of three long shared prefixes."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(vocab) for _ in range(rng.randint(40, 120))] for _ in range(3)]
+    prompts = []
+    for i in range(n):
+        if i % 3 == 0:
+            base = rng.choice(prefixes)
+            prompts.append(base + [rng.randrange(vocab) for _ in range(rng.randint(0, 60))])
+        else:
+            prompts.append([rng.randrange(vocab) for _ in range(rng.randint(1, 300))])
+    return prompts
+
+
+def run_staggered(engine: LLMEngine, prompts, params, seed: int) -> dict[str, list[int]]:
+    """Add requests a few at a time between steps; collect each one's final tokens."""
+    rng = random.Random(seed)
+    pending = list(enumerate(prompts))
+    done: dict[str, list[int]] = {}
+    while pending or engine.has_unfinished_requests():
+        for _ in range(rng.randint(0, 4)):
+            if pending:
+                i, p = pending.pop(0)
+                engine.add_request(str(i), p, params)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    return done
+
+
+@pytest.mark.parametrize("arch_name", list(ARCHS))
+def test_64_busy_requests_equal_solo(arch_name):
+    model = make_model(arch_name)
+    vocab = ARCHS[arch_name]["vocab_size"]
+    prompts = make_prompts(64, vocab, seed=7)
+    config = EngineConfig(block_size=4, num_blocks=160, max_num_batched_tokens=96,
+                          long_prefill_token_threshold=48, max_num_seqs=32)
+    engine = LLMEngine(model, None, config)
+    done = run_staggered(engine, prompts, GREEDY, seed=3)
+
+    # The run must really have exercised what it claims to.
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.kv_cache_manager.stats.hits > 0
+    assert engine.kv_cache_manager.stats.preempted_hits > 0
+    for i, p in enumerate(prompts):
+        assert done[str(i)] == solo_greedy(model, p, GREEDY.max_tokens), f"request {i} (prompt {len(p)} tokens)"
+    assert_no_leaks(engine)
+
+
+def test_cached_blocks_hold_their_owners_kv():
+    """mlx-lm issue 965: a stored prefix must hold the KV of the prompt that owns it, never another's."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from pagedmlx.kv.block_hash import hash_request_blocks
+
+    model = make_model("llama")
+    rng = random.Random(5)
+    uniques = [[rng.randrange(500) for _ in range(rng.randint(20, 40))] for _ in range(6)]
+    # Later prompts share part of an earlier one, cut mid-block, then diverge.
+    sharers = [u[: len(u) // 2 + 1] + [rng.randrange(500) for _ in range(10)] for u in uniques]
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=256, max_num_batched_tokens=64))
+    done = run_staggered(engine, uniques + sharers, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), 1)
+    assert_no_leaks(engine)
+
+    owners = {}
+    for i, prompt in enumerate(uniques + sharers):
+        tokens = prompt + done[str(i)]
+        hashes = []
+        hash_request_blocks(tokens, 4, hashes)
+        for j, h in enumerate(hashes):
+            owners[h] = tokens[: (j + 1) * 4]
+    pool = engine.kv_cache_manager.block_pool
+    cached = [b for b in pool.blocks if b.block_hash is not None]
+    assert len(cached) > 20
+    for block in cached:
+        tokens = owners[block.block_hash]
+        caches = make_prompt_cache(model)
+        mx.eval(model(mx.array([tokens]), cache=caches))
+        for layer, c in enumerate(caches):
+            end = c.offset  # mlx-lm's buffer is longer than what it holds
+            want_k = c.keys[0, :, end - 4:end, :].transpose(1, 0, 2)  # (4, n_kv, D)
+            want_v = c.values[0, :, end - 4:end, :].transpose(1, 0, 2)
+            got_k = engine.runner.kv_pool.keys[layer][block.block_id]
+            got_v = engine.runner.kv_pool.values[layer][block.block_id]
+            np.testing.assert_allclose(np.array(got_k), np.array(want_k), rtol=1e-4, atol=1e-4)  # rounding only: another prompt's KV is off by O(1)
+            np.testing.assert_allclose(np.array(got_v), np.array(want_v), rtol=1e-4, atol=1e-4)  # rounding only: another prompt's KV is off by O(1)
+
+
+def test_mixed_step_fresh_hit_partial_resumed_and_decodes():
+    """mlx-lm issue 754: one step holding a fresh request, a full prefix hit, a partial-block hit,
+    a resumed preempted request and plain decodes."""
+    model = make_model("qwen3")
+    rng = random.Random(11)
+    base = [rng.randrange(448) for _ in range(24)]  # 6 full blocks of 4
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=128, max_num_batched_tokens=256))
+    engine.add_request("warm", base, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+    prompts = {
+        "dec1": [rng.randrange(448) for _ in range(9)],
+        "dec2": [rng.randrange(448) for _ in range(5)],
+        "victim": [rng.randrange(448) for _ in range(13)],
+    }
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, params)
+    engine.step()
+    engine.step()  # all three decoding now
+    victim = engine.scheduler.requests["victim"]
+    engine.scheduler._preempt(victim)  # as if pages had run out
+    prompts.update({
+        "fresh": [rng.randrange(448) for _ in range(7)],
+        "full_hit": list(base),
+        "partial_hit": base[:10] + [rng.randrange(448) for _ in range(5)],
+    })
+    for rid in ("fresh", "full_hit", "partial_hit"):
+        engine.add_request(rid, prompts[rid], params)
+
+    so = engine.scheduler.schedule()
+    assert set(so.req_ids) == {"dec1", "dec2", "victim", "fresh", "full_hit", "partial_hit"}
+    reqs = engine.scheduler.requests
+    assert reqs["full_hit"].num_cached_tokens == 20  # never the whole prompt: the last block is recomputed
+    assert reqs["partial_hit"].num_cached_tokens == 8
+    assert victim.num_preemptions == 1 and engine.kv_cache_manager.stats.preempted_hits > 0
+    # Put the step back and let the engine run it for real.
+    for i, rid in enumerate(so.req_ids):
+        reqs[rid].num_computed_tokens -= so.num_scheduled_tokens[i]
+    engine.kv_cache_manager.stats.preempted_hits = 0
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    for rid, p in prompts.items():
+        assert done[rid] == solo_greedy(model, p, 8), rid
+    assert_no_leaks(engine)
+
+
+def test_abort_mid_run_frees_everything():
+    model = make_model("llama")
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=32))
+    rng = random.Random(2)
+    for i in range(12):
+        engine.add_request(str(i), [rng.randrange(500) for _ in range(rng.randint(5, 50))],
+                           SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    outs = engine.abort_request([str(i) for i in range(0, 12, 2)])
+    assert {o.request_id for o in outs} == {str(i) for i in range(0, 12, 2)}
+    assert all(o.finished and o.finish_reason == "abort" for o in outs)
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert set(finished) == {str(i) for i in range(1, 12, 2)}
+    assert all(len(o.token_ids) == 30 and o.finish_reason == "length" for o in finished.values())
+    assert_no_leaks(engine)
+
+
+def test_failed_step_fails_only_its_requests_and_uncaches(monkeypatch):
+    model = make_model("llama")
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=64))
+    prompt = list(range(1, 30))
+    engine.add_request("a", prompt, GREEDY)
+    real_forward = engine.runner.forward
+    monkeypatch.setattr(engine.runner, "forward", lambda so: (_ for _ in ()).throw(RuntimeError("boom")))
+    outs = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("a", "error")]
+    assert "boom" in outs[0].error
+    assert_no_leaks(engine)
+    assert not engine.kv_cache_manager.block_pool.cached_block_hash_to_block  # garbage never shared
+    monkeypatch.setattr(engine.runner, "forward", real_forward)
+    engine.add_request("b", prompt, GREEDY)
+    out = []
+    while engine.has_unfinished_requests():
+        out += [o for o in engine.step() if o.finished]
+    assert out[0].token_ids == solo_greedy(model, prompt, GREEDY.max_tokens)
+    assert engine.kv_cache_manager.stats.hits == 0
+
+
+def test_request_status_finish_reasons():
+    assert RequestStatus.FINISHED_LENGTH.finish_reason == "length"
+    assert not RequestStatus.PREEMPTED.finished
