@@ -98,8 +98,8 @@ def test_cached_blocks_hold_their_owners_kv():
             end = c.offset  # mlx-lm's buffer is longer than what it holds
             want_k = c.keys[0, :, end - 4:end, :].transpose(1, 0, 2)  # (4, n_kv, D)
             want_v = c.values[0, :, end - 4:end, :].transpose(1, 0, 2)
-            got_k = engine.runner.kv_pool.keys[layer][block.block_id]
-            got_v = engine.runner.kv_pool.values[layer][block.block_id]
+            got_k = engine.runner.kv_pool.keys[layer][block.block_id].transpose(1, 0, 2)
+            got_v = engine.runner.kv_pool.values[layer][block.block_id].transpose(1, 0, 2)
             np.testing.assert_allclose(np.array(got_k), np.array(want_k), rtol=1e-4, atol=1e-4)  # rounding only: another prompt's KV is off by O(1)
             np.testing.assert_allclose(np.array(got_v), np.array(want_v), rtol=1e-4, atol=1e-4)  # rounding only: another prompt's KV is off by O(1)
 

@@ -85,7 +85,8 @@ class AttentionMetadata:
 
 
 class KVPool:
-    """Every layer's pages: keys and values each [num_blocks, block_size, n_kv_heads, head_dim].
+    """Every layer's pages: keys and values each [num_blocks, n_kv_heads, block_size, head_dim]
+    (head-major inside a page, so that gathered pages are already in attention's layout).
 
     The arrays live only in these lists: a second Python reference would turn each in-place
     page write into a copy of the whole pool.
@@ -94,8 +95,8 @@ class KVPool:
     def __init__(self, num_blocks: int, block_size: int, layer_specs: list[tuple[int, int, int, mx.Dtype]]):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.keys = [mx.zeros((num_blocks, block_size, h, dk), dt) for h, dk, _, dt in layer_specs]
-        self.values = [mx.zeros((num_blocks, block_size, h, dv), dt) for h, _, dv, dt in layer_specs]
+        self.keys = [mx.zeros((num_blocks, h, block_size, dk), dt) for h, dk, _, dt in layer_specs]
+        self.values = [mx.zeros((num_blocks, h, block_size, dv), dt) for h, _, dv, dt in layer_specs]
         mx.eval(self.keys, self.values)
 
     @property
@@ -121,8 +122,9 @@ class PagedLayerCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         md, i = self.md, self.layer
         # (T, n_kv, 1, D) -> (T, n_kv, D), written in place into the pages.
-        self.pool.keys[i][md.write_blocks, md.write_offsets] = keys[:, :, 0, :].astype(self.pool.keys[i].dtype)
-        self.pool.values[i][md.write_blocks, md.write_offsets] = values[:, :, 0, :].astype(self.pool.values[i].dtype)
+        k_pages, v_pages = self.pool.keys, self.pool.values
+        k_pages[i][md.write_blocks, :, md.write_offsets] = keys[:, :, 0, :].astype(k_pages[i].dtype)
+        v_pages[i][md.write_blocks, :, md.write_offsets] = values[:, :, 0, :].astype(v_pages[i].dtype)
         return keys, values
 
     def attention(self, queries: mx.array, scale: float) -> mx.array:
@@ -131,10 +133,10 @@ class PagedLayerCache:
 
 
 def _gather(pages: mx.array, block_table: mx.array) -> mx.array:
-    """(num_blocks, bs, h, d) through a (B, nb) block table -> (B, h, nb * bs, d)."""
+    """(num_blocks, h, bs, d) through a (B, nb) block table -> (B, h, nb * bs, d), contiguous."""
     B, nb = block_table.shape
-    g = pages[block_table]  # (B, nb, bs, h, d)
-    return g.reshape(B, nb * pages.shape[1], pages.shape[2], pages.shape[3]).transpose(0, 2, 1, 3)
+    _, h, bs, d = pages.shape
+    return pages[block_table].transpose(0, 2, 1, 3, 4).reshape(B, h, nb * bs, d)
 
 
 def paged_attention(queries: mx.array, k_pages: mx.array, v_pages: mx.array,
