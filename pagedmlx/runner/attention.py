@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from pagedmlx.runner import cuda_decode
 from pagedmlx.scheduler_output import SchedulerOutput
 
 
@@ -30,16 +31,21 @@ class AttentionMetadata:
     write_offsets: mx.array  # (T,) slot inside that page
     num_decodes: int
     decode_block_table: Optional[mx.array]  # (Bd, nb)
-    decode_mask: Optional[mx.array]  # (Bd, 1, 1, nb * block_size) keys that exist
+    decode_mask: Optional[mx.array]  # (Bd, 1, 1, nb * block_size) keys that exist (gather path)
+    decode_seq_lens: Optional[mx.array]  # (Bd,) (kernel path)
     num_prefill_tokens: int
     prefill_block_table: Optional[mx.array]  # (P, nb)
     prefill_query_rows: Optional[mx.array]  # (P * Lmax,) flat row of each padded query slot
     prefill_mask: Optional[mx.array]  # (P, 1, Lmax, nb * block_size) causal over prefix + new tokens
     prefill_out_rows: Optional[mx.array]  # (Tp,) padded slot of each real prefill token
     prefill_max_query_len: int = 0
+    use_decode_kernel: bool = False
+    decode_splits: int = 1
+    decode_split_tokens: Optional[mx.array] = None  # (1,)
 
     @classmethod
-    def build(cls, so: SchedulerOutput, block_size: int) -> "AttentionMetadata":
+    def build(cls, so: SchedulerOutput, block_size: int, decode_kernel_kv_heads: int = 0) -> "AttentionMetadata":
+        """decode_kernel_kv_heads > 0: decode rows go through the paged-decode kernel (CUDA)."""
         T = so.total_num_scheduled_tokens
         nd = so.num_decodes
         md = cls(
@@ -48,7 +54,7 @@ class AttentionMetadata:
             write_blocks=mx.array(so.slot_mapping // block_size),
             write_offsets=mx.array(so.slot_mapping % block_size),
             num_decodes=nd,
-            decode_block_table=None, decode_mask=None,
+            decode_block_table=None, decode_mask=None, decode_seq_lens=None,
             num_prefill_tokens=T - nd,
             prefill_block_table=None, prefill_query_rows=None, prefill_mask=None, prefill_out_rows=None,
         )
@@ -56,7 +62,13 @@ class AttentionMetadata:
             seq_lens = so.seq_lens[:nd]
             nb = -(-int(seq_lens.max()) // block_size)
             md.decode_block_table = mx.array(so.block_table[:nd, :nb])
-            md.decode_mask = mx.array((np.arange(nb * block_size) < seq_lens[:, None])[:, None, None, :])
+            if decode_kernel_kv_heads:
+                md.use_decode_kernel = True
+                md.decode_seq_lens = mx.array(seq_lens)
+                md.decode_splits, tokens = cuda_decode.num_splits(nd, decode_kernel_kv_heads, int(seq_lens.max()))
+                md.decode_split_tokens = mx.array([tokens], mx.int32)
+            else:
+                md.decode_mask = mx.array((np.arange(nb * block_size) < seq_lens[:, None])[:, None, None, :])
         if T > nd:
             md._build_prefill(so, block_size)
         return md
@@ -143,7 +155,15 @@ def paged_attention(queries: mx.array, k_pages: mx.array, v_pages: mx.array,
                     md: AttentionMetadata, scale: float) -> mx.array:
     outs = []
     nd = md.num_decodes
-    if nd:
+    if nd and md.use_decode_kernel and cuda_decode.supports(
+            queries.shape[3], queries.shape[1], k_pages.shape[1], k_pages.dtype):
+        o = cuda_decode.paged_decode(queries[:nd, :, 0, :], k_pages, v_pages, md.decode_block_table,
+                                     md.decode_seq_lens, scale, md.decode_splits, md.decode_split_tokens)
+        outs.append(o[:, :, None, :])
+    elif nd:
+        if md.decode_mask is None:  # this layer's shape is not one the kernel takes
+            md.decode_mask = mx.array(np.arange(md.decode_block_table.shape[1] * k_pages.shape[2])[None, :]
+                                      < np.array(md.decode_seq_lens)[:, None])[:, None, None, :]
         q = queries[:nd] if nd < md.num_tokens else queries
         k = _gather(k_pages, md.decode_block_table)
         v = _gather(v_pages, md.decode_block_table)

@@ -7,6 +7,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from pagedmlx.runner import cuda_decode
 from pagedmlx.runner.attention import AttentionMetadata, KVPool, PagedLayerCache, install_paged_attention
 from pagedmlx.scheduler_output import SchedulerOutput
 
@@ -64,6 +65,8 @@ class ModelRunner:
                 f"model type {model_type(model)!r} does not call mlx-lm's scaled_dot_product_attention")
         self._body, self._head = self._split_head()
         self.layer_specs = self._probe_layer_specs()
+        # Decode rows read pages in place with the CUDA kernel where it runs; elsewhere they gather.
+        self.decode_kernel_kv_heads = self.layer_specs[0][0] if cuda_decode.is_available() else 0
         if verify:
             self._verify_against_mlx_lm()
         if num_blocks is None:
@@ -104,7 +107,7 @@ class ModelRunner:
 
     def forward(self, so: SchedulerOutput) -> mx.array:
         """Logits (S, V) of the rows in so.logits_indices, lazily."""
-        md = AttentionMetadata.build(so, self.block_size)
+        md = AttentionMetadata.build(so, self.block_size, self.decode_kernel_kv_heads)
         caches = [PagedLayerCache(i, self.kv_pool, md) for i in range(self.num_layers)]
         inputs = mx.array(so.input_ids)[:, None]
         rows = mx.array(so.logits_indices)
