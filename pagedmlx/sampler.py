@@ -133,7 +133,7 @@ def apply_bias_and_penalties(logits: mx.array, requests: Sequence[Request]) -> m
 
 def _allowed(x: mx.array, top_k: list[int], top_p: list[float], min_p: list[float]) -> mx.array:
     """x (temperature-scaled) with the tokens outside min_p / top_k / top_p set to -inf."""
-    S, V = x.shape
+    V = x.shape[1]
     if any(m > 0 for m in min_p):  # p >= min_p * p_max  <=>  x >= x_max + log(min_p)
         floor = x.max(axis=-1, keepdims=True) + mx.log(mx.array(min_p, dtype=mx.float32))[:, None]
         x = mx.where(x >= floor, x, -mx.inf)
@@ -153,6 +153,21 @@ def _allowed(x: mx.array, top_k: list[int], top_p: list[float], min_p: list[floa
     return mx.where(x >= thresh, x, -mx.inf)
 
 
+def _sample_random(logits: mx.array, requests: Sequence[Request]) -> mx.array:
+    """argmax(logits / T + Gumbel noise) over each row's allowed tokens. Greedy rows run with
+    neutral parameters (T = 1, no filters); the caller replaces their result by the plain argmax."""
+    V = logits.shape[1]
+    params = [None if r.sampling_params.greedy else r.sampling_params for r in requests]
+    temps = [p.temperature if p else 1.0 for p in params]
+    x = logits
+    if any(t != 1.0 for t in temps):
+        x = x / mx.array(temps, dtype=mx.float32)[:, None]
+    x = _allowed(x, top_k=[p.top_k if p and 0 < p.top_k < V else V for p in params],
+                 top_p=[p.top_p if p else 1.0 for p in params], min_p=[p.min_p if p else 0.0 for p in params])
+    noise = gumbel_noise([r.sampling_seed for r in requests], [r.num_output_tokens for r in requests], V)
+    return mx.argmax(x + noise, axis=-1)
+
+
 class Sampler:
     """One call per step: sampled tokens (and logprobs) for rows with different parameters."""
 
@@ -165,22 +180,12 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         logits = apply_bias_and_penalties(logits, requests)
         greedy = [p.greedy for p in params]
-        argmax = mx.argmax(logits, axis=-1) if any(greedy) else None
         if all(greedy):
-            tokens = argmax
-        else:  # greedy rows ride along with neutral parameters; their result is replaced below
-            temps = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
-            x = logits / mx.array(temps, dtype=mx.float32)[:, None] if any(t != 1.0 for t in temps) else logits
-            x = _allowed(
-                x,
-                top_k=[p.top_k if 0 < p.top_k < V and not g else V for g, p in zip(greedy, params)],
-                top_p=[1.0 if g else p.top_p for g, p in zip(greedy, params)],
-                min_p=[0.0 if g else p.min_p for g, p in zip(greedy, params)],
-            )
-            noise = gumbel_noise([r.sampling_seed for r in requests], [r.num_output_tokens for r in requests], V)
-            tokens = mx.argmax(x + noise, axis=-1)
-            if argmax is not None:
-                tokens = mx.where(mx.array(greedy), argmax, tokens)
+            tokens = mx.argmax(logits, axis=-1)
+        else:
+            tokens = _sample_random(logits, requests)
+            if any(greedy):
+                tokens = mx.where(mx.array(greedy), mx.argmax(logits, axis=-1), tokens)
         out = SamplerOutput(tokens.astype(mx.int32), num_logprobs=[p.logprobs for p in params])
         if any(k is not None for k in out.num_logprobs):
             self._logprobs(logits, out, min(V, max(k or 0 for k in out.num_logprobs)))

@@ -85,10 +85,10 @@ def test_same_seed_and_step_same_token_in_any_batch():
     flat = np.zeros(V, np.float32)  # flat logits: the token is decided by the noise alone
     for seed in [0, 7, 2**40 + 3, 2**63 - 1]:
         for step in [0, 1, 17]:
-            target = lambda: make_req(seed=seed, step=step, temperature=0.8, top_p=0.95, logprobs=2)  # noqa: E731
-            alone = sample(flat[None], [target()])[0]
+            kw = dict(seed=seed, step=step, temperature=0.8, top_p=0.95, logprobs=2)
+            alone = sample(flat[None], [make_req(**kw)])[0]
             for n_before, n_after in [(0, 3), (5, 0), (2, 9), (13, 4)]:
-                reqs = _others(rng, n_before, V) + [target()] + _others(rng, n_after, V)
+                reqs = _others(rng, n_before, V) + [make_req(**kw)] + _others(rng, n_after, V)
                 logits = rng.normal(size=(len(reqs), V)).astype(np.float32)
                 logits[n_before] = flat
                 row = sample(logits, reqs)[n_before]
@@ -157,6 +157,12 @@ def test_top_p_restricts_support_to_nucleus():
     assert chi2(np.bincount(got, minlength=6)[[1, 3]], np.array([4, 3]) / 7) < 10.83  # df = 1
     got = tokens(np.repeat(logits, 1000, 0), [make_req(seed=i, top_p=0.75) for i in range(1000)])
     assert set(got) == {1, 3, 4}
+    # top_p counts mass within what top_k kept, renormalised: 0.4 / 0.7 >= 0.55 keeps token 1 alone.
+    got = tokens(np.repeat(logits, 300, 0), [make_req(seed=i, top_k=2, top_p=0.55) for i in range(300)])
+    assert set(got) == {1}
+    # ... and within what min_p kept: min_p=0.5 keeps {1, 3}, then 0.4 / 0.7 >= 0.55 again.
+    got = tokens(np.repeat(logits, 300, 0), [make_req(seed=i, min_p=0.5, top_p=0.55) for i in range(300)])
+    assert set(got) == {1}
 
 
 def test_min_p_drops_tokens_below_fraction_of_max():
@@ -191,10 +197,12 @@ def reference_processed(logits: np.ndarray, reqs: list[Request]) -> np.ndarray:
         for t, b in p.logit_bias.items():
             if t < V:
                 out[i, t] += np.float32(b)
+        outputs = [t for t in r.output_token_ids if t < V]
         if p.repetition_penalty != 1.0:
-            for t in set(r.prompt_token_ids) | set(r.output_token_ids):
-                out[i, t] = out[i, t] / p.repetition_penalty if out[i, t] > 0 else out[i, t] * p.repetition_penalty
-        counts = np.bincount(r.output_token_ids, minlength=V).astype(np.float32)
+            for t in set(r.prompt_token_ids) | set(outputs):
+                rp = np.float32(p.repetition_penalty)
+                out[i, t] = out[i, t] / rp if out[i, t] > 0 else out[i, t] * rp
+        counts = np.bincount(outputs, minlength=V).astype(np.float32)
         out[i] -= np.float32(p.frequency_penalty) * counts
         out[i] -= np.float32(p.presence_penalty) * (counts > 0)
     return out
@@ -221,19 +229,16 @@ def test_penalties_match_numpy_reference():
     rows = sample(logits, reqs)
     assert [r.token_id for r in rows] == list(ref.argmax(-1))
     lsm = log_softmax(ref)
-    np.testing.assert_allclose([r.logprob for r in rows], lsm[np.arange(len(reqs)), ref.argmax(-1)], atol=1e-5)
+    want = lsm[np.arange(len(reqs)), ref.argmax(-1)]
+    np.testing.assert_allclose([r.logprob for r in rows], want, atol=1e-5)
 
 
-def test_only_penalty_rows_and_out_of_range_ids():
+def test_out_of_range_ids_are_ignored():
     logits, reqs = _penalty_batch()
     reqs[1].append_output_token(10_000)  # out of vocab: ignored, no crash
     reqs[3].sampling_params.logit_bias[999] = 50.0
-    ref = reference_processed(logits, [make_req(prompt=r.prompt_token_ids, outputs=[t for t in r.output_token_ids if t < 30],
-                                                **{k: getattr(r.sampling_params, k) for k in
-                                                   ("presence_penalty", "frequency_penalty",
-                                                    "repetition_penalty", "logit_bias")})
-                                       for r in reqs])
-    np.testing.assert_allclose(np.array(apply_bias_and_penalties(mx.array(logits), reqs)), ref, rtol=1e-6, atol=1e-6)
+    got = np.array(apply_bias_and_penalties(mx.array(logits), reqs))
+    np.testing.assert_allclose(got, reference_processed(logits, reqs), rtol=1e-6, atol=1e-6)
 
 
 # --- logprobs -----------------------------------------------------------------------------------
