@@ -166,7 +166,7 @@ class LLMEngine:
             req.stop_reason = stop
         new_lps = None
         if rid in self._logprobs:
-            new_lps = [TokenLogprob(sample.token_id, sample.logprob, sample.top)]
+            new_lps = [TokenLogprob(sample.token_id, sample.logprob, sample.top_logprobs or [])]
             self._logprobs[rid].extend(new_lps)
         out = RequestOutput(rid, req.prompt_token_ids, req.output_token_ids, detok.text, new_ids, new_text,
                             finished, req.status.finish_reason if finished else None, req.stop_reason,

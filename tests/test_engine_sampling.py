@@ -1,0 +1,138 @@
+"""Sampling through the engine: seeds reproducible inside busy batches, logprobs, stop strings."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import numpy as np
+from conftest import assert_no_leaks, make_model
+
+from pagedmlx.config import EngineConfig
+from pagedmlx.detokenizer import IncrementalDetokenizer
+from pagedmlx.engine import LLM, LLMEngine
+from pagedmlx.request import SamplingParams
+
+
+def run_all(engine: LLMEngine) -> dict:
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def test_seed_gives_same_tokens_alone_and_in_a_busy_batch():
+    model = make_model("qwen3")
+    rng = random.Random(4)
+    prompt = [rng.randrange(448) for _ in range(37)]
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=24, ignore_eos=True)
+
+    alone = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=64))
+    alone.add_request("s", prompt, seeded)
+    want = run_all(alone)["s"].token_ids
+
+    busy = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=72, max_num_batched_tokens=40,
+                                               long_prefill_token_threshold=16))
+    for i in range(20):
+        p = [rng.randrange(448) for _ in range(rng.randint(1, 80))]
+        params = SamplingParams(temperature=rng.choice([0.0, 0.7, 1.3]), top_k=rng.choice([0, 5]),
+                                presence_penalty=rng.choice([0.0, 0.5]), max_tokens=rng.randint(5, 30),
+                                ignore_eos=True)
+        busy.add_request(f"o{i}", p, params)
+        if i == 7:
+            busy.add_request("s", prompt, seeded)
+        busy.step()
+    got = run_all(busy)
+    assert busy.scheduler.num_preemptions > 0
+    assert got["s"].token_ids == want
+    assert_no_leaks(busy)
+
+
+def test_different_seeds_differ_and_n_samples_differ():
+    model = make_model("llama")
+    llm = LLM(model, None, block_size=4, num_blocks=128)
+    prompt = list(range(3, 20))
+    a = llm.generate([prompt], SamplingParams(temperature=1.0, seed=1, max_tokens=16, ignore_eos=True))[0]
+    b = llm.generate([prompt], SamplingParams(temperature=1.0, seed=2, max_tokens=16, ignore_eos=True))[0]
+    assert a.token_ids != b.token_ids
+    outs = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, max_tokens=16, ignore_eos=True))
+    assert len(outs) == 3 and len({tuple(o.token_ids) for o in outs}) == 3
+    # n > 1 shares the prompt's pages: the later samples hit the first one's blocks.
+    assert llm.engine.kv_cache_manager.stats.hits >= 2 * 16
+
+
+def test_logprobs_match_mlx_lm_log_softmax():
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = make_model("llama_tied")
+    prompt = [5, 9, 11, 200, 3, 7]
+    llm = LLM(model, None, block_size=4, num_blocks=32)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True))[0]
+    assert len(out.logprobs) == 4
+    tokens = prompt + out.token_ids
+    logits = model(mx.array([tokens]), cache=make_prompt_cache(model))[0].astype(mx.float32)
+    ref = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    for i, lp in enumerate(out.logprobs):
+        row = ref[len(prompt) - 1 + i]
+        assert lp.token_id == out.token_ids[i] == int(row.argmax())
+        np.testing.assert_allclose(lp.logprob, row[lp.token_id], atol=1e-4)
+        assert [t for t, _ in lp.top] == list(np.argsort(-row)[:3])
+        np.testing.assert_allclose([v for _, v in lp.top], np.sort(row)[::-1][:3], atol=1e-4)
+
+
+class CharTokenizer:
+    """One token per character: enough to test the detokenizer's stop-string logic exactly."""
+
+    all_special_ids = [0]
+    eos_token_ids = {0}
+
+    class _Stream:
+        def __init__(self):
+            self.text = ""
+
+        def add_token(self, t):
+            self.text += chr(t)
+
+        def finalize(self):
+            pass
+
+    @property
+    def detokenizer(self):
+        return self._Stream()
+
+
+def feed(params: SamplingParams, text: str, chunk: int = 1):
+    detok = IncrementalDetokenizer(CharTokenizer(), params)
+    pieces, stop = [], None
+    ids = [ord(c) for c in text]
+    for i in range(0, len(ids), chunk):
+        last = i + chunk >= len(ids)
+        delta, stop = detok.update(ids[i:i + chunk], last)
+        pieces.append(delta)
+        if stop:
+            break
+    return "".join(pieces), detok.text, stop
+
+
+def test_stop_string_split_across_tokens_is_found_and_cut():
+    streamed, text, stop = feed(SamplingParams(stop=["xyz"]), "hello world")
+    assert stop is None and text == streamed == "hello world"
+    streamed, text, stop = feed(SamplingParams(stop=["END"]), "hello wENDorld")
+    assert (streamed, text, stop) == ("hello w", "hello w", "END")
+
+
+def test_stop_string_included_when_asked_and_earliest_wins():
+    streamed, text, stop = feed(SamplingParams(stop=["lo w", "o"], include_stop_str_in_output=True), "hello world", 3)
+    assert (text, stop) == ("hello", "o") and streamed == text
+
+
+def test_streamed_text_never_shows_a_partial_stop_string():
+    detok = IncrementalDetokenizer(CharTokenizer(), SamplingParams(stop=["STOP"]))
+    shown = ""
+    for c in "abc STO":
+        shown += detok.update([ord(c)], False)[0]
+    assert shown == "abc "  # "STO" could still become "STOP": held back
+    delta, stop = detok.update([ord("X")], False)
+    assert stop is None and shown + delta == "abc S"
