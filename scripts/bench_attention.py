@@ -1,0 +1,97 @@
+"""Decode attention over pages: the paged-decode kernel, the gather path and contiguous SDPA.
+
+Prints, per case, milliseconds per layer call (median of --iters), the KV bytes read, the ideal
+time at the bandwidth measured in the same run, and each path's ratio to that ideal.
+
+  python scripts/bench_attention.py                 # B=32 x 4096 keys, Llama-8B heads, bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pagedmlx.runner import cuda_decode  # noqa: E402
+from pagedmlx.runner.attention import _gather  # noqa: E402
+
+
+def timed(fn, iters: int) -> float:
+    mx.eval(fn())
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def measure_bandwidth(gb: float = 2.0) -> float:
+    """Bytes per second of a large copy (read + write)."""
+    x = mx.zeros((int(gb * 2**30) // 4,), mx.float32)
+    mx.eval(x)
+    t = timed(lambda: x + 1.0, 10)
+    return 2 * x.nbytes / t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", nargs="+", default=["32x4096", "1x32768", "256x256", "64x1024"],
+                    help="BATCHxCONTEXT")
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args()
+    dtype = getattr(mx, args.dtype)
+    bw = measure_bandwidth()
+    print(f"device {mx.default_device()}, measured copy bandwidth {bw / 1e9:.0f} GB/s, {time.strftime('%Y-%m-%d')}")
+    kernel = cuda_decode.is_available()
+    header = f"{'case':>10} {'KV MB':>8} {'ideal ms':>9} {'kernel ms':>10} {'x ideal':>8} {'gather ms':>10} {'x ideal':>8} {'contig ms':>10} {'x ideal':>8}"
+    print(header)
+    rng = np.random.default_rng(0)
+    for case in args.cases:
+        B, S = map(int, case.split("x"))
+        bs, nkv, D, H = args.block_size, args.kv_heads, args.head_dim, args.heads
+        nb = -(-S // bs)
+        pages = B * nb
+        k_pages = mx.random.normal((pages, nkv, bs, D)).astype(dtype)
+        v_pages = mx.random.normal((pages, nkv, bs, D)).astype(dtype)
+        table = mx.array(rng.permutation(pages).reshape(B, nb).astype(np.int32))
+        lens = mx.full((B,), S, mx.int32)
+        q = mx.random.normal((B, H, D)).astype(dtype)
+        kv_bytes = 2 * B * S * nkv * D * dtype.size
+        ideal = kv_bytes / bw
+        scale = D ** -0.5
+        mask = mx.ones((B, 1, 1, nb * bs), mx.bool_)
+
+        def gather_path():
+            k, v = _gather(k_pages, table), _gather(v_pages, table)
+            return mx.fast.scaled_dot_product_attention(q[:, :, None, :], k, v, scale=scale, mask=mask)
+
+        kc, vc = _gather(k_pages, table), _gather(v_pages, table)
+        mx.eval(kc, vc)
+        contiguous = lambda: mx.fast.scaled_dot_product_attention(q[:, :, None, :], kc, vc, scale=scale)  # noqa
+        t_gather, t_contig = timed(gather_path, args.iters), timed(contiguous, args.iters)
+        t_kernel = float("nan")
+        if kernel:
+            splits, tokens = cuda_decode.num_splits(B, nkv, S)
+            tok = mx.array([tokens], mx.int32)
+            t_kernel = timed(lambda: cuda_decode.paged_decode(q, k_pages, v_pages, table, lens, scale, splits, tok),
+                             args.iters)
+        print(f"{case:>10} {kv_bytes / 1e6:8.0f} {ideal * 1e3:9.3f} {t_kernel * 1e3:10.3f} {t_kernel / ideal:8.2f} "
+              f"{t_gather * 1e3:10.3f} {t_gather / ideal:8.2f} {t_contig * 1e3:10.3f} {t_contig / ideal:8.2f}")
+        del k_pages, v_pages, kc, vc
+
+
+if __name__ == "__main__":
+    main()
