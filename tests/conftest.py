@@ -55,3 +55,11 @@ def assert_no_leaks(engine) -> None:
 @pytest.fixture(params=list(ARCHS))
 def arch(request):
     return request.param
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The real default model, SmolLM2-135M-Instruct (float32 on the CPU), fetched once and cached."""
+    from pagedmlx.loader import load_model
+
+    return load_model(None)

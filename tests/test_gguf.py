@@ -29,11 +29,6 @@ ROUND_TRIP = [
 ]
 
 
-@pytest.fixture(scope="session")
-def smollm():
-    return load_model(None)
-
-
 @pytest.mark.parametrize("text", ROUND_TRIP)
 def test_smollm_round_trip(smollm, text):
     tok = smollm[1]
