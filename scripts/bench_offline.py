@@ -95,6 +95,61 @@ def run_mlx_lm(model, prompts, gen_len: int) -> tuple[float, float]:
     return stats.generation_tokens / stats.decode_time, generated / total
 
 
+def run_generate_step(model, prompt, gen_len: int) -> float:
+    """mlx-lm's single-stream generation: decode tok/s after the first token."""
+    from mlx_lm.generate import generate_step
+
+    times = []
+    t = time.perf_counter()
+    for (_, _), _ in zip(generate_step(mx.array(prompt), model, max_tokens=gen_len), range(gen_len)):
+        now = time.perf_counter()
+        times.append(now - t)
+        t = now
+    return (len(times) - 1) / sum(times[1:])
+
+
+def measure_machine() -> tuple[float, float]:
+    """(copy bandwidth in bytes/s, matmul FLOP/s), measured now on the default device
+    (bf16 on a GPU, float32 on the CPU)."""
+    gpu = mx.default_device() == mx.gpu
+    n = 8192 if gpu else 1024
+    x = mx.zeros((2**29 if gpu else 2**26,), mx.float32)
+    a = mx.random.normal((n, n)).astype(mx.bfloat16 if gpu else mx.float32)
+    mx.eval(x, a)
+
+    def best(fn, n=10):
+        mx.eval(fn())
+        ts = []
+        for _ in range(n):
+            t = time.perf_counter()
+            mx.eval(fn())
+            ts.append(time.perf_counter() - t)
+        return min(ts)
+
+    bw = 2 * x.nbytes / best(lambda: x + 1.0)
+    flops = 2 * n**3 / best(lambda: a @ a)
+    return bw, flops
+
+
+def roofline_step(model, batch: int, context: int, bw: float, flops: float) -> tuple[float, float, float]:
+    """(bytes, FLOPs, ideal seconds) of one decode step: weights read once, each sequence's KV read
+    once; matmul FLOPs 2 x params x batch plus attention."""
+    from mlx.utils import tree_flatten
+
+    args = model.args
+    params = sum(v.size for k, v in tree_flatten(model.parameters()) if "embed_tokens" not in k or
+                 getattr(args, "tie_word_embeddings", False))
+    weight_bytes = sum(v.nbytes for k, v in tree_flatten(model.parameters()) if "embed_tokens" not in k or
+                       getattr(args, "tie_word_embeddings", False))
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+    itemsize = next(iter(v for _, v in tree_flatten(model.parameters()))).dtype.size
+    kv_per_token = 2 * args.num_hidden_layers * args.num_key_value_heads * head_dim * itemsize
+    kv_bytes = batch * context * kv_per_token
+    total_bytes = weight_bytes + kv_bytes
+    total_flops = 2 * params * batch + 4 * batch * context * args.num_hidden_layers * args.num_attention_heads * head_dim
+    return total_bytes, total_flops, max(total_bytes / bw, total_flops / flops)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="an mlx-lm model folder or hub name (default: a random llama preset)")
@@ -106,6 +161,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--roofline", action="store_true", help="measure the machine and print each step's ideal time")
     args = ap.parse_args()
 
     from rich.console import Console
@@ -139,6 +195,15 @@ def main() -> None:
     run_pagedmlx(engine, make_prompts(2, 16, vocab, 0), 4)
     run_mlx_lm(model, make_prompts(2, 16, vocab, 0), 4)
 
+    single_stream = None
+    if 1 in args.batch_sizes:
+        single_stream = run_generate_step(model, make_prompts(1, args.prompt_len, vocab, 9)[0], args.gen_len)
+        console.print(f"  mlx-lm generate_step single stream: {single_stream:.0f} tok/s")
+    bw = flops = None
+    if args.roofline:
+        bw, flops = measure_machine()
+        console.print(f"  measured: copy bandwidth {bw / 1e9:.0f} GB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
+
     rows = []
     for b in args.batch_sizes:
         ours, theirs = [], []
@@ -149,6 +214,10 @@ def main() -> None:
         med = lambda xs, i: statistics.median(x[i] for x in xs)  # noqa: E731
         row = dict(batch=b, ours_decode=med(ours, 0), mlx_decode=med(theirs, 0),
                    ours_e2e=med(ours, 1), mlx_e2e=med(theirs, 1))
+        if bw:
+            nbytes, nflops, ideal = roofline_step(model, b, args.prompt_len + args.gen_len // 2, bw, flops)
+            row.update(step_ms=1e3 * b / row["ours_decode"], ideal_ms=1e3 * ideal, step_gb=nbytes / 1e9,
+                       step_gflop=nflops / 1e9)
         rows.append(row)
         console.print(f"  B={b}: decode {row['ours_decode']:.0f} vs {row['mlx_decode']:.0f} tok/s")
 
@@ -161,12 +230,25 @@ def main() -> None:
                       f"{r['ours_decode'] / r['mlx_decode']:.2f}", f"{r['ours_e2e']:.0f}", f"{r['mlx_e2e']:.0f}",
                       f"{r['ours_e2e'] / r['mlx_e2e']:.2f}")
     console.print(table)
+    if single_stream:
+        r1 = next(r for r in rows if r["batch"] == 1)
+        console.print(f"batch 1: pagedmlx {r1['ours_decode']:.0f} tok/s vs mlx-lm generate_step "
+                      f"{single_stream:.0f} tok/s (ratio {r1['ours_decode'] / single_stream:.2f})")
+    if bw:
+        roof = Table(title="roofline (decode step, context = prompt + gen/2)")
+        for col in ("batch", "GB read", "GFLOP", "ideal ms", "pagedmlx ms", "achieved"):
+            roof.add_column(col, justify="right")
+        for r in rows:
+            roof.add_row(str(r["batch"]), f"{r['step_gb']:.2f}", f"{r['step_gflop']:.0f}", f"{r['ideal_ms']:.2f}",
+                         f"{r['step_ms']:.2f}", f"{100 * r['ideal_ms'] / r['step_ms']:.0f}%")
+        console.print(roof)
     s = engine.stats
     console.print(f"pagedmlx host share of step time: {100 * s.host_fraction():.1f}% "
                   f"(schedule {1e3 * s.schedule_s / s.num_steps:.2f} ms, update {1e3 * s.update_s / s.num_steps:.2f} ms "
                   f"per step)")
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(model=name, device=str(mx.default_device()), rows=rows), indent=1))
+        Path(args.json).write_text(json.dumps(dict(model=name, device=str(mx.default_device()), rows=rows,
+                                                   single_stream=single_stream, bandwidth=bw, matmul=flops), indent=1))
 
 
 if __name__ == "__main__":
