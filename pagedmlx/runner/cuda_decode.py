@@ -41,7 +41,7 @@ _ACCUMULATE = """
         const T* qp = q + ((size_t)b * H + kvh * G + g) * D + lane * EPL;
         #pragma unroll
         for (int e = 0; e < EPL; ++e) { qv[g][e] = static_cast<float>(qp[e]) * sc; acc[g][e] = 0.f; }
-        m[g] = -inf; l[g] = 0.f;
+        m[g] = NEG_INF; l[g] = 0.f;
     }
     const int* table = block_table + (size_t)b * max_blocks;
     for (int t = start + warp; t < end; t += NW) {
@@ -77,10 +77,10 @@ _ACCUMULATE = """
     __syncthreads();
     for (int i = threadIdx.x; i < G * D; i += THREADS) {
         const int g = i / D, d = i % D;
-        float M = -inf;
+        float M = NEG_INF;
         for (int w = 0; w < NW; ++w) M = fmaxf(M, sm_m[w * G + g]);
         float L = 0.f, A = 0.f;
-        if (M != -inf) {
+        if (M != NEG_INF) {
             for (int w = 0; w < NW; ++w) {
                 const float c = __expf(sm_m[w * G + g] - M);
                 L += sm_l[w * G + g] * c;
@@ -109,10 +109,10 @@ _MERGE = """
     const int H = gridDim.x;
     const int B = gridDim.y;
     const int splits = part_m_shape[0];
-    float M = -inf;
+    float M = NEG_INF;
     for (int s = 0; s < splits; ++s) M = fmaxf(M, part_m[((size_t)s * B + b) * H + h]);
     float L = 0.f, A = 0.f;
-    if (M != -inf) {
+    if (M != NEG_INF) {
         for (int s = 0; s < splits; ++s) {
             const size_t ph = ((size_t)s * B + b) * H + h;
             const float c = __expf(part_m[ph] - M);
@@ -123,15 +123,16 @@ _MERGE = """
     out[((size_t)b * H + h) * D + d] = static_cast<T>(L > 0.f ? A / L : 0.f);
 """
 
+_HEADER = "#define NEG_INF __int_as_float(0xff800000)\n"
 _INPUTS = ["q", "k_pages", "v_pages", "block_table", "seq_lens", "split_tokens", "scale"]
 
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
-    single = mx.fast.cuda_kernel("pagedmlx_decode", _INPUTS, ["out"], _ACCUMULATE + _WRITE_OUT)
+    single = mx.fast.cuda_kernel("pagedmlx_decode", _INPUTS, ["out"], _ACCUMULATE + _WRITE_OUT, header=_HEADER)
     split = mx.fast.cuda_kernel("pagedmlx_decode_split", _INPUTS, ["part_acc", "part_m", "part_l"],
-                                _ACCUMULATE + _WRITE_SPLIT)
-    merge = mx.fast.cuda_kernel("pagedmlx_decode_merge", ["part_acc", "part_m", "part_l"], ["out"], _MERGE)
+                                _ACCUMULATE + _WRITE_SPLIT, header=_HEADER)
+    merge = mx.fast.cuda_kernel("pagedmlx_decode_merge", ["part_acc", "part_m", "part_l"], ["out"], _MERGE, header=_HEADER)
     return single, split, merge
 
 
