@@ -157,18 +157,16 @@ class AsyncEngine:
         ids = [c[0] for c in children]
         loop = asyncio.get_running_loop()
         accepted = loop.create_future()
-        stream = RequestStream(self, ids)
         arrival = time.monotonic()
         with self._cond:
             self._check_accepting()
             if self.max_waiting is not None and self.num_waiting() >= self.max_waiting:
-                stream._finalizer.detach()
                 raise TooManyRequestsError(
                     f"too many requests waiting ({self.num_waiting()} >= max_waiting {self.max_waiting})")
             taken = [rid for rid in ids if rid in self._streams]
             if taken:
-                stream._finalizer.detach()
                 raise ValueError(f"request id {taken[0]!r} is already in use")
+            stream = RequestStream(self, ids)
             for rid in ids:
                 self._streams[rid] = (loop, stream._queue)
             self._inbox.append(("add", children, priority, cache_salt, arrival, loop, accepted))

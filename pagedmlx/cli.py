@@ -99,8 +99,11 @@ def run_serve(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=int(args.drain_timeout) + 1)
     try:
         uvicorn.Server(config).run()  # Ctrl-C: stop accepting, drain, then the lifespan stops the engine
+    except KeyboardInterrupt:  # uvicorn re-raises the signal it handled once it has shut down
+        pass
     finally:
         async_engine.shutdown(timeout=0)
+    console.print("pagedmlx: stopped")
     return 0
 
 

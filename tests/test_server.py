@@ -372,3 +372,94 @@ def test_429_when_waiting_queue_is_full():
     finally:
         gate.set()
         s.stop()
+
+
+def test_logprobs_shapes(served):
+    client = served.client()
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                       logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4 and all(isinstance(t.token, str) and t.logprob <= 0 for t in content)
+    c = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, logprobs=2, echo=True,
+                                  extra_body={"ignore_eos": True})
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 4 and lp.text_offset[0] == 2
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=4, logprobs=True, stream=True,
+                                                 extra_body={"ignore_eos": True}))
+    assert sum(len(ch.choices[0].logprobs.content) for ch in chunks if ch.choices[0].logprobs) == 4
+
+
+SERVE = """
+import sys, types
+sys.path.insert(0, {tests!r})
+from conftest import make_model, make_tokenizer
+loader = types.ModuleType("pagedmlx.loader")
+loader.load_model = lambda name: (make_model("llama"), make_tokenizer(512))
+sys.modules["pagedmlx.loader"] = loader  # no real model: the CLI loads through this
+import time
+from pagedmlx.engine import LLMEngine
+_step = LLMEngine.step
+LLMEngine.step = lambda self: (time.sleep(0.005), _step(self))[1]  # 240 tokens take > 1 s
+from pagedmlx.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_cli_serve_drains_on_ctrl_c():
+    """`pagedmlx serve`, then Ctrl-C with two requests in flight: both finish, the process exits 0."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    script = SERVE.format(tests=os.path.dirname(__file__))
+    args = ["serve", "--port", str(port), "--block-size", "8", "--num-blocks", "256", "--max-model-len", "256",
+            "--served-model-name", MODEL, "--drain-timeout", "20", "--log-level", "warning"]
+    proc = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {"model": MODEL, "prompt": "Tell me a story", "max_tokens": 240, "ignore_eos": True}
+        results = {}
+
+        def plain():
+            results["plain"] = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+
+        def streamed():
+            with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+                results["stream"] = sse_payloads(r)
+
+        threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
+        for t in threads:
+            t.start()
+        while "vllm:num_requests_running{" not in (m := httpx.get(url + "/metrics").text) or \
+                'vllm:num_requests_running{model_name="tiny-llama"} 2.0' not in m:
+            assert time.monotonic() < deadline
+        proc.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        for t in threads:
+            t.join(30)
+        assert time.monotonic() - t0 > 0.5  # they really were in flight, and drained
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "CPU" in err and "256 blocks" in err and f"127.0.0.1:{port}/v1" in err
+    assert results["plain"]["choices"][0]["finish_reason"] == "length"
+    assert results["plain"]["usage"]["completion_tokens"] == 240
+    assert results["stream"][-1] == "[DONE]" and json.loads(results["stream"][-2])["choices"][0]["finish_reason"] \
+        == "length"

@@ -63,21 +63,20 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: Optional[str]
         card = ModelCard(id=model_name, max_model_len=serving.max_model_len)
         return ModelList(data=[card]).model_dump()
 
-    @v1.post("/completions")
-    async def completions(req: CompletionRequest, raw: Request) -> Any:
-        prep = serving.prepare_completion(req)
+    async def respond(req, raw: Request, prepare, whole, chunks) -> Any:
+        prep = prepare(req)
         stream = await serving.submit(prep, req)
         if req.stream:
-            return _sse(serving.completion_stream(req, prep, stream), drain_timeout)
-        return await _until_disconnect(raw, serving.completion(req, prep, stream), stream)
+            return _sse(chunks(req, prep, stream), drain_timeout)
+        return await _until_disconnect(raw, whole(req, prep, stream), stream)
+
+    @v1.post("/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Any:
+        return await respond(req, raw, serving.prepare_completion, serving.completion, serving.completion_stream)
 
     @v1.post("/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Any:
-        prep = serving.prepare_chat(req)
-        stream = await serving.submit(prep, req)
-        if req.stream:
-            return _sse(serving.chat_stream(req, prep, stream), drain_timeout)
-        return await _until_disconnect(raw, serving.chat(req, prep, stream), stream)
+        return await respond(req, raw, serving.prepare_chat, serving.chat, serving.chat_stream)
 
     app.include_router(v1)
 

@@ -188,23 +188,30 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class ChoiceBase(BaseModel):
     index: int
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None  # vLLM extension: the stop string or token id that matched
+    token_ids: Optional[list[int]] = None  # with return_token_ids
+
+
+class ResponseBase(BaseModel):
+    id: str
+    object: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    usage: Optional[Usage] = None
+
+
+class CompletionChoice(ChoiceBase):
     text: str
     logprobs: Optional[CompletionLogprobs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[Union[int, str]] = None
-    token_ids: Optional[list[int]] = None
     prompt_token_ids: Optional[list[int]] = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(ResponseBase):
     object: str = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[CompletionChoice]
-    usage: Optional[Usage] = None
 
 
 class TopLogprob(BaseModel):
@@ -226,22 +233,14 @@ class AssistantMessage(BaseModel):
     content: Optional[str] = None
 
 
-class ChatChoice(BaseModel):
-    index: int
+class ChatChoice(ChoiceBase):
     message: AssistantMessage
     logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[Union[int, str]] = None
-    token_ids: Optional[list[int]] = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(ResponseBase):
     object: str = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChoice]
-    usage: Optional[Usage] = None
     prompt_token_ids: Optional[list[int]] = None
 
 
@@ -250,22 +249,14 @@ class DeltaMessage(BaseModel):
     content: Optional[str] = None
 
 
-class ChatChunkChoice(BaseModel):
-    index: int
+class ChatChunkChoice(ChoiceBase):
     delta: DeltaMessage
     logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[Union[int, str]] = None
-    token_ids: Optional[list[int]] = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(ResponseBase):
     object: str = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChunkChoice]
-    usage: Optional[Usage] = None
 
 
 class ModelCard(BaseModel):
