@@ -76,6 +76,8 @@ def test_fan_out_shares_the_prompt_pages():
 def test_consumers_that_leave_abort_their_requests():
     async def main():
         ae = make_async()
+        reasons = {}
+        ae.add_listener(lambda out, timing, now: out.finished and reasons.setdefault(out.request_id, out.finish_reason))
         async for _ in ae.generate("brk", [1, 2, 3], LONG):
             break  # the generator is closed: the request is aborted
         await until_idle(ae)
@@ -100,6 +102,7 @@ def test_consumers_that_leave_abort_their_requests():
         ae.abort("aborted")
         outs = [o async for o in stream]
         assert outs[-1].finish_reason == "abort"
+        assert reasons == dict.fromkeys(["brk", "cancelled", "dropped", "aborted"], "abort")
         ae.shutdown()
         assert_no_leaks(ae.engine)
 

@@ -75,6 +75,7 @@ class SamplingRequest(OpenAIModel):
     stream_options: Optional[StreamOptions] = None
     return_token_ids: bool = False  # vLLM extension: token ids in every choice / chunk
     cache_salt: Optional[str] = None  # vLLM extension: isolates this request's prefix-cache entries
+    priority: int = 0  # vLLM extension: lower runs first under --scheduling-policy priority
 
     @property
     def include_usage(self) -> bool:

@@ -36,6 +36,7 @@ class Prepared:
     request_id: str
     prompts: list[list[int]]
     params: SamplingParams
+    texts: Optional[list[Optional[str]]] = None  # the prompts as sent, where they were text (for echo)
 
     @property
     def n(self) -> int:
@@ -78,7 +79,9 @@ class Serving:
                            param="prompt")
         ids = [list(self._need_tokenizer("a text prompt").encode(p)) if isinstance(p, str) else list(p)
                for p in prompts]
-        return self._prepare(req, ids, "prompt")
+        prep = self._prepare(req, ids, "prompt")
+        prep.texts = [p if isinstance(p, str) else None for p in prompts]
+        return prep
 
     def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         self.check_model(req)
@@ -116,7 +119,7 @@ class Serving:
     async def submit(self, prep: Prepared, req: SamplingRequest) -> RequestStream:
         try:
             return await self.engine.add_requests(prep.request_id, prep.prompts, prep.params,
-                                                  cache_salt=req.cache_salt)
+                                                  priority=req.priority, cache_salt=req.cache_salt)
         except TooManyRequestsError as exc:
             raise APIError(429, f"{exc}; retry later", type="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": "1"})
@@ -183,7 +186,10 @@ class Serving:
         return finals
 
     def _prompt_text(self, prep: Prepared, index: int) -> str:
-        return self.tokenizer.decode(prep.prompts[index // prep.n]) if self.tokenizer is not None else ""
+        k = index // prep.n
+        if prep.texts and prep.texts[k] is not None:
+            return prep.texts[k]
+        return self.tokenizer.decode(prep.prompts[k]) if self.tokenizer is not None else ""
 
     async def completion(self, req: CompletionRequest, prep: Prepared, stream: RequestStream) -> CompletionResponse:
         finals = await self.collect(stream)
