@@ -19,27 +19,16 @@ import asyncio
 import logging
 import threading
 import time
-import weakref
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
+from pagedmlx.async_stream import (EngineDeadError, EngineShutdownError, RequestStream, TooManyRequestsError,
+                                   deliver, resolve)
 from pagedmlx.engine import LLMEngine, PromptType, child_params
 from pagedmlx.outputs import RequestOutput
 from pagedmlx.request import SamplingParams
 
 logger = logging.getLogger("pagedmlx")
-
-
-class TooManyRequestsError(RuntimeError):
-    """The waiting queue is full: try again later (HTTP 429)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread died; no request can make progress (HTTP 503)."""
-
-
-class EngineShutdownError(RuntimeError):
-    """The engine is shutting down and takes no new requests (HTTP 503)."""
 
 
 @dataclass
@@ -54,52 +43,6 @@ class RequestTiming:
 # A listener sees every output in the engine thread: (output, its request's timing before this
 # output, now). It must be quick and thread-safe (prometheus_client's metrics are).
 OutputListener = Callable[[RequestOutput, RequestTiming, float], None]
-
-
-class RequestStream:
-    """The outputs of one request (all its n samples / prompts), as an async iterator.
-
-    Ends when every child request has finished. `close()` aborts what is unfinished; so does
-    garbage collection of a stream that was dropped without being closed.
-    """
-
-    def __init__(self, owner: "AsyncEngine", request_ids: list[str]):
-        self.request_ids = request_ids
-        self._index = {rid: i for i, rid in enumerate(request_ids)}
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._unfinished = set(request_ids)
-        self._finalizer = weakref.finalize(self, owner._abort_nowait, tuple(request_ids))
-
-    def index(self, request_id: str) -> int:
-        """Which child (choice index) an output belongs to."""
-        return self._index[request_id]
-
-    @property
-    def finished(self) -> bool:
-        return not self._unfinished
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if not self._unfinished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self._unfinished.clear()
-            self._finalizer.detach()
-            raise item
-        if item.finished:
-            self._unfinished.discard(item.request_id)
-            if not self._unfinished:
-                self._finalizer.detach()
-        return item
-
-    def close(self) -> None:
-        """Abort the children that have not finished (idempotent)."""
-        if self._unfinished:
-            self._unfinished.clear()
-            self._finalizer()
 
 
 class AsyncEngine:
@@ -166,7 +109,7 @@ class AsyncEngine:
             taken = [rid for rid in ids if rid in self._streams]
             if taken:
                 raise ValueError(f"request id {taken[0]!r} is already in use")
-            stream = RequestStream(self, ids)
+            stream = RequestStream(ids, self._abort_nowait)
             for rid in ids:
                 self._streams[rid] = (loop, stream._queue)
             self._inbox.append(("add", children, priority, cache_salt, arrival, loop, accepted))
@@ -194,7 +137,7 @@ class AsyncEngine:
             stream.close()
 
     def abort(self, request_ids: str | Sequence[str]) -> None:
-        """Abort requests (by child id or, for fanned-out requests, by any child id); thread-safe."""
+        """Abort requests by engine id (a fanned-out request's are its stream's request_ids); thread-safe."""
         self._abort_nowait((request_ids,) if isinstance(request_ids, str) else tuple(request_ids))
 
     def _abort_nowait(self, request_ids: tuple[str, ...]) -> None:
@@ -284,9 +227,9 @@ class AsyncEngine:
             elif kind == "call":
                 _, fn, loop, done = item
                 try:
-                    _resolve(loop, done, fn(self.engine), None)
+                    resolve(loop, done, fn(self.engine), None)
                 except Exception as exc:  # noqa: BLE001 - handed back to the caller
-                    _resolve(loop, done, None, exc)
+                    resolve(loop, done, None, exc)
 
     def _apply_add(self, children, priority, cache_salt, arrival, loop, accepted) -> None:
         added: list[str] = []
@@ -301,9 +244,9 @@ class AsyncEngine:
                 for rid, _, _ in children:
                     self._streams.pop(rid, None)
                     self._timings.pop(rid, None)
-            _resolve(loop, accepted, None, exc)
+            resolve(loop, accepted, None, exc)
         else:
-            _resolve(loop, accepted, None, None)
+            resolve(loop, accepted, None, None)
         finally:
             with self._cond:
                 self._num_pending_adds -= len(children)
@@ -333,7 +276,7 @@ class AsyncEngine:
                 if entry is not None:
                     batches.setdefault(entry[0], []).append((entry[1], out))
         for loop, items in batches.items():
-            _deliver(loop, items)
+            deliver(loop, items)
 
     def _close(self) -> None:
         """The thread is ending: fail everything still waiting on it."""
@@ -347,41 +290,14 @@ class AsyncEngine:
         for loop, queue in streams.values():
             batches.setdefault(loop, {})[id(queue)] = (queue, error)
         for loop, items in batches.items():
-            _deliver(loop, list(items.values()))
+            deliver(loop, list(items.values()))
         for item in inbox:
             if item[0] == "add":
-                _resolve(item[5], item[6], None, error)
+                resolve(item[5], item[6], None, error)
             elif item[0] == "call" and self.dead is not None:
-                _resolve(item[2], item[3], None, error)
+                resolve(item[2], item[3], None, error)
             elif item[0] == "call":  # the engine is idle for good: run it here
                 try:
-                    _resolve(item[2], item[3], item[1](self.engine), None)
+                    resolve(item[2], item[3], item[1](self.engine), None)
                 except Exception as exc:  # noqa: BLE001
-                    _resolve(item[2], item[3], None, exc)
-
-
-def _deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]]) -> None:
-    def put_all() -> None:
-        for queue, item in items:
-            queue.put_nowait(item)
-
-    try:
-        loop.call_soon_threadsafe(put_all)
-    except RuntimeError:  # the loop is closed: nobody is listening any more
-        pass
-
-
-def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result: Any,
-             exc: Optional[BaseException]) -> None:
-    def set_it() -> None:
-        if future.done():  # the caller was cancelled meanwhile
-            return
-        if exc is not None:
-            future.set_exception(exc)
-        else:
-            future.set_result(result)
-
-    try:
-        loop.call_soon_threadsafe(set_it)
-    except RuntimeError:
-        pass
+                    resolve(item[2], item[3], None, exc)
