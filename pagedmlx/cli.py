@@ -60,7 +60,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* "
                                                    "(default: $PAGEDMLX_API_KEY; none if unset)")
-    p.add_argument("--served-model-name", default=None, help="model id clients must send (default: --model)")
+    p.add_argument("--served-model-name", default=None, help="model id clients must send (default: the --model string, or `default`)")
     p.add_argument("--max-waiting", type=int, default=1024, help="waiting requests before 429 (default 1024)")
     p.add_argument("--max-n", type=int, default=16, help="largest n accepted")
     p.add_argument("--max-tokens-cap", type=int, default=None, help="largest max_tokens accepted")
@@ -81,7 +81,7 @@ def run_serve(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     with console.status("loading the model..."):
         engine = build_engine(args)
-    name = args.served_model_name or (os.path.basename(args.model.rstrip("/")) if args.model else "default")
+    name = args.served_model_name or args.model or "default"  # as vLLM: the --model string
     async_engine = AsyncEngine(engine, max_waiting=args.max_waiting)
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_n=args.max_n, max_tokens=args.max_tokens_cap)
     api_key = args.api_key or os.environ.get("PAGEDMLX_API_KEY") or None
