@@ -60,7 +60,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* "
                                                    "(default: $PAGEDMLX_API_KEY; none if unset)")
-    p.add_argument("--served-model-name", default=None, help="model id clients must send (default: the --model string, or `default`)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id clients must send (default: the --model string, or `default`)")
     p.add_argument("--max-waiting", type=int, default=1024, help="waiting requests before 429 (default 1024)")
     p.add_argument("--max-n", type=int, default=16, help="largest n accepted")
     p.add_argument("--max-tokens-cap", type=int, default=None, help="largest max_tokens accepted")
