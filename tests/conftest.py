@@ -63,3 +63,35 @@ def smollm():
     from pagedmlx.loader import load_model
 
     return load_model(None)
+
+
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@functools.lru_cache(maxsize=None)
+def make_tokenizer(vocab_size: int = 512):
+    """A tiny real HF tokenizer (byte-level BPE trained here on a few sentences, a chat template,
+    <|im_end|> as eos), padded with filler tokens to exactly `vocab_size` so that every id a
+    random model samples decodes; wrapped in mlx-lm's TokenizerWrapper."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = ["The quick brown fox jumps over the lazy dog.", "Hello, world! How are you today?",
+             "Paged attention keeps the KV cache in fixed-size blocks.",
+             "What is the capital of France? Paris is the capital of France."] * 8
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=min(vocab_size, 320), special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    missing = vocab_size - tok.get_vocab_size()
+    assert missing >= 0, (vocab_size, tok.get_vocab_size())
+    tok.add_tokens([f"<x{i}>" for i in range(missing)])
+    assert tok.get_vocab_size() == vocab_size
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", chat_template=TINY_CHAT_TEMPLATE)
+    return TokenizerWrapper(hf)

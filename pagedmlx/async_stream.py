@@ -1,0 +1,97 @@
+"""The asyncio side of the engine thread: per-request output streams, the errors a caller may
+get, and the two thread-safe ways to hand things to an event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from typing import Any, Callable, Optional
+
+from pagedmlx.outputs import RequestOutput
+
+
+class TooManyRequestsError(RuntimeError):
+    """The waiting queue is full: try again later (HTTP 429)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread died; no request can make progress (HTTP 503)."""
+
+
+class EngineShutdownError(RuntimeError):
+    """The engine is shutting down and takes no new requests (HTTP 503)."""
+
+
+class RequestStream:
+    """The outputs of one request (all its n samples / prompts), as an async iterator.
+
+    Ends when every child request has finished. `close()` aborts what is unfinished; so does
+    garbage collection of a stream that was dropped without being closed.
+    """
+
+    def __init__(self, request_ids: list[str], abort: Callable[[tuple[str, ...]], None]):
+        self.request_ids = request_ids
+        self._index = {rid: i for i, rid in enumerate(request_ids)}
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._unfinished = set(request_ids)
+        self._finalizer = weakref.finalize(self, abort, tuple(request_ids))
+
+    def index(self, request_id: str) -> int:
+        """Which child (choice index) an output belongs to."""
+        return self._index[request_id]
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._unfinished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._unfinished.clear()
+            self._finalizer.detach()
+            raise item
+        if item.finished:
+            self._unfinished.discard(item.request_id)
+            if not self._unfinished:
+                self._finalizer.detach()
+        return item
+
+    def close(self) -> None:
+        """Abort the children that have not finished (idempotent)."""
+        if self._unfinished:
+            self._unfinished.clear()
+            self._finalizer()
+
+
+def deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]]) -> None:
+    """From any thread: put each item in its queue, with one wake-up of the loop."""
+    def put_all() -> None:
+        for queue, item in items:
+            queue.put_nowait(item)
+
+    try:
+        loop.call_soon_threadsafe(put_all)
+    except RuntimeError:  # the loop is closed: nobody is listening any more
+        pass
+
+
+def resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result: Any,
+             exc: Optional[BaseException]) -> None:
+    """From any thread: settle a future of `loop` (unless its awaiter was cancelled meanwhile)."""
+    def set_it() -> None:
+        if future.done():  # the caller was cancelled meanwhile
+            return
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+
+    try:
+        loop.call_soon_threadsafe(set_it)
+    except RuntimeError:
+        pass

@@ -1,0 +1,139 @@
+"""Prometheus metrics, under vLLM's names where vLLM has one (so that its dashboards work).
+
+Counters are declared without the `_total` suffix, as vLLM declares them; prometheus_client
+appends it on exposition (`vllm:prompt_tokens` is scraped as `vllm:prompt_tokens_total`).
+Each app has its own CollectorRegistry. Request-level metrics are observed by a listener in
+the engine thread; engine-level ones are read from a snapshot taken in the engine thread at
+scrape time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pagedmlx.async_engine import RequestTiming
+from pagedmlx.engine import LLMEngine
+from pagedmlx.outputs import RequestOutput
+
+# vLLM's buckets.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+@dataclass
+class EngineSnapshot:
+    """Engine state worth a gauge or a counter, read in the engine thread."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_free_blocks: int
+    prefix_queries: int
+    prefix_hits: int
+    num_preemptions: int
+    num_steps: int
+    step_schedule_s: float
+    step_forward_s: float
+    step_update_s: float
+    step_tokens: int
+
+    @classmethod
+    def take(cls, engine: LLMEngine) -> "EngineSnapshot":
+        kv = engine.kv_cache_manager
+        pool = kv.block_pool
+        s = engine.stats
+        return cls(len(engine.scheduler.running), len(engine.scheduler.waiting), kv.usage(), pool.num_blocks,
+                   pool.get_num_free_blocks(), pool.num_cached_free_blocks(), kv.stats.queries, kv.stats.hits,
+                   engine.scheduler.num_preemptions, s.num_steps, s.schedule_s, s.forward_s, s.update_s,
+                   s.num_tokens)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        self._model = model_name
+        r, labels = self.registry, ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.blocks_total = gauge("pagedmlx:kv_blocks_total", "KV-cache blocks in the page pool.")
+        self.blocks_free = gauge("pagedmlx:kv_blocks_free", "Free KV-cache blocks (cached or not).")
+        self.blocks_cached_free = gauge("pagedmlx:kv_blocks_cached_free",
+                                        "Free KV-cache blocks that still hold a reusable prefix.")
+        self._engine_counters = {
+            "prefix_queries": counter("vllm:prefix_cache_queries",
+                                      "Prefix cache queries, in terms of number of queried tokens."),
+            "prefix_hits": counter("vllm:prefix_cache_hits",
+                                   "Prefix cache hits, in terms of number of cached tokens."),
+            "num_preemptions": counter("vllm:num_preemptions", "Cumulative number of preemptions."),
+            "num_steps": counter("pagedmlx:steps", "Engine steps that ran a forward pass."),
+            "step_schedule_s": counter("pagedmlx:step_schedule_seconds", "Step time spent scheduling."),
+            "step_forward_s": counter("pagedmlx:step_forward_seconds",
+                                      "Step time spent in the forward pass and sampling (device work)."),
+            "step_update_s": counter("pagedmlx:step_update_seconds",
+                                     "Step time spent appending tokens, checking stops, detokenizing."),
+            "step_tokens": counter("pagedmlx:step_tokens", "Tokens scheduled over all steps."),
+        }
+        self._seen = {name: 0.0 for name in self._engine_counters}
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                ["model_name", "finished_reason"], registry=r)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds",
+                             "Histogram of e2e request latency in seconds.", E2E_BUCKETS)
+
+    def on_output(self, out: RequestOutput, timing: RequestTiming, now: float) -> None:
+        """AsyncEngine listener (engine thread): timing holds the state before this output."""
+        n = len(out.new_token_ids)
+        if n:
+            self.generation_tokens.inc(n)
+            if timing.first_token is None:
+                self.ttft.observe(now - timing.arrival)
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+            else:
+                self.itl.observe((now - timing.last_token) / n)
+        if out.finished:
+            self.e2e.observe(now - timing.arrival)
+            if out.finish_reason in ("stop", "length", "abort"):
+                self._success.labels(self._model, out.finish_reason).inc()
+
+    def update(self, snap: Optional[EngineSnapshot]) -> None:
+        if snap is None:
+            return
+        self.running.set(snap.num_running)
+        self.waiting.set(snap.num_waiting)
+        self.kv_usage.set(snap.kv_usage)
+        self.blocks_total.set(snap.num_blocks)
+        self.blocks_free.set(snap.num_free_blocks)
+        self.blocks_cached_free.set(snap.num_cached_free_blocks)
+        for name, counter in self._engine_counters.items():
+            total = getattr(snap, name)
+            if total > self._seen[name]:
+                counter.inc(total - self._seen[name])
+                self._seen[name] = total
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

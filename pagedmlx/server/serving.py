@@ -1,0 +1,290 @@
+"""From an OpenAI request to engine requests, and from engine outputs to OpenAI responses:
+whole (non-streaming) or as server-sent-event chunks."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Optional
+
+from pagedmlx.async_engine import (AsyncEngine, EngineDeadError, EngineShutdownError, RequestStream,
+                                   TooManyRequestsError)
+from pagedmlx.outputs import RequestOutput, TokenLogprob
+from pagedmlx.request import SamplingParams
+from pagedmlx.server.protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                      ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
+                                      ChatTokenLogprob, AssistantMessage, CompletionChoice,
+                                      CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
+                                      PromptTokensDetails, SamplingRequest, TopLogprob, Usage)
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+@dataclass
+class ServerLimits:
+    max_body_bytes: int = 1 << 20
+    max_n: int = 16
+    max_prompts: int = 64  # prompts in one completions request
+    max_tokens: Optional[int] = None  # None: up to the context
+
+
+@dataclass
+class Prepared:
+    """One API request turned into engine input."""
+
+    request_id: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    texts: Optional[list[Optional[str]]] = None  # the prompts as sent, where they were text (for echo)
+
+    @property
+    def n(self) -> int:
+        return self.params.n
+
+
+def _lp(x: float) -> float:
+    return max(float(x), MIN_LOGPROB)
+
+
+class Serving:
+    def __init__(self, engine: AsyncEngine, model_name: str, limits: ServerLimits):
+        self.engine = engine
+        self.model_name = model_name
+        self.limits = limits
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+        self._token_text: dict[int, str] = {}
+
+    # ---- requests in --------------------------------------------------------------------------
+
+    def check_model(self, req: SamplingRequest) -> None:
+        if req.model is not None and req.model != self.model_name:
+            raise APIError(404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found")
+
+    def _need_tokenizer(self, what: str) -> Any:
+        if self.tokenizer is None:
+            raise APIError(400, f"this server has no tokenizer: {what} is not available (send token ids)")
+        return self.tokenizer
+
+    def prepare_completion(self, req: CompletionRequest) -> Prepared:
+        self.check_model(req)
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        prompts = req.prompts()
+        if not prompts:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        if len(prompts) > self.limits.max_prompts:
+            raise APIError(400, f"at most {self.limits.max_prompts} prompts per request, got {len(prompts)}",
+                           param="prompt")
+        ids = [list(self._need_tokenizer("a text prompt").encode(p)) if isinstance(p, str) else list(p)
+               for p in prompts]
+        prep = self._prepare(req, ids, "prompt")
+        prep.texts = [p if isinstance(p, str) else None for p in prompts]
+        return prep
+
+    def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
+        self.check_model(req)
+        tokenizer = self._need_tokenizer("chat")
+        messages = [m.to_template_dict() for m in req.messages]
+        try:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+        except Exception as exc:  # noqa: BLE001 - a template that refuses these messages
+            raise APIError(400, f"the chat template failed on these messages: {exc}", param="messages")
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return self._prepare(req, [list(ids)], "messages")
+
+    def _prepare(self, req: SamplingRequest, prompts: list[list[int]], prompt_field: str) -> Prepared:
+        limits = self.limits
+        if req.n > limits.max_n:
+            raise APIError(400, f"n must be <= {limits.max_n}, got {req.n}", param="n")
+        if any(not p for p in prompts):
+            raise APIError(400, f"{prompt_field} must hold at least one token", param=prompt_field)
+        longest = max(len(p) for p in prompts)
+        requested = req.requested_max_tokens()
+        if requested is not None and limits.max_tokens is not None and requested > limits.max_tokens:
+            raise APIError(400, f"max_tokens must be <= {limits.max_tokens}, got {requested}", param="max_tokens")
+        max_tokens = requested if requested is not None else max(self.max_model_len - longest, 1)
+        if max_tokens >= 1 and longest + max_tokens > self.max_model_len:
+            where = "messages" if prompt_field == "messages" else "prompt"
+            raise APIError(
+                400, f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {longest + max_tokens} tokens ({longest} in the {where}, {max_tokens} in the "
+                f"completion). Please reduce the length of the {where} or completion.",
+                param="max_tokens" if requested is not None and longest < self.max_model_len else prompt_field,
+                code="context_length_exceeded")
+        return Prepared(uuid.uuid4().hex, prompts, req.to_sampling_params(max_tokens))
+
+    async def submit(self, prep: Prepared, req: SamplingRequest) -> RequestStream:
+        try:
+            return await self.engine.add_requests(prep.request_id, prep.prompts, prep.params,
+                                                  priority=req.priority, cache_salt=req.cache_salt)
+        except TooManyRequestsError as exc:
+            raise APIError(429, f"{exc}; retry later", type="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": "1"})
+        except (EngineDeadError, EngineShutdownError) as exc:
+            raise APIError(503, str(exc), type="server_error", code=503)
+        except ValueError as exc:
+            raise APIError(400, str(exc))
+
+    # ---- responses out -----------------------------------------------------------------------
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"<{token_id}>"
+            self._token_text[token_id] = text
+        return text
+
+    def chat_logprobs(self, lps: Optional[list[TokenLogprob]]) -> Optional[ChatLogprobs]:
+        if lps is None:
+            return None
+
+        def top(tid: int, lp: float) -> TopLogprob:
+            s = self.token_text(tid)
+            return TopLogprob(token=s, logprob=_lp(lp), bytes=list(s.encode("utf-8")))
+
+        return ChatLogprobs(content=[
+            ChatTokenLogprob(**top(t.token_id, t.logprob).model_dump(), top_logprobs=[top(i, v) for i, v in t.top])
+            for t in lps])
+
+    def completion_logprobs(self, lps: Optional[list[TokenLogprob]], offset: int) -> Optional[CompletionLogprobs]:
+        if lps is None:
+            return None
+        out = CompletionLogprobs()
+        for t in lps:
+            s = self.token_text(t.token_id)
+            out.tokens.append(s)
+            out.token_logprobs.append(_lp(t.logprob))
+            out.top_logprobs.append({self.token_text(i): _lp(v) for i, v in t.top})
+            out.text_offset.append(offset)
+            offset += len(s)
+        return out
+
+    @staticmethod
+    def usage(prep: Prepared, finals: dict[int, RequestOutput]) -> Usage:
+        prompt = sum(len(p) for p in prep.prompts)
+        completion = sum(len(o.token_ids) for o in finals.values())
+        cached = sum(finals[k * prep.n].num_cached_tokens for k in range(len(prep.prompts)) if k * prep.n in finals)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+    async def collect(self, stream: RequestStream) -> dict[int, RequestOutput]:
+        """Wait for every child's final output; an engine error becomes a 500."""
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for out in stream:
+                if out.finish_reason == "error":
+                    raise APIError(500, f"the engine failed on this request: {out.error}", type="server_error")
+                if out.finished:
+                    finals[stream.index(out.request_id)] = out
+        except (EngineDeadError, EngineShutdownError) as exc:
+            raise APIError(503, str(exc), type="server_error", code=503)
+        finally:
+            stream.close()
+        return finals
+
+    def _prompt_text(self, prep: Prepared, index: int) -> str:
+        k = index // prep.n
+        if prep.texts and prep.texts[k] is not None:
+            return prep.texts[k]
+        return self.tokenizer.decode(prep.prompts[k]) if self.tokenizer is not None else ""
+
+    async def completion(self, req: CompletionRequest, prep: Prepared, stream: RequestStream) -> CompletionResponse:
+        finals = await self.collect(stream)
+        choices = []
+        for i in sorted(finals):
+            out = finals[i]
+            echo = self._prompt_text(prep, i) if req.echo else ""
+            choices.append(CompletionChoice(
+                index=i, text=echo + out.text, logprobs=self.completion_logprobs(out.logprobs, len(echo)),
+                finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                token_ids=out.token_ids if req.return_token_ids else None,
+                prompt_token_ids=out.prompt_token_ids if req.return_token_ids else None))
+        return CompletionResponse(id=f"cmpl-{prep.request_id}", model=self.model_name, choices=choices,
+                                  usage=self.usage(prep, finals))
+
+    async def chat(self, req: ChatCompletionRequest, prep: Prepared, stream: RequestStream) -> ChatCompletionResponse:
+        finals = await self.collect(stream)
+        choices = [ChatChoice(index=i, message=AssistantMessage(content=finals[i].text),
+                              logprobs=self.chat_logprobs(finals[i].logprobs), finish_reason=finals[i].finish_reason,
+                              stop_reason=finals[i].stop_reason,
+                              token_ids=finals[i].token_ids if req.return_token_ids else None)
+                   for i in sorted(finals)]
+        return ChatCompletionResponse(id=f"chatcmpl-{prep.request_id}", model=self.model_name, choices=choices,
+                                      usage=self.usage(prep, finals),
+                                      prompt_token_ids=prep.prompts[0] if req.return_token_ids else None)
+
+    # ---- streaming ---------------------------------------------------------------------------
+
+    def completion_stream(self, req: CompletionRequest, prep: Prepared, stream: RequestStream) -> AsyncIterator[str]:
+        rid = f"cmpl-{prep.request_id}"
+        offsets: dict[int, int] = {}
+
+        def chunk(i: int, out: RequestOutput) -> Optional[CompletionResponse]:
+            first = i not in offsets
+            text = (self._prompt_text(prep, i) if req.echo and first else "") + out.new_text
+            offset = offsets.get(i, len(text) - len(out.new_text))
+            offsets[i] = offset + len(out.new_text)
+            if not (text or out.finished or out.new_logprobs or req.return_token_ids):
+                return None
+            return CompletionResponse(id=rid, model=self.model_name, choices=[CompletionChoice(
+                index=i, text=text, logprobs=self.completion_logprobs(out.new_logprobs, offset),
+                finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                token_ids=out.new_token_ids if req.return_token_ids else None)])
+
+        def usage_chunk(usage: Usage) -> CompletionResponse:
+            return CompletionResponse(id=rid, model=self.model_name, choices=[], usage=usage)
+
+        return self._sse(req, prep, stream, [], chunk, usage_chunk)
+
+    def chat_stream(self, req: ChatCompletionRequest, prep: Prepared, stream: RequestStream) -> AsyncIterator[str]:
+        rid = f"chatcmpl-{prep.request_id}"
+        firsts = [ChatCompletionChunk(id=rid, model=self.model_name, choices=[
+            ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]) for i in range(prep.n)]
+
+        def chunk(i: int, out: RequestOutput) -> Optional[ChatCompletionChunk]:
+            if not (out.new_text or out.finished or out.new_logprobs or req.return_token_ids):
+                return None
+            return ChatCompletionChunk(id=rid, model=self.model_name, choices=[ChatChunkChoice(
+                index=i, delta=DeltaMessage(content=out.new_text), logprobs=self.chat_logprobs(out.new_logprobs),
+                finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                token_ids=out.new_token_ids if req.return_token_ids else None)])
+
+        def usage_chunk(usage: Usage) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=rid, model=self.model_name, choices=[], usage=usage)
+
+        return self._sse(req, prep, stream, firsts, chunk, usage_chunk)
+
+    async def _sse(self, req: SamplingRequest, prep: Prepared, stream: RequestStream, firsts: list,
+                   chunk: Callable[[int, RequestOutput], Any], usage_chunk: Callable[[Usage], Any]
+                   ) -> AsyncIterator[str]:
+        """`data:` payloads: the chunks, an optional usage chunk, then [DONE]. An engine error ends
+        the stream with an error event (then [DONE]); a dropped connection aborts the request."""
+        finals: dict[int, RequestOutput] = {}
+        try:
+            for c in firsts:
+                yield c.model_dump_json()
+            async for out in stream:
+                i = stream.index(out.request_id)
+                if out.finish_reason == "error":
+                    yield _error_json(f"the engine failed on this request: {out.error}", 500)
+                    break
+                if out.finished:
+                    finals[i] = out
+                c = chunk(i, out)
+                if c is not None:
+                    yield c.model_dump_json()
+            else:
+                if req.include_usage:
+                    yield usage_chunk(self.usage(prep, finals)).model_dump_json()
+        except (EngineDeadError, EngineShutdownError) as exc:
+            yield _error_json(str(exc), 503)
+        finally:
+            stream.close()
+        yield "[DONE]"
+
+
+def _error_json(message: str, status: int) -> str:
+    return json.dumps(APIError(status, message, type="server_error").response_body())
