@@ -18,6 +18,7 @@ class EngineConfig:
     max_model_len: Optional[int] = None  # None: the model's own limit (or 4096)
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # or "priority"
+    async_scheduling: bool = True  # schedule step N+1 while step N runs on the device
     dtype: Optional[str] = None  # None: the weights' dtype (float32 on the CPU)
     seed: int = 0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -19,6 +19,7 @@ from pagedmlx.request import Request, RequestStatus, SamplingParams
 from pagedmlx.runner.model import ModelRunner
 from pagedmlx.sampler import Sampler, to_host
 from pagedmlx.scheduler import Scheduler
+from pagedmlx.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger("pagedmlx")
 
@@ -32,11 +33,10 @@ class StepStats:
 
     num_steps: int = 0
     schedule_s: float = 0.0
-    forward_s: float = 0.0  # graph building, device work and the one host sync
+    forward_s: float = 0.0  # graph building and waiting for the device (the one host sync)
     update_s: float = 0.0  # appending tokens, stop checks, detokenization
     num_tokens: int = 0
     num_sampled: int = 0
-    recent: list = field(default_factory=list)
 
     def host_fraction(self) -> float:
         total = self.schedule_s + self.forward_s + self.update_s
@@ -61,6 +61,7 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._logprobs: dict[str, list[TokenLogprob]] = {}
         self.stats = StepStats()
+        self._inflight: Optional[tuple] = None  # the launched step whose tokens are not read yet
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
@@ -112,7 +113,7 @@ class LLMEngine:
         return [self._final_output(req) for req in finished]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._inflight is not None
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
@@ -120,35 +121,85 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch one step; return the outputs of the step that completed.
+
+        With async scheduling (the default) step N+1 is scheduled and queued on the device before
+        step N's tokens are read back, so the host's work overlaps the device's: decodes of step
+        N+1 take their input tokens from step N's sampled array without a host round trip.
+        """
+        outputs: list[RequestOutput] = []
+        if self._inflight is not None and not self._can_overlap():
+            outputs += self._complete(self._inflight)
+            self._inflight = None
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
         t1 = time.perf_counter()
-        if so.is_empty:
-            return []
-        requests = [self.scheduler.requests[rid] for rid in so.sampled_req_ids]
-        try:
-            sampled = []
-            if requests:
-                logits = self.runner.forward(so)
-                sampled = to_host(self.sampler(logits, requests))
-            else:  # only partial prefill chunks: nothing to sample, but the pages must be written
-                mx.eval(self.runner.forward(so))
-        except Exception as exc:  # one failed step fails only its own requests
-            logger.exception("step failed; finishing its %d requests with an error", so.num_reqs)
-            return [self._final_output(r, error=f"{type(exc).__name__}: {exc}") for r in self.scheduler.fail_step(so)]
-        t2 = time.perf_counter()
-        by_id = dict(zip(so.sampled_req_ids, sampled))
-        outputs = []
-        for upd in self.scheduler.update_from_output(so, [s.token_id for s in sampled]):
-            outputs.append(self._make_output(upd.request, upd.new_token_ids, upd.finished, by_id[upd.request.request_id]))
-        t3 = time.perf_counter()
-        self._record(so, t1 - t0, t2 - t1, t3 - t2)
+        launched = None
+        if not so.is_empty:
+            try:
+                launched = self._launch(so)
+            except Exception as exc:  # graph building failed: only this step's requests fail
+                outputs += self._fail(so, exc)
+        self.stats.schedule_s += t1 - t0
+        if self._inflight is not None:
+            outputs += self._complete(self._inflight)
+        self._inflight = launched
+        if launched is not None and not self.config.async_scheduling:
+            outputs += self._complete(launched)
+            self._inflight = None
         return outputs
 
-    def _record(self, so, schedule_s: float, forward_s: float, update_s: float) -> None:
+    def _can_overlap(self) -> bool:
+        """Penalties need every earlier token on the host, so they make the engine step in lockstep."""
+        return self.config.async_scheduling and not any(
+            r.sampling_params.has_penalties for r in self.scheduler.running)
+
+    def _launch(self, so: SchedulerOutput) -> tuple:
+        """Build the step's graph and queue it on the device; nothing waits for it here."""
+        t = time.perf_counter()
+        requests = [self.scheduler.requests[rid] for rid in so.sampled_req_ids]
+        prev_sampled = self._inflight[1] if self._inflight is not None else None
+        prev = prev_sampled.sampled_token_ids if prev_sampled is not None else None
+        logits = self.runner.forward(so, prev)
+        if requests:
+            sampled = self.sampler(logits, requests)
+            for i, req in enumerate(requests):
+                req.num_output_placeholders += 1
+                req.placeholder_index = i
+            arrays = [a for a in (sampled.sampled_token_ids, sampled.logprobs, sampled.top_token_ids,
+                                  sampled.top_logprobs) if a is not None]
+        else:  # only partial prefill chunks: nothing to sample, but the pages must be written
+            sampled, arrays = None, [logits]
+        mx.async_eval(*arrays)
+        return so, sampled, arrays, time.perf_counter() - t
+
+    def _complete(self, launched: tuple) -> list[RequestOutput]:
+        """Wait for a launched step (the one host sync), then append its tokens and emit outputs."""
+        so, sampled, arrays, build_s = launched
+        t1 = time.perf_counter()
+        try:
+            rows = to_host(sampled) if sampled is not None else (mx.eval(*arrays) or [])
+        except Exception as exc:
+            return self._fail(so, exc)
+        t2 = time.perf_counter()
+        by_id = dict(zip(so.sampled_req_ids, rows))
+        outputs = []
+        for upd in self.scheduler.update_from_output(so, [r.token_id for r in rows]):
+            outputs.append(self._make_output(upd.request, upd.new_token_ids, upd.finished, by_id[upd.request.request_id]))
+        self._record(so, build_s + t2 - t1, time.perf_counter() - t2)
+        return outputs
+
+    def _fail(self, so: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        logger.exception("step failed; finishing its %d requests with an error", so.num_reqs, exc_info=exc)
+        for rid in so.sampled_req_ids:
+            req = self.scheduler.requests.get(rid)
+            if req is not None:
+                req.num_output_placeholders = max(0, req.num_output_placeholders - 1)
+        return [self._final_output(r, error=f"{type(exc).__name__}: {exc}") for r in self.scheduler.fail_step(so)]
+
+    def _record(self, so, forward_s: float, update_s: float) -> None:
         s = self.stats
         s.num_steps += 1
-        s.schedule_s += schedule_s
         s.forward_s += forward_s
         s.update_s += update_s
         s.num_tokens += so.total_num_scheduled_tokens

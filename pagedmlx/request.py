@@ -145,6 +145,10 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens sampled by steps still running on the device (async scheduling): counted as if
+        # known, so the next step can already be scheduled; their ids arrive with those steps.
+        self.num_output_placeholders = 0
+        self.placeholder_index = -1  # the newest placeholder's row in its step's sampled tokens
         self.num_cached_tokens = -1  # prompt tokens found in the prefix cache at first schedule
         self.num_preemptions = 0
         self.block_hashes: list[BlockHash] = []
@@ -157,6 +161,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -164,7 +164,7 @@ def _sample_random(logits: mx.array, requests: Sequence[Request]) -> mx.array:
         x = x / mx.array(temps, dtype=mx.float32)[:, None]
     x = _allowed(x, top_k=[p.top_k if p and 0 < p.top_k < V else V for p in params],
                  top_p=[p.top_p if p else 1.0 for p in params], min_p=[p.min_p if p else 0.0 for p in params])
-    noise = gumbel_noise([r.sampling_seed for r in requests], [r.num_output_tokens for r in requests], V)
+    noise = gumbel_noise([r.sampling_seed for r in requests], [r.num_output_tokens + r.num_output_placeholders for r in requests], V)
     return mx.argmax(x + noise, axis=-1)
 
 

@@ -128,7 +128,9 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------
 
     def _num_new_tokens(self, request: Request, budget: int, num_computed: int) -> int:
-        n = request.num_tokens - num_computed
+        if request.num_output_placeholders and self._will_stop_on_length(request):
+            return 0  # its last token is still in flight and ends it: nothing more to compute
+        n = request.num_tokens_with_placeholders - num_computed
         cap = self.config.long_prefill_token_threshold
         if cap > 0:
             n = min(n, cap)
@@ -189,6 +191,12 @@ class Scheduler:
             req.num_computed_tokens += n
         return out
 
+    def _will_stop_on_length(self, request: Request) -> bool:
+        max_tokens = request.sampling_params.max_tokens
+        n_out = request.num_output_tokens + request.num_output_placeholders
+        return (request.num_tokens_with_placeholders >= self.max_model_len
+                or (max_tokens is not None and n_out >= max_tokens))
+
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: free the pages (their hashes stay cached) and requeue at the head."""
         self.running.remove(request)
@@ -200,16 +208,23 @@ class Scheduler:
         self.waiting.prepend(request)
 
     def update_from_output(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[RequestUpdate]:
-        """Append each sampled token to its request, check stops and free finished requests."""
+        """Append each sampled token to its request, check stops and free finished requests.
+
+        With async scheduling a request may have been preempted since this step was scheduled: its
+        token still counts (it recomputes from it); one that finished meanwhile drops it."""
         updates = []
         for rid, token in zip(output.sampled_req_ids, sampled_token_ids):
             req = self.requests.get(rid)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue  # aborted or preempted since it was scheduled
+            if req is None or req.is_finished:
+                continue  # aborted or already stopped
+            req.num_output_placeholders = max(0, req.num_output_placeholders - 1)
             req.append_output_token(token)
             finished = self._check_stop(req)
             if finished:
-                self.running.remove(req)
+                if req in self.running:
+                    self.running.remove(req)
+                else:
+                    self.waiting.remove(req)
                 self._free(req)
             updates.append(RequestUpdate(req, [token], finished))
         return updates

@@ -28,6 +28,10 @@ class SchedulerOutput:
     block_table: np.ndarray  # (B, max_blocks) page ids per request, zero-padded
     logits_indices: np.ndarray  # (S,) rows whose logits are sampled: the last token of caught-up requests
     sampled_req_ids: list[str]
+    # Async scheduling: rows whose input token is still on the device, and where it is in the
+    # previous step's sampled tokens.
+    placeholder_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    placeholder_src: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)  # finished since the previous step
 
@@ -47,7 +51,7 @@ class SchedulerOutput:
     def empty(cls, finished_req_ids: set[str], preempted_req_ids: list[str]) -> "SchedulerOutput":
         z = np.zeros(0, np.int32)
         return cls([], [], 0, z, z, z, np.zeros(1, np.int32), z, np.zeros((0, 1), np.int32), z, [],
-                   preempted_req_ids, finished_req_ids)
+                   z, z, preempted_req_ids, finished_req_ids)
 
 
 def build_scheduler_output(
@@ -64,6 +68,7 @@ def build_scheduler_output(
     num_decodes = sum(1 for _, n in scheduled if n == 1)
     req_ids, counts, tokens, starts, seq_lens, tables = [], [], [], [], [], []
     logits_indices, sampled_req_ids = [], []
+    placeholder_rows, placeholder_src = [], []
     row = 0
     for req, n in scheduled:
         start = req.num_computed_tokens
@@ -73,12 +78,17 @@ def build_scheduler_output(
         starts.append(start)
         seq_lens.append(end)
         tables.append(block_ids[req.request_id])
-        if n == 1:
+        known = req.num_tokens
+        if n == 1 and start < known:
             tokens.append(req.all_token_ids[start])
         else:
-            tokens.extend(req.all_token_ids[start:end])
+            tokens.extend(req.all_token_ids[start:min(end, known)])
+            if end > known:  # the last token was sampled by the step still in flight
+                tokens.append(0)
+                placeholder_rows.append(row + n - 1)
+                placeholder_src.append(req.placeholder_index)
         row += n
-        if end == req.num_tokens:
+        if end == req.num_tokens_with_placeholders:
             logits_indices.append(row - 1)
             sampled_req_ids.append(req.request_id)
 
@@ -110,6 +120,8 @@ def build_scheduler_output(
         block_table=block_table,
         logits_indices=np.asarray(logits_indices, np.int32),
         sampled_req_ids=sampled_req_ids,
+        placeholder_rows=np.asarray(placeholder_rows, np.int32),
+        placeholder_src=np.asarray(placeholder_src, np.int32),
         preempted_req_ids=preempted_req_ids,
         finished_req_ids=finished_req_ids,
     )

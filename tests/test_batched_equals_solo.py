@@ -183,7 +183,7 @@ def test_failed_step_fails_only_its_requests_and_uncaches(monkeypatch):
     prompt = list(range(1, 30))
     engine.add_request("a", prompt, GREEDY)
     real_forward = engine.runner.forward
-    monkeypatch.setattr(engine.runner, "forward", lambda so: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(engine.runner, "forward", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
     outs = engine.step()
     assert [(o.request_id, o.finish_reason) for o in outs] == [("a", "error")]
     assert "boom" in outs[0].error

@@ -258,11 +258,11 @@ def test_step_failure_is_one_requests_error(served, monkeypatch):
     real_forward = runner.forward
     failures = []
 
-    def forward_failing_once(so):
+    def forward_failing_once(so, *args):
         if not failures:
             failures.append(so)
             raise RuntimeError("injected step failure")
-        return real_forward(so)
+        return real_forward(so, *args)
 
     monkeypatch.setattr(runner, "forward", forward_failing_once)
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}

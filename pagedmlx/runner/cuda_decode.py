@@ -1,9 +1,9 @@
 """Paged-decode attention kernel for MLX's CUDA backend.
 
 Reads K/V straight from the page pool through the block table: no gathered copy. One thread block
-per (kv head, sequence, KV split); each warp walks the split's tokens (one token per warp step,
-its K row read coalesced across the lanes) for all G query heads that share the kv head, with an
-online softmax; the warps then merge through shared memory. Long contexts with few sequences are
+per (kv head, sequence, KV split) serves all G query heads that share the kv head (each K/V byte is
+read once); inside it, groups of lanes each take one token's row in 16-byte vectors, several
+tokens in flight per warp, with an online softmax; groups and warps then merge their partials. Long contexts with few sequences are
 split along the keys (split-KV) and merged by a second small kernel.
 """
 
@@ -15,14 +15,21 @@ from typing import Optional
 import mlx.core as mx
 
 THREADS = 128  # 4 warps
-TARGET_BLOCKS = 1024  # enough thread blocks to keep every SM of a large GPU busy
+TARGET_BLOCKS = 1056  # ~8 thread blocks per SM of a 132-SM GPU: enough loads in flight to hide latency
 MIN_SPLIT_TOKENS = 256
 
 _ACCUMULATE = """
+    // Lanes work in groups of TPT; each group holds one token's K/V row (VEC elements per lane,
+    // read as 16-byte vectors), so a warp has TOK = 32 / TPT tokens in flight per step, U steps
+    // unrolled. Every group keeps its own online-softmax state; groups, then warps, merge at the end.
     constexpr int NW = THREADS / 32;
-    constexpr int EPL = D / 32;
+    constexpr int TOK = 32 / TPT;
+    constexpr int NV = VEC * sizeof(T) / 16;
+    constexpr int U = 2;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
+    const int sub = lane % TPT;
+    const int grp = lane / TPT;
     const int kvh = blockIdx.x;
     const int b = blockIdx.y;
     const int split = blockIdx.z;
@@ -34,45 +41,84 @@ _ACCUMULATE = """
     const int end = min(seq_len, start + split_tokens[0]);
     const float sc = scale[0];
 
-    float qv[G][EPL];
-    float m[G], l[G], acc[G][EPL];
+    float qv[G][VEC], acc[G][VEC], m[G], l[G];
     #pragma unroll
     for (int g = 0; g < G; ++g) {
-        const T* qp = q + ((size_t)b * H + kvh * G + g) * D + lane * EPL;
+        const T* qp = q + ((size_t)b * H + kvh * G + g) * D + sub * VEC;
         #pragma unroll
-        for (int e = 0; e < EPL; ++e) { qv[g][e] = static_cast<float>(qp[e]) * sc; acc[g][e] = 0.f; }
+        for (int e = 0; e < VEC; ++e) { qv[g][e] = static_cast<float>(qp[e]) * sc; acc[g][e] = 0.f; }
         m[g] = NEG_INF; l[g] = 0.f;
     }
     const int* table = block_table + (size_t)b * max_blocks;
-    for (int t = start + warp; t < end; t += NW) {
-        const size_t row = (((size_t)table[t / BS] * NKV + kvh) * BS + (t % BS)) * D + lane * EPL;
-        float kf[EPL], vf[EPL];
+    for (int base = start + warp * TOK * U; base < end; base += NW * TOK * U) {
+        uint4 kraw[U][NV], vraw[U][NV];
+        bool valid[U];
         #pragma unroll
-        for (int e = 0; e < EPL; ++e) { kf[e] = static_cast<float>(k_pages[row + e]); vf[e] = static_cast<float>(v_pages[row + e]); }
+        for (int u = 0; u < U; ++u) {
+            const int t = base + u * TOK + grp;
+            valid[u] = t < end;
+            if (valid[u]) {
+                const size_t row = (((size_t)table[t / BS] * NKV + kvh) * BS + (t % BS)) * D + sub * VEC;
+                const uint4* kp = reinterpret_cast<const uint4*>(k_pages + row);
+                const uint4* vp = reinterpret_cast<const uint4*>(v_pages + row);
+                #pragma unroll
+                for (int i = 0; i < NV; ++i) { kraw[u][i] = kp[i]; vraw[u][i] = vp[i]; }
+            }
+        }
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const T* kt = reinterpret_cast<const T*>(kraw[u]);
+            const T* vt = reinterpret_cast<const T*>(vraw[u]);
+            #pragma unroll
+            for (int g = 0; g < G; ++g) {
+                float s = 0.f;
+                if (valid[u]) {
+                    #pragma unroll
+                    for (int e = 0; e < VEC; ++e) s += qv[g][e] * static_cast<float>(kt[e]);
+                }
+                #pragma unroll
+                for (int o = TPT / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+                if (valid[u]) {
+                    const float m_new = fmaxf(m[g], s);
+                    const float corr = __expf(m[g] - m_new);
+                    const float p = __expf(s - m_new);
+                    l[g] = l[g] * corr + p;
+                    #pragma unroll
+                    for (int e = 0; e < VEC; ++e) acc[g][e] = acc[g][e] * corr + p * static_cast<float>(vt[e]);
+                    m[g] = m_new;
+                }
+            }
+        }
+    }
+    // Merge the token groups of this warp (lanes with the same `sub`).
+    #pragma unroll
+    for (int o = TPT; o < 32; o <<= 1) {
         #pragma unroll
         for (int g = 0; g < G; ++g) {
-            float s = 0.f;
+            const float m2 = __shfl_xor_sync(0xffffffff, m[g], o);
+            const float l2 = __shfl_xor_sync(0xffffffff, l[g], o);
+            const float M = fmaxf(m[g], m2);
+            const float c1 = M == NEG_INF ? 0.f : __expf(m[g] - M);
+            const float c2 = M == NEG_INF ? 0.f : __expf(m2 - M);
             #pragma unroll
-            for (int e = 0; e < EPL; ++e) s += qv[g][e] * kf[e];
-            #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
-            const float m_new = fmaxf(m[g], s);
-            const float corr = __expf(m[g] - m_new);
-            const float p = __expf(s - m_new);
-            l[g] = l[g] * corr + p;
-            #pragma unroll
-            for (int e = 0; e < EPL; ++e) acc[g][e] = acc[g][e] * corr + p * vf[e];
-            m[g] = m_new;
+            for (int e = 0; e < VEC; ++e) {
+                const float a2 = __shfl_xor_sync(0xffffffff, acc[g][e], o);
+                acc[g][e] = acc[g][e] * c1 + a2 * c2;
+            }
+            l[g] = l[g] * c1 + l2 * c2;
+            m[g] = M;
         }
     }
     __shared__ float sm_m[NW * G];
     __shared__ float sm_l[NW * G];
     __shared__ float sm_acc[NW * G * D];
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
+    if (grp == 0) {
         #pragma unroll
-        for (int e = 0; e < EPL; ++e) sm_acc[(warp * G + g) * D + lane * EPL + e] = acc[g][e];
-        if (lane == 0) { sm_m[warp * G + g] = m[g]; sm_l[warp * G + g] = l[g]; }
+        for (int g = 0; g < G; ++g) {
+            #pragma unroll
+            for (int e = 0; e < VEC; ++e) sm_acc[(warp * G + g) * D + sub * VEC + e] = acc[g][e];
+            if (sub == 0) { sm_m[warp * G + g] = m[g]; sm_l[warp * G + g] = l[g]; }
+        }
     }
     __syncthreads();
     for (int i = threadIdx.x; i < G * D; i += THREADS) {
@@ -143,18 +189,29 @@ def is_available() -> bool:
         return False
 
 
+def lane_layout(head_dim: int, dtype: mx.Dtype) -> Optional[tuple[int, int]]:
+    """(lanes per token, elements per lane) such that each lane reads whole 16-byte vectors."""
+    tpt = min(32, head_dim * dtype.size // 16)
+    if tpt < 1 or 32 % tpt or head_dim % tpt or (head_dim // tpt) * dtype.size % 16:
+        return None
+    return tpt, head_dim // tpt
+
+
 def supports(head_dim: int, n_heads: int, n_kv_heads: int, dtype: mx.Dtype) -> bool:
+    if dtype not in (mx.float16, mx.bfloat16, mx.float32) or n_heads % n_kv_heads:
+        return False
+    layout = lane_layout(head_dim, dtype)
     group = n_heads // n_kv_heads
-    return (head_dim % 32 == 0 and head_dim <= 256 and n_heads % n_kv_heads == 0
-            and group * head_dim <= 3072  # the warps' partial sums must fit 48 KB of shared memory
-            and dtype in (mx.float16, mx.bfloat16, mx.float32))
+    return (layout is not None
+            and group * layout[1] <= 64  # registers: G x VEC query and accumulator values per lane
+            and group * head_dim <= 3072)  # the warps' partial sums fit 48 KB of shared memory
 
 
 def num_splits(batch: int, n_kv_heads: int, max_seq_len: int) -> tuple[int, int]:
     """(splits, tokens per split): split the keys only when the sequences alone leave SMs idle."""
-    if batch * n_kv_heads >= TARGET_BLOCKS // 4 or max_seq_len <= MIN_SPLIT_TOKENS:
+    if batch * n_kv_heads >= TARGET_BLOCKS or max_seq_len <= MIN_SPLIT_TOKENS:
         return 1, max_seq_len
-    splits = min(-(-max_seq_len // MIN_SPLIT_TOKENS), max(1, TARGET_BLOCKS // (batch * n_kv_heads)))
+    splits = min(-(-max_seq_len // MIN_SPLIT_TOKENS), -(-TARGET_BLOCKS // (batch * n_kv_heads)))
     tokens = -(-max_seq_len // splits)
     return -(-max_seq_len // tokens), tokens
 
@@ -170,7 +227,9 @@ def paged_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, block_table:
     G = H // n_kv
     inputs = [q.astype(k_pages.dtype), k_pages, v_pages, block_table, seq_lens, split_tokens,
               mx.array([scale], mx.float32)]
-    template = [("T", k_pages.dtype), ("D", D), ("G", G), ("BS", bs), ("THREADS", THREADS)]
+    tpt, vec = lane_layout(D, k_pages.dtype)
+    template = [("T", k_pages.dtype), ("D", D), ("G", G), ("BS", bs), ("THREADS", THREADS), ("TPT", tpt),
+                ("VEC", vec)]
     single, split, merge = _kernels()
     if splits == 1:
         return single(inputs=inputs, template=template, grid=(n_kv * THREADS, B, 1), threadgroup=(THREADS, 1, 1),

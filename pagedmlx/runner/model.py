@@ -105,11 +105,15 @@ class ModelRunner:
                 f"model type {model_type(self.model)!r}: some layers never wrote K/V through their cache")
         return [p.spec for p in probes]
 
-    def forward(self, so: SchedulerOutput) -> mx.array:
-        """Logits (S, V) of the rows in so.logits_indices, lazily."""
+    def forward(self, so: SchedulerOutput, prev_sampled: Optional[mx.array] = None) -> mx.array:
+        """Logits (S, V) of the rows in so.logits_indices, lazily. `prev_sampled`: the previous
+        step's sampled tokens, still on the device, for the rows in so.placeholder_rows."""
         md = AttentionMetadata.build(so, self.block_size, self.decode_kernel_kv_heads)
         caches = [PagedLayerCache(i, self.kv_pool, md) for i in range(self.num_layers)]
-        inputs = mx.array(so.input_ids)[:, None]
+        inputs = mx.array(so.input_ids)
+        if len(so.placeholder_rows):
+            inputs[mx.array(so.placeholder_rows)] = prev_sampled[mx.array(so.placeholder_src)].astype(inputs.dtype)
+        inputs = inputs[:, None]
         rows = mx.array(so.logits_indices)
         if self._head is not None:
             h = self._body(inputs, cache=caches)
