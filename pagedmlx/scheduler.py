@@ -91,10 +91,15 @@ class Scheduler:
         if n >= self.max_model_len:
             raise ValueError(f"prompt has {n} tokens but the context holds {self.max_model_len} "
                              f"(max_model_len), leaving no room for output")
-        needed = self.kv_cache_manager.num_blocks_needed(n + 1)
+        # Alone, a request must fit the pool at its longest (its last token is never fed back), or it
+        # would preempt itself when the pool runs out and then wait forever for pages.
+        max_tokens = request.sampling_params.max_tokens
+        longest = self.max_model_len if max_tokens is None else min(self.max_model_len, n + max_tokens)
+        needed = self.kv_cache_manager.num_blocks_needed(longest - 1)
         if needed > self.kv_cache_manager.num_blocks:
-            raise ValueError(f"prompt has {n} tokens and needs {needed} KV blocks, but the pool has only "
-                             f"{self.kv_cache_manager.num_blocks}")
+            raise ValueError(f"prompt has {n} tokens and can grow to {longest} (max_tokens={max_tokens}, "
+                             f"max_model_len={self.max_model_len}), whose KV needs {needed} blocks, but the "
+                             f"pool has only {self.kv_cache_manager.num_blocks}")
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
