@@ -157,7 +157,9 @@ class Scheduler:
             if n <= 0:
                 continue
             while self.kv_cache_manager.allocate_slots(req, n) is None:
-                victim = next(r for r in reversed(self.running) if r.request_id not in scheduled_ids)
+                victim = self.running[-1]  # the newest, even if this step already scheduled it
+                if victim.request_id in scheduled_ids:
+                    budget += self._unschedule(victim, scheduled, scheduled_ids)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
@@ -193,6 +195,15 @@ class Scheduler:
         for req, n in scheduled:
             req.num_computed_tokens += n
         return out
+
+    def _unschedule(self, request: Request, scheduled: list[tuple[Request, int]], scheduled_ids: set[str]) -> int:
+        """Take back a request scheduled earlier in this step; returns its tokens to the budget. The
+        blocks its allocation cached as they would fill are uncached: this step will not write them."""
+        i = next(i for i, (r, _) in enumerate(scheduled) if r is request)
+        _, n = scheduled.pop(i)
+        scheduled_ids.remove(request.request_id)
+        self.kv_cache_manager.uncache_uncomputed(request, request.num_computed_tokens)
+        return n
 
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: free the pages (their hashes stay cached) and requeue at the head."""
