@@ -59,7 +59,8 @@ class KVCacheManager:
         """The longest cached prefix of the request, as blocks and a token count.
 
         Never the whole sequence: the last token is always recomputed so that there are logits to
-        sample from. Counts the lookup in the prefix-cache stats.
+        sample from. Does not count in the stats (a request blocked at the head of the queue is looked
+        up every step); the caller records the lookup that admits it with record_prefix_query.
         """
         if not self.enable_caching:
             return [], 0
