@@ -19,6 +19,14 @@ def chain(*token_blocks):
     return hashes
 
 
+def take_cached_block(pool: BlockPool, tokens):
+    """One block from the pool, cached under the hash of `tokens` as a first block."""
+    (h,) = chain(tokens)
+    (block,) = pool.get_new_blocks(1)
+    pool.cache_block(block, h)
+    return block, h
+
+
 def test_new_pool_is_all_free_in_id_order():
     pool = BlockPool(5)
     assert free_ids(pool) == [0, 1, 2, 3, 4]
@@ -121,9 +129,7 @@ def test_eviction_order_is_the_free_queue_order():
 
 def test_lazy_eviction_a_freed_block_stays_findable_until_handed_out():
     pool = BlockPool(3)
-    (h,) = chain((5, 6))
-    (block,) = pool.get_new_blocks(1)
-    pool.cache_block(block, h)
+    block, h = take_cached_block(pool, (5, 6))
     pool.free_blocks([block])
     assert block.ref_cnt == 0 and block.block_hash == h
     assert pool.get_cached_block(h) is block
@@ -144,9 +150,7 @@ def test_lazy_eviction_a_freed_block_stays_findable_until_handed_out():
 
 def test_shared_block_ref_counts():
     pool = BlockPool(3)
-    (h,) = chain((1, 2))
-    (block,) = pool.get_new_blocks(1)
-    pool.cache_block(block, h)
+    block, h = take_cached_block(pool, (1, 2))
     pool.touch([block])
     pool.touch([block])
     assert block.ref_cnt == 3
@@ -181,9 +185,7 @@ def test_first_block_to_cache_a_hash_keeps_it():
 
 def test_no_caching_when_disabled():
     pool = BlockPool(2, enable_caching=False)
-    (h,) = chain((1, 1))
-    (block,) = pool.get_new_blocks(1)
-    pool.cache_block(block, h)
+    block, h = take_cached_block(pool, (1, 1))
     assert block.block_hash is None and pool.get_cached_block(h) is None
 
 
