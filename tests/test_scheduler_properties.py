@@ -1,4 +1,4 @@
-"""Random interleavings of add / step / finish / abort / failed steps against a tiny pool.
+"""Random interleavings of add / resubmit / step / finish / abort / failed steps against a tiny pool.
 
 After every operation the page accounting must hold (see sched_utils.check_invariants), every
 context the fake model reads back through the pages must be the request's own tokens, and once
@@ -30,7 +30,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.counter = 0
         self.live = {}
         self.all_requests = []
-        self.ended = []  # (request, how it was ended from outside)
+        self.ended = []  # requests finished from outside (abort, stop string) or by a failed step
 
     @rule(batch=st.lists(st.tuples(st.sampled_from(PREFIXES), st.lists(st.integers(1, 3), max_size=14),
                                    st.integers(1, 16), st.sampled_from([None, None, "s"]), st.integers(0, 2)),
