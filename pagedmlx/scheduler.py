@@ -91,10 +91,15 @@ class Scheduler:
         if n >= self.max_model_len:
             raise ValueError(f"prompt has {n} tokens but the context holds {self.max_model_len} "
                              f"(max_model_len), leaving no room for output")
-        needed = self.kv_cache_manager.num_blocks_needed(n + 1)
+        # Alone, a request must fit the pool at its longest (its last token is never fed back), or it
+        # would preempt itself when the pool runs out and then wait forever for pages.
+        max_tokens = request.sampling_params.max_tokens
+        longest = self.max_model_len if max_tokens is None else min(self.max_model_len, n + max_tokens)
+        needed = self.kv_cache_manager.num_blocks_needed(longest - 1)
         if needed > self.kv_cache_manager.num_blocks:
-            raise ValueError(f"prompt has {n} tokens and needs {needed} KV blocks, but the pool has only "
-                             f"{self.kv_cache_manager.num_blocks}")
+            raise ValueError(f"prompt has {n} tokens and can grow to {longest} (max_tokens={max_tokens}, "
+                             f"max_model_len={self.max_model_len}), whose KV needs {needed} blocks, but the "
+                             f"pool has only {self.kv_cache_manager.num_blocks}")
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -154,7 +159,9 @@ class Scheduler:
             if n <= 0:
                 continue
             while self.kv_cache_manager.allocate_slots(req, n) is None:
-                victim = next(r for r in reversed(self.running) if r.request_id not in scheduled_ids)
+                victim = self.running[-1]  # the newest, even if this step already scheduled it
+                if victim.request_id in scheduled_ids:
+                    budget += self._unschedule(victim, scheduled, scheduled_ids)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
@@ -196,6 +203,15 @@ class Scheduler:
         n_out = request.num_output_tokens + request.num_output_placeholders
         return (request.num_tokens_with_placeholders >= self.max_model_len
                 or (max_tokens is not None and n_out >= max_tokens))
+
+    def _unschedule(self, request: Request, scheduled: list[tuple[Request, int]], scheduled_ids: set[str]) -> int:
+        """Take back a request scheduled earlier in this step; returns its tokens to the budget. The
+        blocks its allocation cached as they would fill are uncached: this step will not write them."""
+        i = next(i for i, (r, _) in enumerate(scheduled) if r is request)
+        _, n = scheduled.pop(i)
+        scheduled_ids.remove(request.request_id)
+        self.kv_cache_manager.uncache_uncomputed(request, request.num_computed_tokens)
+        return n
 
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: free the pages (their hashes stay cached) and requeue at the head."""

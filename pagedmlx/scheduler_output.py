@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 
@@ -97,9 +98,10 @@ def build_scheduler_output(
     np.cumsum(counts_np, out=query_start_loc[1:])
     seq_lens_np = np.asarray(seq_lens, np.int32)
 
-    table_lens = np.fromiter((len(t) for t in tables), np.int32, len(tables))
+    table_lens = np.fromiter(map(len, tables), np.int32, len(tables))
     block_table = np.zeros((len(tables), max(int(table_lens.max()), 1)), np.int32)
-    block_table[np.arange(block_table.shape[1]) < table_lens[:, None]] = [b for t in tables for b in t]
+    block_table[np.arange(block_table.shape[1]) < table_lens[:, None]] = np.fromiter(
+        chain.from_iterable(tables), np.int32, int(table_lens.sum()))
 
     # Per-token positions and slots, vectorised over the whole batch.
     total = int(query_start_loc[-1])

@@ -59,7 +59,8 @@ class KVCacheManager:
         """The longest cached prefix of the request, as blocks and a token count.
 
         Never the whole sequence: the last token is always recomputed so that there are logits to
-        sample from. Counts the lookup in the prefix-cache stats.
+        sample from. Does not count in the stats (a request blocked at the head of the queue is looked
+        up every step); the caller records the lookup that admits it with record_prefix_query.
         """
         if not self.enable_caching:
             return [], 0
@@ -95,9 +96,14 @@ class KVCacheManager:
         Returns the newly allocated blocks."""
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be > 0, got {num_new_tokens}")
+        total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        held = self.req_to_blocks.get(request.request_id)
+        if held is not None and not new_computed_blocks and len(held) * self.block_size >= total_tokens:
+            # The common decode: the pages held have room, nothing to take from the pool.
+            self._cache_full_blocks(request, min(total_tokens, request.num_tokens))
+            return []
         held = self.req_to_blocks.setdefault(request.request_id, [])
         held_ids = self.req_to_block_ids.setdefault(request.request_id, [])
-        total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_new_blocks = cdiv(total_tokens, self.block_size) - len(held) - len(new_computed_blocks)
         # Cached hits that sit in the free queue are not free for this request: it is about to use them.
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
@@ -117,15 +123,15 @@ class KVCacheManager:
         return new_blocks
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        if not self.enable_caching:
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        end = num_tokens // self.block_size
+        if not self.enable_caching or end <= start:  # no block completed (most decode steps)
             return
         self.update_block_hashes(request)
         blocks = self.req_to_blocks[request.request_id]
-        start = self.num_cached_blocks.get(request.request_id, 0)
-        end = num_tokens // self.block_size
         for i in range(start, end):
             self.block_pool.cache_block(blocks[i], request.block_hashes[i])
-        self.num_cached_blocks[request.request_id] = max(start, end)
+        self.num_cached_blocks[request.request_id] = end
 
     def uncache_uncomputed(self, request: Request, num_valid_tokens: int) -> None:
         """Drop the hashes of the request's blocks past `num_valid_tokens` (their KV was never written,

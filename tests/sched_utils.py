@@ -1,0 +1,156 @@
+"""Shared test helpers: build a scheduler, run steps through a fake model, check page accounting.
+
+The fake model keeps one "KV" value per pool slot: the token id written there. Each step it first
+writes every scheduled token at its slot (as a layer writes all new K/V before reading pages), then
+reads back each request's whole context through its block table and checks it is exactly the
+request's own tokens. A block shared or revived with the wrong content, a block table pointing at
+another request's page, or a stale prefix-cache entry all show up as a mismatch here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Optional, Sequence
+
+import numpy as np
+
+from pagedmlx.config import EngineConfig
+from pagedmlx.kv.manager import KVCacheManager, cdiv
+from pagedmlx.request import Request, RequestStatus, SamplingParams
+from pagedmlx.scheduler import Scheduler
+from pagedmlx.scheduler_output import SchedulerOutput
+
+EOS = 0
+_arrivals = itertools.count(1)
+
+
+def make_scheduler(num_blocks: int = 16, block_size: int = 4, max_num_batched_tokens: int = 64,
+                   max_num_seqs: int = 16, long_prefill_token_threshold: int = 0,
+                   max_model_len: int = 64, policy: str = "fcfs", caching: bool = True) -> Scheduler:
+    config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens,
+                          long_prefill_token_threshold=long_prefill_token_threshold,
+                          max_model_len=max_model_len, scheduling_policy=policy,
+                          enable_prefix_caching=caching)
+    manager = KVCacheManager(num_blocks, block_size, enable_caching=caching)
+    return Scheduler(config, manager, max_model_len)
+
+
+def make_request(request_id: str, prompt: Sequence[int], max_tokens: Optional[int] = 16,
+                 arrival_time: Optional[float] = None, **kwargs) -> Request:
+    sp_keys = {"stop_token_ids", "ignore_eos"}
+    sp = SamplingParams(max_tokens=max_tokens, **{k: v for k, v in kwargs.items() if k in sp_keys})
+    rest = {k: v for k, v in kwargs.items() if k not in sp_keys}
+    rest.setdefault("eos_token_ids", (EOS,))
+    if arrival_time is None:
+        arrival_time = float(next(_arrivals))  # made in order, arrived in order
+    return Request(request_id, list(prompt), sp, arrival_time=arrival_time, **rest)
+
+
+class FakeModel:
+    """Writes scheduled tokens into a slot array and checks every context read back through pages."""
+
+    def __init__(self, sched: Scheduler, vocab: int = 50, seed: int = 0):
+        self.sched = sched
+        mgr = sched.kv_cache_manager
+        self.kv = np.full(mgr.num_blocks * mgr.block_size, -1, np.int64)
+        self.rng = random.Random(seed)
+        self.vocab = vocab
+
+    def execute(self, out: SchedulerOutput) -> None:
+        bs = self.sched.block_size
+        if out.is_empty:
+            return
+        assert len(set(out.slot_mapping.tolist())) == len(out.slot_mapping), "two tokens write one slot"
+        self.kv[out.slot_mapping] = out.input_ids
+        for i, rid in enumerate(out.req_ids):
+            req = self.sched.requests[rid]
+            lo, hi = out.query_start_loc[i], out.query_start_loc[i + 1]
+            seq_len = int(out.seq_lens[i])
+            assert hi - lo == out.num_scheduled_tokens[i]
+            assert out.positions[lo:hi].tolist() == list(range(seq_len - (hi - lo), seq_len))
+            assert out.input_ids[lo:hi].tolist() == req.all_token_ids[seq_len - (hi - lo):seq_len]
+            pos = np.arange(seq_len)
+            slots = out.block_table[i, pos // bs] * bs + pos % bs
+            assert self.kv[slots].tolist() == req.all_token_ids[:seq_len], f"{rid} reads foreign KV"
+
+    def sample(self, out: SchedulerOutput) -> list[int]:
+        return [self.rng.randrange(1, self.vocab) for _ in out.sampled_req_ids]  # never EOS
+
+    def step(self, tokens: Optional[list[int]] = None):
+        out = self.sched.schedule()
+        self.execute(out)
+        updates = self.sched.update_from_output(out, self.sample(out) if tokens is None else tokens)
+        return out, updates
+
+
+def step(sched: Scheduler, tokens: Optional[list[int]] = None, token: int = 7):
+    """One step without a model: every sampling request gets `token` (or `tokens`)."""
+    out = sched.schedule()
+    if tokens is None:
+        tokens = [token] * len(out.sampled_req_ids)
+    return out, sched.update_from_output(out, tokens)
+
+
+def check_invariants(sched: Scheduler) -> None:
+    """Page accounting that must hold between any two calls into the scheduler."""
+    mgr = sched.kv_cache_manager
+    pool = mgr.block_pool
+    bs = mgr.block_size
+    assert all(b.ref_cnt >= 0 for b in pool.blocks)
+    queue = list(pool.free_block_queue)
+    free_ids = [b.block_id for b in queue]
+    assert len(free_ids) == len(set(free_ids)) == pool.get_num_free_blocks()
+    assert set(free_ids) == {b.block_id for b in pool.blocks if b.ref_cnt == 0}
+    in_use = sum(1 for b in pool.blocks if b.ref_cnt > 0)
+    assert len(free_ids) + in_use == pool.num_blocks
+
+    # Every holder of a block, and ref counts that are exactly the number of holders.
+    holders: dict[int, list[tuple[Request, int]]] = {}
+    assert set(mgr.req_to_blocks) == set(mgr.req_to_block_ids)
+    for rid, blocks in mgr.req_to_blocks.items():
+        req = sched.requests[rid]
+        assert req.status == RequestStatus.RUNNING, f"{req} holds pages"
+        assert mgr.req_to_block_ids[rid] == [b.block_id for b in blocks]
+        assert len(blocks) == cdiv(req.num_computed_tokens, bs), f"{req} holds {len(blocks)} blocks"
+        assert len({b.block_id for b in blocks}) == len(blocks)
+        for idx, block in enumerate(blocks):
+            holders.setdefault(block.block_id, []).append((req, idx))
+    for block in pool.blocks:
+        held_by = holders.get(block.block_id, [])
+        assert block.ref_cnt == len(held_by), f"{block} has {len(held_by)} holders"
+        if len(held_by) > 1:  # shared: only through the prefix cache, at the same place in the chain
+            assert block.block_hash is not None, f"{block} is shared without a hash"
+            for req, idx in held_by:
+                assert idx < len(req.block_hashes) and req.block_hashes[idx] == block.block_hash
+                assert (idx + 1) * bs <= req.num_computed_tokens
+
+    # The prefix-cache map and the blocks' own hashes agree both ways.
+    for block_hash, block in pool.cached_block_hash_to_block.items():
+        assert block.block_hash == block_hash
+    hashed = [b for b in pool.blocks if b.block_hash is not None]
+    assert all(pool.cached_block_hash_to_block.get(b.block_hash) is b for b in hashed)
+    assert len(hashed) == len(pool.cached_block_hash_to_block)
+
+    # Queues: every live request is in exactly one; waiting ones hold nothing.
+    waiting = list(sched.waiting)
+    assert len({id(r) for r in waiting}) == len(waiting)
+    assert {r.request_id for r in waiting}.isdisjoint(r.request_id for r in sched.running)
+    assert {r.request_id for r in waiting} | {r.request_id for r in sched.running} == set(sched.requests)
+    assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in waiting)
+    assert len(sched.running) <= sched.config.max_num_seqs
+    if sched.config.scheduling_policy == "fcfs":
+        # One queue in arrival order: admission moves its boundary right, preemption moves it left,
+        # so the head of `running` is the oldest unfinished request and is never the victim.
+        arrivals = [r.arrival_time for r in sched.running + waiting]
+        assert arrivals == sorted(arrivals), "running + waiting is out of arrival order"
+
+
+def assert_no_leaks(sched: Scheduler) -> None:
+    mgr = sched.kv_cache_manager
+    pool = mgr.block_pool
+    assert not sched.has_unfinished_requests() and not sched.requests
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+    assert pool.get_num_free_blocks() == pool.num_blocks == len(list(pool.free_block_queue))
+    assert not mgr.req_to_blocks and not mgr.req_to_block_ids and not mgr.num_cached_blocks
