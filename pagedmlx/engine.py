@@ -28,6 +28,17 @@ DEFAULT_MAX_MODEL_LEN = 8192
 
 
 @dataclass
+class LaunchedStep:
+    """A step whose graph is built (and maybe running on the device) but not read back yet."""
+
+    so: SchedulerOutput
+    sampled: Any  # SamplerOutput, or None for a step of partial prefill chunks only
+    arrays: list  # what the device must compute
+    build_s: float
+    error: Optional[Exception] = None
+
+
+@dataclass
 class StepStats:
     """Where a step's time goes: host work around the forward pass versus the pass itself."""
 
@@ -61,7 +72,7 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._logprobs: dict[str, list[TokenLogprob]] = {}
         self.stats = StepStats()
-        self._inflight: Optional[tuple] = None  # the launched step whose tokens are not read yet
+        self._inflight: Optional[LaunchedStep] = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
@@ -123,29 +134,34 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one step; return the outputs of the step that completed.
 
-        With async scheduling (the default) step N+1 is scheduled and queued on the device before
-        step N's tokens are read back, so the host's work overlaps the device's: decodes of step
-        N+1 take their input tokens from step N's sampled array without a host round trip.
+        With async scheduling (the default) step N+1 is scheduled and its graph built while step N
+        runs on the device; decodes of step N+1 take their input tokens from step N's sampled array.
+        Step N+1 is dispatched right after step N's tokens are read, before they are processed
+        (appended, detokenized, streamed), so the device idles only while the graph is encoded.
+        Dispatching earlier would make every page write copy its layer's pool: the pages are still
+        referenced by step N's kernels, so MLX cannot donate them to the in-place scatter.
         """
         outputs: list[RequestOutput] = []
         if self._inflight is not None and not self._can_overlap():
-            outputs += self._complete(self._inflight)
+            outputs += self._process(self._inflight, self._wait(self._inflight))
             self._inflight = None
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
-        t1 = time.perf_counter()
-        launched = None
+        self.stats.schedule_s += time.perf_counter() - t0
+        built = None
         if not so.is_empty:
             try:
-                launched = self._launch(so)
+                built = self._build(so)
             except Exception as exc:  # graph building failed: only this step's requests fail
                 outputs += self._fail(so, exc)
-        self.stats.schedule_s += t1 - t0
-        if self._inflight is not None:
-            outputs += self._complete(self._inflight)
-        self._inflight = launched
-        if launched is not None and not self.config.async_scheduling:
-            outputs += self._complete(launched)
+        previous, self._inflight = self._inflight, built
+        rows = self._wait(previous) if previous is not None else None
+        if built is not None:
+            mx.async_eval(*built.arrays)
+        if previous is not None:
+            outputs += self._process(previous, rows)
+        if built is not None and not self.config.async_scheduling:
+            outputs += self._process(built, self._wait(built))
             self._inflight = None
         return outputs
 
@@ -154,11 +170,11 @@ class LLMEngine:
         return self.config.async_scheduling and not any(
             r.sampling_params.has_penalties for r in self.scheduler.running)
 
-    def _launch(self, so: SchedulerOutput) -> tuple:
-        """Build the step's graph and queue it on the device; nothing waits for it here."""
+    def _build(self, so: SchedulerOutput) -> LaunchedStep:
+        """Build the step's graph (lazily: nothing runs on the device yet)."""
         t = time.perf_counter()
         requests = [self.scheduler.requests[rid] for rid in so.sampled_req_ids]
-        prev_sampled = self._inflight[1] if self._inflight is not None else None
+        prev_sampled = self._inflight.sampled if self._inflight is not None else None
         prev = prev_sampled.sampled_token_ids if prev_sampled is not None else None
         logits = self.runner.forward(so, prev)
         if requests:
@@ -170,23 +186,30 @@ class LLMEngine:
                                   sampled.top_logprobs) if a is not None]
         else:  # only partial prefill chunks: nothing to sample, but the pages must be written
             sampled, arrays = None, [logits]
-        mx.async_eval(*arrays)
-        return so, sampled, arrays, time.perf_counter() - t
+        return LaunchedStep(so, sampled, arrays, time.perf_counter() - t)
 
-    def _complete(self, launched: tuple) -> list[RequestOutput]:
-        """Wait for a launched step (the one host sync), then append its tokens and emit outputs."""
-        so, sampled, arrays, build_s = launched
-        t1 = time.perf_counter()
+    def _wait(self, step: LaunchedStep) -> Optional[list]:
+        """The step's one host sync: its sampled tokens (None if the step failed)."""
+        t = time.perf_counter()
         try:
-            rows = to_host(sampled) if sampled is not None else (mx.eval(*arrays) or [])
+            rows = to_host(step.sampled) if step.sampled is not None else (mx.eval(*step.arrays) or [])
         except Exception as exc:
-            return self._fail(so, exc)
-        t2 = time.perf_counter()
+            step.error = exc
+            return None
+        self.stats.forward_s += step.build_s + time.perf_counter() - t
+        return rows
+
+    def _process(self, step: LaunchedStep, rows: Optional[list]) -> list[RequestOutput]:
+        """Append a completed step's tokens, check stops, emit outputs."""
+        so = step.so
+        if rows is None:
+            return self._fail(so, step.error)
+        t = time.perf_counter()
         by_id = dict(zip(so.sampled_req_ids, rows))
         outputs = []
         for upd in self.scheduler.update_from_output(so, [r.token_id for r in rows]):
             outputs.append(self._make_output(upd.request, upd.new_token_ids, upd.finished, by_id[upd.request.request_id]))
-        self._record(so, build_s + t2 - t1, time.perf_counter() - t2)
+        self._record(so, time.perf_counter() - t)
         return outputs
 
     def _fail(self, so: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
@@ -197,10 +220,9 @@ class LLMEngine:
                 req.num_output_placeholders = max(0, req.num_output_placeholders - 1)
         return [self._final_output(r, error=f"{type(exc).__name__}: {exc}") for r in self.scheduler.fail_step(so)]
 
-    def _record(self, so, forward_s: float, update_s: float) -> None:
+    def _record(self, so, update_s: float) -> None:
         s = self.stats
         s.num_steps += 1
-        s.forward_s += forward_s
         s.update_s += update_s
         s.num_tokens += so.total_num_scheduled_tokens
         s.num_sampled += len(so.sampled_req_ids)

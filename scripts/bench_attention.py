@@ -86,8 +86,12 @@ def main() -> None:
         if kernel:
             splits, tokens = cuda_decode.num_splits(B, nkv, S)
             tok = mx.array([tokens], mx.int32)
-            t_kernel = timed(lambda: cuda_decode.paged_decode(q, k_pages, v_pages, table, lens, scale, splits, tok),
-                             args.iters)
+            variants = {}
+            for threads, unroll in ((128, 1), (128, 2), (128, 4), (256, 1), (256, 2)):
+                variants[(threads, unroll)] = timed(lambda: cuda_decode.paged_decode(
+                    q, k_pages, v_pages, table, lens, scale, splits, tok, threads=threads, unroll=unroll), args.iters)
+            print("    variants (threads, unroll): " + ", ".join(f"{k}: {1e3 * v:.3f} ms" for k, v in variants.items()))
+            t_kernel = variants[(cuda_decode.THREADS, cuda_decode.UNROLL)]
         print(f"{case:>10} {kv_bytes / 1e6:8.0f} {ideal * 1e3:9.3f} {t_kernel * 1e3:10.3f} {t_kernel / ideal:8.2f} "
               f"{t_gather * 1e3:10.3f} {t_gather / ideal:8.2f} {t_contig * 1e3:10.3f} {t_contig / ideal:8.2f}")
         del k_pages, v_pages, kc, vc

@@ -161,6 +161,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--no-async", action="store_true", help="step in lockstep (no host/device overlap)")
     ap.add_argument("--roofline", action="store_true", help="measure the machine and print each step's ideal time")
     args = ap.parse_args()
 
@@ -186,7 +187,7 @@ def main() -> None:
     engine = LLMEngine(model, None, EngineConfig(
         block_size=args.block_size, num_blocks=num_blocks, max_num_seqs=max_b,
         max_num_batched_tokens=max(2048, args.prompt_len), long_prefill_token_threshold=0,
-        max_model_len=tokens_per_seq + 1, enable_prefix_caching=False))
+        max_model_len=tokens_per_seq + 1, enable_prefix_caching=False, async_scheduling=not args.no_async))
 
     console = Console()
     console.print(f"[bold]bench_offline[/] {name} on {mx.default_device()}, {platform.machine()}, "

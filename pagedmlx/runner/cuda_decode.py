@@ -15,17 +15,17 @@ from typing import Optional
 import mlx.core as mx
 
 THREADS = 128  # 4 warps
+UNROLL = 2  # token steps whose loads are issued together
 TARGET_BLOCKS = 1056  # ~8 thread blocks per SM of a 132-SM GPU: enough loads in flight to hide latency
 MIN_SPLIT_TOKENS = 256
 
 _ACCUMULATE = """
     // Lanes work in groups of TPT; each group holds one token's K/V row (VEC elements per lane,
-    // read as 16-byte vectors), so a warp has TOK = 32 / TPT tokens in flight per step, U steps
-    // unrolled. Every group keeps its own online-softmax state; groups, then warps, merge at the end.
+    // read as 16-byte vectors), so a warp has TOK = 32 / TPT tokens in flight per step and U steps
+    // loads issued together. Every group keeps its own online-softmax state; groups, then warps, merge at the end.
     constexpr int NW = THREADS / 32;
     constexpr int TOK = 32 / TPT;
     constexpr int NV = VEC * sizeof(T) / 16;
-    constexpr int U = 2;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int sub = lane % TPT;
@@ -218,7 +218,7 @@ def num_splits(batch: int, n_kv_heads: int, max_seq_len: int) -> tuple[int, int]
 
 def paged_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, block_table: mx.array,
                  seq_lens: mx.array, scale: float, splits: int, split_tokens: mx.array,
-                 init_value: Optional[float] = None) -> mx.array:
+                 init_value: Optional[float] = None, threads: int = THREADS, unroll: int = UNROLL) -> mx.array:
     """q (B, H, D), pages (num_blocks, n_kv, block_size, D), block_table (B, nb) int32,
     seq_lens (B,) int32, split_tokens (1,) int32 -> (B, H, D) in q's dtype.
     init_value fills the outputs before the kernels run (tests poison them with NaN)."""
@@ -228,15 +228,15 @@ def paged_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, block_table:
     inputs = [q.astype(k_pages.dtype), k_pages, v_pages, block_table, seq_lens, split_tokens,
               mx.array([scale], mx.float32)]
     tpt, vec = lane_layout(D, k_pages.dtype)
-    template = [("T", k_pages.dtype), ("D", D), ("G", G), ("BS", bs), ("THREADS", THREADS), ("TPT", tpt),
-                ("VEC", vec)]
+    template = [("T", k_pages.dtype), ("D", D), ("G", G), ("BS", bs), ("THREADS", threads), ("TPT", tpt),
+                ("VEC", vec), ("U", unroll)]
     single, split, merge = _kernels()
     if splits == 1:
-        return single(inputs=inputs, template=template, grid=(n_kv * THREADS, B, 1), threadgroup=(THREADS, 1, 1),
+        return single(inputs=inputs, template=template, grid=(n_kv * threads, B, 1), threadgroup=(threads, 1, 1),
                       output_shapes=[(B, H, D)], output_dtypes=[k_pages.dtype],
                       init_value=init_value)[0].astype(q.dtype)
     part_acc, part_m, part_l = split(
-        inputs=inputs, template=template, grid=(n_kv * THREADS, B, splits), threadgroup=(THREADS, 1, 1),
+        inputs=inputs, template=template, grid=(n_kv * threads, B, splits), threadgroup=(threads, 1, 1),
         output_shapes=[(splits, B, H, D), (splits, B, H), (splits, B, H)],
         output_dtypes=[mx.float32, mx.float32, mx.float32], init_value=init_value)
     return merge(inputs=[part_acc, part_m, part_l], template=[("T", k_pages.dtype), ("D", D)],
