@@ -108,10 +108,61 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- generate --------------------------------------------------------------------------------
+
+def add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate offline for one or more prompts")
+    add_engine_args(p)
+    p.add_argument("--prompt", action="append", required=True,
+                   help="a prompt (repeat for a batch: all of them share every forward pass)")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from pagedmlx.request import SamplingParams
+
+    console = Console(stderr=True)
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed, stop=args.stop)
+    except ValueError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return 2
+    with console.status("loading the model..."):
+        engine = build_engine(args)
+    tok = engine.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+               if args.chat else p for p in args.prompt]
+    console.print(f"[bold]pagedmlx[/] {args.model or 'default model'} on {backend_name()}, "
+                  f"{len(prompts)} prompt(s)")
+    if len(prompts) == 1:  # stream the one answer as it comes
+        engine.add_request("0", prompts[0], params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                print(out.new_text, end="", flush=True)
+        print()
+        return 0
+    from pagedmlx.engine import LLM
+
+    for prompt, out in zip(args.prompt, LLM.from_engine(engine).generate(prompts, params, use_tqdm=True)):
+        console.print(f"[bold cyan]> {prompt}[/]")
+        print(out.text)
+    return 0
+
+
 # ---- main ------------------------------------------------------------------------------------
 
 SUBCOMMANDS: dict[str, tuple[Callable[[argparse._SubParsersAction], None], Callable[[argparse.Namespace], int]]] = {
     "serve": (add_serve_parser, run_serve),
+    "generate": (add_generate_parser, run_generate),
 }
 
 
