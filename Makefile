@@ -29,5 +29,8 @@ serve: setup
 demo: setup
 	$(VENV)/bin/pagedmlx generate $(if $(MODEL),--model $(MODEL)) --prompt "What is the capital of France?" --chat $(ARGS)
 
+bench: setup
+	$(PY) scripts/bench_offline.py $(ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
