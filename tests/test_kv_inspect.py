@@ -90,6 +90,15 @@ def test_snapshot_counts_sharing_and_cached_free(engine):
     assert snap["requests"] == [] and snap["most_shared"] == []
 
 
+def test_a_leaked_block_shows(engine):
+    """A block that no request holds but whose ref count says in use (a bug) is painted as in use."""
+    pool = engine.kv_cache_manager.block_pool
+    pool.free_block_queue.remove(pool.blocks[7])
+    pool.blocks[7].ref_cnt = 1
+    snap = kv_snapshot(engine)
+    assert snap["pool"]["used"] == 1 and snap["block_states"][7] == "u" and snap["requests"] == []
+
+
 def test_render_svg_png_and_watch(engine, tmp_path):
     engine.add_request("A", A, greedy(3))
     engine.step()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import re
 import time
-from collections import Counter
 from typing import Any, Iterable
 
 FREE, CACHED, IN_USE, SHARED = ".", "c", "u", "s"
@@ -71,7 +70,7 @@ def _natural(text: str) -> tuple:
     return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", text))
 
 
-def _request_row(req: Any, block_ids: list[int], ref_cnt: list[int]) -> dict:
+def _request_row(req: Any, block_ids: list[int], held: dict) -> dict:
     return {
         "id": req.request_id,
         "state": req.status.name.lower(),
@@ -82,9 +81,23 @@ def _request_row(req: Any, block_ids: list[int], ref_cnt: list[int]) -> dict:
         "cached_tokens": max(req.num_cached_tokens, 0),
         "preemptions": req.num_preemptions,
         "blocks": len(block_ids),
-        "shared_blocks": sum(1 for b in block_ids if ref_cnt[b] > 1),
+        "shared_blocks": sum(1 for b in block_ids if held[b].ref_cnt > 1),
         "block_table": compress_ranges(block_ids),
     }
+
+
+def block_states(pool: Any, req_to_blocks: dict) -> tuple[str, dict]:
+    """One state character per block, and the blocks in use by id. Costs in proportion to the
+    blocks in use or cached, not to the pool: a large, mostly empty pool is cheap to look at."""
+    states = bytearray(FREE.encode() * pool.num_blocks)
+    for block in pool.cached_block_hash_to_block.values():
+        states[block.block_id] = ord(CACHED)
+    held = {b.block_id: b for blocks in req_to_blocks.values() for b in blocks}
+    if len(held) != pool.num_blocks - pool.get_num_free_blocks():  # a block no request holds: a leak; show it
+        held.update((b.block_id, b) for b in pool.blocks if b.ref_cnt)
+    for block_id, block in held.items():
+        states[block_id] = ord(SHARED if block.ref_cnt > 1 else IN_USE)
+    return states.decode("ascii"), held
 
 
 def kv_snapshot(engine: Any, top_shared: int = 10) -> dict:
@@ -95,16 +108,13 @@ def kv_snapshot(engine: Any, top_shared: int = 10) -> dict:
     sched = engine.scheduler
     bpb = int(engine.runner.bytes_per_block)
 
-    ref_cnt = [b.ref_cnt for b in pool.blocks]
-    states = "".join(
-        (SHARED if r > 1 else IN_USE) if r else (CACHED if b.block_hash is not None else FREE)
-        for b, r in zip(pool.blocks, ref_cnt))
-    counts = Counter(states)
+    states, held = block_states(pool, kv.req_to_blocks)
+    counts = {state: states.count(state) for state in STATE_NAMES}
     used = counts[IN_USE] + counts[SHARED]
 
-    requests = [_request_row(r, kv.get_block_ids(r.request_id), ref_cnt) for r in (*sched.running, *sched.waiting)]
+    requests = [_request_row(r, kv.get_block_ids(r.request_id), held) for r in (*sched.running, *sched.waiting)]
 
-    most_shared = sorted((b for b in pool.blocks if b.ref_cnt > 1), key=lambda b: (-b.ref_cnt, b.block_id))
+    most_shared = sorted((b for b in held.values() if b.ref_cnt > 1), key=lambda b: (-b.ref_cnt, b.block_id))
     most_shared = most_shared[:top_shared]
     holders: dict[int, list[str]] = {b.block_id: [] for b in most_shared}
     if holders:
