@@ -146,7 +146,7 @@ def run_blocks(args: argparse.Namespace, source=None) -> int:
         print(json.dumps(snap))
         return 0
     if args.svg:
-        save_svg(snap, args.svg)
+        save_svg(snap, args.svg, max_rows=args.rows)
     if args.png:
         from pagedmlx.kv.png import save_png
 

@@ -7,8 +7,9 @@ Jobs are prompts with their sampling parameters: completions over shared documen
 shared system prompts, branches of one multi-turn conversation, short unrelated prompts; greedy or
 seeded; each prompt carries a unique marker `[#qNNN]`. First every job is sent alone, one at a
 time: the server's own answer is its reference. Then N clients loop over random jobs (streaming
-mostly; some whole, some hanging up mid-stream, some deliberately invalid) for --duration seconds
-or --requests requests.
+mostly; some whole, some hanging up mid-stream, some deliberately invalid; a quarter with a fresh
+cache_salt, so that they compute everything the others find in the prefix cache) for --duration
+seconds or --requests requests.
 
 Exit 1 when an answer differs from its reference (tokens, text, finish reason or prompt), a
 response carries another prompt's marker (completions echo their prompt), an invalid request gets
@@ -166,9 +167,10 @@ async def _read_stream(resp: httpx.Response, res: Result, t0: float, hang_up_aft
 
 
 async def send(client: httpx.AsyncClient, url: str, job: Job, mode: str, model: str,
-               rng: Optional[random.Random] = None) -> Result:
-    """mode: whole (not streamed), stream, or disconnect (hang up after 1-3 tokens)."""
-    body = {**job.body, "model": model}
+               rng: Optional[random.Random] = None, salt: Optional[str] = None) -> Result:
+    """mode: whole (not streamed), stream, or disconnect (hang up after 1-3 tokens). A `salt` (vLLM's
+    cache_salt) keeps the request out of everyone else's prefix-cache entries: it computes afresh."""
+    body = {**job.body, "model": model, **({"cache_salt": salt} if salt else {})}
     res = Result(job.key, mode)
     t0 = time.perf_counter()
     try:
@@ -226,7 +228,8 @@ async def load(client: httpx.AsyncClient, url: str, model: str, jobs: list[Job],
                 continue
             mode = ("disconnect" if x < args.invalid_frac + args.disconnect_frac else
                     "whole" if x < args.invalid_frac + args.disconnect_frac + args.whole_frac else "stream")
-            results.append(await send(client, url, rng.choice(jobs), mode, model, rng))
+            salt = f"s{cid}-{rng.random()}" if rng.random() < args.salt_frac else None
+            results.append(await send(client, url, rng.choice(jobs), mode, model, rng, salt))
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker(c) for c in range(args.clients)))
@@ -390,6 +393,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     load_.add_argument("--disconnect-frac", type=float, default=0.1, help="requests that hang up mid-stream")
     load_.add_argument("--invalid-frac", type=float, default=0.05, help="deliberately invalid requests")
     load_.add_argument("--whole-frac", type=float, default=0.15, help="requests not streamed")
+    load_.add_argument("--salt-frac", type=float, default=0.25,
+                       help="requests with a fresh cache_salt: no prefix-cache hits, same answers")
     load_.add_argument("--seed", type=int, default=0)
     load_.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
     load_.add_argument("--idle-timeout", type=float, default=15.0,

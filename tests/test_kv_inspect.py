@@ -108,12 +108,12 @@ def test_render_svg_png_and_watch(engine, tmp_path):
     console = Console(record=True, width=100, file=io.StringIO())
     console.print(render(snap, 100))
     text = console.export_text()
-    for words in ("32 blocks × 4 tokens", "5 blocks (15.6%", "2 of them shared", "0-1,3-4", "most shared",
+    for words in ("32 blocks × 4 tokens", "5 blocks (15.6%", "2 of them shared", "0-1, 3-4", "most shared",
                   "free 27", "shared 2", "in use 3"):
         assert words in text, words
     save_svg(snap, str(tmp_path / "kv.svg"))
     root = ET.parse(tmp_path / "kv.svg").getroot()
-    assert root.tag.endswith("svg") and "0-1,3-4" in (tmp_path / "kv.svg").read_text()
+    assert root.tag.endswith("svg") and "0-1,&#160;3-4" in (tmp_path / "kv.svg").read_text()
     pytest.importorskip("PIL")
     from pagedmlx.kv.png import save_png
 

@@ -10,6 +10,7 @@ import sys
 import time
 
 import mlx.core as mx
+import pytest
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
 sys.path.insert(0, SCRIPTS)
@@ -102,6 +103,7 @@ def test_stress_fails_against_a_server_that_mixes_up_rows(capsys):
     assert rc == 1 and "FAIL" in out and "mismatch" in out
 
 
+@pytest.mark.stress
 def test_stress_short_run_passes():
     """The CI form: 24 clients for 25 s against `pagedmlx serve --model random:llama-tiny` (spawned),
     with a pool small enough to preempt."""

@@ -96,32 +96,46 @@ def summary_panel(snap: dict) -> Panel:
     return Panel(grid, title=f"[bold]pagedmlx KV pool[/]{model}", subtitle=when, expand=False)
 
 
-def requests_table(snap: dict, max_rows: int = 20) -> Table:
+def short_id(request_id: str, width: int = 10) -> str:
+    """Server ids are 32 hex digits; their first ones are enough to tell requests apart."""
+    return request_id if len(request_id) <= width else request_id[:width - 1] + "…"
+
+
+def _fixed(table: Table, names: tuple[str, ...], widths: dict[str, int], justify: str = "right") -> None:
+    for name in names:
+        table.add_column(name, justify=justify, no_wrap=True, width=widths.get(name, max(len(name), 5)))
+
+
+def requests_table(snap: dict, width: int = 100, max_rows: int = 20) -> Table:
+    """One row per request. Narrow terminals lose the `computed` and `cached` columns; the block
+    table wraps between ranges."""
     reqs = snap["requests"]
-    table = Table(title=f"requests ({len(reqs)})", title_justify="left", expand=False)
-    for name, kw in (("id", {"max_width": 14, "no_wrap": True}), ("state", {}), ("prompt", {"justify": "right"}),
-                     ("computed", {"justify": "right"}), ("output", {"justify": "right"}),
-                     ("cached", {"justify": "right"}), ("blocks", {"justify": "right"}),
-                     ("shared", {"justify": "right"}), ("block table", {"max_width": 40, "overflow": "ellipsis",
-                                                                        "no_wrap": True})):
-        table.add_column(name, **kw)
+    table = Table(title=f"requests ({len(reqs)})", title_justify="left", expand=False,
+                  caption=f"… and {len(reqs) - max_rows} more" if len(reqs) > max_rows else None)
+    numbers = ("prompt", "computed", "output", "cached", "blocks", "shared") if width >= 100 else \
+        ("prompt", "output", "blocks", "shared")
+    _fixed(table, ("id", "state"), {"id": 10, "state": 10}, justify="left")
+    _fixed(table, numbers, {"computed": 8})
+    table.add_column("block table", min_width=9)
     for r in reqs[:max_rows]:
+        cells = {"prompt": r["prompt_tokens"], "computed": r["computed_tokens"], "output": r["output_tokens"],
+                 "cached": r["cached_tokens"], "blocks": r["blocks"],
+                 "shared": f"[{STYLES[SHARED]}]{r['shared_blocks']}[/]" if r["shared_blocks"] else "0"}
         state = r["state"] + (f" ×{r['preemptions']}" if r["preemptions"] else "")
-        table.add_row(r["id"], state, str(r["prompt_tokens"]), str(r["computed_tokens"]), str(r["output_tokens"]),
-                      str(r["cached_tokens"]), str(r["blocks"]),
-                      f"[{STYLES[SHARED]}]{r['shared_blocks']}[/]" if r["shared_blocks"] else "0",
-                      r["block_table"] or "-")
-    if len(reqs) > max_rows:
-        table.caption = f"… and {len(reqs) - max_rows} more"
+        table.add_row(short_id(r["id"]), state, *(str(cells[n]) for n in numbers),
+                      r["block_table"].replace(",", ", ") or "-")
     return table
 
 
 def shared_table(snap: dict) -> Table:
     table = Table(title="most shared blocks", title_justify="left", expand=False)
-    for name in ("block", "refs", "hash", "tokens", "held by"):
-        table.add_column(name, no_wrap=True, max_width=48 if name == "tokens" else 36, overflow="ellipsis")
+    _fixed(table, ("block", "refs"), {"refs": 4})
+    _fixed(table, ("hash",), {"hash": 12}, justify="left")
+    table.add_column("tokens", ratio=3, min_width=10)
+    table.add_column("held by", ratio=2, min_width=10)
     for b in snap["most_shared"]:
-        held = ", ".join(b["held_by"][:4]) + (f" +{len(b['held_by']) - 4}" if len(b["held_by"]) > 4 else "")
+        held = ", ".join(short_id(h, 8) for h in b["held_by"][:3])
+        held += f" +{len(b['held_by']) - 3}" if len(b["held_by"]) > 3 else ""
         table.add_row(str(b["block_id"]), str(b["ref_cnt"]), b["hash"] or "-", repr(b["text"]) if b["text"] else "",
                       held)
     return table
@@ -170,7 +184,7 @@ def pool_picture(snap: dict, width: int = 100, max_rows: int = 32) -> Panel:
 def render(snap: dict, width: int = 100, max_rows: int = 20) -> RenderableType:
     parts: list[RenderableType] = [summary_panel(snap), pool_picture(snap, width)]
     if snap["requests"]:
-        parts.append(requests_table(snap, max_rows))
+        parts.append(requests_table(snap, width, max_rows))
     if snap["most_shared"]:
         parts.append(shared_table(snap))
     return Group(*parts)
@@ -178,10 +192,10 @@ def render(snap: dict, width: int = 100, max_rows: int = 20) -> RenderableType:
 
 # ---- outputs ----------------------------------------------------------------------------------
 
-def save_svg(snap: dict, path: str, width: int = 100) -> None:
+def save_svg(snap: dict, path: str, width: int = 100, max_rows: int = 20) -> None:
     """The terminal view as an SVG (rich's export: a terminal window a browser can open)."""
     console = Console(record=True, width=width, file=io.StringIO(), force_terminal=True, color_system="truecolor")
-    console.print(render(snap, width))
+    console.print(render(snap, width, max_rows))
     console.save_svg(path, title="pagedmlx blocks")
 
 
