@@ -1,4 +1,4 @@
-"""The verifier of scripts/stress.py: what one response must satisfy, and the run's verdict.
+"""The verifier of scripts/stress.py: what one response must satisfy, the run's verdict and its report.
 
 Kept apart from the load generator so that tests can feed it doctored results (a server that
 mixes up responses must fail)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -138,3 +138,46 @@ def percentiles(values: list[float], qs=(50, 90, 99)) -> list[float]:
     if not values:
         return [float("nan")] * len(qs)
     return [float(v) * 1000 for v in np.percentile(values, qs)]
+
+
+def report(results: list[Result], wall: float, ref_s: float, before: dict, after: dict, verdict: Verdict,
+           model: str, args: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    answered = [r for r in results if r.mode in ("stream", "whole") and r.status == 200 and not r.error_kind]
+    tokens = sum(len(r.token_ids) for r in results if r.mode != "invalid")
+    modes = {m: sum(1 for r in results if r.mode == m) for m in ("stream", "whole", "disconnect", "invalid")}
+    pc0, pc1 = before["prefix_cache"], after["prefix_cache"]
+    queries, hits = pc1["queries"] - pc0["queries"], pc1["hits"] - pc0["hits"]
+    ttft = percentiles([r.ttft for r in results if r.ttft is not None])
+    itl = percentiles([x for r in results for x in r.itls])
+    table = Table(title=f"stress: {args.clients} clients against {model}, {wall:.1f} s", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("requests", f"{len(results)}: {modes['stream']} streamed, {modes['whole']} whole, "
+                              f"{modes['disconnect']} hung up mid-stream, {modes['invalid']} invalid")
+    table.add_row("verified", f"{len(answered)} answers equal the server's solo answer for their prompt "
+                              f"({args.jobs} prompts, references took {ref_s:.1f} s)" if not verdict.failed
+                  else f"{len(answered)} answered; see the errors below")
+    table.add_row("requests/s", f"{len(results) / wall:.1f}")
+    table.add_row("output tok/s", f"{tokens / wall:.1f}")
+    table.add_row("TTFT ms", "p50 {:.1f}   p90 {:.1f}   p99 {:.1f}".format(*ttft))
+    table.add_row("ITL ms", "p50 {:.1f}   p90 {:.1f}   p99 {:.1f}".format(*itl))
+    table.add_row("preemptions", str(after["scheduler"]["preemptions"] - before["scheduler"]["preemptions"]))
+    table.add_row("prefix cache", f"hit rate {hits / queries:.1%} ({hits} of {queries} prompt tokens)"
+                  if queries else "no queries")
+    pool = after["pool"]
+    table.add_row("pool after", f"{pool['used']} of {pool['num_blocks']} blocks in use, "
+                                f"{pool['cached_free']} cached, {after['scheduler']['running']} running, "
+                                f"{after['scheduler']['waiting']} waiting")
+    table.add_row("verdict", "[bold red]FAIL[/]" if verdict.failed else "[bold green]PASS[/]")
+    console = Console()
+    console.print(table)
+    if verdict.errors:
+        errors = Table(title="errors and expected refusals by kind")
+        for col in ("kind", "count", "fails the run", "first example"):
+            errors.add_column(col, overflow="fold")
+        for kind, count in sorted(verdict.errors.items()):
+            errors.add_row(kind, str(count), "yes" if kind in FATAL else "no", verdict.examples.get(kind) or "")
+        console.print(errors)

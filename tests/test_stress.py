@@ -54,7 +54,8 @@ def test_check_answer():
 def test_check_invalid_and_pool():
     assert check_invalid(400) is None and check_invalid(404) is None and check_invalid(413) is None
     assert check_invalid(500) == "http_5xx" and check_invalid(200) == "invalid_not_4xx"
-    snap = {"pool": {"used": 0, "free": 6, "cached_free": 2, "num_blocks": 8}, "scheduler": {"running": 0, "waiting": 0}}
+    snap = {"pool": {"used": 0, "free": 6, "cached_free": 2, "num_blocks": 8},
+            "scheduler": {"running": 0, "waiting": 0}}
     assert check_pool(snap) is None
     snap["pool"].update(used=1, free=5)
     assert "1 blocks still in use" in check_pool(snap)

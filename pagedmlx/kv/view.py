@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import itertools
 import math
 import time
 from collections import Counter
@@ -212,12 +213,10 @@ def watch(fetch: Callable[[], dict], interval: float = 1.0, console: Optional[Co
         except SnapshotError as exc:
             return Panel(str(exc), title="pagedmlx blocks", style="red")
 
-    with Live(frame(), console=console, auto_refresh=False, screen=False) as live:
-        done = 1
-        try:
-            while iterations is None or done < iterations:
+    try:
+        with Live(frame(), console=console, auto_refresh=False) as live:
+            for _ in itertools.count(1) if iterations is None else range(1, iterations):
                 time.sleep(interval)
                 live.update(frame(), refresh=True)
-                done += 1
-        except KeyboardInterrupt:
-            pass
+    except KeyboardInterrupt:  # Ctrl-C ends the watch, whatever it was doing
+        pass
