@@ -24,7 +24,8 @@ def backend_name() -> str:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Options shared by every subcommand that builds an engine."""
-    p.add_argument("--model", default=None, help="mlx-lm folder or hub name, or a .gguf file (default: SmolLM2)")
+    p.add_argument("--model", default=None, help="mlx-lm folder or hub name, a .gguf file, or random:llama-tiny "
+                                                 "(a random-weight test model) (default: SmolLM2)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
     pool = p.add_mutually_exclusive_group()
     pool.add_argument("--num-blocks", type=int, default=None, help="KV pool size in pages")
@@ -155,6 +156,52 @@ def run_generate(args: argparse.Namespace) -> int:
     for prompt, out in zip(args.prompt, LLM.from_engine(engine).generate(prompts, params, use_tqdm=True)):
         console.print(f"[bold cyan]> {prompt}[/]")
         print(out.text)
+# ---- blocks ----------------------------------------------------------------------------------
+
+def add_blocks_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("blocks", help="show a server's KV page pool: who holds which blocks, sharing, cache")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
+    p.add_argument("--api-key", default=None, help="the server's API key (default: $PAGEDMLX_API_KEY)")
+    p.add_argument("--watch", action="store_true", help="refresh in place until Ctrl-C")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
+    p.add_argument("--json", action="store_true", help="print one snapshot as JSON and exit")
+    p.add_argument("--svg", metavar="FILE", default=None, help="write the view to an SVG file")
+    p.add_argument("--png", metavar="FILE", default=None, help="write the pool picture to a PNG file (Pillow)")
+    p.add_argument("--rows", type=int, default=20, help="request rows to show (default 20)")
+
+
+def run_blocks(args: argparse.Namespace, source=None) -> int:
+    """`source`: an LLMEngine or AsyncEngine in this process instead of --url (library use, tests)."""
+    import json
+
+    from rich.console import Console
+
+    from pagedmlx.kv.view import SnapshotError, get_snapshot, render, save_svg, watch
+
+    api_key = args.api_key or os.environ.get("PAGEDMLX_API_KEY") or None
+    source = args.url if source is None else source
+    console = Console()
+    try:
+        if args.watch:
+            watch(lambda: get_snapshot(source, api_key), args.interval, console)
+            return 0
+        snap = get_snapshot(source, api_key)
+    except SnapshotError as exc:
+        Console(stderr=True).print(f"[red]pagedmlx blocks:[/] {exc}")
+        return 1
+    if args.json:
+        print(json.dumps(snap))
+        return 0
+    if args.svg:
+        save_svg(snap, args.svg, max_rows=args.rows)
+    if args.png:
+        from pagedmlx.kv.png import save_png
+
+        save_png(snap, args.png)
+    if args.svg or args.png:
+        console.print("wrote " + " and ".join(f for f in (args.svg, args.png) if f))
+        return 0
+    console.print(render(snap, console.width, args.rows))
     return 0
 
 
@@ -163,6 +210,7 @@ def run_generate(args: argparse.Namespace) -> int:
 SUBCOMMANDS: dict[str, tuple[Callable[[argparse._SubParsersAction], None], Callable[[argparse.Namespace], int]]] = {
     "serve": (add_serve_parser, run_serve),
     "generate": (add_generate_parser, run_generate),
+    "blocks": (add_blocks_parser, run_blocks),
 }
 
 

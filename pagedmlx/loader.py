@@ -1,4 +1,5 @@
-"""Pick a loader for a model argument: the default model, a GGUF file, or anything mlx_lm.load takes."""
+"""Pick a loader for a model argument: the default model, a GGUF file, a random-weight test model
+(`random:<arch>`), or anything mlx_lm.load takes."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .models.default_model import DEFAULT_MODEL, default_model_path
 from .models.gguf import load_gguf
+from .models.random_model import RANDOM_PREFIX, load_random
 
 
 def _is_gguf(model: str) -> bool:
@@ -16,9 +18,12 @@ def _is_gguf(model: str) -> bool:
 
 
 def load_model(model: str | None = None) -> tuple[nn.Module, TokenizerWrapper]:
-    """None: the default model; a path ending in .gguf: load_gguf; else mlx_lm.load (local folder or hub name)."""
+    """None: the default model; a path ending in .gguf: load_gguf; `random:<arch>`: a random-weight
+    tiny model and tokenizer (pagedmlx/models/random_model.py); else mlx_lm.load (folder or hub name)."""
     if model is None:
         return load_gguf(default_model_path())
+    if model.startswith(RANDOM_PREFIX):
+        return load_random(model)
     if _is_gguf(model):
         return load_gguf(Path(model).expanduser())
     import mlx_lm

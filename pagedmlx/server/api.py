@@ -1,5 +1,6 @@
-"""The FastAPI app: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, plus /health
-and /metrics, over one AsyncEngine. Errors always come back in OpenAI's shape."""
+"""The FastAPI app: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, plus /health,
+/metrics and the admin snapshot /v1/engine/kv, over one AsyncEngine. Errors always come back in
+OpenAI's shape."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedmlx.async_engine import AsyncEngine
+from pagedmlx.kv.inspect import kv_snapshot
 from pagedmlx.server.metrics import EngineSnapshot, ServerMetrics
 from pagedmlx.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from pagedmlx.server.serving import Serving, ServerLimits
@@ -77,6 +79,15 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: Optional[str]
     @v1.post("/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Any:
         return await respond(req, raw, serving.prepare_chat, serving.chat, serving.chat_stream)
+
+    @v1.get("/engine/kv")
+    async def engine_kv() -> Response:
+        """The page pool and who holds what (pagedmlx blocks), built in the engine thread between steps."""
+        try:
+            snap = await asyncio.wait_for(async_engine.call(kv_snapshot), timeout=10.0)
+        except Exception as exc:  # noqa: BLE001 - a dead or stuck engine
+            raise APIError(503, f"no engine snapshot: {type(exc).__name__}: {exc}", type="server_error")
+        return JSONResponse({"model": model_name, **snap})
 
     app.include_router(v1)
 
