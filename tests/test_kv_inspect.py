@@ -36,7 +36,9 @@ def subset(row: dict, **want) -> bool:
 
 @pytest.fixture
 def engine() -> LLMEngine:
-    cfg = EngineConfig(block_size=4, num_blocks=32, max_model_len=64, max_num_batched_tokens=256)
+    # Lockstep steps, so that each step() leaves every request exactly one step further.
+    cfg = EngineConfig(block_size=4, num_blocks=32, max_model_len=64, max_num_batched_tokens=256,
+                       async_scheduling=False)
     return LLMEngine(make_model("llama"), make_tokenizer(512), cfg)
 
 

@@ -94,7 +94,7 @@ def test_stress_fails_against_a_server_that_mixes_up_rows(capsys):
 
     engine = make_engine()
     forward = engine.runner.forward
-    engine.runner.forward = lambda so: (lambda x: mx.roll(x, 1, axis=0) if x.shape[0] > 1 else x)(forward(so))
+    engine.runner.forward = lambda so, *a: (lambda x: mx.roll(x, 1, axis=0) if x.shape[0] > 1 else x)(forward(so, *a))
     s = Served(engine)
     try:
         rc = stress.main(["--url", s.url, "--clients", "8", "--requests", "60", "--jobs", "8", "--max-tokens", "8"])
