@@ -231,11 +231,11 @@ def announce(runner: ModelRunner, group: mx.distributed.Group, backend: str) -> 
     """Every rank: gather what each rank holds (a collective: all ranks call it in step). Returns
     one line per rank. Fails on every rank alike if the ranks' page pools differ."""
     mine = mx.array([weights_nbytes(runner.model), runner.kv_pool.nbytes, runner.num_blocks,
-                     runner.layer_specs[0][0], _DEVICES.index(_device_name())], mx.int64)
+                     runner.layer_specs[0][0], _DEVICES.index(_device_name()), os.getpid()], mx.int64)
     table = mx.distributed.all_gather(mine[None], group=group, stream=mx.cpu).tolist()
-    lines = [f"rank {r}/{group.size()} ({backend}, {_DEVICES[dev]}): weights {w:,} B, KV pool {kv:,} B = "
-             f"{nb} blocks x {runner.block_size} tokens, {heads} KV heads per layer"
-             for r, (w, kv, nb, heads, dev) in enumerate(table)]
+    lines = [f"rank {r}/{group.size()} ({backend}, {_DEVICES[dev]}, pid {pid}): weights {w:,} B, KV pool {kv:,} B"
+             f" = {nb} blocks x {runner.block_size} tokens, {heads} KV heads per layer"
+             for r, (w, kv, nb, heads, dev, pid) in enumerate(table)]
     if len({row[2] for row in table}) != 1:
         raise RuntimeError("tensor parallel: the ranks' page pools differ in size:\n  " + "\n  ".join(lines))
     return lines
@@ -288,19 +288,30 @@ def build_engine(model: nn.Module, tokenizer: Any, config: EngineConfig, group: 
     """Rank 0: shard the model and build the engine (the other ranks call run_worker)."""
     shard_model(model, group)
     engine = TPEngine(model, tokenizer, config, group, timeout)
-    atexit.register(engine.shutdown)
+    atexit.register(_at_exit, engine)
     return engine
 
 
-def run_worker(model: nn.Module, config: EngineConfig, group: mx.distributed.Group) -> int:
+def _at_exit(engine: TPEngine) -> None:
+    """Stop the other ranks; after a lost rank, end the process before MLX's teardown, which
+    aborts on the device thread still stuck in a collective."""
+    if engine.runner.lost is not None:
+        hard_exit(1)
+    engine.shutdown()
+
+
+def run_worker(model: nn.Module, config: EngineConfig, group: mx.distributed.Group,
+               timeout: float = DEFAULT_TIMEOUT) -> int:
     """Ranks 1..N-1: shard the model, build the same runner, then run rank 0's steps until it
     stops (exit code 0) or goes away (1, with the reason on stderr)."""
     rank = group.rank()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's: it drains, then stops the ranks
     try:
         shard_model(model, group)
         runner = build_runner(model, config)
         announce(runner, group, backend_of(group))
-        serve_worker(runner, group)
+        serve_worker(runner, group, timeout)
     except (RankLostError, UnsupportedModelError, RuntimeError) as exc:
         print(f"pagedmlx rank {rank}: {exc}; exiting", file=sys.stderr, flush=True)
         return 1
@@ -324,7 +335,7 @@ class LLM(_engine.LLM):
             super().__init__(model, tokenizer, **vars(config))
             return
         if group.rank() > 0:
-            code = run_worker(model, config, group)
+            code = run_worker(model, config, group, timeout)
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)  # nothing of the user's script runs on the other ranks

@@ -3,7 +3,8 @@ the others through `--tp`, as `pagedmlx serve --tp N` does), with random-weight 
 
     python tests/tp_rank.py offline OUT.json          two archs, 32 staggered requests each
     python tests/tp_rank.py serve ARGS...             `pagedmlx serve --tp 2 ARGS` on a random llama
-Environment: TP_HANG_AT_STEP=k makes rank 1 stop answering at its k-th step (a hung rank).
+Environment: TP_HANG_AT_STEP=k makes rank 1 stop answering at its k-th step (a hung rank);
+TP_TIMEOUT: seconds a step may wait on the other ranks (offline).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def hang_rank_1_at(step: int) -> None:
 
     real = tensor_parallel.serve_worker
 
-    def forward_then_hang(runner, group):
+    def forward_then_hang(runner, group, *args):
         if group.rank() == 1:
             calls = [0]
             inner = runner.forward
@@ -43,7 +44,7 @@ def hang_rank_1_at(step: int) -> None:
                 return inner(so)
 
             runner.forward = forward
-        return real(runner, group)
+        return real(runner, group, *args)
 
     tensor_parallel.serve_worker = forward_then_hang
     import pagedmlx.distributed
@@ -62,11 +63,12 @@ def offline(out_path: str) -> None:
     result = {}
     # qwen3 through the engine API, requests arriving a few at a time between steps.
     model = make_model("qwen3")
+    timeout = float(os.environ.get("TP_TIMEOUT", 30))
     if group.rank() > 0:
-        if distributed.run_worker(model, EngineConfig(**ENGINE), group):
+        if distributed.run_worker(model, EngineConfig(**ENGINE), group, timeout):
             sys.exit(1)
     else:
-        engine = distributed.build_engine(model, None, EngineConfig(**ENGINE), group, timeout=10)
+        engine = distributed.build_engine(model, None, EngineConfig(**ENGINE), group, timeout)
         prompts = make_prompts(NUM_REQUESTS, ARCHS["qwen3"]["vocab_size"], seed=7)
         t0 = time.perf_counter()
         done = run_staggered(engine, prompts, params, seed=3)
@@ -76,7 +78,7 @@ def offline(out_path: str) -> None:
                                free=engine.kv_cache_manager.block_pool.get_num_free_blocks())
         engine.runner.close()  # the other ranks return from run_worker; the group stays up
     # llama through the offline LLM API (the other ranks end inside the constructor).
-    llm = distributed.LLM(make_model("llama"), None, **ENGINE)
+    llm = distributed.LLM(make_model("llama"), None, timeout=timeout, **ENGINE)
     prompts = make_prompts(NUM_REQUESTS, ARCHS["llama"]["vocab_size"], seed=8)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
