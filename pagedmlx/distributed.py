@@ -71,6 +71,17 @@ class LocalRanks:
             self.procs.append(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL))
         os.environ.update(MLX_RANK="0", MLX_HOSTFILE=self.hostfile)
         atexit.register(self.stop)
+        self.starting = True  # until rank 0's engine exists, a rank's death ends everything from here
+        threading.Thread(target=self._watch_startup, name="pagedmlx-tp-startup", daemon=True).start()
+
+    def _watch_startup(self) -> None:
+        """A rank that dies while the ranks load and check the model leaves rank 0 waiting in a
+        collective that may never return: end rank 0 too, saying why."""
+        while self.starting:
+            dead = self.status()
+            if dead:
+                hard_exit(1, f"tensor parallel: {dead} while starting")
+            time.sleep(0.2)
 
     def status(self) -> str:
         dead = [f"rank {i + 1} (pid {p.pid}) exited with {_exit_words(p.returncode)}"
@@ -288,6 +299,8 @@ def build_engine(model: nn.Module, tokenizer: Any, config: EngineConfig, group: 
     """Rank 0: shard the model and build the engine (the other ranks call run_worker)."""
     shard_model(model, group)
     engine = TPEngine(model, tokenizer, config, group, timeout)
+    if _local_ranks is not None:
+        _local_ranks.starting = False  # the driver's watchdog takes over
     atexit.register(_at_exit, engine)
     return engine
 

@@ -83,8 +83,11 @@ class TPDriver:
 
     def close(self, timeout: float = 5.0) -> None:
         """Tell the other ranks to exit (they return from serve_worker); idempotent."""
-        fut = self._submit(STOP, None)
+        fut = Future()
         with self._lock:
+            if self._stopped or self.lost is not None:
+                return
+            self._jobs.put((STOP, None, fut))
             self._stopped = True
         try:
             fut.result(timeout)
