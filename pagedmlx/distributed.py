@@ -83,7 +83,12 @@ class LocalRanks:
                 hard_exit(1, f"tensor parallel: {dead} while starting")
             time.sleep(0.2)
 
-    def status(self) -> str:
+    def status(self, wait: float = 0.0) -> str:
+        """Which ranks have exited, and how; waits up to `wait` s for one to (a rank's sockets
+        close a moment before its exit status is ready)."""
+        deadline = time.monotonic() + wait
+        while not any(p.poll() is not None for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.02)
         dead = [f"rank {i + 1} (pid {p.pid}) exited with {_exit_words(p.returncode)}"
                 for i, p in enumerate(self.procs) if p.poll() is not None]
         return "; ".join(dead)
@@ -273,7 +278,7 @@ class TPEngine(_engine.LLMEngine):
         runner = build_runner(self.model, self.config, verify)
         self.rank_lines = announce(runner, self.group, backend_of(self.group))
         return TPDriver(runner, self.group, self.timeout,
-                        describe_peers=_local_ranks.status if _local_ranks is not None else None)
+                        describe_peers=(lambda: _local_ranks.status(wait=1.0)) if _local_ranks else None)
 
     def step(self):
         if self.runner.lost is not None:

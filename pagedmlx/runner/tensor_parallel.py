@@ -201,17 +201,19 @@ def _is_comm_error(exc: BaseException) -> bool:
 def serve_worker(runner, group: mx.distributed.Group, timeout: float = 60.0) -> None:
     """Run rank 0's steps on this rank's shard until rank 0 sends STOP. Raises RankLostError when
     rank 0 goes away (its connection closes) or a step fails here; a step stuck for longer than
-    `timeout` (a collective that lost its peer) ends the process from a watchdog thread."""
+    twice `timeout` (a collective that lost its peer) ends the process from a watchdog thread.
+    Twice: rank 0 gives up after `timeout`, and it is rank 0 that should say why."""
     rank = group.rank()
     control = ControlClient(group)  # in step with rank 0's ControlServer
     state = {"since": None, "done": False}
 
     def watch() -> None:
+        limit = 2 * timeout
         while not state["done"]:
-            time.sleep(min(1.0, timeout / 10))
+            time.sleep(min(1.0, limit / 10))
             since = state["since"]
-            if since is not None and time.monotonic() - since > timeout:
-                print(f"pagedmlx rank {rank}: a step has waited on the other ranks for {timeout:g} s; exiting",
+            if since is not None and time.monotonic() - since > limit:
+                print(f"pagedmlx rank {rank}: a step has waited on the other ranks for {limit:g} s; exiting",
                       file=sys.stderr, flush=True)
                 os._exit(1)
 
