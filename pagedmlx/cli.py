@@ -123,7 +123,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if group is not None:
         engine.shutdown()  # the other ranks exit
         if lost["error"] is not None:
-            distributed.hard_exit(1, "a rank was lost")
+            distributed.hard_exit(1, "stopped after the error above")
     console.print("pagedmlx: stopped")
     return 0
 

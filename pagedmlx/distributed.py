@@ -38,7 +38,7 @@ from pagedmlx.runner.tensor_parallel import RankLostError, TPDriver, serve_worke
 
 logger = logging.getLogger("pagedmlx")
 
-DEFAULT_TIMEOUT = 60.0  # seconds a step (or a ping) may wait on the other ranks
+DEFAULT_TIMEOUT = 60.0  # seconds a step may wait on the other ranks
 CONNECT_TIMEOUT = 120.0  # seconds for all ranks to start and connect
 
 # Environment a launcher sets, by backend (mlx.launch: MLX_RANK + MLX_HOSTFILE for ring, ...).
@@ -243,14 +243,15 @@ def _device_name() -> str:
 _DEVICES = ("CPU", "Metal", "CUDA", "GPU")
 
 
-def announce(runner: ModelRunner, group: mx.distributed.Group, backend: str) -> list[str]:
+def announce(runner: ModelRunner, group: mx.distributed.Group) -> list[str]:
     """Every rank: gather what each rank holds (a collective: all ranks call it in step). Returns
     one line per rank. Fails on every rank alike if the ranks' page pools differ."""
     mine = mx.array([weights_nbytes(runner.model), runner.kv_pool.nbytes, runner.num_blocks,
                      runner.layer_specs[0][0], _DEVICES.index(_device_name()), os.getpid()], mx.int64)
     table = mx.distributed.all_gather(mine[None], group=group, stream=mx.cpu).tolist()
+    backend = launched_backend() or "ring"
     lines = [f"rank {r}/{group.size()} ({backend}, {_DEVICES[dev]}, pid {pid}): weights {w:,} B, KV pool {kv:,} B"
-             f" = {nb} blocks x {runner.block_size} tokens, {heads} KV heads per layer"
+             f" = {nb} blocks x {runner.block_size} tokens, {heads} KV head{'s' * (heads != 1)} per layer"
              for r, (w, kv, nb, heads, dev, pid) in enumerate(table)]
     if len({row[2] for row in table}) != 1:
         raise RuntimeError("tensor parallel: the ranks' page pools differ in size:\n  " + "\n  ".join(lines))
@@ -276,9 +277,9 @@ class TPEngine(_engine.LLMEngine):
 
     def make_runner(self, verify: bool) -> TPDriver:
         runner = build_runner(self.model, self.config, verify)
-        self.rank_lines = announce(runner, self.group, backend_of(self.group))
+        self.rank_lines = announce(runner, self.group)
         return TPDriver(runner, self.group, self.timeout,
-                        describe_peers=(lambda: _local_ranks.status(wait=1.0)) if _local_ranks else None)
+                        peers_status=_local_ranks.status if _local_ranks else None)
 
     def step(self):
         if self.runner.lost is not None:
@@ -293,10 +294,6 @@ class TPEngine(_engine.LLMEngine):
         self.runner.close()
         if _local_ranks is not None:
             _local_ranks.stop()
-
-
-def backend_of(group: mx.distributed.Group) -> str:
-    return launched_backend() or "ring"
 
 
 def build_engine(model: nn.Module, tokenizer: Any, config: EngineConfig, group: mx.distributed.Group,
@@ -328,7 +325,7 @@ def run_worker(model: nn.Module, config: EngineConfig, group: mx.distributed.Gro
     try:
         shard_model(model, group)
         runner = build_runner(model, config)
-        announce(runner, group, backend_of(group))
+        announce(runner, group)
         serve_worker(runner, group, timeout)
     except (RankLostError, UnsupportedModelError, RuntimeError) as exc:
         print(f"pagedmlx rank {rank}: {exc}; exiting", file=sys.stderr, flush=True)

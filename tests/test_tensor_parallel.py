@@ -98,7 +98,7 @@ def test_two_ranks_offline_equal_single_process():
         # Each rank holds half the KV heads, and less than the whole model's weights.
         lines = got["rank_lines"]
         assert len(lines) == 2 and all(f"{ENGINE['num_blocks']} blocks" in line for line in lines)
-        assert all("1 KV heads per layer" in line for line in lines)  # 2 KV heads, split in two
+        assert all("1 KV head per layer" in line for line in lines)  # 2 KV heads, split in two
 
 
 def test_hung_rank_fails_the_run_within_the_timeout():
@@ -178,3 +178,22 @@ def _read(f) -> str:
     f.flush()
     f.seek(0)
     return f.read()
+
+
+def test_models_that_cannot_be_split_are_refused_by_name():
+    import types
+
+    import mlx.nn as nn
+
+    from pagedmlx.distributed import shard_model
+    from pagedmlx.runner.model import UnsupportedModelError
+
+    three = types.SimpleNamespace(size=lambda: 3, rank=lambda: 0)
+    with pytest.raises(UnsupportedModelError, match=r"'llama' cannot be split across 3 ranks: layer 0 has n_heads = 8"):
+        shard_model(make_model("llama_tied", seed=1), three)
+
+    class NoShard(nn.Module):
+        args = types.SimpleNamespace(model_type="mamba")
+
+    with pytest.raises(UnsupportedModelError, match=r"'mamba' cannot be split across 3 ranks: .* no shard\(\) method"):
+        shard_model(NoShard(), three)

@@ -45,11 +45,12 @@ class TPDriver:
     logits come back evaluated."""
 
     def __init__(self, runner, group: mx.distributed.Group, timeout: float = 60.0,
-                 describe_peers: Optional[Callable[[], str]] = None):
+                 peers_status: Optional[Callable[[float], str]] = None):
         self.runner = runner
         self.group = group
         self.timeout = timeout
-        self.describe_peers = describe_peers  # extra words for errors, e.g. the exit codes of local ranks
+        # peers_status(wait): words on ranks known to have exited (local ranks), waiting up to `wait` s
+        self.peers_status = peers_status
         self.lost: Optional[RankLostError] = None
         self._listeners: list[Callable[[RankLostError], None]] = []
         self._lock = threading.Lock()
@@ -58,7 +59,7 @@ class TPDriver:
         self._current: Optional[Future] = None
         self._seq = 0
         self._stopped = False
-        self.control = ControlServer(group, dead_ranks=describe_peers)  # in step with the ranks' ControlClient
+        self.control = ControlServer(group, dead_ranks=peers_status and (lambda: peers_status(0.0)))
         self._thread = threading.Thread(target=self._device_loop, name="pagedmlx-tp-device", daemon=True)
         self._watchdog = threading.Thread(target=self._watch, name="pagedmlx-tp-watchdog", daemon=True)
         self._thread.start()
@@ -154,7 +155,7 @@ class TPDriver:
 
     def _peers(self) -> str:
         try:
-            extra = self.describe_peers() if self.describe_peers else ""
+            extra = self.peers_status(1.0) if self.peers_status else ""
         except Exception:  # noqa: BLE001
             extra = ""
         return f"; {extra}" if extra else ""
