@@ -70,6 +70,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on Ctrl-C, seconds in-flight requests get to finish before they are aborted")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="tensor parallelism: split the model over N ranks. Without a launcher, starts N local "
+                        "processes (ring backend on loopback); under mlx.launch, the launcher's ranks are used")
+    p.add_argument("--tp-timeout", type=float, default=60.0,
+                   help="seconds a step may wait on the other ranks before the server gives up (default 60)")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -81,8 +86,15 @@ def run_serve(args: argparse.Namespace) -> int:
     from pagedmlx.server.serving import ServerLimits
 
     console = Console(stderr=True)
+    from pagedmlx import distributed  # tensor parallelism, when launched so or asked for with --tp
+
+    group = distributed.join_group(args.tp)  # None: one process
+    if group is not None and group.rank() > 0:
+        return distributed.run_worker(distributed.load_model(args.model)[0], engine_config(args), group,
+                                      args.tp_timeout)
     with console.status("loading the model..."):
-        engine = build_engine(args)
+        engine = build_engine(args) if group is None else distributed.build_engine(
+            *distributed.load_model(args.model), engine_config(args), group, args.tp_timeout)
     name = args.served_model_name or args.model or "default"  # as vLLM: the --model string
     async_engine = AsyncEngine(engine, max_waiting=args.max_waiting)
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_n=args.max_n, max_tokens=args.max_tokens_cap)
@@ -94,17 +106,25 @@ def run_serve(args: argparse.Namespace) -> int:
     console.print(f"  KV pool: {pool.num_blocks} blocks x {engine.config.block_size} tokens = "
                   f"{pool.nbytes / 1e9:.2f} GB; max_model_len {engine.max_model_len}; "
                   f"max_num_seqs {engine.config.max_num_seqs}")
+    for line in getattr(engine, "rank_lines", []):
+        console.print(f"  {line}", soft_wrap=True)
     console.print(f"  API key: {'required' if api_key else 'none'}; URL: [link={url}]{url}[/link]")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         console.print("[yellow]warning:[/] listening beyond this machine without --api-key")
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=int(args.drain_timeout) + 1)
+    server = uvicorn.Server(config)
+    lost = distributed.exit_on_rank_loss(engine, async_engine, server, console) if group else None
     try:
-        uvicorn.Server(config).run()  # Ctrl-C: stop accepting, drain, then the lifespan stops the engine
+        server.run()  # Ctrl-C: stop accepting, drain, then the lifespan stops the engine
     except KeyboardInterrupt:  # uvicorn re-raises the signal it handled once it has shut down
         pass
     finally:
         async_engine.shutdown(timeout=0)
+    if group is not None:
+        engine.shutdown()  # the other ranks exit
+        if lost["error"] is not None:
+            distributed.hard_exit(1, "stopped after the error above")
     console.print("pagedmlx: stopped")
     return 0
 

@@ -60,8 +60,7 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(model, self.config.block_size, self.config.num_blocks,
-                                  self.config.kv_cache_memory_gb, verify=verify_model)
+        self.runner = self.make_runner(verify_model)
         self.max_model_len = self._max_model_len()
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, self.config.block_size,
                                                self.config.enable_prefix_caching)
@@ -73,6 +72,11 @@ class LLMEngine:
         self._logprobs: dict[str, list[TokenLogprob]] = {}
         self.stats = StepStats()
         self._inflight: Optional[LaunchedStep] = None
+
+    def make_runner(self, verify: bool) -> ModelRunner:
+        """Hook: tensor parallelism (pagedmlx.distributed.TPEngine) wraps the runner."""
+        return ModelRunner(self.model, self.config.block_size, self.config.num_blocks,
+                           self.config.kv_cache_memory_gb, verify=verify)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":

@@ -1,0 +1,412 @@
+"""Tensor parallelism over mx.distributed: join (or start) the group of ranks, split the model,
+and build rank 0's engine or run a worker rank. The step protocol is runner/tensor_parallel.py.
+
+Two ways to start N ranks:
+- `mlx.launch --hostfile hosts.json --backend ring -- pagedmlx serve ...` (or any launcher that
+  sets MLX's environment): every process joins the group the environment describes;
+- `pagedmlx serve --tp N` with no launcher: this process becomes rank 0 and starts ranks 1..N-1
+  as copies of its own command line, on this machine, joined by the ring backend on loopback.
+
+Rank 0 owns the HTTP server, the scheduler and the block accounting; the other ranks only run
+forward passes on their shard (`model.shard(group)`, as mlx-lm's model classes define it: attention
+heads and MLP columns split, embeddings and LM head whole, so every rank ends with the full logits).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Optional, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from pagedmlx import engine as _engine
+from pagedmlx.config import EngineConfig
+from pagedmlx.runner.model import ModelRunner, UnsupportedModelError, model_type
+from pagedmlx.runner.tensor_parallel import RankLostError, TPDriver, serve_worker
+
+logger = logging.getLogger("pagedmlx")
+
+DEFAULT_TIMEOUT = 60.0  # seconds a step may wait on the other ranks
+CONNECT_TIMEOUT = 120.0  # seconds for all ranks to start and connect
+
+# Environment a launcher sets, by backend (mlx.launch: MLX_RANK + MLX_HOSTFILE for ring, ...).
+_LAUNCH_ENV = (("MLX_JACCL_COORDINATOR", "jaccl"), ("MLX_IBV_DEVICES", "jaccl"), ("NCCL_HOST_IP", "nccl"),
+               ("MLX_HOSTFILE", "ring"), ("OMPI_COMM_WORLD_SIZE", "mpi"), ("PMI_SIZE", "mpi"))
+
+
+def launched_backend() -> Optional[str]:
+    """The backend a launcher (mlx.launch, mpirun) started this process for, or None."""
+    for var, backend in _LAUNCH_ENV:
+        if os.environ.get(var):
+            return backend
+    return None
+
+
+# ---- the group -----------------------------------------------------------------------------------
+
+class LocalRanks:
+    """Ranks 1..N-1 that this process started (`--tp N`): copies of its command line."""
+
+    def __init__(self, n: int):
+        ports = _free_ports(n)
+        fd, self.hostfile = tempfile.mkstemp(prefix="pagedmlx-tp-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump([[f"127.0.0.1:{p}"] for p in ports], f)
+        argv = [sys.executable, *getattr(sys, "orig_argv", [sys.executable, *sys.argv])[1:]]
+        self.procs = []
+        for rank in range(1, n):
+            env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=self.hostfile, PAGEDMLX_TP_PARENT=str(os.getpid()))
+            self.procs.append(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL))
+        os.environ.update(MLX_RANK="0", MLX_HOSTFILE=self.hostfile)
+        atexit.register(self.stop)
+        self.starting = True  # until rank 0's engine exists, a rank's death ends everything from here
+        threading.Thread(target=self._watch_startup, name="pagedmlx-tp-startup", daemon=True).start()
+
+    def _watch_startup(self) -> None:
+        """A rank that dies while the ranks load and check the model leaves rank 0 waiting in a
+        collective that may never return: end rank 0 too, saying why."""
+        while self.starting:
+            dead = self.status()
+            if dead:
+                hard_exit(1, f"tensor parallel: {dead} while starting")
+            time.sleep(0.2)
+
+    def status(self, wait: float = 0.0) -> str:
+        """Which ranks have exited, and how; waits up to `wait` s for one to (a rank's sockets
+        close a moment before its exit status is ready)."""
+        deadline = time.monotonic() + wait
+        while not any(p.poll() is not None for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        dead = [f"rank {i + 1} (pid {p.pid}) exited with {_exit_words(p.returncode)}"
+                for i, p in enumerate(self.procs) if p.poll() is not None]
+        return "; ".join(dead)
+
+    def stop(self, grace: float = 3.0) -> None:
+        """Wait for the ranks (they exit on the stop message or rank 0's end), then end the rest."""
+        deadline = time.monotonic() + grace
+        for p in self.procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        try:
+            os.unlink(self.hostfile)
+        except OSError:
+            pass
+
+
+def _exit_words(code: Optional[int]) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
+
+
+def _die_with_parent() -> None:
+    """A rank started by --tp ends when rank 0 does, even when rank 0 was killed mid-step (Linux;
+    elsewhere the collective that loses its peer ends it)."""
+    parent = os.environ.get("PAGEDMLX_TP_PARENT")
+    if not parent:
+        return
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(parent):  # rank 0 was gone before the line above took effect
+        os._exit(1)
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+_local_ranks: Optional[LocalRanks] = None
+
+
+def join_group(tp: Optional[int] = None, connect_timeout: float = CONNECT_TIMEOUT) -> Optional[mx.distributed.Group]:
+    """The tensor-parallel group of this process, or None for a single process.
+
+    Under a launcher, join the group its environment describes (tp, if given, must match its
+    size). Otherwise tp > 1 starts ranks 1..tp-1 here (ring backend on loopback)."""
+    global _local_ranks
+    backend = launched_backend()
+    if backend is None and (tp or 1) > 1:
+        _local_ranks = LocalRanks(tp)
+        backend = "ring"
+    if backend is None:
+        return None
+    _die_with_parent()
+    group = _init(backend, connect_timeout)
+    if tp is not None and group.size() != tp:
+        raise RuntimeError(f"--tp {tp} asked for {tp} ranks, but the launcher started {group.size()}")
+    return group if group.size() > 1 else None
+
+
+def _init(backend: str, timeout: float) -> mx.distributed.Group:
+    """mx.distributed.init, which waits for every rank to connect: give up after `timeout`, or as
+    soon as a rank this process started has died."""
+    box: dict[str, Any] = {}
+
+    def init():
+        try:
+            box["group"] = mx.distributed.init(strict=True, backend=backend)
+        except Exception as exc:  # noqa: BLE001
+            box["error"] = exc
+
+    t = threading.Thread(target=init, name="pagedmlx-tp-init", daemon=True)
+    t.start()
+    deadline = time.monotonic() + timeout
+    while t.is_alive():
+        t.join(0.1)
+        dead = _local_ranks.status() if _local_ranks else ""
+        if dead or time.monotonic() > deadline:
+            raise RankLostError(f"tensor parallel: the ranks did not connect ({backend} backend) within "
+                                f"{timeout:g} s" if not dead else f"tensor parallel: {dead} before connecting")
+    if "error" in box:
+        raise RuntimeError(f"tensor parallel: could not start the {backend} backend: {box['error']}")
+    return box["group"]
+
+
+# ---- the model -----------------------------------------------------------------------------------
+
+def load_model(name: Optional[str]) -> tuple[nn.Module, Any]:
+    """As pagedmlx.loader.load_model, but mlx-lm folders and hub models load lazily, so that each
+    rank reads only its shard's weights into memory when the model is split."""
+    from pagedmlx import loader
+
+    lazy = name is not None and not name.lower().endswith(".gguf") and ":" not in name
+    if not lazy:
+        return loader.load_model(name)
+    import mlx_lm
+
+    try:
+        model, tokenizer = mlx_lm.load(name, lazy=True)[:2]
+    except Exception as e:  # noqa: BLE001 - name the model for the user
+        raise RuntimeError(f"could not load model {name!r} with mlx_lm.load: {e}") from e
+    return model, tokenizer
+
+
+def shard_model(model: nn.Module, group: mx.distributed.Group) -> nn.Module:
+    """Split the model across the group in place (mlx-lm's `model.shard`), then materialise the shard."""
+    n, kind = group.size(), model_type(model)
+    if not callable(getattr(model, "shard", None)):
+        raise UnsupportedModelError(
+            f"model type {kind!r} cannot be split across {n} ranks: its mlx-lm class has no shard() method")
+    for i, layer in enumerate(getattr(model, "layers", None) or []):
+        attn = getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
+        for attr in ("n_heads", "n_kv_heads", "num_heads", "num_key_value_heads", "num_attention_heads"):
+            value = getattr(attn, attr, None)
+            if isinstance(value, int) and value % n:
+                raise UnsupportedModelError(
+                    f"model type {kind!r} cannot be split across {n} ranks: layer {i} has {attr} = {value}, "
+                    f"which {n} does not divide")
+    try:
+        model.shard(group)
+    except (ValueError, RuntimeError) as e:
+        raise UnsupportedModelError(f"model type {kind!r} cannot be split across {n} ranks: {e}") from e
+    mx.eval(model.parameters())
+    return model
+
+
+def weights_nbytes(model: nn.Module) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def _device_name() -> str:
+    from pagedmlx.cli import backend_name
+
+    return backend_name()
+
+
+_DEVICES = ("CPU", "Metal", "CUDA", "GPU")
+
+
+def announce(runner: ModelRunner, group: mx.distributed.Group) -> list[str]:
+    """Every rank: gather what each rank holds (a collective: all ranks call it in step). Returns
+    one line per rank. Fails on every rank alike if the ranks' page pools differ."""
+    mine = mx.array([weights_nbytes(runner.model), runner.kv_pool.nbytes, runner.num_blocks,
+                     runner.layer_specs[0][0], _DEVICES.index(_device_name()), os.getpid()], mx.int64)
+    table = mx.distributed.all_gather(mine[None], group=group, stream=mx.cpu).tolist()
+    backend = launched_backend() or "ring"
+    lines = [f"rank {r}/{group.size()} ({backend}, {_DEVICES[dev]}, pid {pid}): weights {w:,} B, KV pool {kv:,} B"
+             f" = {nb} blocks x {runner.block_size} tokens, {heads} KV head{'s' * (heads != 1)} per layer"
+             for r, (w, kv, nb, heads, dev, pid) in enumerate(table)]
+    if len({row[2] for row in table}) != 1:
+        raise RuntimeError("tensor parallel: the ranks' page pools differ in size:\n  " + "\n  ".join(lines))
+    return lines
+
+
+def build_runner(model: nn.Module, config: EngineConfig, verify: bool = True) -> ModelRunner:
+    """The same runner on every rank (its load-time check runs the sharded model: in step)."""
+    return ModelRunner(model, config.block_size, config.num_blocks, config.kv_cache_memory_gb, verify=verify)
+
+
+# ---- rank 0 --------------------------------------------------------------------------------------
+
+class TPEngine(_engine.LLMEngine):
+    """LLMEngine on rank 0 of a group: its runner sends each step to the other ranks. A lost rank
+    raises RankLostError from step() (the step's requests fail), and every later step too."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any, config: Optional[EngineConfig], group: mx.distributed.Group,
+                 timeout: float = DEFAULT_TIMEOUT, verify_model: bool = True):
+        self.group, self.timeout = group, timeout
+        self.rank_lines: list[str] = []
+        super().__init__(model, tokenizer, config, verify_model=verify_model)
+
+    def make_runner(self, verify: bool) -> TPDriver:
+        runner = build_runner(self.model, self.config, verify)
+        self.rank_lines = announce(runner, self.group)
+        return TPDriver(runner, self.group, self.timeout,
+                        peers_status=_local_ranks.status if _local_ranks else None)
+
+    def step(self):
+        if self.runner.lost is not None:
+            raise self.runner.lost
+        outputs = super().step()
+        if self.runner.lost is not None:  # the step's own requests were failed above
+            raise self.runner.lost
+        return outputs
+
+    def shutdown(self) -> None:
+        """Let the other ranks exit; idempotent."""
+        self.runner.close()
+        if _local_ranks is not None:
+            _local_ranks.stop()
+
+
+def build_engine(model: nn.Module, tokenizer: Any, config: EngineConfig, group: mx.distributed.Group,
+                 timeout: float = DEFAULT_TIMEOUT) -> TPEngine:
+    """Rank 0: shard the model and build the engine (the other ranks call run_worker)."""
+    shard_model(model, group)
+    engine = TPEngine(model, tokenizer, config, group, timeout)
+    if _local_ranks is not None:
+        _local_ranks.starting = False  # the driver's watchdog takes over
+    atexit.register(_at_exit, engine)
+    return engine
+
+
+def _at_exit(engine: TPEngine) -> None:
+    """Stop the other ranks; after a lost rank, end the process before MLX's teardown, which
+    aborts on the device thread still stuck in a collective."""
+    if engine.runner.lost is not None:
+        hard_exit(1)
+    engine.shutdown()
+
+
+def run_worker(model: nn.Module, config: EngineConfig, group: mx.distributed.Group,
+               timeout: float = DEFAULT_TIMEOUT) -> int:
+    """Ranks 1..N-1: shard the model, build the same runner, then run rank 0's steps until it
+    stops (exit code 0) or goes away (1, with the reason on stderr)."""
+    rank = group.rank()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's: it drains, then stops the ranks
+    try:
+        shard_model(model, group)
+        runner = build_runner(model, config)
+        announce(runner, group)
+        serve_worker(runner, group, timeout)
+    except (RankLostError, UnsupportedModelError, RuntimeError) as exc:
+        print(f"pagedmlx rank {rank}: {exc}; exiting", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+class LLM(_engine.LLM):
+    """The offline API over a tensor-parallel group: run the same script on every rank (under
+    mlx.launch, or give tp=N to start the ranks from here). On rank 0 this is pagedmlx's LLM; on
+    the other ranks the constructor runs rank 0's steps and then ends the process, so the code
+    after it runs on rank 0 only."""
+
+    def __init__(self, model: Union[str, nn.Module, None] = None, tokenizer: Any = None, tp: Optional[int] = None,
+                 timeout: float = DEFAULT_TIMEOUT, **config: Any):
+        group = join_group(tp)
+        if not isinstance(model, nn.Module):
+            model, tok = load_model(model)
+            tokenizer = tokenizer or tok
+        config = EngineConfig(**config)
+        if group is None:
+            super().__init__(model, tokenizer, **vars(config))
+            return
+        if group.rank() > 0:
+            code = run_worker(model, config, group, timeout)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)  # nothing of the user's script runs on the other ranks
+        self.engine = build_engine(model, tokenizer, config, group, timeout)
+        for line in self.engine.rank_lines:
+            logger.info("%s", line)
+        self.tokenizer = tokenizer
+        self._counter = 0
+
+    def close(self) -> None:
+        if isinstance(self.engine, TPEngine):
+            self.engine.shutdown()
+
+
+# ---- serving -------------------------------------------------------------------------------------
+
+def exit_on_rank_loss(engine: TPEngine, async_engine, server, console, grace: float = 5.0) -> dict:
+    """Serving on rank 0: when a rank is lost (or the engine thread dies), say so, stop the HTTP
+    server (clients of unfinished requests get an error) and make sure the process ends within
+    `grace` seconds. Returns a dict whose "error" is set once that happened."""
+    state: dict[str, Any] = {"error": None}
+
+    def fail(error: BaseException) -> None:
+        if state["error"] is not None:
+            return
+        state["error"] = error
+        console.print(f"[bold red]pagedmlx: {error}[/]\npagedmlx: stopping the server")
+        server.should_exit = True
+        timer = threading.Timer(grace, lambda: hard_exit(1, "the server did not stop in time"))
+        timer.daemon = True
+        timer.start()
+
+    engine.runner.on_lost(fail)
+
+    def watch_engine_thread() -> None:
+        while state["error"] is None:
+            if async_engine.dead is not None:
+                fail(async_engine.dead)
+            time.sleep(0.2)
+
+    threading.Thread(target=watch_engine_thread, name="pagedmlx-tp-monitor", daemon=True).start()
+    return state
+
+
+def hard_exit(code: int, why: str = "") -> None:
+    """End the process now: a rank stuck in a collective would block a normal interpreter exit."""
+    if why:
+        print(f"pagedmlx: {why}; exiting", file=sys.stderr, flush=True)
+    if _local_ranks is not None:
+        for p in _local_ranks.procs:
+            if p.poll() is None:
+                p.kill()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+__all__ = ["LLM", "RankLostError", "TPEngine", "announce", "build_engine", "exit_on_rank_loss", "hard_exit",
+           "join_group", "load_model", "run_worker", "shard_model"]

@@ -1,0 +1,109 @@
+"""Test-only entry point for tensor-parallel runs: every rank runs this script (the first one starts
+the others through `--tp`, as `pagedmlx serve --tp N` does), with random-weight models from conftest.
+
+    python tests/tp_rank.py offline OUT.json          two archs, 32 staggered requests each
+    python tests/tp_rank.py serve ARGS...             `pagedmlx serve --tp 2 ARGS` on a random llama
+Environment: TP_HANG_AT_STEP=k makes rank 1 stop answering at its k-th step (a hung rank);
+TP_TIMEOUT: seconds a step may wait on the other ranks (offline).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import types
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # conftest, and pagedmlx from this checkout
+
+from conftest import ARCHS, make_model, make_tokenizer  # noqa: E402
+
+TP = 2
+ENGINE = dict(block_size=4, num_blocks=120, max_num_batched_tokens=96, long_prefill_token_threshold=48,
+              max_num_seqs=32)
+NUM_REQUESTS = 32
+MAX_TOKENS = 8
+
+
+def hang_rank_1_at(step: int) -> None:
+    from pagedmlx.runner import tensor_parallel
+
+    real = tensor_parallel.serve_worker
+
+    def forward_then_hang(runner, group, *args):
+        if group.rank() == 1:
+            calls = [0]
+            inner = runner.forward
+
+            def forward(so):
+                calls[0] += 1
+                if calls[0] >= step:
+                    time.sleep(3600)
+                return inner(so)
+
+            runner.forward = forward
+        return real(runner, group, *args)
+
+    tensor_parallel.serve_worker = forward_then_hang
+    import pagedmlx.distributed
+
+    pagedmlx.distributed.serve_worker = forward_then_hang
+
+
+def offline(out_path: str) -> None:
+    from pagedmlx import distributed
+    from pagedmlx.config import EngineConfig
+    from pagedmlx.request import SamplingParams
+    from test_batched_equals_solo import make_prompts, run_staggered
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    group = distributed.join_group(TP)
+    result = {}
+    # qwen3 through the engine API, requests arriving a few at a time between steps.
+    model = make_model("qwen3")
+    timeout = float(os.environ.get("TP_TIMEOUT", 30))
+    if group.rank() > 0:
+        if distributed.run_worker(model, EngineConfig(**ENGINE), group, timeout):
+            sys.exit(1)
+    else:
+        engine = distributed.build_engine(model, None, EngineConfig(**ENGINE), group, timeout)
+        prompts = make_prompts(NUM_REQUESTS, ARCHS["qwen3"]["vocab_size"], seed=7)
+        t0 = time.perf_counter()
+        done = run_staggered(engine, prompts, params, seed=3)
+        result["qwen3"] = dict(tokens=[done[str(i)] for i in range(len(prompts))], seconds=time.perf_counter() - t0,
+                               preemptions=engine.scheduler.num_preemptions,
+                               hits=engine.kv_cache_manager.stats.hits, rank_lines=engine.rank_lines,
+                               free=engine.kv_cache_manager.block_pool.get_num_free_blocks())
+        engine.runner.close()  # the other ranks return from run_worker; the group stays up
+    # llama through the offline LLM API (the other ranks end inside the constructor).
+    llm = distributed.LLM(make_model("llama"), None, timeout=timeout, **ENGINE)
+    prompts = make_prompts(NUM_REQUESTS, ARCHS["llama"]["vocab_size"], seed=8)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    engine = llm.engine
+    result["llama"] = dict(tokens=[o.token_ids for o in outs], seconds=time.perf_counter() - t0,
+                           preemptions=engine.scheduler.num_preemptions, hits=engine.kv_cache_manager.stats.hits,
+                           rank_lines=engine.rank_lines, free=engine.kv_cache_manager.block_pool.get_num_free_blocks())
+    llm.close()
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+def serve(argv: list[str]) -> int:
+    loader = types.ModuleType("pagedmlx.loader")
+    loader.load_model = lambda name: (make_model("llama"), make_tokenizer(ARCHS["llama"]["vocab_size"]))
+    sys.modules["pagedmlx.loader"] = loader  # no real model: the CLI loads through this
+    from pagedmlx.cli import main
+
+    return main(["serve", "--tp", str(TP), *argv])
+
+
+if __name__ == "__main__":
+    if os.environ.get("TP_HANG_AT_STEP"):
+        hang_rank_1_at(int(os.environ["TP_HANG_AT_STEP"]))
+    if sys.argv[1] == "offline":
+        offline(sys.argv[2])
+    else:
+        sys.exit(serve(sys.argv[2:]))
