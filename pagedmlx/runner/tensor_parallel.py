@@ -79,7 +79,9 @@ class TPDriver:
         if lost is not None:
             listener(lost)
 
-    def forward(self, so: SchedulerOutput) -> mx.array:
+    def forward(self, so: SchedulerOutput, prev_sampled: Optional[mx.array] = None) -> mx.array:
+        if len(so.placeholder_rows):  # TPEngine steps in lockstep: every input token is on the host
+            raise RuntimeError("tensor parallel steps need every input token on the host")
         return self._submit(STEP, so).result()
 
     def close(self, timeout: float = 5.0) -> None:
