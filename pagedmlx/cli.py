@@ -33,6 +33,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="compute dtype of unquantized weights (default: as loaded)")
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                    help="waiting-queue order (priority: a request's `priority`, lower first)")
 
@@ -43,7 +45,7 @@ def engine_config(args: argparse.Namespace):
     return EngineConfig(model=args.model, block_size=args.block_size, num_blocks=args.num_blocks,
                         kv_cache_memory_gb=args.kv_cache_gb, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                        scheduling_policy=args.scheduling_policy)
+                        scheduling_policy=args.scheduling_policy, dtype=args.dtype)
 
 
 def build_engine(args: argparse.Namespace):

@@ -19,8 +19,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # or "priority"
     async_scheduling: bool = True  # schedule step N+1 while step N runs on the device
-    dtype: Optional[str] = None  # None: the weights' dtype (float32 on the CPU)
-    seed: int = 0
+    dtype: Optional[str] = None  # "float32" / "float16" / "bfloat16" for unquantized weights; None: as loaded
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -36,5 +35,7 @@ class EngineConfig:
                 f"long_prefill_token_threshold must be >= 0 (0: no cap), got {self.long_prefill_token_threshold}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.dtype not in (None, "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")

@@ -59,6 +59,8 @@ class LLMEngine:
                  verify_model: bool = True):
         self.config = config or EngineConfig()
         self.model = model
+        if self.config.dtype is not None:  # quantized weights keep their packed form
+            model.set_dtype(getattr(mx, self.config.dtype))
         self.tokenizer = tokenizer
         self.runner = self.make_runner(verify_model)
         self.max_model_len = self._max_model_len()

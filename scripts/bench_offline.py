@@ -162,6 +162,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--no-async", action="store_true", help="step in lockstep (no host/device overlap)")
+    ap.add_argument("--ab-async", action="store_true",
+                    help="also run every batch in lockstep, right after the async run (same engine)")
     ap.add_argument("--roofline", action="store_true", help="measure the machine and print each step's ideal time")
     args = ap.parse_args()
 
@@ -207,20 +209,27 @@ def main() -> None:
 
     rows = []
     for b in args.batch_sizes:
-        ours, theirs = [], []
+        ours, theirs, lockstep = [], [], []
         for r in range(args.repeats):
             prompts = make_prompts(b, args.prompt_len, vocab, seed=r)
             theirs.append(run_mlx_lm(model, prompts, args.gen_len))
             ours.append(run_pagedmlx(engine, prompts, args.gen_len))
+            if args.ab_async:
+                engine.config.async_scheduling = False
+                lockstep.append(run_pagedmlx(engine, prompts, args.gen_len))
+                engine.config.async_scheduling = True
         med = lambda xs, i: statistics.median(x[i] for x in xs)  # noqa: E731
         row = dict(batch=b, ours_decode=med(ours, 0), mlx_decode=med(theirs, 0),
                    ours_e2e=med(ours, 1), mlx_e2e=med(theirs, 1))
+        if lockstep:
+            row.update(lockstep_decode=med(lockstep, 0))
         if bw:
             nbytes, nflops, ideal = roofline_step(model, b, args.prompt_len + args.gen_len // 2, bw, flops)
             row.update(step_ms=1e3 * b / row["ours_decode"], ideal_ms=1e3 * ideal, step_gb=nbytes / 1e9,
                        step_gflop=nflops / 1e9)
         rows.append(row)
-        console.print(f"  B={b}: decode {row['ours_decode']:.0f} vs {row['mlx_decode']:.0f} tok/s")
+        console.print(f"  B={b}: decode {row['ours_decode']:.0f} vs {row['mlx_decode']:.0f} tok/s"
+                      + (f" (lockstep {row['lockstep_decode']:.0f})" if lockstep else ""))
 
     table = Table(title=f"decode throughput, {name}")
     for col in ("batch", "pagedmlx decode tok/s", "mlx-lm decode tok/s", "ratio",

@@ -8,7 +8,5 @@ BATCHES=${BATCHES:-"1 8 32 64 128 256"}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
 python3 scripts/gpu_check_decode.py 2>&1 | tee "$OUT/kernel_check.txt"
 python3 scripts/bench_attention.py 2>&1 | tee "$OUT/attention.txt"
-python3 scripts/bench_offline.py --preset llama-8b --dtype bfloat16 --batch-sizes $BATCHES --roofline \
+python3 scripts/bench_offline.py --preset llama-8b --dtype bfloat16 --batch-sizes $BATCHES --roofline --ab-async \
   --json "$OUT/offline.json" 2>&1 | tee "$OUT/offline.txt"
-python3 scripts/bench_offline.py --preset llama-8b --dtype bfloat16 --batch-sizes 1 64 --no-async \
-  --json "$OUT/offline_sync.json" 2>&1 | tee "$OUT/offline_sync.txt"

@@ -78,7 +78,7 @@ class AttentionMetadata:
         qsl = so.query_start_loc[nd:]
         q_lens = np.diff(qsl)
         seq_lens = so.seq_lens[nd:]
-        P, L = len(q_lens), int(q_lens.max())
+        L = int(q_lens.max())
         nb = -(-int(seq_lens.max()) // block_size)
         S = nb * block_size
         j = np.arange(L)
@@ -135,13 +135,18 @@ class PagedLayerCache:
         md, i = self.md, self.layer
         # (T, n_kv, 1, D) -> (T, n_kv, D), written in place into the pages.
         k_pages, v_pages = self.pool.keys, self.pool.values
-        k_pages[i][md.write_blocks, :, md.write_offsets] = keys[:, :, 0, :].astype(k_pages[i].dtype)
-        v_pages[i][md.write_blocks, :, md.write_offsets] = values[:, :, 0, :].astype(v_pages[i].dtype)
+        k_pages[i][md.write_blocks, :, md.write_offsets] = as_dtype(keys[:, :, 0, :], k_pages[i].dtype)
+        v_pages[i][md.write_blocks, :, md.write_offsets] = as_dtype(values[:, :, 0, :], v_pages[i].dtype)
         return keys, values
 
     def attention(self, queries: mx.array, scale: float) -> mx.array:
         """queries (T, n_heads, 1, D) -> (T, n_heads, 1, Dv), attending over pages."""
         return paged_attention(queries, self.pool.keys[self.layer], self.pool.values[self.layer], self.md, scale)
+
+
+def as_dtype(x: mx.array, dtype: mx.Dtype) -> mx.array:
+    """Cast only when needed: every op in a layer is a kernel launch per step."""
+    return x if x.dtype == dtype else x.astype(dtype)
 
 
 def _gather(pages: mx.array, block_table: mx.array) -> mx.array:
@@ -157,9 +162,10 @@ def paged_attention(queries: mx.array, k_pages: mx.array, v_pages: mx.array,
     nd = md.num_decodes
     if nd and md.use_decode_kernel and cuda_decode.supports(
             queries.shape[3], queries.shape[1], k_pages.shape[1], k_pages.dtype):
-        o = cuda_decode.paged_decode(queries[:nd, :, 0, :], k_pages, v_pages, md.decode_block_table,
+        q = queries.reshape(md.num_tokens, queries.shape[1], queries.shape[3])  # a view: no copy
+        o = cuda_decode.paged_decode(q[:nd] if nd < md.num_tokens else q, k_pages, v_pages, md.decode_block_table,
                                      md.decode_seq_lens, scale, md.decode_splits, md.decode_split_tokens)
-        outs.append(o[:, :, None, :])
+        outs.append(as_dtype(o[:, :, None, :], queries.dtype))
     elif nd:
         if md.decode_mask is None:  # this layer's shape is not one the kernel takes
             md.decode_mask = mx.array(np.arange(md.decode_block_table.shape[1] * k_pages.shape[2])[None, :]
@@ -167,17 +173,17 @@ def paged_attention(queries: mx.array, k_pages: mx.array, v_pages: mx.array,
         q = queries[:nd] if nd < md.num_tokens else queries
         k = _gather(k_pages, md.decode_block_table)
         v = _gather(v_pages, md.decode_block_table)
-        outs.append(mx.fast.scaled_dot_product_attention(
-            q.astype(k.dtype), k, v, scale=scale, mask=md.decode_mask).astype(queries.dtype))
+        outs.append(as_dtype(mx.fast.scaled_dot_product_attention(
+            as_dtype(q, k.dtype), k, v, scale=scale, mask=md.decode_mask), queries.dtype))
     if md.num_prefill_tokens:
         P, L = md.prefill_block_table.shape[0], md.prefill_max_query_len
         H, D = queries.shape[1], queries.shape[3]
         q = queries[:, :, 0, :][md.prefill_query_rows].reshape(P, L, H, D).transpose(0, 2, 1, 3)
         k = _gather(k_pages, md.prefill_block_table)
         v = _gather(v_pages, md.prefill_block_table)
-        o = mx.fast.scaled_dot_product_attention(q.astype(k.dtype), k, v, scale=scale, mask=md.prefill_mask)
+        o = mx.fast.scaled_dot_product_attention(as_dtype(q, k.dtype), k, v, scale=scale, mask=md.prefill_mask)
         o = o.transpose(0, 2, 1, 3).reshape(P * L, H, -1)[md.prefill_out_rows]
-        outs.append(o[:, :, None, :].astype(queries.dtype))
+        outs.append(as_dtype(o[:, :, None, :], queries.dtype))
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
 

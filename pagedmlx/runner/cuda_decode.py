@@ -220,12 +220,13 @@ def paged_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, block_table:
                  seq_lens: mx.array, scale: float, splits: int, split_tokens: mx.array,
                  init_value: Optional[float] = None, threads: int = THREADS, unroll: int = UNROLL) -> mx.array:
     """q (B, H, D), pages (num_blocks, n_kv, block_size, D), block_table (B, nb) int32,
-    seq_lens (B,) int32, split_tokens (1,) int32 -> (B, H, D) in q's dtype.
+    seq_lens (B,) int32, split_tokens (1,) int32 -> (B, H, D) in the pages' dtype.
     init_value fills the outputs before the kernels run (tests poison them with NaN)."""
     B, H, D = q.shape
     n_kv, bs = k_pages.shape[1], k_pages.shape[2]
     G = H // n_kv
-    inputs = [q.astype(k_pages.dtype), k_pages, v_pages, block_table, seq_lens, split_tokens,
+    cast = (lambda x, dt: x if x.dtype == dt else x.astype(dt))
+    inputs = [cast(q, k_pages.dtype), k_pages, v_pages, block_table, seq_lens, split_tokens,
               mx.array([scale], mx.float32)]
     tpt, vec = lane_layout(D, k_pages.dtype)
     template = [("T", k_pages.dtype), ("D", D), ("G", G), ("BS", bs), ("THREADS", threads), ("TPT", tpt),
@@ -234,11 +235,11 @@ def paged_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, block_table:
     if splits == 1:
         return single(inputs=inputs, template=template, grid=(n_kv * threads, B, 1), threadgroup=(threads, 1, 1),
                       output_shapes=[(B, H, D)], output_dtypes=[k_pages.dtype],
-                      init_value=init_value)[0].astype(q.dtype)
+                      init_value=init_value)[0]
     part_acc, part_m, part_l = split(
         inputs=inputs, template=template, grid=(n_kv * threads, B, splits), threadgroup=(threads, 1, 1),
         output_shapes=[(splits, B, H, D), (splits, B, H), (splits, B, H)],
         output_dtypes=[mx.float32, mx.float32, mx.float32], init_value=init_value)
     return merge(inputs=[part_acc, part_m, part_l], template=[("T", k_pages.dtype), ("D", D)],
                  grid=(H * D, B, 1), threadgroup=(D, 1, 1), output_shapes=[(B, H, D)],
-                 output_dtypes=[k_pages.dtype], init_value=init_value)[0].astype(q.dtype)
+                 output_dtypes=[k_pages.dtype], init_value=init_value)[0]
