@@ -142,10 +142,10 @@ class LLMEngine:
 
         With async scheduling (the default) step N+1 is scheduled and its graph built while step N
         runs on the device; decodes of step N+1 take their input tokens from step N's sampled array.
-        Step N+1 is dispatched only once step N is read back and processed: dispatched while step
-        N's kernels still hold the pages, every page write would copy its layer's whole pool
-        (MLX donates a buffer to an in-place scatter only when nothing else references it; seen
-        on the GPU, 2026-12-02: batch-1 decode 40% slower when dispatched early).
+        Step N+1 is dispatched only once step N is read back, processed and dropped: while anything
+        still references step N's graph (its kernels read the pages), every page write of step N+1
+        would copy its layer's whole pool instead of writing in place (MLX donates a buffer to a
+        scatter only when nothing else references it).
         """
         outputs: list[RequestOutput] = []
         if self._inflight is not None and not self._can_overlap():
@@ -163,6 +163,7 @@ class LLMEngine:
         previous, self._inflight = self._inflight, built
         if previous is not None:
             outputs += self._process(previous, self._wait(previous))
+            previous.sampled = previous.arrays = previous = None  # see below
         if built is not None:
             mx.async_eval(*built.arrays)
         if built is not None and not self.config.async_scheduling:
