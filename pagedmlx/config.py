@@ -18,7 +18,10 @@ class EngineConfig:
     max_model_len: Optional[int] = None  # None: the model's own limit (or 4096)
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # or "priority"
-    async_scheduling: bool = True  # schedule step N+1 while step N runs on the device
+    # Schedule and build step N+1 while step N runs on the device. None: on GPU backends only
+    # (measured 2026-12-02: +20-30% decode tok/s at batch 8-256 on an H200; on a 2-core CPU the
+    # host work competes with the forward pass for the cores and lockstep is 5-10% faster).
+    async_scheduling: Optional[bool] = None
     dtype: Optional[str] = None  # "float32" / "float16" / "bfloat16" for unquantized weights; None: as loaded
 
     def __post_init__(self) -> None:

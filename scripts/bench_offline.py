@@ -189,11 +189,12 @@ def main() -> None:
     engine = LLMEngine(model, None, EngineConfig(
         block_size=args.block_size, num_blocks=num_blocks, max_num_seqs=max_b,
         max_num_batched_tokens=max(2048, args.prompt_len), long_prefill_token_threshold=0,
-        max_model_len=tokens_per_seq + 1, enable_prefix_caching=False, async_scheduling=not args.no_async))
+        max_model_len=tokens_per_seq + 1, enable_prefix_caching=False, async_scheduling=False if args.no_async else (True if args.ab_async else None)))
 
     console = Console()
     console.print(f"[bold]bench_offline[/] {name} on {mx.default_device()}, {platform.machine()}, "
-                  f"prompt {args.prompt_len}, gen {args.gen_len}, {time.strftime('%Y-%m-%d')}")
+                  f"prompt {args.prompt_len}, gen {args.gen_len}, {time.strftime('%Y-%m-%d')}, "
+                  f"{'async' if engine.async_scheduling else 'lockstep'} steps")
     # Warm up both (compilation, allocator).
     run_pagedmlx(engine, make_prompts(2, 16, vocab, 0), 4)
     run_mlx_lm(model, make_prompts(2, 16, vocab, 0), 4)
@@ -215,9 +216,9 @@ def main() -> None:
             theirs.append(run_mlx_lm(model, prompts, args.gen_len))
             ours.append(run_pagedmlx(engine, prompts, args.gen_len))
             if args.ab_async:
-                engine.config.async_scheduling = False
+                engine.async_scheduling = False
                 lockstep.append(run_pagedmlx(engine, prompts, args.gen_len))
-                engine.config.async_scheduling = True
+                engine.async_scheduling = True
         med = lambda xs, i: statistics.median(x[i] for x in xs)  # noqa: E731
         row = dict(batch=b, ours_decode=med(ours, 0), mlx_decode=med(theirs, 0),
                    ours_e2e=med(ours, 1), mlx_e2e=med(theirs, 1))

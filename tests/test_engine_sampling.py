@@ -34,7 +34,7 @@ def test_seed_gives_same_tokens_alone_and_in_a_busy_batch():
     want = run_all(alone)["s"].token_ids
 
     busy = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=72, max_num_batched_tokens=40,
-                                               long_prefill_token_threshold=16))
+                                               long_prefill_token_threshold=16, async_scheduling=True))
     for i in range(20):
         p = [rng.randrange(448) for _ in range(rng.randint(1, 80))]
         params = SamplingParams(temperature=rng.choice([0.0, 0.7, 1.3]), top_k=rng.choice([0, 5]),
