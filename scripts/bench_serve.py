@@ -27,8 +27,13 @@ import random
 import time
 from dataclasses import dataclass, field
 
+import sys
+from pathlib import Path
+
 import httpx
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 WORDS = ("the quick brown fox jumps over a lazy dog while paged attention keeps every sequence's "
          "cache in fixed size blocks shared across requests").split()
@@ -138,7 +143,7 @@ def print_table(runs: list[RunResult], clients: int) -> None:
             ratio = "" if run is base or not ref else f" ({value / ref:.2f}x)"
             cells.append(f"{value:.1f}{ratio}")
         table.add_row(*cells)
-    Console().print(table)
+    Console(width=160).print(table)
     errors = [r.error for run in runs for r in run.results if r.error]
     if errors:
         Console().print(f"[red]{len(errors)} errors[/], first: {errors[0]}")
@@ -186,8 +191,6 @@ def spawn(cmd: list[str], url: str, timeout: float = 300.0):
 
 def spawned_targets(model: str, args: argparse.Namespace):
     """(name, command, url) for pagedmlx serve and mlx_lm.server on the same model folder."""
-    import sys
-
     port = 8765
     return [("pagedmlx", [sys.executable, "-m", "pagedmlx.cli", "serve", "--model", model, "--port", str(port),
                           "--max-num-seqs", str(max(args.clients))], f"http://127.0.0.1:{port}"),
@@ -218,12 +221,14 @@ def main() -> None:
             try:
                 for n in args.clients:
                     runs[n].append(asyncio.run(run_target(name, url, args, n)))
+                    print(f"{name}, {n} clients: {runs[n][-1].tok_per_s():.1f} output tok/s", flush=True)
             finally:
                 proc.terminate()
                 proc.wait(30)
         if args.offline:
             for n in args.clients:
                 runs[n].append(run_offline(args.spawn, args, n))
+                print(f"offline engine, batch {n}: {runs[n][-1].tok_per_s():.1f} output tok/s", flush=True)
     for target in args.target:
         name, _, url = target.partition("=")
         for n in args.clients:

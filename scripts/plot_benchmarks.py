@@ -25,6 +25,9 @@ def main() -> None:
     batch = [r["batch"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     ax.plot(batch, [r["ours_decode"] for r in rows], "o-", label="pagedmlx (paged, fused decode)")
+    if "lockstep_decode" in rows[0]:
+        ax.plot(batch, [r["lockstep_decode"] for r in rows], "o:", color="C0", alpha=0.6,
+                label="pagedmlx, lockstep steps (no host/device overlap)")
     ax.plot(batch, [r["mlx_decode"] for r in rows], "s-", label="mlx-lm BatchGenerator")
     if "ideal_ms" in rows[0]:
         ax.plot(batch, [1e3 * r["batch"] / r["ideal_ms"] for r in rows], "k--", label="roofline (measured BW, FLOP/s)")
