@@ -6,7 +6,8 @@ import mlx.core as mx
 from conftest import assert_no_leaks
 from mlx_lm.generate import generate_step
 
-from pagedmlx.engine import LLM
+from pagedmlx.config import EngineConfig
+from pagedmlx.engine import LLM, LLMEngine
 from pagedmlx.request import SamplingParams
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -42,3 +43,24 @@ def test_stop_string_on_real_text(smollm):
     out = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=24, stop=["Paris"]))[0]
     assert out.finish_reason == "stop" and out.stop_reason == "Paris"
     assert out.text.startswith("The capital of France is") and "Paris" not in out.text
+
+
+def test_server_chat_answers_paris_streaming_and_not(smollm):
+    """The real model end to end through the OpenAI server, with the official client."""
+    from test_server import Served
+
+    model, tok = smollm
+    served = Served(LLMEngine(model, tok, EngineConfig(num_blocks=128)))
+    try:
+        client = served.client()
+        whole = client.chat.completions.create(model="tiny-llama", messages=QUESTION, temperature=0, max_tokens=24)
+        assert "Paris" in whole.choices[0].message.content and whole.choices[0].finish_reason == "stop"
+        chunks = client.chat.completions.create(model="tiny-llama", messages=QUESTION, temperature=0,
+                                                max_tokens=24, stream=True)
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert streamed == whole.choices[0].message.content
+        want = tok.decode(mlx_lm_greedy(model, tok, tok.apply_chat_template(QUESTION, add_generation_prompt=True), 24))
+        assert streamed == want
+    finally:
+        served.stop()
+        served.async_engine.shutdown(timeout=5)
