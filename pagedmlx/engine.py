@@ -144,8 +144,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one step; return the outputs of the step that completed.
 
-        With async scheduling (the default) step N+1 is scheduled and its graph built while step N
-        runs on the device; decodes of step N+1 take their input tokens from step N's sampled array.
+        With async scheduling (by default on GPU backends, from ASYNC_MIN_BATCH running requests)
+        step N+1 is scheduled and its graph built while step N runs on the device; decodes of step N+1 take their input tokens from step N's sampled array.
         Step N+1 is dispatched only once step N is read back, processed and dropped: while anything
         still references step N's graph (its kernels read the pages), every page write of step N+1
         would copy its layer's whole pool instead of writing in place (MLX donates a buffer to a
