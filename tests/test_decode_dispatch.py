@@ -1,0 +1,44 @@
+"""Decode attention dispatch: the CUDA paged-decode kernel where it runs, the gather path elsewhere.
+The kernel itself is checked on the GPU machine (scripts/gpu_check_decode.py); here, on the CPU,
+the dispatch must fall back, and the kernel's launch arithmetic must be right."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from conftest import make_model
+
+from pagedmlx.config import EngineConfig
+from pagedmlx.engine import LLMEngine
+from pagedmlx.request import SamplingParams
+from pagedmlx.runner import cuda_decode
+from pagedmlx.runner.attention import AttentionMetadata
+
+
+def test_cpu_falls_back_to_the_gather_path():
+    assert not cuda_decode.is_available()
+    engine = LLMEngine(make_model("llama"), None, EngineConfig(block_size=4, num_blocks=32))
+    assert engine.runner.decode_kernel_kv_heads == 0
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0))
+    engine.step()
+    so = engine.scheduler.schedule()  # a decode
+    md = AttentionMetadata.build(so, 4, engine.runner.decode_kernel_kv_heads)
+    assert so.num_decodes == 1 and not md.use_decode_kernel and md.decode_mask is not None
+
+
+def test_lane_layout_reads_whole_16_byte_vectors():
+    assert cuda_decode.lane_layout(128, mx.bfloat16) == (16, 8)  # 16 lanes x 8 bf16 = one 256-byte row
+    assert cuda_decode.lane_layout(64, mx.float32) == (16, 4)
+    assert cuda_decode.lane_layout(256, mx.float32) == (32, 8)
+    assert cuda_decode.lane_layout(96, mx.bfloat16) is None  # 12 lanes do not divide a warp
+    assert not cuda_decode.supports(80, 32, 8, mx.bfloat16)
+    assert not cuda_decode.supports(128, 32, 6, mx.bfloat16)  # heads not a multiple of KV heads
+    assert cuda_decode.supports(128, 28, 4, mx.bfloat16)  # G = 7
+
+
+def test_splits_cover_every_key_and_only_when_sms_would_idle():
+    for batch, kv_heads, seq in [(1, 8, 32763), (32, 8, 4096), (64, 8, 1024), (256, 8, 256), (3, 2, 17)]:
+        splits, tokens = cuda_decode.num_splits(batch, kv_heads, seq)
+        assert splits * tokens >= seq and (splits - 1) * tokens < seq  # no empty split, none missing
+    assert cuda_decode.num_splits(256, 8, 4096)[0] == 1  # 2,048 thread blocks already fill the GPU
+    assert cuda_decode.num_splits(1, 8, 200)[0] == 1  # short: not worth a merge pass
+    assert cuda_decode.num_splits(1, 8, 32763)[0] > 64
