@@ -212,7 +212,7 @@ class AsyncEngine:
             num_steps = engine.stats.num_steps
             outputs = engine.step()
             self._publish(outputs)
-            if not outputs and engine.stats.num_steps == num_steps:
+            if not outputs and engine.stats.num_steps == num_steps and engine._inflight is None:
                 with self._cond:  # nothing could be scheduled: wait for a change instead of spinning
                     if not self._inbox:
                         self._cond.wait(0.005)

@@ -178,6 +178,9 @@ def run_generate(args: argparse.Namespace) -> int:
     for prompt, out in zip(args.prompt, LLM.from_engine(engine).generate(prompts, params, use_tqdm=True)):
         console.print(f"[bold cyan]> {prompt}[/]")
         print(out.text)
+    return 0
+
+
 # ---- blocks ----------------------------------------------------------------------------------
 
 def add_blocks_parser(sub: argparse._SubParsersAction) -> None:

@@ -15,7 +15,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 512  # a prefill chunk of one request takes at most this
-    max_model_len: Optional[int] = None  # None: the model's own limit (or 4096)
+    max_model_len: Optional[int] = None  # None: the model's own limit (or 8192), capped at the pool
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # or "priority"
     # Schedule and build step N+1 while step N runs on the device. None: on GPU backends only

@@ -33,6 +33,7 @@ class LaunchedStep:
     """A step whose graph is built (and maybe running on the device) but not read back yet."""
 
     so: SchedulerOutput
+    requests: list[Request]  # the scheduled requests themselves: an id may be reused once one ends
     sampled: Any  # SamplerOutput, or None for a step of partial prefill chunks only
     arrays: list  # what the device must compute
     build_s: float
@@ -71,7 +72,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.kv_cache_manager, self.max_model_len)
         self.sampler = Sampler()
         self.eos_token_ids = tuple(sorted(getattr(tokenizer, "eos_token_ids", None) or ()))
-        self.vocab_size = self.runner.vocab_size
+        # Ids a request may name: rows the model has AND tokens the tokenizer can decode (some models
+        # pad their embedding past the tokenizer, and some detokenizers raise on those ids).
+        self.vocab_size = min(self.runner.vocab_size, len(tokenizer)) if tokenizer is not None else self.runner.vocab_size
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._logprobs: dict[str, list[TokenLogprob]] = {}
         self.stats = StepStats()
@@ -164,7 +167,7 @@ class LLMEngine:
             try:
                 built = self._build(so)
             except Exception as exc:  # graph building failed: only this step's requests fail
-                outputs += self._fail(so, exc)
+                outputs += self._fail(so, exc, [self.scheduler.requests[rid] for rid in so.req_ids])
         previous, self._inflight = self._inflight, built
         self.stats.num_overlapped += previous is not None and built is not None
         if previous is not None:
@@ -201,7 +204,8 @@ class LLMEngine:
                                   sampled.top_logprobs) if a is not None]
         else:  # only partial prefill chunks: nothing to sample, but the pages must be written
             sampled, arrays = None, [logits]
-        return LaunchedStep(so, sampled, arrays, time.perf_counter() - t)
+        scheduled = [self.scheduler.requests[rid] for rid in so.req_ids]
+        return LaunchedStep(so, scheduled, sampled, arrays, time.perf_counter() - t)
 
     def _wait(self, step: LaunchedStep) -> Optional[list]:
         """The step's one host sync: its sampled tokens (None if the step failed)."""
@@ -218,22 +222,29 @@ class LLMEngine:
         """Append a completed step's tokens, check stops, emit outputs."""
         so = step.so
         if rows is None:
-            return self._fail(so, step.error)
+            return self._fail(so, step.error, step.requests)
         t = time.perf_counter()
         by_id = dict(zip(so.sampled_req_ids, rows))
         outputs = []
-        for upd in self.scheduler.update_from_output(so, [r.token_id for r in rows]):
-            outputs.append(self._make_output(upd.request, upd.new_token_ids, upd.finished, by_id[upd.request.request_id]))
+        for upd in self.scheduler.update_from_output(so, [r.token_id for r in rows], step.requests):
+            try:
+                outputs.append(self._make_output(upd.request, upd.new_token_ids, upd.finished,
+                                                 by_id[upd.request.request_id]))
+            except Exception as exc:  # e.g. a detokenizer that cannot decode a token: this request only
+                logger.exception("request %s failed in output processing", upd.request.request_id)
+                self.scheduler.finish_requests([upd.request.request_id], RequestStatus.FINISHED_ERROR)
+                outputs.append(self._final_output(upd.request, error=f"{type(exc).__name__}: {exc}"))
         self._record(so, time.perf_counter() - t)
         return outputs
 
-    def _fail(self, so: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+    def _fail(self, so: SchedulerOutput, exc: Exception, requests: list[Request]) -> list[RequestOutput]:
         logger.exception("step failed; finishing its %d requests with an error", so.num_reqs, exc_info=exc)
-        for rid in so.sampled_req_ids:
-            req = self.scheduler.requests.get(rid)
-            if req is not None:
+        sampled = set(so.sampled_req_ids)
+        for req in requests:
+            if req.request_id in sampled:
                 req.num_output_placeholders = max(0, req.num_output_placeholders - 1)
-        return [self._final_output(r, error=f"{type(exc).__name__}: {exc}") for r in self.scheduler.fail_step(so)]
+        failed = self.scheduler.fail_step(so, requests)
+        return [self._final_output(r, error=f"{type(exc).__name__}: {exc}") for r in failed]
 
     def _record(self, so, update_s: float) -> None:
         s = self.stats

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ _MAX_SEED = 2**63 - 1
 
 
 def _check_range(name: str, value: float, lo: float, hi: float, lo_open=False) -> None:
-    bad = value < lo or value > hi or (lo_open and value == lo)
+    bad = not math.isfinite(value) or value < lo or value > hi or (lo_open and value == lo)
     if bad:
         left = "(" if lo_open else "["
         raise ValueError(f"{name} must be in {left}{lo}, {hi}], got {value!r}")

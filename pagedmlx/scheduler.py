@@ -223,16 +223,19 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.prepend(request)
 
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[RequestUpdate]:
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: list[int],
+                           requests: Optional[list[Request]] = None) -> list[RequestUpdate]:
         """Append each sampled token to its request, check stops and free finished requests.
 
         With async scheduling a request may have been preempted since this step was scheduled: its
-        token still counts (it recomputes from it); one that finished meanwhile drops it."""
+        token still counts (it recomputes from it); one that finished meanwhile drops it, and so does
+        a new request that reuses its id (`requests`: the step's scheduled requests, in order)."""
+        scheduled = dict(zip(output.req_ids, requests)) if requests is not None else None
         updates = []
         for rid, token in zip(output.sampled_req_ids, sampled_token_ids):
             req = self.requests.get(rid)
-            if req is None or req.is_finished:
-                continue  # aborted or already stopped
+            if req is None or req.is_finished or (scheduled is not None and scheduled[rid] is not req):
+                continue  # aborted, already stopped, or its id now names another request
             req.num_output_placeholders = max(0, req.num_output_placeholders - 1)
             req.append_output_token(token)
             finished = self._check_stop(req)
@@ -258,15 +261,17 @@ class Scheduler:
             req.status = RequestStatus.FINISHED_LENGTH
         return req.is_finished
 
-    def fail_step(self, output: SchedulerOutput) -> list[Request]:
+    def fail_step(self, output: SchedulerOutput, requests: Optional[list[Request]] = None) -> list[Request]:
         """The forward pass of `output` raised: its KV was never written. Forget the hashes of the
-        blocks it was to fill and finish its requests with an error."""
+        blocks it was to fill and finish its requests with an error (`requests`: the step's own
+        request objects, so that a new request reusing an id is left alone)."""
+        alive = []
         for i, rid in enumerate(output.req_ids):
             req = self.requests.get(rid)
-            if req is not None:
-                computed_before = int(output.seq_lens[i]) - output.num_scheduled_tokens[i]
-                self.kv_cache_manager.uncache_uncomputed(req, computed_before)
-        return self.finish_requests(output.req_ids, RequestStatus.FINISHED_ERROR)
+            if req is None or (requests is not None and requests[i] is not req):
+                continue
+            computed_before = int(output.seq_lens[i]) - output.num_scheduled_tokens[i]
+            self.kv_cache_manager.uncache_uncomputed(req, computed_before)
+            alive.append(rid)
+        return self.finish_requests(alive, RequestStatus.FINISHED_ERROR)
 
-    def get_request(self, request_id: str) -> Optional[Request]:
-        return self.requests.get(request_id)

@@ -203,3 +203,33 @@ def test_failed_step_fails_only_its_requests_and_uncaches(monkeypatch):
 def test_request_status_finish_reasons():
     assert RequestStatus.FINISHED_LENGTH.finish_reason == "length"
     assert not RequestStatus.PREEMPTED.finished
+
+
+def test_reused_request_id_never_gets_the_old_requests_token():
+    """An id aborted while its step is still on the device, then reused at once: the new request
+    must not receive the old one's in-flight token."""
+    model = make_model("llama")
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=128, async_scheduling=True))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for i in range(5):
+        engine.add_request(f"o{i}", [3 + i, 9, 4, 7], params)
+    engine.add_request("x", [11, 12, 13, 14, 15], params)
+    for _ in range(3):
+        engine.step()
+    assert engine._inflight is not None and "x" in engine._inflight.so.req_ids
+    engine.abort_request(["x"])
+    prompt = [21, 22, 23, 24, 25, 26]
+    engine.add_request("x", prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    assert done["x"] == solo_greedy(model, prompt, 8)
+    assert_no_leaks(engine)
+
+
+def test_nan_sampling_values_are_refused():
+    for field in ("temperature", "top_p", "min_p", "presence_penalty"):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**{field: float("nan")})

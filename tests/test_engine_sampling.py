@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import mlx.core as mx
+import pytest
 import numpy as np
 from conftest import assert_no_leaks, make_model
 
@@ -136,3 +137,28 @@ def test_streamed_text_never_shows_a_partial_stop_string():
     assert shown == "abc "  # "STO" could still become "STOP": held back
     delta, stop = detok.update([ord("X")], False)
     assert stop is None and shown + delta == "abc S"
+
+
+def test_ids_must_decode_with_the_tokenizer_and_output_errors_stay_per_request(monkeypatch):
+    from conftest import make_tokenizer
+
+    engine = LLMEngine(make_model("llama"), make_tokenizer(384), EngineConfig(block_size=4, num_blocks=64))
+    assert engine.vocab_size == 384  # the model has 512 rows, the tokenizer 384 tokens
+    for bad in (dict(prompt=[1, 2, 450]), dict(prompt=[1, 2], params=SamplingParams(logit_bias={450: 5.0}))):
+        with pytest.raises(ValueError, match="384"):
+            engine.add_request("bad", bad["prompt"], bad.get("params"))
+    real = engine._make_output
+
+    def make_output(req, *args):
+        if req.request_id == "boom":
+            raise IndexError("token id out of the detokenizer's range")
+        return real(req, *args)
+
+    monkeypatch.setattr(engine, "_make_output", make_output)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("boom", [5, 6, 7], params)
+    engine.add_request("fine", [8, 9, 10], params)
+    done = run_all(engine)
+    assert done["boom"].finish_reason == "error" and "IndexError" in done["boom"].error
+    assert done["fine"].finish_reason == "length" and len(done["fine"].token_ids) == 4
+    assert_no_leaks(engine)

@@ -124,7 +124,7 @@ def test_scheduler_output_arrays_for_a_hand_built_step():
     for arr in (out.input_ids, out.positions, out.slot_mapping, out.query_start_loc, out.seq_lens,
                 out.block_table, out.logits_indices):
         assert arr.dtype == np.int32
-    assert sched.get_request("b").num_cached_tokens == 4
+    assert sched.requests["b"].num_cached_tokens == 4
     assert [r.num_computed_tokens for r in sched.running] == [6, 7, 2]
 
 

@@ -106,6 +106,8 @@ class Serving:
         if requested is not None and limits.max_tokens is not None and requested > limits.max_tokens:
             raise APIError(400, f"max_tokens must be <= {limits.max_tokens}, got {requested}", param="max_tokens")
         max_tokens = requested if requested is not None else max(self.max_model_len - longest, 1)
+        if requested is None and limits.max_tokens is not None:
+            max_tokens = min(max_tokens, limits.max_tokens)
         if max_tokens >= 1 and longest + max_tokens > self.max_model_len:
             where = "messages" if prompt_field == "messages" else "prompt"
             raise APIError(
