@@ -133,7 +133,7 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------
 
     def _num_new_tokens(self, request: Request, budget: int, num_computed: int) -> int:
-        if request.num_output_placeholders and self._will_stop_on_length(request):
+        if request.num_output_placeholders and self._reaches_length(request, request.num_output_placeholders):
             return 0  # its last token is still in flight and ends it: nothing more to compute
         n = request.num_tokens_with_placeholders - num_computed
         cap = self.config.long_prefill_token_threshold
@@ -198,11 +198,11 @@ class Scheduler:
             req.num_computed_tokens += n
         return out
 
-    def _will_stop_on_length(self, request: Request) -> bool:
+    def _reaches_length(self, request: Request, extra: int = 0) -> bool:
+        """Whether the request is at max_model_len or max_tokens, counting `extra` tokens in flight."""
         max_tokens = request.sampling_params.max_tokens
-        n_out = request.num_output_tokens + request.num_output_placeholders
-        return (request.num_tokens_with_placeholders >= self.max_model_len
-                or (max_tokens is not None and n_out >= max_tokens))
+        return (request.num_tokens + extra >= self.max_model_len
+                or (max_tokens is not None and request.num_output_tokens + extra >= max_tokens))
 
     def _unschedule(self, request: Request, scheduled: list[tuple[Request, int]], scheduled_ids: set[str]) -> int:
         """Take back a request scheduled earlier in this step; returns its tokens to the budget. The
@@ -256,8 +256,7 @@ class Scheduler:
         elif last in params.stop_token_ids:
             req.status = RequestStatus.FINISHED_STOPPED
             req.stop_reason = last
-        elif req.num_tokens >= self.max_model_len or (
-                params.max_tokens is not None and req.num_output_tokens >= params.max_tokens):
+        elif self._reaches_length(req):
             req.status = RequestStatus.FINISHED_LENGTH
         return req.is_finished
 

@@ -173,4 +173,5 @@ class BlockPool:
         return 1.0 - self.get_num_free_blocks() / self.num_blocks
 
     def num_cached_free_blocks(self) -> int:
-        return sum(1 for b in self.free_block_queue if b.block_hash is not None)
+        """Free blocks that still hold a cached prefix (every hashed block is in the map)."""
+        return sum(1 for b in self.cached_block_hash_to_block.values() if b.ref_cnt == 0)

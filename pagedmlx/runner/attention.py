@@ -32,7 +32,7 @@ class AttentionMetadata:
     num_decodes: int
     decode_block_table: Optional[mx.array]  # (Bd, nb)
     decode_mask: Optional[mx.array]  # (Bd, 1, 1, nb * block_size) keys that exist (gather path)
-    decode_seq_lens: Optional[mx.array]  # (Bd,) (kernel path)
+    decode_seq_lens: Optional[mx.array]  # (Bd,)
     num_prefill_tokens: int
     prefill_block_table: Optional[mx.array]  # (P, nb)
     prefill_query_rows: Optional[mx.array]  # (P * Lmax,) flat row of each padded query slot
@@ -62,13 +62,13 @@ class AttentionMetadata:
             seq_lens = so.seq_lens[:nd]
             nb = -(-int(seq_lens.max()) // block_size)
             md.decode_block_table = mx.array(so.block_table[:nd, :nb])
+            md.decode_seq_lens = mx.array(seq_lens)
             if decode_kernel_kv_heads:
                 md.use_decode_kernel = True
-                md.decode_seq_lens = mx.array(seq_lens)
                 md.decode_splits, tokens = cuda_decode.num_splits(nd, decode_kernel_kv_heads, int(seq_lens.max()))
                 md.decode_split_tokens = mx.array([tokens], mx.int32)
             else:
-                md.decode_mask = mx.array((np.arange(nb * block_size) < seq_lens[:, None])[:, None, None, :])
+                md.decode_mask = length_mask(md.decode_seq_lens, nb * block_size)
         if T > nd:
             md._build_prefill(so, block_size)
         return md
@@ -144,6 +144,11 @@ class PagedLayerCache:
         return paged_attention(queries, self.pool.keys[self.layer], self.pool.values[self.layer], self.md, scale)
 
 
+def length_mask(seq_lens: mx.array, num_keys: int) -> mx.array:
+    """(B, 1, 1, num_keys): which of each sequence's gathered keys exist."""
+    return (mx.arange(num_keys)[None, :] < seq_lens[:, None])[:, None, None, :]
+
+
 def as_dtype(x: mx.array, dtype: mx.Dtype) -> mx.array:
     """Cast only when needed: every op in a layer is a kernel launch per step."""
     return x if x.dtype == dtype else x.astype(dtype)
@@ -168,8 +173,7 @@ def paged_attention(queries: mx.array, k_pages: mx.array, v_pages: mx.array,
         outs.append(as_dtype(o[:, :, None, :], queries.dtype))
     elif nd:
         if md.decode_mask is None:  # this layer's shape is not one the kernel takes
-            md.decode_mask = mx.array(np.arange(md.decode_block_table.shape[1] * k_pages.shape[2])[None, :]
-                                      < np.array(md.decode_seq_lens)[:, None])[:, None, None, :]
+            md.decode_mask = length_mask(md.decode_seq_lens, md.decode_block_table.shape[1] * k_pages.shape[2])
         q = queries[:nd] if nd < md.num_tokens else queries
         k = _gather(k_pages, md.decode_block_table)
         v = _gather(v_pages, md.decode_block_table)
