@@ -46,11 +46,16 @@ class StepStats:
 
     num_steps: int = 0
     schedule_s: float = 0.0
-    forward_s: float = 0.0  # graph building and waiting for the device (the one host sync)
+    build_s: float = 0.0  # building the step's graph and dispatching it
+    wait_s: float = 0.0  # waiting for the device (the one host sync)
     update_s: float = 0.0  # appending tokens, stop checks, detokenization
     num_tokens: int = 0
     num_sampled: int = 0
     num_overlapped: int = 0  # steps built while the previous one ran on the device
+
+    @property
+    def forward_s(self) -> float:
+        return self.build_s + self.wait_s
 
     def host_fraction(self) -> float:
         total = self.schedule_s + self.forward_s + self.update_s
@@ -147,12 +152,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one step; return the outputs of the step that completed.
 
-        With async scheduling (by default on GPU backends, from ASYNC_MIN_BATCH running requests)
-        step N+1 is scheduled and its graph built while step N runs on the device; decodes of step N+1 take their input tokens from step N's sampled array.
-        Step N+1 is dispatched only once step N is read back, processed and dropped: while anything
-        still references step N's graph (its kernels read the pages), every page write of step N+1
-        would copy its layer's whole pool instead of writing in place (MLX donates a buffer to a
-        scatter only when nothing else references it).
+        With async scheduling (by default on GPU backends) step N+1 is scheduled and its graph
+        built while step N runs on the device; decodes of step N+1 take their input tokens from step
+        N's sampled array. Where the runner writes pages in place (the CUDA kernels), step N+1 is
+        dispatched at once, so the device goes from N to N+1 without waiting for the host. Where
+        MLX scatters into the pages instead, N+1 is dispatched only once step N is read back,
+        processed and dropped: while anything still references step N's graph, every page write
+        of N+1 would copy its layer's whole pool (MLX donates a buffer to a scatter only when
+        nothing else references it).
         """
         outputs: list[RequestOutput] = []
         overlap = self._can_overlap()
@@ -170,22 +177,26 @@ class LLMEngine:
                 outputs += self._fail(so, exc, [self.scheduler.requests[rid] for rid in so.req_ids])
         previous, self._inflight = self._inflight, built
         self.stats.num_overlapped += previous is not None and built is not None
+        dispatch_early = built is not None and self.runner.pages_in_place
+        if dispatch_early:
+            mx.async_eval(*built.arrays)
         if previous is not None:
             outputs += self._process(previous, self._wait(previous))
-            previous.sampled = previous.arrays = previous = None  # see below
+            previous.sampled = previous.arrays = previous = None  # see the docstring
         if built is not None:
-            mx.async_eval(*built.arrays)
+            if not dispatch_early:
+                mx.async_eval(*built.arrays)
             if not overlap:
                 outputs += self._process(built, self._wait(built))
                 self._inflight = None
         return outputs
 
     def _can_overlap(self) -> bool:
-        """Overlap only where it pays: not at batch 1 to 3 (measured on an H200, 2026-12-02: batch-1
-        decode 92 tok/s overlapped against 105 in lockstep), and not when penalties need every
-        earlier token on the host."""
+        """Overlap only where it pays: not when penalties need every earlier token on the host, and
+        where MLX scatters the pages not at batch 1 to 3 (measured on an H200, 2026-12-02: batch-1
+        decode 92 tok/s overlapped against 105 in lockstep, N+1 waiting for N's read-back)."""
         running = self.scheduler.running
-        return (self.async_scheduling and len(running) >= ASYNC_MIN_BATCH
+        return (self.async_scheduling and (self.runner.pages_in_place or len(running) >= ASYNC_MIN_BATCH)
                 and not any(r.sampling_params.has_penalties for r in running))
 
     def _build(self, so: SchedulerOutput) -> LaunchedStep:
@@ -215,7 +226,8 @@ class LLMEngine:
         except Exception as exc:
             step.error = exc
             return None
-        self.stats.forward_s += step.build_s + time.perf_counter() - t
+        self.stats.build_s += step.build_s
+        self.stats.wait_s += time.perf_counter() - t
         return rows
 
     def _process(self, step: LaunchedStep, rows: Optional[list]) -> list[RequestOutput]:

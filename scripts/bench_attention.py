@@ -1,7 +1,10 @@
 """Decode attention over pages: the paged-decode kernel, the gather path and contiguous SDPA.
 
-Prints, per case, milliseconds per layer call (median of --iters), the KV bytes read, the ideal
-time at the bandwidth measured in the same run, and each path's ratio to that ideal.
+Prints, per case, milliseconds per layer call, the KV bytes read, the ideal time at the bandwidth
+measured in the same run, and each path's ratio to that ideal. Each timing chains --layers calls
+in one graph (each call's output is the next call's query, as layers follow each other in a step)
+and divides by the count: the median of --iters such graphs. One call per eval would mostly time
+the launch and the host round trip, not the kernel.
 
   python scripts/bench_attention.py                 # B=32 x 4096 keys, Llama-8B heads, bf16
 """
@@ -23,6 +26,9 @@ from pagedmlx.runner import cuda_decode  # noqa: E402
 from pagedmlx.runner.attention import _gather  # noqa: E402
 
 
+VARIANTS = [(128, 2, 0), (128, 4, 0), (128, 2, 1), (128, 4, 1), (256, 2, 0), (256, 4, 0), (256, 2, 1)]
+
+
 def timed(fn, iters: int) -> float:
     mx.eval(fn())
     times = []
@@ -31,6 +37,16 @@ def timed(fn, iters: int) -> float:
         mx.eval(fn())
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def timed_chain(fn, q: mx.array, layers: int, iters: int) -> float:
+    """Seconds per call of fn (B, H, D) -> (B, H, D), chained `layers` times in one graph."""
+    def chain():
+        x = q
+        for _ in range(layers):
+            x = fn(x)
+        return x
+    return timed(chain, iters) / layers
 
 
 def measure_bandwidth(gb: float = 2.0) -> float:
@@ -51,6 +67,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--layers", type=int, default=32, help="calls chained in one graph")
     args = ap.parse_args()
     dtype = getattr(mx, args.dtype)
     bw = measure_bandwidth()
@@ -74,24 +91,27 @@ def main() -> None:
         scale = D ** -0.5
         mask = mx.ones((B, 1, 1, nb * bs), mx.bool_)
 
-        def gather_path():
+        def gather_path(x):
             k, v = _gather(k_pages, table), _gather(v_pages, table)
-            return mx.fast.scaled_dot_product_attention(q[:, :, None, :], k, v, scale=scale, mask=mask)
+            return mx.fast.scaled_dot_product_attention(x[:, :, None, :], k, v, scale=scale, mask=mask)[:, :, 0]
 
         kc, vc = _gather(k_pages, table), _gather(v_pages, table)
         mx.eval(kc, vc)
-        contiguous = lambda: mx.fast.scaled_dot_product_attention(q[:, :, None, :], kc, vc, scale=scale)  # noqa
-        t_gather, t_contig = timed(gather_path, args.iters), timed(contiguous, args.iters)
+        contiguous = lambda x: mx.fast.scaled_dot_product_attention(x[:, :, None, :], kc, vc, scale=scale)[:, :, 0]  # noqa
+        t_gather = timed_chain(gather_path, q, min(args.layers, 4), args.iters)  # its copies are large
+        t_contig = timed_chain(contiguous, q, args.layers, args.iters)
         t_kernel = float("nan")
         if kernel:
             splits, tokens = cuda_decode.num_splits(B, nkv, S)
             tok = mx.array([tokens], mx.int32)
             variants = {}
-            for threads, unroll in ((128, 1), (128, 2), (128, 4), (256, 1), (256, 2)):
-                variants[(threads, unroll)] = timed(lambda: cuda_decode.paged_decode(
-                    q, k_pages, v_pages, table, lens, scale, splits, tok, threads=threads, unroll=unroll), args.iters)
-            print("    variants (threads, unroll): " + ", ".join(f"{k}: {1e3 * v:.3f} ms" for k, v in variants.items()))
-            t_kernel = variants[(cuda_decode.THREADS, cuda_decode.UNROLL)]
+            for threads, unroll, prefetch in VARIANTS:
+                variants[(threads, unroll, prefetch)] = timed_chain(lambda x: cuda_decode.paged_decode(
+                    x, k_pages, v_pages, table, lens, scale, splits, tok, threads=threads, unroll=unroll,
+                    prefetch=prefetch), q, args.layers, args.iters)
+            print("    variants (threads, unroll, prefetch): "
+                  + ", ".join(f"{k}: {1e3 * v:.3f}" for k, v in variants.items()))
+            t_kernel = variants[(cuda_decode.THREADS, cuda_decode.UNROLL, cuda_decode.PREFETCH)]
         print(f"{case:>10} {kv_bytes / 1e6:8.0f} {ideal * 1e3:9.3f} {t_kernel * 1e3:10.3f} {t_kernel / ideal:8.2f} "
               f"{t_gather * 1e3:10.3f} {t_gather / ideal:8.2f} {t_contig * 1e3:10.3f} {t_contig / ideal:8.2f}")
         del k_pages, v_pages, kc, vc

@@ -14,6 +14,7 @@ and the ratio pagedmlx / mlx-lm of each. Each cell is the median of --repeats ru
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -58,6 +59,7 @@ def run_pagedmlx(engine, prompts, gen_len: int) -> tuple[float, float]:
     for i, p in enumerate(prompts):
         engine.add_request(f"b{time.monotonic_ns()}-{i}", p, params)
     decode_s, decode_tokens, generated = 0.0, 0, 0
+    s0 = dataclasses.replace(engine.stats)
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         tokens_before, sampled_before = engine.stats.num_tokens, engine.stats.num_sampled
@@ -71,7 +73,9 @@ def run_pagedmlx(engine, prompts, gen_len: int) -> tuple[float, float]:
             decode_s += dt
             decode_tokens += sampled
     total = time.perf_counter() - start
-    return decode_tokens / decode_s, generated / total
+    s1, n = engine.stats, max(engine.stats.num_steps - s0.num_steps, 1)
+    host = {k: 1e3 * (getattr(s1, k) - getattr(s0, k)) / n for k in ("schedule_s", "build_s", "wait_s", "update_s")}
+    return decode_tokens / decode_s, generated / total, host
 
 
 def run_mlx_lm(model, prompts, gen_len: int) -> tuple[float, float]:
@@ -221,9 +225,9 @@ def main() -> None:
                 engine.async_scheduling = True
         med = lambda xs, i: statistics.median(x[i] for x in xs)  # noqa: E731
         row = dict(batch=b, ours_decode=med(ours, 0), mlx_decode=med(theirs, 0),
-                   ours_e2e=med(ours, 1), mlx_e2e=med(theirs, 1))
+                   ours_e2e=med(ours, 1), mlx_e2e=med(theirs, 1), host_ms=ours[-1][2])
         if lockstep:
-            row.update(lockstep_decode=med(lockstep, 0))
+            row.update(lockstep_decode=med(lockstep, 0), lockstep_host_ms=lockstep[-1][2])
         if bw:
             nbytes, nflops, ideal = roofline_step(model, b, args.prompt_len + args.gen_len // 2, bw, flops)
             row.update(step_ms=1e3 * b / row["ours_decode"], ideal_ms=1e3 * ideal, step_gb=nbytes / 1e9,
@@ -253,10 +257,15 @@ def main() -> None:
             roof.add_row(str(r["batch"]), f"{r['step_gb']:.2f}", f"{r['step_gflop']:.0f}", f"{r['ideal_ms']:.2f}",
                          f"{r['step_ms']:.2f}", f"{100 * r['ideal_ms'] / r['step_ms']:.0f}%")
         console.print(roof)
-    s = engine.stats
-    console.print(f"pagedmlx host share of step time: {100 * s.host_fraction():.1f}% "
-                  f"(schedule {1e3 * s.schedule_s / s.num_steps:.2f} ms, update {1e3 * s.update_s / s.num_steps:.2f} ms "
-                  f"per step)")
+    host = Table(title="pagedmlx host time per step, ms (build: graph + dispatch; wait: for the device)")
+    for col in ("batch", "mode", "schedule", "build", "wait", "update"):
+        host.add_column(col, justify="right")
+    for r in rows:
+        for mode, key in (("async" if engine.async_scheduling else "lockstep", "host_ms"), ("lockstep", "lockstep_host_ms")):
+            if key in r:
+                h = r[key]
+                host.add_row(str(r["batch"]), mode, *(f"{h[k]:.2f}" for k in ("schedule_s", "build_s", "wait_s", "update_s")))
+    console.print(host)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(model=name, device=str(mx.default_device()), rows=rows,
                                                    single_stream=single_stream, bandwidth=bw, matmul=flops), indent=1))

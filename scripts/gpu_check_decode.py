@@ -1,4 +1,6 @@
-"""The paged-decode CUDA kernel against the gather path, on random pools and block tables.
+"""The CUDA kernels against MLX ops: paged decode against the gather path on random pools and
+block tables, and the in-place page write (reshape_and_cache) against a scatter, including reads
+of the pages in the same graph right after the write (the ordering that `written` provides).
 
 Run on the GPU machine; prints PASS/FAIL per case and exits non-zero on any failure. Outputs are
 poisoned with NaN before each kernel run, so an element the kernel never writes fails the case.
@@ -60,6 +62,61 @@ def case(name, *, B, H, n_kv, D, bs, lens, dtype, shared=False, num_blocks=None,
     return all(results)
 
 
+def write_case(name, *, T, n_kv, D, bs, num_blocks, dtype, seed=0, rounds=8):
+    """reshape_and_cache against a numpy scatter; then, in one graph each round, write a new token
+    per sequence and read the pages at once through the decode kernel and through the gather path
+    (which prefill uses): both must see the new token."""
+    rng = np.random.default_rng(seed)
+    k0 = rng.standard_normal((num_blocks, n_kv, bs, D)).astype(np.float32)
+    v0 = rng.standard_normal((num_blocks, n_kv, bs, D)).astype(np.float32)
+    k_pages, v_pages = mx.array(k0).astype(dtype), mx.array(v0).astype(dtype)
+    mx.eval(k_pages, v_pages)
+    want_k, want_v = np.array(k_pages.astype(mx.float32)), np.array(v_pages.astype(mx.float32))
+    slots = rng.permutation(num_blocks * bs)[:T].astype(np.int32)
+    slots[::7] = -1  # skipped rows
+    keys = mx.array(rng.standard_normal((T, n_kv, 1, D)).astype(np.float32)).astype(dtype)
+    values = mx.array(rng.standard_normal((T, n_kv, 1, D)).astype(np.float32)).astype(dtype)
+    mx.eval(cuda_decode.reshape_and_cache(keys, values, k_pages, v_pages, mx.array(slots)))
+    for i, s in enumerate(slots):
+        if s >= 0:
+            want_k[s // bs, :, s % bs] = np.array(keys[i, :, 0].astype(mx.float32))
+            want_v[s // bs, :, s % bs] = np.array(values[i, :, 0].astype(mx.float32))
+    ok = (np.array_equal(np.array(k_pages.astype(mx.float32)), want_k)
+          and np.array_equal(np.array(v_pages.astype(mx.float32)), want_v))
+    print(f"{'PASS' if ok else 'FAIL'}  {name:<44} in-place write equals scatter ({T} rows)")
+    # Write then read in one graph, several rounds (a missing dependency shows up as a race).
+    B = 8
+    nb = num_blocks // B
+    table = mx.array(rng.permutation(num_blocks)[: B * nb].reshape(B, nb).astype(np.int32))
+    H = n_kv * 4
+    scale = D ** -0.5
+    for r in range(rounds):
+        lens = rng.integers(1, nb * bs + 1, B).astype(np.int32)
+        new_slots = np.array([int(table[b, (lens[b] - 1) // bs].item()) * bs + (lens[b] - 1) % bs for b in range(B)],
+                             np.int32)
+        nk = mx.array(rng.standard_normal((B, n_kv, 1, D)).astype(np.float32) * 3).astype(dtype)
+        nv = mx.array(rng.standard_normal((B, n_kv, 1, D)).astype(np.float32) * 3).astype(dtype)
+        q = mx.array(rng.standard_normal((B, H, D)).astype(np.float32)).astype(dtype)
+        seq_lens = mx.array(lens)
+        written = cuda_decode.reshape_and_cache(nk, nv, k_pages, v_pages, mx.array(new_slots))
+        splits, tokens = cuda_decode.num_splits(B, n_kv, int(lens.max()))
+        got = cuda_decode.paged_decode(q, k_pages, v_pages, table, seq_lens, scale, splits,
+                                       mx.array([tokens], mx.int32), written, init_value=float("nan"))
+        gathered = _gather(k_pages, table + written)
+        got, gathered = got.astype(mx.float32), gathered.astype(mx.float32)
+        mx.eval(got, gathered)
+        want = reference(q, k_pages, v_pages, table, seq_lens, scale)
+        err = mx.abs(got - want).max().item()
+        seen = all(np.array_equal(np.array(gathered[b, :, lens[b] - 1]), np.array(nk[b, :, 0].astype(mx.float32)))
+                   for b in range(B))
+        good = np.isfinite(err) and err <= TOL[dtype] * max(1.0, mx.abs(want).max().item()) and seen
+        ok &= good
+        if not good:
+            print(f"FAIL  {name:<44} round {r}: decode max|err|={err:.2e}, gather saw the new token: {seen}")
+    print(f"{'PASS' if ok else 'FAIL'}  {name:<44} write then read in one graph, {rounds} rounds")
+    return ok
+
+
 def main() -> int:
     if not cuda_decode.is_available():
         print("SKIP: no CUDA device")
@@ -80,6 +137,10 @@ def main() -> int:
                    lens=[1, 2, 31, 33, 1000], dtype=dtype)
         ok &= case(f"{dn} G=7 (qwen-style), head_dim 128", B=6, H=28, n_kv=4, D=128, bs=16,
                    lens=rng.integers(1, 2000, 6), dtype=dtype)
+        ok &= write_case(f"{dn} page write, llama-8b kv heads", T=300, n_kv=8, D=128, bs=16, num_blocks=256,
+                         dtype=dtype, seed=3)
+        ok &= write_case(f"{dn} page write, head_dim 64, block 32", T=50, n_kv=2, D=64, bs=32, num_blocks=64,
+                         dtype=dtype, seed=4)
     print("ALL PASS" if ok else "SOME FAILED")
     return 0 if ok else 1
 

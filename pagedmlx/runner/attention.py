@@ -27,8 +27,10 @@ class AttentionMetadata:
 
     num_tokens: int
     positions: mx.array  # (T,)
-    write_blocks: mx.array  # (T,) page of each new token
-    write_offsets: mx.array  # (T,) slot inside that page
+    pages_in_place: bool  # CUDA: reshape_and_cache writes the pages; else MLX scatters into them
+    slot_mapping: Optional[mx.array]  # (T,) block * block_size + offset of each new token (in place)
+    write_blocks: Optional[mx.array]  # (T,) page of each new token (scatter)
+    write_offsets: Optional[mx.array]  # (T,) slot inside that page (scatter)
     num_decodes: int
     decode_block_table: Optional[mx.array]  # (Bd, nb)
     decode_mask: Optional[mx.array]  # (Bd, 1, 1, nb * block_size) keys that exist (gather path)
@@ -45,14 +47,18 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, so: SchedulerOutput, block_size: int, decode_kernel_kv_heads: int = 0) -> "AttentionMetadata":
-        """decode_kernel_kv_heads > 0: decode rows go through the paged-decode kernel (CUDA)."""
+        """decode_kernel_kv_heads > 0: the CUDA kernels write the pages in place and decode rows
+        attend through the paged-decode kernel."""
         T = so.total_num_scheduled_tokens
         nd = so.num_decodes
+        in_place = decode_kernel_kv_heads > 0
         md = cls(
             num_tokens=T,
             positions=mx.array(so.positions),
-            write_blocks=mx.array(so.slot_mapping // block_size),
-            write_offsets=mx.array(so.slot_mapping % block_size),
+            pages_in_place=in_place,
+            slot_mapping=mx.array(so.slot_mapping) if in_place else None,
+            write_blocks=None if in_place else mx.array(so.slot_mapping // block_size),
+            write_offsets=None if in_place else mx.array(so.slot_mapping % block_size),
             num_decodes=nd,
             decode_block_table=None, decode_mask=None, decode_seq_lens=None,
             num_prefill_tokens=T - nd,
@@ -100,8 +106,8 @@ class KVPool:
     """Every layer's pages: keys and values each [num_blocks, n_kv_heads, block_size, head_dim]
     (head-major inside a page, so that gathered pages are already in attention's layout).
 
-    The arrays live only in these lists: a second Python reference would turn each in-place
-    page write into a copy of the whole pool.
+    The arrays live only in these lists: where MLX scatters the new K/V (no CUDA kernel), a second
+    Python reference would turn each page write into a copy of the whole pool.
     """
 
     def __init__(self, num_blocks: int, block_size: int, layer_specs: list[tuple[int, int, int, mx.Dtype]]):
@@ -123,6 +129,7 @@ class PagedLayerCache:
         self.layer = layer
         self.pool = pool
         self.md = md
+        self.written: Optional[mx.array] = None  # reshape_and_cache's output: readers of the pages wait on it
 
     @property
     def offset(self) -> mx.array:
@@ -133,15 +140,19 @@ class PagedLayerCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         md, i = self.md, self.layer
-        # (T, n_kv, 1, D) -> (T, n_kv, D), written in place into the pages.
         k_pages, v_pages = self.pool.keys, self.pool.values
+        if md.pages_in_place:
+            self.written = cuda_decode.reshape_and_cache(keys, values, k_pages[i], v_pages[i], md.slot_mapping)
+            return keys, values
+        # (T, n_kv, 1, D) -> (T, n_kv, D), scattered into the pages (in place when nothing else holds them).
         k_pages[i][md.write_blocks, :, md.write_offsets] = as_dtype(keys[:, :, 0, :], k_pages[i].dtype)
         v_pages[i][md.write_blocks, :, md.write_offsets] = as_dtype(values[:, :, 0, :], v_pages[i].dtype)
         return keys, values
 
     def attention(self, queries: mx.array, scale: float) -> mx.array:
         """queries (T, n_heads, 1, D) -> (T, n_heads, 1, Dv), attending over pages."""
-        return paged_attention(queries, self.pool.keys[self.layer], self.pool.values[self.layer], self.md, scale)
+        return paged_attention(queries, self.pool.keys[self.layer], self.pool.values[self.layer], self.md, scale,
+                               self.written)
 
 
 def length_mask(seq_lens: mx.array, num_keys: int) -> mx.array:
@@ -162,29 +173,33 @@ def _gather(pages: mx.array, block_table: mx.array) -> mx.array:
 
 
 def paged_attention(queries: mx.array, k_pages: mx.array, v_pages: mx.array,
-                    md: AttentionMetadata, scale: float) -> mx.array:
+                    md: AttentionMetadata, scale: float, written: Optional[mx.array] = None) -> mx.array:
+    """written: reshape_and_cache's output when the pages were written in place this step; every
+    read of the pages below takes it as an input, which orders the read after the write."""
     outs = []
     nd = md.num_decodes
     if nd and md.use_decode_kernel and cuda_decode.supports(
             queries.shape[3], queries.shape[1], k_pages.shape[1], k_pages.dtype):
         q = queries.reshape(md.num_tokens, queries.shape[1], queries.shape[3])  # a view: no copy
         o = cuda_decode.paged_decode(q[:nd] if nd < md.num_tokens else q, k_pages, v_pages, md.decode_block_table,
-                                     md.decode_seq_lens, scale, md.decode_splits, md.decode_split_tokens)
+                                     md.decode_seq_lens, scale, md.decode_splits, md.decode_split_tokens, written)
         outs.append(as_dtype(o[:, :, None, :], queries.dtype))
     elif nd:
         if md.decode_mask is None:  # this layer's shape is not one the kernel takes
             md.decode_mask = length_mask(md.decode_seq_lens, md.decode_block_table.shape[1] * k_pages.shape[2])
         q = queries[:nd] if nd < md.num_tokens else queries
-        k = _gather(k_pages, md.decode_block_table)
-        v = _gather(v_pages, md.decode_block_table)
+        table = md.decode_block_table if written is None else md.decode_block_table + written
+        k = _gather(k_pages, table)
+        v = _gather(v_pages, table)
         outs.append(as_dtype(mx.fast.scaled_dot_product_attention(
             as_dtype(q, k.dtype), k, v, scale=scale, mask=md.decode_mask), queries.dtype))
     if md.num_prefill_tokens:
         P, L = md.prefill_block_table.shape[0], md.prefill_max_query_len
         H, D = queries.shape[1], queries.shape[3]
         q = queries[:, :, 0, :][md.prefill_query_rows].reshape(P, L, H, D).transpose(0, 2, 1, 3)
-        k = _gather(k_pages, md.prefill_block_table)
-        v = _gather(v_pages, md.prefill_block_table)
+        table = md.prefill_block_table if written is None else md.prefill_block_table + written
+        k = _gather(k_pages, table)
+        v = _gather(v_pages, table)
         o = mx.fast.scaled_dot_product_attention(as_dtype(q, k.dtype), k, v, scale=scale, mask=md.prefill_mask)
         o = o.transpose(0, 2, 1, 3).reshape(P * L, H, -1)[md.prefill_out_rows]
         outs.append(as_dtype(o[:, :, None, :], queries.dtype))

@@ -1,4 +1,12 @@
-"""Paged-decode attention kernel for MLX's CUDA backend.
+"""Paged KV kernels for MLX's CUDA backend: the page write (reshape_and_cache) and paged-decode attention.
+
+The page write stores each new token's K/V at its slot in place, through the input pointers: MLX
+sees the pools as arrays that never change, so no write can turn into a copy of a whole pool
+(which MLX's scatter does whenever anything else still references the pool, e.g. the step in
+flight), and step N+1 can be dispatched while step N runs. Its small `written` output is an input
+of every reader of that layer's pages in the step: MLX's CUDA graphs order nodes by the buffers
+they share, so this is what keeps a read after the write.
+
 
 Reads K/V straight from the page pool through the block table: no gathered copy. One thread block
 per (kv head, sequence, KV split) serves all G query heads that share the kv head (each K/V byte is
@@ -15,7 +23,8 @@ from typing import Optional
 import mlx.core as mx
 
 THREADS = 128  # 4 warps
-UNROLL = 4  # token steps whose loads are issued together (best of 1, 2, 4 on the H200, 2026-12-02)
+UNROLL = 2  # token steps whose loads are issued together
+PREFETCH = 1  # issue the next steps' loads before this step's math (best of the sweep on the H200, 2026-12-02)
 TARGET_BLOCKS = 1056  # ~8 thread blocks per SM of a 132-SM GPU: enough loads in flight to hide latency
 MIN_SPLIT_TOKENS = 256
 
@@ -23,7 +32,7 @@ _ACCUMULATE = """
     // Lanes work in groups of TPT; each group holds one token's K/V row (VEC elements per lane,
     // read as 16-byte vectors), so a warp has TOK = 32 / TPT tokens in flight per step and U steps
     // loads issued together. Every group keeps its own online-softmax state; groups, then warps, merge at the end.
-    constexpr int NW = THREADS / 32;
+    constexpr int NW = THREADS / 32;  // warps
     constexpr int TOK = 32 / TPT;
     constexpr int NV = VEC * sizeof(T) / 16;
     const int lane = threadIdx.x & 31;
@@ -50,44 +59,82 @@ _ACCUMULATE = """
         m[g] = NEG_INF; l[g] = 0.f;
     }
     const int* table = block_table + (size_t)b * max_blocks;
-    for (int base = start + warp * TOK * U; base < end; base += NW * TOK * U) {
-        uint4 kraw[U][NV], vraw[U][NV];
-        bool valid[U];
+    constexpr int STEP = NW * TOK * U;
+    auto load = [&](uint4 (&kr)[U][NV], uint4 (&vr)[U][NV], bool (&ok)[U], int base) {
         #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int t = base + u * TOK + grp;
-            valid[u] = t < end;
-            if (valid[u]) {
+            ok[u] = t < end;
+            if (ok[u]) {
                 const size_t row = (((size_t)table[t / BS] * NKV + kvh) * BS + (t % BS)) * D + sub * VEC;
                 const uint4* kp = reinterpret_cast<const uint4*>(k_pages + row);
                 const uint4* vp = reinterpret_cast<const uint4*>(v_pages + row);
                 #pragma unroll
-                for (int i = 0; i < NV; ++i) { kraw[u][i] = kp[i]; vraw[u][i] = vp[i]; }
+                for (int i = 0; i < NV; ++i) { kr[u][i] = __ldg(kp + i); vr[u][i] = __ldg(vp + i); }
             }
         }
+    };
+    uint4 kraw[U][NV], vraw[U][NV];
+    bool valid[U];
+    load(kraw, vraw, valid, start + warp * TOK * U);
+    for (int base = start + warp * TOK * U; base < end; base += STEP) {
+        // PF: the next U steps' loads are issued before this step's math (twice the registers).
+        uint4 knext[U][NV], vnext[U][NV];
+        bool valid_next[U];
+        if (PF) load(knext, vnext, valid_next, base + STEP);
+        // Scores of all U tokens for all G heads first, reduced across the group's lanes together
+        // (independent shuffles overlap); then one softmax rescale per head for the U tokens.
+        float s[U][G];
         #pragma unroll
         for (int u = 0; u < U; ++u) {
             const T* kt = reinterpret_cast<const T*>(kraw[u]);
-            const T* vt = reinterpret_cast<const T*>(vraw[u]);
             #pragma unroll
             for (int g = 0; g < G; ++g) {
-                float s = 0.f;
-                if (valid[u]) {
-                    #pragma unroll
-                    for (int e = 0; e < VEC; ++e) s += qv[g][e] * static_cast<float>(kt[e]);
-                }
+                float x = 0.f;
                 #pragma unroll
-                for (int o = TPT / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+                for (int e = 0; e < VEC; ++e) x += qv[g][e] * static_cast<float>(kt[e]);
+                s[u][g] = x;
+            }
+        }
+        #pragma unroll
+        for (int o = TPT / 2; o > 0; o >>= 1) {
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                #pragma unroll
+                for (int g = 0; g < G; ++g) s[u][g] += __shfl_xor_sync(0xffffffff, s[u][g], o);
+            }
+        }
+        #pragma unroll
+        for (int g = 0; g < G; ++g) {
+            float m_new = m[g];
+            #pragma unroll
+            for (int u = 0; u < U; ++u) if (valid[u]) m_new = fmaxf(m_new, s[u][g]);
+            if (m_new == NEG_INF) continue;  // no valid token for this group yet
+            const float corr = __expf(m[g] - m_new);
+            l[g] *= corr;
+            #pragma unroll
+            for (int e = 0; e < VEC; ++e) acc[g][e] *= corr;
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {
                 if (valid[u]) {
-                    const float m_new = fmaxf(m[g], s);
-                    const float corr = __expf(m[g] - m_new);
-                    const float p = __expf(s - m_new);
-                    l[g] = l[g] * corr + p;
+                    const T* vt = reinterpret_cast<const T*>(vraw[u]);
+                    const float p = __expf(s[u][g] - m_new);
+                    l[g] += p;
                     #pragma unroll
-                    for (int e = 0; e < VEC; ++e) acc[g][e] = acc[g][e] * corr + p * static_cast<float>(vt[e]);
-                    m[g] = m_new;
+                    for (int e = 0; e < VEC; ++e) acc[g][e] += p * static_cast<float>(vt[e]);
                 }
             }
+            m[g] = m_new;
+        }
+        if (PF) {
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                valid[u] = valid_next[u];
+                #pragma unroll
+                for (int i = 0; i < NV; ++i) { kraw[u][i] = knext[u][i]; vraw[u][i] = vnext[u][i]; }
+            }
+        } else {
+            load(kraw, vraw, valid, base + STEP);
         }
     }
     // Merge the token groups of this warp (lanes with the same `sub`).
@@ -169,8 +216,25 @@ _MERGE = """
     out[((size_t)b * H + h) * D + d] = static_cast<T>(L > 0.f ? A / L : 0.f);
 """
 
+_RESHAPE_AND_CACHE = """
+    // One thread per (token, kv head, element): keys (T, NKV, DK) and values (T, NKV, DV) go to
+    // pages[slot / BS, kv head, slot % BS, :], written in place (see the module docstring).
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i == 0) written[0] = 0;
+    constexpr int DM = DK > DV ? DK : DV;
+    const size_t t = i / (NKV * DM);
+    if (t >= (size_t)keys_shape[0]) return;
+    const int slot = slot_mapping[t];
+    if (slot < 0) return;
+    const int h = (i / DM) % NKV, d = i % DM;
+    const size_t page_row = ((size_t)(slot / BS) * NKV + h) * BS + slot % BS;
+    if (d < DK) const_cast<P*>(k_pages)[page_row * DK + d] = static_cast<P>(static_cast<float>(keys[(t * NKV + h) * DK + d]));
+    if (d < DV) const_cast<P*>(v_pages)[page_row * DV + d] = static_cast<P>(static_cast<float>(values[(t * NKV + h) * DV + d]));
+"""
+
 _HEADER = "#define NEG_INF __int_as_float(0xff800000)\n"
-_INPUTS = ["q", "k_pages", "v_pages", "block_table", "seq_lens", "split_tokens", "scale"]
+# `written` (the page write's output) is not read: it only orders the kernel after the write.
+_INPUTS = ["q", "k_pages", "v_pages", "block_table", "seq_lens", "split_tokens", "scale", "written"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -180,6 +244,26 @@ def _kernels():
                                 _ACCUMULATE + _WRITE_SPLIT, header=_HEADER)
     merge = mx.fast.cuda_kernel("pagedmlx_decode_merge", ["part_acc", "part_m", "part_l"], ["out"], _MERGE, header=_HEADER)
     return single, split, merge
+
+
+@functools.lru_cache(maxsize=None)
+def _write_kernel():
+    return mx.fast.cuda_kernel("pagedmlx_reshape_and_cache", ["keys", "values", "slot_mapping", "k_pages", "v_pages"],
+                               ["written"], _RESHAPE_AND_CACHE)
+
+
+def reshape_and_cache(keys: mx.array, values: mx.array, k_pages: mx.array, v_pages: mx.array,
+                      slot_mapping: mx.array) -> mx.array:
+    """Write keys (T, n_kv, 1, Dk) and values (T, n_kv, 1, Dv) into the pages at slot_mapping (T,)
+    int32 (block * block_size + offset; negative: skip), in place. Returns `written`, a (1,) int32
+    zero that every reader of these pages in the step must take as an input."""
+    T, n_kv, _, dk = keys.shape
+    dv = values.shape[3]
+    bs = k_pages.shape[2]
+    template = [("P", k_pages.dtype), ("NKV", n_kv), ("DK", dk), ("DV", dv), ("BS", bs)]
+    return _write_kernel()(inputs=[keys, values, slot_mapping, k_pages, v_pages], template=template,
+                           grid=(max(T * n_kv * max(dk, dv), 1), 1, 1), threadgroup=(256, 1, 1),
+                           output_shapes=[(1,)], output_dtypes=[mx.int32])[0]
 
 
 def is_available() -> bool:
@@ -218,19 +302,21 @@ def num_splits(batch: int, n_kv_heads: int, max_seq_len: int) -> tuple[int, int]
 
 def paged_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, block_table: mx.array,
                  seq_lens: mx.array, scale: float, splits: int, split_tokens: mx.array,
-                 init_value: Optional[float] = None, threads: int = THREADS, unroll: int = UNROLL) -> mx.array:
+                 written: Optional[mx.array] = None, init_value: Optional[float] = None,
+                 threads: int = THREADS, unroll: int = UNROLL, prefetch: int = PREFETCH) -> mx.array:
     """q (B, H, D), pages (num_blocks, n_kv, block_size, D), block_table (B, nb) int32,
     seq_lens (B,) int32, split_tokens (1,) int32 -> (B, H, D) in the pages' dtype.
+    written: reshape_and_cache's output for these pages this step (the kernel runs after it).
     init_value fills the outputs before the kernels run (tests poison them with NaN)."""
     B, H, D = q.shape
     n_kv, bs = k_pages.shape[1], k_pages.shape[2]
     G = H // n_kv
     cast = (lambda x, dt: x if x.dtype == dt else x.astype(dt))
     inputs = [cast(q, k_pages.dtype), k_pages, v_pages, block_table, seq_lens, split_tokens,
-              mx.array([scale], mx.float32)]
+              mx.array([scale], mx.float32), written if written is not None else mx.zeros((1,), mx.int32)]
     tpt, vec = lane_layout(D, k_pages.dtype)
     template = [("T", k_pages.dtype), ("D", D), ("G", G), ("BS", bs), ("THREADS", threads), ("TPT", tpt),
-                ("VEC", vec), ("U", unroll)]
+                ("VEC", vec), ("U", unroll), ("PF", prefetch)]
     single, split, merge = _kernels()
     if splits == 1:
         return single(inputs=inputs, template=template, grid=(n_kv * threads, B, 1), threadgroup=(threads, 1, 1),

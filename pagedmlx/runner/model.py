@@ -65,13 +65,21 @@ class ModelRunner:
                 f"model type {model_type(model)!r} does not call mlx-lm's scaled_dot_product_attention")
         self._body, self._head = self._split_head()
         self.layer_specs = self._probe_layer_specs()
-        # Decode rows read pages in place with the CUDA kernel where it runs; elsewhere they gather.
+        # Where the CUDA kernels run, they write the pages in place and decode rows read them through
+        # the block table; elsewhere MLX scatters the writes and gathers the pages.
         self.decode_kernel_kv_heads = self.layer_specs[0][0] if cuda_decode.is_available() else 0
         if verify:
             self._verify_against_mlx_lm()
         if num_blocks is None:
             num_blocks = max(2, int(kv_cache_memory_gb * 1e9) // self.bytes_per_block)
         self.kv_pool = KVPool(num_blocks, block_size, self.layer_specs)
+
+    @property
+    def pages_in_place(self) -> bool:
+        """Pages written by a kernel in place (CUDA): a step may be dispatched while the previous
+        one still runs. Elsewhere MLX scatters into the pools, which copies a pool that anything
+        else (a step in flight) still references."""
+        return self.decode_kernel_kv_heads > 0
 
     @property
     def num_blocks(self) -> int:
@@ -106,21 +114,30 @@ class ModelRunner:
         return [p.spec for p in probes]
 
     def forward(self, so: SchedulerOutput, prev_sampled: Optional[mx.array] = None) -> mx.array:
-        """Logits (S, V) of the rows in so.logits_indices, lazily. `prev_sampled`: the previous
-        step's sampled tokens, still on the device, for the rows in so.placeholder_rows."""
+        """Logits (S, V) of the rows in so.logits_indices. `prev_sampled`: the previous step's
+        sampled tokens, still on the device, for the rows in so.placeholder_rows. With no rows to
+        sample, the last token's output instead: evaluating it writes the step's pages (an empty
+        logits array failed to evaluate on MLX's CUDA backend, 0.32.4).
+
+        Lazy where MLX scatters the pages. Where kernels write them in place, the step is
+        dispatched (mx.async_eval) before this returns: MLX sees no dependency between one step's
+        page reads and the next step's writes, so steps must reach the device in order."""
         md = AttentionMetadata.build(so, self.block_size, self.decode_kernel_kv_heads)
         caches = [PagedLayerCache(i, self.kv_pool, md) for i in range(self.num_layers)]
         inputs = mx.array(so.input_ids)
         if len(so.placeholder_rows):
             inputs[mx.array(so.placeholder_rows)] = prev_sampled[mx.array(so.placeholder_src)].astype(inputs.dtype)
         inputs = inputs[:, None]
-        rows = mx.array(so.logits_indices)
-        if self._head is not None:
+        if not len(so.logits_indices):  # nothing to sample: a stand-in that needs every layer
+            out = (self._body if self._body is not None else self.model)(inputs, cache=caches)[-1:, 0, :]
+        elif self._head is not None:
             h = self._body(inputs, cache=caches)
-            logits = self._head(h[rows])
+            out = self._head(h[mx.array(so.logits_indices)])[:, 0, :]
         else:
-            logits = self.model(inputs, cache=caches)[rows]
-        return logits[:, 0, :]
+            out = self.model(inputs, cache=caches)[mx.array(so.logits_indices)][:, 0, :]
+        if self.pages_in_place:
+            mx.async_eval(out)
+        return out
 
     def _verify_against_mlx_lm(self) -> None:
         """Run a short mixed step on pages and compare with mlx-lm's own KVCache; fall back to the
