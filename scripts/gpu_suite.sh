@@ -9,7 +9,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 scripts/gpu_check_decode.py 2>&1 | tee "$OUT/kernel_check.txt"
 python3 scripts/bench_offline.py --preset llama-8b --dtype bfloat16 --batch-sizes $BATCHES --roofline --ab-async \
   --json "$OUT/offline.json" 2>&1 | tee "$OUT/offline.txt"
-python3 scripts/bench_attention.py 2>&1 | tee "$OUT/attention.txt"
-python3 scripts/bench_matmul.py 2>&1 | tee "$OUT/matmul.txt"
-# The engine's busy-equals-solo tests on the GPU: the kernels, in-place page writes, overlapped steps.
-timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_batched_equals_solo.py 2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
+if [ -z "${QUICK:-}" ]; then
+  python3 scripts/bench_attention.py 2>&1 | tee "$OUT/attention.txt"
+  python3 scripts/bench_matmul.py 2>&1 | tee "$OUT/matmul.txt"
+fi
+# The engine's busy-equals-solo tests on the GPU: the kernels, in-place page writes, overlapped
+# steps. Full float32 (no TF32): mlx-lm's solo pass and a busy batch multiply with different M,
+# and TF32 rounds those differently, which flips ties in random-weight models.
+MLX_ENABLE_TF32=0 timeout 300 python3 -m pytest -q -rf -p no:cacheprovider tests/test_batched_equals_solo.py \
+  > "$OUT/pytest_gpu.txt" 2>&1
+tail -12 "$OUT/pytest_gpu.txt"

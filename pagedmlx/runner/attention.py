@@ -21,25 +21,57 @@ from pagedmlx.runner import cuda_decode
 from pagedmlx.scheduler_output import SchedulerOutput
 
 
+class _StepUpload:
+    """Collects a step's int32 index arrays on the host and sends them to the device as ONE array;
+    each index tensor is then a view (slice) of it. Creating an MLX array from host memory has a
+    fixed cost per array (on CUDA, a write into managed memory the GPU may be using), and a step
+    has a dozen such arrays."""
+
+    def __init__(self):
+        self._parts: list[np.ndarray] = []
+        self._size = 0
+        self._buf: Optional[mx.array] = None
+
+    def add(self, a: np.ndarray) -> tuple[int, tuple[int, ...]]:
+        key = (self._size, a.shape)
+        self._parts.append(np.ascontiguousarray(a, np.int32).reshape(-1))
+        self._size += a.size
+        return key
+
+    def upload(self) -> None:
+        # At least 4 int32s: MLX's CUDA allocator keeps arrays of <= 8 bytes in a shared managed
+        # pool that kernels' own tiny outputs live in too.
+        self._parts.append(np.zeros(max(0, 4 - self._size), np.int32))
+        self._buf = mx.array(np.concatenate(self._parts))
+
+    def get(self, key: tuple[int, tuple[int, ...]]) -> mx.array:
+        start, shape = key
+        return self._buf[start:start + int(np.prod(shape, dtype=np.int64))].reshape(shape)
+
+
 @dataclass
 class AttentionMetadata:
-    """The step's index tensors, built once and shared by every layer."""
+    """The step's index tensors, built once (one upload) and shared by every layer."""
 
     num_tokens: int
-    positions: mx.array  # (T,)
-    pages_in_place: bool  # CUDA: reshape_and_cache writes the pages; else MLX scatters into them
-    slot_mapping: Optional[mx.array]  # (T,) block * block_size + offset of each new token (in place)
-    write_blocks: Optional[mx.array]  # (T,) page of each new token (scatter)
-    write_offsets: Optional[mx.array]  # (T,) slot inside that page (scatter)
     num_decodes: int
-    decode_block_table: Optional[mx.array]  # (Bd, nb)
-    decode_mask: Optional[mx.array]  # (Bd, 1, 1, nb * block_size) keys that exist (gather path)
-    decode_seq_lens: Optional[mx.array]  # (Bd,)
-    num_prefill_tokens: int
-    prefill_block_table: Optional[mx.array]  # (P, nb)
-    prefill_query_rows: Optional[mx.array]  # (P * Lmax,) flat row of each padded query slot
-    prefill_mask: Optional[mx.array]  # (P, 1, Lmax, nb * block_size) causal over prefix + new tokens
-    prefill_out_rows: Optional[mx.array]  # (Tp,) padded slot of each real prefill token
+    pages_in_place: bool  # CUDA: reshape_and_cache writes the pages; else MLX scatters into them
+    input_ids: Optional[mx.array] = None  # (T,)
+    positions: Optional[mx.array] = None  # (T,)
+    logits_indices: Optional[mx.array] = None  # (S,) rows whose logits are sampled
+    placeholder_rows: Optional[mx.array] = None  # (R,) rows whose input token comes from the previous step
+    placeholder_src: Optional[mx.array] = None  # (R,) where in the previous step's sampled tokens
+    slot_mapping: Optional[mx.array] = None  # (T,) block * block_size + offset of each new token (in place)
+    write_blocks: Optional[mx.array] = None  # (T,) page of each new token (scatter)
+    write_offsets: Optional[mx.array] = None  # (T,) slot inside that page (scatter)
+    decode_block_table: Optional[mx.array] = None  # (Bd, nb)
+    decode_mask: Optional[mx.array] = None  # (Bd, 1, 1, nb * block_size) keys that exist (gather path)
+    decode_seq_lens: Optional[mx.array] = None  # (Bd,)
+    num_prefill_tokens: int = 0
+    prefill_block_table: Optional[mx.array] = None  # (P, nb)
+    prefill_query_rows: Optional[mx.array] = None  # (P * Lmax,) flat row of each padded query slot
+    prefill_mask: Optional[mx.array] = None  # (P, 1, Lmax, nb * block_size) causal over prefix + new tokens
+    prefill_out_rows: Optional[mx.array] = None  # (Tp,) padded slot of each real prefill token
     prefill_max_query_len: int = 0
     use_decode_kernel: bool = False
     decode_splits: int = 1
@@ -49,57 +81,62 @@ class AttentionMetadata:
     def build(cls, so: SchedulerOutput, block_size: int, decode_kernel_kv_heads: int = 0) -> "AttentionMetadata":
         """decode_kernel_kv_heads > 0: the CUDA kernels write the pages in place and decode rows
         attend through the paged-decode kernel."""
-        T = so.total_num_scheduled_tokens
-        nd = so.num_decodes
+        T, nd = so.total_num_scheduled_tokens, so.num_decodes
         in_place = decode_kernel_kv_heads > 0
-        md = cls(
-            num_tokens=T,
-            positions=mx.array(so.positions),
-            pages_in_place=in_place,
-            slot_mapping=mx.array(so.slot_mapping) if in_place else None,
-            write_blocks=None if in_place else mx.array(so.slot_mapping // block_size),
-            write_offsets=None if in_place else mx.array(so.slot_mapping % block_size),
-            num_decodes=nd,
-            decode_block_table=None, decode_mask=None, decode_seq_lens=None,
-            num_prefill_tokens=T - nd,
-            prefill_block_table=None, prefill_query_rows=None, prefill_mask=None, prefill_out_rows=None,
-        )
+        up = _StepUpload()
+        keys = dict(input_ids=up.add(so.input_ids), positions=up.add(so.positions),
+                    logits_indices=up.add(so.logits_indices))
+        if len(so.placeholder_rows):
+            keys.update(placeholder_rows=up.add(so.placeholder_rows), placeholder_src=up.add(so.placeholder_src))
+        if in_place:
+            keys.update(slot_mapping=up.add(so.slot_mapping))
+        else:
+            keys.update(write_blocks=up.add(so.slot_mapping // block_size),
+                        write_offsets=up.add(so.slot_mapping % block_size))
+        splits = 1
         if nd:
             seq_lens = so.seq_lens[:nd]
             nb = -(-int(seq_lens.max()) // block_size)
-            md.decode_block_table = mx.array(so.block_table[:nd, :nb])
-            md.decode_seq_lens = mx.array(seq_lens)
-            if decode_kernel_kv_heads:
-                md.use_decode_kernel = True
-                md.decode_splits, tokens = cuda_decode.num_splits(nd, decode_kernel_kv_heads, int(seq_lens.max()))
-                md.decode_split_tokens = mx.array([tokens], mx.int32)
-            else:
-                md.decode_mask = length_mask(md.decode_seq_lens, nb * block_size)
-        if T > nd:
-            md._build_prefill(so, block_size)
+            keys.update(decode_block_table=up.add(so.block_table[:nd, :nb]), decode_seq_lens=up.add(seq_lens))
+            if in_place:
+                splits, tokens = cuda_decode.num_splits(nd, decode_kernel_kv_heads, int(seq_lens.max()))
+                keys.update(decode_split_tokens=up.add(np.array([tokens])))
+        prefill = _prefill_indices(so, block_size) if T > nd else None
+        if prefill is not None:
+            table, rows, out_rows, mask = prefill
+            keys.update(prefill_block_table=up.add(table), prefill_query_rows=up.add(rows),
+                        prefill_out_rows=up.add(out_rows))
+        up.upload()
+        md = cls(num_tokens=T, num_decodes=nd, pages_in_place=in_place, num_prefill_tokens=T - nd,
+                 use_decode_kernel=in_place and nd > 0, decode_splits=splits,
+                 **{k: up.get(v) for k, v in keys.items()})
+        if nd and not in_place:
+            md.decode_mask = length_mask(md.decode_seq_lens, md.decode_block_table.shape[1] * block_size)
+        if prefill is not None:
+            md.prefill_mask = mx.array(prefill[3][:, None])
+            md.prefill_max_query_len = prefill[3].shape[1]
         return md
 
-    def _build_prefill(self, so: SchedulerOutput, block_size: int) -> None:
-        nd = so.num_decodes
-        qsl = so.query_start_loc[nd:]
-        q_lens = np.diff(qsl)
-        seq_lens = so.seq_lens[nd:]
-        L = int(q_lens.max())
-        nb = -(-int(seq_lens.max()) // block_size)
-        S = nb * block_size
-        j = np.arange(L)
-        valid_q = j[None, :] < q_lens[:, None]  # (P, L)
-        rows = np.where(valid_q, qsl[:-1, None] + j[None, :], 0)
-        # Query j of a segment sits at position (seq_len - q_len + j) and sees keys up to it.
-        q_pos = (seq_lens - q_lens)[:, None] + j[None, :]
-        mask = np.arange(S)[None, None, :] <= q_pos[:, :, None]
-        mask[~valid_q] = False
-        mask[~valid_q, 0] = True  # padded queries see one key, so that softmax stays finite
-        self.prefill_block_table = mx.array(so.block_table[nd:, :nb])
-        self.prefill_query_rows = mx.array(rows.reshape(-1).astype(np.int32))
-        self.prefill_mask = mx.array(mask[:, None])
-        self.prefill_out_rows = mx.array(np.flatnonzero(valid_q.reshape(-1)).astype(np.int32))
-        self.prefill_max_query_len = L
+
+def _prefill_indices(so: SchedulerOutput, block_size: int):
+    """Prefill segments padded to the longest: (block table, query row of each padded slot,
+    padded slot of each real token, causal mask over the gathered keys)."""
+    nd = so.num_decodes
+    qsl = so.query_start_loc[nd:]
+    q_lens = np.diff(qsl)
+    seq_lens = so.seq_lens[nd:]
+    L = int(q_lens.max())
+    nb = -(-int(seq_lens.max()) // block_size)
+    S = nb * block_size
+    j = np.arange(L)
+    valid_q = j[None, :] < q_lens[:, None]  # (P, L)
+    rows = np.where(valid_q, qsl[:-1, None] + j[None, :], 0)
+    # Query j of a segment sits at position (seq_len - q_len + j) and sees keys up to it.
+    q_pos = (seq_lens - q_lens)[:, None] + j[None, :]
+    mask = np.arange(S)[None, None, :] <= q_pos[:, :, None]
+    mask[~valid_q] = False
+    mask[~valid_q, 0] = True  # padded queries see one key, so that softmax stays finite
+    return so.block_table[nd:, :nb], rows.reshape(-1), np.flatnonzero(valid_q.reshape(-1)), mask
 
 
 class KVPool:

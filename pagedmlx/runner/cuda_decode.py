@@ -255,15 +255,29 @@ def _write_kernel():
 def reshape_and_cache(keys: mx.array, values: mx.array, k_pages: mx.array, v_pages: mx.array,
                       slot_mapping: mx.array) -> mx.array:
     """Write keys (T, n_kv, 1, Dk) and values (T, n_kv, 1, Dv) into the pages at slot_mapping (T,)
-    int32 (block * block_size + offset; negative: skip), in place. Returns `written`, a (1,) int32
-    zero that every reader of these pages in the step must take as an input."""
+    int32 (block * block_size + offset; negative: skip), in place. Returns `written`, a (4,) int32
+    array whose first element is 0, that every reader of these pages in the step must take as an
+    input (4 elements: see _scale_array)."""
     T, n_kv, _, dk = keys.shape
     dv = values.shape[3]
     bs = k_pages.shape[2]
     template = [("P", k_pages.dtype), ("NKV", n_kv), ("DK", dk), ("DV", dv), ("BS", bs)]
     return _write_kernel()(inputs=[keys, values, slot_mapping, k_pages, v_pages], template=template,
                            grid=(max(T * n_kv * max(dk, dv), 1), 1, 1), threadgroup=(256, 1, 1),
-                           output_shapes=[(1,)], output_dtypes=[mx.int32])[0]
+                           output_shapes=[(4,)], output_dtypes=[mx.int32])[0][:1]
+
+
+@functools.lru_cache(maxsize=None)
+def _scale_array(scale: float) -> mx.array:
+    """A device constant, made once: a host-made array per layer call would cost an upload each.
+    Padded past 8 bytes: MLX's CUDA allocator pools arrays of <= 8 bytes in managed pages that
+    the host writes small arrays into too."""
+    return mx.full((4,), scale, mx.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _no_write() -> mx.array:
+    return mx.zeros((4,), mx.int32)
 
 
 def is_available() -> bool:
@@ -313,7 +327,7 @@ def paged_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, block_table:
     G = H // n_kv
     cast = (lambda x, dt: x if x.dtype == dt else x.astype(dt))
     inputs = [cast(q, k_pages.dtype), k_pages, v_pages, block_table, seq_lens, split_tokens,
-              mx.array([scale], mx.float32), written if written is not None else mx.zeros((1,), mx.int32)]
+              _scale_array(scale), written if written is not None else _no_write()]
     tpt, vec = lane_layout(D, k_pages.dtype)
     template = [("T", k_pages.dtype), ("D", D), ("G", G), ("BS", bs), ("THREADS", threads), ("TPT", tpt),
                 ("VEC", vec), ("U", unroll), ("PF", prefetch)]

@@ -124,17 +124,18 @@ class ModelRunner:
         page reads and the next step's writes, so steps must reach the device in order."""
         md = AttentionMetadata.build(so, self.block_size, self.decode_kernel_kv_heads)
         caches = [PagedLayerCache(i, self.kv_pool, md) for i in range(self.num_layers)]
-        inputs = mx.array(so.input_ids)
-        if len(so.placeholder_rows):
-            inputs[mx.array(so.placeholder_rows)] = prev_sampled[mx.array(so.placeholder_src)].astype(inputs.dtype)
+        inputs = md.input_ids
+        if md.placeholder_rows is not None:
+            inputs = mx.put_along_axis(inputs, md.placeholder_rows,
+                                       prev_sampled[md.placeholder_src].astype(inputs.dtype), axis=0)
         inputs = inputs[:, None]
         if not len(so.logits_indices):  # nothing to sample: a stand-in that needs every layer
             out = (self._body if self._body is not None else self.model)(inputs, cache=caches)[-1:, 0, :]
         elif self._head is not None:
             h = self._body(inputs, cache=caches)
-            out = self._head(h[mx.array(so.logits_indices)])[:, 0, :]
+            out = self._head(h[md.logits_indices])[:, 0, :]
         else:
-            out = self.model(inputs, cache=caches)[mx.array(so.logits_indices)][:, 0, :]
+            out = self.model(inputs, cache=caches)[md.logits_indices][:, 0, :]
         if self.pages_in_place:
             mx.async_eval(out)
         return out

@@ -14,7 +14,10 @@ from pagedmlx.scheduler_output import build_scheduler_output
 if TYPE_CHECKING:
     from pagedmlx.runner.model import ModelRunner
 
-_TOLERANCE = {mx.float32: 1e-3, mx.float16: 3e-2, mx.bfloat16: 6e-2}
+# float32: 5e-3, not less: on tensor-core GPUs MLX multiplies float32 in TF32 by default
+# (MLX_ENABLE_TF32), and the paged and mlx-lm passes round differently (1.06e-3 seen on an H200).
+# A wrong page or position shows up as an O(1) difference.
+_TOLERANCE = {mx.float32: 5e-3, mx.float16: 3e-2, mx.bfloat16: 6e-2}
 
 
 def check_paged_forward(runner: "ModelRunner") -> Optional[str]:
