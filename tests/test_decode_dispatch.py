@@ -42,3 +42,27 @@ def test_splits_cover_every_key_and_only_when_sms_would_idle():
     assert cuda_decode.num_splits(256, 8, 4096)[0] == 1  # 2,048 thread blocks already fill the GPU
     assert cuda_decode.num_splits(1, 8, 200)[0] == 1  # short: not worth a merge pass
     assert cuda_decode.num_splits(1, 8, 32763)[0] > 64
+
+
+def test_step_index_tensors_are_views_of_one_upload_and_equal_the_schedule():
+    """AttentionMetadata sends the step's int32 index arrays to the device as one array; every
+    tensor must still hold exactly its own part, for decodes, prefill chunks and placeholders."""
+    import numpy as np
+
+    from pagedmlx.request import Request
+    from pagedmlx.scheduler_output import build_scheduler_output
+
+    reqs = [Request("d", [5, 6, 7], SamplingParams(max_tokens=4)), Request("p", list(range(1, 12)), SamplingParams())]
+    reqs[0].num_computed_tokens = 3
+    so = build_scheduler_output([(reqs[0], 1), (reqs[1], 9)], {"d": [3], "p": [0, 1, 2]}, 4, [], set())
+    so.placeholder_rows, so.placeholder_src = np.array([0], np.int32), np.array([2], np.int32)
+    md = AttentionMetadata.build(so, 4)
+    for name in ("input_ids", "positions", "logits_indices", "placeholder_rows", "placeholder_src"):
+        assert getattr(md, name).tolist() == getattr(so, name).tolist(), name
+    assert md.write_blocks.tolist() == (so.slot_mapping // 4).tolist()
+    assert md.write_offsets.tolist() == (so.slot_mapping % 4).tolist()
+    assert md.decode_block_table.tolist() == so.block_table[:1, :1].tolist()
+    assert md.decode_seq_lens.tolist() == [4]
+    assert md.prefill_block_table.tolist() == so.block_table[1:, :3].tolist()
+    assert md.prefill_query_rows.tolist() == list(range(1, 10))
+    assert md.prefill_out_rows.tolist() == list(range(9)) and md.prefill_max_query_len == 9
