@@ -265,11 +265,16 @@ class Scheduler:
         blocks it was to fill and finish its requests with an error (`requests`: the step's own
         request objects, so that a new request reusing an id is left alone)."""
         alive = []
+        bs = self.kv_cache_manager.block_size
         for i, rid in enumerate(output.req_ids):
+            computed_before = int(output.seq_lens[i]) - output.num_scheduled_tokens[i]
             req = self.requests.get(rid)
             if req is None or (requests is not None and requests[i] is not req):
+                # Gone since (aborted while the step ran): its pages were freed with the hashes
+                # this step was to make true. Uncaching a page that holds valid KV is harmless.
+                row = output.block_table[i, computed_before // bs:-(-int(output.seq_lens[i]) // bs)]
+                self.kv_cache_manager.uncache_block_ids(row.tolist())
                 continue
-            computed_before = int(output.seq_lens[i]) - output.num_scheduled_tokens[i]
             self.kv_cache_manager.uncache_uncomputed(req, computed_before)
             alive.append(rid)
         return self.finish_requests(alive, RequestStatus.FINISHED_ERROR)

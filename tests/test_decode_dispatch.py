@@ -66,3 +66,5 @@ def test_step_index_tensors_are_views_of_one_upload_and_equal_the_schedule():
     assert md.prefill_block_table.tolist() == so.block_table[1:, :3].tolist()
     assert md.prefill_query_rows.tolist() == list(range(1, 10))
     assert md.prefill_out_rows.tolist() == list(range(9)) and md.prefill_max_query_len == 9
+    # Causal over the 12 gathered keys: query j (position j) sees keys 0..j.
+    assert md.prefill_mask.tolist() == [[[[k <= j for k in range(12)] for j in range(9)]]]

@@ -358,3 +358,22 @@ def test_fail_step_uncaches_the_blocks_the_failed_step_was_to_fill():
     assert mgr.get_computed_blocks(make_request("p3", prompt))[1] == 4  # block 0 is still good
     assert [blk.block_id for blk in mgr.block_pool.blocks if blk.block_hash is not None] == [0]
     assert_no_leaks(sched)
+
+
+def test_fail_step_uncaches_the_blocks_of_a_request_aborted_while_the_step_ran():
+    """Async engine: step N is in flight, its request is aborted (pages freed, hashes kept), then
+    step N fails. The pages it was to fill must not stay in the prefix cache with garbage KV."""
+    sched = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=10,
+                           long_prefill_token_threshold=5)
+    mgr = sched.kv_cache_manager
+    prompt = list(range(1, 11))
+    a = make_request("a", prompt)
+    sched.add_request(a)
+    FakeModel(sched).step()  # tokens 0..4 written: block 0 is valid
+    out = sched.schedule()  # a fills block 1 (tokens 4..7) this step
+    assert scheduled(out) == [("a", 5)] and mgr.get_computed_blocks(make_request("p", prompt))[1] == 8
+    assert [r.request_id for r in sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)] == ["a"]
+    assert sched.fail_step(out, [a]) == []  # nobody left to fail ...
+    assert mgr.get_computed_blocks(make_request("p2", prompt))[1] == 4  # ... but block 1 is forgotten
+    assert [blk.block_id for blk in mgr.block_pool.blocks if blk.block_hash is not None] == [0]
+    assert_no_leaks(sched)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 from pagedmlx.kv.block_hash import hash_request_blocks
 from pagedmlx.kv.block_pool import BlockPool, KVCacheBlock
@@ -142,6 +142,11 @@ class KVCacheManager:
             self.block_pool.uncache_block(block)
         if request.request_id in self.num_cached_blocks:
             self.num_cached_blocks[request.request_id] = min(self.num_cached_blocks[request.request_id], first)
+
+    def uncache_block_ids(self, block_ids: Iterable[int]) -> None:
+        """Drop the hashes of these pages, whoever holds them now."""
+        for i in block_ids:
+            self.block_pool.uncache_block(self.block_pool.blocks[i])
 
     def free(self, request: Request) -> None:
         """Release the request's pages, tail first: the end of a chain is evicted before its head."""

@@ -72,6 +72,7 @@ class AttentionMetadata:
     prefill_query_rows: Optional[mx.array] = None  # (P * Lmax,) flat row of each padded query slot
     prefill_mask: Optional[mx.array] = None  # (P, 1, Lmax, nb * block_size) causal over prefix + new tokens
     prefill_out_rows: Optional[mx.array] = None  # (Tp,) padded slot of each real prefill token
+    prefill_query_pos: Optional[mx.array] = None  # (P, Lmax) position of each padded query slot
     prefill_max_query_len: int = 0
     use_decode_kernel: bool = False
     decode_splits: int = 1
@@ -103,9 +104,9 @@ class AttentionMetadata:
                 keys.update(decode_split_tokens=up.add(np.array([tokens])))
         prefill = _prefill_indices(so, block_size) if T > nd else None
         if prefill is not None:
-            table, rows, out_rows, mask = prefill
+            table, rows, out_rows, q_pos = prefill
             keys.update(prefill_block_table=up.add(table), prefill_query_rows=up.add(rows),
-                        prefill_out_rows=up.add(out_rows))
+                        prefill_out_rows=up.add(out_rows), prefill_query_pos=up.add(q_pos))
         up.upload()
         md = cls(num_tokens=T, num_decodes=nd, pages_in_place=in_place, num_prefill_tokens=T - nd,
                  use_decode_kernel=in_place and nd > 0, decode_splits=splits,
@@ -113,30 +114,29 @@ class AttentionMetadata:
         if nd and not in_place:
             md.decode_mask = length_mask(md.decode_seq_lens, md.decode_block_table.shape[1] * block_size)
         if prefill is not None:
-            md.prefill_mask = mx.array(prefill[3][:, None])
-            md.prefill_max_query_len = prefill[3].shape[1]
+            # Causal over the gathered keys, built on the device from the queries' positions.
+            num_keys = md.prefill_block_table.shape[1] * block_size
+            md.prefill_mask = (mx.arange(num_keys)[None, None, :] <= md.prefill_query_pos[:, :, None])[:, None]
+            md.prefill_max_query_len = md.prefill_query_pos.shape[1]
         return md
 
 
 def _prefill_indices(so: SchedulerOutput, block_size: int):
     """Prefill segments padded to the longest: (block table, query row of each padded slot,
-    padded slot of each real token, causal mask over the gathered keys)."""
+    padded slot of each real token, position of each padded slot's query)."""
     nd = so.num_decodes
     qsl = so.query_start_loc[nd:]
     q_lens = np.diff(qsl)
     seq_lens = so.seq_lens[nd:]
     L = int(q_lens.max())
     nb = -(-int(seq_lens.max()) // block_size)
-    S = nb * block_size
     j = np.arange(L)
     valid_q = j[None, :] < q_lens[:, None]  # (P, L)
     rows = np.where(valid_q, qsl[:-1, None] + j[None, :], 0)
-    # Query j of a segment sits at position (seq_len - q_len + j) and sees keys up to it.
-    q_pos = (seq_lens - q_lens)[:, None] + j[None, :]
-    mask = np.arange(S)[None, None, :] <= q_pos[:, :, None]
-    mask[~valid_q] = False
-    mask[~valid_q, 0] = True  # padded queries see one key, so that softmax stays finite
-    return so.block_table[nd:, :nb], rows.reshape(-1), np.flatnonzero(valid_q.reshape(-1)), mask
+    # Query j of a segment sits at position (seq_len - q_len + j) and sees keys up to it; a padded
+    # query sits at 0 and so sees one key, which keeps its softmax finite.
+    q_pos = np.where(valid_q, (seq_lens - q_lens)[:, None] + j[None, :], 0)
+    return so.block_table[nd:, :nb], rows.reshape(-1), np.flatnonzero(valid_q.reshape(-1)), q_pos
 
 
 class KVPool:
