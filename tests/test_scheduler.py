@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from sched_utils import EOS, FakeModel, assert_no_leaks, check_invariants, make_request, make_scheduler, step
 
-from pagedmlx.request import RequestStatus
+from pagedmlx.request import Request, RequestStatus
+from pagedmlx.scheduler import Scheduler
 
 
 def scheduled(out):
@@ -337,14 +338,20 @@ def test_priority_policy_orders_waiting_requests():
     assert [r.request_id for r in fcfs.waiting] == ["x", "y"]
 
 
-def test_fail_step_uncaches_the_blocks_the_failed_step_was_to_fill():
+def _first_chunk_done(prompt: list[int]) -> tuple[Scheduler, Request]:
+    """A scheduler whose request "a" has run its first 5-token chunk (block 0 valid and cached)."""
     sched = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=10,
                            long_prefill_token_threshold=5)
-    mgr = sched.kv_cache_manager
-    prompt = list(range(1, 11))
     a = make_request("a", prompt)
     sched.add_request(a)
-    FakeModel(sched).step()  # tokens 0..4 written: block 0 is valid
+    FakeModel(sched).step()
+    return sched, a
+
+
+def test_fail_step_uncaches_the_blocks_the_failed_step_was_to_fill():
+    prompt = list(range(1, 11))
+    sched, a = _first_chunk_done(prompt)
+    mgr = sched.kv_cache_manager
     assert mgr.get_computed_blocks(make_request("p1", prompt))[1] == 4
     sched.add_request(make_request("b", prompt))
     out = sched.schedule()
@@ -363,13 +370,9 @@ def test_fail_step_uncaches_the_blocks_the_failed_step_was_to_fill():
 def test_fail_step_uncaches_the_blocks_of_a_request_aborted_while_the_step_ran():
     """Async engine: step N is in flight, its request is aborted (pages freed, hashes kept), then
     step N fails. The pages it was to fill must not stay in the prefix cache with garbage KV."""
-    sched = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=10,
-                           long_prefill_token_threshold=5)
-    mgr = sched.kv_cache_manager
     prompt = list(range(1, 11))
-    a = make_request("a", prompt)
-    sched.add_request(a)
-    FakeModel(sched).step()  # tokens 0..4 written: block 0 is valid
+    sched, a = _first_chunk_done(prompt)
+    mgr = sched.kv_cache_manager
     out = sched.schedule()  # a fills block 1 (tokens 4..7) this step
     assert scheduled(out) == [("a", 5)] and mgr.get_computed_blocks(make_request("p", prompt))[1] == 8
     assert [r.request_id for r in sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)] == ["a"]
