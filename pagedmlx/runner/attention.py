@@ -23,9 +23,8 @@ from pagedmlx.scheduler_output import SchedulerOutput
 
 class _StepUpload:
     """Collects a step's int32 index arrays on the host and sends them to the device as ONE array;
-    each index tensor is then a view (slice) of it. Creating an MLX array from host memory has a
-    fixed cost per array (on CUDA, a write into managed memory the GPU may be using), and a step
-    has a dozen such arrays."""
+    each index tensor is then a view (slice) of it. Every MLX array made from host memory is an
+    allocation and a copy of its own, and a step has a dozen index arrays."""
 
     def __init__(self):
         self._parts: list[np.ndarray] = []
