@@ -68,3 +68,23 @@ def test_step_index_tensors_are_views_of_one_upload_and_equal_the_schedule():
     assert md.prefill_out_rows.tolist() == list(range(9)) and md.prefill_max_query_len == 9
     # Causal over the 12 gathered keys: query j (position j) sees keys 0..j.
     assert md.prefill_mask.tolist() == [[[[k <= j for k in range(12)] for j in range(9)]]]
+
+
+def test_kernel_path_metadata_carries_slots_and_split_for_the_cuda_kernels():
+    """What the CUDA path reads (built on any backend; the kernels themselves run on the GPU machine):
+    slots for the in-place page write, the split size for the decode kernel, no scatter indices."""
+    import numpy as np
+
+    from pagedmlx.request import Request
+    from pagedmlx.scheduler_output import build_scheduler_output
+
+    long = Request("d", list(range(1, 601)), SamplingParams(max_tokens=4))
+    long.num_computed_tokens = 600
+    so = build_scheduler_output([(long, 1)], {"d": list(range(151))}, 4, [], set())
+    md = AttentionMetadata.build(so, 4, decode_kernel_kv_heads=2)
+    assert md.pages_in_place and md.use_decode_kernel and md.write_blocks is None
+    assert md.slot_mapping.tolist() == so.slot_mapping.tolist() == [150 * 4 + 0]
+    splits, tokens = cuda_decode.num_splits(1, 2, 601)
+    assert (md.decode_splits, md.decode_split_tokens.tolist()) == (splits, [tokens]) and splits > 1
+    assert md.decode_block_table.shape == (1, 151) and md.decode_mask is None
+    assert np.array_equal(np.array(md.decode_block_table), so.block_table[:1, :151])
