@@ -15,7 +15,11 @@ class TokenLogprob:
 
 @dataclass
 class RequestOutput:
-    """A request's state after a step: everything so far, plus what this step added."""
+    """A request's state after a step: everything so far, plus what this step added.
+
+    Until `finished`, `token_ids` and `logprobs` are the request's own growing lists (copying them
+    every step would cost O(length) per request per step): read them at once, or keep the `new_*`
+    deltas. The final output's lists no longer change."""
 
     request_id: str
     prompt_token_ids: list[int]
