@@ -179,13 +179,13 @@ class LLMEngine:
         self.stats.num_overlapped += previous is not None and built is not None
         dispatch_early = built is not None and self.runner.pages_in_place
         if dispatch_early:
-            mx.async_eval(*built.arrays)
+            self._dispatch(built)
         if previous is not None:
             outputs += self._process(previous, self._wait(previous))
             previous.sampled = previous.arrays = previous = None  # see the docstring
         if built is not None:
             if not dispatch_early:
-                mx.async_eval(*built.arrays)
+                self._dispatch(built)
             if not overlap:
                 outputs += self._process(built, self._wait(built))
                 self._inflight = None
@@ -221,8 +221,21 @@ class LLMEngine:
         scheduled = [self.scheduler.requests[rid] for rid in so.req_ids]
         return LaunchedStep(so, scheduled, sampled, arrays, time.perf_counter() - t)
 
+    @staticmethod
+    def _dispatch(step: LaunchedStep) -> None:
+        """Queue the step on the device. Counted as building: MLX encodes the graph here, and may
+        block here until earlier work drains."""
+        t = time.perf_counter()
+        try:
+            mx.async_eval(*step.arrays)
+        except Exception as exc:  # reported by _wait: only this step's requests fail
+            step.error = exc
+        step.build_s += time.perf_counter() - t
+
     def _wait(self, step: LaunchedStep) -> Optional[list]:
         """The step's one host sync: its sampled tokens (None if the step failed)."""
+        if step.error is not None:
+            return None
         t = time.perf_counter()
         try:
             rows = to_host(step.sampled) if step.sampled is not None else (mx.eval(*step.arrays) or [])

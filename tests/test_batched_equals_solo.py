@@ -206,6 +206,32 @@ def test_failed_step_fails_only_its_requests_and_uncaches(monkeypatch):
     assert engine.kv_cache_manager.stats.hits == 0
 
 
+def test_a_step_that_fails_to_dispatch_fails_only_its_requests(monkeypatch):
+    """mx.async_eval itself can raise (MLX encodes the graph there): an error output, no crash."""
+    import pagedmlx.engine as engine_module
+
+    engine = LLMEngine(make_model("llama"), None, EngineConfig(block_size=4, num_blocks=64))
+    real = engine_module.mx.async_eval
+    calls = []
+
+    def failing_once(*arrays):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("encode failed")
+        return real(*arrays)
+
+    monkeypatch.setattr(engine_module.mx, "async_eval", failing_once)
+    engine.add_request("a", [1, 2, 3], GREEDY)
+    outs = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("a", "error")] and "encode failed" in outs[0].error
+    assert_no_leaks(engine)
+    engine.add_request("b", [1, 2, 3], GREEDY)
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    assert [o.finish_reason for o in done] == ["length"] and len(done[0].token_ids) == GREEDY.max_tokens
+
+
 def test_request_status_finish_reasons():
     assert RequestStatus.FINISHED_LENGTH.finish_reason == "length"
     assert not RequestStatus.PREEMPTED.finished
