@@ -114,7 +114,6 @@ def main() -> None:
             t_kernel = variants[(cuda_decode.THREADS, cuda_decode.UNROLL, cuda_decode.PREFETCH)]
         print(f"{case:>10} {kv_bytes / 1e6:8.0f} {ideal * 1e3:9.3f} {t_kernel * 1e3:10.3f} {t_kernel / ideal:8.2f} "
               f"{t_gather * 1e3:10.3f} {t_gather / ideal:8.2f} {t_contig * 1e3:10.3f} {t_contig / ideal:8.2f}")
-        del k_pages, v_pages, kc, vc
 
 
 if __name__ == "__main__":
