@@ -21,31 +21,19 @@ from pagedmlx.runner import cuda_decode
 from pagedmlx.scheduler_output import SchedulerOutput
 
 
-class _StepUpload:
-    """Collects a step's int32 index arrays on the host and sends them to the device as ONE array;
-    each index tensor is then a view (slice) of it. Every MLX array made from host memory is an
-    allocation and a copy of its own, and a step has a dozen index arrays."""
-
-    def __init__(self):
-        self._parts: list[np.ndarray] = []
-        self._size = 0
-        self._buf: Optional[mx.array] = None
-
-    def add(self, a: np.ndarray) -> tuple[int, tuple[int, ...]]:
-        key = (self._size, a.shape)
-        self._parts.append(np.ascontiguousarray(a, np.int32).reshape(-1))
-        self._size += a.size
-        return key
-
-    def upload(self) -> None:
-        # At least 4 int32s: MLX's CUDA allocator keeps arrays of <= 8 bytes in a shared managed
-        # pool that kernels' own tiny outputs live in too.
-        self._parts.append(np.zeros(max(0, 4 - self._size), np.int32))
-        self._buf = mx.array(np.concatenate(self._parts))
-
-    def get(self, key: tuple[int, tuple[int, ...]]) -> mx.array:
-        start, shape = key
-        return self._buf[start:start + int(np.prod(shape, dtype=np.int64))].reshape(shape)
+def _upload(host: dict[str, np.ndarray]) -> dict[str, mx.array]:
+    """Send a step's int32 index arrays to the device as ONE array, each then a view (slice) of it:
+    every MLX array made from host memory is an allocation and a copy of its own, and a step has
+    a dozen index arrays."""
+    flat = [np.ascontiguousarray(a, np.int32).reshape(-1) for a in host.values()]
+    # At least 4 int32s: MLX's CUDA allocator keeps arrays of <= 8 bytes in a shared managed pool
+    # that kernels' own tiny outputs live in too.
+    buf = mx.array(np.concatenate(flat + [np.zeros(4, np.int32)]))
+    out, start = {}, 0
+    for (name, a), part in zip(host.items(), flat):
+        out[name] = buf[start:start + part.size].reshape(a.shape)
+        start += part.size
+    return out
 
 
 @dataclass
@@ -83,36 +71,28 @@ class AttentionMetadata:
         attend through the paged-decode kernel."""
         T, nd = so.total_num_scheduled_tokens, so.num_decodes
         in_place = decode_kernel_kv_heads > 0
-        up = _StepUpload()
-        keys = dict(input_ids=up.add(so.input_ids), positions=up.add(so.positions),
-                    logits_indices=up.add(so.logits_indices))
+        host = dict(input_ids=so.input_ids, positions=so.positions, logits_indices=so.logits_indices)
         if len(so.placeholder_rows):
-            keys.update(placeholder_rows=up.add(so.placeholder_rows), placeholder_src=up.add(so.placeholder_src))
+            host.update(placeholder_rows=so.placeholder_rows, placeholder_src=so.placeholder_src)
         if in_place:
-            keys.update(slot_mapping=up.add(so.slot_mapping))
+            host.update(slot_mapping=so.slot_mapping)
         else:
-            keys.update(write_blocks=up.add(so.slot_mapping // block_size),
-                        write_offsets=up.add(so.slot_mapping % block_size))
+            host.update(write_blocks=so.slot_mapping // block_size, write_offsets=so.slot_mapping % block_size)
         splits = 1
         if nd:
             seq_lens = so.seq_lens[:nd]
             nb = -(-int(seq_lens.max()) // block_size)
-            keys.update(decode_block_table=up.add(so.block_table[:nd, :nb]), decode_seq_lens=up.add(seq_lens))
+            host.update(decode_block_table=so.block_table[:nd, :nb], decode_seq_lens=seq_lens)
             if in_place:
                 splits, tokens = cuda_decode.num_splits(nd, decode_kernel_kv_heads, int(seq_lens.max()))
-                keys.update(decode_split_tokens=up.add(np.array([tokens])))
-        prefill = _prefill_indices(so, block_size) if T > nd else None
-        if prefill is not None:
-            table, rows, out_rows, q_pos = prefill
-            keys.update(prefill_block_table=up.add(table), prefill_query_rows=up.add(rows),
-                        prefill_out_rows=up.add(out_rows), prefill_query_pos=up.add(q_pos))
-        up.upload()
+                host.update(decode_split_tokens=np.array([tokens]))
+        if T > nd:
+            host.update(_prefill_indices(so, block_size))
         md = cls(num_tokens=T, num_decodes=nd, pages_in_place=in_place, num_prefill_tokens=T - nd,
-                 use_decode_kernel=in_place and nd > 0, decode_splits=splits,
-                 **{k: up.get(v) for k, v in keys.items()})
+                 use_decode_kernel=in_place and nd > 0, decode_splits=splits, **_upload(host))
         if nd and not in_place:
             md.decode_mask = length_mask(md.decode_seq_lens, md.decode_block_table.shape[1] * block_size)
-        if prefill is not None:
+        if T > nd:
             # Causal over the gathered keys, built on the device from the queries' positions.
             num_keys = md.prefill_block_table.shape[1] * block_size
             md.prefill_mask = (mx.arange(num_keys)[None, None, :] <= md.prefill_query_pos[:, :, None])[:, None]
@@ -120,9 +100,9 @@ class AttentionMetadata:
         return md
 
 
-def _prefill_indices(so: SchedulerOutput, block_size: int):
-    """Prefill segments padded to the longest: (block table, query row of each padded slot,
-    padded slot of each real token, position of each padded slot's query)."""
+def _prefill_indices(so: SchedulerOutput, block_size: int) -> dict[str, np.ndarray]:
+    """Prefill segments padded to the longest: block table, query row of each padded slot, padded
+    slot of each real token, position of each padded slot's query."""
     nd = so.num_decodes
     qsl = so.query_start_loc[nd:]
     q_lens = np.diff(qsl)
@@ -135,7 +115,8 @@ def _prefill_indices(so: SchedulerOutput, block_size: int):
     # Query j of a segment sits at position (seq_len - q_len + j) and sees keys up to it; a padded
     # query sits at 0 and so sees one key, which keeps its softmax finite.
     q_pos = np.where(valid_q, (seq_lens - q_lens)[:, None] + j[None, :], 0)
-    return so.block_table[nd:, :nb], rows.reshape(-1), np.flatnonzero(valid_q.reshape(-1)), q_pos
+    return dict(prefill_block_table=so.block_table[nd:, :nb], prefill_query_rows=rows.reshape(-1),
+                prefill_out_rows=np.flatnonzero(valid_q.reshape(-1)), prefill_query_pos=q_pos)
 
 
 class KVPool:

@@ -7,12 +7,12 @@ flight), and step N+1 can be dispatched while step N runs. Its small `written` o
 of every reader of that layer's pages in the step: MLX's CUDA graphs order nodes by the buffers
 they share, so this is what keeps a read after the write.
 
-
-Reads K/V straight from the page pool through the block table: no gathered copy. One thread block
-per (kv head, sequence, KV split) serves all G query heads that share the kv head (each K/V byte is
-read once); inside it, groups of lanes each take one token's row in 16-byte vectors, several
-tokens in flight per warp, with an online softmax; groups and warps then merge their partials. Long contexts with few sequences are
-split along the keys (split-KV) and merged by a second small kernel.
+The decode kernel reads K/V straight from the page pool through the block table: no gathered
+copy. One thread block per (kv head, sequence, KV split) serves all G query heads that share the
+kv head (each K/V byte is read once); inside it, groups of lanes each take one token's row in
+16-byte vectors, several tokens in flight per warp, with an online softmax; groups and warps then
+merge their partials. Long contexts with few sequences are split along the keys (split-KV) and
+merged by a second small kernel.
 """
 
 from __future__ import annotations
@@ -255,9 +255,9 @@ def _write_kernel():
 def reshape_and_cache(keys: mx.array, values: mx.array, k_pages: mx.array, v_pages: mx.array,
                       slot_mapping: mx.array) -> mx.array:
     """Write keys (T, n_kv, 1, Dk) and values (T, n_kv, 1, Dv) into the pages at slot_mapping (T,)
-    int32 (block * block_size + offset; negative: skip), in place. Returns `written`, a (4,) int32
-    array whose first element is 0, that every reader of these pages in the step must take as an
-    input (4 elements: see _scale_array)."""
+    int32 (block * block_size + offset; negative: skip), in place. Returns `written`, a (1,) int32
+    zero that every reader of these pages in the step must take as an input (a view of a 4-element
+    output: see _scale_array)."""
     T, n_kv, _, dk = keys.shape
     dv = values.shape[3]
     bs = k_pages.shape[2]

@@ -115,9 +115,7 @@ class ModelRunner:
 
     def forward(self, so: SchedulerOutput, prev_sampled: Optional[mx.array] = None) -> mx.array:
         """Logits (S, V) of the rows in so.logits_indices. `prev_sampled`: the previous step's
-        sampled tokens, still on the device, for the rows in so.placeholder_rows. With no rows to
-        sample, the last token's output instead: evaluating it writes the step's pages (an empty
-        logits array failed to evaluate on MLX's CUDA backend, 0.32.4).
+        sampled tokens, still on the device, for the rows in so.placeholder_rows.
 
         Lazy where MLX scatters the pages. Where kernels write them in place, the step is
         dispatched (mx.async_eval) before this returns: MLX sees no dependency between one step's
@@ -129,16 +127,14 @@ class ModelRunner:
             inputs = mx.put_along_axis(inputs, md.placeholder_rows,
                                        prev_sampled[md.placeholder_src].astype(inputs.dtype), axis=0)
         inputs = inputs[:, None]
-        if not len(so.logits_indices):  # nothing to sample: a stand-in that needs every layer
-            out = (self._body if self._body is not None else self.model)(inputs, cache=caches)[-1:, 0, :]
-        elif self._head is not None:
+        if self._head is not None:
             h = self._body(inputs, cache=caches)
-            out = self._head(h[md.logits_indices])[:, 0, :]
+            logits = self._head(h[md.logits_indices])[:, 0, :]
         else:
-            out = self.model(inputs, cache=caches)[md.logits_indices][:, 0, :]
+            logits = self.model(inputs, cache=caches)[md.logits_indices][:, 0, :]
         if self.pages_in_place:
-            mx.async_eval(out)
-        return out
+            mx.async_eval(logits)
+        return logits
 
     def _verify_against_mlx_lm(self) -> None:
         """Run a short mixed step on pages and compare with mlx-lm's own KVCache; fall back to the
