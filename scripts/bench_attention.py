@@ -26,7 +26,12 @@ from pagedmlx.runner import cuda_decode  # noqa: E402
 from pagedmlx.runner.attention import _gather  # noqa: E402
 
 
-VARIANTS = [(128, 2, 0), (128, 4, 0), (128, 2, 1), (128, 4, 1), (256, 2, 0), (256, 4, 0), (256, 2, 1)]
+# (threads, unroll, prefetch, vectors per lane, heads per block): see cuda_decode's constants.
+VARIANTS = [(128, 2, 1, 1, 0), (128, 2, 1, 1, 2), (128, 2, 1, 1, 1), (128, 4, 1, 1, 1), (128, 2, 1, 2, 1),
+            (128, 2, 1, 2, 2), (128, 2, 1, 2, 0), (256, 2, 1, 1, 0)]
+SETTINGS = ("threads", "unroll", "prefetch", "vectors", "heads_per_block")
+DEFAULT = (cuda_decode.THREADS, cuda_decode.UNROLL, cuda_decode.PREFETCH, cuda_decode.VECTORS,
+           cuda_decode.HEADS_PER_BLOCK)
 
 
 def timed(fn, iters: int) -> float:
@@ -68,6 +73,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--layers", type=int, default=32, help="calls chained in one graph")
+    ap.add_argument("--splits", type=int, nargs="*", default=[],
+                    help="also time the default kernel with these KV split counts (chosen: num_splits)")
     args = ap.parse_args()
     dtype = getattr(mx, args.dtype)
     bw = measure_bandwidth()
@@ -105,13 +112,20 @@ def main() -> None:
             splits, tokens = cuda_decode.num_splits(B, nkv, S)
             tok = mx.array([tokens], mx.int32)
             variants = {}
-            for threads, unroll, prefetch in VARIANTS:
-                variants[(threads, unroll, prefetch)] = timed_chain(lambda x: cuda_decode.paged_decode(
-                    x, k_pages, v_pages, table, lens, scale, splits, tok, threads=threads, unroll=unroll,
-                    prefetch=prefetch), q, args.layers, args.iters)
-            print("    variants (threads, unroll, prefetch): "
+            for v in dict.fromkeys(VARIANTS + [DEFAULT]):
+                settings = dict(zip(SETTINGS, v))
+                variants[v] = timed_chain(lambda x: cuda_decode.paged_decode(
+                    x, k_pages, v_pages, table, lens, scale, splits, tok, **settings), q, args.layers, args.iters)
+            print(f"    variants {SETTINGS}: "
                   + ", ".join(f"{k}: {1e3 * v:.3f}" for k, v in variants.items()))
-            t_kernel = variants[(cuda_decode.THREADS, cuda_decode.UNROLL, cuda_decode.PREFETCH)]
+            by_split = {}
+            for n in args.splits:
+                per = mx.array([-(-S // n)], mx.int32)
+                by_split[n] = timed_chain(lambda x: cuda_decode.paged_decode(
+                    x, k_pages, v_pages, table, lens, scale, -(-S // (-(-S // n))), per), q, args.layers, args.iters)
+            if by_split:
+                print(f"    splits (chosen {splits}): " + ", ".join(f"{n}: {1e3 * v:.3f}" for n, v in by_split.items()))
+            t_kernel = variants[DEFAULT]
         print(f"{case:>10} {kv_bytes / 1e6:8.0f} {ideal * 1e3:9.3f} {t_kernel * 1e3:10.3f} {t_kernel / ideal:8.2f} "
               f"{t_gather * 1e3:10.3f} {t_gather / ideal:8.2f} {t_contig * 1e3:10.3f} {t_contig / ideal:8.2f}")
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import statistics
 import sys
@@ -169,6 +170,7 @@ def main() -> None:
     ap.add_argument("--ab-async", action="store_true",
                     help="also run every batch in lockstep, right after the async run (same engine)")
     ap.add_argument("--roofline", action="store_true", help="measure the machine and print each step's ideal time")
+    ap.add_argument("--skip-peer", action="store_true", help="run pagedmlx only (for sweeps of its own settings)")
     args = ap.parse_args()
 
     from rich.console import Console
@@ -201,10 +203,13 @@ def main() -> None:
                   f"{'async' if engine.async_scheduling else 'lockstep'} steps")
     # Warm up both (compilation, allocator).
     run_pagedmlx(engine, make_prompts(2, 16, vocab, 0), 4)
-    run_mlx_lm(model, make_prompts(2, 16, vocab, 0), 4)
+    if not args.skip_peer:
+        run_mlx_lm(model, make_prompts(2, 16, vocab, 0), 4)
+    mlx_env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MLX_"))
+    console.print(f"  MLX environment: {mlx_env or '(defaults)'}")
 
     single_stream = None
-    if 1 in args.batch_sizes:
+    if 1 in args.batch_sizes and not args.skip_peer:
         single_stream = run_generate_step(model, make_prompts(1, args.prompt_len, vocab, 9)[0], args.gen_len)
         console.print(f"  mlx-lm generate_step single stream: {single_stream:.0f} tok/s")
     bw = flops = None
@@ -217,7 +222,7 @@ def main() -> None:
         ours, theirs, lockstep = [], [], []
         for r in range(args.repeats):
             prompts = make_prompts(b, args.prompt_len, vocab, seed=r)
-            theirs.append(run_mlx_lm(model, prompts, args.gen_len))
+            theirs.append(run_mlx_lm(model, prompts, args.gen_len) if not args.skip_peer else (float("nan"),) * 2)
             ours.append(run_pagedmlx(engine, prompts, args.gen_len))
             if args.ab_async:
                 engine.async_scheduling = False

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pagedmlx.runner import cuda_decode  # noqa: E402
 from pagedmlx.runner.attention import _gather  # noqa: E402
+from scripts.bench_attention import SETTINGS, VARIANTS  # noqa: E402
 
 TOL = {mx.float32: 2e-3, mx.float16: 2e-2, mx.bfloat16: 4e-2}
 
@@ -32,7 +33,8 @@ def reference(q, k_pages, v_pages, table, seq_lens, scale):
     return o[:, :, 0, :]
 
 
-def case(name, *, B, H, n_kv, D, bs, lens, dtype, shared=False, num_blocks=None, seed=0):
+def case(name, *, B, H, n_kv, D, bs, lens, dtype, shared=False, num_blocks=None, seed=0, variant=None):
+    """variant: a kernel setting other than the default, as in bench_attention's sweep."""
     rng = np.random.default_rng(seed)
     nb = max(-(-int(max(lens)) // bs), 1)
     num_blocks = num_blocks or B * nb + 3
@@ -54,11 +56,13 @@ def case(name, *, B, H, n_kv, D, bs, lens, dtype, shared=False, num_blocks=None,
     for forced in sorted({splits, 1, min(4, -(-int(max(lens)) // 64))}):
         tok = -(-int(max(lens)) // forced)
         got = cuda_decode.paged_decode(q, k_pages, v_pages, table, seq_lens, scale, -(-int(max(lens)) // tok),
-                                       mx.array([tok], mx.int32), init_value=float("nan")).astype(mx.float32)
+                                       mx.array([tok], mx.int32), init_value=float("nan"),
+                                       **(variant or {})).astype(mx.float32)
         err = mx.abs(got - want).max().item()
         ok = np.isfinite(err) and err <= TOL[dtype] * max(1.0, mx.abs(want).max().item())
         results.append(ok)
-        print(f"{'PASS' if ok else 'FAIL'}  {name:<44} splits={-(-int(max(lens)) // tok):<3} max|err|={err:.2e}")
+        print(f"{'PASS' if ok else 'FAIL'}  {name:<44} splits={-(-int(max(lens)) // tok):<3} max|err|={err:.2e}"
+              + (f" {variant}" if variant else ""))
     return all(results)
 
 
@@ -141,6 +145,15 @@ def main() -> int:
                          dtype=dtype, seed=3)
         ok &= write_case(f"{dn} page write, head_dim 64, block 32", T=50, n_kv=2, D=64, bs=32, num_blocks=64,
                          dtype=dtype, seed=4)
+    # The settings bench_attention sweeps must be right before they can be timed or made the default.
+    for variant in VARIANTS:
+        v = dict(zip(SETTINGS, variant))
+        for dtype in (mx.bfloat16, mx.float32):
+            dn = str(dtype).split(".")[-1]
+            ok &= case(f"{dn} llama-8b heads, variant", B=16, H=32, n_kv=8, D=128, bs=16,
+                       lens=rng.integers(1, 700, 16), dtype=dtype, variant=v)
+            ok &= case(f"{dn} G=2, head_dim 64, variant", B=5, H=8, n_kv=4, D=64, bs=32,
+                       lens=[1, 2, 31, 33, 1000], dtype=dtype, variant=v)
     print("ALL PASS" if ok else "SOME FAILED")
     return 0 if ok else 1
 

@@ -35,13 +35,20 @@ def test_lane_layout_reads_whole_16_byte_vectors():
     assert cuda_decode.supports(128, 28, 4, mx.bfloat16)  # G = 7
 
 
+def test_kernel_layout_takes_two_vectors_per_lane_only_where_registers_allow():
+    assert cuda_decode.kernel_layout(128, 4, mx.bfloat16, vectors=2) == (8, 16)  # Llama-8B: 8 lanes a token
+    assert cuda_decode.kernel_layout(128, 7, mx.bfloat16, vectors=2) == (16, 8)  # 7 x 16 > 64 registers: one
+    assert cuda_decode.kernel_layout(128, 4, mx.bfloat16, vectors=1) == (16, 8)
+    assert cuda_decode.kernel_layout(96, 4, mx.bfloat16, vectors=2) is None
+
+
 def test_splits_cover_every_key_and_only_when_sms_would_idle():
     for batch, kv_heads, seq in [(1, 8, 32763), (32, 8, 4096), (64, 8, 1024), (256, 8, 256), (3, 2, 17)]:
         splits, tokens = cuda_decode.num_splits(batch, kv_heads, seq)
         assert splits * tokens >= seq and (splits - 1) * tokens < seq  # no empty split, none missing
     assert cuda_decode.num_splits(256, 8, 4096)[0] == 1  # 2,048 thread blocks already fill the GPU
     assert cuda_decode.num_splits(1, 8, 200)[0] == 1  # short: not worth a merge pass
-    assert cuda_decode.num_splits(1, 8, 32763)[0] > 64
+    assert cuda_decode.num_splits(1, 8, 32763)[0] == 64  # 512 keys a split
 
 
 def test_step_index_tensors_are_views_of_one_upload_and_equal_the_schedule():

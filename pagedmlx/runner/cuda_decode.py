@@ -9,7 +9,7 @@ they share, so this is what keeps a read after the write.
 
 The decode kernel reads K/V straight from the page pool through the block table: no gathered
 copy. One thread block per (kv head, sequence, KV split) serves all G query heads that share the
-kv head (each K/V byte is read once); inside it, groups of lanes each take one token's row in
+kv head (each K/V byte is read once; HEADS_PER_BLOCK can split a group over blocks); inside it, groups of lanes each take one token's row in
 16-byte vectors, several tokens in flight per warp, with an online softmax; groups and warps then
 merge their partials. Long contexts with few sequences are split along the keys (split-KV) and
 merged by a second small kernel.
@@ -25,8 +25,10 @@ import mlx.core as mx
 THREADS = 128  # 4 warps
 UNROLL = 2  # token steps whose loads are issued together
 PREFETCH = 1  # issue the next steps' loads before this step's math (best of the sweep on the H200, 2026-12-02)
+VECTORS = 1  # 16-byte vectors per lane and token row: 2 halves the lanes per token (fewer shuffles), twice the registers
+HEADS_PER_BLOCK = 0  # query heads a thread block serves (0: the kv head's whole group, each K/V byte read once)
 TARGET_BLOCKS = 1056  # ~8 thread blocks per SM of a 132-SM GPU: enough loads in flight to hide latency
-MIN_SPLIT_TOKENS = 256
+MIN_SPLIT_TOKENS = 512  # 1 x 32k keys on the H200: 64 splits 0.120 ms, 128 splits 0.139 ms (2026-12-03)
 
 _ACCUMULATE = """
     // Lanes work in groups of TPT; each group holds one token's K/V row (VEC elements per lane,
@@ -39,11 +41,12 @@ _ACCUMULATE = """
     const int warp = threadIdx.x >> 5;
     const int sub = lane % TPT;
     const int grp = lane / TPT;
-    const int kvh = blockIdx.x;
+    // A block serves G query heads of one kv head; R blocks share a kv head (R = group / G).
+    const int kvh = blockIdx.x / R;
     const int b = blockIdx.y;
     const int split = blockIdx.z;
-    const int NKV = gridDim.x;
-    const int H = NKV * G;
+    const int NKV = gridDim.x / R;
+    const int H = gridDim.x * G;
     const int max_blocks = block_table_shape[1];
     const int seq_len = seq_lens[b];
     const int start = split * split_tokens[0];
@@ -53,7 +56,7 @@ _ACCUMULATE = """
     float qv[G][VEC], acc[G][VEC], m[G], l[G];
     #pragma unroll
     for (int g = 0; g < G; ++g) {
-        const T* qp = q + ((size_t)b * H + kvh * G + g) * D + sub * VEC;
+        const T* qp = q + ((size_t)b * H + blockIdx.x * G + g) * D + sub * VEC;
         #pragma unroll
         for (int e = 0; e < VEC; ++e) { qv[g][e] = static_cast<float>(qp[e]) * sc; acc[g][e] = 0.f; }
         m[g] = NEG_INF; l[g] = 0.f;
@@ -83,16 +86,20 @@ _ACCUMULATE = """
         bool valid_next[U];
         if (PF) load(knext, vnext, valid_next, base + STEP);
         // Scores of all U tokens for all G heads first, reduced across the group's lanes together
-        // (independent shuffles overlap); then one softmax rescale per head for the U tokens.
+        // (independent shuffles overlap); then one softmax rescale per head for the U tokens, then
+        // the values. Each K/V element is converted to float once, not once per head.
         float s[U][G];
         #pragma unroll
         for (int u = 0; u < U; ++u) {
             const T* kt = reinterpret_cast<const T*>(kraw[u]);
+            float kf[VEC];
+            #pragma unroll
+            for (int e = 0; e < VEC; ++e) kf[e] = static_cast<float>(kt[e]);
             #pragma unroll
             for (int g = 0; g < G; ++g) {
                 float x = 0.f;
                 #pragma unroll
-                for (int e = 0; e < VEC; ++e) x += qv[g][e] * static_cast<float>(kt[e]);
+                for (int e = 0; e < VEC; ++e) x += qv[g][e] * kf[e];
                 s[u][g] = x;
             }
         }
@@ -104,27 +111,41 @@ _ACCUMULATE = """
                 for (int g = 0; g < G; ++g) s[u][g] += __shfl_xor_sync(0xffffffff, s[u][g], o);
             }
         }
+        // s becomes each token's softmax weight under the new running max (0 for invalid tokens).
         #pragma unroll
         for (int g = 0; g < G; ++g) {
             float m_new = m[g];
             #pragma unroll
             for (int u = 0; u < U; ++u) if (valid[u]) m_new = fmaxf(m_new, s[u][g]);
-            if (m_new == NEG_INF) continue;  // no valid token for this group yet
+            if (m_new == NEG_INF) {  // no valid token for this group yet
+                #pragma unroll
+                for (int u = 0; u < U; ++u) s[u][g] = 0.f;
+                continue;
+            }
             const float corr = __expf(m[g] - m_new);
             l[g] *= corr;
             #pragma unroll
             for (int e = 0; e < VEC; ++e) acc[g][e] *= corr;
             #pragma unroll
             for (int u = 0; u < U; ++u) {
-                if (valid[u]) {
-                    const T* vt = reinterpret_cast<const T*>(vraw[u]);
-                    const float p = __expf(s[u][g] - m_new);
-                    l[g] += p;
-                    #pragma unroll
-                    for (int e = 0; e < VEC; ++e) acc[g][e] += p * static_cast<float>(vt[e]);
-                }
+                s[u][g] = valid[u] ? __expf(s[u][g] - m_new) : 0.f;
+                l[g] += s[u][g];
             }
             m[g] = m_new;
+        }
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (valid[u]) {
+                const T* vt = reinterpret_cast<const T*>(vraw[u]);
+                float vf[VEC];
+                #pragma unroll
+                for (int e = 0; e < VEC; ++e) vf[e] = static_cast<float>(vt[e]);
+                #pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    #pragma unroll
+                    for (int e = 0; e < VEC; ++e) acc[g][e] += s[u][g] * vf[e];
+                }
+            }
         }
         if (PF) {
             #pragma unroll
@@ -180,7 +201,7 @@ _ACCUMULATE = """
                 A += sm_acc[(w * G + g) * D + d] * c;
             }
         }
-        const size_t h = (size_t)b * H + kvh * G + g;
+        const size_t h = (size_t)b * H + blockIdx.x * G + g;
 """
 
 _WRITE_OUT = """
@@ -287,21 +308,29 @@ def is_available() -> bool:
         return False
 
 
-def lane_layout(head_dim: int, dtype: mx.Dtype) -> Optional[tuple[int, int]]:
-    """(lanes per token, elements per lane) such that each lane reads whole 16-byte vectors."""
-    tpt = min(32, head_dim * dtype.size // 16)
+def lane_layout(head_dim: int, dtype: mx.Dtype, vectors: int = 1) -> Optional[tuple[int, int]]:
+    """(lanes per token, elements per lane) such that each lane reads `vectors` whole 16-byte vectors."""
+    tpt = min(32, head_dim * dtype.size // (16 * vectors))
     if tpt < 1 or 32 % tpt or head_dim % tpt or (head_dim // tpt) * dtype.size % 16:
         return None
     return tpt, head_dim // tpt
 
 
+def kernel_layout(head_dim: int, group: int, dtype: mx.Dtype, vectors: int = VECTORS) -> Optional[tuple[int, int]]:
+    """The lane layout the kernel runs with: `vectors` per lane where registers allow, else one.
+    Registers: each lane keeps G x VEC query and accumulator values."""
+    for v in (vectors, 1):
+        layout = lane_layout(head_dim, dtype, v)
+        if layout is not None and group * layout[1] <= 64:
+            return layout
+    return None
+
+
 def supports(head_dim: int, n_heads: int, n_kv_heads: int, dtype: mx.Dtype) -> bool:
     if dtype not in (mx.float16, mx.bfloat16, mx.float32) or n_heads % n_kv_heads:
         return False
-    layout = lane_layout(head_dim, dtype)
     group = n_heads // n_kv_heads
-    return (layout is not None
-            and group * layout[1] <= 64  # registers: G x VEC query and accumulator values per lane
+    return (kernel_layout(head_dim, group, dtype) is not None
             and group * head_dim <= 3072)  # the warps' partial sums fit 48 KB of shared memory
 
 
@@ -317,7 +346,8 @@ def num_splits(batch: int, n_kv_heads: int, max_seq_len: int) -> tuple[int, int]
 def paged_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, block_table: mx.array,
                  seq_lens: mx.array, scale: float, splits: int, split_tokens: mx.array,
                  written: Optional[mx.array] = None, init_value: Optional[float] = None,
-                 threads: int = THREADS, unroll: int = UNROLL, prefetch: int = PREFETCH) -> mx.array:
+                 threads: int = THREADS, unroll: int = UNROLL, prefetch: int = PREFETCH, vectors: int = VECTORS,
+                 heads_per_block: int = HEADS_PER_BLOCK) -> mx.array:
     """q (B, H, D), pages (num_blocks, n_kv, block_size, D), block_table (B, nb) int32,
     seq_lens (B,) int32, split_tokens (1,) int32 -> (B, H, D) in the pages' dtype.
     written: reshape_and_cache's output for these pages this step (the kernel runs after it).
@@ -325,19 +355,21 @@ def paged_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, block_table:
     B, H, D = q.shape
     n_kv, bs = k_pages.shape[1], k_pages.shape[2]
     G = H // n_kv
+    # Fewer heads per block: fewer registers and more warps in flight, K/V read once per block (L2 serves the rest).
+    hpb = heads_per_block if 0 < heads_per_block < G and G % heads_per_block == 0 else G
     cast = (lambda x, dt: x if x.dtype == dt else x.astype(dt))
     inputs = [cast(q, k_pages.dtype), k_pages, v_pages, block_table, seq_lens, split_tokens,
               _scale_array(scale), written if written is not None else _no_write()]
-    tpt, vec = lane_layout(D, k_pages.dtype)
-    template = [("T", k_pages.dtype), ("D", D), ("G", G), ("BS", bs), ("THREADS", threads), ("TPT", tpt),
-                ("VEC", vec), ("U", unroll), ("PF", prefetch)]
+    tpt, vec = kernel_layout(D, hpb, k_pages.dtype, vectors)
+    template = [("T", k_pages.dtype), ("D", D), ("G", hpb), ("R", G // hpb), ("BS", bs), ("THREADS", threads),
+                ("TPT", tpt), ("VEC", vec), ("U", unroll), ("PF", prefetch)]
     single, split, merge = _kernels()
     if splits == 1:
-        return single(inputs=inputs, template=template, grid=(n_kv * threads, B, 1), threadgroup=(threads, 1, 1),
+        return single(inputs=inputs, template=template, grid=(H // hpb * threads, B, 1), threadgroup=(threads, 1, 1),
                       output_shapes=[(B, H, D)], output_dtypes=[k_pages.dtype],
                       init_value=init_value)[0]
     part_acc, part_m, part_l = split(
-        inputs=inputs, template=template, grid=(n_kv * threads, B, splits), threadgroup=(threads, 1, 1),
+        inputs=inputs, template=template, grid=(H // hpb * threads, B, splits), threadgroup=(threads, 1, 1),
         output_shapes=[(splits, B, H, D), (splits, B, H), (splits, B, H)],
         output_dtypes=[mx.float32, mx.float32, mx.float32], init_value=init_value)
     return merge(inputs=[part_acc, part_m, part_l], template=[("T", k_pages.dtype), ("D", D)],
