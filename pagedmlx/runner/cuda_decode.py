@@ -9,10 +9,10 @@ they share, so this is what keeps a read after the write.
 
 The decode kernel reads K/V straight from the page pool through the block table: no gathered
 copy. One thread block per (kv head, sequence, KV split) serves all G query heads that share the
-kv head (each K/V byte is read once; HEADS_PER_BLOCK can split a group over blocks); inside it, groups of lanes each take one token's row in
-16-byte vectors, several tokens in flight per warp, with an online softmax; groups and warps then
-merge their partials. Long contexts with few sequences are split along the keys (split-KV) and
-merged by a second small kernel.
+kv head (each K/V byte is read once; HEADS_PER_BLOCK can split a group over blocks); inside it,
+groups of lanes each take one token's row in 16-byte vectors, several tokens in flight per warp,
+with an online softmax; groups and warps then merge their partials. Long contexts with few
+sequences are split along the keys (split-KV) and merged by a second small kernel.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ import mlx.core as mx
 THREADS = 128  # 4 warps
 UNROLL = 2  # token steps whose loads are issued together
 PREFETCH = 1  # issue the next steps' loads before this step's math (best of the sweep on the H200, 2026-12-02)
-VECTORS = 1  # 16-byte vectors per lane and token row: 2 halves the lanes per token (fewer shuffles), twice the registers
-HEADS_PER_BLOCK = 0  # query heads a thread block serves (0: the kv head's whole group, each K/V byte read once)
+# Settings swept on the H200 (docs/benchmarks.md, runs 13-14) that did not win broadly, kept for other GPUs:
+VECTORS = 1  # 16-byte vectors per lane per token row; 2: half the lanes per token, twice the registers
+HEADS_PER_BLOCK = 0  # query heads per thread block; 0: the kv head's whole group (each K/V byte read once)
 TARGET_BLOCKS = 1056  # ~8 thread blocks per SM of a 132-SM GPU: enough loads in flight to hide latency
 MIN_SPLIT_TOKENS = 512  # 1 x 32k keys on the H200: 64 splits 0.120 ms, 128 splits 0.139 ms (2026-12-03)
 
@@ -355,7 +356,7 @@ def paged_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, block_table:
     B, H, D = q.shape
     n_kv, bs = k_pages.shape[1], k_pages.shape[2]
     G = H // n_kv
-    # Fewer heads per block: fewer registers and more warps in flight, K/V read once per block (L2 serves the rest).
+    # Fewer heads per block: fewer registers, more warps in flight; each block reads K/V again (from L2).
     hpb = heads_per_block if 0 < heads_per_block < G and G % heads_per_block == 0 else G
     cast = (lambda x, dt: x if x.dtype == dt else x.astype(dt))
     inputs = [cast(q, k_pages.dtype), k_pages, v_pages, block_table, seq_lens, split_tokens,
