@@ -154,8 +154,9 @@ class LLMEngine:
 
         With async scheduling (by default on GPU backends, from ASYNC_MIN_BATCH running requests)
         step N+1 is scheduled and its graph built while step N runs on the device; decodes of step
-        N+1 take their input tokens from step N's sampled array. Where the runner writes pages in place (the CUDA kernels), step N+1 is
-        dispatched at once, so the device goes from N to N+1 without waiting for the host. Where
+        N+1 take their input tokens from step N's sampled array. Where the runner writes pages in
+        place (the CUDA kernels), step N+1 is dispatched at once, so the device goes from N to N+1
+        without waiting for the host. Where
         MLX scatters into the pages instead, N+1 is dispatched only once step N is read back,
         processed and dropped: while anything still references step N's graph, every page write
         of N+1 would copy its layer's whole pool (MLX donates a buffer to a scatter only when
@@ -193,11 +194,11 @@ class LLMEngine:
 
     def _can_overlap(self) -> bool:
         """Overlap only where it pays: not when penalties need every earlier token on the host, and
-        not at batch 1 to 3. On an H200 (2026-12-02, four runs of scripts/bench_offline.py
-        --ab-async) batch-1 decode ran 79-93 tok/s overlapped against 110-123 in lockstep, even with
-        pages written in place: building a step while one is in flight took 11-12 ms of host time
-        against 5-7 ms with the device idle (likely MLX's eval back-pressure on in-flight work; see
-        docs/benchmarks.md), which overlap only repays with larger batches."""
+        not at batch 1 to 3. On H200s (scripts/bench_offline.py --ab-async, docs/benchmarks.md)
+        batch-1 decode ran 79-93 tok/s overlapped against 110-123 in lockstep in four runs on
+        2026-12-02 (building a step while one is in flight took 11-12 ms of host time against 5-7
+        ms with the device idle), and within 11% either way in eight runs on other hosts on
+        2026-12-03: overlap pays only with larger batches."""
         running = self.scheduler.running
         return (self.async_scheduling and len(running) >= ASYNC_MIN_BATCH
                 and not any(r.sampling_params.has_penalties for r in running))

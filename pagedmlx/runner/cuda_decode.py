@@ -317,6 +317,7 @@ def lane_layout(head_dim: int, dtype: mx.Dtype, vectors: int = 1) -> Optional[tu
     return tpt, head_dim // tpt
 
 
+@functools.lru_cache(maxsize=None)
 def kernel_layout(head_dim: int, group: int, dtype: mx.Dtype, vectors: int = VECTORS) -> Optional[tuple[int, int]]:
     """The lane layout the kernel runs with: `vectors` per lane where registers allow, else one.
     Registers: each lane keeps G x VEC query and accumulator values."""
@@ -327,6 +328,7 @@ def kernel_layout(head_dim: int, group: int, dtype: mx.Dtype, vectors: int = VEC
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def supports(head_dim: int, n_heads: int, n_kv_heads: int, dtype: mx.Dtype) -> bool:
     if dtype not in (mx.float16, mx.bfloat16, mx.float32) or n_heads % n_kv_heads:
         return False
