@@ -26,12 +26,12 @@ from pagedmlx.runner import cuda_decode  # noqa: E402
 from pagedmlx.runner.attention import _gather  # noqa: E402
 
 
-# (threads, unroll, prefetch, vectors per lane, heads per block): see cuda_decode's constants.
-VARIANTS = [(128, 2, 1, 1, 0), (128, 2, 1, 1, 2), (128, 2, 1, 1, 1), (128, 4, 1, 1, 1), (128, 2, 1, 2, 1),
-            (128, 2, 1, 2, 2), (128, 2, 1, 2, 0), (256, 2, 1, 1, 0)]
-SETTINGS = ("threads", "unroll", "prefetch", "vectors", "heads_per_block")
+# (threads, unroll, prefetch, vectors per lane, heads per block, tensor cores): see cuda_decode's constants.
+VARIANTS = [(128, 2, 1, 1, 0, 0), (128, 2, 1, 1, 2, 0), (128, 2, 1, 2, 2, 0), (256, 2, 1, 1, 0, 0),
+            (128, 2, 1, 1, 0, 1)]
+SETTINGS = ("threads", "unroll", "prefetch", "vectors", "heads_per_block", "mma")
 DEFAULT = (cuda_decode.THREADS, cuda_decode.UNROLL, cuda_decode.PREFETCH, cuda_decode.VECTORS,
-           cuda_decode.HEADS_PER_BLOCK)
+           cuda_decode.HEADS_PER_BLOCK, cuda_decode.MMA)
 
 
 def timed(fn, iters: int) -> float:

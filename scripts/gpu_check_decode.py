@@ -148,7 +148,7 @@ def main() -> int:
     # The settings bench_attention sweeps must be right before they can be timed or made the default.
     for variant in VARIANTS:
         v = dict(zip(SETTINGS, variant))
-        for dtype in (mx.bfloat16, mx.float32):
+        for dtype in (mx.bfloat16, mx.float16, mx.float32):
             dn = str(dtype).split(".")[-1]
             ok &= case(f"{dn} llama-8b heads, variant", B=16, H=32, n_kv=8, D=128, bs=16,
                        lens=rng.integers(1, 700, 16), dtype=dtype, variant=v)

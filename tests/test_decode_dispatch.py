@@ -35,6 +35,14 @@ def test_lane_layout_reads_whole_16_byte_vectors():
     assert cuda_decode.supports(128, 28, 4, mx.bfloat16)  # G = 7
 
 
+def test_tensor_core_kernel_takes_16_bit_floats_whole_swizzle_groups_and_small_groups():
+    assert cuda_decode.supports_mma(128, 4, mx.bfloat16) and cuda_decode.supports_mma(64, 1, mx.float16)
+    assert cuda_decode.supports_mma(256, 8, mx.bfloat16)
+    assert not cuda_decode.supports_mma(128, 4, mx.float32)  # no 16-bit operands
+    assert not cuda_decode.supports_mma(96, 4, mx.bfloat16)  # rows of 12 chunks do not swizzle in 8s
+    assert not cuda_decode.supports_mma(128, 16, mx.bfloat16)  # heads fill only rows 0..7 of the tile
+
+
 def test_kernel_layout_takes_two_vectors_per_lane_only_where_registers_allow():
     assert cuda_decode.kernel_layout(128, 4, mx.bfloat16, vectors=2) == (8, 16)  # Llama-8B: 8 lanes a token
     assert cuda_decode.kernel_layout(128, 7, mx.bfloat16, vectors=2) == (16, 8)  # 7 x 16 > 64 registers: one

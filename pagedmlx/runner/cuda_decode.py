@@ -28,6 +28,7 @@ PREFETCH = 1  # issue the next steps' loads before this step's math (best of the
 # Settings swept on the H200 (docs/benchmarks.md, runs 13-14) that did not win broadly, kept for other GPUs:
 VECTORS = 1  # 16-byte vectors per lane per token row; 2: half the lanes per token, twice the registers
 HEADS_PER_BLOCK = 0  # query heads per thread block; 0: the kv head's whole group (each K/V byte read once)
+MMA = 0  # 1: tensor cores for QK and PV (bf16/fp16, head_dim 64/128/256, group <= 8); not yet checked on a GPU
 TARGET_BLOCKS = 1056  # ~8 thread blocks per SM of a 132-SM GPU: enough loads in flight to hide latency
 MIN_SPLIT_TOKENS = 512  # 1 x 32k keys on the H200: 64 splits 0.120 ms, 128 splits 0.139 ms (2026-12-03)
 
@@ -189,6 +190,11 @@ _ACCUMULATE = """
             if (sub == 0) { sm_m[warp * G + g] = m[g]; sm_l[warp * G + g] = l[g]; }
         }
     }
+"""
+
+_MERGE_WARPS = """
+    // Every warp has stored its partial (sm_m, sm_l: running max and sum per head; sm_acc: the
+    // weighted sum of values); merge them per (head, element).
     __syncthreads();
     for (int i = threadIdx.x; i < G * D; i += THREADS) {
         const int g = i / D, d = i % D;
@@ -254,16 +260,192 @@ _RESHAPE_AND_CACHE = """
     if (d < DV) const_cast<P*>(v_pages)[page_row * DV + d] = static_cast<P>(static_cast<float>(values[(t * NKV + h) * DV + d]));
 """
 
+_MMA_HEADER = r"""
+// Tensor-core helpers (sm_80+): bf16/fp16 pairs, mma.sync m16n8k16 with float accumulators,
+// ldmatrix from shared memory, cp.async from global to shared memory (zero-filled when skipped).
+__device__ inline unsigned pack2(float a, float b, __nv_bfloat16) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<unsigned*>(&v);
+}
+__device__ inline unsigned pack2(float a, float b, __half) {
+    __half2 v = __floats2half2_rn(a, b);
+    return *reinterpret_cast<unsigned*>(&v);
+}
+// d += A (16 x 16, rows 8..15 zero) * B (16 x 8): a0 = A[g][2t..2t+1], a2 = A[g][2t+8..2t+9];
+// b0 = B[2t..2t+1][g], b1 = B[2t+8..2t+9][g]; d[0..1] = D[g][2t..2t+1], d[2..3] = D[g+8][...].
+__device__ inline void mma16816(float (&d)[4], unsigned a0, unsigned a2, unsigned b0, unsigned b1, __nv_bfloat16) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+}
+__device__ inline void mma16816(float (&d)[4], unsigned a0, unsigned a2, unsigned b0, unsigned b1, __half) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+}
+__device__ inline void ldmatrix_x4(unsigned (&r)[4], const void* p) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ inline void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ inline void cp_async16(void* dst, const void* src, bool valid) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(a), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ inline void cp_async_wait_1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+"""
+
+_ACCUMULATE_MMA = """
+    // Tensor cores: per 16-token tile a warp computes S = Q K^T as a 16 x 16 (heads x tokens) tile
+    // (heads padded from G to 16 rows: the zero rows cost tensor-core time only) and O += P V, with
+    // the online softmax on S's accumulators in between (they are P's A fragments as they stand).
+    // K/V tiles go global -> shared memory by cp.async, two stages per warp, 16-byte chunks swizzled
+    // by row so that ldmatrix reads them without bank conflicts. Warps take tiles in turn.
+    constexpr int NW = THREADS / 32;
+    constexpr int CH = D / 8;  // 16-byte chunks per row
+    constexpr int KS = D / 16;  // k-steps of QK
+    constexpr int NT = D / 8;  // n-tiles of PV
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int kvh = blockIdx.x;
+    const int b = blockIdx.y;
+    const int split = blockIdx.z;
+    const int NKV = gridDim.x;
+    const int H = NKV * G;
+    const int max_blocks = block_table_shape[1];
+    const int seq_len = seq_lens[b];
+    const int start = split * split_tokens[0];
+    const int end = min(seq_len, start + split_tokens[0]);
+    const float sc = scale[0];
+    const int* table = block_table + (size_t)b * max_blocks;
+
+    // Q as A fragments: row g (head kvh * G + g, zero past G), dims 16k + 2t (+8).
+    unsigned qa[KS][2];
+    #pragma unroll
+    for (int k = 0; k < KS; ++k) {
+        if (g < G) {
+            const unsigned* qp = reinterpret_cast<const unsigned*>(q + ((size_t)b * H + kvh * G + g) * D + 16 * k + 2 * t);
+            qa[k][0] = qp[0];
+            qa[k][1] = qp[4];
+        } else {
+            qa[k][0] = qa[k][1] = 0u;
+        }
+    }
+    float acc[NT][4];
+    #pragma unroll
+    for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    float m = NEG_INF, l = 0.f;
+
+    __shared__ __align__(128) T tiles[NW][2][2][16 * D];  // [warp][stage][K, V][row * D + chunk * 8]
+    auto load = [&](int stage, int tile) {
+        #pragma unroll
+        for (int i = 0; i < 16 * CH / 32; ++i) {
+            const int c = lane + 32 * i, row = c / CH, chunk = c % CH;
+            const int tok = tile + row;
+            const bool ok = tok < end;
+            const size_t src = ok ? (((size_t)table[tok / BS] * NKV + kvh) * BS + tok % BS) * D + chunk * 8 : 0;
+            const int dst = row * D + ((chunk ^ (row & 7)) * 8);
+            cp_async16(&tiles[warp][stage][0][dst], k_pages + src, ok);
+            cp_async16(&tiles[warp][stage][1][dst], v_pages + src, ok);
+        }
+        cp_async_commit();
+    };
+    constexpr int STEP = NW * 16;
+    int stage = 0;
+    load(0, start + warp * 16);
+    for (int tile = start + warp * 16; tile < end; tile += STEP) {
+        load(stage ^ 1, tile + STEP);  // past the end: an all-skipped (zero-filled) group
+        cp_async_wait_1();
+        __syncwarp();
+        const T* kt = tiles[warp][stage][0];
+        const T* vt = tiles[warp][stage][1];
+        // S: two n-tiles of 8 tokens; B fragments of K for two k-steps per ldmatrix.x4.
+        float s[2][4];
+        #pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+            const int row = 8 * j + (lane & 7);
+            #pragma unroll
+            for (int p = 0; p < KS / 2; ++p) {
+                unsigned kb[4];
+                const int chunk = 4 * p + (lane >> 3);
+                ldmatrix_x4(kb, kt + row * D + ((chunk ^ (row & 7)) * 8));
+                mma16816(s[j], qa[2 * p][0], qa[2 * p][1], kb[0], kb[1], T{});
+                mma16816(s[j], qa[2 * p + 1][0], qa[2 * p + 1][1], kb[2], kb[3], T{});
+            }
+        }
+        // Online softmax over row g's four tokens here (8j + 2t + e), then across the quad.
+        float mx = NEG_INF;
+        #pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            #pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                s[j][e] = tile + 8 * j + 2 * t + e < end ? s[j][e] * sc : NEG_INF;
+                mx = fmaxf(mx, s[j][e]);
+            }
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+        const float m_new = fmaxf(m, mx);
+        const float corr = m_new == NEG_INF ? 1.f : __expf(m - m_new);
+        float p[2][2];
+        #pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            #pragma unroll
+            for (int e = 0; e < 2; ++e) p[j][e] = m_new == NEG_INF ? 0.f : __expf(s[j][e] - m_new);
+        }
+        l = l * corr + p[0][0] + p[0][1] + p[1][0] + p[1][1];
+        m = m_new;
+        const unsigned pa0 = pack2(p[0][0], p[0][1], T{}), pa2 = pack2(p[1][0], p[1][1], T{});
+        // O += P V: B fragments of V (tokens x dims, transposed by ldmatrix) for two n-tiles at a time.
+        #pragma unroll
+        for (int n = 0; n < NT; n += 2) {
+            unsigned vb[4];
+            const int row = ((lane >> 3) & 1) * 8 + (lane & 7);
+            const int chunk = n + (lane >> 4);
+            ldmatrix_x4_trans(vb, vt + row * D + ((chunk ^ (row & 7)) * 8));
+            acc[n][0] *= corr; acc[n][1] *= corr;
+            acc[n + 1][0] *= corr; acc[n + 1][1] *= corr;
+            mma16816(acc[n], pa0, pa2, vb[0], vb[1], T{});
+            mma16816(acc[n + 1], pa0, pa2, vb[2], vb[3], T{});
+        }
+        __syncwarp();  // every lane is done with this stage before the next load overwrites it
+        stage ^= 1;
+    }
+    asm volatile("cp.async.wait_all;" ::);
+    l += __shfl_xor_sync(0xffffffff, l, 1);
+    l += __shfl_xor_sync(0xffffffff, l, 2);
+    __shared__ float sm_m[NW * G];
+    __shared__ float sm_l[NW * G];
+    __shared__ float sm_acc[NW * G * D];
+    if (g < G) {
+        #pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            sm_acc[(warp * G + g) * D + 8 * n + 2 * t] = acc[n][0];
+            sm_acc[(warp * G + g) * D + 8 * n + 2 * t + 1] = acc[n][1];
+        }
+        if (t == 0) { sm_m[warp * G + g] = m; sm_l[warp * G + g] = l; }
+    }
+"""
+
 _HEADER = "#define NEG_INF __int_as_float(0xff800000)\n"
 # `written` (the page write's output) is not read: it only orders the kernel after the write.
 _INPUTS = ["q", "k_pages", "v_pages", "block_table", "seq_lens", "split_tokens", "scale", "written"]
 
 
 @functools.lru_cache(maxsize=None)
-def _kernels():
-    single = mx.fast.cuda_kernel("pagedmlx_decode", _INPUTS, ["out"], _ACCUMULATE + _WRITE_OUT, header=_HEADER)
-    split = mx.fast.cuda_kernel("pagedmlx_decode_split", _INPUTS, ["part_acc", "part_m", "part_l"],
-                                _ACCUMULATE + _WRITE_SPLIT, header=_HEADER)
+def _kernels(mma: bool = False):
+    """(single, split, merge) kernels; mma: the tensor-core accumulation."""
+    body, header, name = ((_ACCUMULATE_MMA, _HEADER + _MMA_HEADER, "pagedmlx_decode_mma") if mma
+                          else (_ACCUMULATE, _HEADER, "pagedmlx_decode"))
+    single = mx.fast.cuda_kernel(name, _INPUTS, ["out"], body + _MERGE_WARPS + _WRITE_OUT, header=header)
+    split = mx.fast.cuda_kernel(name + "_split", _INPUTS, ["part_acc", "part_m", "part_l"],
+                                body + _MERGE_WARPS + _WRITE_SPLIT, header=header)
     merge = mx.fast.cuda_kernel("pagedmlx_decode_merge", ["part_acc", "part_m", "part_l"], ["out"], _MERGE, header=_HEADER)
     return single, split, merge
 
@@ -328,6 +510,11 @@ def kernel_layout(head_dim: int, group: int, dtype: mx.Dtype, vectors: int = VEC
     return None
 
 
+def supports_mma(head_dim: int, group: int, dtype: mx.Dtype) -> bool:
+    """The tensor-core kernel: 16-bit floats, whole 64-element swizzle groups, heads fit 8 of 16 rows."""
+    return dtype in (mx.float16, mx.bfloat16) and head_dim in (64, 128, 256) and group <= 8
+
+
 @functools.lru_cache(maxsize=None)
 def supports(head_dim: int, n_heads: int, n_kv_heads: int, dtype: mx.Dtype) -> bool:
     if dtype not in (mx.float16, mx.bfloat16, mx.float32) or n_heads % n_kv_heads:
@@ -350,7 +537,7 @@ def paged_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, block_table:
                  seq_lens: mx.array, scale: float, splits: int, split_tokens: mx.array,
                  written: Optional[mx.array] = None, init_value: Optional[float] = None,
                  threads: int = THREADS, unroll: int = UNROLL, prefetch: int = PREFETCH, vectors: int = VECTORS,
-                 heads_per_block: int = HEADS_PER_BLOCK) -> mx.array:
+                 heads_per_block: int = HEADS_PER_BLOCK, mma: int = MMA) -> mx.array:
     """q (B, H, D), pages (num_blocks, n_kv, block_size, D), block_table (B, nb) int32,
     seq_lens (B,) int32, split_tokens (1,) int32 -> (B, H, D) in the pages' dtype.
     written: reshape_and_cache's output for these pages this step (the kernel runs after it).
@@ -363,16 +550,22 @@ def paged_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, block_table:
     cast = (lambda x, dt: x if x.dtype == dt else x.astype(dt))
     inputs = [cast(q, k_pages.dtype), k_pages, v_pages, block_table, seq_lens, split_tokens,
               _scale_array(scale), written if written is not None else _no_write()]
-    tpt, vec = kernel_layout(D, hpb, k_pages.dtype, vectors)
-    template = [("T", k_pages.dtype), ("D", D), ("G", hpb), ("R", G // hpb), ("BS", bs), ("THREADS", threads),
-                ("TPT", tpt), ("VEC", vec), ("U", unroll), ("PF", prefetch)]
-    single, split, merge = _kernels()
+    use_mma = bool(mma) and supports_mma(D, G, k_pages.dtype)
+    if use_mma:  # two 16-token stages of K and V per warp in 32 KB of shared memory
+        threads = 32 * max(1, min(4, 256 // D))
+        template = [("T", k_pages.dtype), ("D", D), ("G", G), ("BS", bs), ("THREADS", threads)]
+    else:
+        tpt, vec = kernel_layout(D, hpb, k_pages.dtype, vectors)
+        template = [("T", k_pages.dtype), ("D", D), ("G", hpb), ("R", G // hpb), ("BS", bs), ("THREADS", threads),
+                    ("TPT", tpt), ("VEC", vec), ("U", unroll), ("PF", prefetch)]
+    single, split, merge = _kernels(use_mma)
+    blocks = n_kv if use_mma else H // hpb
     if splits == 1:
-        return single(inputs=inputs, template=template, grid=(H // hpb * threads, B, 1), threadgroup=(threads, 1, 1),
+        return single(inputs=inputs, template=template, grid=(blocks * threads, B, 1), threadgroup=(threads, 1, 1),
                       output_shapes=[(B, H, D)], output_dtypes=[k_pages.dtype],
                       init_value=init_value)[0]
     part_acc, part_m, part_l = split(
-        inputs=inputs, template=template, grid=(H // hpb * threads, B, splits), threadgroup=(threads, 1, 1),
+        inputs=inputs, template=template, grid=(blocks * threads, B, splits), threadgroup=(threads, 1, 1),
         output_shapes=[(splits, B, H, D), (splits, B, H), (splits, B, H)],
         output_dtypes=[mx.float32, mx.float32, mx.float32], init_value=init_value)
     return merge(inputs=[part_acc, part_m, part_l], template=[("T", k_pages.dtype), ("D", D)],
