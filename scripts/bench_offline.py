@@ -205,7 +205,7 @@ def main() -> None:
     run_pagedmlx(engine, make_prompts(2, 16, vocab, 0), 4)
     if not args.skip_peer:
         run_mlx_lm(model, make_prompts(2, 16, vocab, 0), 4)
-    mlx_env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MLX_"))
+    mlx_env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(("MLX_", "PAGEDMLX_")))
     console.print(f"  MLX environment: {mlx_env or '(defaults)'}")
 
     single_stream = None

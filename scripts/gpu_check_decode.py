@@ -8,6 +8,7 @@ poisoned with NaN before each kernel run, so an element the kernel never writes 
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -122,12 +123,16 @@ def write_case(name, *, T, n_kv, D, bs, num_blocks, dtype, seed=0, rounds=8):
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--variants", type=int, nargs="*", help="indices into bench_attention.VARIANTS (default: all)")
+    ap.add_argument("--skip-default", action="store_true", help="only the variants, not the default settings' cases")
+    args = ap.parse_args()
     if not cuda_decode.is_available():
         print("SKIP: no CUDA device")
         return 0
     rng = np.random.default_rng(1)
     ok = True
-    for dtype in (mx.bfloat16, mx.float16, mx.float32):
+    for dtype in () if args.skip_default else (mx.bfloat16, mx.float16, mx.float32):
         dn = str(dtype).split(".")[-1]
         ok &= case(f"{dn} llama-8b heads, random lengths", B=16, H=32, n_kv=8, D=128, bs=16,
                    lens=rng.integers(1, 700, 16), dtype=dtype)
@@ -146,7 +151,9 @@ def main() -> int:
         ok &= write_case(f"{dn} page write, head_dim 64, block 32", T=50, n_kv=2, D=64, bs=32, num_blocks=64,
                          dtype=dtype, seed=4)
     # The settings bench_attention sweeps must be right before they can be timed or made the default.
-    for variant in VARIANTS:
+    for i, variant in enumerate(VARIANTS):
+        if args.variants is not None and i not in args.variants:
+            continue
         v = dict(zip(SETTINGS, variant))
         for dtype in (mx.bfloat16, mx.float16, mx.float32):
             dn = str(dtype).split(".")[-1]
@@ -154,6 +161,14 @@ def main() -> int:
                        lens=rng.integers(1, 700, 16), dtype=dtype, variant=v)
             ok &= case(f"{dn} G=2, head_dim 64, variant", B=5, H=8, n_kv=4, D=64, bs=32,
                        lens=[1, 2, 31, 33, 1000], dtype=dtype, variant=v)
+            ok &= case(f"{dn} G=4, head_dim 256, variant", B=3, H=8, n_kv=2, D=256, bs=16,
+                       lens=[5, 300, 129], dtype=dtype, variant=v)
+            ok &= case(f"{dn} G=8, head_dim 128, variant", B=3, H=16, n_kv=2, D=128, bs=16,
+                       lens=[7, 250, 16], dtype=dtype, variant=v)
+            ok &= case(f"{dn} G=7, one long sequence, variant", B=1, H=28, n_kv=4, D=128, bs=16,
+                       lens=[20000 - 3], dtype=dtype, variant=v)
+            ok &= case(f"{dn} MHA, head_dim 64, variant", B=4, H=8, n_kv=8, D=64, bs=16,
+                       lens=[1, 17, 64, 500], dtype=dtype, variant=v)
     print("ALL PASS" if ok else "SOME FAILED")
     return 0 if ok else 1
 

@@ -13,11 +13,17 @@ kv head (each K/V byte is read once; HEADS_PER_BLOCK can split a group over bloc
 groups of lanes each take one token's row in 16-byte vectors, several tokens in flight per warp,
 with an online softmax; groups and warps then merge their partials. Long contexts with few
 sequences are split along the keys (split-KV) and merged by a second small kernel.
+
+For bf16/fp16 (head_dim 64/128/256, up to 8 query heads per kv head) the default accumulation runs
+on tensor cores instead (MMA): per 16-token tile a warp computes the G x 16 scores and the weighted
+values with mma.sync, K/V staged in shared memory by cp.async. The lanes kernel above is bound by
+its instruction count when a K/V byte serves several heads; the tensor cores take that work.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import mlx.core as mx
@@ -28,7 +34,9 @@ PREFETCH = 1  # issue the next steps' loads before this step's math (best of the
 # Settings swept on the H200 (docs/benchmarks.md, runs 13-14) that did not win broadly, kept for other GPUs:
 VECTORS = 1  # 16-byte vectors per lane per token row; 2: half the lanes per token, twice the registers
 HEADS_PER_BLOCK = 0  # query heads per thread block; 0: the kv head's whole group (each K/V byte read once)
-MMA = 0  # 1: tensor cores for QK and PV (bf16/fp16, head_dim 64/128/256, group <= 8); not yet checked on a GPU
+# Tensor cores for QK and PV where supports_mma (bf16/fp16, head_dim 64/128/256, group <= 8): 32 x 4096
+# keys 0.172 ms against 0.282 for the lanes kernel (H200, run 16); PAGEDMLX_DECODE_MMA=0 turns it off.
+MMA = int(os.environ.get("PAGEDMLX_DECODE_MMA", "1"))
 TARGET_BLOCKS = 1056  # ~8 thread blocks per SM of a 132-SM GPU: enough loads in flight to hide latency
 MIN_SPLIT_TOKENS = 512  # 1 x 32k keys on the H200: 64 splits 0.120 ms, 128 splits 0.139 ms (2026-12-03)
 

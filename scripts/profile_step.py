@@ -1,0 +1,157 @@
+"""Where a batch-1 decode step's time goes, pagedmlx against mlx-lm's generate_step, same model, same run.
+
+For each engine it times whole steps and the time spent inside mx.async_eval (handing the graph to
+the device: on CUDA, encoding and launching it) and in mx.eval / host reads (waiting). What is left
+is Python building the graph. A second pass times each engine's forward alone in lockstep: the
+graph built (Python), then evaluated (dispatch + device + sync), which bounds the device time.
+
+  python scripts/profile_step.py --preset llama-8b --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scripts.bench_offline import PRESETS, make_prompts, random_llama  # noqa: E402
+
+
+class Clock:
+    """Accumulates the time spent in mx.async_eval and mx.eval while installed."""
+
+    def __init__(self):
+        self.dispatch = self.wait = 0.0
+        self._async_eval, self._eval = mx.async_eval, mx.eval
+
+    def __enter__(self):
+        def timed(fn, field):
+            def wrapper(*args, **kwargs):
+                t = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    setattr(self, field, getattr(self, field) + time.perf_counter() - t)
+            return wrapper
+        mx.async_eval, mx.eval = timed(self._async_eval, "dispatch"), timed(self._eval, "wait")
+        return self
+
+    def __exit__(self, *exc):
+        mx.async_eval, mx.eval = self._async_eval, self._eval
+
+
+def profile_generate_step(model, prompt, gen_len: int) -> dict:
+    from mlx_lm.generate import generate_step
+
+    steps = []
+    it = generate_step(mx.array(prompt), model, max_tokens=gen_len)
+    next(it)  # prefill and the first token
+    for _ in range(gen_len - 1):
+        with Clock() as c:
+            t = time.perf_counter()
+            next(it)
+            steps.append((time.perf_counter() - t, c.dispatch, c.wait))
+    return summarize(steps)
+
+
+def profile_pagedmlx(engine, prompt, gen_len: int) -> dict:
+    from pagedmlx.request import SamplingParams
+
+    engine.add_request("profile", prompt, SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True))
+    engine.step()  # prefill
+    s0 = dataclasses.replace(engine.stats)
+    steps = []
+    while engine.has_unfinished_requests():
+        with Clock() as c:
+            t = time.perf_counter()
+            engine.step()
+            steps.append((time.perf_counter() - t, c.dispatch, c.wait))
+    n = engine.stats.num_steps - s0.num_steps
+    host = {k: 1e3 * (getattr(engine.stats, k) - getattr(s0, k)) / n for k in ("build_s", "wait_s")}
+    return dict(summarize(steps[2:-2]), **host)
+
+
+def summarize(steps: list[tuple[float, float, float]]) -> dict:
+    med = lambda i: 1e3 * statistics.median(s[i] for s in steps)  # noqa: E731
+    return dict(step=med(0), dispatch=med(1), wait=med(2), python=med(0) - med(1) - med(2))
+
+
+def forward_alone(fn, n: int = 20) -> tuple[float, float]:
+    """(ms to build the graph, ms to evaluate it) for fn() -> array, medians over n calls."""
+    build, run = [], []
+    for _ in range(n):
+        t = time.perf_counter()
+        out = fn()
+        t1 = time.perf_counter()
+        mx.eval(out)
+        t2 = time.perf_counter()
+        build.append(t1 - t)
+        run.append(t2 - t1)
+    return 1e3 * statistics.median(build), 1e3 * statistics.median(run)
+
+
+def main() -> None:
+    from mlx_lm.models.cache import make_prompt_cache
+    from rich.console import Console
+    from rich.table import Table
+
+    from pagedmlx.config import EngineConfig
+    from pagedmlx.engine import LLMEngine
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="small", choices=PRESETS)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen-len", type=int, default=64)
+    args = ap.parse_args()
+    model = random_llama(args.preset, getattr(mx, args.dtype))
+    prompt = make_prompts(1, args.prompt_len, model.args.vocab_size, 9)[0]
+    n = args.prompt_len + args.gen_len
+    engine = LLMEngine(model, None, EngineConfig(block_size=16, num_blocks=-(-n // 16) + 8, max_num_seqs=1,
+                                                 max_model_len=n + 1, enable_prefix_caching=False))
+    profile_pagedmlx(engine, prompt[:16], 8)  # warm up (kernel compilation)
+    profile_generate_step(model, prompt[:16], 8)
+    rows = {"mlx-lm generate_step": profile_generate_step(model, prompt, args.gen_len),
+            "pagedmlx (async)": profile_pagedmlx(engine, prompt, args.gen_len)}
+    engine.async_scheduling = False
+    rows["pagedmlx (lockstep)"] = profile_pagedmlx(engine, prompt, args.gen_len)
+
+    console = Console()
+    console.print(f"profile_step {args.preset} {args.dtype} on {mx.default_device()}, prompt {args.prompt_len}, "
+                  f"{time.strftime('%Y-%m-%d')}")
+    table = Table(title="batch-1 decode step, ms (medians)")
+    for col in ("engine", "step", "in async_eval", "in eval", "python + host reads"):
+        table.add_column(col, justify="right")
+    for name, r in rows.items():
+        table.add_row(name, *(f"{r[k]:.2f}" for k in ("step", "dispatch", "wait", "python")))
+    console.print(table)
+    for name in ("pagedmlx (async)", "pagedmlx (lockstep)"):
+        console.print(f"  {name}: engine stats per step (means): build {rows[name]['build_s']:.2f} ms "
+                      f"(graph + async_eval), wait {rows[name]['wait_s']:.2f} ms (sampled tokens to the host)")
+
+    # Forward alone, lockstep: mlx-lm's model with its KVCache, ours through the runner's forward.
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array(prompt)[None], cache=cache))
+    tok = mx.array([[1]])
+
+    def mlx_lm_forward():
+        for c in cache:  # stay at the same length: each call decodes the same position
+            c.offset = args.prompt_len
+        return model(tok, cache=cache)
+
+    alone = Table(title="forward alone, lockstep, ms (medians of 20)")
+    for col in ("engine", "build graph", "evaluate (dispatch + device)"):
+        alone.add_column(col, justify="right")
+    alone.add_row("mlx-lm model + KVCache", *(f"{x:.2f}" for x in forward_alone(mlx_lm_forward)))
+    console.print(alone)
+
+
+if __name__ == "__main__":
+    main()
