@@ -25,7 +25,7 @@ logger = logging.getLogger("pagedmlx")
 
 PromptType = Union[str, Sequence[int]]
 DEFAULT_MAX_MODEL_LEN = 8192
-ASYNC_MIN_BATCH = 4  # running requests below which steps go in lockstep (see LLMEngine._can_overlap)
+ASYNC_MIN_BATCH = 1  # running requests below which steps go in lockstep: 1 overlaps every step (see _can_overlap)
 
 
 @dataclass
@@ -193,12 +193,11 @@ class LLMEngine:
         return outputs
 
     def _can_overlap(self) -> bool:
-        """Overlap only where it pays: not when penalties need every earlier token on the host, and
-        not at batch 1 to 3. On H200s (scripts/bench_offline.py --ab-async, docs/benchmarks.md)
-        batch-1 decode ran 79-93 tok/s overlapped against 110-123 in lockstep in four runs on
-        2026-12-02 (building a step while one is in flight took 11-12 ms of host time against 5-7
-        ms with the device idle), and within 11% either way in eight runs on other hosts on
-        2026-12-03: overlap pays only with larger batches."""
+        """Overlap unless penalties need every earlier token on the host. Batch 1 overlaps too: on
+        an H200 on 2026-12-03 (runs 19-20, docs/benchmarks.md) it ran 202-206 tok/s overlapped against
+        138-145 in lockstep, at 1.03-1.45x mlx-lm's generate_step in the same process. (On four
+        2026-12-02 runs overlap cost batch 1 a quarter of its speed, 79-93 against 110-123 tok/s;
+        ASYNC_MIN_BATCH can turn it off for small batches where a host behaves like that.)"""
         running = self.scheduler.running
         return (self.async_scheduling and len(running) >= ASYNC_MIN_BATCH
                 and not any(r.sampling_params.has_penalties for r in running))
