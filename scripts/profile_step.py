@@ -1,11 +1,11 @@
-"""Where a batch-1 decode step's time goes, pagedmlx against mlx-lm's generate_step, same model, same run.
+"""Where a decode step's time goes; at batch 1 against mlx-lm's generate_step, same model, same run.
 
 For each engine it times whole steps and the time spent inside mx.async_eval (handing the graph to
 the device: on CUDA, encoding and launching it) and in mx.eval / host reads (waiting). What is left
 is Python building the graph. A second pass times each engine's forward alone in lockstep: the
 graph built (Python), then evaluated (dispatch + device + sync), which bounds the device time.
 
-  python scripts/profile_step.py --preset llama-8b --dtype bfloat16
+  python scripts/profile_step.py --preset llama-8b --dtype bfloat16 [--batch 256]
 """
 
 from __future__ import annotations
@@ -61,11 +61,14 @@ def profile_generate_step(model, prompt, gen_len: int) -> dict:
     return summarize(steps)
 
 
-def profile_pagedmlx(engine, prompt, gen_len: int) -> dict:
+def profile_pagedmlx(engine, prompts, gen_len: int) -> dict:
     from pagedmlx.request import SamplingParams
 
-    engine.add_request("profile", prompt, SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True))
-    engine.step()  # prefill
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"profile-{time.monotonic_ns()}-{i}", prompt,
+                           SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True))
+    while engine.scheduler.waiting:  # prefill
+        engine.step()
     s0 = dataclasses.replace(engine.stats)
     steps = []
     while engine.has_unfinished_requests():
@@ -111,25 +114,34 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=1, help="decode rows per step (mlx-lm's rows: batch 1 only)")
     args = ap.parse_args()
     model = random_llama(args.preset, getattr(mx, args.dtype))
-    prompt = make_prompts(1, args.prompt_len, model.args.vocab_size, 9)[0]
+    prompts = make_prompts(args.batch, args.prompt_len, model.args.vocab_size, 9)
+    prompt = prompts[0]
     n = args.prompt_len + args.gen_len
-    engine = LLMEngine(model, None, EngineConfig(block_size=16, num_blocks=-(-n // 16) + 8, max_num_seqs=1,
-                                                 max_model_len=n + 1, enable_prefix_caching=False))
-    profile_pagedmlx(engine, prompt[:16], 8)  # warm up (kernel compilation)
-    profile_generate_step(model, prompt[:16], 8)
-    rows = {"mlx-lm generate_step": profile_generate_step(model, prompt, args.gen_len),
-            "pagedmlx (lockstep)": profile_pagedmlx(engine, prompt, args.gen_len)}
+    engine = LLMEngine(model, None, EngineConfig(
+        block_size=16, num_blocks=args.batch * (-(-n // 16) + 1) + 8, max_num_seqs=args.batch,
+        max_num_batched_tokens=max(2048, args.prompt_len), max_model_len=n + 1, enable_prefix_caching=False))
+    engine.async_scheduling = False
+    profile_pagedmlx(engine, [p[:16] for p in prompts], 8)  # warm up (kernel compilation), both modes
+    engine.async_scheduling = True
+    profile_pagedmlx(engine, [p[:16] for p in prompts], 8)
+    rows = {}
+    if args.batch == 1:
+        profile_generate_step(model, prompt[:16], 8)
+        rows["mlx-lm generate_step"] = profile_generate_step(model, prompt, args.gen_len)
+    engine.async_scheduling = False
+    rows["pagedmlx (lockstep)"] = profile_pagedmlx(engine, prompts, args.gen_len)
     default_min_batch, pagedmlx.engine.ASYNC_MIN_BATCH = pagedmlx.engine.ASYNC_MIN_BATCH, 1
     engine.async_scheduling = True
-    rows["pagedmlx (overlapped)"] = profile_pagedmlx(engine, prompt, args.gen_len)
+    rows["pagedmlx (overlapped)"] = profile_pagedmlx(engine, prompts, args.gen_len)
     pagedmlx.engine.ASYNC_MIN_BATCH = default_min_batch
 
     console = Console()
     console.print(f"profile_step {args.preset} {args.dtype} on {mx.default_device()}, prompt {args.prompt_len}, "
                   f"{time.strftime('%Y-%m-%d')}")
-    table = Table(title="batch-1 decode step, ms (medians)")
+    table = Table(title=f"batch-{args.batch} decode step, ms (medians)")
     for col in ("engine", "step", "in async_eval", "in eval", "python + host reads"):
         table.add_column(col, justify="right")
     for name, r in rows.items():
@@ -139,6 +151,8 @@ def main() -> None:
         console.print(f"  {name}: engine stats per step (means): build {rows[name]['build_s']:.2f} ms "
                       f"(graph + async_eval), wait {rows[name]['wait_s']:.2f} ms (sampled tokens to the host)")
 
+    if args.batch > 1:
+        return
     # Forward alone, lockstep: mlx-lm's model with its KVCache, ours through the runner's forward.
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array(prompt)[None], cache=cache))
