@@ -28,6 +28,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from pagedmlx.runner import cuda_mma_sources as mma_src
 from pagedmlx.runner import cuda_sources as src
 
 THREADS = 128  # 4 warps
@@ -49,7 +50,7 @@ _INPUTS = ["q", "k_pages", "v_pages", "block_table", "seq_lens", "split_tokens",
 @functools.lru_cache(maxsize=None)
 def _kernels(mma: bool = False):
     """(single, split, merge) kernels; mma: the tensor-core accumulation."""
-    body, header, name = ((src.ACCUMULATE_MMA, src.HEADER + src.MMA_HEADER, "pagedmlx_decode_mma") if mma
+    body, header, name = ((mma_src.ACCUMULATE_MMA, src.HEADER + mma_src.MMA_HEADER, "pagedmlx_decode_mma") if mma
                           else (src.ACCUMULATE, src.HEADER, "pagedmlx_decode"))
     single = mx.fast.cuda_kernel(name, _INPUTS, ["out"], body + src.MERGE_WARPS + src.WRITE_OUT, header=header)
     split = mx.fast.cuda_kernel(name + "_split", _INPUTS, ["part_acc", "part_m", "part_l"],
