@@ -128,7 +128,11 @@ def run_serve(args: argparse.Namespace) -> int:
         if lost["error"] is not None:
             distributed.hard_exit(1, "stopped after the error above")
     console.print("pagedmlx: stopped")
-    return 0
+    # Everything has drained and the engine thread is joined. Skip the interpreter's teardown: MLX's
+    # static destructors, after an engine ran on a second thread, abort now and then ("terminate
+    # called without an active exception", exit -6: seen in 2 of ~10 stress runs here on
+    # 2026-12-03; MLX issue #3126 is the same class of exit crash).
+    distributed.hard_exit(0)
 
 
 # ---- generate --------------------------------------------------------------------------------
