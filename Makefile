@@ -2,14 +2,14 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # MLX's Linux CPU wheel links a reference BLAS; OpenBLAS (Debian: libopenblas0-pthread) is ~50x faster.
-BLAS := $(firstword $(wildcard /usr/lib/x86_64-linux-gnu/libopenblas.so.0 /usr/lib/aarch64-linux-gnu/libopenblas.so.0))
-export LD_PRELOAD := $(BLAS)
+# Looked up when a command runs, not when make starts: on a fresh machine `setup` installs it first.
+RUN := LD_PRELOAD="$$(ls /usr/lib/x86_64-linux-gnu/libopenblas.so.0 /usr/lib/aarch64-linux-gnu/libopenblas.so.0 2>/dev/null | head -n 1)"
 HOST ?= 127.0.0.1
 PORT ?= 8000
 MODEL ?=
 ARGS ?=
 
-.PHONY: setup test serve demo bench clean
+.PHONY: setup test lint serve demo bench clean
 
 $(VENV)/.installed: pyproject.toml
 	@scripts/install_blas.sh || true
@@ -20,17 +20,20 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
-test: setup
-	$(PY) -m pytest $(ARGS)
+test: lint
+	$(RUN) $(PY) -m pytest $(ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
 
 serve: setup
-	$(VENV)/bin/pagedmlx serve --host $(HOST) --port $(PORT) $(if $(MODEL),--model $(MODEL)) $(ARGS)
+	$(RUN) $(VENV)/bin/pagedmlx serve --host $(HOST) --port $(PORT) $(MODEL) $(ARGS)
 
 demo: setup
-	$(VENV)/bin/pagedmlx generate $(if $(MODEL),--model $(MODEL)) --prompt "What is the capital of France?" --chat $(ARGS)
+	$(RUN) $(VENV)/bin/pagedmlx generate $(MODEL) --prompt "What is the capital of France?" $(ARGS)
 
 bench: setup
-	$(PY) scripts/bench_offline.py $(ARGS)
+	$(RUN) $(PY) scripts/bench_offline.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -19,14 +19,16 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass, replace
+import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from pagedmlx.async_stream import (EngineDeadError, EngineShutdownError, RequestStream, TooManyRequestsError,
                                    deliver, resolve)
-from pagedmlx.engine import LLMEngine, PromptType, child_params
-from pagedmlx.outputs import RequestOutput
-from pagedmlx.request import SamplingParams
+from pagedmlx.engine import LLMEngine, PromptType
+from pagedmlx.outputs import EngineOutput, RequestOutput, completion_output
+from pagedmlx.request import fan_out
+from pagedmlx.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedmlx")
 
@@ -42,7 +44,7 @@ class RequestTiming:
 
 # A listener sees every output in the engine thread: (output, its request's timing before this
 # output, now). It must be quick and thread-safe (prometheus_client's metrics are).
-OutputListener = Callable[[RequestOutput, RequestTiming, float], None]
+OutputListener = Callable[[EngineOutput, RequestTiming, float], None]
 
 
 class AsyncEngine:
@@ -88,15 +90,10 @@ class AsyncEngine:
                            cache_salt: Optional[str] = None) -> RequestStream:
         """Several prompts as one request: child k = prompt k // n, sample k % n, id `{id}-{k}`
         (just `{id}` for a single prompt with n == 1). All are accepted or none."""
-        params = params or SamplingParams()
+        params = params or self.engine.get_default_sampling_params()
         if not prompts:
             raise ValueError("prompt must not be empty")
-        n = params.n
-        if len(prompts) == 1 and n == 1:
-            children = [(request_id, prompts[0], replace(params))]
-        else:
-            children = [(f"{request_id}-{p * n + i}", prompt, child_params(params, i))
-                        for p, prompt in enumerate(prompts) for i in range(n)]
+        children = fan_out(request_id, prompts, params)
         ids = [c[0] for c in children]
         loop = asyncio.get_running_loop()
         accepted = loop.create_future()
@@ -125,14 +122,26 @@ class AsyncEngine:
             raise
         return stream
 
-    async def generate(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
-                       priority: int = 0, cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as they come. Stopping the iteration (break, cancellation,
-        a closed generator) aborts the request."""
+    async def generate(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None,
+                       request_id: Optional[str] = None, *, priority: int = 0,
+                       cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+        """vLLM's AsyncLLM.generate: the request's RequestOutput after every step that changed it
+        (cumulative: `outputs[i]` is sample i so far), the last one with finished=True. Stopping
+        the iteration (break, cancellation, a closed generator) aborts the request."""
+        request_id = request_id or uuid.uuid4().hex
+        params = sampling_params or self.engine.get_default_sampling_params()
         stream = await self.add_request(request_id, prompt, params, priority, cache_salt)
+        index = {rid: i for i, rid in enumerate(stream.request_ids)}
+        latest: dict[int, EngineOutput] = {}
+        tokenizer = self.engine.tokenizer
         try:
             async for out in stream:
-                yield out
+                latest[index[out.request_id]] = out
+                outputs = [completion_output(o, i, tokenizer) for i, o in sorted(latest.items())]
+                finished = len(latest) == len(index) and all(o.finished for o in latest.values())
+                errors = [o.error for o in latest.values() if o.error]
+                yield RequestOutput(request_id, prompt if isinstance(prompt, str) else None, list(out.prompt_token_ids),
+                                    outputs, finished, out.num_cached_tokens, errors[0] if errors else None)
         finally:
             stream.close()
 
@@ -212,7 +221,7 @@ class AsyncEngine:
             num_steps = engine.stats.num_steps
             outputs = engine.step()
             self._publish(outputs)
-            if not outputs and engine.stats.num_steps == num_steps and engine._inflight is None:
+            if not outputs and engine.stats.num_steps == num_steps and not engine.has_step_in_flight:
                 with self._cond:  # nothing could be scheduled: wait for a change instead of spinning
                     if not self._inbox:
                         self._cond.wait(0.005)
@@ -251,7 +260,7 @@ class AsyncEngine:
             with self._cond:
                 self._num_pending_adds -= len(children)
 
-    def _publish(self, outputs: list[RequestOutput]) -> None:
+    def _publish(self, outputs: list[EngineOutput]) -> None:
         """Hand a step's outputs to their streams: one wake-up per event loop per step."""
         if not outputs:
             return

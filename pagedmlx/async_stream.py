@@ -7,7 +7,7 @@ import asyncio
 import weakref
 from typing import Any, Callable, Optional
 
-from pagedmlx.outputs import RequestOutput
+from pagedmlx.outputs import EngineOutput
 
 
 class TooManyRequestsError(RuntimeError):
@@ -47,7 +47,7 @@ class RequestStream:
     def __aiter__(self) -> "RequestStream":
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> EngineOutput:
         if not self._unfinished:
             raise StopAsyncIteration
         item = await self._queue.get()

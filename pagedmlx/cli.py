@@ -8,50 +8,64 @@ import os
 import sys
 from typing import Callable, Optional, Sequence
 
-
-def backend_name() -> str:
-    import mlx.core as mx
-
-    if mx.default_device().type == mx.gpu:
-        if mx.metal.is_available():
-            return "Metal"
-        cuda = getattr(mx, "cuda", None)
-        if cuda is not None and cuda.is_available():
-            return "CUDA"
-        return "GPU"
-    return "CPU"
+from pagedmlx.platform import backend_name, hard_exit
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Options shared by every subcommand that builds an engine."""
-    p.add_argument("--model", default=None, help="mlx-lm folder or hub name, a .gguf file, or random:llama-tiny "
-                                                 "(a random-weight test model) (default: SmolLM2)")
+    """Options shared by every subcommand that builds an engine (vLLM's names)."""
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="mlx-lm folder or hub name, a .gguf file, or random:llama-tiny (a random-weight test "
+                        "model) (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help="the same as MODEL")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
     pool = p.add_mutually_exclusive_group()
     pool.add_argument("--num-blocks", type=int, default=None, help="KV pool size in pages")
     pool.add_argument("--kv-cache-gb", type=float, default=2.0, help="KV pool size in GB (default 2)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=512,
+                   help="largest prefill chunk of one request in one step (0: no cap)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share KV pages of common prefixes between requests")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="build step N+1 while step N runs (default: on GPU backends)")
+    p.add_argument("--generation-config", choices=["auto", "vllm"], default="auto",
+                   help="sampling defaults: the model's generation_config.json (auto) or vLLM's own (vllm)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="compute dtype of unquantized weights (default: as loaded)")
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                    help="waiting-queue order (priority: a request's `priority`, lower first)")
 
 
+def model_arg(args: argparse.Namespace) -> Optional[str]:
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise SystemExit(f"pagedmlx: two models given: {args.model_tag!r} and --model {args.model!r}")
+    return args.model_tag or args.model
+
+
 def engine_config(args: argparse.Namespace):
     from pagedmlx.config import EngineConfig
 
-    return EngineConfig(model=args.model, block_size=args.block_size, num_blocks=args.num_blocks,
+    return EngineConfig(model=model_arg(args), block_size=args.block_size, num_blocks=args.num_blocks,
                         kv_cache_memory_gb=args.kv_cache_gb, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        long_prefill_token_threshold=args.long_prefill_token_threshold,
+                        max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
+                        async_scheduling=args.async_scheduling, generation_config=args.generation_config,
                         scheduling_policy=args.scheduling_policy, dtype=args.dtype)
 
 
-def build_engine(args: argparse.Namespace):
+def build_engine(config):
     from pagedmlx.engine import LLMEngine
 
-    return LLMEngine.from_config(engine_config(args))  # imports pagedmlx.loader only now
+    return LLMEngine.from_config(config)  # imports pagedmlx.loader only now
+
+
+def launched() -> bool:
+    from pagedmlx.tp.group import launched_backend  # no MLX import
+
+    return launched_backend() is not None
 
 
 # ---- serve -----------------------------------------------------------------------------------
@@ -72,7 +86,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on Ctrl-C, seconds in-flight requests get to finish before they are aborted")
     p.add_argument("--log-level", default="info")
-    p.add_argument("--tp", type=int, default=None, metavar="N",
+    p.add_argument("-tp", "--tensor-parallel-size", "--tp", dest="tp", type=int, default=None, metavar="N",
                    help="tensor parallelism: split the model over N ranks. Without a launcher, starts N local "
                         "processes (ring backend on loopback); under mlx.launch, the launcher's ranks are used")
     p.add_argument("--tp-timeout", type=float, default=60.0,
@@ -88,16 +102,23 @@ def run_serve(args: argparse.Namespace) -> int:
     from pagedmlx.server.serving import ServerLimits
 
     console = Console(stderr=True)
-    from pagedmlx import distributed  # tensor parallelism, when launched so or asked for with --tp
+    config = engine_config(args)
+    group = None
+    if args.tp or launched():  # tensor parallelism, when launched so or asked for with --tp
+        from pagedmlx.loader import load_model
+        from pagedmlx.tp import engine as tp_engine
+        from pagedmlx.tp.group import join_group
 
-    group = distributed.join_group(args.tp)  # None: one process
+        group = join_group(args.tp)  # None: one process
     if group is not None and group.rank() > 0:
-        return distributed.run_worker(distributed.load_model(args.model)[0], engine_config(args), group,
-                                      args.tp_timeout)
+        return tp_engine.run_worker(load_model(config.model, lazy=True)[0], config, group, args.tp_timeout)
     with console.status("loading the model..."):
-        engine = build_engine(args) if group is None else distributed.build_engine(
-            *distributed.load_model(args.model), engine_config(args), group, args.tp_timeout)
-    name = args.served_model_name or args.model or "default"  # as vLLM: the --model string
+        if group is None:
+            engine = build_engine(config)
+        else:
+            engine = tp_engine.build_engine(*load_model(config.model, lazy=True), config, group, args.tp_timeout)
+            engine.load_generation_defaults(config.model)
+    name = args.served_model_name or config.model or "default"  # as vLLM: the --model string
     async_engine = AsyncEngine(engine, max_waiting=args.max_waiting)
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_n=args.max_n, max_tokens=args.max_tokens_cap)
     api_key = args.api_key or os.environ.get("PAGEDMLX_API_KEY") or None
@@ -110,13 +131,14 @@ def run_serve(args: argparse.Namespace) -> int:
                   f"max_num_seqs {engine.config.max_num_seqs}")
     for line in getattr(engine, "rank_lines", []):
         console.print(f"  {line}", soft_wrap=True)
+    console.print(f"  sampling defaults: {defaults_line(engine)}")
     console.print(f"  API key: {'required' if api_key else 'none'}; URL: [link={url}]{url}[/link]")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         console.print("[yellow]warning:[/] listening beyond this machine without --api-key")
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=int(args.drain_timeout) + 1)
     server = uvicorn.Server(config)
-    lost = distributed.exit_on_rank_loss(engine, async_engine, server, console) if group else None
+    lost = tp_engine.exit_on_rank_loss(engine, async_engine, server, console) if group else None
     try:
         server.run()  # Ctrl-C: stop accepting, drain, then the lifespan stops the engine
     except KeyboardInterrupt:  # uvicorn re-raises the signal it handled once it has shut down
@@ -126,13 +148,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if group is not None:
         engine.shutdown()  # the other ranks exit
         if lost["error"] is not None:
-            distributed.hard_exit(1, "stopped after the error above")
+            hard_exit(1, "stopped after the error above")
     console.print("pagedmlx: stopped")
-    # Everything has drained and the engine thread is joined. Skip the interpreter's teardown: MLX's
-    # static destructors, after an engine ran on a second thread, abort now and then ("terminate
-    # called without an active exception", exit -6: seen in 2 of ~10 stress runs here on
-    # 2026-12-03; MLX issue #3126 is the same class of exit crash).
-    distributed.hard_exit(0)
+    hard_exit(0)  # everything has drained and the engine thread is joined: skip MLX's teardown
 
 
 # ---- generate --------------------------------------------------------------------------------
@@ -142,34 +160,45 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_args(p)
     p.add_argument("--prompt", action="append", required=True,
                    help="a prompt (repeat for a batch: all of them share every forward pass)")
-    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    p.add_argument("--no-chat-template", dest="chat_template", action="store_false",
+                   help="send the prompt as raw text (default: as a user message in the model's chat template, "
+                        "when it has one)")
+    p.add_argument("--chat", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=None, help="(default: the model's, else 1.0)")
+    p.add_argument("--top-p", type=float, default=None, help="(default: the model's, else 1.0)")
+    p.add_argument("--top-k", type=int, default=None, help="(default: the model's, else none)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+
+
+def defaults_line(engine) -> str:
+    given = engine.generation_defaults
+    if not given:
+        return "vLLM's (temperature 1.0, top_p 1.0); a request's own values win"
+    source = "the model's generation config" if engine.config.model else "the default model's card"
+    return ", ".join(f"{k} {v}" for k, v in given.items()) + f" ({source}); a request's own values win"
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from pagedmlx.request import SamplingParams
-
     console = Console(stderr=True)
+    with console.status("loading the model..."):
+        engine = build_engine(engine_config(args))
+    flags = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed, stop=args.stop)
+        params = engine.get_default_sampling_params(
+            max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, **{k: v for k, v in flags.items() if v is not None})
     except ValueError as exc:
         console.print(f"[red]error:[/] {exc}")
         return 2
-    with console.status("loading the model..."):
-        engine = build_engine(args)
     tok = engine.tokenizer
+    chat = args.chat_template and getattr(tok, "has_chat_template", False)
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-               if args.chat else p for p in args.prompt]
-    console.print(f"[bold]pagedmlx[/] {args.model or 'default model'} on {backend_name()}, "
-                  f"{len(prompts)} prompt(s)")
+               if chat else p for p in args.prompt]
+    console.print(f"[bold]pagedmlx[/] {engine.config.model or 'default model'} on {backend_name()}, "
+                  f"{len(prompts)} prompt(s){', chat template' if chat else ''}; sampling: {defaults_line(engine)}")
     if len(prompts) == 1:  # stream the one answer as it comes
         engine.add_request("0", prompts[0], params)
         while engine.has_unfinished_requests():
@@ -177,11 +206,13 @@ def run_generate(args: argparse.Namespace) -> int:
                 print(out.new_text, end="", flush=True)
         print()
         return 0
-    from pagedmlx.engine import LLM
+    from pagedmlx.llm import LLM
 
-    for prompt, out in zip(args.prompt, LLM.from_engine(engine).generate(prompts, params, use_tqdm=True)):
+    outs = LLM.from_engine(engine).generate([{"prompt_token_ids": p} if chat else p for p in prompts], params,
+                                            use_tqdm=True)
+    for prompt, out in zip(args.prompt, outs):
         console.print(f"[bold cyan]> {prompt}[/]")
-        print(out.text)
+        print(out.outputs[0].text)
     return 0
 
 
@@ -205,7 +236,7 @@ def run_blocks(args: argparse.Namespace, source=None) -> int:
 
     from rich.console import Console
 
-    from pagedmlx.kv.view import SnapshotError, get_snapshot, render, save_svg, watch
+    from pagedmlx.blocks.view import SnapshotError, get_snapshot, render, save_svg, watch
 
     api_key = args.api_key or os.environ.get("PAGEDMLX_API_KEY") or None
     source = args.url if source is None else source
@@ -224,7 +255,7 @@ def run_blocks(args: argparse.Namespace, source=None) -> int:
     if args.svg:
         save_svg(snap, args.svg, max_rows=args.rows)
     if args.png:
-        from pagedmlx.kv.png import save_png
+        from pagedmlx.blocks.png import save_png
 
         save_png(snap, args.png)
     if args.svg or args.png:

@@ -22,10 +22,13 @@ class EngineConfig:
     # (measured 2026-12-02: +20-30% decode tok/s at batch 8-256 on an H200; on a 2-core CPU the
     # host work competes with the forward pass for the cores and lockstep is 5-10% faster).
     async_scheduling: Optional[bool] = None
+    async_min_batch: int = 1  # running requests from which steps overlap (1: every step)
+    # "auto": sampling defaults from the model's generation_config.json (as vLLM); "vllm": vLLM's own.
+    generation_config: str = "auto"
     dtype: Optional[str] = None  # "float32" / "float16" / "bfloat16" for unquantized weights; None: as loaded
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "async_min_batch"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -40,5 +43,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.dtype not in (None, "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")

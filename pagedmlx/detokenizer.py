@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from pagedmlx.request import SamplingParams
+from pagedmlx.sampling_params import SamplingParams
 
 
 class IncrementalDetokenizer:

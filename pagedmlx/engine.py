@@ -1,5 +1,7 @@
-"""LLMEngine: the step loop (schedule -> forward -> sample -> update -> outputs), and LLM, the
-offline API on top of it."""
+"""LLMEngine: the step loop (schedule -> forward -> sample -> update -> outputs).
+
+`step` runs one step in lockstep with the device; `step_with_batch_queue` (vLLM's name) schedules
+and builds step N+1 while step N runs. The offline API on top of it is llm.py."""
 
 from __future__ import annotations
 
@@ -14,10 +16,11 @@ import mlx.nn as nn
 from pagedmlx.config import EngineConfig
 from pagedmlx.detokenizer import IncrementalDetokenizer
 from pagedmlx.kv.manager import KVCacheManager
-from pagedmlx.outputs import RequestOutput, TokenLogprob
-from pagedmlx.request import Request, RequestStatus, SamplingParams
+from pagedmlx.outputs import EngineOutput, TokenLogprob
+from pagedmlx.request import Request, RequestStatus
 from pagedmlx.runner.model import ModelRunner
 from pagedmlx.sampler import Sampler, to_host
+from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.scheduler import Scheduler
 from pagedmlx.scheduler_output import SchedulerOutput
 
@@ -25,7 +28,6 @@ logger = logging.getLogger("pagedmlx")
 
 PromptType = Union[str, Sequence[int]]
 DEFAULT_MAX_MODEL_LEN = 8192
-ASYNC_MIN_BATCH = 1  # running requests below which steps go in lockstep: 1 overlaps every step (see _can_overlap)
 
 
 @dataclass
@@ -84,6 +86,7 @@ class LLMEngine:
         self._logprobs: dict[str, list[TokenLogprob]] = {}
         self.stats = StepStats()
         self._inflight: Optional[LaunchedStep] = None
+        self.generation_defaults: dict[str, Any] = {}  # the model's recommended sampling values (from_config)
         self.async_scheduling = (self.config.async_scheduling if self.config.async_scheduling is not None
                                  else mx.default_device() == mx.gpu)
 
@@ -97,7 +100,21 @@ class LLMEngine:
         from pagedmlx.loader import load_model
 
         model, tokenizer = load_model(config.model)
-        return cls(model, tokenizer, config)
+        engine = cls(model, tokenizer, config)
+        engine.load_generation_defaults(config.model)
+        return engine
+
+    def load_generation_defaults(self, model: Optional[str]) -> None:
+        """Take the model's recommended sampling values (generation_config.json, or the default
+        model's card) as defaults, unless config.generation_config is "vllm" (vLLM's own defaults)."""
+        from pagedmlx.loader import generation_defaults
+
+        if self.config.generation_config == "auto":
+            self.generation_defaults = generation_defaults(model)
+
+    def get_default_sampling_params(self, **overrides: Any) -> SamplingParams:
+        """SamplingParams from the model's defaults; `overrides` (a request's own values) win."""
+        return SamplingParams(**{**self.generation_defaults, **overrides})
 
     def _max_model_len(self) -> int:
         args = getattr(self.model, "args", None)
@@ -137,7 +154,7 @@ class LLMEngine:
             self._logprobs[request_id] = []
         return request
 
-    def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+    def abort_request(self, request_ids: Iterable[str]) -> list[EngineOutput]:
         finished = self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
         return [self._final_output(req) for req in finished]
 
@@ -149,57 +166,71 @@ class LLMEngine:
 
     # ---- the step ---------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Schedule and launch one step; return the outputs of the step that completed.
+    @property
+    def has_step_in_flight(self) -> bool:
+        """A step launched by step_with_batch_queue whose tokens are not read back yet."""
+        return self._inflight is not None
 
-        With async scheduling (by default on GPU backends, from ASYNC_MIN_BATCH running requests)
-        step N+1 is scheduled and its graph built while step N runs on the device; decodes of step
-        N+1 take their input tokens from step N's sampled array. Where the runner writes pages in
-        place (the CUDA kernels), step N+1 is dispatched at once, so the device goes from N to N+1
-        without waiting for the host. Where
-        MLX scatters into the pages instead, N+1 is dispatched only once step N is read back,
-        processed and dropped: while anything still references step N's graph, every page write
-        of N+1 would copy its layer's whole pool (MLX donates a buffer to a scatter only when
-        nothing else references it).
+    def step(self) -> list[EngineOutput]:
+        """Run one step and return its outputs: schedule -> build -> dispatch -> wait -> process.
+
+        With async scheduling (by default on GPU backends) the engine overlaps instead: see
+        step_with_batch_queue."""
+        if self._can_overlap():
+            return self.step_with_batch_queue()
+        outputs: list[EngineOutput] = []
+        if self._inflight is not None:  # left by an overlapped step: its tokens come first
+            previous, self._inflight = self._inflight, None
+            outputs += self._process(previous, self._wait(previous))
+        built = self._schedule_and_build(outputs)
+        if built is not None:
+            self._dispatch(built)
+            outputs += self._process(built, self._wait(built))
+        return outputs
+
+    def step_with_batch_queue(self) -> list[EngineOutput]:
+        """Schedule and build step N+1 while step N runs on the device; return step N's outputs.
+
+        Decodes of step N+1 take their input tokens from step N's sampled array on the device.
+        Where the runner writes pages in place (the CUDA kernels), step N+1 is dispatched at once,
+        so the device goes from N to N+1 without waiting for the host. Where MLX scatters into the
+        pages instead, N+1 is dispatched only once step N is read back, processed and dropped:
+        while anything still references step N's graph, every page write of N+1 would copy its
+        layer's whole pool (MLX donates a buffer to a scatter only when nothing else references it).
         """
-        outputs: list[RequestOutput] = []
-        overlap = self._can_overlap()
-        if self._inflight is not None and not overlap:
-            outputs += self._process(self._inflight, self._wait(self._inflight))
-            self._inflight = None
-        t0 = time.perf_counter()
-        so = self.scheduler.schedule()
-        self.stats.schedule_s += time.perf_counter() - t0
-        built = None
-        if not so.is_empty:
-            try:
-                built = self._build(so)
-            except Exception as exc:  # graph building failed: only this step's requests fail
-                outputs += self._fail(so, exc, [self.scheduler.requests[rid] for rid in so.req_ids])
+        outputs: list[EngineOutput] = []
+        built = self._schedule_and_build(outputs)
         previous, self._inflight = self._inflight, built
         self.stats.num_overlapped += previous is not None and built is not None
-        dispatch_early = built is not None and self.runner.pages_in_place
-        if dispatch_early:
+        in_place = self.runner.pages_in_place
+        if built is not None and in_place:
             self._dispatch(built)
         if previous is not None:
             outputs += self._process(previous, self._wait(previous))
             previous.sampled = previous.arrays = previous = None  # see the docstring
-        if built is not None:
-            if not dispatch_early:
-                self._dispatch(built)
-            if not overlap:
-                outputs += self._process(built, self._wait(built))
-                self._inflight = None
+        if built is not None and not in_place:
+            self._dispatch(built)
         return outputs
 
+    def _schedule_and_build(self, outputs: list[EngineOutput]) -> Optional[LaunchedStep]:
+        """Schedule a step and build its graph; None when nothing is scheduled or building failed
+        (then the step's requests are finished with an error, appended to `outputs`)."""
+        t0 = time.perf_counter()
+        so = self.scheduler.schedule()
+        self.stats.schedule_s += time.perf_counter() - t0
+        if so.is_empty:
+            return None
+        try:
+            return self._build(so)
+        except Exception as exc:  # graph building failed: only this step's requests fail
+            outputs += self._fail(so, exc, [self.scheduler.requests[rid] for rid in so.req_ids])
+            return None
+
     def _can_overlap(self) -> bool:
-        """Overlap unless penalties need every earlier token on the host. Batch 1 overlaps too: on
-        an H200 on 2026-12-03 (runs 19-20, docs/benchmarks.md) it ran 202-206 tok/s overlapped against
-        138-145 in lockstep, at 1.03-1.45x mlx-lm's generate_step in the same process. (On four
-        2026-12-02 runs overlap cost batch 1 a quarter of its speed, 79-93 against 110-123 tok/s;
-        ASYNC_MIN_BATCH can turn it off for small batches where a host behaves like that.)"""
+        """Overlap unless penalties need every earlier token on the host, or fewer requests run
+        than config.async_min_batch (docs/benchmarks.md, runs 19-20, for why batch 1 overlaps too)."""
         running = self.scheduler.running
-        return (self.async_scheduling and len(running) >= ASYNC_MIN_BATCH
+        return (self.async_scheduling and len(running) >= self.config.async_min_batch
                 and not any(r.sampling_params.has_penalties for r in running))
 
     def _build(self, so: SchedulerOutput) -> LaunchedStep:
@@ -246,7 +277,7 @@ class LLMEngine:
         self.stats.wait_s += time.perf_counter() - t
         return rows
 
-    def _process(self, step: LaunchedStep, rows: Optional[list]) -> list[RequestOutput]:
+    def _process(self, step: LaunchedStep, rows: Optional[list]) -> list[EngineOutput]:
         """Append a completed step's tokens, check stops, emit outputs."""
         so = step.so
         if rows is None:
@@ -265,7 +296,7 @@ class LLMEngine:
         self._record(so, time.perf_counter() - t)
         return outputs
 
-    def _fail(self, so: SchedulerOutput, exc: Exception, requests: list[Request]) -> list[RequestOutput]:
+    def _fail(self, so: SchedulerOutput, exc: Exception, requests: list[Request]) -> list[EngineOutput]:
         logger.exception("step failed; finishing its %d requests with an error", so.num_reqs, exc_info=exc)
         sampled = set(so.sampled_req_ids)
         for req in requests:
@@ -281,7 +312,7 @@ class LLMEngine:
         s.num_tokens += so.total_num_scheduled_tokens
         s.num_sampled += len(so.sampled_req_ids)
 
-    def _make_output(self, req: Request, new_ids: list[int], finished: bool, sample: Any) -> RequestOutput:
+    def _make_output(self, req: Request, new_ids: list[int], finished: bool, sample: Any) -> EngineOutput:
         rid = req.request_id
         detok = self._detokenizers[rid]
         new_text, stop = detok.update(new_ids, finished)
@@ -295,17 +326,17 @@ class LLMEngine:
         if rid in self._logprobs:
             new_lps = [TokenLogprob(sample.token_id, sample.logprob, sample.top_logprobs or [])]
             self._logprobs[rid].extend(new_lps)
-        out = RequestOutput(rid, req.prompt_token_ids, req.output_token_ids, detok.text, new_ids, new_text,
+        out = EngineOutput(rid, req.prompt_token_ids, req.output_token_ids, detok.text, new_ids, new_text,
                             finished, req.status.finish_reason if finished else None, req.stop_reason,
                             self._logprobs.get(rid), new_lps, max(req.num_cached_tokens, 0))
         if finished:
             self._forget(rid)
         return out
 
-    def _final_output(self, req: Request, error: Optional[str] = None) -> RequestOutput:
+    def _final_output(self, req: Request, error: Optional[str] = None) -> EngineOutput:
         detok = self._detokenizers.get(req.request_id)
         text = detok.text if detok else ""
-        out = RequestOutput(req.request_id, req.prompt_token_ids, req.output_token_ids, text, [], "", True,
+        out = EngineOutput(req.request_id, req.prompt_token_ids, req.output_token_ids, text, [], "", True,
                             req.status.finish_reason, req.stop_reason, self._logprobs.get(req.request_id),
                             None, max(req.num_cached_tokens, 0), error)
         self._forget(req.request_id)
@@ -314,68 +345,3 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         self._detokenizers.pop(request_id, None)
         self._logprobs.pop(request_id, None)
-
-
-class LLM:
-    """Offline generation: `LLM(model).generate(prompts, params)` runs them all through one engine,
-    sharing every forward pass, and returns one RequestOutput per prompt (per sample when n > 1),
-    in prompt order."""
-
-    def __init__(self, model: Union[str, nn.Module, None] = None, tokenizer: Any = None, **config: Any):
-        if isinstance(model, nn.Module):
-            self.engine = LLMEngine(model, tokenizer, EngineConfig(**config))
-        else:
-            self.engine = LLMEngine.from_config(EngineConfig(model=model, **config))
-        self.tokenizer = self.engine.tokenizer
-        self._counter = 0
-
-    @classmethod
-    def from_engine(cls, engine: LLMEngine) -> "LLM":
-        llm = cls.__new__(cls)
-        llm.engine, llm.tokenizer, llm._counter = engine, engine.tokenizer, 0
-        return llm
-
-    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
-                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: Optional[bool] = None) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        ids = []
-        for prompt, p in zip(prompts, params):
-            p = p or SamplingParams()
-            for i in range(p.n):
-                rid = f"{self._counter}-{i}" if p.n > 1 else str(self._counter)
-                self.engine.add_request(rid, prompt, child_params(p, i))
-                ids.append(rid)
-            self._counter += 1
-        show = use_tqdm if use_tqdm is not None else len(ids) >= 8
-        return self._run(ids, show)
-
-    def chat(self, messages: list[dict], sampling_params: Optional[SamplingParams] = None,
-             use_tqdm: Optional[bool] = None) -> list[RequestOutput]:
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.generate([prompt], sampling_params, use_tqdm)
-
-    def _run(self, ids: list[str], show_progress: bool) -> list[RequestOutput]:
-        from rich.progress import Progress
-
-        done: dict[str, RequestOutput] = {}
-        with Progress(disable=not show_progress, transient=True) as progress:
-            task = progress.add_task("generating", total=len(ids))
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        progress.advance(task)
-        return [done[i] for i in ids]
-
-
-def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The i-th of n samples: its own seed (seed + i) when seeded, so that the n samples differ."""
-    from dataclasses import replace
-
-    seed = None if params.seed is None else params.seed + index
-    return replace(params, n=1, seed=seed)

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -17,9 +19,11 @@ def _is_gguf(model: str) -> bool:
     return model.lower().endswith(".gguf")
 
 
-def load_model(model: str | None = None) -> tuple[nn.Module, TokenizerWrapper]:
+def load_model(model: str | None = None, lazy: bool = False) -> tuple[nn.Module, TokenizerWrapper]:
     """None: the default model; a path ending in .gguf: load_gguf; `random:<arch>`: a random-weight
-    tiny model and tokenizer (pagedmlx/models/random_model.py); else mlx_lm.load (folder or hub name)."""
+    tiny model and tokenizer (pagedmlx/models/random_model.py); else mlx_lm.load (folder or hub name).
+    lazy: mlx-lm folders keep their weights unread until used (each tensor-parallel rank then reads
+    only its shard)."""
     if model is None:
         return load_gguf(default_model_path())
     if model.startswith(RANDOM_PREFIX):
@@ -29,7 +33,7 @@ def load_model(model: str | None = None) -> tuple[nn.Module, TokenizerWrapper]:
     import mlx_lm
 
     try:
-        loaded = mlx_lm.load(model)
+        loaded = mlx_lm.load(model, lazy=lazy)
     except Exception as e:  # mlx-lm and the hub raise many kinds; name the model for the user
         raise RuntimeError(f"could not load model {model!r} with mlx_lm.load: {e}") from e
     return loaded[0], loaded[1]
@@ -42,3 +46,32 @@ def model_name(model: str | None) -> str:
     if _is_gguf(model):
         return Path(model).stem
     return model.rstrip("/")
+
+
+# What vLLM's `--generation-config auto` takes from a model's generation_config.json.
+_GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                      "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+# The default model ships no generation config: its model card's recommended values.
+_DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+
+
+def generation_defaults(model: str | None) -> dict[str, Any]:
+    """SamplingParams fields the model recommends (vLLM's generation config): from the folder's
+    generation_config.json, or the default model's card; {} for GGUF files and random models."""
+    if model is None:
+        return dict(_DEFAULT_MODEL_SAMPLING)
+    if model.startswith(RANDOM_PREFIX) or _is_gguf(model):
+        return {}
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        try:
+            from mlx_lm.utils import hf_repo_to_path
+
+            path = Path(hf_repo_to_path(model))
+        except Exception:  # noqa: BLE001 - not in the local hub cache: no defaults
+            return {}
+    try:
+        config = json.loads((path / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {ours: config[theirs] for theirs, ours in _GENERATION_FIELDS.items() if config.get(theirs) is not None}

@@ -1,96 +1,17 @@
-"""Requests and their sampling parameters: what the scheduler moves between its queues."""
+"""Requests: what the scheduler moves between its queues."""
 
 from __future__ import annotations
 
 import enum
-import math
 import os
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from pagedmlx.sampling_params import MAX_SEED, SamplingParams
 
 if TYPE_CHECKING:
     from pagedmlx.kv.block_hash import BlockHash
-
-_MAX_SEED = 2**63 - 1
-
-
-def _check_range(name: str, value: float, lo: float, hi: float, lo_open=False) -> None:
-    bad = not math.isfinite(value) or value < lo or value > hi or (lo_open and value == lo)
-    if bad:
-        left = "(" if lo_open else "["
-        raise ValueError(f"{name} must be in {left}{lo}, {hi}], got {value!r}")
-
-
-@dataclass
-class SamplingParams:
-    """How one request samples and when it stops. Validated on construction:
-    a bad value raises ValueError naming the field and its allowed range."""
-
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: no top-k
-    min_p: float = 0.0
-    seed: Optional[int] = None
-    max_tokens: Optional[int] = 16  # None: up to max_model_len
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    logprobs: Optional[int] = None  # None: none; k: the sampled token's plus the top k
-    skip_special_tokens: bool = True
-
-    def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
-        if self.top_k == -1:
-            self.top_k = 0
-        self._validate()
-
-    def _validate(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        _check_range("temperature", self.temperature, 0.0, 100.0)
-        _check_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        _check_range("min_p", self.min_p, 0.0, 1.0)
-        if self.seed is not None and not (0 <= self.seed <= _MAX_SEED):
-            raise ValueError(f"seed must be in [0, {_MAX_SEED}], got {self.seed!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
-        for t in self.stop_token_ids:
-            if not isinstance(t, int) or t < 0:
-                raise ValueError(f"stop_token_ids must hold token ids >= 0, got {t!r}")
-        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _check_range("repetition_penalty", self.repetition_penalty, 0.0, 10.0, lo_open=True)
-        for tok, bias in self.logit_bias.items():
-            if tok < 0:
-                raise ValueError(f"logit_bias keys must be token ids >= 0, got {tok}")
-            _check_range(f"logit_bias[{tok}]", bias, -100.0, 100.0)
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def has_penalties(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
-
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
@@ -156,7 +77,7 @@ class Request:
         # Unseeded requests get a random seed so that every row samples the same way.
         self.sampling_seed = (
             sampling_params.seed if sampling_params.seed is not None
-            else int.from_bytes(os.urandom(8), "little") & _MAX_SEED
+            else int.from_bytes(os.urandom(8), "little") & MAX_SEED
         )
 
     @property
@@ -186,3 +107,14 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
                 f"computed={self.num_computed_tokens}, output={self.num_output_tokens})")
+
+
+def fan_out(request_id: str, prompts: Sequence[Any], params: SamplingParams) -> list[tuple[str, Any, SamplingParams]]:
+    """The engine requests of one API request: (id, prompt, params) for sample i of prompt p.
+    One prompt with n == 1 keeps its id; otherwise child k = p * n + i is `{id}-{k}`, and seeded
+    samples get seed + i, so that the n samples of a prompt differ."""
+    n = params.n
+    if len(prompts) == 1 and n == 1:
+        return [(request_id, prompts[0], params)]
+    return [(f"{request_id}-{p * n + i}", prompt, replace(params, n=1, seed=None if params.seed is None else params.seed + i))
+            for p, prompt in enumerate(prompts) for i in range(n)]

@@ -78,7 +78,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(config.scheduling_policy)
-        self.running: list[Request] = []  # in admission order: the newest is the preemption victim
+        self.running: list[Request] = []  # in admission order (see _preemption_victim)
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
 
@@ -159,7 +159,7 @@ class Scheduler:
             if n <= 0:
                 continue
             while self.kv_cache_manager.allocate_slots(req, n) is None:
-                victim = self.running[-1]  # the newest, even if this step already scheduled it
+                victim = self._preemption_victim()  # may be one this step already scheduled
                 if victim.request_id in scheduled_ids:
                     budget += self._unschedule(victim, scheduled, scheduled_ids)
                 self._preempt(victim)
@@ -178,7 +178,8 @@ class Scheduler:
             req = self.waiting.peek()
             hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(req)
             n = self._num_new_tokens(req, budget, num_hit_tokens)
-            if self.kv_cache_manager.allocate_slots(req, n, hits, num_hit_tokens) is None:
+            if self.kv_cache_manager.allocate_slots(req, n, num_new_computed_tokens=num_hit_tokens,
+                                                    new_computed_blocks=hits) is None:
                 break
             self.waiting.pop()
             self.kv_cache_manager.record_prefix_query(req, num_hit_tokens)
@@ -212,6 +213,13 @@ class Scheduler:
         scheduled_ids.remove(request.request_id)
         self.kv_cache_manager.uncache_uncomputed(request, request.num_computed_tokens)
         return n
+
+    def _preemption_victim(self) -> Request:
+        """As vLLM: the newest running request (fcfs), or the lowest-priority one, newest among
+        equals (priority: a larger `priority` value is served later)."""
+        if self.config.scheduling_policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
 
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: free the pages (their hashes stay cached) and requeue at the head."""

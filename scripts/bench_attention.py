@@ -25,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pagedmlx.runner import cuda_decode  # noqa: E402
 from pagedmlx.runner.attention import _gather  # noqa: E402
 
-
 # (threads, unroll, prefetch, vectors per lane, heads per block, tensor cores): see cuda_decode's constants.
 VARIANTS = [(128, 2, 1, 1, 0, 0), (128, 2, 1, 1, 2, 0), (128, 2, 1, 2, 2, 0), (256, 2, 1, 1, 0, 0),
             (128, 2, 1, 1, 0, 1)]

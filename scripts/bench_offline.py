@@ -54,7 +54,7 @@ def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[lis
 
 
 def run_pagedmlx(engine, prompts, gen_len: int) -> tuple[float, float]:
-    from pagedmlx.request import SamplingParams
+    from pagedmlx.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
     for i, p in enumerate(prompts):

@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pagedmlx.config import EngineConfig  # noqa: E402
 from pagedmlx.kv.manager import KVCacheManager  # noqa: E402
-from pagedmlx.request import Request, SamplingParams  # noqa: E402
+from pagedmlx.request import Request  # noqa: E402
+from pagedmlx.sampling_params import SamplingParams  # noqa: E402
 from pagedmlx.scheduler import Scheduler  # noqa: E402
 
 

@@ -24,10 +24,9 @@ import argparse
 import asyncio
 import json
 import random
+import sys
 import time
 from dataclasses import dataclass, field
-
-import sys
 from pathlib import Path
 
 import httpx
@@ -138,7 +137,7 @@ def print_table(runs: list[RunResult], clients: int) -> None:
     base = runs[0]
     for run in runs:
         cells = [run.name, f"{len(run.ok())} / {len(run.results) - len(run.ok())}"]
-        for _, fn, higher_better in cols:
+        for _, fn, _higher_better in cols:
             value, ref = fn(run), fn(base)
             ratio = "" if run is base or not ref else f" ({value / ref:.2f}x)"
             cells.append(f"{value:.1f}{ratio}")
@@ -152,7 +151,7 @@ def print_table(runs: list[RunResult], clients: int) -> None:
 def run_offline(model_path: str, args: argparse.Namespace, clients: int) -> RunResult:
     """pagedmlx's offline engine on the same prompts, `clients` requests at a time, for reference."""
     from pagedmlx.engine import LLM
-    from pagedmlx.request import SamplingParams
+    from pagedmlx.sampling_params import SamplingParams
 
     llm = LLM(model_path, max_num_seqs=clients)
     prompts = make_prompts(requests_for(clients, args), args.prompt_words, args.seed)

@@ -62,7 +62,7 @@ def profile_generate_step(model, prompt, gen_len: int) -> dict:
 
 
 def profile_pagedmlx(engine, prompts, gen_len: int) -> dict:
-    from pagedmlx.request import SamplingParams
+    from pagedmlx.sampling_params import SamplingParams
 
     for i, prompt in enumerate(prompts):
         engine.add_request(f"profile-{time.monotonic_ns()}-{i}", prompt,

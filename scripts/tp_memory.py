@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pagedmlx import distributed  # noqa: E402
 from pagedmlx.config import EngineConfig  # noqa: E402
 from pagedmlx.engine import LLMEngine  # noqa: E402
-from pagedmlx.request import SamplingParams  # noqa: E402
+from pagedmlx.sampling_params import SamplingParams  # noqa: E402
 
 LLAMA = dict(model_type="llama", hidden_size=512, num_hidden_layers=8, intermediate_size=1536,
              num_attention_heads=8, num_key_value_heads=4, rms_norm_eps=1e-5, vocab_size=32000,

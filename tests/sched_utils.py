@@ -17,7 +17,8 @@ import numpy as np
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.kv.manager import KVCacheManager, cdiv
-from pagedmlx.request import Request, RequestStatus, SamplingParams
+from pagedmlx.request import Request, RequestStatus
+from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.scheduler import Scheduler
 from pagedmlx.scheduler_output import SchedulerOutput
 

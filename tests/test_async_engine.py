@@ -7,12 +7,12 @@ import gc
 import time
 
 import pytest
-from conftest import assert_no_leaks, make_model, solo_greedy
+from utils import assert_no_leaks, make_model, solo_greedy
 
 from pagedmlx.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError, TooManyRequestsError
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine import LLMEngine
-from pagedmlx.request import SamplingParams
+from pagedmlx.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
@@ -26,13 +26,13 @@ def make_async(**kw) -> AsyncEngine:
 async def until_idle(ae: AsyncEngine, timeout: float = 2.0) -> None:
     deadline = time.monotonic() + timeout
     while not await ae.call(lambda e: not e.has_unfinished_requests()
-                            and all(b.ref_cnt == 0 for b in e.kv_cache_manager.block_pool.blocks)):
+                            and all(b.ref_cnt == 0 for p in e.kv_cache_manager.block_pools for b in p.blocks)):
         assert time.monotonic() < deadline, "pages still held"
         await asyncio.sleep(0.01)
 
 
 async def collect(ae: AsyncEngine, rid: str, prompt, params) -> list:
-    return [out async for out in ae.generate(rid, prompt, params)]
+    return [out async for out in ae.generate(prompt, params, rid)]  # vLLM's argument order
 
 
 def test_concurrent_generates_equal_solo_and_errors_reach_the_caller():
@@ -52,9 +52,12 @@ def test_concurrent_generates_equal_solo_and_errors_reach_the_caller():
         return results
 
     results = asyncio.run(main())
-    for p, outs in zip(prompts, results):
-        assert [t for o in outs for t in o.new_token_ids] == solo_greedy(make_model("llama"), p, 8)
-        assert outs[-1].finished and outs[-1].finish_reason == "length" and not any(o.finished for o in outs[:-1])
+    for i, (p, outs) in enumerate(zip(prompts, results)):  # vLLM's RequestOutputs, cumulative
+        assert outs[-1].request_id == str(i) and outs[-1].prompt_token_ids == p
+        assert outs[-1].outputs[0].token_ids == solo_greedy(make_model("llama"), p, 8)
+        assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, 9))
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+        assert not any(o.finished for o in outs[:-1])
 
 
 def test_fan_out_shares_the_prompt_pages():
@@ -78,12 +81,12 @@ def test_consumers_that_leave_abort_their_requests():
         ae = make_async()
         reasons = {}
         ae.add_listener(lambda out, timing, now: out.finished and reasons.setdefault(out.request_id, out.finish_reason))
-        async for _ in ae.generate("brk", [1, 2, 3], LONG):
+        async for _ in ae.generate([1, 2, 3], LONG, "brk"):
             break  # the generator is closed: the request is aborted
         await until_idle(ae)
 
         async def consume():
-            async for _ in ae.generate("cancelled", [4, 5, 6], LONG):
+            async for _ in ae.generate([4, 5, 6], LONG, "cancelled"):
                 pass
 
         task = asyncio.create_task(consume())
@@ -153,7 +156,7 @@ def test_shutdown_drains_then_aborts():
         short = [asyncio.create_task(collect(ae, str(i), [1, 2, i + 3], GREEDY)) for i in range(3)]
         await asyncio.sleep(0.01)
         await ae.shutdown_async(timeout=10)  # long enough: they all finish
-        assert all(t.result()[-1].finish_reason == "length" for t in short)
+        assert all(t.result()[-1].outputs[0].finish_reason == "length" for t in short)
         with pytest.raises(EngineShutdownError):
             await ae.add_request("late", [1, 2], GREEDY)
         assert await ae.call(lambda e: e.get_num_unfinished_requests()) == 0  # runs inline now
@@ -162,7 +165,7 @@ def test_shutdown_drains_then_aborts():
         slow = [asyncio.create_task(collect(ae, str(i), [1, 2, i + 3], LONG)) for i in range(3)]
         await asyncio.sleep(0.05)
         await ae.shutdown_async(timeout=0)
-        assert all(t.result()[-1].finish_reason == "abort" for t in slow)
+        assert all(t.result()[-1].outputs[0].finish_reason == "abort" for t in slow)
         assert_no_leaks(ae.engine)
 
     asyncio.run(main())

@@ -7,43 +7,14 @@ import random
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import ARCHS, assert_no_leaks, make_model, solo_greedy
+from utils import ARCHS, assert_no_leaks, make_model, make_prompts, run_staggered, solo_greedy
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine import LLMEngine
-from pagedmlx.request import RequestStatus, SamplingParams
+from pagedmlx.request import RequestStatus
+from pagedmlx.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-
-
-def make_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
-    """Random lengths 1..300; a third extend one of three long shared prefixes."""
-    rng = random.Random(seed)
-    prefixes = [[rng.randrange(vocab) for _ in range(rng.randint(40, 120))] for _ in range(3)]
-    prompts = []
-    for i in range(n):
-        if i % 3 == 0:
-            base = rng.choice(prefixes)
-            prompts.append(base + [rng.randrange(vocab) for _ in range(rng.randint(0, 60))])
-        else:
-            prompts.append([rng.randrange(vocab) for _ in range(rng.randint(1, 300))])
-    return prompts
-
-
-def run_staggered(engine: LLMEngine, prompts, params, seed: int) -> dict[str, list[int]]:
-    """Add requests a few at a time between steps; collect each one's final tokens."""
-    rng = random.Random(seed)
-    pending = list(enumerate(prompts))
-    done: dict[str, list[int]] = {}
-    while pending or engine.has_unfinished_requests():
-        for _ in range(rng.randint(0, 4)):
-            if pending:
-                i, p = pending.pop(0)
-                engine.add_request(str(i), p, params)
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-    return done
 
 
 @pytest.mark.parametrize("arch_name,overlap", [(a, True) for a in ARCHS] + [("llama", False), ("llama", "early")])

@@ -5,13 +5,13 @@ the dispatch must fall back, and the kernel's launch arithmetic must be right.""
 from __future__ import annotations
 
 import mlx.core as mx
-from conftest import make_model
+from utils import make_model
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine import LLMEngine
-from pagedmlx.request import SamplingParams
 from pagedmlx.runner import cuda_decode
 from pagedmlx.runner.attention import AttentionMetadata
+from pagedmlx.sampling_params import SamplingParams
 
 
 def test_cpu_falls_back_to_the_gather_path():

@@ -5,23 +5,17 @@ from __future__ import annotations
 import random
 
 import mlx.core as mx
-import pytest
 import numpy as np
-from conftest import assert_no_leaks, make_model
+import pytest
+from utils import assert_no_leaks, make_model, run_to_completion
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.detokenizer import IncrementalDetokenizer
-from pagedmlx.engine import LLM, LLMEngine
-from pagedmlx.request import SamplingParams
+from pagedmlx.engine import LLMEngine
+from pagedmlx.llm import LLM
+from pagedmlx.sampling_params import SamplingParams
 
-
-def run_all(engine: LLMEngine) -> dict:
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
+run_all = run_to_completion
 
 
 def test_seed_gives_same_tokens_alone_and_in_a_busy_batch():
@@ -57,9 +51,10 @@ def test_different_seeds_differ_and_n_samples_differ():
     prompt = list(range(3, 20))
     a = llm.generate([prompt], SamplingParams(temperature=1.0, seed=1, max_tokens=16, ignore_eos=True))[0]
     b = llm.generate([prompt], SamplingParams(temperature=1.0, seed=2, max_tokens=16, ignore_eos=True))[0]
-    assert a.token_ids != b.token_ids
+    assert a.outputs[0].token_ids != b.outputs[0].token_ids
     outs = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, max_tokens=16, ignore_eos=True))
-    assert len(outs) == 3 and len({tuple(o.token_ids) for o in outs}) == 3
+    assert len(outs) == 1 and [o.index for o in outs[0].outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in outs[0].outputs}) == 3
     # n > 1 shares the prompt's pages: the later samples hit the first one's blocks.
     assert llm.engine.kv_cache_manager.stats.hits >= 2 * 16
 
@@ -70,17 +65,21 @@ def test_logprobs_match_mlx_lm_log_softmax():
     model = make_model("llama_tied")
     prompt = [5, 9, 11, 200, 3, 7]
     llm = LLM(model, None, block_size=4, num_blocks=32)
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True))[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True))[0].outputs[0]
     assert len(out.logprobs) == 4
     tokens = prompt + out.token_ids
     logits = model(mx.array([tokens]), cache=make_prompt_cache(model))[0].astype(mx.float32)
     ref = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-    for i, lp in enumerate(out.logprobs):
+    for i, lps in enumerate(out.logprobs):  # vLLM's shape: {token id: Logprob}, the sampled token first
         row = ref[len(prompt) - 1 + i]
-        assert lp.token_id == out.token_ids[i] == int(row.argmax())
-        np.testing.assert_allclose(lp.logprob, row[lp.token_id], atol=1e-4)
-        assert [t for t, _ in lp.top] == list(np.argsort(-row)[:3])
-        np.testing.assert_allclose([v for _, v in lp.top], np.sort(row)[::-1][:3], atol=1e-4)
+        sampled = next(iter(lps))
+        assert sampled == out.token_ids[i] == int(row.argmax())
+        np.testing.assert_allclose(lps[sampled].logprob, row[sampled], atol=1e-4)
+        top = sorted(lps.items(), key=lambda kv: kv[1].rank)
+        assert [t for t, _ in top] == list(np.argsort(-row)[:3]) and [lp.rank for _, lp in top] == [1, 2, 3]
+        np.testing.assert_allclose([lp.logprob for _, lp in top], np.sort(row)[::-1][:3], atol=1e-4)
+    np.testing.assert_allclose(out.cumulative_logprob, sum(ref[len(prompt) - 1 + i][t] for i, t in
+                                                           enumerate(out.token_ids)), atol=1e-3)
 
 
 class CharTokenizer:
@@ -140,7 +139,7 @@ def test_streamed_text_never_shows_a_partial_stop_string():
 
 
 def test_ids_must_decode_with_the_tokenizer_and_output_errors_stay_per_request(monkeypatch):
-    from conftest import make_tokenizer
+    from utils import make_tokenizer
 
     engine = LLMEngine(make_model("llama"), make_tokenizer(384), EngineConfig(block_size=4, num_blocks=64))
     assert engine.vocab_size == 384  # the model has 512 rows, the tokenizer 384 tokens

@@ -9,17 +9,17 @@ import xml.etree.ElementTree as ET
 
 import httpx
 import pytest
-from conftest import make_model, make_tokenizer
 from hypothesis import given
 from hypothesis import strategies as st
 from rich.console import Console
+from utils import make_model, make_tokenizer
 
+from pagedmlx.blocks.snapshot import compress_ranges, expand_ranges, kv_snapshot
+from pagedmlx.blocks.view import get_snapshot, render, save_svg, watch
 from pagedmlx.cli import main
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine import LLMEngine
-from pagedmlx.kv.inspect import compress_ranges, expand_ranges, kv_snapshot
-from pagedmlx.kv.view import get_snapshot, render, save_svg, watch
-from pagedmlx.request import SamplingParams
+from pagedmlx.sampling_params import SamplingParams
 
 PREFIX = list(range(10, 18))  # two full blocks of 4
 A = PREFIX + [40, 41, 42]  # 11 tokens
@@ -117,7 +117,7 @@ def test_render_svg_png_and_watch(engine, tmp_path):
     root = ET.parse(tmp_path / "kv.svg").getroot()
     assert root.tag.endswith("svg") and "0-1,&#160;3-4" in (tmp_path / "kv.svg").read_text()
     pytest.importorskip("PIL")
-    from pagedmlx.kv.png import save_png
+    from pagedmlx.blocks.png import save_png
 
     save_png(snap, str(tmp_path / "kv.png"))
     assert (tmp_path / "kv.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -127,7 +127,7 @@ def test_render_svg_png_and_watch(engine, tmp_path):
 
 
 def test_big_pool_picture_groups_blocks():
-    from pagedmlx.kv.view import cell_states, grid_shape
+    from pagedmlx.blocks.view import cell_states, grid_shape
 
     assert grid_shape(100_000, 100) == (64, 49)
     assert cell_states("..uu" + "sss." + "c...", 4) == ["u", "s", "."]  # ties go to the more active state

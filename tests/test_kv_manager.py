@@ -11,7 +11,7 @@ def admit(mgr: KVCacheManager, req, num_new_tokens=None):
     """What the scheduler does for a waiting request: look up, allocate, count, advance."""
     hits, num_hit_tokens = mgr.get_computed_blocks(req)
     n = req.num_tokens - num_hit_tokens if num_new_tokens is None else num_new_tokens
-    new_blocks = mgr.allocate_slots(req, n, hits, num_hit_tokens)
+    new_blocks = mgr.allocate_slots(req, n, num_new_computed_tokens=num_hit_tokens, new_computed_blocks=hits)
     if new_blocks is None:
         return None
     mgr.record_prefix_query(req, num_hit_tokens)
@@ -149,7 +149,7 @@ def test_failed_allocation_changes_nothing():
     hits, n = mgr.get_computed_blocks(c)
     assert (ids(hits), n) == ([0, 1], 8)
     before = snapshot(mgr)
-    assert mgr.allocate_slots(c, 12, hits, n) is None
+    assert mgr.allocate_slots(c, 12, num_new_computed_tokens=n, new_computed_blocks=hits) is None
     assert snapshot(mgr) == before
     assert "c" not in mgr.req_to_blocks and mgr.get_block_ids("c") == []
     # One block fewer fits exactly: the hits are revived and the head of the queue is taken,
@@ -265,13 +265,13 @@ def test_free_returns_every_block_and_keeps_shared_ones_until_the_last_holder():
     a, b = make_request("a", prompt), make_request("b", prompt)
     admit(mgr, a)  # 0, 1 (cached), 2
     admit(mgr, b)  # hits 0, 1; new 3
-    assert mgr.usage() == pytest.approx(4 / 6)
+    assert mgr.usage == pytest.approx(4 / 6)
     mgr.free(a)
     assert [blk.ref_cnt for blk in mgr.block_pool.blocks] == [1, 1, 0, 1, 0, 0]
     assert free_ids(mgr) == [2, 4, 5]
     mgr.free(b)
     assert free_ids(mgr) == [3, 2, 4, 5, 1, 0]
-    assert mgr.usage() == 0.0
+    assert mgr.usage == 0.0
     assert mgr.req_to_blocks == {} and mgr.req_to_block_ids == {} and mgr.num_cached_blocks == {}
     mgr.free(b)  # freeing a request that holds nothing is a no-op
     assert free_ids(mgr) == [3, 2, 4, 5, 1, 0]
@@ -279,12 +279,12 @@ def test_free_returns_every_block_and_keeps_shared_ones_until_the_last_holder():
 
 def test_usage():
     mgr = KVCacheManager(8, 4)
-    assert mgr.usage() == 0.0
+    assert mgr.usage == 0.0
     a = make_request("a", list(range(1, 10)))  # 3 blocks
     admit(mgr, a)
-    assert mgr.usage() == pytest.approx(3 / 8)
+    assert mgr.usage == pytest.approx(3 / 8)
     mgr.free(a)
-    assert mgr.usage() == 0.0  # cached free blocks count as free
+    assert mgr.usage == 0.0  # cached free blocks count as free
     assert mgr.block_pool.num_cached_free_blocks() == 2
 
 

@@ -7,10 +7,12 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from pagedmlx.request import Request, SamplingParams
+from pagedmlx.request import Request
 from pagedmlx.sampler import Sampler, apply_bias_and_penalties, gumbel_noise, to_host
+from pagedmlx.sampling_params import SamplingParams
 
 _ids = itertools.count()
 sampler = Sampler()

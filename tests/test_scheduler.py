@@ -338,6 +338,21 @@ def test_priority_policy_orders_waiting_requests():
     assert [r.request_id for r in fcfs.waiting] == ["x", "y"]
 
 
+def test_priority_policy_preempts_the_lowest_priority_first():
+    """As vLLM: under "priority" the victim is the running request with the largest priority value
+    (newest among equals), not simply the newest; under fcfs it is the newest."""
+    for policy, victim in (("priority", "low"), ("fcfs", "hi")):
+        sched = make_scheduler(policy=policy, num_blocks=6, block_size=4)
+        for rid, prio, t in (("low", 5, 1.0), ("mid", 1, 2.0), ("hi", 0, 3.0)):
+            sched.add_request(make_request(rid, range(1, 8), max_tokens=10, priority=prio, arrival_time=t))
+        step(sched)  # all three admitted: 2 blocks each, the pool is full
+        assert len(sched.running) == 3
+        while not sched.num_preemptions:  # decodes soon need a third block each: someone must go
+            step(sched)
+        assert [r.request_id for r in sched.waiting][:1] == [victim], policy
+        assert victim not in {r.request_id for r in sched.running}
+
+
 def _first_chunk_done(prompt: list[int]) -> tuple[Scheduler, Request]:
     """A scheduler whose request "a" has run its first 5-token chunk (block 0 valid and cached)."""
     sched = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=10,

@@ -12,12 +12,12 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from conftest import ARCHS, make_model, make_tokenizer
+from utils import ARCHS, make_model, make_tokenizer
 
 from pagedmlx.async_engine import AsyncEngine
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine import LLMEngine
-from pagedmlx.request import SamplingParams
+from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.server.api import build_app
 from pagedmlx.server.serving import ServerLimits
 
@@ -393,9 +393,10 @@ def test_logprobs_shapes(served):
 SERVE = """
 import sys, types
 sys.path.insert(0, {tests!r})
-from conftest import make_model, make_tokenizer
+from utils import make_model, make_tokenizer
 loader = types.ModuleType("pagedmlx.loader")
-loader.load_model = lambda name: (make_model("llama"), make_tokenizer(512))
+loader.load_model = lambda name, lazy=False: (make_model("llama"), make_tokenizer(512))
+loader.generation_defaults = lambda name: {{}}
 sys.modules["pagedmlx.loader"] = loader  # no real model: the CLI loads through this
 import time
 from pagedmlx.engine import LLMEngine

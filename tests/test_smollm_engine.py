@@ -2,24 +2,24 @@
 
 from __future__ import annotations
 
-import mlx.core as mx
-from conftest import assert_no_leaks
-from mlx_lm.generate import generate_step
+import pytest
 
+from utils import assert_no_leaks, solo_greedy
+
+from pagedmlx import LLM
 from pagedmlx.config import EngineConfig
-from pagedmlx.engine import LLM, LLMEngine
-from pagedmlx.request import SamplingParams
+from pagedmlx.engine import LLMEngine
+from pagedmlx.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow  # deselect with -m "not slow"
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def mlx_lm_greedy(model, tok, prompt, max_tokens):
-    out = []
-    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
-        if int(token) in tok.eos_token_ids:
-            break
-        out.append(int(token))
-    return out
+    """mlx-lm's tokens up to (not including) EOS."""
+    out = solo_greedy(model, prompt, max_tokens, tuple(tok.eos_token_ids))
+    return out[:-1] if out and out[-1] in tok.eos_token_ids else out
 
 
 def test_engine_answers_paris_with_mlx_lm_tokens(smollm):
@@ -27,20 +27,20 @@ def test_engine_answers_paris_with_mlx_lm_tokens(smollm):
     llm = LLM(model, tok, num_blocks=256)
     prompt = tok.apply_chat_template(QUESTION, add_generation_prompt=True)
     other = tok.apply_chat_template([{"role": "user", "content": "Name three colours."}], add_generation_prompt=True)
-    outs = llm.generate([prompt, other, prompt], SamplingParams(temperature=0, max_tokens=24))
+    outs = [o.outputs[0] for o in llm.generate([prompt, other, prompt], SamplingParams(temperature=0, max_tokens=24))]
     want = mlx_lm_greedy(model, tok, prompt, 24)
     assert outs[0].token_ids == outs[2].token_ids
     assert outs[0].token_ids[:-1] == want and outs[0].token_ids[-1] in tok.eos_token_ids  # EOS kept, as vLLM
     assert "Paris" in outs[0].text and outs[0].finish_reason == "stop"
     assert outs[0].text == tok.decode(want)
-    assert outs[2].num_cached_tokens > 0  # the repeated prompt came from the prefix cache
+    assert llm.engine.kv_cache_manager.stats.hits > 0  # the repeated prompt came from the prefix cache
     assert_no_leaks(llm.engine)
 
 
 def test_stop_string_on_real_text(smollm):
     model, tok = smollm
     llm = LLM(model, tok, num_blocks=128)
-    out = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=24, stop=["Paris"]))[0]
+    out = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=24, stop=["Paris"]))[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == "Paris"
     assert out.text.startswith("The capital of France is") and "Paris" not in out.text
 

@@ -24,14 +24,13 @@ import time
 import httpx
 import numpy as np
 import pytest
-from conftest import ARCHS, make_model
-from test_batched_equals_solo import make_prompts, run_staggered
+from utils import ARCHS, make_model, make_prompts, run_staggered, run_to_completion, wait_healthy
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine import LLMEngine
-from pagedmlx.request import SamplingParams
-from pagedmlx.runner import tp_control as tp
+from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.scheduler_output import SchedulerOutput, build_scheduler_output
+from pagedmlx.tp import channel as tp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RANK_SCRIPT = os.path.join(HERE, "tp_rank.py")
@@ -48,9 +47,7 @@ def single_process(arch: str, prompts, staggered: bool = True) -> list[list[int]
     else:
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, GREEDY)
-        done = {}
-        while engine.has_unfinished_requests():
-            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        done = {rid: o.token_ids for rid, o in run_to_completion(engine).items()}
     return [done[str(i)] for i in range(len(prompts))]
 
 
@@ -127,14 +124,7 @@ def test_two_ranks_server_equal_single_process_then_a_killed_rank_stops_it():
     with tempfile.TemporaryFile("w+") as err:
         proc = start_ranks("serve", *args, stdout=subprocess.DEVNULL, stderr=err, text=True)
         try:
-            deadline = time.monotonic() + 60
-            while True:
-                assert proc.poll() is None and time.monotonic() < deadline, _read(err)
-                try:
-                    if httpx.get(url + "/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    time.sleep(0.1)
+            wait_healthy(url, lambda: proc.poll() is None, 60, lambda: _read(err))
             prompts = make_prompts(NUM_REQUESTS, ARCHS["llama"]["vocab_size"], seed=9)
 
             async def all_at_once():
@@ -185,8 +175,8 @@ def test_models_that_cannot_be_split_are_refused_by_name():
 
     import mlx.nn as nn
 
-    from pagedmlx.distributed import shard_model
     from pagedmlx.runner.model import UnsupportedModelError
+    from pagedmlx.tp.engine import shard_model
 
     three = types.SimpleNamespace(size=lambda: 3, rank=lambda: 0)
     with pytest.raises(UnsupportedModelError, match=r"'llama' cannot be split across 3 ranks: layer 0 has n_heads = 8"):

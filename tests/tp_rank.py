@@ -18,7 +18,7 @@ import types
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # conftest, and pagedmlx from this checkout
 
-from conftest import ARCHS, make_model, make_tokenizer  # noqa: E402
+from utils import ARCHS, make_model, make_tokenizer  # noqa: E402
 
 TP = 2
 ENGINE = dict(block_size=4, num_blocks=120, max_num_batched_tokens=96, long_prefill_token_threshold=48,
@@ -28,9 +28,9 @@ MAX_TOKENS = 8
 
 
 def hang_rank_1_at(step: int) -> None:
-    from pagedmlx.runner import tensor_parallel
+    from pagedmlx.tp import driver
 
-    real = tensor_parallel.serve_worker
+    real = driver.serve_worker
 
     def forward_then_hang(runner, group, *args):
         if group.rank() == 1:
@@ -46,29 +46,33 @@ def hang_rank_1_at(step: int) -> None:
             runner.forward = forward
         return real(runner, group, *args)
 
-    tensor_parallel.serve_worker = forward_then_hang
-    import pagedmlx.distributed
+    driver.serve_worker = forward_then_hang
+    import pagedmlx.tp.engine
 
-    pagedmlx.distributed.serve_worker = forward_then_hang
+    pagedmlx.tp.engine.serve_worker = forward_then_hang
 
 
 def offline(out_path: str) -> None:
-    from pagedmlx import distributed
+    from utils import make_prompts, run_staggered
+
     from pagedmlx.config import EngineConfig
-    from pagedmlx.request import SamplingParams
-    from test_batched_equals_solo import make_prompts, run_staggered
+    from pagedmlx.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    group = distributed.join_group(TP)
+    from pagedmlx.llm import LLM
+    from pagedmlx.tp.engine import build_engine, run_worker
+    from pagedmlx.tp.group import join_group
+
+    group = join_group(TP)
     result = {}
     # qwen3 through the engine API, requests arriving a few at a time between steps.
     model = make_model("qwen3")
     timeout = float(os.environ.get("TP_TIMEOUT", 30))
     if group.rank() > 0:
-        if distributed.run_worker(model, EngineConfig(**ENGINE), group, timeout):
+        if run_worker(model, EngineConfig(**ENGINE), group, timeout):
             sys.exit(1)
     else:
-        engine = distributed.build_engine(model, None, EngineConfig(**ENGINE), group, timeout)
+        engine = build_engine(model, None, EngineConfig(**ENGINE), group, timeout)
         prompts = make_prompts(NUM_REQUESTS, ARCHS["qwen3"]["vocab_size"], seed=7)
         t0 = time.perf_counter()
         done = run_staggered(engine, prompts, params, seed=3)
@@ -78,12 +82,12 @@ def offline(out_path: str) -> None:
                                free=engine.kv_cache_manager.block_pool.get_num_free_blocks())
         engine.runner.close()  # the other ranks return from run_worker; the group stays up
     # llama through the offline LLM API (the other ranks end inside the constructor).
-    llm = distributed.LLM(make_model("llama"), None, timeout=timeout, **ENGINE)
+    llm = LLM(make_model("llama"), None, tensor_parallel_size=TP, tp_timeout=timeout, **ENGINE)
     prompts = make_prompts(NUM_REQUESTS, ARCHS["llama"]["vocab_size"], seed=8)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     engine = llm.engine
-    result["llama"] = dict(tokens=[o.token_ids for o in outs], seconds=time.perf_counter() - t0,
+    result["llama"] = dict(tokens=[o.outputs[0].token_ids for o in outs], seconds=time.perf_counter() - t0,
                            preemptions=engine.scheduler.num_preemptions, hits=engine.kv_cache_manager.stats.hits,
                            rank_lines=engine.rank_lines, free=engine.kv_cache_manager.block_pool.get_num_free_blocks())
     llm.close()
@@ -93,7 +97,8 @@ def offline(out_path: str) -> None:
 
 def serve(argv: list[str]) -> int:
     loader = types.ModuleType("pagedmlx.loader")
-    loader.load_model = lambda name: (make_model("llama"), make_tokenizer(ARCHS["llama"]["vocab_size"]))
+    loader.load_model = lambda name, lazy=False: (make_model("llama"), make_tokenizer(ARCHS["llama"]["vocab_size"]))
+    loader.generation_defaults = lambda name: {}
     sys.modules["pagedmlx.loader"] = loader  # no real model: the CLI loads through this
     from pagedmlx.cli import main
 

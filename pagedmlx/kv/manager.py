@@ -43,8 +43,13 @@ class KVCacheManager:
     def num_blocks(self) -> int:
         return self.block_pool.num_blocks
 
+    @property
     def usage(self) -> float:
         return self.block_pool.get_usage()
+
+    @property
+    def block_pools(self) -> list[BlockPool]:
+        return [self.block_pool]
 
     def _extra_keys(self, request: Request) -> Optional[tuple]:
         return (request.cache_salt,) if request.cache_salt is not None else None
@@ -88,8 +93,8 @@ class KVCacheManager:
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: Sequence[KVCacheBlock] = (),
         num_new_computed_tokens: int = 0,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
     ) -> Optional[list[KVCacheBlock]]:
         """Pages for `num_new_tokens` more tokens after the request's computed (and newly found
         cached) tokens. All or nothing: None, with nothing changed, if the pool cannot hold them.

@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING, Optional
 import mlx.core as mx
 import numpy as np
 
-from pagedmlx.request import Request, SamplingParams
+from pagedmlx.request import Request
 from pagedmlx.runner.attention import KVPool
+from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.scheduler_output import build_scheduler_output
 
 if TYPE_CHECKING:

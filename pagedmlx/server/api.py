@@ -19,10 +19,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedmlx.async_engine import AsyncEngine
-from pagedmlx.kv.inspect import kv_snapshot
+from pagedmlx.blocks.snapshot import kv_snapshot
 from pagedmlx.server.metrics import EngineSnapshot, ServerMetrics
 from pagedmlx.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from pagedmlx.server.serving import Serving, ServerLimits
+from pagedmlx.server.serving import ServerLimits, Serving
 
 logger = logging.getLogger("pagedmlx.server")
 

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from pagedmlx.async_engine import RequestTiming
 from pagedmlx.engine import LLMEngine
-from pagedmlx.outputs import RequestOutput
+from pagedmlx.outputs import EngineOutput
 
 # vLLM's buckets.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -51,7 +51,7 @@ class EngineSnapshot:
         kv = engine.kv_cache_manager
         pool = kv.block_pool
         s = engine.stats
-        return cls(len(engine.scheduler.running), len(engine.scheduler.waiting), kv.usage(), pool.num_blocks,
+        return cls(len(engine.scheduler.running), len(engine.scheduler.waiting), kv.usage, pool.num_blocks,
                    pool.get_num_free_blocks(), pool.num_cached_free_blocks(), kv.stats.queries, kv.stats.hits,
                    engine.scheduler.num_preemptions, s.num_steps, s.schedule_s, s.forward_s, s.update_s,
                    s.num_tokens)
@@ -105,7 +105,7 @@ class ServerMetrics:
         self.e2e = histogram("vllm:e2e_request_latency_seconds",
                              "Histogram of e2e request latency in seconds.", E2E_BUCKETS)
 
-    def on_output(self, out: RequestOutput, timing: RequestTiming, now: float) -> None:
+    def on_output(self, out: EngineOutput, timing: RequestTiming, now: float) -> None:
         """AsyncEngine listener (engine thread): timing holds the state before this output."""
         n = len(out.new_token_ids)
         if n:

@@ -9,7 +9,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedmlx.request import SamplingParams
+from pagedmlx.sampling_params import SamplingParams
 
 
 class OpenAIModel(BaseModel):

@@ -8,14 +8,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional
 
-from pagedmlx.async_engine import (AsyncEngine, EngineDeadError, EngineShutdownError, RequestStream,
-                                   TooManyRequestsError)
-from pagedmlx.outputs import RequestOutput, TokenLogprob
-from pagedmlx.request import SamplingParams
-from pagedmlx.server.protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                      ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
-                                      ChatTokenLogprob, AssistantMessage, CompletionChoice,
-                                      CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
+from pagedmlx.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError, RequestStream, TooManyRequestsError
+from pagedmlx.outputs import EngineOutput, TokenLogprob
+from pagedmlx.sampling_params import SamplingParams
+from pagedmlx.server.protocol import (APIError, AssistantMessage, ChatChoice, ChatChunkChoice,
+                                      ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+                                      ChatLogprobs, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
+                                      CompletionRequest, CompletionResponse, DeltaMessage,
                                       PromptTokensDetails, SamplingRequest, TopLogprob, Usage)
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
@@ -165,16 +164,16 @@ class Serving:
         return out
 
     @staticmethod
-    def usage(prep: Prepared, finals: dict[int, RequestOutput]) -> Usage:
+    def usage(prep: Prepared, finals: dict[int, EngineOutput]) -> Usage:
         prompt = sum(len(p) for p in prep.prompts)
         completion = sum(len(o.token_ids) for o in finals.values())
         cached = sum(finals[k * prep.n].num_cached_tokens for k in range(len(prep.prompts)) if k * prep.n in finals)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
-    async def collect(self, stream: RequestStream) -> dict[int, RequestOutput]:
+    async def collect(self, stream: RequestStream) -> dict[int, EngineOutput]:
         """Wait for every child's final output; an engine error becomes a 500."""
-        finals: dict[int, RequestOutput] = {}
+        finals: dict[int, EngineOutput] = {}
         try:
             async for out in stream:
                 if out.finish_reason == "error":
@@ -224,7 +223,7 @@ class Serving:
         rid = f"cmpl-{prep.request_id}"
         offsets: dict[int, int] = {}
 
-        def chunk(i: int, out: RequestOutput) -> Optional[CompletionResponse]:
+        def chunk(i: int, out: EngineOutput) -> Optional[CompletionResponse]:
             first = i not in offsets
             text = (self._prompt_text(prep, i) if req.echo and first else "") + out.new_text
             offset = offsets.get(i, len(text) - len(out.new_text))
@@ -246,7 +245,7 @@ class Serving:
         firsts = [ChatCompletionChunk(id=rid, model=self.model_name, choices=[
             ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]) for i in range(prep.n)]
 
-        def chunk(i: int, out: RequestOutput) -> Optional[ChatCompletionChunk]:
+        def chunk(i: int, out: EngineOutput) -> Optional[ChatCompletionChunk]:
             if not (out.new_text or out.finished or out.new_logprobs or req.return_token_ids):
                 return None
             return ChatCompletionChunk(id=rid, model=self.model_name, choices=[ChatChunkChoice(
@@ -260,11 +259,11 @@ class Serving:
         return self._sse(req, prep, stream, firsts, chunk, usage_chunk)
 
     async def _sse(self, req: SamplingRequest, prep: Prepared, stream: RequestStream, firsts: list,
-                   chunk: Callable[[int, RequestOutput], Any], usage_chunk: Callable[[Usage], Any]
+                   chunk: Callable[[int, EngineOutput], Any], usage_chunk: Callable[[Usage], Any]
                    ) -> AsyncIterator[str]:
         """`data:` payloads: the chunks, an optional usage chunk, then [DONE]. An engine error ends
         the stream with an error event (then [DONE]); a dropped connection aborts the request."""
-        finals: dict[int, RequestOutput] = {}
+        finals: dict[int, EngineOutput] = {}
         try:
             for c in firsts:
                 yield c.model_dump_json()

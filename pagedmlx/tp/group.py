@@ -19,7 +19,8 @@ from typing import Any, Optional
 
 import mlx.core as mx
 
-from pagedmlx.runner.tensor_parallel import RankLostError
+from pagedmlx.platform import hard_exit, on_hard_exit
+from pagedmlx.tp.channel import RankLostError
 
 logger = logging.getLogger("pagedmlx")
 
@@ -55,6 +56,7 @@ class LocalRanks:
             self.procs.append(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL))
         os.environ.update(MLX_RANK="0", MLX_HOSTFILE=self.hostfile)
         atexit.register(self.stop)
+        on_hard_exit(self.kill)
         self.starting = True  # until rank 0's engine exists, a rank's death ends everything from here
         threading.Thread(target=self._watch_startup, name="pagedmlx-tp-startup", daemon=True).start()
 
@@ -76,6 +78,11 @@ class LocalRanks:
         dead = [f"rank {i + 1} (pid {p.pid}) exited with {_exit_words(p.returncode)}"
                 for i, p in enumerate(self.procs) if p.poll() is not None]
         return "; ".join(dead)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
 
     def stop(self, grace: float = 3.0) -> None:
         """Wait for the ranks (they exit on the stop message or rank 0's end), then end the rest."""
@@ -129,6 +136,11 @@ def _free_ports(n: int) -> list[int]:
 _local_ranks: Optional[LocalRanks] = None
 
 
+def local_ranks() -> Optional[LocalRanks]:
+    """The ranks this process started with --tp N, if it did."""
+    return _local_ranks
+
+
 def join_group(tp: Optional[int] = None, connect_timeout: float = CONNECT_TIMEOUT) -> Optional[mx.distributed.Group]:
     """The tensor-parallel group of this process, or None for a single process.
 
@@ -171,16 +183,3 @@ def _init(backend: str, timeout: float) -> mx.distributed.Group:
     if "error" in box:
         raise RuntimeError(f"tensor parallel: could not start the {backend} backend: {box['error']}")
     return box["group"]
-
-
-def hard_exit(code: int, why: str = "") -> None:
-    """End the process now: a rank stuck in a collective would block a normal interpreter exit."""
-    if why:
-        print(f"pagedmlx: {why}; exiting", file=sys.stderr, flush=True)
-    if _local_ranks is not None:
-        for p in _local_ranks.procs:
-            if p.poll() is None:
-                p.kill()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

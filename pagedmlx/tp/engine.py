@@ -1,5 +1,5 @@
-"""Tensor parallelism over mx.distributed: join (or start) the group of ranks, split the model,
-and build rank 0's engine or run a worker rank. The step protocol is runner/tensor_parallel.py.
+"""Tensor parallelism over mx.distributed: split the model, build rank 0's engine or run a worker
+rank. Joining the group is tp/group.py; the step protocol is tp/driver.py over tp/channel.py.
 
 Two ways to start N ranks:
 - `mlx.launch --hostfile hosts.json --backend ring -- pagedmlx serve ...` (or any launcher that
@@ -22,18 +22,19 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from pagedmlx import distributed_launch as launch
-from pagedmlx import engine as _engine
-from pagedmlx.distributed_launch import hard_exit, join_group, launched_backend
 from pagedmlx.config import EngineConfig
+from pagedmlx.engine import LLMEngine
+from pagedmlx.platform import backend_name, hard_exit
 from pagedmlx.runner.model import ModelRunner, UnsupportedModelError, model_type
-from pagedmlx.runner.tensor_parallel import RankLostError, TPDriver, serve_worker
+from pagedmlx.tp.channel import RankLostError
+from pagedmlx.tp.driver import TPDriver, serve_worker
+from pagedmlx.tp.group import launched_backend, local_ranks
 
 logger = logging.getLogger("pagedmlx")
 
@@ -41,23 +42,6 @@ DEFAULT_TIMEOUT = 60.0  # seconds a step may wait on the other ranks
 
 
 # ---- the model -----------------------------------------------------------------------------------
-
-def load_model(name: Optional[str]) -> tuple[nn.Module, Any]:
-    """As pagedmlx.loader.load_model, but mlx-lm folders and hub models load lazily, so that each
-    rank reads only its shard's weights into memory when the model is split."""
-    from pagedmlx import loader
-
-    lazy = name is not None and not name.lower().endswith(".gguf") and ":" not in name
-    if not lazy:
-        return loader.load_model(name)
-    import mlx_lm
-
-    try:
-        model, tokenizer = mlx_lm.load(name, lazy=True)[:2]
-    except Exception as e:  # noqa: BLE001 - name the model for the user
-        raise RuntimeError(f"could not load model {name!r} with mlx_lm.load: {e}") from e
-    return model, tokenizer
-
 
 def shard_model(model: nn.Module, group: mx.distributed.Group) -> nn.Module:
     """Split the model across the group in place (mlx-lm's `model.shard`), then materialise the shard."""
@@ -85,12 +69,6 @@ def weights_nbytes(model: nn.Module) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
-def _device_name() -> str:
-    from pagedmlx.cli import backend_name
-
-    return backend_name()
-
-
 _DEVICES = ("CPU", "Metal", "CUDA", "GPU")
 
 
@@ -98,7 +76,7 @@ def announce(runner: ModelRunner, group: mx.distributed.Group) -> list[str]:
     """Every rank: gather what each rank holds (a collective: all ranks call it in step). Returns
     one line per rank. Fails on every rank alike if the ranks' page pools differ."""
     mine = mx.array([weights_nbytes(runner.model), runner.kv_pool.nbytes, runner.num_blocks,
-                     runner.layer_specs[0][0], _DEVICES.index(_device_name()), os.getpid()], mx.int64)
+                     runner.layer_specs[0][0], _DEVICES.index(backend_name()), os.getpid()], mx.int64)
     table = mx.distributed.all_gather(mine[None], group=group, stream=mx.cpu).tolist()
     backend = launched_backend() or "ring"
     lines = [f"rank {r}/{group.size()} ({backend}, {_DEVICES[dev]}, pid {pid}): weights {w:,} B, KV pool {kv:,} B"
@@ -116,7 +94,7 @@ def build_runner(model: nn.Module, config: EngineConfig, verify: bool = True) ->
 
 # ---- rank 0 --------------------------------------------------------------------------------------
 
-class TPEngine(_engine.LLMEngine):
+class TPEngine(LLMEngine):
     """LLMEngine on rank 0 of a group: its runner sends each step to the other ranks. A lost rank
     raises RankLostError from step() (the step's requests fail), and every later step too."""
 
@@ -133,7 +111,7 @@ class TPEngine(_engine.LLMEngine):
         runner = build_runner(self.model, self.config, verify)
         self.rank_lines = announce(runner, self.group)
         return TPDriver(runner, self.group, self.timeout,
-                        peers_status=launch._local_ranks.status if launch._local_ranks else None)
+                        peers_status=local_ranks().status if local_ranks() else None)
 
     def step(self):
         if self.runner.lost is not None:
@@ -146,8 +124,8 @@ class TPEngine(_engine.LLMEngine):
     def shutdown(self) -> None:
         """Let the other ranks exit; idempotent."""
         self.runner.close()
-        if launch._local_ranks is not None:
-            launch._local_ranks.stop()
+        if local_ranks() is not None:
+            local_ranks().stop()
 
 
 def build_engine(model: nn.Module, tokenizer: Any, config: EngineConfig, group: mx.distributed.Group,
@@ -155,8 +133,8 @@ def build_engine(model: nn.Module, tokenizer: Any, config: EngineConfig, group: 
     """Rank 0: shard the model and build the engine (the other ranks call run_worker)."""
     shard_model(model, group)
     engine = TPEngine(model, tokenizer, config, group, timeout)
-    if launch._local_ranks is not None:
-        launch._local_ranks.starting = False  # the driver's watchdog takes over
+    if local_ranks() is not None:
+        local_ranks().starting = False  # the driver's watchdog takes over
     atexit.register(_at_exit, engine)
     return engine
 
@@ -187,38 +165,6 @@ def run_worker(model: nn.Module, config: EngineConfig, group: mx.distributed.Gro
     return 0
 
 
-class LLM(_engine.LLM):
-    """The offline API over a tensor-parallel group: run the same script on every rank (under
-    mlx.launch, or give tp=N to start the ranks from here). On rank 0 this is pagedmlx's LLM; on
-    the other ranks the constructor runs rank 0's steps and then ends the process, so the code
-    after it runs on rank 0 only."""
-
-    def __init__(self, model: Union[str, nn.Module, None] = None, tokenizer: Any = None, tp: Optional[int] = None,
-                 timeout: float = DEFAULT_TIMEOUT, **config: Any):
-        group = join_group(tp)
-        if not isinstance(model, nn.Module):
-            model, tok = load_model(model)
-            tokenizer = tokenizer or tok
-        config = EngineConfig(**config)
-        if group is None:
-            super().__init__(model, tokenizer, **vars(config))
-            return
-        if group.rank() > 0:
-            code = run_worker(model, config, group, timeout)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)  # nothing of the user's script runs on the other ranks
-        self.engine = build_engine(model, tokenizer, config, group, timeout)
-        for line in self.engine.rank_lines:
-            logger.info("%s", line)
-        self.tokenizer = tokenizer
-        self._counter = 0
-
-    def close(self) -> None:
-        if isinstance(self.engine, TPEngine):
-            self.engine.shutdown()
-
-
 # ---- serving -------------------------------------------------------------------------------------
 
 def exit_on_rank_loss(engine: TPEngine, async_engine, server, console, grace: float = 5.0) -> dict:
@@ -247,7 +193,3 @@ def exit_on_rank_loss(engine: TPEngine, async_engine, server, console, grace: fl
 
     threading.Thread(target=watch_engine_thread, name="pagedmlx-tp-monitor", daemon=True).start()
     return state
-
-
-__all__ = ["LLM", "RankLostError", "TPEngine", "announce", "build_engine", "exit_on_rank_loss", "hard_exit",
-           "join_group", "load_model", "run_worker", "shard_model"]

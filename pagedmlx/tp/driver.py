@@ -2,7 +2,7 @@
 rank runs the same sharded forward pass, and a lost or hung rank fails the group loudly.
 
 Every step, rank 0 sends the SchedulerOutput's integer arrays to the other ranks over the control
-channel (runner/tp_control.py), runs the forward pass, whose sharded layers all-reduce among all
+channel (tp/channel.py), runs the forward pass, whose sharded layers all-reduce among all
 ranks through mx.distributed, then waits for every rank's acknowledgement before it hands the
 logits to the sampler. A rank's page pool holds only its own KV heads, so one block id names the
 same page on every rank.
@@ -29,8 +29,8 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from pagedmlx.runner.tp_control import STEP, STOP, ControlClient, ControlServer, RankLostError
 from pagedmlx.scheduler_output import SchedulerOutput
+from pagedmlx.tp.channel import STEP, STOP, ControlClient, ControlServer, RankLostError
 
 logger = logging.getLogger("pagedmlx")
 
@@ -40,9 +40,8 @@ __all__ = ["RankLostError", "TPDriver", "serve_worker"]
 # ---- rank 0 ---------------------------------------------------------------------------------------
 
 class TPDriver:
-    """Rank 0's runner: the engine calls forward(so) as on ModelRunner (whose other attributes it
-    passes through); the step is sent to the other ranks and run in the device thread, and its
-    logits come back evaluated."""
+    """Rank 0's runner: the engine calls forward(so) as on ModelRunner; the step is sent to the
+    other ranks and run in the device thread, and its logits come back evaluated."""
 
     def __init__(self, runner, group: mx.distributed.Group, timeout: float = 60.0,
                  peers_status: Optional[Callable[[float], str]] = None):
@@ -65,10 +64,28 @@ class TPDriver:
         self._thread.start()
         self._watchdog.start()
 
-    def __getattr__(self, name):  # num_blocks, kv_pool, vocab_size, ...: the local runner's
-        if name == "runner":
-            raise AttributeError(name)
-        return getattr(self.runner, name)
+    # The runner interface the engine uses (runner/model.py's Runner), answered by the local shard.
+    @property
+    def num_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    @property
+    def kv_pool(self):
+        return self.runner.kv_pool
+
+    @property
+    def kv_cache_config(self):
+        return self.runner.kv_cache_config
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.runner.bytes_per_block
+
+    pages_in_place = False  # lockstep: each step is evaluated in the device thread before it returns
 
     def on_lost(self, listener: Callable[[RankLostError], None]) -> None:
         """Call listener(error) (from a driver thread) once the group is lost."""

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections import Counter
 from datetime import datetime
 
-from pagedmlx.kv.inspect import CACHED, FREE, IN_USE, SHARED, STATE_NAMES
-from pagedmlx.kv.view import cell_states
+from pagedmlx.blocks.snapshot import CACHED, FREE, IN_USE, SHARED, STATE_NAMES
+from pagedmlx.blocks.view import cell_states
 
 COLORS = {FREE: (208, 208, 208), CACHED: (30, 144, 255), IN_USE: (0, 190, 0), SHARED: (255, 140, 0)}
 BACKGROUND, INK, GREY = (255, 255, 255), (20, 20, 20), (110, 110, 110)

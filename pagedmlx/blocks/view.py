@@ -18,7 +18,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from pagedmlx.kv.inspect import CACHED, FREE, IN_USE, SHARED, STATE_NAMES, kv_snapshot
+from pagedmlx.blocks.snapshot import CACHED, FREE, IN_USE, SHARED, STATE_NAMES, kv_snapshot
 
 STYLES = {FREE: "grey42", CACHED: "dodger_blue1", IN_USE: "green3", SHARED: "dark_orange"}
 CELL = "■"

@@ -1,0 +1,168 @@
+"""LLM: offline generation, as vLLM's `LLM` (`from pagedmlx import LLM, SamplingParams`).
+
+All prompts given to one `generate` call share every forward pass. With tensor_parallel_size > 1
+the same script runs on every rank (started here, or by mlx.launch): the constructor runs rank 0's
+steps on the other ranks and then ends those processes, so the code after it runs on rank 0 only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+from typing import Any, Optional, Sequence, Union
+
+import mlx.nn as nn
+
+from pagedmlx.config import EngineConfig
+from pagedmlx.engine import LLMEngine
+from pagedmlx.outputs import EngineOutput, RequestOutput, completion_output
+from pagedmlx.request import fan_out
+from pagedmlx.sampling_params import SamplingParams
+
+# A prompt as vLLM takes it: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}.
+PromptInput = Union[str, Sequence[int], dict]
+
+
+class LLM:
+    def __init__(self, model: Union[str, nn.Module, None] = None, tokenizer: Any = None,
+                 tensor_parallel_size: int = 1, tp: Optional[int] = None, tp_timeout: float = 60.0,
+                 **config: Any):
+        """model: an mlx-lm folder or hub name, a .gguf file, `random:<arch>`, None (the default
+        model), or an nn.Module with its tokenizer. tp is an alias of tensor_parallel_size; the
+        other keywords are EngineConfig fields (block_size, max_num_seqs, kv_cache_memory_gb, ...)."""
+        size = tp or tensor_parallel_size
+        if size > 1 or _launched():
+            self.engine = _tp_engine(model, tokenizer, size, tp_timeout, config)
+        elif isinstance(model, nn.Module):
+            self.engine = LLMEngine(model, tokenizer, EngineConfig(**config))
+        else:
+            self.engine = LLMEngine.from_config(EngineConfig(model=model, **config))
+        self.tokenizer = self.engine.tokenizer
+        self._counter = itertools.count()
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.engine, llm.tokenizer, llm._counter = engine, engine.tokenizer, itertools.count()
+        return llm
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's recommended values (its generation config) as defaults."""
+        return self.engine.get_default_sampling_params()
+
+    def generate(self, prompts: Union[PromptInput, Sequence[PromptInput]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: Optional[bool] = None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in prompt order; `outputs[i]` is its i-th of n samples."""
+        prompts = _as_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        requests = []  # (request id, prompt text or None, sample ids)
+        for prompt, p in zip(prompts, params):
+            rid, (text, ids) = str(next(self._counter)), _unpack(prompt)
+            children = fan_out(rid, [ids if ids is not None else text], p)
+            for child_id, child_prompt, child_params in children:
+                self.engine.add_request(child_id, child_prompt, child_params)
+            requests.append((rid, text, [c[0] for c in children]))
+        num_samples = sum(len(c) for _, _, c in requests)
+        done = self._run(num_samples, use_tqdm if use_tqdm is not None else num_samples >= 8)
+        return [self._request_output(rid, text, [done[c] for c in child_ids]) for rid, text, child_ids in requests]
+
+    def chat(self, messages: Union[list[dict], Sequence[list[dict]]],
+             sampling_params: Optional[SamplingParams] = None, use_tqdm: Optional[bool] = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several, through the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+                   for c in conversations]
+        return self.generate([{"prompt_token_ids": p} for p in prompts], sampling_params, use_tqdm)
+
+    def close(self) -> None:
+        """Let the other tensor-parallel ranks exit (nothing to do for one process)."""
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+    def _run(self, num_samples: int, show_progress: bool) -> dict[str, EngineOutput]:
+        from rich.progress import Progress
+
+        done: dict[str, EngineOutput] = {}
+        with Progress(disable=not show_progress, transient=True) as progress:
+            task = progress.add_task("generating", total=num_samples)
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        progress.advance(task)
+        return done
+
+    def _request_output(self, rid: str, text: Optional[str], samples: list[EngineOutput]) -> RequestOutput:
+        outputs = [completion_output(s, i, self.tokenizer) for i, s in enumerate(samples)]
+        errors = [s.error for s in samples if s.error]
+        return RequestOutput(rid, text, list(samples[0].prompt_token_ids), outputs, True,
+                             samples[0].num_cached_tokens, errors[0] if errors else None)
+
+
+def _as_list(prompts: Union[PromptInput, Sequence[PromptInput]]) -> list[PromptInput]:
+    if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
+def _unpack(prompt: PromptInput) -> tuple[Optional[str], Optional[list[int]]]:
+    """(text, token ids) of one prompt; exactly one of them is given."""
+    if isinstance(prompt, dict):
+        unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+        if unknown or len(prompt) != 1:
+            raise ValueError(f"a prompt dict takes exactly one of 'prompt' or 'prompt_token_ids', got keys "
+                             f"{sorted(prompt)}")
+        if "prompt" in prompt:
+            return _unpack(prompt["prompt"]) if isinstance(prompt["prompt"], str) else _bad(prompt["prompt"])
+        return None, list(prompt["prompt_token_ids"])
+    if isinstance(prompt, str):
+        return prompt, None
+    return None, list(prompt)
+
+
+def _bad(value: Any):
+    raise ValueError(f"'prompt' must be a string, got {type(value).__name__}")
+
+
+def _launched() -> bool:
+    from pagedmlx.tp.group import launched_backend
+
+    return launched_backend() is not None
+
+
+def _tp_engine(model: Any, tokenizer: Any, size: int, timeout: float, config: dict) -> LLMEngine:
+    """Rank 0's engine over a tensor-parallel group; the other ranks never return from here."""
+    from pagedmlx.loader import load_model
+    from pagedmlx.tp.engine import build_engine, run_worker
+    from pagedmlx.tp.group import join_group
+
+    group = join_group(size if size > 1 else None)
+    by_name = not isinstance(model, nn.Module)
+    name = model if by_name else None
+    if by_name:
+        model, loaded_tokenizer = load_model(name, lazy=True)
+        tokenizer = tokenizer or loaded_tokenizer
+    engine_config = EngineConfig(model=name, **config)
+    if group is None:
+        engine = LLMEngine(model, tokenizer, engine_config)
+    elif group.rank() > 0:
+        code = run_worker(model, engine_config, group, timeout)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # nothing of the user's script runs on the other ranks
+    else:
+        engine = build_engine(model, tokenizer, engine_config, group, timeout)
+    if by_name:
+        engine.load_generation_defaults(name)
+    return engine

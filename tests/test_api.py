@@ -1,0 +1,151 @@
+"""vLLM's public API where a vLLM user reaches for it: the offline quickstart, prompt forms, n > 1,
+the async generator, the CLI's vLLM/mlx-lm-shaped flags and the model's sampling defaults."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+from utils import make_model, make_tokenizer, solo_greedy
+
+
+def test_vllm_offline_quickstart_verbatim():
+    """vLLM's quickstart with pagedmlx's names (and a random-weight model instead of opt-125m)."""
+    from pagedmlx import LLM, SamplingParams
+
+    prompts = [
+        "Hello, my name is",
+        "The president of the United States is",
+        "The capital of France is",
+        "The future of AI is",
+    ]
+    sampling_params = SamplingParams(temperature=0.8, top_p=0.95)
+    llm = LLM(model="random:llama-tiny")
+    outputs = llm.generate(prompts, sampling_params)
+    tokenizer = llm.get_tokenizer()
+    assert [o.prompt for o in outputs] == prompts
+    for output in outputs:
+        generated_text = output.outputs[0].text
+        assert output.finished and len(output.outputs) == 1 and output.outputs[0].index == 0
+        assert output.prompt_token_ids == list(tokenizer.encode(output.prompt))
+        ids, reason = output.outputs[0].token_ids, output.outputs[0].finish_reason
+        assert (reason, len(ids)) == ("length", 16) or (reason == "stop" and ids[-1] in tokenizer.eos_token_ids)
+        assert generated_text == tokenizer.decode(ids, skip_special_tokens=True)
+        assert output.outputs[0].cumulative_logprob is None
+
+
+def test_prompt_forms_give_mlx_lm_tokens():
+    """Strings, token-id lists and vLLM's {"prompt": ...} / {"prompt_token_ids": ...} dicts, mixed."""
+    from pagedmlx import LLM, SamplingParams
+
+    model, tok = make_model("llama"), make_tokenizer(512)
+    llm = LLM(model, tok, block_size=4, num_blocks=128)
+    ids = [5, 17, 300, 42, 9]
+    text = "The capital of France is"
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([ids, {"prompt_token_ids": ids}, text, {"prompt": text}], params)
+    text_ids = list(tok.encode(text))
+    assert [o.prompt for o in outs] == [None, None, text, text]
+    assert [o.prompt_token_ids for o in outs] == [ids, ids, text_ids, text_ids]
+    want = [solo_greedy(model, p, 6) for p in (ids, ids, text_ids, text_ids)]
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert len({o.request_id for o in outs}) == 4
+    one = llm.generate({"prompt_token_ids": ids}, params)  # a single prompt, not in a list
+    assert len(one) == 1 and one[0].outputs[0].token_ids == want[0]
+    with pytest.raises(ValueError, match="exactly one of 'prompt' or 'prompt_token_ids'"):
+        llm.generate({"prompt": text, "prompt_token_ids": ids}, params)
+
+
+def test_n_samples_are_grouped_in_order_with_their_seeds():
+    """n > 1: one RequestOutput per prompt, outputs[i] is sample i, seeded with seed + i."""
+    from pagedmlx import LLM, SamplingParams
+
+    llm = LLM(make_model("llama"), None, block_size=4, num_blocks=128)
+    prompts = [[3, 4, 5, 6], [9, 8, 7]]
+    outs = llm.generate(prompts, SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True))
+    assert len(outs) == 2 and [o.prompt_token_ids for o in outs] == prompts
+    for prompt, out in zip(prompts, outs):
+        assert [c.index for c in out.outputs] == [0, 1, 2]
+        for i, c in enumerate(out.outputs):
+            alone = llm.generate([prompt], SamplingParams(temperature=1.0, seed=11 + i, max_tokens=8, ignore_eos=True))
+            assert c.token_ids == alone[0].outputs[0].token_ids
+
+
+def test_async_generate_takes_vllms_argument_order():
+    """AsyncEngine.generate(prompt, sampling_params, request_id), yielding cumulative RequestOutputs."""
+    from pagedmlx import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
+
+    model = make_model("llama")
+    engine = AsyncEngine(LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=64)))
+    params = SamplingParams(n=2, temperature=0, max_tokens=5, ignore_eos=True)
+
+    async def main():
+        return [o async for o in engine.generate([1, 2, 3], params, "req-7")]
+
+    try:
+        outs = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    final = outs[-1]
+    assert final.finished and not any(o.finished for o in outs[:-1]) and final.request_id == "req-7"
+    assert [c.index for c in final.outputs] == [0, 1]
+    assert all(c.token_ids == solo_greedy(model, [1, 2, 3], 5) for c in final.outputs)
+
+
+def test_package_import_is_lazy():
+    """`import pagedmlx` must not import MLX: the CLI's --help and tools stay cheap."""
+    code = "import sys, pagedmlx; assert 'mlx.core' not in sys.modules; print(sorted(pagedmlx.__all__))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "LLM" in out and "SamplingParams" in out and "RequestOutput" in out
+
+
+def test_cli_takes_vllms_flags():
+    from pagedmlx.cli import engine_config, make_parser
+
+    args = make_parser().parse_args(["serve", "some/model", "-tp", "2", "--no-enable-prefix-caching",
+                                     "--max-model-len", "4096", "--max-num-seqs", "8",
+                                     "--max-num-batched-tokens", "512", "--long-prefill-token-threshold", "128",
+                                     "--async-scheduling", "--generation-config", "vllm"])
+    config = engine_config(args)
+    assert args.tp == 2 and config.model == "some/model"
+    assert (config.enable_prefix_caching, config.max_model_len, config.max_num_seqs) == (False, 4096, 8)
+    assert (config.max_num_batched_tokens, config.long_prefill_token_threshold) == (512, 128)
+    assert config.async_scheduling is True and config.generation_config == "vllm"
+    args = make_parser().parse_args(["serve", "--model", "m", "--tensor-parallel-size", "4"])
+    assert args.tp == 4 and engine_config(args).model == "m" and engine_config(args).enable_prefix_caching
+    with pytest.raises(SystemExit):
+        engine_config(make_parser().parse_args(["serve", "a", "--model", "b"]))
+
+
+def test_generation_config_gives_defaults_and_requests_win(tmp_path):
+    from pagedmlx.loader import generation_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True, "max_new_tokens": 256}))
+    assert generation_defaults(str(tmp_path)) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 256}
+    assert generation_defaults(None) == {"temperature": 0.2, "top_p": 0.9}  # the default model's card
+    assert generation_defaults("random:llama-tiny") == {}
+
+    from pagedmlx import EngineConfig, LLMEngine
+
+    engine = LLMEngine(make_model("llama"), None, EngineConfig(block_size=4, num_blocks=16))
+    engine.generation_defaults = generation_defaults(str(tmp_path))
+    params = engine.get_default_sampling_params(temperature=0.0)
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.0, 0.95, 20, 256)
+
+
+@pytest.mark.slow
+def test_generate_answers_the_default_models_question_without_chat_flag(smollm):
+    """`pagedmlx generate --prompt "..."` applies the chat template itself, as mlx-lm's generate."""
+    proc = subprocess.run([sys.executable, "-m", "pagedmlx.cli", "generate", "--prompt",
+                           "What is the capital of France?", "--temperature", "0", "--max-tokens", "24"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout, proc.stdout
+    raw = subprocess.run([sys.executable, "-m", "pagedmlx.cli", "generate", "--no-chat-template", "--prompt",
+                          "What is the capital of France?", "--temperature", "0", "--max-tokens", "8"],
+                         capture_output=True, text=True, timeout=300)
+    assert raw.returncode == 0 and "chat template" not in raw.stderr and "chat template" in proc.stderr

@@ -1,0 +1,100 @@
+"""Test helpers (vLLM keeps its in tests/.../utils.py): random-weight models, mlx-lm's reference
+generation, running an engine to completion, leak checks, waiting for a server."""
+
+from __future__ import annotations
+
+import functools
+import random
+import time
+from typing import Callable, Optional
+
+import httpx
+import mlx.core as mx
+
+from pagedmlx.models.random_model import RANDOM_ARCHS, random_model, tiny_tokenizer
+
+# The tests' names for the package's random-weight architectures (pagedmlx/models/random_model.py).
+_TEST_ARCHS = {"llama": "llama-tiny", "llama_tied": "llama-tiny-tied", "qwen3": "qwen3-tiny"}
+ARCHS = {name: RANDOM_ARCHS[arch] for name, arch in _TEST_ARCHS.items()}
+
+make_tokenizer = tiny_tokenizer  # a tiny real HF tokenizer padded to vocab_size (cached)
+
+
+@functools.lru_cache(maxsize=None)
+def make_model(arch: str, seed: int = 0):
+    return random_model(_TEST_ARCHS.get(arch, arch), seed)
+
+
+def solo_greedy(model, prompt: list[int], max_tokens: int, stop_ids: tuple[int, ...] = ()) -> list[int]:
+    """mlx-lm's own generation for one prompt alone: the reference every engine output must equal.
+    Stops after a token in stop_ids (included), as the engine does at EOS."""
+    from mlx_lm.generate import generate_step
+
+    out = []
+    for (tok, _), _ in zip(generate_step(mx.array(prompt), model, max_tokens=max_tokens), range(max_tokens)):
+        out.append(int(tok))
+        if out[-1] in stop_ids:
+            break
+    return out
+
+
+def run_to_completion(engine) -> dict:
+    """Step until every request finished; the final output of each, by request id."""
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def make_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+    """Random lengths 1..300; a third extend one of three long shared prefixes."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(vocab) for _ in range(rng.randint(40, 120))] for _ in range(3)]
+    prompts = []
+    for i in range(n):
+        if i % 3 == 0:
+            base = rng.choice(prefixes)
+            prompts.append(base + [rng.randrange(vocab) for _ in range(rng.randint(0, 60))])
+        else:
+            prompts.append([rng.randrange(vocab) for _ in range(rng.randint(1, 300))])
+    return prompts
+
+
+def run_staggered(engine, prompts, params, seed: int) -> dict[str, list[int]]:
+    """Add requests a few at a time between steps; collect each one's final tokens."""
+    rng = random.Random(seed)
+    pending = list(enumerate(prompts))
+    done: dict[str, list[int]] = {}
+    while pending or engine.has_unfinished_requests():
+        for _ in range(rng.randint(0, 4)):
+            if pending:
+                i, p = pending.pop(0)
+                engine.add_request(str(i), p, params)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    return done
+
+
+def assert_no_leaks(engine) -> None:
+    """Every page of every KV cache group is free and no request holds any."""
+    manager = engine.kv_cache_manager
+    for pool in manager.block_pools:
+        assert all(b.ref_cnt == 0 for b in pool.blocks), [b for b in pool.blocks if b.ref_cnt]
+        assert pool.get_num_free_blocks() == pool.num_blocks
+    assert not manager.req_to_blocks
+
+
+def wait_healthy(url: str, alive: Callable[[], bool] = lambda: True, timeout: float = 60.0,
+                 why: Optional[Callable[[], str]] = None) -> None:
+    """Poll url/health until it answers 200; fail if `alive()` turns false or time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert alive() and time.monotonic() < deadline, why() if why else "the server did not come up"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.1)
