@@ -123,11 +123,9 @@ def run_serve(args: argparse.Namespace) -> int:
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_n=args.max_n, max_tokens=args.max_tokens_cap)
     api_key = args.api_key or os.environ.get("PAGEDMLX_API_KEY") or None
     app = build_app(async_engine, name, api_key=api_key, limits=limits, drain_timeout=args.drain_timeout)
-    pool = engine.runner.kv_pool
     url = f"http://{args.host}:{args.port}/v1"
     console.print(f"[bold]pagedmlx[/] serving [cyan]{name}[/] on [bold]{backend_name()}[/]")
-    console.print(f"  KV pool: {pool.num_blocks} blocks x {engine.config.block_size} tokens = "
-                  f"{pool.nbytes / 1e9:.2f} GB; max_model_len {engine.max_model_len}; "
+    console.print(f"  KV pool: {kv_pool_line(engine)}; max_model_len {engine.max_model_len}; "
                   f"max_num_seqs {engine.config.max_num_seqs}")
     for line in getattr(engine, "rank_lines", []):
         console.print(f"  {line}", soft_wrap=True)
@@ -170,6 +168,17 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=None, help="(default: the model's, else none)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+
+
+def kv_pool_line(engine) -> str:
+    """Each KV cache group's pages: "4096 blocks x 16 tokens = 1.07 GB" or, for a hybrid model,
+    one such part per group ("full: ...; sliding 1024: ...")."""
+    config = engine.runner.kv_cache_config
+    parts = [f"{g.num_blocks} blocks x {config.block_size} tokens = {g.num_blocks * g.page_size_bytes / 1e9:.2f} GB"
+             for g in config.kv_cache_groups]
+    if len(parts) == 1:
+        return parts[0]
+    return "; ".join(f"{g.name} ({len(g.layer_ids)} layers): {part}" for g, part in zip(config.kv_cache_groups, parts))
 
 
 def defaults_line(engine) -> str:

@@ -74,8 +74,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.runner = self.make_runner(verify_model)
         self.max_model_len = self._max_model_len()
-        self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, self.config.block_size,
-                                               self.config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(self.runner.kv_cache_config,
+                                               enable_caching=self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.kv_cache_manager, self.max_model_len)
         self.sampler = Sampler()
         self.eos_token_ids = tuple(sorted(getattr(tokenizer, "eos_token_ids", None) or ()))
@@ -92,8 +92,7 @@ class LLMEngine:
 
     def make_runner(self, verify: bool) -> ModelRunner:
         """Hook: tensor parallelism (pagedmlx.distributed.TPEngine) wraps the runner."""
-        return ModelRunner(self.model, self.config.block_size, self.config.num_blocks,
-                           self.config.kv_cache_memory_gb, verify=verify)
+        return ModelRunner(self.model, self.config, verify=verify)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
@@ -119,7 +118,7 @@ class LLMEngine:
     def _max_model_len(self) -> int:
         args = getattr(self.model, "args", None)
         limit = self.config.max_model_len or getattr(args, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
-        capacity = self.runner.num_blocks * self.config.block_size
+        capacity = self.runner.kv_cache_config.kv_cache_groups[0].num_blocks * self.config.block_size
         if limit > capacity:
             logger.warning("max_model_len %d exceeds the KV pool (%d tokens); capping it", limit, capacity)
         return min(limit, capacity)

@@ -95,11 +95,12 @@ class Scheduler:
         # would preempt itself when the pool runs out and then wait forever for pages.
         max_tokens = request.sampling_params.max_tokens
         longest = self.max_model_len if max_tokens is None else min(self.max_model_len, n + max_tokens)
-        needed = self.kv_cache_manager.num_blocks_needed(longest - 1)
-        if needed > self.kv_cache_manager.num_blocks:
-            raise ValueError(f"prompt has {n} tokens and can grow to {longest} (max_tokens={max_tokens}, "
-                             f"max_model_len={self.max_model_len}), whose KV needs {needed} blocks, but the "
-                             f"pool has only {self.kv_cache_manager.num_blocks}")
+        chunk = self.config.max_num_batched_tokens
+        for needed, have in self.kv_cache_manager.num_blocks_needed(longest - 1, chunk):
+            if needed > have:
+                raise ValueError(f"prompt has {n} tokens and can grow to {longest} (max_tokens={max_tokens}, "
+                                 f"max_model_len={self.max_model_len}), whose KV needs {needed} blocks, but the "
+                                 f"pool has only {have}")
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -192,7 +193,7 @@ class Scheduler:
             budget -= n
 
         out = build_scheduler_output(
-            scheduled, self.kv_cache_manager.req_to_block_ids, self.block_size,
+            scheduled, self.kv_cache_manager.get_block_ids, self.block_size,
             [r.request_id for r in preempted], self.finished_req_ids)
         self.finished_req_ids = set()
         for req, n in scheduled:
@@ -280,8 +281,8 @@ class Scheduler:
             if req is None or (requests is not None and requests[i] is not req):
                 # Gone since (aborted while the step ran): its pages were freed with the hashes
                 # this step was to make true. Uncaching a page that holds valid KV is harmless.
-                row = output.block_table[i, computed_before // bs:-(-int(output.seq_lens[i]) // bs)]
-                self.kv_cache_manager.uncache_block_ids(row.tolist())
+                span = slice(computed_before // bs, -(-int(output.seq_lens[i]) // bs))
+                self.kv_cache_manager.uncache_block_ids([table[i, span].tolist() for table in output.block_table])
                 continue
             self.kv_cache_manager.uncache_uncomputed(req, computed_before)
             alive.append(rid)

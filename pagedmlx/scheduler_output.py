@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import chain
+from typing import Callable
 
 import numpy as np
 
@@ -23,10 +24,10 @@ class SchedulerOutput:
     num_decodes: int  # the first num_decodes requests schedule exactly one token
     input_ids: np.ndarray  # (T,) token ids
     positions: np.ndarray  # (T,) position of each token in its sequence
-    slot_mapping: np.ndarray  # (T,) page-pool slot each token's K/V is written to
+    slot_mapping: np.ndarray  # (G, T) per KV cache group: the page-pool slot each token's K/V is written to
     query_start_loc: np.ndarray  # (B + 1,) where each request's tokens start in the flat batch
     seq_lens: np.ndarray  # (B,) tokens of context after this step (cached + new)
-    block_table: np.ndarray  # (B, max_blocks) page ids per request, zero-padded
+    block_table: np.ndarray  # (G, B, max_blocks) per KV cache group: page ids per request, zero-padded
     logits_indices: np.ndarray  # (S,) rows whose logits are sampled: the last token of caught-up requests
     sampled_req_ids: list[str]
     # Async scheduling: rows whose input token is still on the device, and where it is in the
@@ -51,13 +52,14 @@ class SchedulerOutput:
     @classmethod
     def empty(cls, finished_req_ids: set[str], preempted_req_ids: list[str]) -> "SchedulerOutput":
         z = np.zeros(0, np.int32)
-        return cls([], [], 0, z, z, z, np.zeros(1, np.int32), z, np.zeros((0, 1), np.int32), z, [],
+        return cls([], [], 0, z, z, np.zeros((1, 0), np.int32), np.zeros(1, np.int32), z,
+                   np.zeros((1, 0, 1), np.int32), z, [],
                    z, z, preempted_req_ids, finished_req_ids)
 
 
 def build_scheduler_output(
     scheduled: list[tuple[Request, int]],
-    block_ids: dict[str, list[int]],
+    get_block_ids: Callable[[str], tuple[list[int], ...]],
     block_size: int,
     preempted_req_ids: list[str],
     finished_req_ids: set[str],
@@ -78,7 +80,7 @@ def build_scheduler_output(
         counts.append(n)
         starts.append(start)
         seq_lens.append(end)
-        tables.append(block_ids[req.request_id])
+        tables.append(get_block_ids(req.request_id))
         known = req.num_tokens
         if n == 1 and start < known:
             tokens.append(req.all_token_ids[start])
@@ -98,17 +100,13 @@ def build_scheduler_output(
     np.cumsum(counts_np, out=query_start_loc[1:])
     seq_lens_np = np.asarray(seq_lens, np.int32)
 
-    table_lens = np.fromiter(map(len, tables), np.int32, len(tables))
-    block_table = np.zeros((len(tables), max(int(table_lens.max()), 1)), np.int32)
-    block_table[np.arange(block_table.shape[1]) < table_lens[:, None]] = np.fromiter(
-        chain.from_iterable(tables), np.int32, int(table_lens.sum()))
-
-    # Per-token positions and slots, vectorised over the whole batch.
     total = int(query_start_loc[-1])
     token_req = np.repeat(np.arange(len(counts), dtype=np.int32), counts_np)
     positions = (np.arange(total, dtype=np.int32) - query_start_loc[token_req]
                  + np.asarray(starts, np.int32)[token_req])
-    slot_mapping = block_table[token_req, positions // block_size] * block_size + positions % block_size
+    block_table = np.stack([_block_table([t[g] for t in tables]) for g in range(len(tables[0]))])
+    # Per-token slots in each group, vectorised over the whole batch.
+    slot_mapping = block_table[:, token_req, positions // block_size] * block_size + positions % block_size
 
     return SchedulerOutput(
         req_ids=req_ids,
@@ -127,3 +125,12 @@ def build_scheduler_output(
         preempted_req_ids=preempted_req_ids,
         finished_req_ids=finished_req_ids,
     )
+
+
+def _block_table(tables: list[list[int]]) -> np.ndarray:
+    """(B, max_blocks) from each request's block ids, zero-padded."""
+    table_lens = np.fromiter(map(len, tables), np.int32, len(tables))
+    block_table = np.zeros((len(tables), max(int(table_lens.max()), 1)), np.int32)
+    block_table[np.arange(block_table.shape[1]) < table_lens[:, None]] = np.fromiter(
+        chain.from_iterable(tables), np.int32, int(table_lens.sum()))
+    return block_table

@@ -21,7 +21,8 @@ from mlx.utils import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pagedmlx import distributed  # noqa: E402
+from pagedmlx.tp import engine as tp_engine  # noqa: E402
+from pagedmlx.tp.group import join_group  # noqa: E402
 from pagedmlx.config import EngineConfig  # noqa: E402
 from pagedmlx.engine import LLMEngine  # noqa: E402
 from pagedmlx.sampling_params import SamplingParams  # noqa: E402
@@ -49,15 +50,15 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     args = ap.parse_args()
     config = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, max_model_len=1024)
-    group = distributed.join_group(args.tp)
+    group = join_group(args.tp)
     model = random_llama()
     if group is not None and group.rank() > 0:
-        distributed.run_worker(model, config, group)
+        tp_engine.run_worker(model, config, group)
     else:
         if group is None:
             engine = LLMEngine(model, None, config)
         else:
-            engine = distributed.build_engine(model, None, config, group)
+            engine = tp_engine.build_engine(model, None, config, group)
         for i in range(8):
             engine.add_request(str(i), [(7 * i + j) % 1000 + 1 for j in range(64)],
                                SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
@@ -79,7 +80,7 @@ def main() -> None:
         for rank, weights, layer_bytes, active, peak in rows:
             print(json.dumps(dict(ranks=group.size() if group else 1, rank=rank, weights=weights,
                                   weights_layers=layer_bytes, weights_other=weights - layer_bytes,
-                                  kv_pool=kv, blocks=runner_pool.num_blocks, mlx_active=active, mlx_peak=peak)))
+                                  kv_pool=kv, blocks=engine.runner.num_blocks, mlx_active=active, mlx_peak=peak)))
         if group is not None:
             engine.shutdown()
 

@@ -1,10 +1,12 @@
 """Shared test helpers: build a scheduler, run steps through a fake model, check page accounting.
 
-The fake model keeps one "KV" value per pool slot: the token id written there. Each step it first
-writes every scheduled token at its slot (as a layer writes all new K/V before reading pages), then
-reads back each request's whole context through its block table and checks it is exactly the
-request's own tokens. A block shared or revived with the wrong content, a block table pointing at
-another request's page, or a stale prefix-cache entry all show up as a mismatch here.
+The fake model keeps one "KV" value per pool slot of each KV cache group: the token id written
+there. Each step it first writes every scheduled token at its slot (as a layer writes all new K/V
+before reading pages), then reads back, through each group's block table, every key the step's
+queries attend (the whole context; a sliding-window group only the window) and checks it is exactly
+the request's own tokens. A block shared or revived with the wrong content, a block table pointing at
+another request's page, a page freed while its window still needs it, or a stale prefix-cache entry
+all show up as a mismatch here.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.kv.manager import KVCacheManager, cdiv
+from pagedmlx.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from pagedmlx.request import Request, RequestStatus
 from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.scheduler import Scheduler
@@ -28,13 +31,18 @@ _arrivals = itertools.count(1)
 
 def make_scheduler(num_blocks: int = 16, block_size: int = 4, max_num_batched_tokens: int = 64,
                    max_num_seqs: int = 16, long_prefill_token_threshold: int = 0,
-                   max_model_len: int = 64, policy: str = "fcfs", caching: bool = True) -> Scheduler:
+                   max_model_len: int = 64, policy: str = "fcfs", caching: bool = True,
+                   window: Optional[int] = None) -> Scheduler:
+    """window: a second KV cache group of sliding-window layers beside the full-attention one."""
     config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,
                           long_prefill_token_threshold=long_prefill_token_threshold,
                           max_model_len=max_model_len, scheduling_policy=policy,
                           enable_prefix_caching=caching)
-    manager = KVCacheManager(num_blocks, block_size, enable_caching=caching)
+    groups = [KVCacheGroupSpec(FullAttentionSpec(), num_blocks)]
+    if window is not None:
+        groups.append(KVCacheGroupSpec(SlidingWindowSpec(window), num_blocks + 1))
+    manager = KVCacheManager(KVCacheConfig(block_size, groups), enable_caching=caching)
     return Scheduler(config, manager, max_model_len)
 
 
@@ -55,7 +63,8 @@ class FakeModel:
     def __init__(self, sched: Scheduler, vocab: int = 50, seed: int = 0):
         self.sched = sched
         mgr = sched.kv_cache_manager
-        self.kv = np.full(mgr.num_blocks * mgr.block_size, -1, np.int64)
+        self.kv = [np.full(len(m.block_pool.blocks) * mgr.block_size, -1, np.int64) for m in mgr.managers]
+        self.windows = [getattr(m, "sliding_window", None) for m in mgr.managers]
         self.rng = random.Random(seed)
         self.vocab = vocab
 
@@ -63,18 +72,21 @@ class FakeModel:
         bs = self.sched.block_size
         if out.is_empty:
             return
-        assert len(set(out.slot_mapping.tolist())) == len(out.slot_mapping), "two tokens write one slot"
-        self.kv[out.slot_mapping] = out.input_ids
-        for i, rid in enumerate(out.req_ids):
-            req = self.sched.requests[rid]
-            lo, hi = out.query_start_loc[i], out.query_start_loc[i + 1]
-            seq_len = int(out.seq_lens[i])
-            assert hi - lo == out.num_scheduled_tokens[i]
-            assert out.positions[lo:hi].tolist() == list(range(seq_len - (hi - lo), seq_len))
-            assert out.input_ids[lo:hi].tolist() == req.all_token_ids[seq_len - (hi - lo):seq_len]
-            pos = np.arange(seq_len)
-            slots = out.block_table[i, pos // bs] * bs + pos % bs
-            assert self.kv[slots].tolist() == req.all_token_ids[:seq_len], f"{rid} reads foreign KV"
+        for g, (kv, window) in enumerate(zip(self.kv, self.windows)):
+            slots = out.slot_mapping[g]
+            assert len(set(slots.tolist())) == len(slots), "two tokens write one slot"
+            kv[slots] = out.input_ids
+            for i, rid in enumerate(out.req_ids):
+                req = self.sched.requests[rid]
+                lo, hi = out.query_start_loc[i], out.query_start_loc[i + 1]
+                seq_len = int(out.seq_lens[i])
+                assert hi - lo == out.num_scheduled_tokens[i]
+                assert out.positions[lo:hi].tolist() == list(range(seq_len - (hi - lo), seq_len))
+                assert out.input_ids[lo:hi].tolist() == req.all_token_ids[seq_len - (hi - lo):seq_len]
+                first = 0 if window is None else max(0, seq_len - (hi - lo) - window + 1)
+                pos = np.arange(first, seq_len)
+                read = out.block_table[g, i, pos // bs] * bs + pos % bs
+                assert kv[read].tolist() == req.all_token_ids[first:seq_len], f"{rid} reads foreign KV (group {g})"
 
     def sample(self, out: SchedulerOutput) -> list[int]:
         return [self.rng.randrange(1, self.vocab) for _ in out.sampled_req_ids]  # never EOS
@@ -95,30 +107,44 @@ def step(sched: Scheduler, tokens: Optional[list[int]] = None, token: int = 7):
 
 
 def check_invariants(sched: Scheduler) -> None:
-    """Page accounting that must hold between any two calls into the scheduler."""
+    """Page accounting that must hold between any two calls into the scheduler, in every group."""
     mgr = sched.kv_cache_manager
-    pool = mgr.block_pool
-    bs = mgr.block_size
+    assert len({frozenset(m.req_to_blocks) for m in mgr.managers}) == 1, "groups disagree on who holds pages"
+    for m in mgr.managers:
+        _check_group(sched, m)
+    check_queues(sched)
+
+
+def _check_group(sched: Scheduler, m) -> None:
+    pool, bs, null = m.block_pool, m.block_size, m.block_pool.null_block
+    window = getattr(m, "sliding_window", None)
     assert all(b.ref_cnt >= 0 for b in pool.blocks)
     queue = list(pool.free_block_queue)
     free_ids = [b.block_id for b in queue]
     assert len(free_ids) == len(set(free_ids)) == pool.get_num_free_blocks()
-    assert set(free_ids) == {b.block_id for b in pool.blocks if b.ref_cnt == 0}
+    assert set(free_ids) == {b.block_id for b in pool.blocks if b.ref_cnt == 0 and b is not null}
     in_use = sum(1 for b in pool.blocks if b.ref_cnt > 0)
     assert len(free_ids) + in_use == pool.num_blocks
 
     # Every holder of a block, and ref counts that are exactly the number of holders.
     holders: dict[int, list[tuple[Request, int]]] = {}
-    assert set(mgr.req_to_blocks) == set(mgr.req_to_block_ids)
-    for rid, blocks in mgr.req_to_blocks.items():
+    assert set(m.req_to_blocks) == set(m.req_to_block_ids)
+    for rid, blocks in m.req_to_blocks.items():
         req = sched.requests[rid]
         assert req.status == RequestStatus.RUNNING, f"{req} holds pages"
-        assert mgr.req_to_block_ids[rid] == [b.block_id for b in blocks]
+        assert m.req_to_block_ids[rid] == [b.block_id for b in blocks]
         assert len(blocks) == cdiv(req.num_computed_tokens, bs), f"{req} holds {len(blocks)} blocks"
-        assert len({b.block_id for b in blocks}) == len(blocks)
-        for idx, block in enumerate(blocks):
+        real = [b for b in blocks if b is not null]
+        assert len({b.block_id for b in real}) == len(real)
+        nulls = len(blocks) - len(real)
+        assert all(b is null for b in blocks[:nulls]), "the null block stands only for pages before the window"
+        # ... and only for pages no later query reads: the next token's window starts after them.
+        assert nulls == 0 or (window is not None and nulls * bs <= req.num_computed_tokens - window + 1)
+        for idx, block in enumerate(blocks[nulls:], nulls):
             holders.setdefault(block.block_id, []).append((req, idx))
     for block in pool.blocks:
+        if block is null:
+            continue
         held_by = holders.get(block.block_id, [])
         assert block.ref_cnt == len(held_by), f"{block} has {len(held_by)} holders"
         if len(held_by) > 1:  # shared: only through the prefix cache, at the same place in the chain
@@ -134,7 +160,9 @@ def check_invariants(sched: Scheduler) -> None:
     assert all(pool.cached_block_hash_to_block.get(b.block_hash) is b for b in hashed)
     assert len(hashed) == len(pool.cached_block_hash_to_block)
 
-    # Queues: every live request is in exactly one; waiting ones hold nothing.
+
+def check_queues(sched: Scheduler) -> None:
+    """Every live request is in exactly one queue; waiting ones hold nothing."""
     waiting = list(sched.waiting)
     assert len({id(r) for r in waiting}) == len(waiting)
     assert {r.request_id for r in waiting}.isdisjoint(r.request_id for r in sched.running)
@@ -149,9 +177,9 @@ def check_invariants(sched: Scheduler) -> None:
 
 
 def assert_no_leaks(sched: Scheduler) -> None:
-    mgr = sched.kv_cache_manager
-    pool = mgr.block_pool
     assert not sched.has_unfinished_requests() and not sched.requests
-    assert all(b.ref_cnt == 0 for b in pool.blocks)
-    assert pool.get_num_free_blocks() == pool.num_blocks == len(list(pool.free_block_queue))
-    assert not mgr.req_to_blocks and not mgr.req_to_block_ids and not mgr.num_cached_blocks
+    for m in sched.kv_cache_manager.managers:
+        pool = m.block_pool
+        assert all(b.ref_cnt == 0 for b in pool.blocks)
+        assert pool.get_num_free_blocks() == pool.num_blocks == len(list(pool.free_block_queue))
+        assert not m.req_to_blocks and not m.req_to_block_ids and not m.num_cached_blocks

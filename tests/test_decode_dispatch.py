@@ -10,18 +10,18 @@ from utils import make_model
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine import LLMEngine
 from pagedmlx.runner import cuda_decode
-from pagedmlx.runner.attention import AttentionMetadata
+from pagedmlx.runner.attention import StepMetadata
 from pagedmlx.sampling_params import SamplingParams
 
 
 def test_cpu_falls_back_to_the_gather_path():
     assert not cuda_decode.is_available()
     engine = LLMEngine(make_model("llama"), None, EngineConfig(block_size=4, num_blocks=32))
-    assert engine.runner.decode_kernel_kv_heads == 0
+    assert engine.runner.kernel_kv_heads == [0] and not engine.runner.pages_in_place
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0))
     engine.step()
     so = engine.scheduler.schedule()  # a decode
-    md = AttentionMetadata.build(so, 4, engine.runner.decode_kernel_kv_heads)
+    md = StepMetadata.build(so, 4, [None], engine.runner.kernel_kv_heads).groups[0]
     assert so.num_decodes == 1 and not md.use_decode_kernel and md.decode_mask is not None
 
 
@@ -69,20 +69,23 @@ def test_step_index_tensors_are_views_of_one_upload_and_equal_the_schedule():
 
     reqs = [Request("d", [5, 6, 7], SamplingParams(max_tokens=4)), Request("p", list(range(1, 12)), SamplingParams())]
     reqs[0].num_computed_tokens = 3
-    so = build_scheduler_output([(reqs[0], 1), (reqs[1], 9)], {"d": [3], "p": [0, 1, 2]}, 4, [], set())
+    blocks = {"d": ([3],), "p": ([0, 1, 2],)}
+    so = build_scheduler_output([(reqs[0], 1), (reqs[1], 9)], blocks.__getitem__, 4, [], set())
     so.placeholder_rows, so.placeholder_src = np.array([0], np.int32), np.array([2], np.int32)
-    md = AttentionMetadata.build(so, 4)
-    for name in ("input_ids", "positions", "logits_indices", "placeholder_rows", "placeholder_src"):
-        assert getattr(md, name).tolist() == getattr(so, name).tolist(), name
-    assert md.write_blocks.tolist() == (so.slot_mapping // 4).tolist()
-    assert md.write_offsets.tolist() == (so.slot_mapping % 4).tolist()
-    assert md.decode_block_table.tolist() == so.block_table[:1, :1].tolist()
+    step = StepMetadata.build(so, 4, [None])
+    md = step.groups[0]
+    for name in ("input_ids", "logits_indices", "placeholder_rows", "placeholder_src"):
+        assert getattr(step, name).tolist() == getattr(so, name).tolist(), name
+    assert md.positions.tolist() == so.positions.tolist()
+    assert md.write_blocks.tolist() == (so.slot_mapping[0] // 4).tolist()
+    assert md.write_offsets.tolist() == (so.slot_mapping[0] % 4).tolist()
+    assert md.decode_block_table.tolist() == so.block_table[0, :1, :1].tolist()
     assert md.decode_seq_lens.tolist() == [4]
-    assert md.prefill_block_table.tolist() == so.block_table[1:, :3].tolist()
-    assert md.prefill_query_rows.tolist() == list(range(1, 10))
-    assert md.prefill_out_rows.tolist() == list(range(9)) and md.prefill_max_query_len == 9
+    assert md.padded_block_table.tolist() == so.block_table[0, 1:, :3].tolist()
+    assert md.padded_query_rows.tolist() == list(range(1, 10))
+    assert md.padded_out_rows.tolist() == list(range(9)) and md.padded_max_query_len == 9
     # Causal over the 12 gathered keys: query j (position j) sees keys 0..j.
-    assert md.prefill_mask.tolist() == [[[[k <= j for k in range(12)] for j in range(9)]]]
+    assert md.padded_mask.tolist() == [[[[k <= j for k in range(12)] for j in range(9)]]]
 
 
 def test_kernel_path_metadata_carries_slots_and_split_for_the_cuda_kernels():
@@ -95,11 +98,11 @@ def test_kernel_path_metadata_carries_slots_and_split_for_the_cuda_kernels():
 
     long = Request("d", list(range(1, 601)), SamplingParams(max_tokens=4))
     long.num_computed_tokens = 600
-    so = build_scheduler_output([(long, 1)], {"d": list(range(151))}, 4, [], set())
-    md = AttentionMetadata.build(so, 4, decode_kernel_kv_heads=2)
+    so = build_scheduler_output([(long, 1)], lambda rid: (list(range(151)),), 4, [], set())
+    md = StepMetadata.build(so, 4, [None], kernel_kv_heads=[2]).groups[0]
     assert md.pages_in_place and md.use_decode_kernel and md.write_blocks is None
-    assert md.slot_mapping.tolist() == so.slot_mapping.tolist() == [150 * 4 + 0]
+    assert md.slot_mapping.tolist() == so.slot_mapping[0].tolist() == [150 * 4 + 0]
     splits, tokens = cuda_decode.num_splits(1, 2, 601)
     assert (md.decode_splits, md.decode_split_tokens.tolist()) == (splits, [tokens]) and splits > 1
     assert md.decode_block_table.shape == (1, 151) and md.decode_mask is None
-    assert np.array_equal(np.array(md.decode_block_table), so.block_table[:1, :151])
+    assert np.array_equal(np.array(md.decode_block_table), so.block_table[0, :1, :151])

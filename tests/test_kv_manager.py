@@ -20,7 +20,8 @@ def admit(mgr: KVCacheManager, req, num_new_tokens=None):
 
 
 def ids(blocks):
-    return [b.block_id for b in blocks]
+    """Block ids; of the (only) group's blocks for what the manager returns per group."""
+    return [b.block_id for b in (blocks[0] if isinstance(blocks, tuple) else blocks)]
 
 
 def free_ids(mgr):
@@ -35,8 +36,8 @@ def snapshot(mgr):
         {h: b.block_id for h, b in pool.cached_block_hash_to_block.items()},
         [b.block_hash for b in pool.blocks],
         {k: ids(v) for k, v in mgr.req_to_blocks.items()},
-        {k: list(v) for k, v in mgr.req_to_block_ids.items()},
-        dict(mgr.num_cached_blocks),
+        {k: list(v) for k, v in mgr.managers[0].req_to_block_ids.items()},
+        dict(mgr.managers[0].num_cached_blocks),
         (mgr.stats.queries, mgr.stats.hits, mgr.stats.preempted_queries, mgr.stats.preempted_hits),
     )
 
@@ -72,7 +73,7 @@ def test_same_block_tokens_at_another_place_in_the_chain_do_not_hit():
     mgr = KVCacheManager(8, 4)
     admit(mgr, make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
     b = make_request("b", [5, 6, 7, 8, 1, 2, 3, 4, 9])
-    assert mgr.get_computed_blocks(b) == ([], 0)
+    assert mgr.get_computed_blocks(b) == (([],), 0)
     c = make_request("c", [1, 2, 3, 4, 5, 6, 7, 8, 0])
     hits, n = mgr.get_computed_blocks(c)
     assert (ids(hits), n) == ([0, 1], 8)
@@ -99,13 +100,13 @@ def test_equal_digest_with_other_tokens_does_not_match():
     (block,) = mgr.block_pool.get_new_blocks(1)
     mgr.block_pool.cache_block(block, forged)
     mgr.block_pool.free_blocks([block])
-    assert mgr.get_computed_blocks(victim) == ([], 0)
+    assert mgr.get_computed_blocks(victim) == (([],), 0)
     # Control: the same block under the real key is found, so the lookup above could have hit.
     mgr.block_pool.reset_prefix_cache()
     (block,) = mgr.block_pool.get_new_blocks(1)
     mgr.block_pool.cache_block(block, real)
     mgr.block_pool.free_blocks([block])
-    assert mgr.get_computed_blocks(victim) == ([block], 4)
+    assert mgr.get_computed_blocks(victim) == (([block],), 4)
 
 
 # ---- prefix lookups ------------------------------------------------------------------------------
@@ -151,13 +152,13 @@ def test_failed_allocation_changes_nothing():
     before = snapshot(mgr)
     assert mgr.allocate_slots(c, 12, num_new_computed_tokens=n, new_computed_blocks=hits) is None
     assert snapshot(mgr) == before
-    assert "c" not in mgr.req_to_blocks and mgr.get_block_ids("c") == []
+    assert "c" not in mgr.req_to_blocks and mgr.get_block_ids("c")[0] == []
     # One block fewer fits exactly: the hits are revived and the head of the queue is taken,
     # evicting a's cached block 2.
     d = make_request("d", list(range(1, 9)) + list(range(300, 308)))
     hits, new = admit(mgr, d)
     assert (ids(hits), ids(new)) == ([0, 1], [7, 2])
-    assert mgr.get_block_ids("d") == [0, 1, 7, 2]
+    assert mgr.get_block_ids("d")[0] == [0, 1, 7, 2]
     assert free_ids(mgr) == []
     assert mgr.get_computed_blocks(make_request("e", list(range(1, 14))))[1] == 8  # a's 3rd block is gone
 
@@ -171,7 +172,7 @@ def test_failed_allocation_of_a_running_request_keeps_its_blocks():
     before = snapshot(mgr)
     assert mgr.allocate_slots(a, 1) is None
     assert snapshot(mgr) == before
-    assert mgr.get_block_ids("a") == [0, 1]
+    assert mgr.get_block_ids("a")[0] == [0, 1]
 
 
 def test_allocation_needs_at_least_one_token():
@@ -183,7 +184,7 @@ def test_allocation_needs_at_least_one_token():
 def test_full_blocks_are_cached_as_they_are_allocated_so_the_same_step_shares_them():
     mgr = KVCacheManager(8, 4)
     prompt = list(range(1, 11))  # 10 tokens: 2 full blocks + 2 tokens
-    _, a_blocks = admit(mgr, make_request("a", prompt))
+    _, (a_blocks,) = admit(mgr, make_request("a", prompt))
     assert ids(a_blocks) == [0, 1, 2]
     assert [b.block_hash is not None for b in a_blocks] == [True, True, False]
     hits, new = admit(mgr, make_request("b", prompt))  # same step: a's KV not even written yet
@@ -196,11 +197,11 @@ def test_a_prefill_chunk_caches_only_the_blocks_it_fills():
     prompt = list(range(1, 11))
     a = make_request("a", prompt)
     admit(mgr, a, num_new_tokens=5)  # tokens 0..4: block 0 full, block 1 holds one token
-    assert mgr.num_cached_blocks["a"] == 1
+    assert mgr.managers[0].num_cached_blocks["a"] == 1
     assert mgr.get_computed_blocks(make_request("b", prompt))[1] == 4
-    assert mgr.allocate_slots(a, 5) == [mgr.block_pool.blocks[2]]
+    assert mgr.allocate_slots(a, 5) == ([mgr.block_pool.blocks[2]],)
     a.num_computed_tokens = 10
-    assert mgr.num_cached_blocks["a"] == 2
+    assert mgr.managers[0].num_cached_blocks["a"] == 2
     assert mgr.get_computed_blocks(make_request("c", prompt))[1] == 8
 
 
@@ -208,13 +209,13 @@ def test_decode_caches_the_block_its_token_completes():
     mgr = KVCacheManager(8, 4)
     a = make_request("a", list(range(1, 8)))  # 7 tokens
     admit(mgr, a)
-    assert mgr.num_cached_blocks["a"] == 1
+    assert mgr.managers[0].num_cached_blocks["a"] == 1
     a.append_output_token(42)  # the 8th token fills block 1 once it is computed
-    assert mgr.allocate_slots(a, 1) == []
+    assert mgr.allocate_slots(a, 1) == ([],)
     a.num_computed_tokens += 1
-    assert mgr.num_cached_blocks["a"] == 2
+    assert mgr.managers[0].num_cached_blocks["a"] == 2
     probe = make_request("p", list(range(1, 8)) + [42, 0])
-    assert mgr.get_computed_blocks(probe) == (mgr.req_to_blocks["a"][:2], 8)
+    assert mgr.get_computed_blocks(probe) == ((mgr.req_to_blocks["a"][:2],), 8)
 
 
 def test_uncache_uncomputed_forgets_only_blocks_past_the_valid_tokens():
@@ -224,7 +225,7 @@ def test_uncache_uncomputed_forgets_only_blocks_past_the_valid_tokens():
     admit(mgr, a)  # blocks 0, 1, 2 cached, 3 partial
     mgr.uncache_uncomputed(a, 6)  # only tokens 0..5 were written: block 1 and 2 are not valid
     assert [b.block_hash is not None for b in mgr.req_to_blocks["a"]] == [True, False, False, False]
-    assert mgr.num_cached_blocks["a"] == 1
+    assert mgr.managers[0].num_cached_blocks["a"] == 1
     assert mgr.get_computed_blocks(make_request("b", prompt))[1] == 4
 
 
@@ -272,7 +273,7 @@ def test_free_returns_every_block_and_keeps_shared_ones_until_the_last_holder():
     mgr.free(b)
     assert free_ids(mgr) == [3, 2, 4, 5, 1, 0]
     assert mgr.usage == 0.0
-    assert mgr.req_to_blocks == {} and mgr.req_to_block_ids == {} and mgr.num_cached_blocks == {}
+    assert mgr.req_to_blocks == {} and mgr.managers[0].req_to_block_ids == {} and mgr.managers[0].num_cached_blocks == {}
     mgr.free(b)  # freeing a request that holds nothing is a no-op
     assert free_ids(mgr) == [3, 2, 4, 5, 1, 0]
 
@@ -294,6 +295,6 @@ def test_caching_disabled_never_hits_or_hashes():
     a = make_request("a", prompt)
     admit(mgr, a)
     b = make_request("b", prompt)
-    assert mgr.get_computed_blocks(b) == ([], 0)
+    assert mgr.get_computed_blocks(b) == (([],), 0)
     assert a.block_hashes == [] and mgr.block_pool.cached_block_hash_to_block == {}
     assert (mgr.stats.queries, mgr.stats.hits) == (0, 0)

@@ -105,7 +105,7 @@ def test_scheduler_output_arrays_for_a_hand_built_step():
     sched = make_scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=6)
     sched.add_request(make_request("a", [10, 11, 12, 13, 14]))
     out, _ = step(sched, [15])
-    assert scheduled(out) == [("a", 5)] and sched.kv_cache_manager.get_block_ids("a") == [0, 1]
+    assert scheduled(out) == [("a", 5)] and sched.kv_cache_manager.get_block_ids("a") == ([0, 1],)
     # b shares a's first block (a prefix hit); c's prompt only partly fits the budget.
     sched.add_request(make_request("b", [10, 11, 12, 13, 20, 21, 22]))
     sched.add_request(make_request("c", [30, 31, 32, 33, 34]))
@@ -115,10 +115,10 @@ def test_scheduler_output_arrays_for_a_hand_built_step():
     assert out.num_decodes == 1
     assert out.input_ids.tolist() == [15, 20, 21, 22, 30, 31]
     assert out.positions.tolist() == [5, 4, 5, 6, 0, 1]
-    assert out.slot_mapping.tolist() == [1 * 4 + 1, 2 * 4 + 0, 2 * 4 + 1, 2 * 4 + 2, 3 * 4 + 0, 3 * 4 + 1]
+    assert out.slot_mapping.tolist()[0] == [1 * 4 + 1, 2 * 4 + 0, 2 * 4 + 1, 2 * 4 + 2, 3 * 4 + 0, 3 * 4 + 1]
     assert out.query_start_loc.tolist() == [0, 1, 4, 6]
     assert out.seq_lens.tolist() == [6, 7, 2]
-    assert out.block_table.tolist() == [[0, 1], [0, 2], [3, 0]]
+    assert out.block_table.tolist() == [[[0, 1], [0, 2], [3, 0]]]  # one KV cache group
     assert out.logits_indices.tolist() == [0, 3]
     assert out.sampled_req_ids == ["a", "b"]
     assert out.preempted_req_ids == [] and out.finished_req_ids == set()
@@ -157,7 +157,7 @@ def test_preemption_takes_the_newest_request_which_resumes_from_its_own_pages():
     assert scheduled(out) == [("a", 1)] and a.status == RequestStatus.FINISHED_LENGTH
     out, _ = model.step()
     assert scheduled(out)[0] == ("b", 1)  # 8 of its 9 tokens found in its own pages
-    assert b.num_cached_tokens == 0 and sched.kv_cache_manager.get_block_ids("b")[:2] == [2, 3]
+    assert b.num_cached_tokens == 0 and sched.kv_cache_manager.get_block_ids("b")[0][:2] == [2, 3]
     stats = sched.kv_cache_manager.stats
     assert (stats.preempted_queries, stats.preempted_hits) == (9, 8)
     assert (stats.queries, stats.hits) == (21, 0)  # a, b, c fresh: not flattered by b's rehits
@@ -372,7 +372,7 @@ def test_fail_step_uncaches_the_blocks_the_failed_step_was_to_fill():
     out = sched.schedule()
     # a fills block 1 this step; b, in the same step, shares blocks 0 and 1 through the cache.
     assert scheduled(out) == [("a", 5), ("b", 2)]
-    assert out.block_table.tolist() == [[0, 1, 2], [0, 1, 3]]
+    assert out.block_table.tolist() == [[[0, 1, 2], [0, 1, 3]]]
     assert mgr.get_computed_blocks(make_request("p2", prompt))[1] == 8
     failed = sched.fail_step(out)  # the forward pass raised: nothing was written
     assert [r.request_id for r in failed] == ["a", "b"]

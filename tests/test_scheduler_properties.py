@@ -20,12 +20,14 @@ PREFIXES = [[], [1, 2, 3, 1, 2, 3], [1, 2, 3, 1, 3, 3, 2, 2], [2, 2, 2, 2, 2]]
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(8, 16), block_size=st.integers(2, 4), budget=st.integers(1, 24),
                 cap=st.integers(0, 8), max_seqs=st.integers(1, 6), caching=st.booleans(),
-                policy=st.sampled_from(["fcfs", "priority"]), seed=st.integers(0, 2**16))
-    def setup(self, num_blocks, block_size, budget, cap, max_seqs, caching, policy, seed):
+                policy=st.sampled_from(["fcfs", "priority"]), seed=st.integers(0, 2**16),
+                window=st.sampled_from([None, None, 2, 3, 6]))
+    def setup(self, num_blocks, block_size, budget, cap, max_seqs, caching, policy, seed, window):
+        """window: a sliding-window group beside the full-attention one (a hybrid model's pages)."""
         # max_model_len = the pool's size: every request it accepts fits alone, so all can finish.
         self.max_model_len = num_blocks * block_size
         self.sched = make_scheduler(num_blocks, block_size, budget, max_seqs, cap, self.max_model_len,
-                                    policy, caching)
+                                    policy, caching, window)
         self.model = FakeModel(self.sched, vocab=4, seed=seed)  # tiny vocab: outputs collide, blocks are shared
         self.counter = 0
         self.live = {}

@@ -293,7 +293,7 @@ def test_health_models_metrics(served):
                  "vllm:e2e_request_latency_seconds_count", "pagedmlx:kv_blocks_total", "pagedmlx:kv_blocks_free",
                  "pagedmlx:kv_blocks_cached_free", "pagedmlx:step_forward_seconds_total"):
         assert f"\n{name}" in text, name
-    assert f'pagedmlx:kv_blocks_total{{model_name="{MODEL}"}} 256.0' in text
+    assert f'pagedmlx:kv_blocks_total{{kv_cache_group="full",model_name="{MODEL}"}} 256.0' in text
     gen = [line for line in text.splitlines() if line.startswith("vllm:generation_tokens_total")]
     assert float(gen[0].split()[-1]) > 0
 

@@ -61,8 +61,9 @@ def test_scheduler_output_round_trips_through_the_wire_format():
 
     reqs = [Request(str(i), list(range(1, 2 + 5 * i)), SamplingParams()) for i in range(3)]
     reqs[0].num_computed_tokens = 0
-    so = build_scheduler_output([(reqs[0], 1), (reqs[1], 6), (reqs[2], 4)], {"0": [3], "1": [5, 6], "2": [7, 8, 9]},
-                                4, ["x"], {"y", "z"})
+    blocks = {"0": ([3], [1]), "1": ([5, 6], [2, 3]), "2": ([7, 8, 9], [0, 4, 5])}  # two KV cache groups
+    so = build_scheduler_output([(reqs[0], 1), (reqs[1], 6), (reqs[2], 4)], blocks.__getitem__, 4, ["x"], {"y", "z"})
+    assert so.block_table.ndim == 3 and so.slot_mapping.shape == (2, 11)
     header, payload = tp.pack(tp.STEP, 7, so)
     assert header.shape == (tp.HEADER_LEN,) and payload.dtype == np.int32
     back = tp.unpack(header, payload)

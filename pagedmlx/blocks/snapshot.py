@@ -5,6 +5,10 @@ Build it between steps (in the engine thread: AsyncEngine.call(kv_snapshot)); it
 pool, the KV manager and the scheduler once and copies what it needs, so it can be shipped and
 rendered anywhere while the engine steps on.
 
+A model with several KV cache groups (sliding-window layers beside full-attention ones) has one
+pool per group: `groups` describes each; `pool`, `block_states` and the requests' block tables are
+the first group's (full attention where there is one).
+
 Block states, one character per block in `block_states`:
   "." free    no request holds it and it holds no reusable prefix
   "c" cached  no request holds it, but it keeps a prefix that a later request can reuse
@@ -21,7 +25,7 @@ from typing import Any, Iterable
 
 FREE, CACHED, IN_USE, SHARED = ".", "c", "u", "s"
 STATE_NAMES = {FREE: "free", CACHED: "cached", IN_USE: "in use", SHARED: "shared"}
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2
 
 
 def compress_ranges(ids: Iterable[int]) -> str:
@@ -89,36 +93,58 @@ def _request_row(req: Any, block_ids: list[int], held: dict) -> dict:
 def block_states(pool: Any, req_to_blocks: dict) -> tuple[str, dict]:
     """One state character per block, and the blocks in use by id. Costs in proportion to the
     blocks in use or cached, not to the pool: a large, mostly empty pool is cheap to look at."""
-    states = bytearray(FREE.encode() * pool.num_blocks)
+    states = bytearray(FREE.encode() * len(pool.blocks))
     for block in pool.cached_block_hash_to_block.values():
         states[block.block_id] = ord(CACHED)
-    held = {b.block_id: b for blocks in req_to_blocks.values() for b in blocks}
+    held = {b.block_id: b for blocks in req_to_blocks.values() for b in blocks if b is not pool.null_block}
     if len(held) != pool.num_blocks - pool.get_num_free_blocks():  # a block no request holds: a leak; show it
         held.update((b.block_id, b) for b in pool.blocks if b.ref_cnt)
     for block_id, block in held.items():
         states[block_id] = ord(SHARED if block.ref_cnt > 1 else IN_USE)
+    if pool.null_block is not None:  # a sliding-window group's stand-in for pages behind the window
+        del states[pool.null_block.block_id]
     return states.decode("ascii"), held
 
 
-def kv_snapshot(engine: Any, top_shared: int = 10) -> dict:
-    """The pool, the prefix cache and every unfinished request's pages, as plain data.
-    Call it where nothing steps the engine meanwhile (between steps)."""
-    kv = engine.kv_cache_manager
-    pool = kv.block_pool
-    sched = engine.scheduler
-    bpb = int(engine.runner.bytes_per_block)
-
-    states, held = block_states(pool, kv.req_to_blocks)
+def _pool_summary(pool: Any, states: str, bpb: int) -> dict:
     counts = {state: states.count(state) for state in STATE_NAMES}
     used = counts[IN_USE] + counts[SHARED]
+    return {
+        "num_blocks": pool.num_blocks,
+        "bytes_per_block": bpb,
+        "used": used,
+        "shared": counts[SHARED],
+        "cached_free": counts[CACHED],
+        "free": counts[FREE],
+        "usage": used / pool.num_blocks if pool.num_blocks else 0.0,
+        "total_gb": _gb(pool.num_blocks, bpb),
+        "used_gb": _gb(used, bpb),
+        "cached_free_gb": _gb(counts[CACHED], bpb),
+        "free_gb": _gb(counts[FREE], bpb),
+    }
 
-    requests = [_request_row(r, kv.get_block_ids(r.request_id), held) for r in (*sched.running, *sched.waiting)]
+
+def kv_snapshot(engine: Any, top_shared: int = 10) -> dict:
+    """The pools, the prefix cache and every unfinished request's pages, as plain data.
+    Call it where nothing steps the engine meanwhile (between steps)."""
+    kv = engine.kv_cache_manager
+    sched = engine.scheduler
+    groups = []
+    for spec, manager in zip(kv.kv_cache_config.kv_cache_groups, kv.managers):
+        pool = manager.block_pool
+        states, held = block_states(pool, manager.req_to_blocks)
+        groups.append(dict(_pool_summary(pool, states, spec.page_size_bytes), name=spec.name,
+                           window=spec.sliding_window, layers=len(spec.layer_ids), block_states=states))
+    pool, manager = kv.block_pool, kv.managers[0]
+    states, held = block_states(pool, manager.req_to_blocks)
+
+    requests = [_request_row(r, kv.get_block_ids(r.request_id)[0], held) for r in (*sched.running, *sched.waiting)]
 
     most_shared = sorted((b for b in held.values() if b.ref_cnt > 1), key=lambda b: (-b.ref_cnt, b.block_id))
     most_shared = most_shared[:top_shared]
     holders: dict[int, list[str]] = {b.block_id: [] for b in most_shared}
     if holders:
-        for rid, ids in kv.req_to_block_ids.items():
+        for rid, ids in manager.req_to_block_ids.items():
             for b in set(ids) & holders.keys():
                 holders[b].append(rid)
     shared_rows = [{
@@ -133,20 +159,8 @@ def kv_snapshot(engine: Any, top_shared: int = 10) -> dict:
     return {
         "version": SNAPSHOT_VERSION,
         "time": time.time(),
-        "pool": {
-            "num_blocks": pool.num_blocks,
-            "block_size": kv.block_size,
-            "bytes_per_block": bpb,
-            "used": used,
-            "shared": counts[SHARED],
-            "cached_free": counts[CACHED],
-            "free": counts[FREE],
-            "usage": used / pool.num_blocks if pool.num_blocks else 0.0,
-            "total_gb": _gb(pool.num_blocks, bpb),
-            "used_gb": _gb(used, bpb),
-            "cached_free_gb": _gb(counts[CACHED], bpb),
-            "free_gb": _gb(counts[FREE], bpb),
-        },
+        "pool": dict(_pool_summary(pool, states, groups[0]["bytes_per_block"]), block_size=kv.block_size),
+        "groups": groups,
         "prefix_cache": {
             "enabled": kv.enable_caching,
             "queries": stats.queries,

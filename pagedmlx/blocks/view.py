@@ -76,13 +76,19 @@ def summary_panel(snap: dict) -> Panel:
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
+    groups = snap.get("groups", [])
+    name = f" ({groups[0]['name']}, {groups[0]['layers']} layers)" if len(groups) > 1 else ""
     grid.add_row("pool", f"{n} blocks × {p['block_size']} tokens = {_size(n, bpb)} "
-                         f"({_size(1, bpb)} per block)")
+                         f"({_size(1, bpb)} per block){name}")
     grid.add_row("in use", f"[{STYLES[IN_USE]}]{p['used']}[/] blocks ({p['usage']:.1%}, {_size(p['used'], bpb)}), "
                            f"[{STYLES[SHARED]}]{p['shared']}[/] of them shared")
     grid.add_row("cached", f"[{STYLES[CACHED]}]{p['cached_free']}[/] free blocks keep a reusable prefix "
                            f"({_size(p['cached_free'], bpb)})")
     grid.add_row("free", f"{p['free']} blocks ({_size(p['free'], bpb)})")
+    for g in snap.get("groups", [])[1:]:  # the other KV cache groups (sliding-window layers)
+        grid.add_row(g["name"], f"{g['layers']} layers: {g['num_blocks']} blocks = "
+                                f"{_size(g['num_blocks'], g['bytes_per_block'])}; [{STYLES[IN_USE]}]{g['used']}[/] in "
+                                f"use ({g['usage']:.1%}), [{STYLES[CACHED]}]{g['cached_free']}[/] cached, {g['free']} free")
     if pc["enabled"]:
         line = f"hit rate {pc['hit_rate']:.1%} ({pc['hits']} of {pc['queries']} prompt tokens)"
         if pc["preempted_queries"]:

@@ -89,13 +89,17 @@ class FreeKVCacheBlockQueue:
 
 
 class BlockPool:
-    """Owns every KVCacheBlock: hands out free ones, revives cached ones, takes them back."""
+    """Owns every KVCacheBlock: hands out free ones, revives cached ones, takes them back.
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
-        self.num_blocks = num_blocks
+    With a null block (sliding-window groups, as vLLM), block 0 is never handed out: it stands in a
+    request's block table for the pages behind its window, which it no longer holds."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True, null_block: bool = False):
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[int(null_block):])
+        self.null_block: Optional[KVCacheBlock] = self.blocks[0] if null_block else None
+        self.num_blocks = num_blocks - int(null_block)  # blocks that can be handed out
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
 
     def get_num_free_blocks(self) -> int:
@@ -126,6 +130,8 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on blocks found in the prefix cache (reviving free ones)."""
         for block in blocks:
+            if block is self.null_block:
+                continue
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
@@ -151,6 +157,8 @@ class BlockPool:
         without a hash hold nothing reusable and join the head, to be handed out first.
         """
         for block in ordered_blocks:
+            if block is self.null_block:
+                continue
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"double free of {block}")
             block.ref_cnt -= 1

@@ -1,4 +1,6 @@
-"""KVCacheManager: which pages each request holds, prefix-cache lookups and slot allocation."""
+"""KVCacheManager: the coordinator of a model's KV cache groups (vLLM's KVCacheManager over its
+hybrid coordinator): prefix-cache lookups intersected across groups, slot allocation all or nothing
+across groups, every group freed together."""
 
 from __future__ import annotations
 
@@ -7,11 +9,14 @@ from typing import Iterable, Optional, Sequence
 
 from pagedmlx.kv.block_hash import hash_request_blocks
 from pagedmlx.kv.block_pool import BlockPool, KVCacheBlock
+from pagedmlx.kv.single_type import SingleTypeKVCacheManager, intersect_hits, make_single_type_manager
+from pagedmlx.kv.spec import KVCacheConfig, cdiv
 from pagedmlx.request import Request
 
+__all__ = ["KVCacheBlocks", "KVCacheManager", "PrefixCacheStats", "cdiv"]
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+# A request's blocks in each group (vLLM's KVCacheBlocks.blocks), group 0 first.
+KVCacheBlocks = tuple[list[KVCacheBlock], ...]
 
 
 @dataclass
@@ -30,26 +35,40 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
-        self.block_size = block_size
+    def __init__(self, kv_cache_config: KVCacheConfig | int, block_size: Optional[int] = None,
+                 enable_caching: bool = True):
+        """kv_cache_config, or (num_blocks, block_size) for one full-attention group."""
+        if isinstance(kv_cache_config, int):
+            kv_cache_config = KVCacheConfig.full_attention(kv_cache_config, block_size)
+        self.kv_cache_config = kv_cache_config
+        self.block_size = kv_cache_config.block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.req_to_block_ids: dict[str, list[int]] = {}  # mirrors req_to_blocks, for building block tables
-        self.num_cached_blocks: dict[str, int] = {}  # per request: blocks already hashed and cached
+        self.managers: list[SingleTypeKVCacheManager] = [
+            make_single_type_manager(g.kv_cache_spec, g.num_blocks, self.block_size, enable_caching)
+            for g in kv_cache_config.kv_cache_groups]
         self.stats = PrefixCacheStats()
+
+    # The first group's bookkeeping (the only group of a plain-attention model).
+    @property
+    def block_pool(self) -> BlockPool:
+        return self.managers[0].block_pool
+
+    @property
+    def req_to_blocks(self) -> dict[str, list[KVCacheBlock]]:
+        return self.managers[0].req_to_blocks
 
     @property
     def num_blocks(self) -> int:
         return self.block_pool.num_blocks
 
     @property
-    def usage(self) -> float:
-        return self.block_pool.get_usage()
+    def block_pools(self) -> list[BlockPool]:
+        return [m.block_pool for m in self.managers]
 
     @property
-    def block_pools(self) -> list[BlockPool]:
-        return [self.block_pool]
+    def usage(self) -> float:
+        """The fullest group's share of blocks in use."""
+        return max(pool.get_usage() for pool in self.block_pools)
 
     def _extra_keys(self, request: Request) -> Optional[tuple]:
         return (request.cache_salt,) if request.cache_salt is not None else None
@@ -60,24 +79,20 @@ class KVCacheManager:
             hash_request_blocks(request.all_token_ids, self.block_size, request.block_hashes,
                                 self._extra_keys(request))
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """The longest cached prefix of the request, as blocks and a token count.
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """The longest prefix of the request that every group has cached, as each group's blocks
+        and a token count.
 
         Never the whole sequence: the last token is always recomputed so that there are logits to
         sample from. Does not count in the stats (a request blocked at the head of the queue is looked
         up every step); the caller records the lookup that admits it with record_prefix_query.
         """
         if not self.enable_caching:
-            return [], 0
+            return tuple([] for _ in self.managers), 0
         self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+        hits, num_blocks = intersect_hits(self.managers, request.block_hashes, max_blocks)
+        return tuple(hits), num_blocks * self.block_size
 
     def record_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
         if not self.enable_caching:
@@ -94,74 +109,62 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        new_computed_blocks: Sequence[KVCacheBlock] = (),
-    ) -> Optional[list[KVCacheBlock]]:
-        """Pages for `num_new_tokens` more tokens after the request's computed (and newly found
-        cached) tokens. All or nothing: None, with nothing changed, if the pool cannot hold them.
-        Returns the newly allocated blocks."""
+        new_computed_blocks: Optional[KVCacheBlocks] = None,
+    ) -> Optional[KVCacheBlocks]:
+        """Pages in every group for `num_new_tokens` more tokens after the request's computed (and
+        newly found cached) tokens. All or nothing: None, with nothing changed (but pages behind a
+        sliding window, which no later token reads, freed), if a group cannot hold them.
+        Returns the newly allocated blocks of each group."""
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be > 0, got {num_new_tokens}")
+        rid = request.request_id
+        hits = new_computed_blocks or tuple([] for _ in self.managers)
         total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        held = self.req_to_blocks.get(request.request_id)
-        if held is not None and not new_computed_blocks and len(held) * self.block_size >= total_tokens:
-            # The common decode: the pages held have room, nothing to take from the pool.
-            self._cache_full_blocks(request, min(total_tokens, request.num_tokens))
-            return []
-        held = self.req_to_blocks.setdefault(request.request_id, [])
-        held_ids = self.req_to_block_ids.setdefault(request.request_id, [])
-        num_new_blocks = cdiv(total_tokens, self.block_size) - len(held) - len(new_computed_blocks)
-        # Cached hits that sit in the free queue are not free for this request: it is about to use them.
-        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_revived:
-            if not held:
-                del self.req_to_blocks[request.request_id]
-                del self.req_to_block_ids[request.request_id]
+        for manager in self.managers:
+            manager.remove_skipped_blocks(rid, request.num_computed_tokens)
+        needs = [m.get_num_blocks_to_allocate(rid, total_tokens, h) for m, h in zip(self.managers, hits)]
+        if any(n > m.block_pool.get_num_free_blocks() for m, n in zip(self.managers, needs)):
             return None
-        self.block_pool.touch(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
-        for block in (*new_computed_blocks, *new_blocks):
-            held.append(block)
-            held_ids.append(block.block_id)
+        if not any(needs) and not any(hits) and rid in self.managers[0].req_to_blocks:
+            new = tuple([] for _ in self.managers)  # the common decode: the pages held have room
+        else:
+            new = tuple(m.allocate(rid, total_tokens, h) for m, h in zip(self.managers, hits))
         # Cache the blocks that this step fills, so that later requests of the same step share them:
         # within each layer every new K/V is written before any page is read.
         self._cache_full_blocks(request, min(total_tokens, request.num_tokens))
-        return new_blocks
+        return new
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        start = self.num_cached_blocks.get(request.request_id, 0)
-        end = num_tokens // self.block_size
-        if not self.enable_caching or end <= start:  # no block completed (most decode steps)
-            return
+        if not self.enable_caching or num_tokens // self.block_size <= self.managers[0].num_cached_blocks.get(
+                request.request_id, 0):
+            return  # no block completed (most decode steps)
         self.update_block_hashes(request)
-        blocks = self.req_to_blocks[request.request_id]
-        for i in range(start, end):
-            self.block_pool.cache_block(blocks[i], request.block_hashes[i])
-        self.num_cached_blocks[request.request_id] = end
+        for manager in self.managers:
+            manager.cache_blocks(request.request_id, request.block_hashes, num_tokens)
 
     def uncache_uncomputed(self, request: Request, num_valid_tokens: int) -> None:
         """Drop the hashes of the request's blocks past `num_valid_tokens` (their KV was never written,
         e.g. the step that was to write them failed)."""
-        blocks = self.req_to_blocks.get(request.request_id, [])
-        first = num_valid_tokens // self.block_size
-        for block in blocks[first:]:
-            self.block_pool.uncache_block(block)
-        if request.request_id in self.num_cached_blocks:
-            self.num_cached_blocks[request.request_id] = min(self.num_cached_blocks[request.request_id], first)
+        for manager in self.managers:
+            manager.uncache_from(request.request_id, num_valid_tokens)
 
-    def uncache_block_ids(self, block_ids: Iterable[int]) -> None:
-        """Drop the hashes of these pages, whoever holds them now."""
-        for i in block_ids:
-            self.block_pool.uncache_block(self.block_pool.blocks[i])
+    def uncache_block_ids(self, group_block_ids: Sequence[Iterable[int]]) -> None:
+        """Drop the hashes of these pages (one id list per group), whoever holds them now."""
+        for manager, block_ids in zip(self.managers, group_block_ids):
+            pool = manager.block_pool
+            for i in block_ids:
+                if pool.blocks[i] is not pool.null_block:
+                    pool.uncache_block(pool.blocks[i])
 
     def free(self, request: Request) -> None:
-        """Release the request's pages, tail first: the end of a chain is evicted before its head."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.req_to_block_ids.pop(request.request_id, None)
-        self.num_cached_blocks.pop(request.request_id, None)
-        self.block_pool.free_blocks(reversed(blocks))
+        for manager in self.managers:
+            manager.free(request.request_id)
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return self.req_to_block_ids.get(request_id, [])
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block ids in each group (its block table rows)."""
+        return tuple(m.req_to_block_ids.get(request_id, []) for m in self.managers)
 
-    def num_blocks_needed(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.block_size)
+    def num_blocks_needed(self, num_tokens: int, max_chunk: int) -> list[tuple[int, int]]:
+        """(pages one request of `num_tokens` tokens holds at most, pages there are) per group."""
+        return [(m.spec.max_blocks_held(num_tokens, self.block_size, max_chunk), m.block_pool.num_blocks)
+                for m in self.managers]

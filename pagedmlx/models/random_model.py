@@ -4,7 +4,6 @@ download. Tiny, float32 and deterministic: the same name gives the same weights 
 from __future__ import annotations
 
 import functools
-import importlib
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -27,6 +26,52 @@ RANDOM_ARCHS = {
                         tie_word_embeddings=False),
 }
 
+# Layers that need more than a plain KV cache (window 8: a few pages of 4 tokens in the tests).
+# From shared/research/hybrid_token_major.py's configs.
+_GEMMA = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16, vocab_size=512,
+              max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=True)
+RANDOM_ARCHS.update({
+    "gemma3-tiny": dict(model_type="gemma3_text", num_hidden_layers=6, num_key_value_heads=2, sliding_window=8,
+                        sliding_window_pattern=3, **_GEMMA),
+    # Gemma 4 "E" style: sliding + full layers of different head sizes, a KV-shared tail, per-layer inputs
+    "gemma4-e-tiny": dict(model_type="gemma4_text", num_hidden_layers=6, global_head_dim=32, num_key_value_heads=1,
+                          num_kv_shared_layers=2, hidden_size_per_layer_input=16, vocab_size_per_layer_input=512,
+                          sliding_window=8, sliding_window_pattern=3, final_logit_softcapping=30.0,
+                          use_double_wide_mlp=True, **_GEMMA),
+    # Gemma 4 26B/31B style: K = V on full layers, separate global KV heads, a MoE block
+    "gemma4-moe-tiny": dict(model_type="gemma4_text", num_hidden_layers=6, global_head_dim=32, num_key_value_heads=2,
+                            num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=0,
+                            hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
+                            moe_intermediate_size=32, sliding_window=8, sliding_window_pattern=3,
+                            final_logit_softcapping=30.0, use_double_wide_mlp=False, **_GEMMA),
+    "gemma3n-tiny": dict(model_type="gemma3n", text_config=dict(
+        model_type="gemma3n_text", num_hidden_layers=6, num_key_value_heads=2, num_kv_shared_layers=2,
+        vocab_size_per_layer_input=512, sliding_window=8, rope_local_base_freq=10000.0, rope_theta=1000000.0,
+        final_logit_softcapping=30.0, layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        activation_sparsity_pattern=[0.95, 0.95, 0, 0, 0, 0], hidden_size_per_layer_input=16, altup_num_inputs=4,
+        altup_coef_clip=120.0, altup_correct_scale=True, altup_active_idx=0, laurel_rank=8, **_GEMMA)),
+    # gpt-oss: alternating sliding / full layers, learned attention sinks (randomised below), MoE, YaRN
+    "gpt-oss-tiny": dict(model_type="gpt_oss", num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2,
+                         vocab_size=512, rms_norm_eps=1e-5, hidden_size=64, intermediate_size=64, head_dim=16,
+                         num_attention_heads=4, num_key_value_heads=2, sliding_window=8, rope_theta=150000,
+                         rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                       "original_max_position_embeddings": 4096},
+                         layer_types=["sliding_attention", "full_attention"] * 2),
+    "cohere2-tiny": dict(model_type="cohere2", hidden_size=64, head_dim=16, num_hidden_layers=4,
+                         intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                         sliding_window=8, sliding_window_pattern=4),
+    "olmo3-tiny": dict(model_type="olmo3", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                       num_attention_heads=4, rms_norm_eps=1e-6, vocab_size=512, max_position_embeddings=4096,
+                       sliding_window=8, rope_theta=10000.0, num_key_value_heads=2,
+                       layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+    "ministral3-tiny": dict(model_type="ministral3", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512,
+                            head_dim=16, sliding_window=8, max_position_embeddings=4096,
+                            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "llama_4_scaling_beta": 0.1,
+                                             "original_max_position_embeddings": 4096},
+                            layer_types=["sliding_attention", "full_attention"] * 2),
+})
+
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -36,14 +81,21 @@ def random_model(arch: str, seed: int = 0) -> nn.Module:
     """A random-weight float32 mlx-lm model of one of RANDOM_ARCHS, seeded."""
     if arch not in RANDOM_ARCHS:
         raise ValueError(f"unknown random model {arch!r}; choose one of {', '.join(RANDOM_ARCHS)}")
-    from mlx.utils import tree_map
+    return build_model(RANDOM_ARCHS[arch], seed)
 
-    cfg = RANDOM_ARCHS[arch]
-    module = importlib.import_module(f"mlx_lm.models.{cfg['model_type']}")
+
+def build_model(cfg: dict, seed: int = 0) -> nn.Module:
+    """A random-weight float32 mlx-lm model of any architecture from its config, seeded."""
+    from mlx.utils import tree_map_with_path
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(cfg)
     mx.random.seed(seed)
-    model = module.Model(module.ModelArgs.from_dict(cfg))
+    model = model_class(args_class.from_dict(cfg))
     # Larger-than-default weights make logits decisive, so greedy ties are not a matter of rounding.
-    model.update(tree_map(lambda p: p * 2.0, model.parameters()))
+    # Attention sinks start at zero in mlx-lm: random ones make a path that drops them give other tokens.
+    model.update(tree_map_with_path(
+        lambda path, p: mx.random.normal(p.shape) * 2.0 if path.endswith("sinks") else p * 2.0, model.parameters()))
     mx.eval(model.parameters())
     return model
 

@@ -5,20 +5,30 @@ A step's T tokens enter the model as T rows of length 1. Each layer gets a Paged
 `update_and_fetch` writes the new K/V into that layer's pages, and which the patched
 `scaled_dot_product_attention` recognises to attend over pages for the whole batch: single-token
 rows (decodes) together, prefill segments causally over their cached prefix plus new tokens.
+
+Layers of one KV cache group share block ids, so the step's index tensors are built once per group
+(AttentionMetadata). A sliding-window group's decode and prefill read only the pages of the window;
+learned attention sinks (gpt-oss) join the softmax's denominator wherever attention is computed.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from pagedmlx.kv.spec import cdiv
 from pagedmlx.runner import cuda_decode
 from pagedmlx.scheduler_output import SchedulerOutput
+
+# Prefill segments with at most this many new tokens are attended together, padded to the longest
+# of them under one mask (small: the mask is P x L x keys); longer ones one by one with MLX's fused
+# causal attention over their own keys, which never builds an (L x keys) mask.
+PADDED_MAX_QUERY = 32
 
 
 def _upload(host: dict[str, np.ndarray]) -> dict[str, mx.array]:
@@ -37,144 +47,208 @@ def _upload(host: dict[str, np.ndarray]) -> dict[str, mx.array]:
 
 
 @dataclass
+class PrefillSegment:
+    """One long prefill chunk: its rows in the batch and the pages its queries read."""
+
+    row_start: int
+    num_queries: int
+    first_query_pos: int
+    key_offset: int  # position of the first gathered key (0, or a page boundary before the window)
+    num_keys: int  # keys from key_offset to the segment's last token
+    block_table: mx.array  # (nb,) the pages holding those keys
+
+
+@dataclass
 class AttentionMetadata:
-    """The step's index tensors, built once (one upload) and shared by every layer."""
+    """One KV cache group's index tensors for one step (vLLM builds one per group), made on the host
+    and uploaded with the other groups' in one array."""
 
     num_tokens: int
     num_decodes: int
     pages_in_place: bool  # CUDA: reshape_and_cache writes the pages; else MLX scatters into them
-    input_ids: Optional[mx.array] = None  # (T,)
+    block_size: int
+    window: Optional[int] = None  # sliding window W, or None for full attention
     positions: Optional[mx.array] = None  # (T,)
-    logits_indices: Optional[mx.array] = None  # (S,) rows whose logits are sampled
-    placeholder_rows: Optional[mx.array] = None  # (R,) rows whose input token comes from the previous step
-    placeholder_src: Optional[mx.array] = None  # (R,) where in the previous step's sampled tokens
     slot_mapping: Optional[mx.array] = None  # (T,) block * block_size + offset of each new token (in place)
     write_blocks: Optional[mx.array] = None  # (T,) page of each new token (scatter)
     write_offsets: Optional[mx.array] = None  # (T,) slot inside that page (scatter)
+    # Decodes read their pages through decode_block_table, whose first page may be inside the
+    # sequence (a window's first page): decode_seq_lens count the keys from that page on.
     decode_block_table: Optional[mx.array] = None  # (Bd, nb)
-    decode_mask: Optional[mx.array] = None  # (Bd, 1, 1, nb * block_size) keys that exist (gather path)
     decode_seq_lens: Optional[mx.array] = None  # (Bd,)
-    num_prefill_tokens: int = 0
-    prefill_block_table: Optional[mx.array] = None  # (P, nb)
-    prefill_query_rows: Optional[mx.array] = None  # (P * Lmax,) flat row of each padded query slot
-    prefill_mask: Optional[mx.array] = None  # (P, 1, Lmax, nb * block_size) causal over prefix + new tokens
-    prefill_out_rows: Optional[mx.array] = None  # (Tp,) padded slot of each real prefill token
-    prefill_query_pos: Optional[mx.array] = None  # (P, Lmax) position of each padded query slot
-    prefill_max_query_len: int = 0
+    decode_mask: Optional[mx.array] = None  # (Bd, 1, 1, nb * block_size) keys each decode sees (gather path)
     use_decode_kernel: bool = False
     decode_splits: int = 1
     decode_split_tokens: Optional[mx.array] = None  # (1,)
+    segments: list[PrefillSegment] = field(default_factory=list)  # long prefill chunks, one by one
+    # Short prefill chunks, padded to the longest (P of them, Lmax queries, nb pages):
+    padded_block_table: Optional[mx.array] = None  # (P, nb)
+    padded_query_rows: Optional[mx.array] = None  # (P * Lmax,) batch row of each padded query slot
+    padded_out_rows: Optional[mx.array] = None  # (Tp,) padded slot of each real query
+    padded_mask: Optional[mx.array] = None  # (P, 1, Lmax, nb * block_size)
+    padded_max_query_len: int = 0
+    # Where each prefill row's output is among [segments..., padded] (None: already in row order).
+    prefill_order: Optional[mx.array] = None  # (Tp,)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_decodes
+
+
+@dataclass
+class StepMetadata:
+    """A step's model inputs and every group's attention metadata."""
+
+    input_ids: mx.array  # (T,)
+    logits_indices: mx.array  # (S,) rows whose logits are sampled
+    placeholder_rows: Optional[mx.array]  # (R,) rows whose input token comes from the previous step
+    placeholder_src: Optional[mx.array]  # (R,) where in the previous step's sampled tokens
+    groups: list[AttentionMetadata]
 
     @classmethod
-    def build(cls, so: SchedulerOutput, block_size: int, decode_kernel_kv_heads: int = 0) -> "AttentionMetadata":
-        """decode_kernel_kv_heads > 0: the CUDA kernels write the pages in place and decode rows
-        attend through the paged-decode kernel."""
-        T, nd = so.total_num_scheduled_tokens, so.num_decodes
-        in_place = decode_kernel_kv_heads > 0
+    def build(cls, so: SchedulerOutput, block_size: int, windows: list[Optional[int]],
+              kernel_kv_heads: Optional[list[int]] = None) -> "StepMetadata":
+        """windows: each group's sliding window (None: full attention). kernel_kv_heads: per group,
+        the KV heads the CUDA kernels run with (0 or None: no kernels, MLX scatters and gathers)."""
+        kernel_kv_heads = kernel_kv_heads or [0] * len(windows)
         host = dict(input_ids=so.input_ids, positions=so.positions, logits_indices=so.logits_indices)
         if len(so.placeholder_rows):
             host.update(placeholder_rows=so.placeholder_rows, placeholder_src=so.placeholder_src)
-        if in_place:
-            host.update(slot_mapping=so.slot_mapping)
+        builders = [_GroupBuilder(so, g, block_size, w, kernel_kv_heads[g]) for g, w in enumerate(windows)]
+        for g, b in enumerate(builders):
+            host.update({f"{g}.{k}": v for k, v in b.host.items()})
+        dev = _upload(host)
+        groups = [b.finish(dev, f"{g}.", dev["positions"]) for g, b in enumerate(builders)]
+        return cls(dev["input_ids"], dev["logits_indices"], dev.get("placeholder_rows"), dev.get("placeholder_src"),
+                   groups)
+
+
+class _GroupBuilder:
+    """The host half of one group's AttentionMetadata; `finish` makes it from the uploaded arrays."""
+
+    def __init__(self, so: SchedulerOutput, group: int, block_size: int, window: Optional[int], kernel_heads: int):
+        self.T, self.nd, self.bs, self.window = so.total_num_scheduled_tokens, so.num_decodes, block_size, window
+        self.in_place = kernel_heads > 0
+        table, slots = so.block_table[group], so.slot_mapping[group]
+        host: dict[str, np.ndarray] = {}
+        if self.in_place:
+            host["slot_mapping"] = slots
         else:
-            host.update(write_blocks=so.slot_mapping // block_size, write_offsets=so.slot_mapping % block_size)
-        splits = 1
-        if nd:
-            seq_lens = so.seq_lens[:nd]
-            nb = -(-int(seq_lens.max()) // block_size)
-            host.update(decode_block_table=so.block_table[:nd, :nb], decode_seq_lens=seq_lens)
-            if in_place:
-                splits, tokens = cuda_decode.num_splits(nd, decode_kernel_kv_heads, int(seq_lens.max()))
-                host.update(decode_split_tokens=np.array([tokens]))
-        if T > nd:
-            host.update(_prefill_indices(so, block_size))
-        md = cls(num_tokens=T, num_decodes=nd, pages_in_place=in_place, num_prefill_tokens=T - nd,
-                 use_decode_kernel=in_place and nd > 0, decode_splits=splits, **_upload(host))
-        if nd and not in_place:
-            md.decode_mask = length_mask(md.decode_seq_lens, md.decode_block_table.shape[1] * block_size)
-        if T > nd:
-            # Causal over the gathered keys, built on the device from the queries' positions.
-            num_keys = md.prefill_block_table.shape[1] * block_size
-            md.prefill_mask = (mx.arange(num_keys)[None, None, :] <= md.prefill_query_pos[:, :, None])[:, None]
-            md.prefill_max_query_len = md.prefill_query_pos.shape[1]
+            host.update(write_blocks=slots // block_size, write_offsets=slots % block_size)
+        self.splits = 1
+        if self.nd:
+            decode_table, decode_lens = _window_tables(table[:self.nd], so.seq_lens[:self.nd],
+                                                       so.seq_lens[:self.nd] - 1, block_size, window)
+            host.update(decode_block_table=decode_table, decode_seq_lens=decode_lens)
+            if self.in_place:
+                self.splits, tokens = cuda_decode.num_splits(self.nd, kernel_heads, int(decode_lens.max()))
+                host["decode_split_tokens"] = np.array([tokens])
+        self.long, self.short = [], []
+        if self.T > self.nd:
+            self._plan_prefill(so, table, host)
+        self.host = host
+
+    def _plan_prefill(self, so: SchedulerOutput, table: np.ndarray, host: dict) -> None:
+        nd, bs = self.nd, self.bs
+        qsl, seq_lens = so.query_start_loc, so.seq_lens
+        for s in range(nd, so.num_reqs):
+            n = int(qsl[s + 1] - qsl[s])
+            first_pos = int(seq_lens[s]) - n
+            first_key = 0 if self.window is None else max(0, first_pos - self.window + 1)
+            first_block, end_block = first_key // bs, cdiv(int(seq_lens[s]), bs)
+            seg = (int(qsl[s]), n, first_pos, first_block * bs, int(seq_lens[s]) - first_block * bs)
+            if n > PADDED_MAX_QUERY:
+                host[f"segment{len(self.long)}"] = table[s, first_block:end_block]
+                self.long.append(seg)
+            else:
+                self.short.append((seg, table[s, first_block:end_block]))
+        if self.short:
+            host.update(_padded_indices(self.short, bs))
+        if self.long and self.short and self.long[-1][0] > self.short[0][0][0]:  # not [long..., short...]
+            host["prefill_order"] = _prefill_order(self.long, [seg for seg, _ in self.short], nd)
+
+    def finish(self, dev: dict[str, mx.array], prefix: str, positions: mx.array) -> AttentionMetadata:
+        get = {k[len(prefix):]: v for k, v in dev.items() if k.startswith(prefix)}
+        md = AttentionMetadata(self.T, self.nd, self.in_place, self.bs, self.window, positions,
+                               slot_mapping=get.get("slot_mapping"), write_blocks=get.get("write_blocks"),
+                               write_offsets=get.get("write_offsets"),
+                               decode_block_table=get.get("decode_block_table"),
+                               decode_seq_lens=get.get("decode_seq_lens"),
+                               use_decode_kernel=self.in_place and self.nd > 0, decode_splits=self.splits,
+                               decode_split_tokens=get.get("decode_split_tokens"),
+                               prefill_order=get.get("prefill_order"))
+        if self.nd and not self.in_place:
+            md.decode_mask = decode_mask(md.decode_seq_lens, md.decode_block_table.shape[1] * self.bs, self.window)
+        md.segments = [PrefillSegment(*seg, block_table=get[f"segment{i}"]) for i, seg in enumerate(self.long)]
+        if self.short:
+            md.padded_block_table, md.padded_query_rows = get["padded_block_table"], get["padded_query_rows"]
+            md.padded_out_rows = get["padded_out_rows"]
+            q_pos, key_offset = get["padded_query_pos"], get["padded_key_offset"]
+            md.padded_max_query_len = q_pos.shape[1]
+            key_pos = key_offset[:, None, None] + mx.arange(md.padded_block_table.shape[1] * self.bs)[None, None, :]
+            md.padded_mask = _causal(key_pos, q_pos[:, :, None], self.window)[:, None]
         return md
 
 
-def _prefill_indices(so: SchedulerOutput, block_size: int) -> dict[str, np.ndarray]:
-    """Prefill segments padded to the longest: block table, query row of each padded slot, padded
-    slot of each real token, position of each padded slot's query."""
-    nd = so.num_decodes
-    qsl = so.query_start_loc[nd:]
-    q_lens = np.diff(qsl)
-    seq_lens = so.seq_lens[nd:]
-    L = int(q_lens.max())
-    nb = -(-int(seq_lens.max()) // block_size)
-    j = np.arange(L)
-    valid_q = j[None, :] < q_lens[:, None]  # (P, L)
-    rows = np.where(valid_q, qsl[:-1, None] + j[None, :], 0)
-    # Query j of a segment sits at position (seq_len - q_len + j) and sees keys up to it; a padded
-    # query sits at 0 and so sees one key, which keeps its softmax finite.
-    q_pos = np.where(valid_q, (seq_lens - q_lens)[:, None] + j[None, :], 0)
-    return dict(prefill_block_table=so.block_table[nd:, :nb], prefill_query_rows=rows.reshape(-1),
-                prefill_out_rows=np.flatnonzero(valid_q.reshape(-1)), prefill_query_pos=q_pos)
+def _window_tables(table: np.ndarray, seq_lens: np.ndarray, query_pos: np.ndarray, block_size: int,
+                   window: Optional[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Decode rows' block tables cut to the pages their query reads, and the key counts from each
+    table's first page. Full attention: every page. A window: from the page of its first key."""
+    if window is None:
+        return table[:, :cdiv(int(seq_lens.max()), block_size)], seq_lens
+    first_block = np.maximum(query_pos - window + 1, 0) // block_size
+    num_blocks = cdiv(window - 1, block_size) + 1
+    cols = first_block[:, None] + np.arange(num_blocks)[None, :]
+    cols = np.minimum(cols, table.shape[1] - 1)  # past the end: any page (masked off)
+    return np.take_along_axis(table, cols, axis=1), seq_lens - first_block * block_size
 
 
-class KVPool:
-    """Every layer's pages: keys and values each [num_blocks, n_kv_heads, block_size, head_dim]
-    (head-major inside a page, so that gathered pages are already in attention's layout).
-
-    The arrays live only in these lists: where MLX scatters the new K/V (no CUDA kernel), a second
-    Python reference would turn each page write into a copy of the whole pool.
-    """
-
-    def __init__(self, num_blocks: int, block_size: int, layer_specs: list[tuple[int, int, int, mx.Dtype]]):
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.keys = [mx.zeros((num_blocks, h, block_size, dk), dt) for h, dk, _, dt in layer_specs]
-        self.values = [mx.zeros((num_blocks, h, block_size, dv), dt) for h, _, dv, dt in layer_specs]
-        mx.eval(self.keys, self.values)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
-
-
-class PagedLayerCache:
-    """Stands in for mlx-lm's KVCache in one layer for one step."""
-
-    def __init__(self, layer: int, pool: KVPool, md: AttentionMetadata):
-        self.layer = layer
-        self.pool = pool
-        self.md = md
-        self.written: Optional[mx.array] = None  # reshape_and_cache's output: readers of the pages wait on it
-
-    @property
-    def offset(self) -> mx.array:
-        return self.md.positions
-
-    def make_mask(self, *args, **kwargs) -> None:
-        return None
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        md, i = self.md, self.layer
-        k_pages, v_pages = self.pool.keys, self.pool.values
-        if md.pages_in_place:
-            self.written = cuda_decode.reshape_and_cache(keys, values, k_pages[i], v_pages[i], md.slot_mapping)
-            return keys, values
-        # (T, n_kv, 1, D) -> (T, n_kv, D), scattered into the pages (in place when nothing else holds them).
-        k_pages[i][md.write_blocks, :, md.write_offsets] = as_dtype(keys[:, :, 0, :], k_pages[i].dtype)
-        v_pages[i][md.write_blocks, :, md.write_offsets] = as_dtype(values[:, :, 0, :], v_pages[i].dtype)
-        return keys, values
-
-    def attention(self, queries: mx.array, scale: float) -> mx.array:
-        """queries (T, n_heads, 1, D) -> (T, n_heads, 1, Dv), attending over pages."""
-        return paged_attention(queries, self.pool.keys[self.layer], self.pool.values[self.layer], self.md, scale,
-                               self.written)
+def _padded_indices(short: list, block_size: int) -> dict[str, np.ndarray]:
+    """Short prefill segments padded to the longest: block table, batch row of each padded query
+    slot, padded slot of each real query, each slot's query position and each segment's first key."""
+    P = len(short)
+    L = max(seg[1] for seg, _ in short)
+    nb = max(len(t) for _, t in short)
+    tables = np.zeros((P, nb), np.int32)
+    rows = np.zeros((P, L), np.int32)
+    q_pos = np.zeros((P, L), np.int32)
+    key_offset = np.array([seg[3] for seg, _ in short], np.int32)
+    valid = np.zeros((P, L), bool)
+    for p, ((row, n, first_pos, offset, _), t) in enumerate(short):
+        tables[p, :len(t)] = t
+        rows[p, :n] = row + np.arange(n)
+        # A padded slot's query sits at the segment's first key and so sees one key: its softmax
+        # stays finite.
+        q_pos[p] = offset
+        q_pos[p, :n] = first_pos + np.arange(n)
+        valid[p, :n] = True
+    return dict(padded_block_table=tables, padded_query_rows=rows.reshape(-1),
+                padded_out_rows=np.flatnonzero(valid.reshape(-1)), padded_query_pos=q_pos,
+                padded_key_offset=key_offset)
 
 
-def length_mask(seq_lens: mx.array, num_keys: int) -> mx.array:
-    """(B, 1, 1, num_keys): which of each sequence's gathered keys exist."""
-    return (mx.arange(num_keys)[None, :] < seq_lens[:, None])[:, None, None, :]
+def _prefill_order(long: list, short: list, nd: int) -> np.ndarray:
+    """For each prefill row in batch order, its index among the outputs laid out as [the long
+    segments' rows..., the short segments' rows...]."""
+    at, order = 0, {}
+    for seg in long + short:
+        order[seg[0]] = (at, seg[1])
+        at += seg[1]
+    return np.concatenate([np.arange(order[r][0], order[r][0] + order[r][1]) for r in sorted(order)])
+
+
+def _causal(key_pos: mx.array, query_pos: mx.array, window: Optional[int]) -> mx.array:
+    """Which keys each query sees: up to its own position, and within the window if there is one."""
+    mask = key_pos <= query_pos
+    if window is not None:
+        mask = mask & (key_pos > query_pos - window)
+    return mask
+
+
+def decode_mask(seq_lens: mx.array, num_keys: int, window: Optional[int]) -> mx.array:
+    """(B, 1, 1, num_keys): the gathered keys each decode row sees (its query is the last key)."""
+    key_pos = mx.arange(num_keys)[None, :]
+    return _causal(key_pos, (seq_lens - 1)[:, None], window)[:, None, None, :]
 
 
 def as_dtype(x: mx.array, dtype: mx.Dtype) -> mx.array:
@@ -189,38 +263,137 @@ def _gather(pages: mx.array, block_table: mx.array) -> mx.array:
     return pages[block_table].transpose(0, 2, 1, 3, 4).reshape(B, h, nb * bs, d)
 
 
-def paged_attention(queries: mx.array, k_pages: mx.array, v_pages: mx.array,
-                    md: AttentionMetadata, scale: float, written: Optional[mx.array] = None) -> mx.array:
+class KVPool:
+    """Every layer's pages, by layer index: keys and values each [num_blocks, n_kv_heads,
+    block_size, head_dim] in the number of blocks of the layer's group (head-major inside a page,
+    so that gathered pages are already in attention's layout); None for a layer that owns none.
+
+    The arrays live only in these lists: where MLX scatters the new K/V (no CUDA kernel), a second
+    Python reference would turn each page write into a copy of the whole pool.
+    """
+
+    def __init__(self, block_size: int, layers: list[tuple[int, tuple[int, int, int, mx.Dtype]]],
+                 num_layers: int):
+        """layers: (number of blocks, (n_kv_heads, k_dim, v_dim, dtype)) of every layer that owns pages."""
+        self.block_size = block_size
+        self.keys: list[Optional[mx.array]] = [None] * num_layers
+        self.values: list[Optional[mx.array]] = [None] * num_layers
+        for i, (num_blocks, (h, dk, dv, dt)) in layers:
+            self.keys[i] = mx.zeros((num_blocks, h, block_size, dk), dt)
+            self.values[i] = mx.zeros((num_blocks, h, block_size, dv), dt)
+        mx.eval([a for a in self.keys + self.values if a is not None])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.keys + self.values if a is not None)
+
+
+class PagedLayerCache:
+    """Stands in for mlx-lm's KVCache in one layer for one step. A shared layer's cache (`source`:
+    the cache of the layer whose K/V it reads) writes nothing and reads its source's pages."""
+
+    def __init__(self, layer: int, pool: KVPool, md: AttentionMetadata,
+                 source: Optional["PagedLayerCache"] = None):
+        self.layer = layer if source is None else source.layer
+        self.pool = pool
+        self.md = md
+        self.source = source
+        self.written: Optional[mx.array] = None  # reshape_and_cache's output: readers of the pages wait on it
+        self.asked_window: Optional[int] = None
+        self._new: tuple = (None, None)
+
+    @property
+    def offset(self) -> mx.array:
+        return self.md.positions
+
+    def make_mask(self, *args, window_size: Optional[int] = None, **kwargs) -> None:
+        self.asked_window = window_size or self.asked_window  # checked against the plan at load
+        return None
+
+    def keys_and_values(self) -> tuple:  # gemma3n's shared layers ask their source's cache for these
+        return self._new
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self.source is not None:
+            return keys, values
+        md, i = self.md, self.layer
+        k_pages, v_pages = self.pool.keys, self.pool.values
+        self._new = (keys, values)
+        if md.pages_in_place:
+            self.written = cuda_decode.reshape_and_cache(keys, values, k_pages[i], v_pages[i], md.slot_mapping)
+            return keys, values
+        # (T, n_kv, 1, D) -> (T, n_kv, D), scattered into the pages (in place when nothing else holds them).
+        k_pages[i][md.write_blocks, :, md.write_offsets] = as_dtype(keys[:, :, 0, :], k_pages[i].dtype)
+        v_pages[i][md.write_blocks, :, md.write_offsets] = as_dtype(values[:, :, 0, :], v_pages[i].dtype)
+        return keys, values
+
+    def attention(self, queries: mx.array, scale: float, sinks: Optional[mx.array] = None) -> mx.array:
+        """queries (T, n_heads, 1, D) -> (T, n_heads, 1, Dv), attending over pages."""
+        written = self.source.written if self.source is not None else self.written
+        return paged_attention(queries, self.pool.keys[self.layer], self.pool.values[self.layer], self.md, scale,
+                               written, sinks)
+
+
+def paged_attention(queries: mx.array, k_pages: mx.array, v_pages: mx.array, md: AttentionMetadata,
+                    scale: float, written: Optional[mx.array] = None, sinks: Optional[mx.array] = None) -> mx.array:
     """written: reshape_and_cache's output when the pages were written in place this step; every
     read of the pages below takes it as an input, which orders the read after the write."""
     outs = []
-    nd = md.num_decodes
-    if nd and md.use_decode_kernel and cuda_decode.supports(
-            queries.shape[3], queries.shape[1], k_pages.shape[1], k_pages.dtype):
-        q = queries.reshape(md.num_tokens, queries.shape[1], queries.shape[3])  # a view: no copy
-        o = cuda_decode.paged_decode(q[:nd] if nd < md.num_tokens else q, k_pages, v_pages, md.decode_block_table,
-                                     md.decode_seq_lens, scale, md.decode_splits, md.decode_split_tokens, written)
-        outs.append(as_dtype(o[:, :, None, :], queries.dtype))
-    elif nd:
-        if md.decode_mask is None:  # this layer's shape is not one the kernel takes
-            md.decode_mask = length_mask(md.decode_seq_lens, md.decode_block_table.shape[1] * k_pages.shape[2])
-        q = queries[:nd] if nd < md.num_tokens else queries
-        table = md.decode_block_table if written is None else md.decode_block_table + written
-        k = _gather(k_pages, table)
-        v = _gather(v_pages, table)
-        outs.append(as_dtype(mx.fast.scaled_dot_product_attention(
-            as_dtype(q, k.dtype), k, v, scale=scale, mask=md.decode_mask), queries.dtype))
+    if md.num_decodes:
+        q = queries[:md.num_decodes] if md.num_decodes < md.num_tokens else queries
+        outs.append(_decode_attention(q, k_pages, v_pages, md, scale, written, sinks))
     if md.num_prefill_tokens:
-        P, L = md.prefill_block_table.shape[0], md.prefill_max_query_len
-        H, D = queries.shape[1], queries.shape[3]
-        q = queries[:, :, 0, :][md.prefill_query_rows].reshape(P, L, H, D).transpose(0, 2, 1, 3)
-        table = md.prefill_block_table if written is None else md.prefill_block_table + written
-        k = _gather(k_pages, table)
-        v = _gather(v_pages, table)
-        o = mx.fast.scaled_dot_product_attention(as_dtype(q, k.dtype), k, v, scale=scale, mask=md.prefill_mask)
-        o = o.transpose(0, 2, 1, 3).reshape(P * L, H, -1)[md.prefill_out_rows]
-        outs.append(as_dtype(o[:, :, None, :], queries.dtype))
+        outs.append(_prefill_attention(queries[md.num_decodes:], k_pages, v_pages, md, scale, written, sinks))
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+
+
+def _decode_attention(q, k_pages, v_pages, md: AttentionMetadata, scale, written, sinks) -> mx.array:
+    nd, H, D = md.num_decodes, q.shape[1], q.shape[3]
+    if (md.use_decode_kernel and md.window is None and sinks is None
+            and cuda_decode.supports(D, H, k_pages.shape[1], k_pages.dtype)):
+        o = cuda_decode.paged_decode(q.reshape(nd, H, D), k_pages, v_pages, md.decode_block_table,
+                                     md.decode_seq_lens, scale, md.decode_splits, md.decode_split_tokens, written)
+        return as_dtype(o[:, :, None, :], q.dtype)
+    if md.decode_mask is None:  # this layer's shape or features are not ones the kernel takes
+        md.decode_mask = decode_mask(md.decode_seq_lens, md.decode_block_table.shape[1] * k_pages.shape[2], md.window)
+    table = md.decode_block_table if written is None else md.decode_block_table + written
+    k, v = _gather(k_pages, table), _gather(v_pages, table)
+    o = mx.fast.scaled_dot_product_attention(as_dtype(q, k.dtype), k, v, scale=scale, mask=md.decode_mask, sinks=sinks)
+    return as_dtype(o, q.dtype)
+
+
+def _prefill_attention(q, k_pages, v_pages, md: AttentionMetadata, scale, written, sinks) -> mx.array:
+    """q: the prefill rows (Tp, H, 1, D). Long segments attend one by one over exactly their keys,
+    with MLX's fused causal kernel (full attention) or a band mask of the window's size; short ones
+    together, padded."""
+    H, D = q.shape[1], q.shape[3]
+    outs = []
+    for seg in md.segments:
+        rows = q[seg.row_start - md.num_decodes:seg.row_start - md.num_decodes + seg.num_queries]
+        table = seg.block_table[None] if written is None else seg.block_table[None] + written
+        k = _gather(k_pages, table)[:, :, :seg.num_keys]
+        v = _gather(v_pages, table)[:, :, :seg.num_keys]
+        if md.window is None:
+            mask = "causal"  # aligned to the last key: query j sees keys up to num_keys - num_queries + j
+        else:
+            key_pos = mx.arange(seg.key_offset, seg.key_offset + seg.num_keys)[None, :]
+            query_pos = mx.arange(seg.first_query_pos, seg.first_query_pos + seg.num_queries)[:, None]
+            mask = _causal(key_pos, query_pos, md.window)
+        o = mx.fast.scaled_dot_product_attention(as_dtype(rows[:, :, 0, :].transpose(1, 0, 2)[None], k.dtype), k, v,
+                                                 scale=scale, mask=mask, sinks=sinks)
+        outs.append(o[0].transpose(1, 0, 2))
+    if md.padded_block_table is not None:
+        P, L = md.padded_block_table.shape[0], md.padded_max_query_len
+        padded = q[:, :, 0, :][md.padded_query_rows - md.num_decodes].reshape(P, L, H, D).transpose(0, 2, 1, 3)
+        table = md.padded_block_table if written is None else md.padded_block_table + written
+        k, v = _gather(k_pages, table), _gather(v_pages, table)
+        o = mx.fast.scaled_dot_product_attention(as_dtype(padded, k.dtype), k, v, scale=scale, mask=md.padded_mask,
+                                                 sinks=sinks)
+        outs.append(o.transpose(0, 2, 1, 3).reshape(P * L, H, -1)[md.padded_out_rows])
+    o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+    if md.prefill_order is not None:
+        o = o[md.prefill_order]
+    return as_dtype(o[:, :, None, :], q.dtype)
 
 
 # ---- routing mlx-lm's attention call to the pages --------------------------------------------
@@ -231,9 +404,7 @@ _SDPA_NAME = "scaled_dot_product_attention"
 def _make_dispatch(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None, **kwargs):
         if isinstance(cache, PagedLayerCache):
-            if sinks is not None:
-                raise NotImplementedError("attention sinks are not supported on pages")
-            return cache.attention(queries, scale)
+            return cache.attention(queries, scale, sinks)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks, **kwargs)
 
     scaled_dot_product_attention._pagedmlx_original = original

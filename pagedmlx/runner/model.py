@@ -2,92 +2,113 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from pagedmlx.config import EngineConfig
+from pagedmlx.kv.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec,
+                              sliding_pool_blocks)
 from pagedmlx.runner import cuda_decode
-from pagedmlx.runner.attention import AttentionMetadata, KVPool, PagedLayerCache, install_paged_attention
+from pagedmlx.runner.attention import KVPool, PagedLayerCache, StepMetadata, install_paged_attention
+from pagedmlx.runner.plan import UnsupportedModelError, model_type, plan_layers
 from pagedmlx.scheduler_output import SchedulerOutput
 
-
-class UnsupportedModelError(ValueError):
-    pass
+__all__ = ["ModelRunner", "Runner", "UnsupportedModelError", "model_type"]
 
 
-class _ShapeProbe:
-    """A cache that records each layer's K/V shapes and attends over the new tokens only."""
+class Runner(Protocol):
+    """What the engine asks of a runner (ModelRunner here; tp/driver.py's TPDriver on rank 0)."""
 
-    def __init__(self):
-        self.offset = 0
-        self.spec = None
+    kv_cache_config: KVCacheConfig
+    vocab_size: int
+    pages_in_place: bool
 
-    def make_mask(self, *args, **kwargs):
-        return None
-
-    def update_and_fetch(self, keys, values):
-        self.spec = (keys.shape[1], keys.shape[3], values.shape[3], keys.dtype)
-        return keys, values
-
-
-def model_type(model: nn.Module) -> str:
-    args = getattr(model, "args", None)
-    return getattr(args, "model_type", None) or getattr(model, "model_type", None) or type(model).__module__
-
-
-def _check_cache_types(model: nn.Module) -> int:
-    """Refuse models whose layers need more than a plain KV cache. Returns the number of layers."""
-    from mlx_lm.models.cache import KVCache, make_prompt_cache
-
-    caches = make_prompt_cache(model)
-    for i, c in enumerate(caches):
-        if type(c) is not KVCache:
-            kind = {"RotatingKVCache": "sliding-window attention",
-                    "ArraysCache": "recurrent (SSM / linear attention) state",
-                    "MambaCache": "recurrent (SSM) state"}.get(type(c).__name__, type(c).__name__)
-            raise UnsupportedModelError(
-                f"model type {model_type(model)!r} is not supported yet: layer {i} needs {kind} "
-                f"({type(c).__name__}), which pagedmlx does not keep in pages")
-    return len(caches)
+    def forward(self, so: SchedulerOutput, prev_sampled: Optional[mx.array] = None) -> mx.array: ...
 
 
 class ModelRunner:
-    """Owns the model and its page pool; turns a SchedulerOutput into the logits of sampled rows."""
+    """Owns the model and its page pools; turns a SchedulerOutput into the logits of sampled rows."""
 
-    def __init__(self, model: nn.Module, block_size: int, num_blocks: Optional[int] = None,
-                 kv_cache_memory_gb: float = 2.0, verify: bool = True):
+    def __init__(self, model: nn.Module, config: EngineConfig, verify: bool = True):
         self.model = model
-        self.block_size = block_size
-        self.num_layers = _check_cache_types(model)
+        self.block_size = config.block_size
+        self.plan, self.vocab_size = plan_layers(model)
         if install_paged_attention(model) == 0:
             raise UnsupportedModelError(
                 f"model type {model_type(model)!r} does not call mlx-lm's scaled_dot_product_attention")
         self._body, self._head = self._split_head()
-        self.layer_specs = self._probe_layer_specs()
+        self.kv_cache_config = self._kv_cache_config(config)
+        self.windows = [g.sliding_window for g in self.kv_cache_config.kv_cache_groups]
+        self.group_of = {i: g for g, group in enumerate(self.kv_cache_config.kv_cache_groups) for i in group.layer_ids}
         # Where the CUDA kernels run, they write the pages in place and decode rows read them through
         # the block table; elsewhere MLX scatters the writes and gathers the pages.
-        self.decode_kernel_kv_heads = self.layer_specs[0][0] if cuda_decode.is_available() else 0
+        self.kernel_kv_heads = ([self.plan[g.layer_ids[0]].spec[0] for g in self.kv_cache_config.kv_cache_groups]
+                                if cuda_decode.is_available() else [0] * len(self.windows))
         if verify:
             self._verify_against_mlx_lm()
-        if num_blocks is None:
-            num_blocks = max(2, int(kv_cache_memory_gb * 1e9) // self.bytes_per_block)
-        self.kv_pool = KVPool(num_blocks, block_size, self.layer_specs)
+        self.kv_pool = self.make_pool(self.kv_cache_config)
 
     @property
     def pages_in_place(self) -> bool:
         """Pages written by a kernel in place (CUDA): a step may be dispatched while the previous
         one still runs. Elsewhere MLX scatters into the pools, which copies a pool that anything
         else (a step in flight) still references."""
-        return self.decode_kernel_kv_heads > 0
+        return any(self.kernel_kv_heads)
+
+    @property
+    def layer_specs(self) -> list[tuple[int, int, int, mx.Dtype]]:
+        """(n_kv_heads, k_dim, v_dim, dtype) of every layer that owns pages."""
+        return [p.spec for p in self.plan if p.kind != "shared"]
 
     @property
     def num_blocks(self) -> int:
-        return self.kv_pool.num_blocks
+        return self.kv_cache_config.kv_cache_groups[0].num_blocks
+
+    def group_bytes_per_block(self, group: KVCacheGroupSpec) -> int:
+        return sum(self.block_size * h * (dk + dv) * dt.size for h, dk, dv, dt in (self.plan[i].spec for i in group.layer_ids))
 
     @property
     def bytes_per_block(self) -> int:
-        return sum(self.block_size * h * (dk + dv) * dt.size for h, dk, dv, dt in self.layer_specs)
+        """Bytes of one block of the first group (the only group of a plain-attention model)."""
+        return self.group_bytes_per_block(self.kv_cache_config.kv_cache_groups[0])
+
+    def _kv_cache_config(self, config: EngineConfig) -> KVCacheConfig:
+        """KV cache groups by layer kind (full first), sized: sliding groups get what their windows
+        can hold at once (sliding_pool_blocks), never more than the full group; the full group gets
+        config.num_blocks, or the rest of kv_cache_memory_gb. Without a full-attention group every
+        group is sized like one."""
+        by_spec: dict = {}
+        for i, layer in enumerate(self.plan):
+            if layer.kind != "shared":
+                spec = FullAttentionSpec() if layer.kind == "full" else SlidingWindowSpec(layer.window)
+                by_spec.setdefault(spec, []).append(i)
+        specs = sorted(by_spec, key=lambda s: getattr(s, "sliding_window", 0))
+        groups = [KVCacheGroupSpec(s, 0, tuple(by_spec[s])) for s in specs]
+        has_full = FullAttentionSpec() in by_spec
+        caps = [None if not has_full or g.sliding_window is None else
+                sliding_pool_blocks(g.sliding_window, self.block_size, config.max_num_seqs,
+                                    config.max_num_batched_tokens) for g in groups]
+        bpb = [self.group_bytes_per_block(g) for g in groups]
+
+        def sized(n: int) -> list[int]:
+            return [n if cap is None else min(n + 1, cap) for cap in caps]
+
+        n = config.num_blocks
+        if n is None:  # the most full-group blocks whose groups fit the memory budget
+            budget, lo, hi = int(config.kv_cache_memory_gb * 1e9), 2, 1 << 40
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if sum(c * b for c, b in zip(sized(mid), bpb)) <= budget else (lo, mid - 1)
+            n = lo
+        for g, count, b in zip(groups, sized(n), bpb):
+            g.num_blocks, g.page_size_bytes = max(count, 2), b
+        return KVCacheConfig(self.block_size, groups)
+
+    def make_pool(self, kv_cache_config: KVCacheConfig) -> KVPool:
+        layers = [(i, (g.num_blocks, self.plan[i].spec)) for g in kv_cache_config.kv_cache_groups for i in g.layer_ids]
+        return KVPool(self.block_size, layers, len(self.plan))
 
     def _split_head(self) -> tuple[Optional[Callable], Optional[Callable]]:
         """Find the transformer body and LM head so that only sampled rows are projected to the
@@ -103,25 +124,28 @@ class ModelRunner:
             return body, body.embed_tokens.as_linear
         return None, None
 
-    def _probe_layer_specs(self) -> list[tuple[int, int, int, mx.Dtype]]:
-        probes = [_ShapeProbe() for _ in range(self.num_layers)]
-        logits = self.model(mx.array([[1]]), cache=probes)
-        mx.eval(logits)
-        self.vocab_size = logits.shape[-1]
-        if any(p.spec is None for p in probes):
-            raise UnsupportedModelError(
-                f"model type {model_type(self.model)!r}: some layers never wrote K/V through their cache")
-        return [p.spec for p in probes]
+    def make_caches(self, md: StepMetadata, pool: KVPool) -> list[PagedLayerCache]:
+        """One cache per planned layer; a shared layer's reads its source's pages."""
+        caches: list[PagedLayerCache] = []
+        for i, layer in enumerate(self.plan):
+            if layer.kind == "shared":
+                source = caches[layer.source]
+                caches.append(PagedLayerCache(i, pool, source.md, source=source))
+            else:
+                caches.append(PagedLayerCache(i, pool, md.groups[self.group_of[i]]))
+        return caches
 
-    def forward(self, so: SchedulerOutput, prev_sampled: Optional[mx.array] = None) -> mx.array:
+    def forward(self, so: SchedulerOutput, prev_sampled: Optional[mx.array] = None,
+                kv_pool: Optional[KVPool] = None) -> mx.array:
         """Logits (S, V) of the rows in so.logits_indices. `prev_sampled`: the previous step's
-        sampled tokens, still on the device, for the rows in so.placeholder_rows.
+        sampled tokens, still on the device, for the rows in so.placeholder_rows. `kv_pool`: other
+        pages than the runner's own (the load-time check's scratch pool).
 
         Lazy where MLX scatters the pages. Where kernels write them in place, the step is
         dispatched (mx.async_eval) before this returns: MLX sees no dependency between one step's
         page reads and the next step's writes, so steps must reach the device in order."""
-        md = AttentionMetadata.build(so, self.block_size, self.decode_kernel_kv_heads)
-        caches = [PagedLayerCache(i, self.kv_pool, md) for i in range(self.num_layers)]
+        md = StepMetadata.build(so, self.block_size, self.windows, self.kernel_kv_heads)
+        caches = self.make_caches(md, kv_pool or self.kv_pool)
         inputs = md.input_ids
         if md.placeholder_rows is not None:
             inputs = mx.put_along_axis(inputs, md.placeholder_rows,
@@ -137,8 +161,8 @@ class ModelRunner:
         return logits
 
     def _verify_against_mlx_lm(self) -> None:
-        """Run a short mixed step on pages and compare with mlx-lm's own KVCache; fall back to the
-        whole model call if the split head disagrees, refuse the model if pages disagree."""
+        """Run a short busy schedule on scratch pages and compare with mlx-lm's own caches; fall back
+        to the whole model call if the split head disagrees, refuse the model if pages disagree."""
         from pagedmlx.runner.selfcheck import check_paged_forward
 
         err = check_paged_forward(self)
@@ -148,4 +172,5 @@ class ModelRunner:
         if err is not None:
             raise UnsupportedModelError(
                 f"model type {model_type(self.model)!r} gives different logits on pages than with "
-                f"mlx-lm's KVCache ({err}); refusing to serve wrong tokens")
+                f"mlx-lm's own cache ({err}); refusing to serve wrong tokens")
+

@@ -1,4 +1,4 @@
-"""Load-time check that a model gives on pages the logits it gives with mlx-lm's own KVCache."""
+"""Load-time check that a model gives on pages the logits it gives with mlx-lm's own caches."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING, Optional
 import mlx.core as mx
 import numpy as np
 
+from pagedmlx.kv.manager import KVCacheManager
+from pagedmlx.kv.spec import KVCacheConfig, KVCacheGroupSpec, cdiv
 from pagedmlx.request import Request
-from pagedmlx.runner.attention import KVPool
 from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.scheduler_output import build_scheduler_output
 
@@ -17,45 +18,87 @@ if TYPE_CHECKING:
 
 # float32: 5e-3, not less: on tensor-core GPUs MLX multiplies float32 in TF32 by default
 # (MLX_ENABLE_TF32), and the paged and mlx-lm passes round differently (1.06e-3 seen on an H200).
-# A wrong page or position shows up as an O(1) difference.
+# A wrong page, position or window shows up as an O(1) difference.
 _TOLERANCE = {mx.float32: 5e-3, mx.float16: 3e-2, mx.bfloat16: 6e-2}
 
 
+def _schedule(block_size: int, window: int, vocab: int) -> tuple[dict[str, list[int]], list[list[tuple[str, int]]]]:
+    """Prompts and steps: "a" longer than the largest window plus two blocks, in three chunks (the
+    first ends inside the window, the last starts a window past it, so pages behind the window are
+    freed and never read again); "c" short, then decoded; "b" a 1-token prompt, then decoded."""
+    span = max(window, 2 * block_size)
+    first = max(2, window // 2 + 1)
+    length = span + 2 * block_size + 3
+    rng = np.random.default_rng(0)
+    a = rng.integers(1, vocab, length).tolist()
+    second = min(length - 1, first + span)
+    steps = [[("a", first), ("c", 3)], [("a", second - first), ("b", 1), ("c", 1)],
+             [("a", length - second), ("c", 1), ("b", 1)]]
+    return {"a": a, "b": [5, 2, 7], "c": [3, 1, 4, 1, 5]}, steps
+
+
 def check_paged_forward(runner: "ModelRunner") -> Optional[str]:
-    """Two steps on a scratch pool: a chunked prefill continued over its cached prefix, next to a
-    fresh one-token prompt and a decode. Returns None if every logit row matches mlx-lm within the
-    dtype's tolerance (relative to the logits' scale), else a description of the mismatch."""
+    """A busy schedule on a scratch pool: chunked prefill across a window, a 1-token prompt and
+    decodes. Returns None if every compared logit row matches mlx-lm within the dtype's tolerance
+    (relative to the logits' scale), else a description of the mismatch."""
+    bs = runner.block_size
+    window = max((w for w in runner.windows if w), default=0)
+    tokens, steps = _schedule(bs, window, runner.vocab_size)
+    fed = {"a": len(tokens["a"]), "b": 1, "c": 3}  # prompt lengths; the rest is fed one per decode
+    reqs = {k: Request(k, t[:fed[k]], SamplingParams(max_tokens=8)) for k, t in tokens.items()}
+    num_blocks = sum(cdiv(len(t), bs) for t in tokens.values()) + 2
+    config = KVCacheConfig(bs, [KVCacheGroupSpec(g.kv_cache_spec, num_blocks + 1, g.layer_ids)
+                                for g in runner.kv_cache_config.kv_cache_groups])
+    manager, pool = KVCacheManager(config, enable_caching=False), runner.make_pool(config)
+    got: dict[str, dict[int, mx.array]] = {k: {} for k in tokens}
+    for step in steps:
+        for rid, n in step:
+            req = reqs[rid]
+            while req.num_computed_tokens + n > req.num_tokens:  # a decode: feed the next fixed token
+                req.append_output_token(tokens[rid][req.num_tokens])
+            if manager.allocate_slots(req, n) is None:
+                return "the scratch pool was too small (a bug in the check)"
+        so = build_scheduler_output([(reqs[r], n) for r, n in step], manager.get_block_ids, bs, [], set())
+        rows = _compared_rows(so)
+        so.logits_indices = np.asarray(sorted(rows), np.int32)
+        logits = runner.forward(so, kv_pool=pool).astype(mx.float32)
+        for j, row in enumerate(so.logits_indices.tolist()):
+            rid, pos = rows[row]
+            got[rid][pos] = logits[j]
+        for rid, n in step:
+            reqs[rid].num_computed_tokens += n
+    tol = _TOLERANCE.get(runner.layer_specs[0][3], 6e-2)
+    for rid, t in tokens.items():
+        want = _mlx_lm_logits(runner.model, t, sorted(got[rid]), [n for s in steps for r, n in s if r == rid])
+        for pos, row in got[rid].items():
+            scale = mx.abs(want[pos]).max().item() or 1.0
+            err = mx.abs(row - want[pos]).max().item() / scale
+            if not err <= tol:
+                return f"prompt {rid!r} position {pos}: max relative logit difference {err:.2e} > {tol:.0e}"
+    return None
+
+
+def _compared_rows(so) -> dict[int, tuple[str, int]]:
+    """Row -> (request, position): each scheduled chunk's first and last two rows."""
+    rows = {}
+    for i, rid in enumerate(so.req_ids):
+        start, end = int(so.query_start_loc[i]), int(so.query_start_loc[i + 1])
+        first_pos = int(so.seq_lens[i]) - (end - start)
+        for r in {start, max(start, end - 2), end - 1}:
+            rows[r] = (rid, first_pos + r - start)
+    return rows
+
+
+def _mlx_lm_logits(model, tokens: list[int], positions: list[int], chunks: list[int]) -> dict[int, mx.array]:
+    """mlx-lm's own logits at `positions`, running `tokens` through its caches in the same chunks."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    bs = runner.block_size
-    prompts = {"a": [1, 2, 3, 4, 5, 6, 7], "b": [5], "c": [3, 1, 4]}
-    reqs = {k: Request(k, p, SamplingParams(max_tokens=1)) for k, p in prompts.items()}
-    block_ids, next_block = {}, 0
-    for k, p in prompts.items():
-        n = -(-len(p) // bs)
-        block_ids[k] = list(range(next_block, next_block + n))
-        next_block += n
-    saved_pool = getattr(runner, "kv_pool", None)
-    runner.kv_pool = KVPool(next_block, bs, runner.layer_specs)
-    try:
-        got = {k: [] for k in prompts}
-        for step in ([("a", 4), ("c", 2)], [("a", 3), ("b", 1), ("c", 1)]):
-            sched = [(reqs[k], n) for k, n in step]
-            so = build_scheduler_output(sched, block_ids, bs, [], set())
-            so.logits_indices = np.arange(so.total_num_scheduled_tokens, dtype=np.int32)
-            logits = runner.forward(so).astype(mx.float32)
-            for i, rid in enumerate(so.req_ids):
-                start = so.query_start_loc[i]
-                got[rid].append(logits[start:start + so.num_scheduled_tokens[i]])
-                reqs[rid].num_computed_tokens += so.num_scheduled_tokens[i]
-    finally:
-        runner.kv_pool = saved_pool
-    for k, p in prompts.items():
-        want = runner.model(mx.array([p]), cache=make_prompt_cache(runner.model))[0].astype(mx.float32)
-        have = mx.concatenate(got[k], axis=0)
-        scale = mx.abs(want).max().item() or 1.0
-        err = mx.abs(have - want).max().item() / scale
-        tol = _TOLERANCE.get(runner.layer_specs[0][3], 6e-2)
-        if not err <= tol:
-            return f"prompt {k!r}: max relative logit difference {err:.2e} > {tol:.0e}"
-    return None
+    cache, out, start = make_prompt_cache(model), {}, 0
+    for n in chunks:
+        logits = model(mx.array([tokens[start:start + n]]), cache=cache)[0].astype(mx.float32)
+        for pos in positions:
+            if start <= pos < start + n:
+                out[pos] = logits[pos - start]
+        mx.eval(list(out.values()))
+        start += n
+    return out

@@ -34,9 +34,7 @@ class EngineSnapshot:
     num_running: int
     num_waiting: int
     kv_usage: float
-    num_blocks: int
-    num_free_blocks: int
-    num_cached_free_blocks: int
+    groups: list[tuple[str, int, int, int]]  # per KV cache group: (name, blocks, free, cached free)
     prefix_queries: int
     prefix_hits: int
     num_preemptions: int
@@ -49,10 +47,12 @@ class EngineSnapshot:
     @classmethod
     def take(cls, engine: LLMEngine) -> "EngineSnapshot":
         kv = engine.kv_cache_manager
-        pool = kv.block_pool
+        groups = [(spec.name, m.block_pool.num_blocks, m.block_pool.get_num_free_blocks(),
+                   m.block_pool.num_cached_free_blocks())
+                  for spec, m in zip(kv.kv_cache_config.kv_cache_groups, kv.managers)]
         s = engine.stats
-        return cls(len(engine.scheduler.running), len(engine.scheduler.waiting), kv.usage, pool.num_blocks,
-                   pool.get_num_free_blocks(), pool.num_cached_free_blocks(), kv.stats.queries, kv.stats.hits,
+        return cls(len(engine.scheduler.running), len(engine.scheduler.waiting), kv.usage, groups,
+                   kv.stats.queries, kv.stats.hits,
                    engine.scheduler.num_preemptions, s.num_steps, s.schedule_s, s.forward_s, s.update_s,
                    s.num_tokens)
 
@@ -75,10 +75,15 @@ class ServerMetrics:
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.blocks_total = gauge("pagedmlx:kv_blocks_total", "KV-cache blocks in the page pool.")
-        self.blocks_free = gauge("pagedmlx:kv_blocks_free", "Free KV-cache blocks (cached or not).")
-        self.blocks_cached_free = gauge("pagedmlx:kv_blocks_cached_free",
-                                        "Free KV-cache blocks that still hold a reusable prefix.")
+        # One series per KV cache group ("full", "sliding 1024", ...): each group has its own pool.
+        group_labels = ["model_name", "kv_cache_group"]
+        self.blocks_total = Gauge("pagedmlx:kv_blocks_total", "KV-cache blocks in the group's page pool.",
+                                  group_labels, registry=r)
+        self.blocks_free = Gauge("pagedmlx:kv_blocks_free", "Free KV-cache blocks (cached or not).", group_labels,
+                                 registry=r)
+        self.blocks_cached_free = Gauge("pagedmlx:kv_blocks_cached_free",
+                                        "Free KV-cache blocks that still hold a reusable prefix.", group_labels,
+                                        registry=r)
         self._engine_counters = {
             "prefix_queries": counter("vllm:prefix_cache_queries",
                                       "Prefix cache queries, in terms of number of queried tokens."),
@@ -126,9 +131,10 @@ class ServerMetrics:
         self.running.set(snap.num_running)
         self.waiting.set(snap.num_waiting)
         self.kv_usage.set(snap.kv_usage)
-        self.blocks_total.set(snap.num_blocks)
-        self.blocks_free.set(snap.num_free_blocks)
-        self.blocks_cached_free.set(snap.num_cached_free_blocks)
+        for name, total, free, cached in snap.groups:
+            self.blocks_total.labels(self._model, name).set(total)
+            self.blocks_free.labels(self._model, name).set(free)
+            self.blocks_cached_free.labels(self._model, name).set(cached)
         for name, counter in self._engine_counters.items():
             total = getattr(snap, name)
             if total > self._seen[name]:

@@ -53,7 +53,7 @@ def _field_layout() -> list[tuple[str, str]]:
 
 
 _LAYOUT = _field_layout()
-_SLOTS = {"array": 3, "scalar": 1, "ints": 1, "names": 1, "nameset": 1}  # header ints per field
+_SLOTS = {"array": 4, "scalar": 1, "ints": 1, "names": 1, "nameset": 1}  # header ints per field
 HEADER_LEN = 4 + sum(_SLOTS[k] for _, k in _LAYOUT)  # magic, kind, seq, payload length, fields
 
 
@@ -67,8 +67,8 @@ def pack(kind: int, seq: int, so: Optional[SchedulerOutput] = None) -> tuple[np.
         v = getattr(so, name)
         if k == "array":
             a = np.asarray(v)
-            if a.dtype.kind not in "iu" or a.ndim > 2:
-                raise TypeError(f"SchedulerOutput.{name}: only integer arrays of rank <= 2 travel")
+            if a.dtype.kind not in "iu" or a.ndim > 3:
+                raise TypeError(f"SchedulerOutput.{name}: only integer arrays of rank <= 3 travel")
             header[i:i + 1 + a.ndim] = (a.ndim, *a.shape)
             parts.append(a.astype(np.int32, copy=False).reshape(-1))
         elif k == "ints":

@@ -89,7 +89,7 @@ def announce(runner: ModelRunner, group: mx.distributed.Group) -> list[str]:
 
 def build_runner(model: nn.Module, config: EngineConfig, verify: bool = True) -> ModelRunner:
     """The same runner on every rank (its load-time check runs the sharded model: in step)."""
-    return ModelRunner(model, config.block_size, config.num_blocks, config.kv_cache_memory_gb, verify=verify)
+    return ModelRunner(model, config, verify=verify)
 
 
 # ---- rank 0 --------------------------------------------------------------------------------------
