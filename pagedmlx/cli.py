@@ -8,6 +8,8 @@ import os
 import sys
 from typing import Callable, Optional, Sequence
 
+from pagedmlx.doctor import add_doctor_parser, run_doctor
+
 
 def backend_name() -> str:
     import mlx.core as mx
@@ -240,6 +242,7 @@ SUBCOMMANDS: dict[str, tuple[Callable[[argparse._SubParsersAction], None], Calla
     "serve": (add_serve_parser, run_serve),
     "generate": (add_generate_parser, run_generate),
     "blocks": (add_blocks_parser, run_blocks),
+    "doctor": (add_doctor_parser, run_doctor),
 }
 
 

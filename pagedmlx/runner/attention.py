@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from pagedmlx.runner import cuda_decode
+from pagedmlx.runner import paged_kernels
 from pagedmlx.scheduler_output import SchedulerOutput
 
 
@@ -42,7 +42,7 @@ class AttentionMetadata:
 
     num_tokens: int
     num_decodes: int
-    pages_in_place: bool  # CUDA: reshape_and_cache writes the pages; else MLX scatters into them
+    pages_in_place: bool  # reshape_and_cache writes the pages (CUDA); else MLX scatters into them
     input_ids: Optional[mx.array] = None  # (T,)
     positions: Optional[mx.array] = None  # (T,)
     logits_indices: Optional[mx.array] = None  # (S,) rows whose logits are sampled
@@ -66,11 +66,13 @@ class AttentionMetadata:
     decode_split_tokens: Optional[mx.array] = None  # (1,)
 
     @classmethod
-    def build(cls, so: SchedulerOutput, block_size: int, decode_kernel_kv_heads: int = 0) -> "AttentionMetadata":
-        """decode_kernel_kv_heads > 0: the CUDA kernels write the pages in place and decode rows
-        attend through the paged-decode kernel."""
+    def build(cls, so: SchedulerOutput, block_size: int, decode_kernel_kv_heads: int = 0,
+              pages_in_place: bool = False) -> "AttentionMetadata":
+        """decode_kernel_kv_heads > 0: decode rows attend through the paged-decode kernel (split for
+        that many kv heads); pages_in_place: the page-write kernel writes the pages."""
         T, nd = so.total_num_scheduled_tokens, so.num_decodes
-        in_place = decode_kernel_kv_heads > 0
+        in_place = pages_in_place
+        use_kernel = decode_kernel_kv_heads > 0 and nd > 0
         host = dict(input_ids=so.input_ids, positions=so.positions, logits_indices=so.logits_indices)
         if len(so.placeholder_rows):
             host.update(placeholder_rows=so.placeholder_rows, placeholder_src=so.placeholder_src)
@@ -83,14 +85,14 @@ class AttentionMetadata:
             seq_lens = so.seq_lens[:nd]
             nb = -(-int(seq_lens.max()) // block_size)
             host.update(decode_block_table=so.block_table[:nd, :nb], decode_seq_lens=seq_lens)
-            if in_place:
-                splits, tokens = cuda_decode.num_splits(nd, decode_kernel_kv_heads, int(seq_lens.max()))
+            if use_kernel:
+                splits, tokens = paged_kernels.num_splits(nd, decode_kernel_kv_heads, int(seq_lens.max()))
                 host.update(decode_split_tokens=np.array([tokens]))
         if T > nd:
             host.update(_prefill_indices(so, block_size))
         md = cls(num_tokens=T, num_decodes=nd, pages_in_place=in_place, num_prefill_tokens=T - nd,
-                 use_decode_kernel=in_place and nd > 0, decode_splits=splits, **_upload(host))
-        if nd and not in_place:
+                 use_decode_kernel=use_kernel, decode_splits=splits, **_upload(host))
+        if nd and not use_kernel:
             md.decode_mask = length_mask(md.decode_seq_lens, md.decode_block_table.shape[1] * block_size)
         if T > nd:
             # Causal over the gathered keys, built on the device from the queries' positions.
@@ -159,22 +161,28 @@ class PagedLayerCache:
         md, i = self.md, self.layer
         k_pages, v_pages = self.pool.keys, self.pool.values
         if md.pages_in_place:
-            self.written = cuda_decode.reshape_and_cache(keys, values, k_pages[i], v_pages[i], md.slot_mapping)
+            self.written = paged_kernels.reshape_and_cache(keys, values, k_pages[i], v_pages[i], md.slot_mapping)
             return keys, values
         # (T, n_kv, 1, D) -> (T, n_kv, D), scattered into the pages (in place when nothing else holds them).
         k_pages[i][md.write_blocks, :, md.write_offsets] = as_dtype(keys[:, :, 0, :], k_pages[i].dtype)
         v_pages[i][md.write_blocks, :, md.write_offsets] = as_dtype(values[:, :, 0, :], v_pages[i].dtype)
         return keys, values
 
-    def attention(self, queries: mx.array, scale: float) -> mx.array:
+    def attention(self, queries: mx.array, scale: float, window: Optional[int] = None,
+                  sinks: Optional[mx.array] = None) -> mx.array:
         """queries (T, n_heads, 1, D) -> (T, n_heads, 1, Dv), attending over pages."""
         return paged_attention(queries, self.pool.keys[self.layer], self.pool.values[self.layer], self.md, scale,
-                               self.written)
+                               self.written, window, sinks)
 
 
-def length_mask(seq_lens: mx.array, num_keys: int) -> mx.array:
-    """(B, 1, 1, num_keys): which of each sequence's gathered keys exist."""
-    return (mx.arange(num_keys)[None, :] < seq_lens[:, None])[:, None, None, :]
+def length_mask(seq_lens: mx.array, num_keys: int, window: Optional[int] = None) -> mx.array:
+    """(B, 1, 1, num_keys): which of each sequence's gathered keys exist (and, under a sliding
+    window, are among its last `window`: the decode query sits at position seq_len - 1)."""
+    pos = mx.arange(num_keys)[None, :]
+    keep = pos < seq_lens[:, None]
+    if window:
+        keep = keep & (pos >= seq_lens[:, None] - window)
+    return keep[:, None, None, :]
 
 
 def as_dtype(x: mx.array, dtype: mx.Dtype) -> mx.array:
@@ -189,38 +197,57 @@ def _gather(pages: mx.array, block_table: mx.array) -> mx.array:
     return pages[block_table].transpose(0, 2, 1, 3, 4).reshape(B, h, nb * bs, d)
 
 
-def paged_attention(queries: mx.array, k_pages: mx.array, v_pages: mx.array,
-                    md: AttentionMetadata, scale: float, written: Optional[mx.array] = None) -> mx.array:
+def paged_attention(queries: mx.array, k_pages: mx.array, v_pages: mx.array, md: AttentionMetadata, scale: float,
+                    written: Optional[mx.array] = None, window: Optional[int] = None,
+                    sinks: Optional[mx.array] = None) -> mx.array:
     """written: reshape_and_cache's output when the pages were written in place this step; every
-    read of the pages below takes it as an input, which orders the read after the write."""
+    read of the pages below takes it as an input, which orders the read after the write.
+    window: decode rows attend only their last `window` keys; sinks: (n_heads,) logits that join
+    each head's softmax denominator (as SDPA's `sinks=`)."""
     outs = []
     nd = md.num_decodes
-    if nd and md.use_decode_kernel and cuda_decode.supports(
+    if nd and md.use_decode_kernel and paged_kernels.supports(
             queries.shape[3], queries.shape[1], k_pages.shape[1], k_pages.dtype):
         q = queries.reshape(md.num_tokens, queries.shape[1], queries.shape[3])  # a view: no copy
-        o = cuda_decode.paged_decode(q[:nd] if nd < md.num_tokens else q, k_pages, v_pages, md.decode_block_table,
-                                     md.decode_seq_lens, scale, md.decode_splits, md.decode_split_tokens, written)
+        o = paged_kernels.paged_decode(q[:nd] if nd < md.num_tokens else q, k_pages, v_pages, md.decode_block_table,
+                                       md.decode_seq_lens, scale, md.decode_splits, md.decode_split_tokens, written,
+                                       window=window, sinks=sinks)
         outs.append(as_dtype(o[:, :, None, :], queries.dtype))
     elif nd:
+        num_keys = md.decode_block_table.shape[1] * k_pages.shape[2]
         if md.decode_mask is None:  # this layer's shape is not one the kernel takes
-            md.decode_mask = length_mask(md.decode_seq_lens, md.decode_block_table.shape[1] * k_pages.shape[2])
+            md.decode_mask = length_mask(md.decode_seq_lens, num_keys)
+        mask = md.decode_mask if not window else length_mask(md.decode_seq_lens, num_keys, window)
         q = queries[:nd] if nd < md.num_tokens else queries
-        table = md.decode_block_table if written is None else md.decode_block_table + written
-        k = _gather(k_pages, table)
-        v = _gather(v_pages, table)
-        outs.append(as_dtype(mx.fast.scaled_dot_product_attention(
-            as_dtype(q, k.dtype), k, v, scale=scale, mask=md.decode_mask), queries.dtype))
+        outs.append(as_dtype(gather_decode(q[:, :, 0, :], k_pages, v_pages, md.decode_block_table, scale, mask,
+                                           sinks, written)[:, :, None, :], queries.dtype))
     if md.num_prefill_tokens:
+        if window:
+            raise NotImplementedError("a sliding window on prefill rows is not supported yet")
         P, L = md.prefill_block_table.shape[0], md.prefill_max_query_len
         H, D = queries.shape[1], queries.shape[3]
         q = queries[:, :, 0, :][md.prefill_query_rows].reshape(P, L, H, D).transpose(0, 2, 1, 3)
         table = md.prefill_block_table if written is None else md.prefill_block_table + written
         k = _gather(k_pages, table)
         v = _gather(v_pages, table)
-        o = mx.fast.scaled_dot_product_attention(as_dtype(q, k.dtype), k, v, scale=scale, mask=md.prefill_mask)
+        o = mx.fast.scaled_dot_product_attention(as_dtype(q, k.dtype), k, v, scale=scale, mask=md.prefill_mask,
+                                                 sinks=sinks)
         o = o.transpose(0, 2, 1, 3).reshape(P * L, H, -1)[md.prefill_out_rows]
         outs.append(as_dtype(o[:, :, None, :], queries.dtype))
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+
+
+def gather_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, block_table: mx.array, scale: float,
+                  mask: mx.array, sinks: Optional[mx.array] = None, written: Optional[mx.array] = None) -> mx.array:
+    """The portable decode path, and the kernels' reference: gather each sequence's pages into a
+    contiguous copy, then SDPA (GQA native). q (B, H, D) -> (B, H, Dv) in the pages' dtype."""
+    table = block_table if written is None else block_table + written
+    k = _gather(k_pages, table)
+    v = _gather(v_pages, table)
+    if sinks is not None:
+        sinks = as_dtype(sinks, k.dtype)
+    return mx.fast.scaled_dot_product_attention(as_dtype(q, k.dtype)[:, :, None, :], k, v, scale=scale, mask=mask,
+                                                sinks=sinks)[:, :, 0, :]
 
 
 # ---- routing mlx-lm's attention call to the pages --------------------------------------------
@@ -231,9 +258,9 @@ _SDPA_NAME = "scaled_dot_product_attention"
 def _make_dispatch(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None, **kwargs):
         if isinstance(cache, PagedLayerCache):
-            if sinks is not None:
-                raise NotImplementedError("attention sinks are not supported on pages")
-            return cache.attention(queries, scale)
+            return cache.attention(queries, scale, sinks=sinks)
+        if hasattr(cache, "record_queries"):  # the runner's shape probe
+            cache.record_queries(queries, sinks)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks, **kwargs)
 
     scaled_dot_product_attention._pagedmlx_original = original

@@ -7,8 +7,8 @@ from typing import Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from pagedmlx.runner import cuda_decode
 from pagedmlx.runner.attention import AttentionMetadata, KVPool, PagedLayerCache, install_paged_attention
+from pagedmlx.runner.kernel_check import select_kernels
 from pagedmlx.scheduler_output import SchedulerOutput
 
 
@@ -22,6 +22,10 @@ class _ShapeProbe:
     def __init__(self):
         self.offset = 0
         self.spec = None
+        self.n_heads, self.sinks = None, False
+
+    def record_queries(self, queries, sinks) -> None:  # called by the attention dispatcher
+        self.n_heads, self.sinks = queries.shape[1], sinks is not None
 
     def make_mask(self, *args, **kwargs):
         return None
@@ -65,9 +69,11 @@ class ModelRunner:
                 f"model type {model_type(model)!r} does not call mlx-lm's scaled_dot_product_attention")
         self._body, self._head = self._split_head()
         self.layer_specs = self._probe_layer_specs()
-        # Where the CUDA kernels run, they write the pages in place and decode rows read them through
-        # the block table; elsewhere MLX scatters the writes and gathers the pages.
-        self.decode_kernel_kv_heads = self.layer_specs[0][0] if cuda_decode.is_available() else 0
+        # Where the paged kernels run and pass their load-time check, decode rows read the pages
+        # through the block table (and on CUDA new K/V are written in place); elsewhere MLX
+        # scatters the writes and decode rows gather the pages.
+        self.kernels = select_kernels(self.layer_specs, self.query_heads, block_size, sinks=self.has_sinks)
+        self.decode_kernel_kv_heads = self.layer_specs[0][0] if self.kernels.decode else 0
         if verify:
             self._verify_against_mlx_lm()
         if num_blocks is None:
@@ -79,7 +85,7 @@ class ModelRunner:
         """Pages written by a kernel in place (CUDA): a step may be dispatched while the previous
         one still runs. Elsewhere MLX scatters into the pools, which copies a pool that anything
         else (a step in flight) still references."""
-        return self.decode_kernel_kv_heads > 0
+        return self.kernels.page_write
 
     @property
     def num_blocks(self) -> int:
@@ -108,6 +114,8 @@ class ModelRunner:
         logits = self.model(mx.array([[1]]), cache=probes)
         mx.eval(logits)
         self.vocab_size = logits.shape[-1]
+        self.query_heads = [p.n_heads for p in probes]
+        self.has_sinks = any(p.sinks for p in probes)
         if any(p.spec is None for p in probes):
             raise UnsupportedModelError(
                 f"model type {model_type(self.model)!r}: some layers never wrote K/V through their cache")
@@ -120,7 +128,7 @@ class ModelRunner:
         Lazy where MLX scatters the pages. Where kernels write them in place, the step is
         dispatched (mx.async_eval) before this returns: MLX sees no dependency between one step's
         page reads and the next step's writes, so steps must reach the device in order."""
-        md = AttentionMetadata.build(so, self.block_size, self.decode_kernel_kv_heads)
+        md = AttentionMetadata.build(so, self.block_size, self.decode_kernel_kv_heads, self.pages_in_place)
         caches = [PagedLayerCache(i, self.kv_pool, md) for i in range(self.num_layers)]
         inputs = md.input_ids
         if md.placeholder_rows is not None:
@@ -142,6 +150,10 @@ class ModelRunner:
         from pagedmlx.runner.selfcheck import check_paged_forward
 
         err = check_paged_forward(self)
+        if err is not None and self.kernels.enabled:  # the portable path may still be right
+            self.kernels = self.kernels.switch_off(f"the model's paged forward disagrees with mlx-lm ({err})")
+            self.decode_kernel_kv_heads = 0
+            err = check_paged_forward(self)
         if err is not None and self._head is not None:
             self._body = self._head = None
             err = check_paged_forward(self)
