@@ -75,6 +75,7 @@ def render(text: str, backend: str) -> str:
         raise ValueError(f"unknown backend {backend!r}")
     col = BACKENDS.index(backend)
     out = _TOKEN_RE.sub(lambda m: TOKENS[m.group(0)][col], strip_comments(text))
+    out = re.sub(r"\n[ \t]*(?=\n)", "", out)  # the lines comments leave empty
     left = leftover_tokens(out)
     if left:
         raise ValueError(f"dialect tokens left after rendering for {backend}: {sorted(left)}")
