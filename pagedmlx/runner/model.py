@@ -128,7 +128,7 @@ class ModelRunner:
         Lazy where MLX scatters the pages. Where kernels write them in place, the step is
         dispatched (mx.async_eval) before this returns: MLX sees no dependency between one step's
         page reads and the next step's writes, so steps must reach the device in order."""
-        md = AttentionMetadata.build(so, self.block_size, self.decode_kernel_kv_heads, self.pages_in_place)
+        md = AttentionMetadata.build(so, self.block_size, self.decode_kernel_kv_heads, self.kernels.page_write)
         caches = [PagedLayerCache(i, self.kv_pool, md) for i in range(self.num_layers)]
         inputs = md.input_ids
         if md.placeholder_rows is not None:
