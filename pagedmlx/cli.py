@@ -9,6 +9,7 @@ import sys
 from typing import Callable, Optional, Sequence
 
 from pagedmlx.platform import backend_name, hard_exit
+from pagedmlx.doctor import add_doctor_parser, run_doctor
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -280,6 +281,7 @@ SUBCOMMANDS: dict[str, tuple[Callable[[argparse._SubParsersAction], None], Calla
     "serve": (add_serve_parser, run_serve),
     "generate": (add_generate_parser, run_generate),
     "blocks": (add_blocks_parser, run_blocks),
+    "doctor": (add_doctor_parser, run_doctor),
 }
 
 

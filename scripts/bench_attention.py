@@ -12,6 +12,7 @@ the launch and the host round trip, not the kernel.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -22,15 +23,19 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pagedmlx.runner import cuda_decode  # noqa: E402
+from pagedmlx.runner import paged_kernels  # noqa: E402
 from pagedmlx.runner.attention import _gather  # noqa: E402
 
-# (threads, unroll, prefetch, vectors per lane, heads per block, tensor cores): see cuda_decode's constants.
+
+# (threads, unroll, prefetch, vectors per lane, heads per block, tensor cores): see paged_kernels.Settings.
 VARIANTS = [(128, 2, 1, 1, 0, 0), (128, 2, 1, 1, 2, 0), (128, 2, 1, 2, 2, 0), (256, 2, 1, 1, 0, 0),
             (128, 2, 1, 1, 0, 1)]
 SETTINGS = ("threads", "unroll", "prefetch", "vectors", "heads_per_block", "mma")
-DEFAULT = (cuda_decode.THREADS, cuda_decode.UNROLL, cuda_decode.PREFETCH, cuda_decode.VECTORS,
-           cuda_decode.HEADS_PER_BLOCK, cuda_decode.MMA)
+DEFAULT = tuple(getattr(paged_kernels.SETTINGS["cuda"], name) for name in SETTINGS)
+
+
+def settings(variant: tuple) -> paged_kernels.Settings:
+    return dataclasses.replace(paged_kernels.SETTINGS["cuda"], **dict(zip(SETTINGS, variant)))
 
 
 def timed(fn, iters: int) -> float:
@@ -78,7 +83,7 @@ def main() -> None:
     dtype = getattr(mx, args.dtype)
     bw = measure_bandwidth()
     print(f"device {mx.default_device()}, measured copy bandwidth {bw / 1e9:.0f} GB/s, {time.strftime('%Y-%m-%d')}")
-    kernel = cuda_decode.is_available()
+    kernel = paged_kernels.gpu_backend() is not None
     header = f"{'case':>10} {'KV MB':>8} {'ideal ms':>9} {'kernel ms':>10} {'x ideal':>8} {'gather ms':>10} {'x ideal':>8} {'contig ms':>10} {'x ideal':>8}"
     print(header)
     rng = np.random.default_rng(0)
@@ -108,19 +113,19 @@ def main() -> None:
         t_contig = timed_chain(contiguous, q, args.layers, args.iters)
         t_kernel = float("nan")
         if kernel:
-            splits, tokens = cuda_decode.num_splits(B, nkv, S)
+            splits, tokens = paged_kernels.num_splits(B, nkv, S)
             tok = mx.array([tokens], mx.int32)
             variants = {}
             for v in dict.fromkeys(VARIANTS + [DEFAULT]):
-                settings = dict(zip(SETTINGS, v))
-                variants[v] = timed_chain(lambda x: cuda_decode.paged_decode(
-                    x, k_pages, v_pages, table, lens, scale, splits, tok, **settings), q, args.layers, args.iters)
+                variants[v] = timed_chain(lambda x: paged_kernels.paged_decode(
+                    x, k_pages, v_pages, table, lens, scale, splits, tok, settings=settings(v)), q, args.layers,
+                    args.iters)
             print(f"    variants {SETTINGS}: "
                   + ", ".join(f"{k}: {1e3 * v:.3f}" for k, v in variants.items()))
             by_split = {}
             for n in args.splits:
                 per = mx.array([-(-S // n)], mx.int32)
-                by_split[n] = timed_chain(lambda x: cuda_decode.paged_decode(
+                by_split[n] = timed_chain(lambda x: paged_kernels.paged_decode(
                     x, k_pages, v_pages, table, lens, scale, -(-S // (-(-S // n))), per), q, args.layers, args.iters)
             if by_split:
                 print(f"    splits (chosen {splits}): " + ", ".join(f"{n}: {1e3 * v:.3f}" for n, v in by_split.items()))

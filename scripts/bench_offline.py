@@ -8,6 +8,7 @@ and the ratio pagedmlx / mlx-lm of each. Each cell is the median of --repeats ru
 
   python scripts/bench_offline.py                        # random 8-layer 512-wide llama, float32
   python scripts/bench_offline.py --preset llama-8b --dtype bfloat16 --batch-sizes 1 64 256
+  python scripts/bench_offline.py --preset gemma3-27b-16l --dtype bfloat16 --batch-sizes 1 64   # sliding windows
   python scripts/bench_offline.py --model path/to/mlx-model
 """
 
@@ -27,20 +28,31 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+_LLAMA = dict(model_type="llama", rms_norm_eps=1e-5, tie_word_embeddings=False)
 PRESETS = {
-    "small": dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1408, num_attention_heads=8,
+    "small": dict(_LLAMA, hidden_size=512, num_hidden_layers=8, intermediate_size=1408, num_attention_heads=8,
                   num_key_value_heads=4, vocab_size=32000),
-    "llama-8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
+    "llama-8b": dict(_LLAMA, hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
                      num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
+    # Gemma 3 27B's widths, 16 of its 62 layers (pattern 6: 5 sliding layers of window 1024 per full one).
+    "gemma3-27b-16l": dict(model_type="gemma3_text", hidden_size=5376, num_hidden_layers=16, intermediate_size=21504,
+                           num_attention_heads=32, num_key_value_heads=16, head_dim=128, query_pre_attn_scalar=168,
+                           sliding_window=1024, sliding_window_pattern=6, vocab_size=262208, rms_norm_eps=1e-6,
+                           max_position_embeddings=131072, rope_theta=1000000.0, rope_local_base_freq=10000.0),
+    "gemma3-small": dict(model_type="gemma3_text", hidden_size=512, num_hidden_layers=6, intermediate_size=1408,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=64, sliding_window=256,
+                         sliding_window_pattern=3, vocab_size=32000, max_position_embeddings=65536),
 }
 
 
-def random_llama(preset: str, dtype: mx.Dtype):
-    from mlx_lm.models import llama
+def random_model(preset: str, dtype: mx.Dtype):
+    """A random-weight model of the preset's architecture (mlx-lm's own class), in `dtype`."""
+    from mlx_lm.utils import _get_classes
 
-    cfg = dict(model_type="llama", rms_norm_eps=1e-5, tie_word_embeddings=False, **PRESETS[preset])
+    cfg = PRESETS[preset]
+    model_class, args_class = _get_classes(cfg)
     mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs.from_dict(cfg))
+    model = model_class(args_class.from_dict(cfg))
     model.set_dtype(dtype)
     mx.eval(model.parameters())
     return model
@@ -186,8 +198,8 @@ def main() -> None:
         model, _ = load_model(args.model)
         name = args.model
     else:
-        model = random_llama(args.preset, dtype)
-        name = f"random llama '{args.preset}' ({args.dtype})"
+        model = random_model(args.preset, dtype)
+        name = f"random {PRESETS[args.preset]['model_type']} '{args.preset}' ({args.dtype})"
     vocab = model.args.vocab_size
     max_b = max(args.batch_sizes)
     tokens_per_seq = args.prompt_len + args.gen_len

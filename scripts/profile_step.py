@@ -21,7 +21,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.bench_offline import PRESETS, make_prompts, random_llama  # noqa: E402
+from scripts.bench_offline import PRESETS, make_prompts, random_model  # noqa: E402
 
 
 class Clock:
@@ -105,7 +105,6 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    import pagedmlx.engine
     from pagedmlx.config import EngineConfig
     from pagedmlx.engine import LLMEngine
 
@@ -116,7 +115,7 @@ def main() -> None:
     ap.add_argument("--gen-len", type=int, default=64)
     ap.add_argument("--batch", type=int, default=1, help="decode rows per step (mlx-lm's rows: batch 1 only)")
     args = ap.parse_args()
-    model = random_llama(args.preset, getattr(mx, args.dtype))
+    model = random_model(args.preset, getattr(mx, args.dtype))
     prompts = make_prompts(args.batch, args.prompt_len, model.args.vocab_size, 9)
     prompt = prompts[0]
     n = args.prompt_len + args.gen_len
@@ -133,10 +132,8 @@ def main() -> None:
         rows["mlx-lm generate_step"] = profile_generate_step(model, prompt, args.gen_len)
     engine.async_scheduling = False
     rows["pagedmlx (lockstep)"] = profile_pagedmlx(engine, prompts, args.gen_len)
-    default_min_batch, pagedmlx.engine.ASYNC_MIN_BATCH = pagedmlx.engine.ASYNC_MIN_BATCH, 1
-    engine.async_scheduling = True
+    engine.config.async_min_batch, engine.async_scheduling = 1, True
     rows["pagedmlx (overlapped)"] = profile_pagedmlx(engine, prompts, args.gen_len)
-    pagedmlx.engine.ASYNC_MIN_BATCH = default_min_batch
 
     console = Console()
     console.print(f"profile_step {args.preset} {args.dtype} on {mx.default_device()}, prompt {args.prompt_len}, "

@@ -9,15 +9,16 @@ from utils import make_model
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine import LLMEngine
-from pagedmlx.runner import cuda_decode
+from pagedmlx.runner import paged_kernels
 from pagedmlx.runner.attention import StepMetadata
 from pagedmlx.sampling_params import SamplingParams
 
 
 def test_cpu_falls_back_to_the_gather_path():
-    assert not cuda_decode.is_available()
+    assert paged_kernels.gpu_backend() is None
     engine = LLMEngine(make_model("llama"), None, EngineConfig(block_size=4, num_blocks=32))
     assert engine.runner.kernel_kv_heads == [0] and not engine.runner.pages_in_place
+    assert not engine.runner.kernels.enabled and engine.runner.kernels.reason == "no GPU backend"
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0))
     engine.step()
     so = engine.scheduler.schedule()  # a decode
@@ -26,37 +27,37 @@ def test_cpu_falls_back_to_the_gather_path():
 
 
 def test_lane_layout_reads_whole_16_byte_vectors():
-    assert cuda_decode.lane_layout(128, mx.bfloat16) == (16, 8)  # 16 lanes x 8 bf16 = one 256-byte row
-    assert cuda_decode.lane_layout(64, mx.float32) == (16, 4)
-    assert cuda_decode.lane_layout(256, mx.float32) == (32, 8)
-    assert cuda_decode.lane_layout(96, mx.bfloat16) is None  # 12 lanes do not divide a warp
-    assert not cuda_decode.supports(80, 32, 8, mx.bfloat16)
-    assert not cuda_decode.supports(128, 32, 6, mx.bfloat16)  # heads not a multiple of KV heads
-    assert cuda_decode.supports(128, 28, 4, mx.bfloat16)  # G = 7
+    assert paged_kernels.lane_layout(128, mx.bfloat16) == (16, 8)  # 16 lanes x 8 bf16 = one 256-byte row
+    assert paged_kernels.lane_layout(64, mx.float32) == (16, 4)
+    assert paged_kernels.lane_layout(256, mx.float32) == (32, 8)
+    assert paged_kernels.lane_layout(96, mx.bfloat16) is None  # 12 lanes do not divide a warp
+    assert not paged_kernels.supports(80, 32, 8, mx.bfloat16)
+    assert not paged_kernels.supports(128, 32, 6, mx.bfloat16)  # heads not a multiple of KV heads
+    assert paged_kernels.supports(128, 28, 4, mx.bfloat16)  # G = 7
 
 
 def test_tensor_core_kernel_takes_16_bit_floats_whole_swizzle_groups_and_small_groups():
-    assert cuda_decode.supports_mma(128, 4, mx.bfloat16) and cuda_decode.supports_mma(64, 1, mx.float16)
-    assert cuda_decode.supports_mma(256, 8, mx.bfloat16)
-    assert not cuda_decode.supports_mma(128, 4, mx.float32)  # no 16-bit operands
-    assert not cuda_decode.supports_mma(96, 4, mx.bfloat16)  # rows of 12 chunks do not swizzle in 8s
-    assert not cuda_decode.supports_mma(128, 16, mx.bfloat16)  # heads fill only rows 0..7 of the tile
+    assert paged_kernels.supports_mma(128, 4, mx.bfloat16) and paged_kernels.supports_mma(64, 1, mx.float16)
+    assert paged_kernels.supports_mma(256, 8, mx.bfloat16)
+    assert not paged_kernels.supports_mma(128, 4, mx.float32)  # no 16-bit operands
+    assert not paged_kernels.supports_mma(96, 4, mx.bfloat16)  # rows of 12 chunks do not swizzle in 8s
+    assert not paged_kernels.supports_mma(128, 16, mx.bfloat16)  # heads fill only rows 0..7 of the tile
 
 
 def test_kernel_layout_takes_two_vectors_per_lane_only_where_registers_allow():
-    assert cuda_decode.kernel_layout(128, 4, mx.bfloat16, vectors=2) == (8, 16)  # Llama-8B: 8 lanes a token
-    assert cuda_decode.kernel_layout(128, 7, mx.bfloat16, vectors=2) == (16, 8)  # 7 x 16 > 64 registers: one
-    assert cuda_decode.kernel_layout(128, 4, mx.bfloat16, vectors=1) == (16, 8)
-    assert cuda_decode.kernel_layout(96, 4, mx.bfloat16, vectors=2) is None
+    assert paged_kernels.kernel_layout(128, 4, mx.bfloat16, vectors=2) == (8, 16)  # Llama-8B: 8 lanes a token
+    assert paged_kernels.kernel_layout(128, 7, mx.bfloat16, vectors=2) == (16, 8)  # 7 x 16 > 64 registers: one
+    assert paged_kernels.kernel_layout(128, 4, mx.bfloat16, vectors=1) == (16, 8)
+    assert paged_kernels.kernel_layout(96, 4, mx.bfloat16, vectors=2) is None
 
 
 def test_splits_cover_every_key_and_only_when_sms_would_idle():
     for batch, kv_heads, seq in [(1, 8, 32763), (32, 8, 4096), (64, 8, 1024), (256, 8, 256), (3, 2, 17)]:
-        splits, tokens = cuda_decode.num_splits(batch, kv_heads, seq)
+        splits, tokens = paged_kernels.num_splits(batch, kv_heads, seq)
         assert splits * tokens >= seq and (splits - 1) * tokens < seq  # no empty split, none missing
-    assert cuda_decode.num_splits(256, 8, 4096)[0] == 1  # 2,048 thread blocks already fill the GPU
-    assert cuda_decode.num_splits(1, 8, 200)[0] == 1  # short: not worth a merge pass
-    assert cuda_decode.num_splits(1, 8, 32763)[0] == 64  # 512 keys a split
+    assert paged_kernels.num_splits(256, 8, 4096)[0] == 1  # 2,048 thread blocks already fill the GPU
+    assert paged_kernels.num_splits(1, 8, 200)[0] == 1  # short: not worth a merge pass
+    assert paged_kernels.num_splits(1, 8, 32763)[0] == 64  # 512 keys a split
 
 
 def test_step_index_tensors_are_views_of_one_upload_and_equal_the_schedule():
@@ -99,10 +100,10 @@ def test_kernel_path_metadata_carries_slots_and_split_for_the_cuda_kernels():
     long = Request("d", list(range(1, 601)), SamplingParams(max_tokens=4))
     long.num_computed_tokens = 600
     so = build_scheduler_output([(long, 1)], lambda rid: (list(range(151)),), 4, [], set())
-    md = StepMetadata.build(so, 4, [None], kernel_kv_heads=[2]).groups[0]
+    md = StepMetadata.build(so, 4, [None], kernel_kv_heads=[2], pages_in_place=True).groups[0]
     assert md.pages_in_place and md.use_decode_kernel and md.write_blocks is None
     assert md.slot_mapping.tolist() == so.slot_mapping[0].tolist() == [150 * 4 + 0]
-    splits, tokens = cuda_decode.num_splits(1, 2, 601)
+    splits, tokens = paged_kernels.num_splits(1, 2, 601)
     assert (md.decode_splits, md.decode_split_tokens.tolist()) == (splits, [tokens]) and splits > 1
     assert md.decode_block_table.shape == (1, 151) and md.decode_mask is None
     assert np.array_equal(np.array(md.decode_block_table), so.block_table[0, :1, :151])

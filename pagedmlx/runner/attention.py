@@ -22,7 +22,7 @@ import mlx.nn as nn
 import numpy as np
 
 from pagedmlx.kv.spec import cdiv
-from pagedmlx.runner import cuda_decode
+from pagedmlx.runner import paged_kernels
 from pagedmlx.scheduler_output import SchedulerOutput
 
 # Prefill segments with at most this many new tokens are attended together, padded to the longest
@@ -65,7 +65,7 @@ class AttentionMetadata:
 
     num_tokens: int
     num_decodes: int
-    pages_in_place: bool  # CUDA: reshape_and_cache writes the pages; else MLX scatters into them
+    pages_in_place: bool  # the page-write kernel writes the pages (CUDA); else MLX scatters into them
     block_size: int
     window: Optional[int] = None  # sliding window W, or None for full attention
     positions: Optional[mx.array] = None  # (T,)
@@ -107,14 +107,16 @@ class StepMetadata:
 
     @classmethod
     def build(cls, so: SchedulerOutput, block_size: int, windows: list[Optional[int]],
-              kernel_kv_heads: Optional[list[int]] = None) -> "StepMetadata":
+              kernel_kv_heads: Optional[list[int]] = None, pages_in_place: bool = False) -> "StepMetadata":
         """windows: each group's sliding window (None: full attention). kernel_kv_heads: per group,
-        the KV heads the CUDA kernels run with (0 or None: no kernels, MLX scatters and gathers)."""
+        the KV heads the paged-decode kernel is split for (0 or None: decode rows gather pages);
+        pages_in_place: the page-write kernel writes new K/V (else MLX scatters them)."""
         kernel_kv_heads = kernel_kv_heads or [0] * len(windows)
         host = dict(input_ids=so.input_ids, positions=so.positions, logits_indices=so.logits_indices)
         if len(so.placeholder_rows):
             host.update(placeholder_rows=so.placeholder_rows, placeholder_src=so.placeholder_src)
-        builders = [_GroupBuilder(so, g, block_size, w, kernel_kv_heads[g]) for g, w in enumerate(windows)]
+        builders = [_GroupBuilder(so, g, block_size, w, kernel_kv_heads[g], pages_in_place)
+                    for g, w in enumerate(windows)]
         for g, b in enumerate(builders):
             host.update({f"{g}.{k}": v for k, v in b.host.items()})
         dev = _upload(host)
@@ -126,9 +128,10 @@ class StepMetadata:
 class _GroupBuilder:
     """The host half of one group's AttentionMetadata; `finish` makes it from the uploaded arrays."""
 
-    def __init__(self, so: SchedulerOutput, group: int, block_size: int, window: Optional[int], kernel_heads: int):
+    def __init__(self, so: SchedulerOutput, group: int, block_size: int, window: Optional[int], kernel_heads: int,
+                 in_place: bool):
         self.T, self.nd, self.bs, self.window = so.total_num_scheduled_tokens, so.num_decodes, block_size, window
-        self.in_place = kernel_heads > 0
+        self.in_place, self.use_kernel = in_place, kernel_heads > 0 and so.num_decodes > 0
         table, slots = so.block_table[group], so.slot_mapping[group]
         host: dict[str, np.ndarray] = {}
         if self.in_place:
@@ -140,8 +143,8 @@ class _GroupBuilder:
             decode_table, decode_lens = _window_tables(table[:self.nd], so.seq_lens[:self.nd],
                                                        so.seq_lens[:self.nd] - 1, block_size, window)
             host.update(decode_block_table=decode_table, decode_seq_lens=decode_lens)
-            if self.in_place:
-                self.splits, tokens = cuda_decode.num_splits(self.nd, kernel_heads, int(decode_lens.max()))
+            if self.use_kernel:
+                self.splits, tokens = paged_kernels.num_splits(self.nd, kernel_heads, int(decode_lens.max()), window)
                 host["decode_split_tokens"] = np.array([tokens])
         self.long, self.short = [], []
         if self.T > self.nd:
@@ -174,11 +177,11 @@ class _GroupBuilder:
                                write_offsets=get.get("write_offsets"),
                                decode_block_table=get.get("decode_block_table"),
                                decode_seq_lens=get.get("decode_seq_lens"),
-                               use_decode_kernel=self.in_place and self.nd > 0, decode_splits=self.splits,
+                               use_decode_kernel=self.use_kernel, decode_splits=self.splits,
                                decode_split_tokens=get.get("decode_split_tokens"),
                                prefill_order=get.get("prefill_order"))
-        if self.nd and not self.in_place:
-            md.decode_mask = decode_mask(md.decode_seq_lens, md.decode_block_table.shape[1] * self.bs, self.window)
+        if self.nd and not self.use_kernel:
+            md.decode_mask = length_mask(md.decode_seq_lens, md.decode_block_table.shape[1] * self.bs, self.window)
         md.segments = [PrefillSegment(*seg, block_table=get[f"segment{i}"]) for i, seg in enumerate(self.long)]
         if self.short:
             md.padded_block_table, md.padded_query_rows = get["padded_block_table"], get["padded_query_rows"]
@@ -245,8 +248,9 @@ def _causal(key_pos: mx.array, query_pos: mx.array, window: Optional[int]) -> mx
     return mask
 
 
-def decode_mask(seq_lens: mx.array, num_keys: int, window: Optional[int]) -> mx.array:
-    """(B, 1, 1, num_keys): the gathered keys each decode row sees (its query is the last key)."""
+def length_mask(seq_lens: mx.array, num_keys: int, window: Optional[int] = None) -> mx.array:
+    """(B, 1, 1, num_keys): the gathered keys each decode row sees: those that exist, and under a
+    sliding window its last `window` (the decode query is the last key)."""
     key_pos = mx.arange(num_keys)[None, :]
     return _causal(key_pos, (seq_lens - 1)[:, None], window)[:, None, None, :]
 
@@ -320,7 +324,7 @@ class PagedLayerCache:
         k_pages, v_pages = self.pool.keys, self.pool.values
         self._new = (keys, values)
         if md.pages_in_place:
-            self.written = cuda_decode.reshape_and_cache(keys, values, k_pages[i], v_pages[i], md.slot_mapping)
+            self.written = paged_kernels.reshape_and_cache(keys, values, k_pages[i], v_pages[i], md.slot_mapping)
             return keys, values
         # (T, n_kv, 1, D) -> (T, n_kv, D), scattered into the pages (in place when nothing else holds them).
         k_pages[i][md.write_blocks, :, md.write_offsets] = as_dtype(keys[:, :, 0, :], k_pages[i].dtype)
@@ -349,17 +353,29 @@ def paged_attention(queries: mx.array, k_pages: mx.array, v_pages: mx.array, md:
 
 def _decode_attention(q, k_pages, v_pages, md: AttentionMetadata, scale, written, sinks) -> mx.array:
     nd, H, D = md.num_decodes, q.shape[1], q.shape[3]
-    if (md.use_decode_kernel and md.window is None and sinks is None
-            and cuda_decode.supports(D, H, k_pages.shape[1], k_pages.dtype)):
-        o = cuda_decode.paged_decode(q.reshape(nd, H, D), k_pages, v_pages, md.decode_block_table,
-                                     md.decode_seq_lens, scale, md.decode_splits, md.decode_split_tokens, written)
+    if md.use_decode_kernel and paged_kernels.supports(D, H, k_pages.shape[1], k_pages.dtype):
+        o = paged_kernels.paged_decode(q.reshape(nd, H, D), k_pages, v_pages, md.decode_block_table,
+                                       md.decode_seq_lens, scale, md.decode_splits, md.decode_split_tokens, written,
+                                       window=md.window, sinks=sinks)
         return as_dtype(o[:, :, None, :], q.dtype)
-    if md.decode_mask is None:  # this layer's shape or features are not ones the kernel takes
-        md.decode_mask = decode_mask(md.decode_seq_lens, md.decode_block_table.shape[1] * k_pages.shape[2], md.window)
-    table = md.decode_block_table if written is None else md.decode_block_table + written
+    if md.decode_mask is None:  # this layer's shape is not one the kernel takes
+        md.decode_mask = length_mask(md.decode_seq_lens, md.decode_block_table.shape[1] * k_pages.shape[2], md.window)
+    o = gather_decode(q[:, :, 0, :], k_pages, v_pages, md.decode_block_table, scale, md.decode_mask, sinks, written)
+    return as_dtype(o[:, :, None, :], q.dtype)
+
+
+def gather_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, block_table: mx.array, scale: float,
+                  mask: mx.array, sinks: Optional[mx.array] = None, written: Optional[mx.array] = None) -> mx.array:
+    """The portable decode path, and the kernels' reference: gather each sequence's pages into a
+    contiguous copy, then SDPA (GQA native). q (B, H, D) -> (B, H, Dv) in the pages' dtype."""
+    table = block_table if written is None else block_table + written
     k, v = _gather(k_pages, table), _gather(v_pages, table)
-    o = mx.fast.scaled_dot_product_attention(as_dtype(q, k.dtype), k, v, scale=scale, mask=md.decode_mask, sinks=sinks)
-    return as_dtype(o, q.dtype)
+    return mx.fast.scaled_dot_product_attention(as_dtype(q, k.dtype)[:, :, None, :], k, v, scale=scale, mask=mask,
+                                                sinks=_sinks(sinks, k.dtype))[:, :, 0, :]
+
+
+def _sinks(sinks: Optional[mx.array], dtype: mx.Dtype) -> Optional[mx.array]:
+    return None if sinks is None else as_dtype(sinks, dtype)
 
 
 def _prefill_attention(q, k_pages, v_pages, md: AttentionMetadata, scale, written, sinks) -> mx.array:
@@ -380,7 +396,7 @@ def _prefill_attention(q, k_pages, v_pages, md: AttentionMetadata, scale, writte
             query_pos = mx.arange(seg.first_query_pos, seg.first_query_pos + seg.num_queries)[:, None]
             mask = _causal(key_pos, query_pos, md.window)
         o = mx.fast.scaled_dot_product_attention(as_dtype(rows[:, :, 0, :].transpose(1, 0, 2)[None], k.dtype), k, v,
-                                                 scale=scale, mask=mask, sinks=sinks)
+                                                 scale=scale, mask=mask, sinks=_sinks(sinks, k.dtype))
         outs.append(o[0].transpose(1, 0, 2))
     if md.padded_block_table is not None:
         P, L = md.padded_block_table.shape[0], md.padded_max_query_len
@@ -388,7 +404,7 @@ def _prefill_attention(q, k_pages, v_pages, md: AttentionMetadata, scale, writte
         table = md.padded_block_table if written is None else md.padded_block_table + written
         k, v = _gather(k_pages, table), _gather(v_pages, table)
         o = mx.fast.scaled_dot_product_attention(as_dtype(padded, k.dtype), k, v, scale=scale, mask=md.padded_mask,
-                                                 sinks=sinks)
+                                                 sinks=_sinks(sinks, k.dtype))
         outs.append(o.transpose(0, 2, 1, 3).reshape(P * L, H, -1)[md.padded_out_rows])
     o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
     if md.prefill_order is not None:
@@ -405,6 +421,8 @@ def _make_dispatch(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None, **kwargs):
         if isinstance(cache, PagedLayerCache):
             return cache.attention(queries, scale, sinks)
+        if hasattr(cache, "record_queries"):  # the layer plan's probe
+            cache.record_queries(queries, sinks)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks, **kwargs)
 
     scaled_dot_product_attention._pagedmlx_original = original

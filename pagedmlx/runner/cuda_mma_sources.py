@@ -1,7 +1,8 @@
-"""CUDA source of the paged-decode loop on tensor cores (sm_80+), a drop-in for cuda_sources.ACCUMULATE:
+"""CUDA source of the paged-decode loop on tensor cores (sm_80+), a drop-in for paged_sources.ACCUMULATE:
 per 16-token tile, scores and weighted values by mma.sync m16n8k16, K/V tiles staged in shared memory by
 cp.async. MMA_HEADER holds the PTX helpers; ACCUMULATE_MMA ends with the same per-warp partials
-(sm_m, sm_l, sm_acc) that cuda_sources.MERGE_WARPS merges.
+(sm_m, sm_l, sm_acc) that paged_sources.MERGE_WARPS merges. CUDA only, but rendered through the
+dialect for CUDA like the rest (NEG_INF), and it takes the same window (keys from lo) and sinks.
 """
 
 MMA_HEADER = r"""
@@ -63,7 +64,8 @@ ACCUMULATE_MMA = """
     const int H = NKV * G;
     const int max_blocks = block_table_shape[1];
     const int seq_len = seq_lens[b];
-    const int start = split * split_tokens[0];
+    const int lo = WINDOW > 0 ? max(0, seq_len - WINDOW) : 0;
+    const int start = lo + split * split_tokens[0];
     const int end = min(seq_len, start + split_tokens[0]);
     const float sc = scale[0];
     const int* table = block_table + (size_t)b * max_blocks;

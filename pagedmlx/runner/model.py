@@ -10,8 +10,8 @@ import mlx.nn as nn
 from pagedmlx.config import EngineConfig
 from pagedmlx.kv.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec,
                               sliding_pool_blocks)
-from pagedmlx.runner import cuda_decode
 from pagedmlx.runner.attention import KVPool, PagedLayerCache, StepMetadata, install_paged_attention
+from pagedmlx.runner.kernel_check import select_kernels
 from pagedmlx.runner.plan import UnsupportedModelError, model_type, plan_layers
 from pagedmlx.scheduler_output import SchedulerOutput
 
@@ -42,10 +42,13 @@ class ModelRunner:
         self.kv_cache_config = self._kv_cache_config(config)
         self.windows = [g.sliding_window for g in self.kv_cache_config.kv_cache_groups]
         self.group_of = {i: g for g, group in enumerate(self.kv_cache_config.kv_cache_groups) for i in group.layer_ids}
-        # Where the CUDA kernels run, they write the pages in place and decode rows read them through
-        # the block table; elsewhere MLX scatters the writes and gathers the pages.
-        self.kernel_kv_heads = ([self.plan[g.layer_ids[0]].spec[0] for g in self.kv_cache_config.kv_cache_groups]
-                                if cuda_decode.is_available() else [0] * len(self.windows))
+        # Where the paged kernels run and pass their load-time check, decode rows read the pages
+        # through the block table (and on CUDA new K/V are written in place); elsewhere MLX
+        # scatters the writes and decode rows gather the pages.
+        owners = [p for p in self.plan if p.kind != "shared"]
+        self.kernels = select_kernels([p.spec for p in owners], [p.n_heads for p in owners], self.block_size,
+                                      windows=tuple(sorted(set(self.windows), key=str)),
+                                      sinks=any(p.sinks for p in self.plan))
         if verify:
             self._verify_against_mlx_lm()
         self.kv_pool = self.make_pool(self.kv_cache_config)
@@ -55,7 +58,13 @@ class ModelRunner:
         """Pages written by a kernel in place (CUDA): a step may be dispatched while the previous
         one still runs. Elsewhere MLX scatters into the pools, which copies a pool that anything
         else (a step in flight) still references."""
-        return any(self.kernel_kv_heads)
+        return self.kernels.page_write
+
+    @property
+    def kernel_kv_heads(self) -> list[int]:
+        """Per KV cache group, the KV heads the decode kernel is split for (0: pages gathered)."""
+        groups = self.kv_cache_config.kv_cache_groups
+        return [self.plan[g.layer_ids[0]].spec[0] if self.kernels.decode else 0 for g in groups]
 
     @property
     def layer_specs(self) -> list[tuple[int, int, int, mx.Dtype]]:
@@ -144,7 +153,7 @@ class ModelRunner:
         Lazy where MLX scatters the pages. Where kernels write them in place, the step is
         dispatched (mx.async_eval) before this returns: MLX sees no dependency between one step's
         page reads and the next step's writes, so steps must reach the device in order."""
-        md = StepMetadata.build(so, self.block_size, self.windows, self.kernel_kv_heads)
+        md = StepMetadata.build(so, self.block_size, self.windows, self.kernel_kv_heads, self.kernels.page_write)
         caches = self.make_caches(md, kv_pool or self.kv_pool)
         inputs = md.input_ids
         if md.placeholder_rows is not None:
@@ -166,6 +175,9 @@ class ModelRunner:
         from pagedmlx.runner.selfcheck import check_paged_forward
 
         err = check_paged_forward(self)
+        if err is not None and self.kernels.enabled:  # the portable path may still be right
+            self.kernels = self.kernels.switch_off(f"the model's paged forward disagrees with mlx-lm ({err})")
+            err = check_paged_forward(self)
         if err is not None and self._head is not None:
             self._body = self._head = None
             err = check_paged_forward(self)

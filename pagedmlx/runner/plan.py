@@ -33,6 +33,8 @@ class LayerPlan:
     window: Optional[int] = None  # sliding: W (a query at p attends keys in (p - W, p])
     source: Optional[int] = None  # shared: the layer whose pages it reads
     spec: Optional[tuple[int, int, int, mx.Dtype]] = None  # owners: (n_kv_heads, k_dim, v_dim, dtype)
+    n_heads: Optional[int] = None  # query heads
+    sinks: bool = False  # learned attention sinks
 
 
 def model_type(model: nn.Module) -> str:
@@ -76,6 +78,8 @@ class _Probe:
         self.received: Optional[int] = None
         self.asked_window: Optional[int] = None
         self.kv: tuple = (None, None)
+        self.n_heads: Optional[int] = None
+        self.sinks = False
         self._returned = returned  # id(keys returned) -> the slot that returned them
 
     def make_mask(self, *args, window_size: Optional[int] = None, **kwargs) -> None:
@@ -88,6 +92,9 @@ class _Probe:
         self._returned.setdefault(id(keys), self)
         self.kv = (keys, values)  # also keeps the arrays alive, so that no other array reuses their id
         return keys, values
+
+    def record_queries(self, queries: mx.array, sinks: Optional[mx.array]) -> None:  # from the SDPA dispatcher
+        self.n_heads, self.sinks = queries.shape[1], sinks is not None
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:  # gemma3n's shared layers read their source so
         return self.kv
@@ -103,7 +110,7 @@ def plan_layers(model: nn.Module) -> tuple[list[LayerPlan], int]:
     probes = [_Probe(returned) for _ in range(max(num_layers, len(kinds)))]
     logits = model(mx.array([[1, 2, 3]]), cache=probes)
     mx.eval(logits)
-    plan = [LayerPlan(kind, window, spec=p.spec) for (kind, window), p in zip(kinds, probes)]
+    plan = [LayerPlan(kind, window, spec=p.spec, n_heads=p.n_heads, sinks=p.sinks) for (kind, window), p in zip(kinds, probes)]
     for i, p in enumerate(probes[len(kinds):], len(kinds)):
         if p.received is None:
             break  # slots past the model's own list that no layer uses
@@ -112,7 +119,7 @@ def plan_layers(model: nn.Module) -> tuple[list[LayerPlan], int]:
             raise UnsupportedModelError(
                 f"model type {model_type(model)!r}: layer {i} computes its own keys and values but the "
                 f"model keeps no cache for it")
-        plan.append(LayerPlan("shared", source=probes.index(source)))
+        plan.append(LayerPlan("shared", source=probes.index(source), n_heads=p.n_heads, sinks=p.sinks))
     _check(model, plan, probes)
     return plan, logits.shape[-1]
 

@@ -1,0 +1,139 @@
+"""`pagedmlx doctor`: what this machine runs, in a form to paste into a bug report.
+
+It prints the backend and device, whether each paged kernel compiled and passed its check here
+(runner/kernel_check.py, the check the engine runs at load, here with every kernel checked even
+on a GPU that the project trusts), and a decode step's time at a few batch sizes over a long
+context: paged kernels on, off (pages gathered, the path every backend has), and mlx-lm's own
+BatchGenerator on the same random-weight model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+# A small Llama with Llama-8B's attention shape (head_dim 128, 4 query heads per kv head), so that
+# attention, not the weights, is most of a long-context decode step; fits any Mac at 32 x 4k.
+MODEL = dict(model_type="llama", hidden_size=1024, num_hidden_layers=4, intermediate_size=2816, num_attention_heads=8,
+             num_key_value_heads=2, vocab_size=32000, rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+def add_doctor_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("doctor", help="print the backend, the paged kernels' checks and a decode timing table")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16")
+    p.add_argument("--context", type=int, default=4096, help="tokens of context per sequence (default 4096)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--steps", type=int, default=10, help="decode steps timed per cell (median)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-timing", action="store_true", help="only the backend and the kernel checks")
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    import mlx.core as mx
+    from rich.console import Console
+    from rich.table import Table
+
+    from pagedmlx.platform import backend_name
+    from pagedmlx.runner import kernel_check, paged_kernels
+
+    console = Console()
+    dtype = getattr(mx, args.dtype)
+    backend = paged_kernels.gpu_backend()
+    console.print(f"[bold]pagedmlx doctor[/]  backend {backend_name()}, device {kernel_check.device_name() or '?'}, "
+                  f"mlx {mx.__version__}, {platform.platform()}")
+    checks = Table("check", "result", title="paged kernels (compiled and checked against the gather path)")
+    ok = True
+    if backend is None:
+        checks.add_row("paged kernels", "not used: no GPU backend (decode gathers pages)")
+    else:
+        h, kv = MODEL["num_attention_heads"], MODEL["num_key_value_heads"]
+        d = MODEL["hidden_size"] // h
+        shapes = [(h, kv, d, dt) for dt in (mx.float16, mx.bfloat16, mx.float32)] + [(28, 4, 128, dtype)]
+        for name, passed, detail in kernel_check.run_checks(backend, shapes, args.block_size, True,
+                                                            windows=(None, 100), sinks=True):
+            ok &= passed
+            checks.add_row(name, "[green]passed[/]" if passed else f"[red]failed[/]: {detail}")
+    console.print(checks)
+    if args.no_timing:
+        return 0 if ok else 1
+    console.print(_timing_table(args, dtype, backend is not None))
+    return 0 if ok else 1
+
+
+def _timing_table(args: argparse.Namespace, dtype, kernels: bool):
+    from rich.table import Table
+
+    from mlx_lm.models import llama
+
+    model = llama.Model(llama.ModelArgs.from_dict(MODEL))
+    model.set_dtype(dtype)
+    table = Table("batch", "paged, kernels on", "paged, kernels off", "mlx-lm BatchGenerator", "speed-up, kernels on",
+                  title=f"decode step, ms (median of {args.steps}), {args.context}-token context, random "
+                        f"{MODEL['num_hidden_layers']}-layer llama (head_dim 128, GQA 4), {args.dtype}")
+    for batch in args.batch_sizes:
+        on, off = _paged_step_ms(model, batch, args, kernels)
+        ref = _batch_generator_step_ms(model, batch, args)
+        table.add_row(str(batch), f"{on:.2f}" if kernels else "-", f"{off:.2f}", f"{ref:.2f}",
+                      f"{ref / on:.2f}x" if kernels else "-")
+    return table
+
+
+def _paged_step_ms(model, batch: int, args: argparse.Namespace, kernels: bool) -> tuple[float, float]:
+    """A decode step of `batch` sequences of args.context tokens, pages filled at random (no
+    prefill: attention's cost does not depend on the values), kernels on and then off."""
+    import mlx.core as mx
+
+    from pagedmlx.config import EngineConfig
+    from pagedmlx.request import Request
+    from pagedmlx.sampling_params import SamplingParams
+    from pagedmlx.runner.kernel_check import KernelPlan
+    from pagedmlx.runner.model import ModelRunner
+    from pagedmlx.scheduler_output import build_scheduler_output
+
+    bs, ctx = args.block_size, args.context
+    per_seq = -(-ctx // bs)
+    runner = ModelRunner(model, EngineConfig(block_size=bs, num_blocks=batch * per_seq + 1), verify=False)
+    pool = runner.kv_pool
+    for i in range(len(pool.keys)):  # a plain Llama: every layer owns pages
+        pool.keys[i] = mx.random.normal(pool.keys[i].shape).astype(pool.keys[i].dtype)
+        pool.values[i] = mx.random.normal(pool.values[i].shape).astype(pool.values[i].dtype)
+    mx.eval(pool.keys, pool.values)
+    reqs = []
+    for b in range(batch):
+        r = Request(f"d{b}", [1] * ctx, SamplingParams(max_tokens=2))
+        r.num_computed_tokens = ctx - 1
+        reqs.append(r)
+    tables = {r.request_id: (list(range(b * per_seq, (b + 1) * per_seq)),) for b, r in enumerate(reqs)}
+    so = build_scheduler_output([(r, 1) for r in reqs], tables.__getitem__, bs, [], set())
+    times = []
+    for plan in ([runner.kernels] if kernels else []) + [KernelPlan(runner.kernels.backend, reason="doctor")]:
+        runner.kernels = plan
+        samples = []
+        for i in range(args.steps + 2):  # two warm-up steps (kernel builds)
+            t = time.perf_counter()
+            mx.eval(runner.forward(so))
+            if i >= 2:
+                samples.append(time.perf_counter() - t)
+        times.append(1e3 * statistics.median(samples))
+    return (times[0], times[-1]) if kernels else (float("nan"), times[0])
+
+
+def _batch_generator_step_ms(model, batch: int, args: argparse.Namespace) -> float:
+    """mlx-lm's BatchGenerator, `batch` prompts of args.context - 1 tokens, decode steps only."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, max_tokens=args.steps + 1, completion_batch_size=batch,
+                         prefill_batch_size=min(batch, 8))
+    with gen.stats() as stats:
+        gen.insert([[1] * (args.context - 1) for _ in range(batch)], max_tokens=[args.steps + 1] * batch)
+        done = 0
+        while done < batch:
+            responses = gen.next_generated()
+            if not responses:
+                break
+            done += sum(r.finish_reason is not None for r in responses)
+    gen.close()
+    steps = stats.generation_tokens / batch
+    return 1e3 * stats.decode_time / max(steps, 1)

@@ -1,0 +1,199 @@
+"""Which paged kernels a process may use, decided at load and never on trust alone.
+
+On Metal (which no machine of the project has run) and on any CUDA GPU other than the one the GPU
+suite runs on, the kernels are compiled and checked first, with the model's own head shapes and
+dtypes, against the gather path: decode rows at lengths that cross block and split boundaries,
+split and unsplit, the page write and a read of its pages in the same graph. A kernel that fails
+to compile, fails to run or disagrees is switched off with one warning line naming the reason, and
+decode attention gathers pages instead (the path every backend has). PAGEDMLX_METAL_KERNELS=0 (or
+PAGEDMLX_CUDA_KERNELS=0) switches them off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from pagedmlx.runner import paged_kernels
+from pagedmlx.runner.attention import gather_decode, length_mask
+from pagedmlx.runner.dialect import CUDA
+
+logger = logging.getLogger("pagedmlx")
+
+# GPUs the project's GPU suite has run the kernels on (docs/benchmarks.md): checked there, not at load.
+TRUSTED_GPUS = {CUDA: ("H200",)}
+# Pages written in place by the page-write kernel. Not on Metal yet: the engine then dispatches step
+# N+1 before step N ends, and nothing run here shows that Metal keeps one step's page reads before
+# the next step's writes (CUDA's single stream does); MLX's scatter writes them there instead.
+PAGES_IN_PLACE = {CUDA: True}
+TOLERANCE = {mx.float32: 2e-3, mx.float16: 2e-2, mx.bfloat16: 4e-2}
+
+Shape = tuple[int, int, int, mx.Dtype]  # (query heads, kv heads, head_dim, dtype)
+
+
+@dataclass
+class KernelPlan:
+    backend: Optional[str]
+    decode: bool = False  # decode rows read pages through the paged-decode kernel
+    page_write: bool = False  # the page-write kernel writes new K/V in place
+    checks: list[tuple[str, str]] = field(default_factory=list)  # (check, "passed" | "trusted" | "failed: ...")
+    reason: Optional[str] = None  # why the kernels are off
+
+    @property
+    def enabled(self) -> bool:
+        return self.decode or self.page_write
+
+    def switch_off(self, reason: str) -> "KernelPlan":
+        if self.enabled:
+            logger.warning("pagedmlx: %s paged kernels off: %s; decode attention gathers pages instead",
+                           self.backend, reason)
+        return KernelPlan(self.backend, checks=self.checks, reason=reason)
+
+
+def device_name() -> str:
+    try:
+        return str(mx.device_info().get("device_name", ""))
+    except Exception:  # an MLX without device_info
+        return ""
+
+
+def select_kernels(layer_specs: list[tuple[int, int, int, mx.Dtype]], query_heads: list[int], block_size: int,
+                   windows: tuple[Optional[int], ...] = (None,), sinks: bool = False) -> KernelPlan:
+    """The kernels this model may use here. layer_specs: (kv heads, Dk, Dv, dtype) per layer;
+    windows / sinks: what the model's layers use, so that the check covers it."""
+    backend = paged_kernels.gpu_backend()
+    if backend is None:
+        return KernelPlan(None, reason="no GPU backend")
+    env = f"PAGEDMLX_{backend.upper()}_KERNELS"
+    if os.environ.get(env, "1") == "0":
+        return KernelPlan(backend, reason=f"{env}=0")
+    shapes = kernel_shapes(layer_specs, query_heads, backend)
+    plan = KernelPlan(backend, decode=bool(shapes), page_write=PAGES_IN_PLACE.get(backend, False))
+    if not plan.enabled:
+        return KernelPlan(backend, reason="no layer shape the decode kernel takes")
+    name = device_name()
+    if any(gpu in name for gpu in TRUSTED_GPUS.get(backend, ())):
+        plan.checks.append((f"{name}: checked by scripts/gpu_check_decode.py", "trusted"))
+        return plan
+    for check, ok, detail in run_checks(backend, shapes, block_size, plan.page_write, windows, sinks):
+        plan.checks.append((check, "passed" if ok else f"failed: {detail}"))
+        if not ok:
+            return plan.switch_off(f"{check}: {detail}")
+    return plan
+
+
+def kernel_shapes(layer_specs: list[tuple[int, int, int, mx.Dtype]], query_heads: list[int],
+                  backend: str) -> list[Shape]:
+    """The distinct (H, n_kv, D, dtype) of layers that the decode kernel takes."""
+    shapes = {(h, n_kv, dk, dt) for (n_kv, dk, dv, dt), h in zip(layer_specs, query_heads)
+              if h and dk == dv and paged_kernels.supports(dk, h, n_kv, dt, backend)}
+    return sorted(shapes, key=str)
+
+
+def run_checks(backend: str, shapes: list[Shape], block_size: int, page_write: bool,
+               windows: tuple[Optional[int], ...] = (None,), sinks: bool = False):
+    """Yields (check, ok, detail) per check; stops after the first failure."""
+    cases = [(shape, w, s) for shape in shapes for w in windows for s in sorted({False, sinks})]
+    for (h, n_kv, d, dt), window, with_sinks in cases:
+        name = f"decode H={h} kv={n_kv} D={d} {_dtype_name(dt)}" + (f" window={window}" if window else "") + \
+            (" sinks" if with_sinks else "")
+        ok, detail = _guarded(check_decode, backend, h, n_kv, d, dt, block_size, window, with_sinks)
+        yield name, ok, detail
+        if not ok:
+            return
+    if page_write:
+        for h, n_kv, d, dt in shapes or [(1, 1, 64, mx.float16)]:
+            ok, detail = _guarded(check_page_write, backend, h, n_kv, d, dt, block_size)
+            yield f"page write kv={n_kv} D={d} {_dtype_name(dt)}", ok, detail
+            if not ok:
+                return
+
+
+def _guarded(check, *args) -> tuple[bool, str]:
+    try:
+        err = check(*args)
+    except Exception as exc:  # compilation or launch: MLX raises when the kernel is built or run
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return False, f"did not compile or run ({type(exc).__name__}: {first[:200]})"
+    return err is None, err or "ok"
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).split(".")[-1]
+
+
+def _random_pages(rng, num_blocks: int, n_kv: int, bs: int, d: int, dtype: mx.Dtype):
+    k = mx.array(rng.standard_normal((num_blocks, n_kv, bs, d)).astype(np.float32)).astype(dtype)
+    v = mx.array(rng.standard_normal((num_blocks, n_kv, bs, d)).astype(np.float32)).astype(dtype)
+    return k, v
+
+
+def _compare(got: mx.array, want: mx.array, dtype: mx.Dtype) -> Optional[str]:
+    got, want = got.astype(mx.float32), want.astype(mx.float32)
+    err = mx.abs(got - want).max().item()
+    tol = TOLERANCE[dtype] * max(1.0, mx.abs(want).max().item())
+    return None if np.isfinite(err) and err <= tol else f"max |difference| {err:.2e} > {tol:.1e}"
+
+
+def check_decode(backend: str, h: int, n_kv: int, d: int, dtype: mx.Dtype, bs: int,
+                 window: Optional[int] = None, sinks: bool = False, seed: int = 0) -> Optional[str]:
+    """Decode rows of lengths around block boundaries and a long one, unsplit and split in 3 (its
+    boundaries fall inside blocks), against the gather path in float32. None if all agree."""
+    rng = np.random.default_rng(seed)
+    lens = np.array([1, bs, bs + 1, 3 * bs + 5, 8 * bs + 3], np.int32)
+    nb = -(-int(lens.max()) // bs)
+    k_pages, v_pages = _random_pages(rng, len(lens) * nb + 2, n_kv, bs, d, dtype)
+    table = mx.array(rng.permutation(len(lens) * nb + 2)[: len(lens) * nb].reshape(len(lens), nb).astype(np.int32))
+    seq_lens = mx.array(lens)
+    q = mx.array(rng.standard_normal((len(lens), h, d)).astype(np.float32)).astype(dtype)
+    sink = mx.array(rng.standard_normal(h).astype(np.float32) * 2) if sinks else None
+    scale = d ** -0.5
+    want = gather_decode(q.astype(mx.float32), k_pages.astype(mx.float32), v_pages.astype(mx.float32), table, scale,
+                         length_mask(seq_lens, nb * bs, window), sink)
+    span = int(min(lens.max(), window or lens.max()))
+    for splits in (1, 3):
+        tokens = -(-span // splits)
+        got = paged_kernels.paged_decode(q, k_pages, v_pages, table, seq_lens, scale, -(-span // tokens),
+                                         mx.array([tokens], mx.int32), window=window, sinks=sink,
+                                         init_value=float("nan"), backend=backend)
+        err = _compare(got, want, dtype)
+        if err:
+            return f"{err} ({splits} split{'s' if splits > 1 else ''})"
+    return None
+
+
+def check_page_write(backend: str, h: int, n_kv: int, d: int, dtype: mx.Dtype, bs: int, seed: int = 0) -> Optional[str]:
+    """The page write against a numpy scatter (skipped slots included), and a decode read of the
+    pages in the same graph, ordered by `written`, that must see the new keys."""
+    rng = np.random.default_rng(seed)
+    num_blocks, B = 6, 3
+    k_pages, v_pages = _random_pages(rng, num_blocks, n_kv, bs, d, dtype)
+    mx.eval(k_pages, v_pages)
+    want_k, want_v = np.array(k_pages.astype(mx.float32)), np.array(v_pages.astype(mx.float32))
+    table = mx.array(rng.permutation(num_blocks)[: 2 * B].reshape(B, 2).astype(np.int32))
+    lens = np.array([1, bs + 1, 2 * bs], np.int32)
+    slots = np.array([int(table[b, (n - 1) // bs].item()) * bs + (n - 1) % bs for b, n in enumerate(lens)] + [-1],
+                     np.int32)
+    keys = mx.array(rng.standard_normal((B + 1, n_kv, 1, d)).astype(np.float32) * 3).astype(dtype)
+    values = mx.array(rng.standard_normal((B + 1, n_kv, 1, d)).astype(np.float32) * 3).astype(dtype)
+    for i, s in enumerate(slots[:B]):
+        want_k[s // bs, :, s % bs] = np.array(keys[i, :, 0].astype(mx.float32))
+        want_v[s // bs, :, s % bs] = np.array(values[i, :, 0].astype(mx.float32))
+    written = paged_kernels.reshape_and_cache(keys, values, k_pages, v_pages, mx.array(slots), backend=backend)
+    q = mx.array(rng.standard_normal((B, h, d)).astype(np.float32)).astype(dtype)
+    seq_lens = mx.array(lens)
+    got = paged_kernels.paged_decode(q, k_pages, v_pages, table, seq_lens, d ** -0.5, 1,
+                                     mx.array([2 * bs], mx.int32), written, init_value=float("nan"), backend=backend)
+    mx.eval(got)
+    if not (np.array_equal(np.array(k_pages.astype(mx.float32)), want_k)
+            and np.array_equal(np.array(v_pages.astype(mx.float32)), want_v)):
+        return "the pages differ from a scatter of the same rows"
+    want = gather_decode(q.astype(mx.float32), mx.array(want_k), mx.array(want_v), table, d ** -0.5,
+                         length_mask(seq_lens, 2 * bs))
+    err = _compare(got, want, dtype)
+    return None if err is None else f"a read in the same graph missed the write ({err})"

@@ -1,0 +1,243 @@
+"""Paged KV kernels for MLX's GPU backends, CUDA and Metal, built from one source (paged_sources.py,
+in the portable dialect of dialect.py): the page write (reshape_and_cache) and paged-decode attention.
+
+The page write stores each new token's K/V at its slot in place, through the input pointers: MLX
+sees the pools as arrays that never change, so no write can turn into a copy of a whole pool
+(which MLX's scatter does whenever anything else still references the pool, e.g. the step in
+flight), and step N+1 can be dispatched while step N runs. Its small `written` output is an input
+of every reader of that layer's pages in the step: MLX orders kernels by the buffers they share
+(CUDA graphs; Metal's barriers between dependent dispatches), so this keeps a read after the write.
+
+The decode kernel reads K/V straight from the page pool through the block table: no gathered
+copy. One thread group per (kv head, sequence, KV split) serves all G query heads that share the
+kv head (each K/V byte is read once; heads_per_block can split a group over groups); inside it,
+groups of lanes each take one token's row in 16-byte vectors, several tokens in flight per SIMD
+group, with an online softmax; lane groups and SIMD groups then merge their partials. Long contexts
+with few sequences are split along the keys (split-KV) and merged by a second small kernel. Both
+take an optional sliding window and attention sinks (paged_sources.py says how).
+
+On CUDA, for bf16/fp16 (head_dim 64/128/256, up to 8 query heads per kv head) the accumulation runs
+on tensor cores instead (cuda_mma_sources.py, CUDA only). Which kernels a process may trust is
+decided at load by kernel_check.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+
+from pagedmlx.runner import cuda_mma_sources as mma_src
+from pagedmlx.runner import paged_sources as src
+from pagedmlx.runner.dialect import CUDA, METAL, render
+
+
+@dataclass(frozen=True)
+class Settings:
+    threads: int  # per thread group (a multiple of 32: SIMD groups of 32 lanes on both backends)
+    unroll: int  # token steps whose loads are issued together
+    prefetch: int  # issue the next steps' loads before this step's math
+    vectors: int  # 16-byte vectors per lane per token row; 2: half the lanes per token, twice the registers
+    heads_per_block: int  # query heads per thread group; 0: the kv head's whole group (each K/V byte read once)
+    mma: int  # tensor cores where supports_mma (CUDA only)
+    target_blocks: int  # thread groups that fill the GPU: fewer, and long contexts are split along the keys
+    min_split_tokens: int  # keys per split at least
+    shared_bytes: int  # static shared (threadgroup) memory a kernel may declare
+
+
+SETTINGS = {
+    # Swept on the H200 (docs/benchmarks.md, runs 13-16): prefetch 1 was best of the sweep; vectors 2 and
+    # heads_per_block did not win broadly. Tensor cores: 32 x 4096 keys 0.172 ms against 0.282 for the
+    # lanes kernel (run 16); PAGEDMLX_DECODE_MMA=0 turns them off. 1056 groups: ~8 per SM of 132 SMs.
+    # 1 x 32k keys: 64 splits 0.120 ms, 128 splits 0.139 ms (2026-12-03).
+    CUDA: Settings(threads=128, unroll=2, prefetch=1, vectors=1, heads_per_block=0,
+                   mma=int(os.environ.get("PAGEDMLX_DECODE_MMA", "1")), target_blocks=1056,
+                   min_split_tokens=512, shared_bytes=48 * 1024),
+    # Not measured: no Mac has run these. Apple GPUs have fewer registers per thread than an H200
+    # (no prefetch: half the load registers) and 10-80 cores (fewer groups fill them); 32 KB of
+    # threadgroup memory.
+    METAL: Settings(threads=128, unroll=2, prefetch=0, vectors=1, heads_per_block=0, mma=0, target_blocks=320,
+                    min_split_tokens=512, shared_bytes=32 * 1024),
+}
+
+# `written` (the page write's output) is not read: it only orders the kernel after the write.
+_INPUTS = ["q", "k_pages", "v_pages", "block_table", "seq_lens", "split_tokens", "scale", "sinks", "written"]
+
+
+def gpu_backend() -> Optional[str]:
+    """CUDA or METAL where MLX's default device is a GPU of that backend; None elsewhere."""
+    if mx.default_device() != mx.gpu:
+        return None
+    if mx.metal.is_available():
+        return METAL
+    cuda = getattr(mx, "cuda", None)
+    return CUDA if cuda is not None and cuda.is_available() else None
+
+
+def make_kernel(backend: str, name: str, inputs: list[str], outputs: list[str], source: str, header: str):
+    """The one place kernels are built (tests stand in for it). Sources are already rendered; the
+    name carries their hash, so no cache keyed by name (MLX's JIT caches) serves an older text."""
+    name = f"{name}_{hashlib.sha1((header + source).encode()).hexdigest()[:10]}"
+    if backend == CUDA:
+        return mx.fast.cuda_kernel(name, inputs, outputs, source, header=header)
+    return mx.fast.metal_kernel(name, inputs, outputs, source, header=header)
+
+
+def decode_sources(backend: str, mma: bool = False) -> dict[str, tuple[str, str]]:
+    """{kernel: (body, header)} of the decode kernels, rendered for `backend`."""
+    if mma and backend != CUDA:
+        raise ValueError("the tensor-core kernel is CUDA only")
+    header = render(src.HEADER, backend) + (mma_src.MMA_HEADER if mma else "")
+    accumulate = render(mma_src.ACCUMULATE_MMA if mma else src.ACCUMULATE, backend)
+    merge_warps = accumulate + render(src.MERGE_WARPS, backend)
+    return {"single": (merge_warps + render(src.WRITE_OUT, backend), header),
+            "split": (merge_warps + render(src.WRITE_SPLIT, backend), header),
+            "merge": (render(src.MERGE, backend), render(src.HEADER, backend))}
+
+
+def write_source(backend: str) -> str:
+    return render(src.RESHAPE_AND_CACHE, backend)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(backend: str, mma: bool = False):
+    """(single, split, merge) kernels; mma: the tensor-core accumulation."""
+    s = decode_sources(backend, mma)
+    name = "pagedmlx_paged_decode_mma" if mma else "pagedmlx_paged_decode"
+    single = make_kernel(backend, name, _INPUTS, ["out"], *s["single"])
+    split = make_kernel(backend, name + "_split", _INPUTS, ["part_acc", "part_m", "part_l"], *s["split"])
+    merge = make_kernel(backend, "pagedmlx_paged_decode_merge", ["part_acc", "part_m", "part_l", "sinks"], ["out"],
+                        *s["merge"])
+    return single, split, merge
+
+
+@functools.lru_cache(maxsize=None)
+def _write_kernel(backend: str):
+    return make_kernel(backend, "pagedmlx_reshape_and_cache", ["keys", "values", "slot_mapping", "k_pages", "v_pages"],
+                       ["written"], write_source(backend), "")
+
+
+def reshape_and_cache(keys: mx.array, values: mx.array, k_pages: mx.array, v_pages: mx.array,
+                      slot_mapping: mx.array, backend: Optional[str] = None) -> mx.array:
+    """Write keys (T, n_kv, 1, Dk) and values (T, n_kv, 1, Dv) into the pages at slot_mapping (T,)
+    int32 (block * block_size + offset; negative: skip), in place. Returns `written`, a (1,) int32
+    zero that every reader of these pages in the step must take as an input (a view of a 4-element
+    output: see _constant)."""
+    T, n_kv, _, dk = keys.shape
+    dv = values.shape[3]
+    bs = k_pages.shape[2]
+    template = [("P", k_pages.dtype), ("KT", keys.dtype), ("NKV", n_kv), ("DK", dk), ("DV", dv), ("BS", bs)]
+    return _write_kernel(backend or gpu_backend())(
+        inputs=[keys, values, slot_mapping, k_pages, v_pages], template=template,
+        grid=(max(T * n_kv * max(dk, dv), 1), 1, 1), threadgroup=(256, 1, 1),
+        output_shapes=[(4,)], output_dtypes=[mx.int32])[0][:1]
+
+
+@functools.lru_cache(maxsize=None)
+def _constant(value: float, dtype: mx.Dtype) -> mx.array:
+    """A device constant, made once: a host-made array per layer call would cost an upload each.
+    Padded past 8 bytes: MLX's CUDA allocator pools arrays of <= 8 bytes in managed pages that
+    the host writes small arrays into too."""
+    return mx.full((4,), value, dtype)
+
+
+def lane_layout(head_dim: int, dtype: mx.Dtype, vectors: int = 1) -> Optional[tuple[int, int]]:
+    """(lanes per token, elements per lane) such that each lane reads `vectors` whole 16-byte vectors."""
+    tpt = min(32, head_dim * dtype.size // (16 * vectors))
+    if tpt < 1 or 32 % tpt or head_dim % tpt or (head_dim // tpt) * dtype.size % 16:
+        return None
+    return tpt, head_dim // tpt
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_layout(head_dim: int, group: int, dtype: mx.Dtype, vectors: int = 1) -> Optional[tuple[int, int]]:
+    """The lane layout the kernel runs with: `vectors` per lane where registers allow, else one.
+    Registers: each lane keeps G x VEC query and accumulator values."""
+    for v in (vectors, 1):
+        layout = lane_layout(head_dim, dtype, v)
+        if layout is not None and group * layout[1] <= 64:
+            return layout
+    return None
+
+
+def supports_mma(head_dim: int, group: int, dtype: mx.Dtype) -> bool:
+    """The tensor-core kernel: 16-bit floats, whole 64-element swizzle groups, heads fit 8 of 16 rows."""
+    return dtype in (mx.float16, mx.bfloat16) and head_dim in (64, 128, 256) and group <= 8
+
+
+@functools.lru_cache(maxsize=None)
+def supports(head_dim: int, n_heads: int, n_kv_heads: int, dtype: mx.Dtype, backend: Optional[str] = None) -> bool:
+    if dtype not in (mx.float16, mx.bfloat16, mx.float32) or n_heads % n_kv_heads:
+        return False
+    s = SETTINGS[backend or gpu_backend() or CUDA]
+    group = n_heads // n_kv_heads
+    shared = 4 * (s.threads // 32) * group * (head_dim + 2)  # the SIMD groups' partials: sm_acc, sm_m, sm_l
+    return kernel_layout(head_dim, group, dtype, s.vectors) is not None and shared <= s.shared_bytes
+
+
+def num_splits(batch: int, n_kv_heads: int, max_seq_len: int, window: Optional[int] = None,
+               backend: Optional[str] = None) -> tuple[int, int]:
+    """(splits, tokens per split): split the keys only when the sequences alone leave the GPU idle.
+    Under a window a sequence has at most `window` keys, whatever its length."""
+    s = SETTINGS[backend or gpu_backend() or CUDA]
+    span = max(1, min(max_seq_len, window) if window else max_seq_len)
+    if batch * n_kv_heads >= s.target_blocks or span <= s.min_split_tokens:
+        return 1, span
+    splits = min(-(-span // s.min_split_tokens), -(-s.target_blocks // (batch * n_kv_heads)))
+    tokens = -(-span // splits)
+    return -(-span // tokens), tokens
+
+
+def paged_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, block_table: mx.array,
+                 seq_lens: mx.array, scale: float, splits: int, split_tokens: mx.array,
+                 written: Optional[mx.array] = None, window: Optional[int] = None, sinks: Optional[mx.array] = None,
+                 init_value: Optional[float] = None, settings: Optional[Settings] = None,
+                 backend: Optional[str] = None) -> mx.array:
+    """q (B, H, D), pages (num_blocks, n_kv, block_size, D), block_table (B, nb) int32,
+    seq_lens (B,) int32, split_tokens (1,) int32 -> (B, H, D) in the pages' dtype.
+    `splits` x split_tokens must cover each sequence's keys (num_splits gives both).
+    written: reshape_and_cache's output for these pages this step (the kernel runs after it).
+    window: attend only the last `window` keys (positions >= seq_len - window); None or 0: all.
+    sinks: (H,) per-head logits joining the softmax's denominator with a zero value (gpt-oss).
+    init_value fills the outputs before the kernels run (tests poison them with NaN).
+    settings: other than the backend's SETTINGS (benchmark sweeps)."""
+    backend = backend or gpu_backend()
+    s = settings or SETTINGS[backend]
+    B, H, D = q.shape
+    n_kv, bs = k_pages.shape[1], k_pages.shape[2]
+    G = H // n_kv
+    # Fewer heads per group: fewer registers, more SIMD groups in flight; each reads K/V again (from L2).
+    hpb = s.heads_per_block if 0 < s.heads_per_block < G and G % s.heads_per_block == 0 else G
+    cast = (lambda x, dt: x if x.dtype == dt else x.astype(dt))
+    sink_input = _constant(0.0, mx.float32) if sinks is None else cast(sinks, mx.float32)
+    inputs = [cast(q, k_pages.dtype), k_pages, v_pages, block_table, seq_lens, split_tokens,
+              _constant(scale, mx.float32), sink_input, written if written is not None else _constant(0, mx.int32)]
+    flags = [("WINDOW", int(window or 0)), ("SINKS", int(sinks is not None))]
+    use_mma = backend == CUDA and bool(s.mma) and supports_mma(D, G, k_pages.dtype)
+    if use_mma:  # two 16-token stages of K and V per warp in 32 KB of shared memory
+        threads = 32 * max(1, min(4, 256 // D))
+        template = [("T", k_pages.dtype), ("D", D), ("G", G), ("BS", bs), ("THREADS", threads)] + flags
+        blocks = n_kv
+    else:
+        threads = s.threads
+        tpt, vec = kernel_layout(D, hpb, k_pages.dtype, s.vectors)
+        template = [("T", k_pages.dtype), ("D", D), ("G", hpb), ("R", G // hpb), ("BS", bs), ("THREADS", threads),
+                    ("TPT", tpt), ("VEC", vec), ("U", s.unroll), ("PF", s.prefetch)] + flags
+        blocks = H // hpb
+    single, split, merge = _kernels(backend, use_mma)
+    if splits == 1:
+        return single(inputs=inputs, template=template, grid=(blocks * threads, B, 1), threadgroup=(threads, 1, 1),
+                      output_shapes=[(B, H, D)], output_dtypes=[k_pages.dtype], init_value=init_value)[0]
+    part_acc, part_m, part_l = split(
+        inputs=inputs, template=template, grid=(blocks * threads, B, splits), threadgroup=(threads, 1, 1),
+        output_shapes=[(splits, B, H, D), (splits, B, H), (splits, B, H)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32], init_value=init_value)
+    return merge(inputs=[part_acc, part_m, part_l, sink_input],
+                 template=[("T", k_pages.dtype), ("D", D), ("SINKS", int(sinks is not None))],
+                 grid=(H * D, B, 1), threadgroup=(D, 1, 1), output_shapes=[(B, H, D)],
+                 output_dtypes=[k_pages.dtype], init_value=init_value)[0]
+

@@ -1,0 +1,253 @@
+"""Long prompts: time to first token and prompt tokens/s, pagedmlx against mlx-lm in the same run.
+
+Cases (N prompts of L tokens, + G new tokens):
+  1x32k        one 32,000-token prompt, 1 new token        peer: mlx-lm generate_step
+  8x8k         8 prompts of 8,192 tokens, 1 new token      peer: mlx-lm BatchGenerator
+  32x4k+128    32 prompts of 3,968 tokens, 128 new tokens  peer: BatchGenerator (end to end too)
+  mixed        64 decoding requests, then a 16k prompt arrives: the decodes' inter-token latency
+               while it prefills, against the same decodes alone (and BatchGenerator doing the same)
+Prompt tokens/s: all prompt tokens over the time until the last request has its first token.
+`--chunks T:B ...` runs pagedmlx with each prefill chunk cap T (long_prefill_token_threshold) and
+token budget B (max_num_batched_tokens): how the defaults were chosen.
+
+  python scripts/bench_prefill.py --preset llama-8b --dtype bfloat16            # the GPU machine
+  python scripts/bench_prefill.py --preset small --scale 0.0625                   # a CPU (1/16 lengths)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_offline import PRESETS, make_prompts, measure_machine, random_model  # noqa: E402
+
+CASES = {"1x32k": (1, 32000, 1), "8x8k": (8, 8192, 1), "32x4k+128": (32, 3968, 128)}
+
+
+def engine_for(model, args, threshold: int, budget: int, max_len: int, num_seqs: int):
+    from pagedmlx.config import EngineConfig
+    from pagedmlx.engine import LLMEngine
+
+    blocks = num_seqs * (-(-max_len // args.block_size) + 1) + 8
+    return LLMEngine(model, None, EngineConfig(
+        block_size=args.block_size, num_blocks=blocks, max_num_seqs=num_seqs, max_num_batched_tokens=budget,
+        long_prefill_token_threshold=threshold, max_model_len=max_len + 1, enable_prefix_caching=False))
+
+
+def run_pagedmlx(engine, prompts: list[list[int]], gen: int) -> dict:
+    """Seconds until every request has its first token, and until all are done."""
+    from pagedmlx.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"p{time.monotonic_ns()}-{i}", p, params)
+    first, generated = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            generated += len(out.new_token_ids)
+            first.setdefault(out.request_id, time.perf_counter() - start)
+    total = time.perf_counter() - start
+    return dict(ttft=max(first.values()), ttft_first=min(first.values()), total=total, generated=generated)
+
+
+def run_generate_step(model, prompt: list[int]) -> dict:
+    from mlx_lm.generate import generate_step
+
+    start = time.perf_counter()
+    for (tok, _), _ in zip(generate_step(mx.array(prompt), model, max_tokens=1), range(1)):
+        mx.eval(tok)
+    t = time.perf_counter() - start
+    return dict(ttft=t, ttft_first=t, total=t, generated=1)
+
+
+def run_batch_generator(model, prompts: list[list[int]], gen: int) -> dict:
+    from mlx_lm.generate import BatchGenerator
+
+    bg = BatchGenerator(model, max_tokens=gen, completion_batch_size=len(prompts),
+                        prefill_batch_size=min(len(prompts), 8))
+    start = time.perf_counter()
+    bg.insert(prompts, max_tokens=[gen] * len(prompts))
+    first, done, generated = {}, 0, 0
+    while done < len(prompts):
+        responses = bg.next_generated()
+        if not responses:
+            break
+        for r in responses:
+            first.setdefault(r.uid, time.perf_counter() - start)
+            generated += 1
+            done += r.finish_reason is not None
+    total = time.perf_counter() - start
+    bg.close()
+    return dict(ttft=max(first.values()), ttft_first=min(first.values()), total=total, generated=generated)
+
+
+def attention_flops(model, lengths: list[int]) -> float:
+    """Matmul FLOPs of a prefill: 2 x parameters x tokens, plus causal attention (QK and PV)."""
+    from mlx.utils import tree_flatten
+
+    a = model.args
+    params = sum(v.size for k, v in tree_flatten(model.parameters()) if "embed_tokens" not in k)
+    head_dim = getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
+    attn = sum(2 * n * n * a.num_attention_heads * head_dim for n in lengths) * a.num_hidden_layers
+    return 2 * params * sum(lengths) + attn
+
+
+def mixed(model, args, vocab: int, threshold: int, budget: int) -> dict:
+    """64 decoding requests; then a 16k prompt arrives. The decodes' step times before and during."""
+    from pagedmlx.sampling_params import SamplingParams
+
+    n_dec, long_len = 64, int(16384 * args.scale)
+    engine = engine_for(model, args, threshold, budget, long_len + 512, n_dec + 1)
+    dec = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
+    for i, p in enumerate(make_prompts(n_dec, 128, vocab, 3)):
+        engine.add_request(f"d{i}", p, dec)
+    for _ in range(8):  # all admitted and decoding
+        engine.step()
+    alone = _step_times(engine, 16)
+    engine.add_request("long", make_prompts(1, long_len, vocab, 4)[0], SamplingParams(max_tokens=1, temperature=0.0))
+    during, t0, ttft = [], time.perf_counter(), None
+    while ttft is None:
+        t = time.perf_counter()
+        outs = engine.step()
+        during.append(time.perf_counter() - t)
+        if any(o.request_id == "long" and o.new_token_ids for o in outs):
+            ttft = time.perf_counter() - t0
+    engine.abort_request([f"d{i}" for i in range(n_dec)])
+    while engine.has_unfinished_requests():
+        engine.step()
+    q = lambda xs, p: statistics.quantiles(xs, n=10)[p] if len(xs) > 2 else max(xs)  # noqa: E731
+    return dict(itl_p50_alone=statistics.median(alone), itl_p90_alone=q(alone, 8),
+                itl_p50_during=statistics.median(during), itl_p90_during=q(during, 8), ttft=ttft, steps=len(during))
+
+
+def _step_times(engine, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def mixed_batch_generator(model, args, vocab: int) -> dict:
+    """The same with mlx-lm's BatchGenerator: its decode steps while it prefills the long prompt."""
+    from mlx_lm.generate import BatchGenerator
+
+    bg = BatchGenerator(model, max_tokens=100_000, completion_batch_size=65, prefill_batch_size=8)
+    bg.insert(make_prompts(64, 128, vocab, 3), max_tokens=[100_000] * 64)
+    for _ in range(8):
+        bg.next_generated()
+    alone = []
+    for _ in range(16):
+        t = time.perf_counter()
+        bg.next_generated()
+        alone.append(time.perf_counter() - t)
+    bg.insert(make_prompts(1, int(16384 * args.scale), vocab, 4), max_tokens=[1])
+    t0, during, ttft = time.perf_counter(), [], None
+    while ttft is None and len(during) < 10_000:
+        t = time.perf_counter()
+        responses = bg.next_generated()
+        during.append(time.perf_counter() - t)
+        if len(responses) > 64:
+            ttft = time.perf_counter() - t0
+    bg.close()
+    return dict(itl_p50_alone=statistics.median(alone), itl_max_during=max(during), ttft=ttft)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="small", choices=PRESETS)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--cases", nargs="+", default=[*CASES, "mixed"], choices=[*CASES, "mixed"])
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply every prompt length (CPU: 1/16)")
+    ap.add_argument("--chunks", nargs="+", default=None, metavar="T:B",
+                    help="pagedmlx prefill chunk caps and token budgets to run (default: the engine's defaults)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from pagedmlx.config import EngineConfig
+
+    console = Console()
+    model = random_model(args.preset, getattr(mx, args.dtype))
+    vocab = model.args.vocab_size
+    defaults = EngineConfig()
+    chunks = [tuple(int(x) for x in c.split(":")) for c in args.chunks] if args.chunks else \
+        [(defaults.long_prefill_token_threshold, defaults.max_num_batched_tokens)]
+    console.print(f"[bold]bench_prefill[/] {args.preset} ({args.dtype}) on {mx.default_device()}, "
+                  f"{time.strftime('%Y-%m-%d')}, scale {args.scale}, chunk cap:budget {chunks}")
+    _, peak = measure_machine()
+    console.print(f"  measured matmul peak {peak / 1e12:.1f} TFLOP/s")
+    rows = []
+    for case in args.cases:
+        if case == "mixed":
+            for threshold, budget in chunks:
+                m = mixed(model, args, vocab, threshold, budget)
+                rows.append(dict(case="mixed", engine=f"pagedmlx {threshold}:{budget}", **m))
+            if not args.no_peer:
+                rows.append(dict(case="mixed", engine="BatchGenerator", **mixed_batch_generator(model, args, vocab)))
+            continue
+        n, length, gen = CASES[case]
+        length = int(length * args.scale)
+        prompts = make_prompts(n, length, vocab, 7)
+        flops = attention_flops(model, [length] * n)
+        peer = None
+        if not args.no_peer:
+            peer = run_generate_step(model, prompts[0]) if n == 1 else run_batch_generator(model, prompts, gen)
+            rows.append(dict(case=case, engine="generate_step" if n == 1 else "BatchGenerator", **peer,
+                             prompt_tps=n * length / peer["ttft"], roofline=flops / peer["ttft"] / peak))
+        for threshold, budget in chunks:
+            engine = engine_for(model, args, threshold, budget, length + gen, n)
+            run_pagedmlx(engine, make_prompts(1, min(length, 256), vocab, 1), 1)  # warm up
+            ours = run_pagedmlx(engine, prompts, gen)
+            row = dict(case=case, engine=f"pagedmlx {threshold}:{budget}", **ours, prompt_tps=n * length / ours["ttft"],
+                       roofline=flops / ours["ttft"] / peak)
+            if peer:
+                row.update(ratio=peer["ttft"] / ours["ttft"], e2e_ratio=peer["total"] / ours["total"])
+            rows.append(row)
+            console.print(f"  {case} {row['engine']}: TTFT {ours['ttft']:.2f} s"
+                          + (f" ({row['ratio']:.2f}x the peer)" if peer else ""))
+
+    table = Table(title="prefill: time to first token (all requests), prompt tokens/s, share of the matmul peak")
+    for col in ("case", "engine", "TTFT s", "prompt tok/s", "of peak", "vs peer", "e2e s", "e2e vs peer"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        if r["case"] == "mixed":
+            continue
+        table.add_row(r["case"], r["engine"], f"{r['ttft']:.2f}", f"{r['prompt_tps']:.0f}", f"{100 * r['roofline']:.0f}%",
+                      f"{r['ratio']:.2f}x" if "ratio" in r else "", f"{r['total']:.2f}",
+                      f"{r['e2e_ratio']:.2f}x" if "e2e_ratio" in r else "")
+    console.print(table)
+    mixed_rows = [r for r in rows if r["case"] == "mixed"]
+    if mixed_rows:
+        t = Table(title="mixed: 64 decodes while a 16k prompt prefills (decode step time, ms)")
+        for col in ("engine", "alone p50", "alone p90", "during p50", "during p90 (max for BatchGenerator)",
+                    "p90 during / p50 alone", "16k TTFT s"):
+            t.add_column(col, justify="right")
+        for r in mixed_rows:
+            during90 = r.get("itl_p90_during", r.get("itl_max_during"))
+            t.add_row(r["engine"], f"{1e3 * r['itl_p50_alone']:.1f}", f"{1e3 * r.get('itl_p90_alone', float('nan')):.1f}",
+                      f"{1e3 * r.get('itl_p50_during', float('nan')):.1f}", f"{1e3 * during90:.1f}",
+                      f"{during90 / r['itl_p50_alone']:.2f}", f"{r['ttft']:.2f}" if r["ttft"] else "-")
+        console.print(t)
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(preset=args.preset, dtype=args.dtype, device=str(mx.default_device()),
+                                                   peak=peak, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""The load-time kernel check, on the CPU: the engine believes it runs on Metal, and its paged
+kernels are stand-ins. Kernels that pass (the real source, emulated: tests/kernel_emulator) serve
+decode rows; kernels that fail to compile or disagree are switched off with one warning line, and
+the gather path serves. Either way every token equals mlx-lm's own greedy generation."""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import pytest
+from utils import make_model, run_to_completion, solo_greedy
+from kernel_emulator import EmulatedKernel, have_compiler
+
+from pagedmlx.config import EngineConfig
+from pagedmlx.engine import LLMEngine
+from pagedmlx.sampling_params import SamplingParams
+from pagedmlx.runner import kernel_check, paged_kernels
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [7, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+class BrokenKernel:
+    """Fails as a kernel MLX cannot compile fails: when it is first run."""
+
+    def __init__(self, *args):
+        pass
+
+    def __call__(self, **call):
+        raise RuntimeError("[metal::Device] Unable to build metal library from source\nerror: expected ';'")
+
+
+class WrongKernel(EmulatedKernel):
+    """Compiles and runs, but its decode output is off by 10%."""
+
+    def __call__(self, **call):
+        outs = super().__call__(**call)
+        return [o * 1.1 if o.dtype != mx.int32 else o for o in outs]
+
+
+@pytest.fixture
+def on_metal(monkeypatch):
+    """The runner and the kernels see a Metal GPU; `use(factory)` picks the stand-in kernels."""
+    monkeypatch.setattr(paged_kernels, "gpu_backend", lambda: "metal")
+    monkeypatch.delenv("PAGEDMLX_METAL_KERNELS", raising=False)
+    calls = []
+
+    def use(factory):
+        def make(*args):
+            calls.append(args[1])
+            return factory(*args)
+        monkeypatch.setattr(paged_kernels, "make_kernel", make)
+        paged_kernels._kernels.cache_clear()
+        paged_kernels.supports.cache_clear()
+        return calls
+    yield use
+    paged_kernels._kernels.cache_clear()
+    paged_kernels.supports.cache_clear()
+
+
+def serve(model) -> LLMEngine:
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=64))
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, GREEDY)
+    return engine
+
+
+def kernel_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.filename == "kernel_check.py"]
+
+
+def run(engine: LLMEngine) -> dict[str, list[int]]:
+    return {rid: out.token_ids for rid, out in run_to_completion(engine).items()}
+
+
+@pytest.mark.parametrize("factory,reason", [(BrokenKernel, "did not compile or run (RuntimeError: [metal::Device]"),
+                                            (WrongKernel, "max |difference|")])
+def test_a_kernel_that_fails_its_check_is_switched_off_and_the_gather_path_serves(on_metal, caplog, factory, reason):
+    if factory is WrongKernel and not have_compiler():
+        pytest.skip("g++ runs the emulated kernels")
+    on_metal(factory)
+    model = make_model("llama")
+    with caplog.at_level(logging.WARNING, logger="pagedmlx"):
+        engine = serve(model)
+    plan = engine.runner.kernels
+    assert plan.backend == "metal" and not plan.enabled and engine.runner.kernel_kv_heads == [0]
+    assert reason in plan.reason and plan.checks[-1][1].startswith("failed")
+    warnings = kernel_warnings(caplog)
+    assert len(warnings) == 1 and "metal paged kernels off" in warnings[0] and reason in warnings[0]
+    assert run(engine) == {str(i): solo_greedy(model, p, GREEDY.max_tokens) for i, p in enumerate(PROMPTS)}
+
+
+@pytest.mark.skipif(not have_compiler(), reason="g++ runs the emulated kernels")
+def test_kernels_that_pass_their_check_serve_decode_rows(on_metal, caplog):
+    calls = on_metal(EmulatedKernel)
+    model = make_model("llama")
+    with caplog.at_level(logging.WARNING, logger="pagedmlx"):
+        engine = serve(model)
+    plan = engine.runner.kernels
+    assert plan.decode and not plan.page_write  # Metal: MLX's scatter writes the pages (kernel_check.PAGES_IN_PLACE)
+    assert all(result == "passed" for _, result in plan.checks) and not kernel_warnings(caplog)
+    before = len(EmulatedKernel.sources)
+    assert run(engine) == {str(i): solo_greedy(model, p, GREEDY.max_tokens) for i, p in enumerate(PROMPTS)}
+    assert len(EmulatedKernel.sources) > before and calls  # decode rows went through the kernel
+
+
+def test_the_environment_switches_the_kernels_off(on_metal, monkeypatch):
+    calls = on_metal(BrokenKernel)
+    monkeypatch.setenv("PAGEDMLX_METAL_KERNELS", "0")
+    engine = serve(make_model("llama"))
+    assert engine.runner.kernels.reason == "PAGEDMLX_METAL_KERNELS=0" and not calls
+
+
+def test_cuda_kernels_on_the_trusted_gpu_skip_the_check_and_are_checked_elsewhere(monkeypatch):
+    monkeypatch.setattr(paged_kernels, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(kernel_check, "run_checks", lambda *a, **k: iter([("decode", False, "disagrees")]))
+    specs, heads = [(8, 128, 128, mx.bfloat16)], [32]
+    monkeypatch.setattr(kernel_check, "device_name", lambda: "NVIDIA H200")
+    trusted = kernel_check.select_kernels(specs, heads, 16)
+    assert trusted.decode and trusted.page_write and trusted.checks[0][1] == "trusted"
+    monkeypatch.setattr(kernel_check, "device_name", lambda: "NVIDIA GeForce RTX 4090")
+    other = kernel_check.select_kernels(specs, heads, 16)
+    assert not other.enabled and other.reason == "decode: disagrees"
