@@ -107,3 +107,19 @@ def test_kernel_path_metadata_carries_slots_and_split_for_the_cuda_kernels():
     assert (md.decode_splits, md.decode_split_tokens.tolist()) == (splits, [tokens]) and splits > 1
     assert md.decode_block_table.shape == (1, 151) and md.decode_mask is None
     assert np.array_equal(np.array(md.decode_block_table), so.block_table[0, :1, :151])
+
+
+def test_the_plan_sees_each_layers_query_heads_in_a_fresh_process(monkeypatch):
+    """The kernel check needs every layer's query heads, which the plan's probe records through the
+    attention dispatcher: it must be routed before the probe runs, also for the first model of a
+    process (a module routed by an earlier test would hide it; on the H200 it left decode rows on
+    the gather path, run 22)."""
+    import mlx_lm.models.qwen3 as qwen3
+
+    from pagedmlx.runner.model import ModelRunner
+
+    original = getattr(qwen3.scaled_dot_product_attention, "_pagedmlx_original", None)
+    if original is not None:
+        monkeypatch.setattr(qwen3, "scaled_dot_product_attention", original)
+    runner = ModelRunner(make_model("qwen3"), EngineConfig(block_size=4, num_blocks=16))
+    assert [p.n_heads for p in runner.plan] == [4, 4] and not any(p.sinks for p in runner.plan)

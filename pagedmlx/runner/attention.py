@@ -389,7 +389,8 @@ def _prefill_attention(q, k_pages, v_pages, md: AttentionMetadata, scale, writte
         table = seg.block_table[None] if written is None else seg.block_table[None] + written
         k = _gather(k_pages, table)[:, :, :seg.num_keys]
         v = _gather(v_pages, table)[:, :, :seg.num_keys]
-        if md.window is None:
+        last_query = seg.first_query_pos + seg.num_queries - 1
+        if md.window is None or (seg.key_offset == 0 and last_query < md.window):  # the window does not bite
             mask = "causal"  # aligned to the last key: query j sees keys up to num_keys - num_queries + j
         else:
             key_pos = mx.arange(seg.key_offset, seg.key_offset + seg.num_keys)[None, :]

@@ -34,8 +34,10 @@ class ModelRunner:
     def __init__(self, model: nn.Module, config: EngineConfig, verify: bool = True):
         self.model = model
         self.block_size = config.block_size
-        self.plan, self.vocab_size = plan_layers(model)
-        if install_paged_attention(model) == 0:
+        # Routed first: the plan's probe sees each layer's query heads and sinks through the dispatcher.
+        routed = install_paged_attention(model)
+        self.plan, self.vocab_size = plan_layers(model)  # refuses the layers it cannot page, by name
+        if routed == 0:
             raise UnsupportedModelError(
                 f"model type {model_type(model)!r} does not call mlx-lm's scaled_dot_product_attention")
         self._body, self._head = self._split_head()
