@@ -23,9 +23,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     pool.add_argument("--num-blocks", type=int, default=None, help="KV pool size in pages")
     pool.add_argument("--kv-cache-gb", type=float, default=2.0, help="KV pool size in GB (default 2)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step (default: 8192 on a GPU, 2048 on the CPU)")
     p.add_argument("--long-prefill-token-threshold", type=int, default=512,
-                   help="largest prefill chunk of one request in one step (0: no cap)")
+                   help="largest prefill chunk of one request while others decode (0: no cap)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share KV pages of common prefixes between requests")

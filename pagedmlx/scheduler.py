@@ -133,11 +133,10 @@ class Scheduler:
 
     # ---- one step ----------------------------------------------------------------------------
 
-    def _num_new_tokens(self, request: Request, budget: int, num_computed: int) -> int:
+    def _num_new_tokens(self, request: Request, budget: int, num_computed: int, cap: int) -> int:
         if request.num_output_placeholders and self._reaches_length(request, request.num_output_placeholders):
             return 0  # its last token is still in flight and ends it: nothing more to compute
         n = request.num_tokens_with_placeholders - num_computed
-        cap = self.config.long_prefill_token_threshold
         if cap > 0:
             n = min(n, cap)
         return min(n, budget)
@@ -151,12 +150,15 @@ class Scheduler:
         # Running requests first: decodes, then unfinished prefill chunks.
         decodes = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
         prefills = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+        # A prefill chunk is capped only while others decode (their inter-token latency); alone, a
+        # prompt takes the whole budget: fewer, larger chunks (docs/benchmarks.md, run 23).
+        cap = self.config.long_prefill_token_threshold if decodes else 0
         for req in decodes + prefills:
             if budget <= 0:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = self._num_new_tokens(req, budget, req.num_computed_tokens)
+            n = self._num_new_tokens(req, budget, req.num_computed_tokens, cap)
             if n <= 0:
                 continue
             while self.kv_cache_manager.allocate_slots(req, n) is None:
@@ -178,7 +180,7 @@ class Scheduler:
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting.peek()
             hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(req)
-            n = self._num_new_tokens(req, budget, num_hit_tokens)
+            n = self._num_new_tokens(req, budget, num_hit_tokens, cap)
             if self.kv_cache_manager.allocate_slots(req, n, num_new_computed_tokens=num_hit_tokens,
                                                     new_computed_blocks=hits) is None:
                 break

@@ -11,7 +11,7 @@ Prompt tokens/s: all prompt tokens over the time until the last request has its 
 token budget B (max_num_batched_tokens): how the defaults were chosen.
 
   python scripts/bench_prefill.py --preset llama-8b --dtype bfloat16            # the GPU machine
-  python scripts/bench_prefill.py --preset small --scale 0.0625                   # a CPU (1/16 lengths)
+  python scripts/bench_prefill.py --model default --cases 1x32k --scale 0.0625    # a CPU: SmolLM2, 2k tokens
 """
 
 from __future__ import annotations
@@ -166,6 +166,7 @@ def mixed_batch_generator(model, args, vocab: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="a model pagedmlx loads (default model: 'default'); else a random --preset")
     ap.add_argument("--preset", default="small", choices=PRESETS)
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--cases", nargs="+", default=[*CASES, "mixed"], choices=[*CASES, "mixed"])
@@ -183,7 +184,14 @@ def main() -> None:
     from pagedmlx.config import EngineConfig
 
     console = Console()
-    model = random_model(args.preset, getattr(mx, args.dtype))
+    if args.model:
+        from pagedmlx.loader import load_model
+
+        model = load_model(None if args.model == "default" else args.model)[0]
+        model.set_dtype(getattr(mx, args.dtype))
+        args.preset = args.model
+    else:
+        model = random_model(args.preset, getattr(mx, args.dtype))
     vocab = model.args.vocab_size
     defaults = EngineConfig()
     chunks = [tuple(int(x) for x in c.split(":")) for c in args.chunks] if args.chunks else \

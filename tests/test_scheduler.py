@@ -50,33 +50,46 @@ def test_chunked_prefill_under_a_small_budget():
     assert sampled == [([], [], 0), ([], [], 0), (["a"], [6], 1), (["a"], [0], 1)]
 
 
-def test_long_prefill_threshold_caps_each_request_chunk():
+def test_long_prefill_threshold_caps_each_request_chunk_while_others_decode():
     sched = make_scheduler(num_blocks=16, max_num_batched_tokens=100, long_prefill_token_threshold=5)
+    sched.add_request(make_request("d", [9]))  # decodes from its second step on
+    step(sched)
     sched.add_request(make_request("a", range(1, 13)))  # 12 tokens
     sched.add_request(make_request("b", range(20, 27)))  # 7 tokens
     history = [scheduled(step(sched)[0]) for _ in range(4)]
     assert history == [
-        [("a", 5), ("b", 5)],
-        [("a", 5), ("b", 2)],
-        [("b", 1), ("a", 2)],  # b decodes, a's last chunk
-        [("a", 1), ("b", 1)],
+        [("d", 1), ("a", 5), ("b", 5)],
+        [("d", 1), ("a", 5), ("b", 2)],
+        [("d", 1), ("b", 1), ("a", 2)],  # b decodes, a's last chunk
+        [("d", 1), ("a", 1), ("b", 1)],
     ]
 
 
+def test_prompts_alone_take_the_whole_budget():
+    """No decode to protect: no per-request cap, only the token budget (fewer, larger chunks)."""
+    sched = make_scheduler(num_blocks=16, max_num_batched_tokens=16, long_prefill_token_threshold=5)
+    sched.add_request(make_request("a", range(1, 13)))  # 12 tokens
+    sched.add_request(make_request("b", range(20, 27)))  # 7 tokens
+    assert scheduled(step(sched)[0]) == [("a", 12), ("b", 4)]
+    assert scheduled(step(sched)[0]) == [("a", 1), ("b", 3)]  # a decodes now: b's chunk is capped
+
+
 def test_decodes_are_scheduled_before_prefill_chunks():
-    sched = make_scheduler(num_blocks=16, max_num_batched_tokens=4, long_prefill_token_threshold=2)
+    sched = make_scheduler(num_blocks=16, max_num_batched_tokens=5, long_prefill_token_threshold=2)
+    sched.add_request(make_request("d", [9]))  # decoding throughout: prefill chunks stay capped
+    step(sched, [4])
     sched.add_request(make_request("a", range(10, 20)))  # older, a long prompt
     sched.add_request(make_request("b", [5, 6]))
-    out, _ = step(sched, [7])
-    assert scheduled(out) == [("a", 2), ("b", 2)]
-    assert [r.request_id for r in sched.running] == ["a", "b"]
+    out, _ = step(sched, [4, 7])
+    assert scheduled(out) == [("d", 1), ("a", 2), ("b", 2)]
+    assert [r.request_id for r in sched.running] == ["d", "a", "b"]
     # b is newer but decodes: it goes first, in the loop and in the batch.
-    out, _ = step(sched, [8])
-    assert scheduled(out) == [("b", 1), ("a", 2)]
-    assert out.num_decodes == 1
-    assert out.input_ids.tolist() == [7, 12, 13]
-    assert out.positions.tolist() == [2, 2, 3]
-    assert out.logits_indices.tolist() == [0] and out.sampled_req_ids == ["b"]
+    out, _ = step(sched, [4, 8])
+    assert scheduled(out) == [("d", 1), ("b", 1), ("a", 2)]
+    assert out.num_decodes == 2
+    assert out.input_ids.tolist() == [4, 7, 12, 13]
+    assert out.positions.tolist() == [2, 2, 2, 3]
+    assert out.logits_indices.tolist() == [0, 1] and out.sampled_req_ids == ["d", "b"]
 
 
 def test_max_num_seqs():
@@ -171,28 +184,31 @@ def test_the_victim_is_the_newest_request_even_when_it_was_already_scheduled():
     though the newest (a decode) was scheduled earlier in the same step: it is taken back from the
     step. (Before the fix the older request preempted itself, and a long prompt could be pushed out
     again and again by the short requests admitted after it.)"""
-    sched = make_scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=8,
+    sched = make_scheduler(num_blocks=10, block_size=4, max_num_batched_tokens=9,
                            long_prefill_token_threshold=4, max_model_len=32)
     model = FakeModel(sched)
+    c = make_request("c", [50, 51, 52, 53], max_tokens=12)  # decoding throughout: a's chunks stay capped
+    sched.add_request(c)
+    model.step()
     a = make_request("a", range(100, 128), max_tokens=2)  # 28 tokens: 7 blocks
-    b = make_request("b", [1, 2], max_tokens=20)
+    b = make_request("b", [1, 2, 3], max_tokens=20)
     sched.add_request(a)
     sched.add_request(b)
     history = []
-    for _ in range(7):
+    for _ in range(6):
         out, _ = model.step()
         check_invariants(sched)
         history.append((scheduled(out), out.preempted_req_ids))
-    assert history[:6] == [([("a", 4), ("b", 2)], [])] + [([("b", 1), ("a", 4)], [])] * 5
-    # Step 7: b's decode completes its second block, a's last chunk needs the 8th page.
-    assert history[6] == ([("a", 4)], ["b"])
-    assert b.status == RequestStatus.PREEMPTED and b.num_output_tokens == 6  # no token this step
-    assert a.num_computed_tokens == 28
+    assert history[:5] == [([("c", 1), ("a", 4), ("b", 3)], [])] + [([("c", 1), ("b", 1), ("a", 4)], [])] * 4
+    # Step 6: b's decode completes its second block, a's chunk needs the pool's last page.
+    assert history[5] == ([("c", 1), ("a", 4)], ["b"])
+    assert b.status == RequestStatus.PREEMPTED and b.num_output_tokens == 5  # no token this step
+    assert a.num_computed_tokens == 24
     # b's second block was cached for a step that then did not run for b: it must not be found.
     probe = make_request("probe", b.all_token_ids[:8] + [0])
     assert sched.kv_cache_manager.get_computed_blocks(probe)[1] == 4
     run_to_completion(sched, model)
-    assert a.num_output_tokens == 2 and b.num_output_tokens == 20
+    assert a.num_output_tokens == 2 and b.num_output_tokens == 20 and c.num_output_tokens == 12
     assert_no_leaks(sched)
 
 
@@ -355,11 +371,11 @@ def test_priority_policy_preempts_the_lowest_priority_first():
 
 def _first_chunk_done(prompt: list[int]) -> tuple[Scheduler, Request]:
     """A scheduler whose request "a" has run its first 5-token chunk (block 0 valid and cached)."""
-    sched = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=10,
-                           long_prefill_token_threshold=5)
+    sched = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=5)
     a = make_request("a", prompt)
     sched.add_request(a)
     FakeModel(sched).step()
+    sched.config.max_num_batched_tokens = 10  # the next step has room for a second request
     return sched, a
 
 

@@ -69,13 +69,26 @@ def check_paged_forward(runner: "ModelRunner") -> Optional[str]:
             reqs[rid].num_computed_tokens += n
     tol = _TOLERANCE.get(runner.layer_specs[0][3], 6e-2)
     for rid, t in tokens.items():
-        want = _mlx_lm_logits(runner.model, t, sorted(got[rid]), [n for s in steps for r, n in s if r == rid])
-        for pos, row in got[rid].items():
-            scale = mx.abs(want[pos]).max().item() or 1.0
-            err = mx.abs(row - want[pos]).max().item() / scale
-            if not err <= tol:
-                return f"prompt {rid!r} position {pos}: max relative logit difference {err:.2e} > {tol:.0e}"
+        chunks = [n for s in steps for r, n in s if r == rid]
+        want = _mlx_lm_logits(runner.model, t, sorted(got[rid]), chunks)
+        err, pos = _max_error(got[rid], want)
+        if not err <= tol:  # NaN included
+            # mlx-lm against itself, in one chunk instead of these: how far this model's logits move
+            # with the order of its own sums in this dtype. Pages may differ by as much, not more.
+            noise, _ = _max_error(_mlx_lm_logits(runner.model, t, sorted(got[rid]), [sum(chunks)]), want)
+            if not err <= max(tol, 4 * noise):
+                return (f"prompt {rid!r} position {pos}: max relative logit difference {err:.2e} > {tol:.0e} "
+                        f"(mlx-lm against itself: {noise:.2e})")
     return None
+
+
+def _max_error(got: dict[int, mx.array], want: dict[int, mx.array]) -> tuple[float, int]:
+    """The largest difference of a row, relative to the reference row's largest logit, and where."""
+    worst = (0.0, -1)
+    for pos, row in got.items():
+        scale = mx.abs(want[pos]).max().item() or 1.0
+        worst = max(worst, (mx.abs(row - want[pos]).max().item() / scale, pos))
+    return worst
 
 
 def _compared_rows(so) -> dict[int, tuple[str, int]]:
