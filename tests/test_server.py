@@ -306,7 +306,7 @@ def test_health_models_metrics(served):
     ({"model": MODEL, "prompt": "hi", "temperature": 150}, 400, "temperature", ["temperature", "150"]),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 1000}, 400, "max_tokens", [str(MAX_MODEL_LEN), "1000"]),
     ({"model": MODEL, "prompt": list(range(300)), "max_tokens": 5}, 400, "prompt", [str(MAX_MODEL_LEN), "300"]),
-    ({"model": MODEL, "prompt": [1, 2, 100000]}, 400, None, ["100000"]),
+    ({"model": MODEL, "prompt": [1, 2, 100000]}, 400, "prompt", ["100000", "[0, 512)"]),
     ({"model": MODEL, "prompt": "hi", "n": 100}, 400, "n", ["100"]),
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias", ["logit_bias"]),
     ({"model": MODEL}, 400, "prompt", ["prompt"]),
