@@ -23,8 +23,8 @@ from pagedmlx.server import openapi
 from pagedmlx.server.errors import ASCIIJSONResponse, add_error_handlers
 from pagedmlx.server.metrics import EngineSnapshot, ServerMetrics
 from pagedmlx.server.middleware import BodyLimits
-from pagedmlx.server.protocol import (APIError, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                      CompletionResponse, ModelCard, ModelList)
+from pagedmlx.server.protocol import (APIError, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+                                      CompletionRequest, CompletionResponse, ModelCard, ModelList)
 from pagedmlx.server.serving import RETRY_AFTER_503, Serving, ServerLimits, unavailable
 
 logger = logging.getLogger("pagedmlx.server")
@@ -104,11 +104,11 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: Optional[str]
             return _sse(chunks(req, prep, stream), drain_timeout + SSE_GRACE_AFTER_DRAIN)
         return await _until_disconnect(raw, whole(req, prep, stream), stream)
 
-    @v1.post("/completions", responses=openapi.generation_responses(CompletionResponse, auth))
+    @v1.post("/completions", responses=openapi.generation_responses(CompletionResponse, CompletionResponse, auth))
     async def completions(req: CompletionRequest, raw: Request) -> Any:
         return await respond(req, raw, serving.prepare_completion, serving.completion, serving.completion_stream)
 
-    @v1.post("/chat/completions", responses=openapi.generation_responses(ChatCompletionResponse, auth))
+    @v1.post("/chat/completions", responses=openapi.generation_responses(ChatCompletionResponse, ChatCompletionChunk, auth))
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Any:
         return await respond(req, raw, serving.prepare_chat, serving.chat, serving.chat_stream)
 
@@ -127,15 +127,19 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: Optional[str]
 
     app.include_router(v1)
 
-    @app.api_route("/health", methods=["GET", "HEAD"], responses={
-        200: {"model": Health, "description": "Serving."},
-        503: {"model": Health, "description": "Shutting down, or the engine died.", "headers": openapi.RETRY_AFTER}})
     async def health() -> Response:
         if async_engine.dead is not None:
             return _unhealthy({"status": "dead", "error": repr(async_engine.dead)})
         if not async_engine.is_running:
             return _unhealthy({"status": "shutting down"})
         return ASCIIJSONResponse({"status": "ok"})
+
+    health_responses = {200: {"model": Health, "description": "Serving."},
+                        503: {"model": Health, "description": "Shutting down, or the engine died.",
+                              "headers": openapi.RETRY_AFTER}}
+    for method in ("GET", "HEAD"):  # HEAD: some load balancers probe with it
+        app.add_api_route("/health", health, methods=[method], responses=health_responses,
+                          operation_id=f"health_{method.lower()}")
 
     @app.get("/metrics", responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                                           "description": "Prometheus metrics."}})

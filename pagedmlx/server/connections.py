@@ -25,6 +25,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 logger = logging.getLogger("pagedmlx.server")
 
 LOG_INTERVAL = 10.0  # seconds between two log lines about the same kind of trouble
+LINGER = 1.0  # seconds a refused connection is read (and dropped) before it is closed
 
 
 class RateLimitedLog:
@@ -64,14 +65,28 @@ def guarded_protocol(header_timeout: float, max_connections: int) -> type[asynci
         _idle_since = 0.0
         _idle_cycle: Any = None
         _header_timer: Optional[asyncio.TimerHandle] = None
+        _refused = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            self._await_request()
             if len(self.connections) > max_connections and not self._make_room():
-                refused.hit()
-                transport.write(refusal)
-                transport.close()
+                self._refuse()
+            else:
+                self._await_request()
+
+        def data_received(self, data: bytes) -> None:
+            if not self._refused:
+                super().data_received(data)
+
+        def _refuse(self) -> None:
+            """Answer 503 and close, after reading (and dropping) what the client sends for a moment:
+            closing with its request unread would reset the connection, and the 503 with it."""
+            refused.hit()
+            self._refused = True
+            self.transport.write(refusal)
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self._header_timer = self.loop.call_later(LINGER, self.transport.close)
 
         def on_response_complete(self) -> None:
             self._await_request()  # before super(): it may start a pipelined request at once
@@ -85,7 +100,7 @@ def guarded_protocol(header_timeout: float, max_connections: int) -> type[asynci
         @property
         def waiting_for_request(self) -> bool:
             """No request in flight: nothing but a new request's headers can come next."""
-            return self.cycle is self._idle_cycle and not self.transport.is_closing()
+            return self.cycle is self._idle_cycle and not self._refused and not self.transport.is_closing()
 
         def _await_request(self) -> None:
             if self._header_timer is not None:

@@ -9,7 +9,9 @@ from typing import Any, Callable, Optional
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from pagedmlx.server.protocol import MAX_TOKEN_ID, ErrorResponse
+from pydantic import BaseModel
+
+from pagedmlx.server.protocol import MAX_TOKEN_ID, ChatCompletionChunk, ErrorResponse
 
 ERRORS = {
     400: "Invalid request: a field's type or range, an unknown token id, a prompt or chat that does not fit the "
@@ -26,7 +28,21 @@ RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying."
                                "schema": {"type": "integer"}}}
 SSE_DOC = ("With `stream: true`: server-sent events, one `data: <chunk JSON>` line each, then `data: [DONE]`. "
            "An engine failure, or a server going away, ends the stream with `data: <error JSON>` (OpenAI's error "
-           "body) before `data: [DONE]`; a request cut by the drain deadline ends with finish_reason `abort`.")
+           "body) before `data: [DONE]`; a request cut by the drain deadline ends with finish_reason `abort`. "
+           "The schema describes one event.")
+EXTRA_MODELS = (ChatCompletionChunk,)  # referenced from event streams only: FastAPI would leave them out
+
+
+def _ref(model: type[BaseModel]) -> dict:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def sse_event(chunk: type[BaseModel]) -> dict:
+    """One server-sent event of a stream of `chunk`s (OpenAPI 3.1: a media type's schema is per event)."""
+    payload = {"type": "string", "contentMediaType": "application/json",
+               "contentSchema": {"anyOf": [_ref(chunk), _ref(ErrorResponse)]}}
+    return {"type": "object", "required": ["data"], "description": SSE_DOC,
+            "properties": {"data": {"anyOf": [{"const": "[DONE]"}, payload]}}}
 
 
 def error_responses(*statuses: int) -> dict[int, dict]:
@@ -38,9 +54,9 @@ def error_responses(*statuses: int) -> dict[int, dict]:
     return out
 
 
-def generation_responses(model: type, auth: bool) -> dict[int, dict]:
+def generation_responses(model: type[BaseModel], chunk: type[BaseModel], auth: bool) -> dict[int, dict]:
     ok = {"model": model, "description": "The whole response, or (`stream: true`) an event stream.",
-          "content": {"text/event-stream": {"schema": {"type": "string", "description": SSE_DOC}}}}
+          "content": {"text/event-stream": {"schema": sse_event(chunk)}}}
     return {200: ok, **error_responses(400, *((401,) if auth else ()), 404, 408, 413, 429, 500, 503)}
 
 
@@ -53,6 +69,7 @@ def install(app: FastAPI, bounds: Callable[[], dict[str, Optional[int]]], auth: 
             doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
                               description=app.description)
             _drop_422(doc)
+            _add_models(doc, EXTRA_MODELS)
             _add_bounds(doc.get("components", {}).get("schemas", {}), **bounds())
             if auth:
                 _add_bearer(doc)
@@ -69,6 +86,15 @@ def _drop_422(doc: dict) -> None:
     schemas = doc.get("components", {}).get("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
+
+
+def _add_models(doc: dict, models: tuple[type[BaseModel], ...]) -> None:
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    for model in models:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        for name, sub in schema.pop("$defs", {}).items():
+            schemas.setdefault(name, sub)
+        schemas.setdefault(model.__name__, schema)
 
 
 def _integer_branch(prop: dict) -> dict:

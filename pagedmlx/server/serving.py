@@ -86,6 +86,10 @@ class Serving:
         self.check_model(req)
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo with logprobs asks for the prompt's logprobs, which pagedmlx does not compute "
+                           "(the engine projects only the rows it samples): send echo or logprobs, not both",
+                           param="echo")
         prompts = req.prompts()
         if not prompts:
             raise APIError(400, "prompt must not be empty", param="prompt")
