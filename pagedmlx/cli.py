@@ -57,6 +57,16 @@ def build_engine(args: argparse.Namespace):
 
 # ---- serve -----------------------------------------------------------------------------------
 
+def _positive(kind: type) -> Callable[[str], object]:
+    def parse(text: str) -> object:
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its error message
+    return parse
+
+
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve an OpenAI-compatible API")
     add_engine_args(p)
@@ -73,12 +83,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-n", type=int, default=16, help="largest n accepted")
     p.add_argument("--max-tokens-cap", type=int, default=None, help="largest max_tokens accepted")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
-    p.add_argument("--max-connections", type=int, default=None,
+    p.add_argument("--max-connections", type=_positive(int), default=None,
                    help="open connections at most; beyond it the longest-idle one is closed, or with none idle "
                         "the new one gets 503 (default: 4096, less if the open-file limit is lower)")
-    p.add_argument("--header-timeout", type=float, default=10.0,
+    p.add_argument("--header-timeout", type=_positive(float), default=10.0,
                    help="seconds a connection gets to send a request's line and headers (default 10)")
-    p.add_argument("--body-timeout", type=float, default=30.0,
+    p.add_argument("--body-timeout", type=_positive(float), default=30.0,
                    help="seconds a request's body may take once its headers are in; then 408 (default 30)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on Ctrl-C or SIGTERM, seconds in-flight requests get to finish; the rest end with "
@@ -92,7 +102,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from pagedmlx.server.file_limit import import_mlx_lm, raise_file_limit
+    from pagedmlx.server.file_limit import RESERVED_FDS, import_mlx_lm, raise_file_limit
 
     import_mlx_lm()  # first: keep the operator's open-file limit (file_limit.py)
     nofile = raise_file_limit()
@@ -137,6 +147,9 @@ def run_serve(args: argparse.Namespace) -> int:
                   f"drain {args.drain_timeout:g} s")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         console.print("[yellow]warning:[/] listening beyond this machine without --api-key")
+    if max_connections(app) > nofile[0] - RESERVED_FDS:
+        console.print(f"[yellow]warning:[/] --max-connections {max_connections(app)} leaves fewer than {RESERVED_FDS} "
+                      f"of the {nofile[0]} open files for the rest: raise the limit (ulimit -n, LimitNOFILE)")
     server = make_server(app, args.host, args.port, args.log_level)
     lost = distributed.exit_on_rank_loss(engine, async_engine, server, console) if group else None
     # uvicorn re-raises the signal it handled once it has shut down: SIGTERM (systemd, launchd, Docker)
