@@ -80,8 +80,9 @@ def test_schema_fuzzing_finds_no_5xx_and_nothing_undocumented(served):
     for result in schema.get_all_operations():
         operation = result.ok()
         method = operation.method.upper()
-        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if method == "POST" else (GenerationMode.POSITIVE,):
-            fuzz(operation, mode, EXAMPLES[method])
+        fuzz(operation, GenerationMode.POSITIVE, EXAMPLES[method])
+        if method == "POST":  # only bodies can be made invalid: the other routes take no input
+            fuzz(operation, GenerationMode.NEGATIVE, EXAMPLES[method])
     assert sum(statuses.values()) > 100 and statuses[200] > 20 and statuses[400] > 20, statuses
     assert not [s for s in statuses if s >= 500], statuses
     assert not failures, f"{len(failures)} responses outside the document; the first:\n" + "\n".join(failures[:3])

@@ -104,11 +104,14 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: Optional[str]
             return _sse(chunks(req, prep, stream), drain_timeout + SSE_GRACE_AFTER_DRAIN)
         return await _until_disconnect(raw, whole(req, prep, stream), stream)
 
-    @v1.post("/completions", responses=openapi.generation_responses(CompletionResponse, CompletionResponse, auth))
+    completion_docs = openapi.generation_responses(CompletionResponse, CompletionResponse, auth)
+    chat_docs = openapi.generation_responses(ChatCompletionResponse, ChatCompletionChunk, auth)
+
+    @v1.post("/completions", responses=completion_docs)
     async def completions(req: CompletionRequest, raw: Request) -> Any:
         return await respond(req, raw, serving.prepare_completion, serving.completion, serving.completion_stream)
 
-    @v1.post("/chat/completions", responses=openapi.generation_responses(ChatCompletionResponse, ChatCompletionChunk, auth))
+    @v1.post("/chat/completions", responses=chat_docs)
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Any:
         return await respond(req, raw, serving.prepare_chat, serving.chat, serving.chat_stream)
 

@@ -35,6 +35,13 @@ class PromptEncoder:
         longest = longest_token_chars(tokenizer) if tokenizer is not None else None
         self.max_text_chars = max_model_len * longest * NORMALIZER_SLACK if longest else None
         self._pool = ThreadPoolExecutor(workers or min(4, os.cpu_count() or 1), thread_name_prefix="pagedmlx-tokenize")
+        if tokenizer is not None:
+            # A fast tokenizer resets its truncation / padding settings on its first encode, a write that
+            # fails ("Already borrowed") if another thread encodes at that moment: do it before the pool.
+            try:
+                tokenizer.encode("warm-up")
+            except Exception:  # noqa: BLE001 - its errors show up, per request, later
+                pass
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) in the pool; its exceptions (APIError) come back to the caller."""
