@@ -181,6 +181,12 @@ def test_contract_fixes(served):
                                                        "logprobs": True, "top_logprobs": 10 ** 6})
     assert r.status_code == 400 and error_of(r)["param"] == "top_logprobs"
     assert error_of(r)["message"] == "top_logprobs must be in [0, 20], got 1000000"
+    # Found by the schema fuzzer: a tiny repetition penalty made float32 logits inf, and logprobs null.
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi hi", "repetition_penalty": 1e-300})
+    assert r.status_code == 400 and error_of(r)["param"] == "repetition_penalty"
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi hi", "repetition_penalty": 0.01,
+                                                  "logprobs": 1, "max_tokens": 4})
+    assert r.status_code == 200 and None not in r.json()["choices"][0]["logprobs"]["token_logprobs"]
     r = httpx.post(url + "/v1/completions", content=b"prompt=hi", headers={"content-type": "text/plain"})
     assert r.status_code == 400 and "application/json" in error_of(r)["message"]
     r = httpx.post(url + "/v1/completions", json={"model": "m" * 100_000, "prompt": "hi"})

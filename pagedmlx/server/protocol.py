@@ -115,7 +115,9 @@ class SamplingRequest(OpenAIModel):
     seed: Optional[int] = Field(None, ge=0, le=MAX_SEED)
     presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: Optional[float] = Field(None, gt=0.0, le=10.0)
+    # SamplingParams takes (0, 10], but a penalty under ~1e-37 turns logits into inf in float32 (and
+    # logprobs into NaN): the server keeps to what is meaningful.
+    repetition_penalty: Optional[float] = Field(None, ge=0.01, le=10.0)
     logit_bias: Optional[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
                               Annotated[float, Field(ge=-100.0, le=100.0)]]] = None
     ignore_eos: bool = False
