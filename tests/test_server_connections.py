@@ -10,6 +10,7 @@ import select
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -113,30 +114,41 @@ def tight():
     s.stop()
 
 
-def test_header_and_body_deadlines(tight):
-    """A client that sends its headers, or its body, a byte at a time used to hold its connection
-    forever (0 of 200 such sockets closed in 20 s)."""
-    t0 = time.monotonic()
-    assert _raw(tight.port, b"") == b""  # silent: closed at the header deadline
-    assert 0.9 < time.monotonic() - t0 < 2.5
-    t0 = time.monotonic()
-    assert _raw(tight.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n") == b""  # headers never end
-    assert 0.9 < time.monotonic() - t0 < 2.5
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
-    t0 = time.monotonic()
-    reply = _raw(tight.port, head + b'{"prompt":')  # the body stalls
-    assert time.monotonic() - t0 < 2
-    assert reply.startswith(b"HTTP/1.1 408 ") and b"request_timeout" in reply and b"connection: close" in reply.lower()
-    # A keep-alive connection gets the same deadline for its next request's headers.
-    with socket.create_connection(("127.0.0.1", tight.port), timeout=5) as s:
+def _after_keep_alive(port: int, data: bytes) -> bytes:
+    """One request on a keep-alive connection, then `data`: what the server sends after its answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
         s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         reply = b""
         while not reply.endswith(b'{"status":"ok"}'):
             reply += s.recv(65536)
         assert reply.startswith(b"HTTP/1.1 200 ")
-        s.sendall(b"GET /hea")
+        s.sendall(data)
+        return s.recv(65536)
+
+
+def test_header_and_body_deadlines(tight):
+    """A client that sends its headers, or its body, a byte at a time used to hold its connection
+    forever (0 of 200 such sockets closed in 20 s)."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    cases = {
+        "silent": lambda: _raw(tight.port, b""),
+        "headers never end": lambda: _raw(tight.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"),
+        "body stalls": lambda: _raw(tight.port, head + b'{"prompt":'),
+        "next request's headers never end": lambda: _after_keep_alive(tight.port, b"GET /hea"),
+    }
+
+    def timed(case):
         t0 = time.monotonic()
-        assert s.recv(65536) == b"" and time.monotonic() - t0 < 2.5
+        return cases[case](), time.monotonic() - t0
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        got = dict(zip(cases, pool.map(timed, cases)))
+    for case in ("silent", "headers never end", "next request's headers never end"):
+        reply, took = got[case]
+        assert reply == b"" and 0.9 < took < 2.5, (case, reply, took)  # closed at the 1 s header deadline
+    reply, took = got["body stalls"]
+    assert 0.4 < took < 2, took  # the 0.5 s body deadline
+    assert reply.startswith(b"HTTP/1.1 408 ") and b"request_timeout" in reply and b"connection: close" in reply.lower()
 
 
 def test_connection_cap_closes_idle_ones_first_then_refuses(tight):
