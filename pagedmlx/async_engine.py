@@ -71,6 +71,11 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive() and self.dead is None and not self._stop_requested
 
+    @property
+    def stopping(self) -> bool:
+        """A shutdown has begun: no new requests; the running ones drain until the deadline."""
+        return self._stop_requested
+
     def add_listener(self, listener: OutputListener) -> None:
         self._listeners.append(listener)
 
@@ -176,14 +181,19 @@ class AsyncEngine:
         if self._stop_requested or self._closed:
             raise EngineShutdownError("the engine is shutting down")
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop taking requests, let the in-flight ones finish for up to `timeout` seconds, abort
-        the rest and stop the engine thread. Blocking; see shutdown_async."""
+    def begin_shutdown(self, timeout: float = 30.0) -> None:
+        """Stop taking requests, let the in-flight ones finish for up to `timeout` seconds, then abort
+        the rest (their streams end with finish_reason "abort") and stop the engine thread. Returns
+        at once; the first call sets the deadline."""
         with self._cond:
             if not self._stop_requested:
                 self._stop_requested = True
                 self._deadline = time.monotonic() + timeout
             self._cond.notify()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """begin_shutdown, then wait for the engine thread to stop. Blocking; see shutdown_async."""
+        self.begin_shutdown(timeout)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
 
@@ -213,7 +223,8 @@ class AsyncEngine:
             if stopping and (not engine.has_unfinished_requests() or time.monotonic() >= deadline):
                 ids = list(engine.scheduler.requests)
                 if ids:
-                    logger.warning("shutdown: aborting %d unfinished requests", len(ids))
+                    logger.warning("shutdown: the drain deadline passed; aborting %d unfinished requests "
+                                   "(they end with finish_reason \"abort\")", len(ids))
                 self._publish(engine.abort_request(ids))
                 return
             if not engine.has_unfinished_requests():

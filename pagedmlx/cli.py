@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from typing import Callable, Optional, Sequence
 
@@ -72,6 +73,16 @@ def launched() -> bool:
 
 # ---- serve -----------------------------------------------------------------------------------
 
+def _positive(kind: type) -> Callable[[str], object]:
+    def parse(text: str) -> object:
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its error message
+    return parse
+
+
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve an OpenAI-compatible API")
     add_engine_args(p)
@@ -79,14 +90,25 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* "
                                                    "(default: $PAGEDMLX_API_KEY; none if unset)")
+    p.add_argument("--admin-key", default=None,
+                   help="a second key, for the operator: good on /v1/* too, and the only one that shows the "
+                        "prompt text of KV blocks in /v1/engine/kv (default: $PAGEDMLX_ADMIN_KEY; none if unset)")
     p.add_argument("--served-model-name", default=None,
                    help="model id clients must send (default: the --model string, or `default`)")
     p.add_argument("--max-waiting", type=int, default=1024, help="waiting requests before 429 (default 1024)")
     p.add_argument("--max-n", type=int, default=16, help="largest n accepted")
     p.add_argument("--max-tokens-cap", type=int, default=None, help="largest max_tokens accepted")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    p.add_argument("--max-connections", type=_positive(int), default=None,
+                   help="open connections at most; beyond it the longest-idle one is closed, or with none idle "
+                        "the new one gets 503 (default: 4096, less if the open-file limit is lower)")
+    p.add_argument("--header-timeout", type=_positive(float), default=10.0,
+                   help="seconds a connection gets to send a request's line and headers (default 10)")
+    p.add_argument("--body-timeout", type=_positive(float), default=30.0,
+                   help="seconds a request's body may take once its headers are in; then 408 (default 30)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on Ctrl-C, seconds in-flight requests get to finish before they are aborted")
+                   help="on Ctrl-C or SIGTERM, seconds in-flight requests get to finish; the rest end with "
+                        "finish_reason \"abort\" (default 30)")
     p.add_argument("--log-level", default="info")
     p.add_argument("-tp", "--tensor-parallel-size", "--tp", dest="tp", type=int, default=None, metavar="N",
                    help="tensor parallelism: split the model over N ranks. Without a launcher, starts N local "
@@ -96,11 +118,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    from pagedmlx.server.file_limit import RESERVED_FDS, import_mlx_lm, raise_file_limit
+
+    import_mlx_lm()  # first: keep the operator's open-file limit (file_limit.py)
+    nofile = raise_file_limit()
     from rich.console import Console
 
     from pagedmlx.async_engine import AsyncEngine
     from pagedmlx.server.api import build_app
+    from pagedmlx.server.http_server import make_server, max_connections
     from pagedmlx.server.serving import ServerLimits
 
     console = Console(stderr=True)
@@ -122,9 +148,13 @@ def run_serve(args: argparse.Namespace) -> int:
             engine.load_generation_defaults(config.model)
     name = args.served_model_name or config.model or "default"  # as vLLM: the --model string
     async_engine = AsyncEngine(engine, max_waiting=args.max_waiting)
-    limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_n=args.max_n, max_tokens=args.max_tokens_cap)
+    limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_n=args.max_n, max_tokens=args.max_tokens_cap,
+                          header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                          max_connections=args.max_connections)
     api_key = args.api_key or os.environ.get("PAGEDMLX_API_KEY") or None
-    app = build_app(async_engine, name, api_key=api_key, limits=limits, drain_timeout=args.drain_timeout)
+    admin_key = args.admin_key or os.environ.get("PAGEDMLX_ADMIN_KEY") or None
+    app = build_app(async_engine, name, api_key=api_key, limits=limits, drain_timeout=args.drain_timeout,
+                    admin_key=admin_key)
     url = f"http://{args.host}:{args.port}/v1"
     console.print(f"[bold]pagedmlx[/] serving [cyan]{name}[/] on [bold]{backend_name()}[/]")
     console.print(f"  KV pool: {kv_pool_line(engine)}; max_model_len {engine.max_model_len}; "
@@ -132,16 +162,24 @@ def run_serve(args: argparse.Namespace) -> int:
     for line in getattr(engine, "rank_lines", []):
         console.print(f"  {line}", soft_wrap=True)
     console.print(f"  sampling defaults: {defaults_line(engine)}")
-    console.print(f"  API key: {'required' if api_key else 'none'}; URL: [link={url}]{url}[/link]")
+    console.print(f"  API key: {'required' if api_key else 'none'}; admin key: {'set' if admin_key else 'none'}; "
+                  f"URL: [link={url}]{url}[/link]")
+    console.print(f"  connections: at most {max_connections(app)} open (open-file limit {nofile[0]}); "
+                  f"{limits.header_timeout:g} s for headers, {limits.body_timeout:g} s for a body; "
+                  f"drain {args.drain_timeout:g} s")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         console.print("[yellow]warning:[/] listening beyond this machine without --api-key")
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=int(args.drain_timeout) + 1)
-    server = uvicorn.Server(config)
+    if max_connections(app) > nofile[0] - RESERVED_FDS:
+        console.print(f"[yellow]warning:[/] --max-connections {max_connections(app)} leaves fewer than {RESERVED_FDS} "
+                      f"of the {nofile[0]} open files for the rest: raise the limit (ulimit -n, LimitNOFILE)")
+    server = make_server(app, args.host, args.port, args.log_level)
     lost = tp_engine.exit_on_rank_loss(engine, async_engine, server, console) if group else None
+    # uvicorn re-raises the signal it handled once it has shut down: SIGTERM (systemd, launchd, Docker)
+    # must end like Ctrl-C, here, and not kill the process (exit 143, no cleanup).
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        server.run()  # Ctrl-C: stop accepting, drain, then the lifespan stops the engine
-    except KeyboardInterrupt:  # uvicorn re-raises the signal it handled once it has shut down
+        server.run()  # a signal: stop accepting, drain, then the lifespan stops the engine
+    except KeyboardInterrupt:
         pass
     finally:
         async_engine.shutdown(timeout=0)

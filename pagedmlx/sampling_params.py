@@ -69,7 +69,9 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must hold token ids >= 0, got {t!r}")
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _check_range("repetition_penalty", self.repetition_penalty, 0.0, 10.0, lo_open=True)
+        # Not down to 0: below ~1e-37 dividing float32 logits by it overflows (the server's schema fuzzer
+        # found 5e-324: logprobs became NaN).
+        _check_range("repetition_penalty", self.repetition_penalty, 0.01, 10.0)
         for tok, bias in self.logit_bias.items():
             if tok < 0:
                 raise ValueError(f"logit_bias keys must be token ids >= 0, got {tok}")

@@ -5,74 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
-from utils import ARCHS, make_model, make_tokenizer
+from server_utils import (MAX_MODEL_LEN, MODEL, Served, ServeProcess, error_of, make_engine, sse_payloads,
+                          wait_idle)
 
-from pagedmlx.async_engine import AsyncEngine
-from pagedmlx.config import EngineConfig
-from pagedmlx.engine import LLMEngine
 from pagedmlx.sampling_params import SamplingParams
-from pagedmlx.server.api import build_app
-from pagedmlx.server.serving import ServerLimits
-
-MODEL = "tiny-llama"
-MAX_MODEL_LEN = 256
-
-
-def engine_config(**kw) -> EngineConfig:
-    cfg = dict(block_size=8, num_blocks=256, max_model_len=MAX_MODEL_LEN, max_num_seqs=64,
-               max_num_batched_tokens=512)
-    cfg.update(kw)
-    return EngineConfig(**cfg)
-
-
-def make_engine(**kw) -> LLMEngine:
-    return LLMEngine(make_model("llama"), make_tokenizer(ARCHS["llama"]["vocab_size"]), engine_config(**kw))
-
-
-class ServerThread:
-    """uvicorn serving `app` on a free loopback port from a background thread."""
-
-    def __init__(self, app):
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=20)
-
-
-class Served:
-    def __init__(self, engine: LLMEngine, **app_kw):
-        self.engine = engine
-        self.async_engine = AsyncEngine(engine)
-        app_kw.setdefault("drain_timeout", 2.0)
-        app_kw.setdefault("limits", ServerLimits(max_body_bytes=64 * 1024, max_n=4))
-        self.app = build_app(self.async_engine, MODEL, **app_kw)
-        self.thread = ServerThread(self.app)
-        self.url = self.thread.url
-
-    def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
-
-    def aclient(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
-
-    def stop(self) -> None:
-        self.thread.stop()
 
 
 @pytest.fixture(scope="module")
@@ -81,17 +24,6 @@ def served():
     yield s
     s.stop()
     assert not s.async_engine._thread.is_alive()
-
-
-def wait_idle(engine: LLMEngine, timeout: float = 2.0) -> None:
-    """Every page back (ref_cnt 0) and no request left, within `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        blocks = engine.kv_cache_manager.block_pool.blocks
-        if all(b.ref_cnt == 0 for b in blocks) and not engine.has_unfinished_requests():
-            return
-        assert time.monotonic() < deadline, [b for b in blocks if b.ref_cnt][:5]
-        time.sleep(0.02)
 
 
 def offline(engine_kw: dict, prompt, max_tokens: int, **params) -> tuple[list[int], str]:
@@ -103,16 +35,6 @@ def offline(engine_kw: dict, prompt, max_tokens: int, **params) -> tuple[list[in
             if out.finished:
                 return out.token_ids, out.text
     raise AssertionError("no output")
-
-
-def sse_payloads(response: httpx.Response) -> list[str]:
-    return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
-
-
-def error_of(response: httpx.Response) -> dict:
-    body = response.json()
-    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"]), body
-    return body["error"]
 
 
 # ---- behaviour ---------------------------------------------------------------------------------
@@ -306,7 +228,7 @@ def test_health_models_metrics(served):
     ({"model": MODEL, "prompt": "hi", "temperature": 150}, 400, "temperature", ["temperature", "150"]),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 1000}, 400, "max_tokens", [str(MAX_MODEL_LEN), "1000"]),
     ({"model": MODEL, "prompt": list(range(300)), "max_tokens": 5}, 400, "prompt", [str(MAX_MODEL_LEN), "300"]),
-    ({"model": MODEL, "prompt": [1, 2, 100000]}, 400, None, ["100000"]),
+    ({"model": MODEL, "prompt": [1, 2, 100000]}, 400, "prompt", ["100000", "[0, 512)"]),
     ({"model": MODEL, "prompt": "hi", "n": 100}, 400, "n", ["100"]),
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias", ["logit_bias"]),
     ({"model": MODEL}, 400, "prompt", ["prompt"]),
@@ -380,59 +302,22 @@ def test_logprobs_shapes(served):
                                        logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
     content = r.choices[0].logprobs.content
     assert len(content) == 4 and all(isinstance(t.token, str) and t.logprob <= 0 for t in content)
-    c = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, logprobs=2, echo=True,
-                                  extra_body={"ignore_eos": True})
+    c = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, logprobs=2, extra_body={"ignore_eos": True})
     lp = c.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 4 and lp.text_offset[0] == 2
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 4 and lp.text_offset[0] == 0
+    with pytest.raises(openai.BadRequestError, match="prompt's logprobs"):  # vLLM would return them: refused
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, logprobs=2, echo=True)
     chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                                                  max_tokens=4, logprobs=True, stream=True,
                                                  extra_body={"ignore_eos": True}))
     assert sum(len(ch.choices[0].logprobs.content) for ch in chunks if ch.choices[0].logprobs) == 4
 
 
-SERVE = """
-import sys, types
-sys.path.insert(0, {tests!r})
-from utils import make_model, make_tokenizer
-loader = types.ModuleType("pagedmlx.loader")
-loader.load_model = lambda name, lazy=False: (make_model("llama"), make_tokenizer(512))
-loader.generation_defaults = lambda name: {{}}
-sys.modules["pagedmlx.loader"] = loader  # no real model: the CLI loads through this
-import time
-from pagedmlx.engine import LLMEngine
-_step = LLMEngine.step
-LLMEngine.step = lambda self: (time.sleep(0.005), _step(self))[1]  # 240 tokens take > 1 s
-from pagedmlx.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 def test_cli_serve_drains_on_ctrl_c():
     """`pagedmlx serve`, then Ctrl-C with two requests in flight: both finish, the process exits 0."""
-    import os
-    import signal
-    import socket
-    import subprocess
-    import sys
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    script = SERVE.format(tests=os.path.dirname(__file__))
-    args = ["serve", "--port", str(port), "--block-size", "8", "--num-blocks", "256", "--max-model-len", "256",
-            "--served-model-name", MODEL, "--drain-timeout", "20", "--log-level", "warning"]
-    proc = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    url = f"http://127.0.0.1:{port}"
+    server = ServeProcess("--drain-timeout", "20")
+    url = server.url
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
         body = {"model": MODEL, "prompt": "Tell me a story", "max_tokens": 240, "ignore_eos": True}
         results = {}
 
@@ -446,20 +331,19 @@ def test_cli_serve_drains_on_ctrl_c():
         threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
         for t in threads:
             t.start()
-        while "vllm:num_requests_running{" not in (m := httpx.get(url + "/metrics").text) or \
-                'vllm:num_requests_running{model_name="tiny-llama"} 2.0' not in m:
+        deadline = time.monotonic() + 30
+        while not server.running(2):
             assert time.monotonic() < deadline
-        proc.send_signal(signal.SIGINT)
+        server.proc.send_signal(signal.SIGINT)
         t0 = time.monotonic()
         for t in threads:
             t.join(30)
         assert time.monotonic() - t0 > 0.5  # they really were in flight, and drained
-        out, err = proc.communicate(timeout=30)
+        code, err = server.finish()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, err
-    assert "CPU" in err and "256 blocks" in err and f"127.0.0.1:{port}/v1" in err
+        server.kill()
+    assert code == 0, err
+    assert "CPU" in err and "256 blocks" in err and f"127.0.0.1:{server.port}/v1" in err
     assert results["plain"]["choices"][0]["finish_reason"] == "length"
     assert results["plain"]["usage"]["completion_tokens"] == 240
     assert results["stream"][-1] == "[DONE]" and json.loads(results["stream"][-2])["choices"][0]["finish_reason"] \

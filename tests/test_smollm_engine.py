@@ -47,7 +47,7 @@ def test_stop_string_on_real_text(smollm):
 
 def test_server_chat_answers_paris_streaming_and_not(smollm):
     """The real model end to end through the OpenAI server, with the official client."""
-    from test_server import Served
+    from server_utils import Served
 
     model, tok = smollm
     served = Served(LLMEngine(model, tok, EngineConfig(num_blocks=128)))

@@ -60,7 +60,7 @@ def _gb(num_blocks: int, bytes_per_block: int) -> float:
 
 def _block_text(engine: Any, token_ids: tuple[int, ...], limit: int = 48) -> str:
     tokenizer = getattr(engine, "tokenizer", None)
-    if tokenizer is None:
+    if tokenizer is None or not token_ids:
         return ""
     try:
         text = tokenizer.decode(list(token_ids))
@@ -124,9 +124,11 @@ def _pool_summary(pool: Any, states: str, bpb: int) -> dict:
     }
 
 
-def kv_snapshot(engine: Any, top_shared: int = 10) -> dict:
+def kv_snapshot(engine: Any, top_shared: int = 10, block_text: bool = True) -> dict:
     """The pools, the prefix cache and every unfinished request's pages, as plain data.
-    Call it where nothing steps the engine meanwhile (between steps)."""
+    Call it where nothing steps the engine meanwhile (between steps). `block_text=False` leaves out
+    the decoded text of the most shared blocks (`text` is None): it is other users' prompts, which
+    the server shows only to its admin key."""
     kv = engine.kv_cache_manager
     sched = engine.scheduler
     groups = []
@@ -151,7 +153,8 @@ def kv_snapshot(engine: Any, top_shared: int = 10) -> dict:
         "block_id": b.block_id,
         "ref_cnt": b.ref_cnt,
         "hash": b.block_hash.digest.hex()[:12] if b.block_hash is not None else None,
-        "text": _block_text(engine, b.block_hash.token_ids) if b.block_hash is not None else "",
+        "text": _block_text(engine, b.block_hash.token_ids if b.block_hash is not None else ()) if block_text
+        else None,
         "held_by": sorted(holders[b.block_id], key=_natural),
     } for b in most_shared]
 

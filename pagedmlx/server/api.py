@@ -1,6 +1,7 @@
 """The FastAPI app: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, plus /health,
 /metrics and the admin snapshot /v1/engine/kv, over one AsyncEngine. Errors always come back in
-OpenAI's shape."""
+OpenAI's shape (errors.py); bodies are read within limits (middleware.py); the OpenAPI document
+lists every status (openapi.py)."""
 
 from __future__ import annotations
 
@@ -11,95 +12,140 @@ import logging
 from typing import Any, Awaitable, Optional
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedmlx.async_engine import AsyncEngine
 from pagedmlx.blocks.snapshot import kv_snapshot
+from pagedmlx.server import openapi
+from pagedmlx.server.errors import ASCIIJSONResponse, add_error_handlers
 from pagedmlx.server.metrics import EngineSnapshot, ServerMetrics
-from pagedmlx.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from pagedmlx.server.serving import ServerLimits, Serving
+from pagedmlx.server.middleware import BodyLimits
+from pagedmlx.server.protocol import (APIError, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+                                      CompletionRequest, CompletionResponse, ModelCard, ModelList)
+from pagedmlx.server.serving import RETRY_AFTER_503, Serving, ServerLimits, unavailable
 
 logger = logging.getLogger("pagedmlx.server")
+
+# After the drain deadline the engine aborts what is left and each stream sends its last chunk and
+# [DONE]; sse-starlette cancels a stream only this much later, if it is somehow still running.
+SSE_GRACE_AFTER_DRAIN = 5.0
+
+
+class Health(BaseModel):
+    status: str
+    error: Optional[str] = None
 
 
 def build_app(async_engine: AsyncEngine, model_name: str, api_key: Optional[str] = None,
               max_waiting: Optional[int] = None, limits: Optional[ServerLimits] = None,
-              drain_timeout: float = 30.0, shutdown_engine: bool = True) -> FastAPI:
+              drain_timeout: float = 30.0, shutdown_engine: bool = True, admin_key: Optional[str] = None) -> FastAPI:
     """The server's app. `max_waiting` caps requests waiting in the engine (429 beyond it);
-    `limits` caps body size, n, prompts and max_tokens; on shutdown the app drains the engine for
-    up to `drain_timeout` seconds (unless shutdown_engine is False)."""
+    `limits` caps body size and time, n, prompts and max_tokens; on shutdown the app drains the engine for
+    up to `drain_timeout` seconds (unless shutdown_engine is False). `api_key` guards /v1; `admin_key`
+    (also good for /v1) alone unlocks the prompt text of KV blocks in /v1/engine/kv."""
     limits = limits or ServerLimits()
     if max_waiting is not None:
         async_engine.max_waiting = max_waiting
     serving = Serving(async_engine, model_name, limits)
     metrics = ServerMetrics(model_name)
     async_engine.add_listener(metrics.on_output)
+    keys = [k.encode() for k in (api_key, admin_key) if k]
+
+    def begin_drain() -> None:
+        """Called as the server starts to shut down (a signal): the drain clock starts now."""
+        if shutdown_engine:
+            async_engine.begin_shutdown(drain_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         if shutdown_engine:
             await async_engine.shutdown_async(drain_timeout)
+        serving.prompts.close()
+        if serving.num_cut:
+            logger.warning("drain: %d responses were cut at the %g s deadline (finish_reason \"abort\")",
+                           serving.num_cut, drain_timeout)
 
     app = FastAPI(title="pagedmlx", lifespan=lifespan)
     app.state.async_engine, app.state.serving, app.state.metrics = async_engine, serving, metrics
-    app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
-    _add_error_handlers(app)
+    app.state.limits, app.state.begin_drain, app.state.drain_timeout = limits, begin_drain, drain_timeout
+    app.add_middleware(BodyLimits, max_bytes=limits.max_body_bytes, timeout=limits.body_timeout)
+    add_error_handlers(app)
+
+    def bearer(request: Request) -> bytes:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return token.encode() if scheme.lower() == "bearer" else b""
+
+    def is_admin(request: Request) -> bool:
+        return admin_key is not None and hmac.compare_digest(bearer(request), admin_key.encode())
 
     async def check_api_key(request: Request) -> None:
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if not (scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), api_key.encode())):
+        token = bearer(request)
+        if not any([hmac.compare_digest(token, key) for key in keys]):  # a list: compare with every key
             raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
                            code="invalid_api_key")
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)] if api_key else [])
+    auth = api_key is not None
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)] if auth else [])
+    auth_errors = openapi.error_responses(401) if auth else {}
 
-    @v1.get("/models")
-    async def models() -> dict:
+    @v1.get("/models", responses={200: {"model": ModelList}, **auth_errors})
+    async def models() -> Any:
         card = ModelCard(id=model_name, max_model_len=serving.max_model_len)
         return ModelList(data=[card]).model_dump()
 
     async def respond(req, raw: Request, prepare, whole, chunks) -> Any:
-        prep = prepare(req)
+        prep = await serving.prepare(prepare, req)
         stream = await serving.submit(prep, req)
         if req.stream:
-            return _sse(chunks(req, prep, stream), drain_timeout)
+            return _sse(chunks(req, prep, stream), drain_timeout + SSE_GRACE_AFTER_DRAIN)
         return await _until_disconnect(raw, whole(req, prep, stream), stream)
 
-    @v1.post("/completions")
+    completion_docs = openapi.generation_responses(CompletionResponse, CompletionResponse, auth)
+    chat_docs = openapi.generation_responses(ChatCompletionResponse, ChatCompletionChunk, auth)
+
+    @v1.post("/completions", responses=completion_docs)
     async def completions(req: CompletionRequest, raw: Request) -> Any:
         return await respond(req, raw, serving.prepare_completion, serving.completion, serving.completion_stream)
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", responses=chat_docs)
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Any:
         return await respond(req, raw, serving.prepare_chat, serving.chat, serving.chat_stream)
 
-    @v1.get("/engine/kv")
-    async def engine_kv() -> Response:
-        """The page pool and who holds what (pagedmlx blocks), built in the engine thread between steps."""
+    @v1.get("/engine/kv", responses={200: {"description": "A snapshot of the KV page pool (docs/kv-inspector.md)."},
+                                     **auth_errors, **openapi.error_responses(503)})
+    async def engine_kv(request: Request) -> Response:
+        """The page pool and who holds what (pagedmlx blocks), built in the engine thread between steps.
+        Block text only for the admin key (--admin-key)."""
+        show_text = is_admin(request)
         try:
-            snap = await asyncio.wait_for(async_engine.call(kv_snapshot), timeout=10.0)
+            snap = await asyncio.wait_for(async_engine.call(lambda e: kv_snapshot(e, block_text=show_text)),
+                                          timeout=10.0)
         except Exception as exc:  # noqa: BLE001 - a dead or stuck engine
-            raise APIError(503, f"no engine snapshot: {type(exc).__name__}: {exc}", type="server_error")
-        return JSONResponse({"model": model_name, **snap})
+            raise unavailable(RuntimeError(f"no engine snapshot: {type(exc).__name__}: {exc}"))
+        return ASCIIJSONResponse({"model": model_name, **snap})
 
     app.include_router(v1)
 
-    @app.get("/health")
     async def health() -> Response:
         if async_engine.dead is not None:
-            return JSONResponse({"status": "dead", "error": repr(async_engine.dead)}, status_code=503)
+            return _unhealthy({"status": "dead", "error": repr(async_engine.dead)})
         if not async_engine.is_running:
-            return JSONResponse({"status": "shutting down"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+            return _unhealthy({"status": "shutting down"})
+        return ASCIIJSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    health_responses = {200: {"model": Health, "description": "Serving."},
+                        503: {"model": Health, "description": "Shutting down, or the engine died.",
+                              "headers": openapi.RETRY_AFTER}}
+    for method in ("GET", "HEAD"):  # HEAD: some load balancers probe with it
+        app.add_api_route("/health", health, methods=[method], responses=health_responses,
+                          operation_id=f"health_{method.lower()}")
+
+    @app.get("/metrics", responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                                          "description": "Prometheus metrics."}})
     async def metrics_endpoint() -> Response:
         try:
             metrics.update(await asyncio.wait_for(async_engine.call(EngineSnapshot.take), timeout=5.0))
@@ -107,12 +153,22 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: Optional[str]
             logger.warning("/metrics: no engine snapshot", exc_info=True)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    def bounds() -> dict:
+        cap = serving.max_model_len - 1
+        return dict(max_n=limits.max_n, max_prompts=limits.max_prompts, vocab_size=serving.vocab_size,
+                    max_tokens=min(cap, limits.max_tokens) if limits.max_tokens is not None else cap)
+
+    openapi.install(app, bounds, auth)
     return app
 
 
-def _sse(payloads, drain_timeout: float) -> EventSourceResponse:
-    # On shutdown, sse-starlette lets streams run on for the grace period (our drain) before cancelling.
-    return EventSourceResponse(payloads, sep="\n", ping=15, shutdown_grace_period=drain_timeout)
+def _unhealthy(body: dict) -> Response:
+    return ASCIIJSONResponse(body, status_code=503, headers={"Retry-After": RETRY_AFTER_503})
+
+
+def _sse(payloads, grace: float) -> EventSourceResponse:
+    # On shutdown, sse-starlette lets streams run on for `grace` seconds before cancelling them.
+    return EventSourceResponse(payloads, sep="\n", ping=15, shutdown_grace_period=grace)
 
 
 async def _until_disconnect(request: Request, work: Awaitable, stream) -> Any:
@@ -138,77 +194,3 @@ async def _wait_for_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
-
-
-def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.response_body(), status_code=err.status, headers=err.headers)
-
-
-def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return _error_response(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        if first.get("type") == "json_invalid":
-            message = f"Invalid JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}"
-            return _error_response(APIError(400, message))
-        param = loc[0] if loc else None
-        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
-        if len(errors) > 1:
-            message += f" (and {len(errors) - 1} more errors)"
-        return _error_response(APIError(400, message, param=param))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error_response(APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)))
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return _error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
-
-
-class BodySizeLimit:
-    """Refuse request bodies over max_bytes with 413, before the app reads them."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._refuse(scope, receive, send)
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left before sending its body
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                return await self._refuse(scope, receive, send)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        replayed = False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        err = APIError(413, f"request body too large: the limit is {self.max_bytes} bytes",
-                       code="request_too_large")
-        await _error_response(err)(scope, receive, send)

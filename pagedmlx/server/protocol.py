@@ -5,11 +5,57 @@ repetition_penalty, stop_token_ids, ignore_eos, return_token_ids, ...) are accep
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, WithJsonSchema
 
 from pagedmlx.sampling_params import SamplingParams
+
+MAX_SEED = 2**63 - 1
+MAX_TOKEN_ID = 2**31 - 1  # the vocabulary's real bound is checked per model (Serving)
+
+
+def _valid_unicode(text: str) -> str:
+    """JSON can carry lone UTF-16 surrogates ("\\ud800"); no tokenizer or UTF-8 encoder takes them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"must be valid Unicode, but holds a lone UTF-16 surrogate "
+                         f"(U+{ord(text[exc.start]):04X}) at position {exc.start}") from None
+    return text
+
+
+# Every string a client sends goes through Text: an encoding error is a 400 naming the field.
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+NonEmptyText = Annotated[Text, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+
+
+def _tagged(kind, message: str, **members: Any) -> Any:
+    """A union whose member is picked by `kind(value)`: errors then come from that member only."""
+    return Annotated[Union[tuple(Annotated[t, Tag(name)] for name, t in members.items())],
+                     Discriminator(kind, custom_error_type="union_type", custom_error_message=message)]
+
+
+def _prompt_kind(value: Any) -> Optional[str]:
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, list):
+        first = value[0] if value else None
+        return "texts" if isinstance(first, str) else "token_lists" if isinstance(first, list) else "token_ids"
+    return None
+
+
+def _str_or_list(value: Any) -> Optional[str]:
+    return "one" if isinstance(value, str) else "list" if isinstance(value, list) else None
+
+
+Prompt = _tagged(_prompt_kind, "prompt must be a string, a list of strings, a list of token ids or a list of "
+                 "lists of token ids", text=NonEmptyText, texts=Annotated[list[NonEmptyText], Field(min_length=1)],
+                 token_ids=Annotated[list[TokenId], Field(min_length=1)],
+                 token_lists=Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
+Stop = _tagged(_str_or_list, "stop must be a string or a list of strings", one=NonEmptyText,
+               list=list[NonEmptyText])
 
 
 class OpenAIModel(BaseModel):
@@ -51,30 +97,36 @@ class StreamOptions(OpenAIModel):
 
 
 class SamplingRequest(OpenAIModel):
-    """Parameters common to completions and chat completions."""
+    """Parameters common to completions and chat completions. The ranges are SamplingParams' own
+    (so the OpenAPI document states what the server enforces); n, max_tokens, the prompt count and
+    token ids have per-server bounds, checked by Serving and added to the document (openapi.py)."""
 
-    model: Optional[str] = None
-    max_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    n: int = 1
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
+    model: Optional[Text] = None
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0.0, le=100.0)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(None, ge=-1)
+    min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
+    n: int = Field(1, ge=1)
+    best_of: Optional[int] = Field(None, ge=1)  # accepted only when equal to n (see Serving)
+    stop: Optional[Stop] = None
+    stop_token_ids: Optional[list[TokenId]] = None
     include_stop_str_in_output: bool = False
-    seed: Optional[int] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, float]] = None
+    seed: Optional[int] = Field(None, ge=0, le=MAX_SEED)
+    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    # SamplingParams takes (0, 10], but a penalty under ~1e-37 turns logits into inf in float32 (and
+    # logprobs into NaN): the server keeps to what is meaningful.
+    repetition_penalty: Optional[float] = Field(None, ge=0.01, le=10.0)
+    logit_bias: Optional[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
+                              Annotated[float, Field(ge=-100.0, le=100.0)]]] = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    user: Optional[str] = None
+    user: Optional[Text] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     return_token_ids: bool = False  # vLLM extension: token ids in every choice / chunk
-    cache_salt: Optional[str] = None  # vLLM extension: isolates this request's prefix-cache entries
+    cache_salt: Optional[Text] = None  # vLLM extension: isolates this request's prefix-cache entries
     priority: int = 0  # vLLM extension: lower runs first under --scheduling-policy priority
 
     @property
@@ -111,11 +163,11 @@ class SamplingRequest(OpenAIModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = 16
-    logprobs: Optional[int] = None
+    prompt: Prompt
+    max_tokens: Optional[int] = Field(16, ge=1)
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
     echo: bool = False
-    suffix: Optional[str] = None
+    suffix: Optional[Text] = None
 
     def requested_logprobs(self) -> Optional[int]:
         return self.logprobs
@@ -129,13 +181,29 @@ class CompletionRequest(SamplingRequest):
 
 class TextPart(OpenAIModel):
     type: Literal["text"]
-    text: str
+    text: Text
+
+
+def _part_kind(value: Any) -> Optional[str]:
+    if isinstance(value, TextPart) or (isinstance(value, dict) and value.get("type") == "text"):
+        return "text"
+    return "other" if isinstance(value, dict) else None
+
+
+# Other kinds of part (images, audio) parse, so that the refusal can name them; the document
+# lists text parts only, the one kind served.
+ContentPart = Annotated[_tagged(_part_kind, "a content part must be an object", text=TextPart,
+                                other=dict[str, Any]), WithJsonSchema(TextPart.model_json_schema())]
+Content = _tagged(_str_or_list, "content must be a string or a list of content parts", one=Text,
+                  list=list[ContentPart])
+# A role is a name: a role string cannot smuggle template control tokens into the prompt.
+Role = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")]
 
 
 class ChatMessage(OpenAIModel):
-    role: str
-    content: Optional[Union[str, list[Union[TextPart, dict[str, Any]]]]] = None
-    name: Optional[str] = None
+    role: Role
+    content: Optional[Content] = None
+    name: Optional[Text] = None
 
     def to_template_dict(self) -> dict:
         content = self.content
@@ -155,9 +223,9 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
 
     def requested_logprobs(self) -> Optional[int]:
@@ -167,6 +235,22 @@ class ChatCompletionRequest(SamplingRequest):
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def field_range(name: str) -> Optional[str]:
+    """A request field's allowed range as the server states it ("[0.0, 100.0]", ">= 1"), or None."""
+    for model in (CompletionRequest, ChatCompletionRequest):
+        info = model.model_fields.get(name)
+        if info is None:
+            continue
+        bounds = {type(m).__name__: getattr(m, type(m).__name__.lower()) for m in info.metadata
+                  if type(m).__name__ in ("Ge", "Gt", "Le", "Lt")}
+        lo, hi = bounds.get("Ge", bounds.get("Gt")), bounds.get("Le", bounds.get("Lt"))
+        if lo is not None and hi is not None:
+            return f"{'[' if 'Ge' in bounds else '('}{lo}, {hi}{']' if 'Le' in bounds else ')'}"
+        if lo is not None:
+            return f"{'>=' if 'Ge' in bounds else '>'} {lo}"
+    return None
 
 
 # ---- responses -------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 from pagedmlx.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError, RequestStream, TooManyRequestsError
 from pagedmlx.outputs import EngineOutput, TokenLogprob
 from pagedmlx.sampling_params import SamplingParams
+from pagedmlx.server.prompts import PromptEncoder
 from pagedmlx.server.protocol import (APIError, AssistantMessage, ChatChoice, ChatChunkChoice,
                                       ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                       ChatLogprobs, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
@@ -18,6 +19,8 @@ from pagedmlx.server.protocol import (APIError, AssistantMessage, ChatChoice, Ch
                                       PromptTokensDetails, SamplingRequest, TopLogprob, Usage)
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
+RETRY_AFTER_503 = "5"  # seconds: a stopping server's supervisor restarts it in about that
+_ENGINE_ERROR_FIELDS = {"logit_bias": "logit_bias", "stop": "stop"}  # an engine ValueError's first word
 
 
 @dataclass
@@ -26,6 +29,9 @@ class ServerLimits:
     max_n: int = 16
     max_prompts: int = 64  # prompts in one completions request
     max_tokens: Optional[int] = None  # None: up to the context
+    header_timeout: float = 10.0  # seconds for a connection to send a request line and headers
+    body_timeout: float = 30.0  # seconds for a request's body, once its headers are in
+    max_connections: Optional[int] = None  # open connections (None: from the open-file limit)
 
 
 @dataclass
@@ -36,6 +42,7 @@ class Prepared:
     prompts: list[list[int]]
     params: SamplingParams
     texts: Optional[list[Optional[str]]] = None  # the prompts as sent, where they were text (for echo)
+    prompt_field: str = "prompt"
 
     @property
     def n(self) -> int:
@@ -53,13 +60,21 @@ class Serving:
         self.limits = limits
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
+        self.vocab_size = engine.engine.vocab_size
+        self.prompts = PromptEncoder(self.tokenizer, self.max_model_len)
+        self.num_cut = 0  # responses ended by the drain deadline (finish_reason "abort")
         self._token_text: dict[int, str] = {}
 
     # ---- requests in --------------------------------------------------------------------------
 
+    async def prepare(self, prepare: Callable[[Any], Prepared], req: SamplingRequest) -> Prepared:
+        """prepare_completion / prepare_chat, off the event loop (they tokenize)."""
+        return await self.prompts.run(prepare, req)
+
     def check_model(self, req: SamplingRequest) -> None:
         if req.model is not None and req.model != self.model_name:
-            raise APIError(404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found")
+            name = req.model if len(req.model) <= 200 else req.model[:200] + "..."
+            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
     def _need_tokenizer(self, what: str) -> Any:
         if self.tokenizer is None:
@@ -70,34 +85,43 @@ class Serving:
         self.check_model(req)
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo with logprobs asks for the prompt's logprobs, which pagedmlx does not compute "
+                           "(the engine projects only the rows it samples): send echo or logprobs, not both",
+                           param="echo")
         prompts = req.prompts()
         if not prompts:
             raise APIError(400, "prompt must not be empty", param="prompt")
         if len(prompts) > self.limits.max_prompts:
             raise APIError(400, f"at most {self.limits.max_prompts} prompts per request, got {len(prompts)}",
                            param="prompt")
-        ids = [list(self._need_tokenizer("a text prompt").encode(p)) if isinstance(p, str) else list(p)
-               for p in prompts]
+        if any(isinstance(p, str) for p in prompts):
+            self._need_tokenizer("a text prompt")
+        ids = [self.prompts.encode(p, "prompt") if isinstance(p, str) else self._check_ids(p) for p in prompts]
         prep = self._prepare(req, ids, "prompt")
         prep.texts = [p if isinstance(p, str) else None for p in prompts]
         return prep
 
     def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         self.check_model(req)
-        tokenizer = self._need_tokenizer("chat")
+        self._need_tokenizer("chat")
         messages = [m.to_template_dict() for m in req.messages]
-        try:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
-        except Exception as exc:  # noqa: BLE001 - a template that refuses these messages
-            raise APIError(400, f"the chat template failed on these messages: {exc}", param="messages")
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return self._prepare(req, [list(ids)], "messages")
+        ids = self.prompts.apply_chat_template(messages, req.add_generation_prompt)
+        return self._prepare(req, [ids], "messages")
+
+    def _check_ids(self, ids: list[int]) -> list[int]:
+        bad = [t for t in ids if t >= self.vocab_size]
+        if bad:
+            raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}", param="prompt")
+        return list(ids)
 
     def _prepare(self, req: SamplingRequest, prompts: list[list[int]], prompt_field: str) -> Prepared:
         limits = self.limits
         if req.n > limits.max_n:
             raise APIError(400, f"n must be <= {limits.max_n}, got {req.n}", param="n")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(400, f"best_of must equal n (got best_of={req.best_of}, n={req.n}): pagedmlx returns "
+                           f"every sample it generates, so ask for them with n", param="best_of")
         if any(not p for p in prompts):
             raise APIError(400, f"{prompt_field} must hold at least one token", param=prompt_field)
         longest = max(len(p) for p in prompts)
@@ -115,7 +139,12 @@ class Serving:
                 f"completion). Please reduce the length of the {where} or completion.",
                 param="max_tokens" if requested is not None and longest < self.max_model_len else prompt_field,
                 code="context_length_exceeded")
-        return Prepared(uuid.uuid4().hex, prompts, req.to_sampling_params(max_tokens))
+        params = req.to_sampling_params(max_tokens)
+        bad = [t for t in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise APIError(400, f"logit_bias keys must be token ids in [0, {self.vocab_size}), got {bad[:5]}",
+                           param="logit_bias")
+        return Prepared(uuid.uuid4().hex, prompts, params, prompt_field=prompt_field)
 
     async def submit(self, prep: Prepared, req: SamplingRequest) -> RequestStream:
         try:
@@ -125,9 +154,15 @@ class Serving:
             raise APIError(429, f"{exc}; retry later", type="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": "1"})
         except (EngineDeadError, EngineShutdownError) as exc:
-            raise APIError(503, str(exc), type="server_error", code=503)
-        except ValueError as exc:
-            raise APIError(400, str(exc))
+            raise unavailable(exc)
+        except ValueError as exc:  # the engine's own checks, worded "<field> ..."
+            first = str(exc).split(" ", 1)[0]
+            raise APIError(400, str(exc), param=prep.prompt_field if first == "prompt" else
+                           _ENGINE_ERROR_FIELDS.get(first))
+
+    def note_cut(self, out: EngineOutput) -> bool:
+        """Whether `out` is a request aborted by the drain deadline."""
+        return out.finish_reason == "abort" and self.engine.stopping
 
     # ---- responses out -----------------------------------------------------------------------
 
@@ -181,9 +216,10 @@ class Serving:
                 if out.finished:
                     finals[stream.index(out.request_id)] = out
         except (EngineDeadError, EngineShutdownError) as exc:
-            raise APIError(503, str(exc), type="server_error", code=503)
+            raise unavailable(exc)
         finally:
             stream.close()
+        self.num_cut += any(self.note_cut(o) for o in finals.values())
         return finals
 
     def _prompt_text(self, prep: Prepared, index: int) -> str:
@@ -264,6 +300,7 @@ class Serving:
         """`data:` payloads: the chunks, an optional usage chunk, then [DONE]. An engine error ends
         the stream with an error event (then [DONE]); a dropped connection aborts the request."""
         finals: dict[int, EngineOutput] = {}
+        cut = False
         try:
             for c in firsts:
                 yield c.model_dump_json()
@@ -274,6 +311,7 @@ class Serving:
                     break
                 if out.finished:
                     finals[i] = out
+                    cut = cut or self.note_cut(out)
                 c = chunk(i, out)
                 if c is not None:
                     yield c.model_dump_json()
@@ -284,7 +322,12 @@ class Serving:
             yield _error_json(str(exc), 503)
         finally:
             stream.close()
+            self.num_cut += cut
         yield "[DONE]"
+
+
+def unavailable(exc: Exception) -> APIError:
+    return APIError(503, str(exc), type="server_error", code=503, headers={"Retry-After": RETRY_AFTER_503})
 
 
 def _error_json(message: str, status: int) -> str:

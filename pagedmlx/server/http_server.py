@@ -1,0 +1,48 @@
+"""The uvicorn server for an app from build_app: connection hygiene (connections.py), and a drain
+that starts when the shutdown does (a signal), so that streams still running at the deadline end
+with finish_reason "abort" and [DONE] instead of a cut connection."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import resource
+import socket
+from typing import Callable, Optional
+
+import uvicorn
+from fastapi import FastAPI
+
+from pagedmlx.server.api import SSE_GRACE_AFTER_DRAIN
+from pagedmlx.server.connections import guarded_protocol, install_accept_error_filter
+from pagedmlx.server.file_limit import default_max_connections
+
+
+class PagedServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, on_shutdown: Optional[Callable[[], None]] = None):
+        super().__init__(config)
+        self.on_shutdown = on_shutdown
+
+    async def startup(self, sockets: Optional[list[socket.socket]] = None) -> None:
+        install_accept_error_filter(asyncio.get_running_loop())
+        await super().startup(sockets)
+
+    async def shutdown(self, sockets: Optional[list[socket.socket]] = None) -> None:
+        if self.on_shutdown is not None:
+            self.on_shutdown()
+        await super().shutdown(sockets)
+
+
+def max_connections(app: FastAPI) -> int:
+    """The app's connection cap: --max-connections, or what the open-file limit leaves room for."""
+    return app.state.limits.max_connections or default_max_connections(
+        resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+
+
+def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> PagedServer:
+    limits = app.state.limits
+    # uvicorn's own limit comes last: after the drain, the abort chunks and sse-starlette's grace.
+    graceful = math.ceil(app.state.drain_timeout + SSE_GRACE_AFTER_DRAIN) + 5
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful,
+                            http=guarded_protocol(limits.header_timeout, max_connections(app)))
+    return PagedServer(config, on_shutdown=app.state.begin_drain)
