@@ -13,8 +13,7 @@ class EngineConfig:
     num_blocks: Optional[int] = None  # None: sized from kv_cache_memory_gb
     kv_cache_memory_gb: float = 2.0
     max_num_seqs: int = 256
-    # A step's token budget. None: 8192 on GPU backends, 2048 on the CPU (docs/benchmarks.md, run 23:
-    # on an H200 a 32k prompt's first token came 3.2x sooner with 8192 than with 2048).
+    # A step's token budget. None: 8192 on GPU backends, 2048 on the CPU (docs/benchmarks.md, run 23).
     max_num_batched_tokens: Optional[int] = None
     # While other requests decode, one request's prefill chunk takes at most this many tokens (their
     # inter-token latency); a prompt with no decode beside it takes the whole budget. 0: no cap.
@@ -22,9 +21,8 @@ class EngineConfig:
     max_model_len: Optional[int] = None  # None: the model's own limit (or 8192), capped at the pool
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # or "priority"
-    # Schedule and build step N+1 while step N runs on the device. None: on GPU backends only
-    # (measured 2026-12-02: +20-30% decode tok/s at batch 8-256 on an H200; on a 2-core CPU the
-    # host work competes with the forward pass for the cores and lockstep is 5-10% faster).
+    # Schedule and build step N+1 while step N runs on the device. None: on GPU backends only (on a
+    # CPU the host work competes with the forward pass for the cores: docs/benchmarks.md).
     async_scheduling: Optional[bool] = None
     async_min_batch: int = 1  # running requests from which steps overlap (1: every step)
     # "auto": sampling defaults from the model's generation_config.json (as vLLM); "vllm": vLLM's own.

@@ -51,9 +51,8 @@ class Settings:
 
 SETTINGS = {
     # Swept on the H200 (docs/benchmarks.md, runs 13-16): prefetch 1 was best of the sweep; vectors 2 and
-    # heads_per_block did not win broadly. Tensor cores: 32 x 4096 keys 0.172 ms against 0.282 for the
-    # lanes kernel (run 16); PAGEDMLX_DECODE_MMA=0 turns them off. 1056 groups: ~8 per SM of 132 SMs.
-    # 1 x 32k keys: 64 splits 0.120 ms, 128 splits 0.139 ms (2026-12-03).
+    # heads_per_block did not win broadly; the tensor cores beat the lanes (PAGEDMLX_DECODE_MMA=0 turns
+    # them off); 1056 groups: ~8 per SM of 132 SMs; 512 keys a split beat 256.
     CUDA: Settings(threads=128, unroll=2, prefetch=1, vectors=1, heads_per_block=0,
                    mma=int(os.environ.get("PAGEDMLX_DECODE_MMA", "1")), target_blocks=1056,
                    min_split_tokens=512, shared_bytes=48 * 1024),
