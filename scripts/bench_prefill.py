@@ -33,11 +33,12 @@ from bench_offline import PRESETS, make_prompts, measure_machine, random_model  
 CASES = {"1x32k": (1, 32000, 1), "8x8k": (8, 8192, 1), "32x4k+128": (32, 3968, 128)}
 
 
-def engine_for(model, args, threshold: int, budget: int, max_len: int, num_seqs: int):
+def engine_for(model, args, threshold: int, budget: int, max_len: int, num_seqs: int, blocks: int = 0):
+    """blocks: the pool's size (default: every request at max_len)."""
     from pagedmlx.config import EngineConfig
     from pagedmlx.engine import LLMEngine
 
-    blocks = num_seqs * (-(-max_len // args.block_size) + 1) + 8
+    blocks = blocks or num_seqs * (-(-max_len // args.block_size) + 1) + 8
     return LLMEngine(model, None, EngineConfig(
         block_size=args.block_size, num_blocks=blocks, max_num_seqs=num_seqs, max_num_batched_tokens=budget,
         long_prefill_token_threshold=threshold, max_model_len=max_len + 1, enable_prefix_caching=False))
@@ -107,7 +108,9 @@ def mixed(model, args, vocab: int, threshold: int, budget: int) -> dict:
     from pagedmlx.sampling_params import SamplingParams
 
     n_dec, long_len = 64, int(16384 * args.scale)
-    engine = engine_for(model, args, threshold, budget, long_len + 512, n_dec + 1)
+    bs = args.block_size
+    engine = engine_for(model, args, threshold, budget, long_len + 512, n_dec + 1,
+                        blocks=n_dec * -(-1024 // bs) + -(-long_len // bs) + 16)  # decodes grow < 900 tokens
     dec = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
     for i, p in enumerate(make_prompts(n_dec, 128, vocab, 3)):
         engine.add_request(f"d{i}", p, dec)
