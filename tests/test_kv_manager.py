@@ -298,3 +298,30 @@ def test_caching_disabled_never_hits_or_hashes():
     assert mgr.get_computed_blocks(b) == (([],), 0)
     assert a.block_hashes == [] and mgr.block_pool.cached_block_hash_to_block == {}
     assert (mgr.stats.queries, mgr.stats.hits) == (0, 0)
+
+
+def test_a_sliding_group_holds_only_the_window_gemma3_27b_at_32k():
+    """Gemma 3 27B's layers (10 full, 52 sliding over 1,024 tokens; 16 KV heads x 128, bf16) at 32k
+    context: a request's pages stay within 1.2x of what the windows bound (2.9 GiB), not the 15.5 GiB
+    of sliding layers kept whole."""
+    from pagedmlx.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+    per_token_layer = 2 * 16 * 128 * 2  # K and V, bf16
+    bs, context = 16, 32 * 1024
+    config = KVCacheConfig(bs, [KVCacheGroupSpec(FullAttentionSpec(), 2100, page_size_bytes=bs * 10 * per_token_layer),
+                                KVCacheGroupSpec(SlidingWindowSpec(1024), 300, page_size_bytes=bs * 52 * per_token_layer)])
+    mgr = KVCacheManager(config)
+    req = make_request("long", [1 + i % 97 for i in range(context - 8)], max_tokens=16)
+    for start in range(0, req.num_tokens, 2048):  # chunked prefill, then decodes
+        n = min(2048, req.num_tokens - start)
+        assert mgr.allocate_slots(req, n) is not None
+        req.num_computed_tokens += n
+    for _ in range(8):
+        req.append_output_token(5)
+        assert mgr.allocate_slots(req, 1) is not None
+        req.num_computed_tokens += 1
+    held = sum(g.page_size_bytes * sum(b is not m.block_pool.null_block for b in m.req_to_blocks["long"])
+               for g, m in zip(config.kv_cache_groups, mgr.managers))
+    bound = context * 10 * per_token_layer + 1024 * 52 * per_token_layer
+    assert held <= 1.2 * bound and bound / 2**30 < 3.0
+    assert context * 62 * per_token_layer / 2**30 > 15.0  # what every layer kept whole would hold
