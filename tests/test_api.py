@@ -146,7 +146,7 @@ def test_generate_answers_the_default_models_question_without_chat_flag(smollm):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout, proc.stdout
-    raw = subprocess.run([sys.executable, "-m", "pagedmlx.cli", "generate", "--no-chat-template", "--prompt",
-                          "What is the capital of France?", "--temperature", "0", "--max-tokens", "8"],
+    raw = subprocess.run([sys.executable, "-m", "pagedmlx.cli", "generate", "random:llama-tiny", "--no-chat-template",
+                          "--prompt", "What is the capital of France?", "--max-tokens", "8"],
                          capture_output=True, text=True, timeout=300)
     assert raw.returncode == 0 and "chat template" not in raw.stderr and "chat template" in proc.stderr
