@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,7 +27,7 @@ def _dequantize(arrays: dict[str, mx.array]) -> mx.array:
                          group_size=GROUP_SIZE, bits=_bits(arrays))
 
 
-def _read_weights(f: GGUFFile, arch: Architecture, args, quantized: bool) -> tuple[dict[str, mx.array], dict[str, int]]:
+def _read_weights(f: GGUFFile, arch: Architecture, args: Any, quantized: bool) -> tuple[dict[str, mx.array], dict[str, int]]:
     """mlx-lm's weights by name, and the bits of each module kept packed."""
     weights, packed = {}, {}
     for name, info in f.tensors.items():

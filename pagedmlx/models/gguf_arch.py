@@ -181,10 +181,9 @@ def architecture(metadata: dict[str, Any], path: Path) -> tuple[Architecture, Me
 def mlx_name(arch: Architecture, name: str, path: Path) -> str:
     """mlx-lm's module path for a GGUF tensor name, without the leaf (`weight`, `bias`)."""
     parts = name.split(".")
-    if parts[-1] not in ("weight", "bias"):
-        pass
-    elif len(parts) == 2 and parts[0] in _TOP_LEVEL:
-        return _TOP_LEVEL[parts[0]]
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in arch.per_layer:
-        return f"model.layers.{parts[1]}.{arch.per_layer[parts[2]]}"
+    if parts[-1] in ("weight", "bias"):
+        if len(parts) == 2 and parts[0] in _TOP_LEVEL:
+            return _TOP_LEVEL[parts[0]]
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] in arch.per_layer:
+            return f"model.layers.{parts[1]}.{arch.per_layer[parts[2]]}"
     raise ValueError(f"unexpected tensor {name!r} in GGUF file {path}")
