@@ -14,6 +14,26 @@ from mlx.utils import tree_map
 Tensor = tuple[str, np.ndarray, Optional[gguf.GGMLQuantizationType]]
 
 
+ROUND_TRIP = [
+    "Hello world 2025!",
+    "def square(x):\n    return x ** 2  # 2025\n\n\tindented\ttabs\r\n",
+    "café, naïve, Ωμέγα, Straße, 日本語",
+    "emoji 🙂👍🏽 and 🇫🇷",
+    "  leading and trailing spaces  ",
+    "",
+]
+
+
+def stream_decode(tok, ids: list[int]) -> str:
+    """The text mlx-lm's streaming detokenizer makes of ids, one token at a time."""
+    detok = tok.detokenizer
+    detok.reset()
+    for i in ids:
+        detok.add_token(i)
+    detok.finalize()
+    return detok.text
+
+
 def randomize(model) -> None:
     """Seeded random weights; 1-D ones (norms) around 1, so that a swapped or unshifted norm shows."""
     mx.random.seed(0)
