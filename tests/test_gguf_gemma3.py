@@ -181,7 +181,8 @@ Unicode: café, naïve, Ωμέγα, Straße, 日本語, emoji 🙂👍🏽.
 <table><tr><td>cell</td></tr></table>
 """.splitlines()
 
-TEXTS = [*CORPUS, "the   quick\n\n\nbrown  fox", "  leading", "trailing   ", "unseen: ßœ∑ ☃ 𝔘", "x" * 40, "12345 67"]
+TEXTS = [*CORPUS, "the   quick\n\n\nbrown  fox", "  leading", "trailing   ", "unseen: ßœ∑ ☃ 𝔘", "x" * 40,
+         "12345 67"]
 
 
 def _sentencepiece_model():

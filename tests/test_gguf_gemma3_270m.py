@@ -98,15 +98,15 @@ def _sentencepiece(metadata: dict):
                                        metadata["tokenizer.ggml.token_type"])):
         # llama.cpp spelled the user-defined runs of spaces with real spaces
         proto.pieces.add(piece=t.replace(" ", "\u2581") if ty == 4 else t, score=s, type=2 if i == unk else ty)
-    proto.trainer_spec.model_type, proto.trainer_spec.byte_fallback = pb.TrainerSpec.BPE, True
-    proto.trainer_spec.unk_id, proto.trainer_spec.bos_id, proto.trainer_spec.eos_id, proto.trainer_spec.pad_id = unk, 2, 1, 0
+    ts = proto.trainer_spec
+    ts.model_type, ts.byte_fallback, ts.unk_id, ts.bos_id, ts.eos_id, ts.pad_id = pb.TrainerSpec.BPE, True, unk, 2, 1, 0
     ns = proto.normalizer_spec
     ns.name, ns.add_dummy_prefix, ns.remove_extra_whitespaces, ns.escape_whitespaces = "identity", False, False, True
     return spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
 
 
 def _source_text() -> str:
-    """Real text with a stable token count: pagedmlx's own sources."""
+    """Real text, long enough for every prompt: pagedmlx's own sources."""
     return "\n\n".join(p.read_text() for p in sorted(Path(pagedmlx.__file__).parent.rglob("*.py")))
 
 

@@ -27,7 +27,8 @@ def _dequantize(arrays: dict[str, mx.array]) -> mx.array:
                          group_size=GROUP_SIZE, bits=_bits(arrays))
 
 
-def _read_weights(f: GGUFFile, arch: Architecture, args: Any, quantized: bool) -> tuple[dict[str, mx.array], dict[str, int]]:
+def _read_weights(f: GGUFFile, arch: Architecture, args: Any,
+                  quantized: bool) -> tuple[dict[str, mx.array], dict[str, int]]:
     """mlx-lm's weights by name, and the bits of each module kept packed."""
     weights, packed = {}, {}
     for name, info in f.tensors.items():
@@ -66,7 +67,7 @@ def load_gguf(
     model = arch.model_class(args)
     weights = model.sanitize(weights)
     if packed:
-        nn.quantize(model, class_predicate=lambda p, _: {"group_size": GROUP_SIZE, "bits": packed[p]} if p in packed else False)
+        nn.quantize(model, class_predicate=lambda p, _: p in packed and {"group_size": GROUP_SIZE, "bits": packed[p]})
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:

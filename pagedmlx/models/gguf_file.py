@@ -87,7 +87,8 @@ class GGUFFile:
             infos.append((name, tuple(reversed(dims)), c.scalar(4), c.scalar(10)))
         align = int(self.metadata.get("general.alignment", 32))
         start = -(-c.pos // align) * align
-        self.tensors = {name: TensorInfo(name, shape, _qtype(t, name, path), start + off) for name, shape, t, off in infos}
+        self.tensors = {name: TensorInfo(name, shape, _qtype(t, name, path), start + offset)
+                        for name, shape, t, offset in infos}
 
     def _blocks(self, t: TensorInfo) -> np.ndarray:
         """The tensor's bytes as (rows, bytes per row), gguf-py's layout for quantized data."""

@@ -56,8 +56,10 @@ def _byte_level_bpe(metadata: dict[str, Any]) -> tuple[Tokenizer, Callable]:
 
 def _score_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
     """SentencePiece BPE merges pieces by the score of the piece they make, best first; a GGUF keeps
-    those scores and no merges. Every split of a normal piece into two vocabulary pieces is a merge,
-    ranked by the piece's score (ties: the earlier piece), as Hugging Face's converter builds them."""
+    those scores and no merges. Every split of a normal piece into two vocabulary pieces is a merge
+    ranked by that piece's score, as Hugging Face's SentencePiece converter derives them. (Where two
+    splits of one piece overlap in a text, "ab|a" and "a|ba", SentencePiece takes the leftmost and a
+    merge list cannot say so; Hugging Face's Gemma tokenizers share that.)"""
     vocab = {t: i for i, t in enumerate(tokens)}
     ranked = []
     for i, piece in enumerate(tokens):

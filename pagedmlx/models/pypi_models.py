@@ -63,7 +63,8 @@ def lookup(name: str) -> PyPIModel:
     """The model called `name` or `pypi:name`; a ValueError listing the known names otherwise."""
     name = name.removeprefix(PYPI_PREFIX)
     if name not in PYPI_MODELS:
-        raise ValueError(f"unknown model {PYPI_PREFIX}{name} (known: {', '.join(PYPI_PREFIX + n for n in PYPI_MODELS)})")
+        known = ", ".join(PYPI_PREFIX + n for n in PYPI_MODELS)
+        raise ValueError(f"unknown model {PYPI_PREFIX}{name} (known: {known})")
     return PYPI_MODELS[name]
 
 
