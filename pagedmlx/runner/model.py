@@ -131,7 +131,11 @@ class ModelRunner:
             return None, None
         if getattr(m, "lm_head", None) is not None:
             return body, m.lm_head
-        if getattr(getattr(m, "args", None), "tie_word_embeddings", False) and hasattr(body, "embed_tokens"):
+        # Tied: some models say so on themselves (gemma3_text drops its lm_head when the weights have none).
+        tied = getattr(m, "tie_word_embeddings", None)
+        if tied is None:
+            tied = getattr(getattr(m, "args", None), "tie_word_embeddings", False)
+        if tied and hasattr(body, "embed_tokens"):
             return body, body.embed_tokens.as_linear
         return None, None
 
