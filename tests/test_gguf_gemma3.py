@@ -109,7 +109,7 @@ def test_gemma3_gguf_equals_gemma3_text(tmp_path, pattern, pattern_key):
     ref = _reference(args)
     write_gemma3(tmp_path / "g.gguf", ref, args, pattern_key)
     model, _ = load_gguf(tmp_path / "g.gguf")
-    assert isinstance(model, gemma3_text.Model) and "lm_head" not in model and model.args.tie_word_embeddings
+    assert isinstance(model, gemma3_text.Model) and "lm_head" not in model and model.tie_word_embeddings
     got = model.args
     assert (got.sliding_window, got.sliding_window_pattern, got.head_dim) == (8, pattern, 32)
     assert (got.rope_theta, got.rope_local_base_freq, got.query_pre_attn_scalar) == (1e6, 1e4, 32)

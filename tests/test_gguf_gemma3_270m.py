@@ -49,7 +49,7 @@ def test_loaded_as_gemma3_text(gemma3):
     assert (a.num_attention_heads, a.num_key_value_heads, a.vocab_size) == (4, 1, 262144)
     assert (a.sliding_window, a.sliding_window_pattern, a.query_pre_attn_scalar) == (WINDOW, 6, 256)
     assert (a.rope_theta, a.rope_local_base_freq, a.rope_scaling) == (1e6, 1e4, None)
-    assert a.tie_word_embeddings and "lm_head" not in model
+    assert model.tie_word_embeddings and "lm_head" not in model
     assert model.model.embed_tokens.weight.dtype == mx.float32  # dequantized on the CPU
     # Gemma's norms scale by 1 + w: the file's 1 + w came back as w (Gemma 3's are far from -1 and 0)
     assert abs(model.model.layers[0].input_layernorm.weight.mean().item()) > 1
