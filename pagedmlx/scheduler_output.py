@@ -117,9 +117,11 @@ def build_scheduler_output(
     block_table = np.stack([_block_table([t[g] for t in tables], width) for g in range(len(tables[0]))])
     # Per-token slots in each group, vectorised over the whole batch.
     num_paged = len(block_table) - (get_state_slots is not None)
-    slot_mapping = np.concatenate([
-        block_table[:num_paged, token_req, positions // block_size] * block_size + positions % block_size,
-        block_table[num_paged:, token_req, 0]])
+    slot_mapping = [block_table[num_paged:, token_req, 0]]
+    if num_paged:
+        slot_mapping.insert(0, block_table[:num_paged, token_req, positions // block_size] * block_size
+                            + positions % block_size)
+    slot_mapping = np.concatenate(slot_mapping)
 
     return SchedulerOutput(
         req_ids=req_ids,
