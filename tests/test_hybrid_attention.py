@@ -172,11 +172,7 @@ def test_a_window_only_the_mask_knows_is_refused_by_name():
         interleave_moe_layer_step=1, attention_chunk_size=8, use_qk_norm=True, max_position_embeddings=4096,
         attn_temperature_tuning=True, floor_scale=8192, attn_scale=0.1, rope_scaling=None,
         no_rope_layers=[1, 1, 1, 0])), "chunked local attention"),
-    (dict(model_type="mamba2", num_heads=4, head_dim=16, vocab_size=512, hidden_size=32, intermediate_size=64,
-          state_size=16, num_hidden_layers=2, layer_norm_epsilon=1e-5, conv_kernel=4, n_groups=1, use_bias=False,
-          use_conv_bias=True, tie_word_embeddings=True, time_step_limit=(0.0, float("inf")), time_step_rank=4),
-     "recurrent"),
-])
+])  # recurrent state (mamba2, ...) is served now: tests/test_state_layers.py
 def test_other_cache_kinds_are_refused_by_name(cfg, reason):
     from pagedmlx.models.random_model import build_model
 

@@ -79,12 +79,16 @@ def run_staggered(engine, prompts, params, seed: int) -> dict[str, list[int]]:
 
 
 def assert_no_leaks(engine) -> None:
-    """Every page of every KV cache group is free and no request holds any."""
+    """Every page of every KV cache group is free and no request holds any; no request holds a state
+    slot or a checkpoint (checkpoints stay cached in the free queue)."""
     manager = engine.kv_cache_manager
     for pool in manager.block_pools:
         assert all(b.ref_cnt == 0 for b in pool.blocks), [b for b in pool.blocks if b.ref_cnt]
         assert pool.get_num_free_blocks() == pool.num_blocks
     assert not manager.req_to_blocks
+    state = manager.state_manager
+    if state is not None:
+        assert not state.req_to_blocks and not state.step_blocks and not state.saved
 
 
 def wait_healthy(url: str, alive: Callable[[], bool] = lambda: True, timeout: float = 60.0,

@@ -49,6 +49,7 @@ class ModelRunner:
         # the block table; elsewhere MLX scatters the writes and gathers the pages.
         self.kernel_kv_heads = ([self.plan[g.layer_ids[0]].spec[0] for g in paged]
                                 if cuda_decode.is_available() else [0] * len(self.windows))
+        self.state_pool: Optional[StatePool] = None
         if verify:
             self._verify_against_mlx_lm()
         self.kv_pool = self.make_pool(self.kv_cache_config)
