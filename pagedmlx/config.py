@@ -18,8 +18,9 @@ class EngineConfig:
     max_model_len: Optional[int] = None  # None: the model's own limit (or 8192), capped at the pool
     enable_prefix_caching: bool = True
     # Models with recurrent state (Qwen3.5, Mamba2, ...): a prefix hit resumes from a state checkpoint,
-    # saved every this many tokens (rounded up to whole blocks; 0: none) and at each prompt's last full block;
-    # at most max_state_checkpoints kept (None: max_num_seqs), in the state pool beside the running slots.
+    # saved every this many tokens (rounded up to whole blocks; 0: none) and at each prompt's last full block.
+    # The state pool holds max_num_seqs running slots plus max_state_checkpoints (None: max_num_seqs) more;
+    # checkpoints keep every slot no request holds, least recently used evicted first.
     state_checkpoint_interval: int = 1024
     max_state_checkpoints: Optional[int] = None
     scheduling_policy: str = "fcfs"  # or "priority"

@@ -140,11 +140,7 @@ class Scheduler:
         cap = self.config.long_prefill_token_threshold
         if cap > 0:
             n = min(n, cap)
-        n = min(n, budget)
-        checkpoint = self.kv_cache_manager.next_state_checkpoint(request, num_computed)
-        if checkpoint is not None and num_computed < checkpoint < num_computed + n:
-            n = checkpoint - num_computed  # end the chunk where its state is saved (vLLM's mamba-aligned split)
-        return n
+        return min(n, budget)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -289,7 +285,7 @@ class Scheduler:
                 span = slice(computed_before // bs, -(-int(output.seq_lens[i]) // bs))
                 tables = [table[i, span].tolist() for table in output.block_table]
                 if len(output.state_slots):  # the state group: the checkpoint the step was to save
-                    tables[-1] = [int(b) for b in output.state_slots[i, 2:] if b >= 0]
+                    tables[-1] = [int(output.state_slots[i, 2])] if output.state_slots[i, 2] >= 0 else []
                 self.kv_cache_manager.uncache_block_ids(tables)
                 continue
             self.kv_cache_manager.uncache_uncomputed(req, computed_before)

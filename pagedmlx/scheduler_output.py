@@ -37,8 +37,9 @@ class SchedulerOutput:
     placeholder_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     placeholder_src: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     # Models with recurrent state: per request, the slot its state is read from (-1: none, the chunk
-    # starts at position 0), the slot it is written to, and a checkpoint slot that also receives it (-1: none).
-    state_slots: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int32))  # (B, 3)
+    # starts at position 0), the slot it is written to, a checkpoint slot (-1: none) and how many of the
+    # request's scheduled tokens the checkpoint's state covers.
+    state_slots: np.ndarray = field(default_factory=lambda: np.zeros((0, 4), np.int32))  # (B, 4)
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)  # finished since the previous step
 
@@ -68,7 +69,7 @@ def build_scheduler_output(
     block_size: int,
     preempted_req_ids: list[str],
     finished_req_ids: set[str],
-    get_state_slots: Optional[Callable[[Request], tuple[int, int, int]]] = None,
+    get_state_slots: Optional[Callable[[Request], tuple[int, int, int, int]]] = None,
 ) -> SchedulerOutput:
     """Flatten the step's (request, num_new_tokens) pairs, read before num_computed_tokens advances.
     get_state_slots: for a model with recurrent state, whose state group is the last group."""
@@ -137,7 +138,7 @@ def build_scheduler_output(
         sampled_req_ids=sampled_req_ids,
         placeholder_rows=np.asarray(placeholder_rows, np.int32),
         placeholder_src=np.asarray(placeholder_src, np.int32),
-        state_slots=np.asarray(state_slots, np.int32).reshape(-1, 3),
+        state_slots=np.asarray(state_slots, np.int32).reshape(-1, 4),
         preempted_req_ids=preempted_req_ids,
         finished_req_ids=finished_req_ids,
     )

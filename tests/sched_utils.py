@@ -103,13 +103,13 @@ class FakeModel:
 
     def _run_states(self, out: SchedulerOutput) -> None:
         """All reads of the step, then all writes (the runner's layers do the same per layer)."""
-        assert out.state_slots.shape == (out.num_reqs, 3)
+        assert out.state_slots.shape == (out.num_reqs, 4)
         readers: dict[int, set[str]] = {}
         writers: dict[int, str] = {}
         writes = []
         for i, rid in enumerate(out.req_ids):
             req = self.sched.requests[rid]
-            read, write, save = (int(x) for x in out.state_slots[i])
+            read, write, save, save_len = (int(x) for x in out.state_slots[i])
             lo, hi = out.query_start_loc[i], out.query_start_loc[i + 1]
             start, end = int(out.seq_lens[i]) - (hi - lo), int(out.seq_lens[i])
             assert write == out.block_table[-1, i, 0] and (out.slot_mapping[-1, lo:hi] == write).all()
@@ -119,13 +119,14 @@ class FakeModel:
             readers.setdefault(read, set()).add(rid)
             for slot in {write, save} - {-1}:
                 assert writers.setdefault(slot, rid) == rid, f"slot {slot}: {rid} and {writers[slot]} write it"
-            writes.append((write, save, tuple(req.all_token_ids[:end])))
+            assert save < 0 or 0 < save_len <= hi - lo
+            writes.append((write, tuple(req.all_token_ids[:end])))
+            if save >= 0:
+                writes.append((save, tuple(req.all_token_ids[:start + save_len])))
         for slot, rid in writers.items():  # several may resume from one checkpoint, none from a slot another writes
             assert readers.get(slot, {rid}) == {rid}, f"slot {slot}: {rid} writes what {readers[slot]} read"
-        for write, save, state in writes:
-            self.states[write] = state
-            if save >= 0:
-                self.states[save] = state
+        for slot, state in writes:
+            self.states[slot] = state
 
     def sample(self, out: SchedulerOutput) -> list[int]:
         return [self.rng.randrange(1, self.vocab) for _ in out.sampled_req_ids]  # never EOS

@@ -27,10 +27,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 def state_engine(model, num_blocks: int = 60, interval: int = INTERVAL, **kwargs) -> LLMEngine:
     """Chunks of up to 40 tokens mixed with decodes; a pool small enough to preempt."""
-    config = EngineConfig(block_size=BS, num_blocks=num_blocks, max_num_batched_tokens=64,
-                          long_prefill_token_threshold=40, max_num_seqs=12, state_checkpoint_interval=interval,
-                          **kwargs)
-    return LLMEngine(model, None, config)
+    config = dict(block_size=BS, num_blocks=num_blocks, max_num_batched_tokens=64, long_prefill_token_threshold=40,
+                  max_num_seqs=12, state_checkpoint_interval=interval)
+    return LLMEngine(model, None, EngineConfig(**{**config, **kwargs}))
 
 
 def shared_prefix_prompts(n: int, seed: int) -> list[list[int]]:
@@ -108,9 +107,10 @@ def test_multi_turn_resumes_from_checkpoints(arch):
 
 def test_preempted_request_resumes_from_its_checkpoint():
     """The newest request is preempted when pages run out; its head pages and checkpoints stay cached
-    (the tail of a chain is evicted first), and it resumes from the last checkpoint they cover."""
+    (the tail of a chain is evicted first), and it resumes from the last checkpoint they cover. (A
+    chunk saves one checkpoint, its last: chunks of 8 tokens here save one every 8.)"""
     model = make_model("qwen3_5-tiny")
-    engine = state_engine(model, num_blocks=24)
+    engine = state_engine(model, num_blocks=24, long_prefill_token_threshold=INTERVAL)
     rng = random.Random(8)
     prompts = {"old": [rng.randrange(1, 500) for _ in range(30)], "new": [rng.randrange(1, 500) for _ in range(40)]}
     params = {rid: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for rid, n in (("old", 40), ("new", 16))}

@@ -149,7 +149,9 @@ class KVCacheManager:
         # within each layer every new K/V is written before any page is read.
         self._cache_full_blocks(request, min(total_tokens, request.num_tokens))
         if self.state_manager is not None and self.enable_caching:
-            self.state_manager.save_checkpoint(request, total_tokens)
+            self.update_block_hashes(request)
+            start = request.num_computed_tokens + num_new_computed_tokens
+            self.state_manager.save_checkpoint(request, start, total_tokens)
         return new
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
@@ -178,16 +180,8 @@ class KVCacheManager:
         for manager in self.managers:
             manager.free(request.request_id)
 
-    def next_state_checkpoint(self, request: Request, num_computed_tokens: int) -> Optional[int]:
-        """Where a chunk starting at num_computed_tokens must end so that a state checkpoint is saved
-        there (None: anywhere)."""
-        if self.state_manager is None or not self.enable_caching:
-            return None
-        self.update_block_hashes(request)
-        return self.state_manager.next_checkpoint(request, num_computed_tokens)
-
-    def get_state_slots(self, request: Request) -> tuple[int, int, int]:
-        """(read, write, checkpoint) state slots of the request's step: see StateManager.state_slots."""
+    def get_state_slots(self, request: Request) -> tuple[int, int, int, int]:
+        """The state slots of the request's step: see StateManager.state_slots."""
         return self.state_manager.state_slots(request)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:

@@ -40,7 +40,8 @@ class MambaSpec:
     slot, however long it is. Checkpoints are slots that keep the state at a block boundary, cached
     under that block's hash: a prefix hit resumes from one (and only from one). They are taken every
     `checkpoint_interval` tokens (a multiple of the block size; 0: none, so no prefix hits) and at the
-    last full block of each prompt, at most `max_checkpoints` kept (LRU)."""
+    last full block of each prompt. The pool has `max_checkpoints` slots beyond the running ones;
+    checkpoints keep every slot no request holds, least recently used evicted first."""
 
     checkpoint_interval: int = 0
     max_checkpoints: int = 0

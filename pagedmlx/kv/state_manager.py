@@ -4,9 +4,10 @@ Each running request holds one block of the group's pool: its state slot, which 
 writes. A checkpoint is another block that keeps the state after exactly k full blocks of a token
 chain, cached under the hash of block k - 1 (the chain hash of the pages, so an equal hash means an
 equal prefix). A request resumes from a checkpoint and from nothing else: without one its prefix hit
-is 0. Checkpoints are saved where a step's chunk ends at a checkpoint position (the scheduler cuts
-prefill chunks there): every `checkpoint_interval` tokens and at the last full block of the prompt,
-so that the next turn of a conversation finds its history.
+is 0. Checkpoints are saved at checkpoint positions, every `checkpoint_interval` tokens and at the
+last full block of the prompt (so that the next turn of a conversation finds its history): a step
+whose chunk reaches one saves the state there, its last one if it crosses several (the runner splits
+that prefill segment's call at the position, so chunks need not end there: no step is added).
 
 The blocks a step reads or writes besides the slot (the checkpoint it resumes from, the one it saves)
 stay held by the request until its next allocation or its end. So no other request of the same step
@@ -54,26 +55,20 @@ class StateManager(SingleTypeKVCacheManager):
         """The last block boundary before the prompt's last token (which is always recomputed)."""
         return (request.num_prompt_tokens - 1) // self.block_size * self.block_size
 
-    def is_checkpoint(self, request: Request, num_tokens: int) -> bool:
-        return (self.checkpoint_interval > 0 and num_tokens > 0 and num_tokens % self.block_size == 0
-                and (num_tokens % self.checkpoint_interval == 0 or num_tokens == self._last_full_block(request)))
-
-    def _saved_already(self, request: Request, num_tokens: int) -> bool:
-        i = num_tokens // self.block_size - 1
-        return i < len(request.block_hashes) and self.block_pool.get_cached_block(request.block_hashes[i]) is not None
-
-    def next_checkpoint(self, request: Request, num_computed_tokens: int) -> Optional[int]:
-        """The first checkpoint position after num_computed_tokens still to be saved, if any: a chunk
-        that would cross it ends there instead."""
+    def checkpoint_in(self, request: Request, start: int, end: int) -> Optional[int]:
+        """The last checkpoint position in (start, end] still to be saved whose tokens are known."""
         if not self.checkpoint_interval:
             return None
-        after = [(num_computed_tokens // self.checkpoint_interval + 1) * self.checkpoint_interval]
-        if self._last_full_block(request) > num_computed_tokens:
-            after.append(self._last_full_block(request))
-        for pos in sorted(after):
-            if pos <= request.num_tokens and not self._saved_already(request, pos):
+        last_full = self._last_full_block(request)
+        candidates = {end // self.checkpoint_interval * self.checkpoint_interval, last_full if last_full <= end else 0}
+        for pos in sorted(candidates, reverse=True):
+            if start < pos <= request.num_tokens and not self._saved_already(request, pos):
                 return pos
         return None
+
+    def _saved_already(self, request: Request, num_tokens: int) -> bool:
+        block_hash = request.block_hashes[num_tokens // self.block_size - 1]
+        return self.block_pool.get_cached_block(block_hash) is not None
 
     # ---- the coordinator's interface -----------------------------------------------------------
 
@@ -117,12 +112,12 @@ class StateManager(SingleTypeKVCacheManager):
     def cache_blocks(self, request_id: str, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
         """Nothing: states are cached only as checkpoints (save_checkpoint)."""
 
-    def save_checkpoint(self, request: Request, num_tokens: int) -> None:
-        """If the request's step ends at a checkpoint position, take a block that the step writes the
-        state into; skipped when the chain is saved already, its last token is not known yet (async
-        scheduling) or the pool must keep its blocks for running requests."""
-        if (not self.is_checkpoint(request, num_tokens) or num_tokens > request.num_tokens
-                or self._saved_already(request, num_tokens)):
+    def save_checkpoint(self, request: Request, start: int, end: int) -> None:
+        """If the request's chunk [start, end) reaches a checkpoint position, take a block that the step
+        writes the state at that position into; skipped when the chain is saved already, its tokens are
+        not known yet (async scheduling) or the pool must keep its blocks for running requests."""
+        num_tokens = self.checkpoint_in(request, start, end)
+        if num_tokens is None:
             return
         slots_to_come = max(self.num_running_slots - len(self.req_to_blocks), 0)
         if self.block_pool.get_num_free_blocks() < slots_to_come + 2:  # one for this, one for a revived hit
@@ -131,19 +126,19 @@ class StateManager(SingleTypeKVCacheManager):
         block_hash = request.block_hashes[num_tokens // self.block_size - 1]
         self.step_blocks.setdefault(request.request_id, []).append(StepBlock(block, num_tokens, True, block_hash))
 
-    def state_slots(self, request: Request) -> tuple[int, int, int]:
+    def state_slots(self, request: Request) -> tuple[int, int, int, int]:
         """This step's (slot the state is read from, -1: none, it starts at position 0; slot it is
-        written to; checkpoint slot it is also saved to, or -1). Read before num_computed_tokens
-        advances."""
+        written to; checkpoint slot it is also saved to, or -1; how many of the step's tokens that
+        checkpoint covers). Read before num_computed_tokens advances."""
         rid = request.request_id
         slot = self.req_to_block_ids[rid][0]
-        read, save = (slot if request.num_computed_tokens > 0 else -1), -1
+        read, save, save_len = (slot if request.num_computed_tokens > 0 else -1), -1, 0
         for sb in self.step_blocks.get(rid, ()):
-            if sb.saves:
-                save = sb.block.block_id if sb.block_hash is not None else -1
-            else:
+            if not sb.saves:
                 read = sb.block.block_id
-        return read, slot, save
+            elif sb.block_hash is not None:
+                save, save_len = sb.block.block_id, sb.num_tokens - request.num_computed_tokens
+        return read, slot, save, save_len
 
     def uncache_from(self, request_id: str, num_valid_tokens: int) -> None:
         """Checkpoints past num_valid_tokens were never written (the step failed or was taken back)."""

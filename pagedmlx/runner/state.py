@@ -93,13 +93,14 @@ def slot_range(slots):
 @dataclass
 class StateSegment:
     """One prefill chunk: its rows, and the slots its state is read from (-1: none), written to and
-    saved to (-1: no checkpoint)."""
+    saved to (-1: no checkpoint) after its first save_len rows."""
 
     row_start: int
     num_rows: int
     read: int
     write: int
     save: int
+    save_len: int
 
 
 @dataclass
@@ -163,11 +164,19 @@ class StateLayerCache:
             outs.append(out)
         for seg in md.segments:
             rows = x[seg.row_start:seg.row_start + seg.num_rows].reshape(1, seg.num_rows, -1)
-            start = self.pool.read(self.layer, seg.read) if seg.read >= 0 else [None] * self.num_arrays
-            out, states = self._call(call, rebuild, rows, start)
-            for slot in (seg.write, seg.save):
-                if slot >= 0:
-                    deps += self.pool.write(self.layer, slot, states)
+            states = self.pool.read(self.layer, seg.read) if seg.read >= 0 else [None] * self.num_arrays
+            parts = []
+            if seg.save >= 0 and seg.save_len < seg.num_rows:  # a checkpoint inside the chunk: split the call there
+                out, states = self._call(call, rebuild, rows[:, :seg.save_len], states)
+                deps += self.pool.write(self.layer, seg.save, states)
+                parts.append(out)
+                rows = rows[:, seg.save_len:]
+            out, states = self._call(call, rebuild, rows, states)
+            parts.append(out)
+            deps += self.pool.write(self.layer, seg.write, states)
+            if seg.save >= 0 and seg.save_len == seg.num_rows:
+                deps += self.pool.write(self.layer, seg.save, states)
+            out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
             outs.append(out.reshape(seg.num_rows, 1, -1))
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
         if md.order is not None:
