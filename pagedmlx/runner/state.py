@@ -154,6 +154,10 @@ class StateLayerCache:
 
     def regroup(self, call: Callable, x: mx.array, rebuild: Callable) -> mx.array:
         """x (T, 1, D) -> (T, 1, D'): call(*rebuild(rows, cache)) for each group of rows."""
+        with cuda_state.active():
+            return self._regroup(call, x, rebuild)
+
+    def _regroup(self, call: Callable, x: mx.array, rebuild: Callable) -> mx.array:
         md, outs, deps = self.md, [], []
         if md.num_decodes:
             rows = x[:md.num_decodes] if md.decode_rows is None else x[md.decode_rows]
@@ -240,7 +244,7 @@ def install_regrouping(model: nn.Module, plan: list[LayerPlan]) -> None:
             owner = module_at(model, layer.state.owner)
             if not isinstance(owner, Regrouped):
                 owner.__class__ = _regrouped_class(type(owner))
-    cuda_state.install_kernels(model, plan)
+    cuda_state.install_kernels(model, [layer.state.owner for layer in plan if layer.state is not None])
 
 
 _CLASSES: dict[type, type] = {}
