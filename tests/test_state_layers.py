@@ -235,3 +235,35 @@ def test_an_owner_that_also_attends_is_refused_by_name():
     with pytest.raises(UnsupportedModelError, match=r"'baichuan_m1': layer 0's recurrent state belongs to "
                                                     r"'model.layers.0.self_attn', which also attends"):
         LLMEngine(build_model(cfg), None, EngineConfig(block_size=BS, num_blocks=32))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5-tiny", "mamba2-tiny"])
+def test_blocks_view_metrics_and_startup_line_show_state_slots(arch):
+    from rich.console import Console
+
+    from pagedmlx.blocks.snapshot import kv_snapshot
+    from pagedmlx.blocks.view import render
+    from pagedmlx.cli import kv_pool_line
+    from pagedmlx.server.metrics import EngineSnapshot, ServerMetrics
+
+    engine = state_engine(make_model(arch), num_blocks=200)
+    for i, p in enumerate(shared_prefix_prompts(6, seed=3)):
+        engine.add_request(str(i), p, GREEDY)
+    for _ in range(3):
+        engine.step()
+    assert "state" in kv_pool_line(engine) and "slots (12 running + 12 checkpoints)" in kv_pool_line(engine)
+    snap = kv_snapshot(engine)
+    state = snap["groups"][-1]["state"]
+    assert state["running_slots"] == len(engine.scheduler.running) == 6 and state["checkpoint_interval"] == INTERVAL
+    console = Console(record=True, width=160)
+    console.print(render(snap, 160))
+    text = console.export_text()
+    assert "6 running" in text and "checkpoints" in text and "slots" in text
+    metrics = ServerMetrics("m")
+    metrics.update(EngineSnapshot.take(engine))
+    exposition = metrics.render().decode()
+    assert 'pagedmlx:kv_blocks_total{kv_cache_group="state",model_name="m"} 24.0' in exposition
+    assert "pagedmlx:state_checkpoints_saved_total" in exposition
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_no_leaks(engine)
