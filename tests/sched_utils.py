@@ -146,6 +146,17 @@ def step(sched: Scheduler, tokens: Optional[list[int]] = None, token: int = 7):
     return out, sched.update_from_output(out, tokens)
 
 
+def run_to_completion(sched: Scheduler, model: Optional[FakeModel] = None, max_steps: int = 1000) -> None:
+    """Step the fake model until every request finished, checking the invariants after each step."""
+    model = model or FakeModel(sched)
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            return
+        model.step()
+        check_invariants(sched)
+    raise AssertionError("requests did not finish")
+
+
 def check_invariants(sched: Scheduler) -> None:
     """Page accounting that must hold between any two calls into the scheduler, in every group."""
     mgr = sched.kv_cache_manager

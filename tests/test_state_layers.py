@@ -9,12 +9,12 @@ import random
 
 import mlx.core as mx
 import pytest
-from utils import assert_no_leaks, make_model, run_staggered, solo_greedy
+from utils import (assert_no_leaks, assert_samples_equal_alone, make_model, run_staggered, shared_prefix_prompts,
+                   solo_greedy)
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine import LLMEngine
 from pagedmlx.kv.state_manager import StateManager
-from pagedmlx.llm import LLM
 from pagedmlx.runner import state as runner_state
 from pagedmlx.runner.plan import UnsupportedModelError
 from pagedmlx.sampling_params import SamplingParams
@@ -30,19 +30,6 @@ def state_engine(model, num_blocks: int = 60, interval: int = INTERVAL, **kwargs
     config = dict(block_size=BS, num_blocks=num_blocks, max_num_batched_tokens=64, long_prefill_token_threshold=40,
                   max_num_seqs=12, state_checkpoint_interval=interval)
     return LLMEngine(model, None, EngineConfig(**{**config, **kwargs}))
-
-
-def shared_prefix_prompts(n: int, seed: int) -> list[list[int]]:
-    """Lengths 1..60; a third extend a shared 30-token prefix; two are 1-token prompts."""
-    rng = random.Random(seed)
-    shared = [rng.randrange(1, 500) for _ in range(30)]
-    out = [[rng.randrange(1, 500)], [7]]
-    for i in range(n - 2):
-        if i % 3 == 0:
-            out.append(shared + [rng.randrange(1, 500) for _ in range(rng.randint(0, 30))])
-        else:
-            out.append([rng.randrange(1, 500) for _ in range(rng.randint(2, 60))])
-    return out
 
 
 def has_pages(engine: LLMEngine) -> bool:
@@ -146,13 +133,7 @@ def test_seeded_samples_and_n_equal_alone(arch):
     """n > 1 seeded samples in a busy engine equal the same samples run alone."""
     model = make_model(arch)
     params = SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=8, ignore_eos=True)
-    prompts = shared_prefix_prompts(8, seed=9)
-    busy = state_engine(model, num_blocks=200)
-    outs = LLM.from_engine(busy).generate(prompts, params)
-    for p, out in zip(prompts, outs):
-        alone = LLM.from_engine(state_engine(model, num_blocks=200)).generate([p], params)[0]
-        assert [c.token_ids for c in out.outputs] == [c.token_ids for c in alone.outputs]
-    assert_no_leaks(busy)
+    assert_samples_equal_alone(lambda: state_engine(model, num_blocks=200), shared_prefix_prompts(8, seed=9), params)
 
 
 def test_a_prefix_hit_needs_a_checkpoint():

@@ -2,20 +2,12 @@
 request, checkpoints saved where chunks reach checkpoint positions, found only from the next step on,
 bounded and least recently used first, forgotten when the step that was to write them fails."""
 
-from sched_utils import FakeModel, assert_no_leaks, check_invariants, make_request, make_scheduler
+from sched_utils import FakeModel, assert_no_leaks, make_request, make_scheduler
+from sched_utils import run_to_completion as run
 
 from pagedmlx.request import RequestStatus
 
 BS, INTERVAL = 4, 8
-
-
-def run(sched, model, max_steps=200):
-    for _ in range(max_steps):
-        if not sched.has_unfinished_requests():
-            return
-        model.step()
-        check_invariants(sched)
-    raise AssertionError("requests did not finish")
 
 
 def cached_checkpoints(sched) -> int:
