@@ -136,6 +136,37 @@ def test_seeded_samples_and_n_equal_alone(arch):
     assert_samples_equal_alone(lambda: state_engine(model, num_blocks=200), shared_prefix_prompts(8, seed=9), params)
 
 
+def test_aborts_and_a_failed_step_free_slots_and_keep_only_written_checkpoints(monkeypatch):
+    """A failed step ends its requests and frees their slots; the checkpoint an earlier step wrote stays
+    (a later request resumes from it), the ones the failed step was to write are forgotten. An abort
+    mid-prefill or mid-decode frees the slot too."""
+    model = make_model("qwen3_5-tiny")
+    engine = state_engine(model, num_blocks=200)
+    prompt = [random.Random(2).randrange(1, 500) for _ in range(30)]
+    engine.add_request("a", prompt, GREEDY)
+    engine.step()  # a's prompt, saving a checkpoint at its last full block (28)
+    real_forward = engine.runner.forward
+    monkeypatch.setattr(engine.runner, "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    engine.add_request("b", prompt + [9] * 12, GREEDY)  # resumes from a's checkpoint, would save at 40
+    outs = engine.step()
+    assert sorted((o.request_id, o.finish_reason) for o in outs) == [("a", "error"), ("b", "error")]
+    assert_no_leaks(engine)
+    monkeypatch.setattr(engine.runner, "forward", real_forward)
+    longer = prompt + [9] * 12 + [5]
+    engine.add_request("c", longer, GREEDY)
+    engine.add_request("d", longer[:20], GREEDY)
+    engine.step()
+    assert engine.scheduler.requests["c"].num_cached_tokens == 28  # a's checkpoint; b's pages and checkpoint are gone
+    engine.abort_request(["d"])  # mid-decode
+    engine.add_request("e", longer, SamplingParams(temperature=0.0, max_tokens=2))
+    engine.abort_request(["e"])  # before its first step
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    assert done["c"] == solo_greedy(model, longer, GREEDY.max_tokens)
+    assert_no_leaks(engine)
+
+
 def test_a_prefix_hit_needs_a_checkpoint():
     """Without checkpoints a state model's hit is 0 however many of its pages are cached; a lookup
     that found pages but no checkpoint covering them is an error, never a resume."""

@@ -118,19 +118,20 @@ class StateMetadata:
 
     @classmethod
     def build(cls, so: SchedulerOutput) -> "StateMetadata":
-        qsl, slots = so.query_start_loc, so.state_slots
-        decode = [i for i in range(so.num_decodes) if slots[i, 0] >= 0]
-        rest = [i for i in range(so.num_reqs) if i >= so.num_decodes or slots[i, 0] < 0]
-        segments = [StateSegment(int(qsl[i]), int(qsl[i + 1] - qsl[i]), *(int(s) for s in slots[i])) for i in rest]
-        rows = np.asarray([qsl[i] for i in decode] + [r for s in segments for r in range(s.row_start, s.row_start + s.num_rows)])
+        qsl, slots, nd = so.query_start_loc, so.state_slots, so.num_decodes
+        continues = slots[:nd, 0] >= 0  # a 1-token chunk at position 0 (a 1-token prompt) is a segment
+        decode = np.flatnonzero(continues)  # decode requests' rows are their indices
+        rest = np.concatenate([np.flatnonzero(~continues), np.arange(nd, so.num_reqs)])
+        segments = [StateSegment(int(qsl[i]), int(qsl[i + 1] - qsl[i]), *slots[i].tolist()) for i in rest]
+        rows = np.concatenate([decode, *(np.arange(s.row_start, s.row_start + s.num_rows) for s in segments)])
         host = {}
-        if decode:
+        if len(decode):
             host.update(decode_read=slots[decode, 0], decode_write=slots[decode, 1])
-            saving = [j for j, i in enumerate(decode) if slots[i, 2] >= 0]
-            if saving:
-                host.update(save_rows=np.asarray(saving), save_slots=slots[[decode[j] for j in saving], 2])
-            if decode != list(range(len(decode))):
-                host["decode_rows"] = np.asarray(decode)
+            saving = np.flatnonzero(slots[decode, 2] >= 0)
+            if len(saving):
+                host.update(save_rows=saving, save_slots=slots[decode[saving], 2])
+            if decode[-1] != len(decode) - 1:
+                host["decode_rows"] = decode
         if (rows != np.arange(len(rows))).any():
             host["order"] = np.argsort(rows)
         md = cls(len(decode), segments=segments)
