@@ -293,3 +293,15 @@ def test_blocks_view_metrics_and_startup_line_show_state_slots(arch):
     while engine.has_unfinished_requests():
         engine.step()
     assert_no_leaks(engine)
+
+
+def test_state_slots_are_counted_in_the_kv_budget_first():
+    model = make_model("qwen3_5-tiny")
+    with pytest.raises(ValueError, match=r"512 recurrent-state slots \(256 running \+ 256 checkpoints\)"):
+        LLMEngine(model, None, EngineConfig(kv_cache_memory_gb=0.001, max_num_seqs=256))
+    sizes = {}
+    for seqs in (8, 64):
+        groups = LLMEngine(model, None, EngineConfig(kv_cache_memory_gb=0.01, max_num_seqs=seqs),
+                           verify_model=False).runner.kv_cache_config.kv_cache_groups
+        sizes[seqs] = sum(g.num_blocks * g.page_size_bytes for g in groups), groups[0].num_blocks
+    assert sizes[8][0] <= 0.01e9 and sizes[64][0] <= 0.01e9 and sizes[64][1] < sizes[8][1]

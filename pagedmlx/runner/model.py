@@ -13,7 +13,8 @@ from pagedmlx.kv.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from pagedmlx.runner import cuda_decode
 from pagedmlx.runner.attention import KVPool, PagedLayerCache, StepMetadata, install_paged_attention
 from pagedmlx.runner.plan import UnsupportedModelError, model_type, plan_layers
-from pagedmlx.runner.state import StateLayerCache, StateMetadata, StatePool, install_regrouping, state_group
+from pagedmlx.runner.state import (StateLayerCache, StateMetadata, StatePool, install_regrouping, pages_budget,
+                                   state_group)
 from pagedmlx.scheduler_output import SchedulerOutput
 
 __all__ = ["ModelRunner", "Runner", "UnsupportedModelError", "model_type"]
@@ -103,16 +104,7 @@ class ModelRunner:
         state = state_group(self.plan, config)
         n = config.num_blocks
         if n is None:  # the most full-group blocks whose groups fit the memory budget (after the state slots)
-            budget, lo, hi = int(config.kv_cache_memory_gb * 1e9), 2, 1 << 40
-            if state is not None:
-                budget -= state.num_blocks * state.page_size_bytes
-                if budget <= 0:
-                    raise ValueError(
-                        f"{state.num_blocks} recurrent-state slots ({config.max_num_seqs} running + "
-                        f"{state.num_blocks - config.max_num_seqs} checkpoints) of {state.page_size_bytes / 2**20:.1f} "
-                        f"MiB take {state.num_blocks * state.page_size_bytes / 1e9:.2f} GB, more than "
-                        f"kv_cache_memory_gb={config.kv_cache_memory_gb}: raise it, or lower max_num_seqs or "
-                        f"max_state_checkpoints")
+            budget, lo, hi = pages_budget(config, state), 2, 1 << 40
             while lo < hi:
                 mid = (lo + hi + 1) // 2
                 lo, hi = (mid, hi) if sum(c * b for c, b in zip(sized(mid), bpb)) <= budget else (lo, mid - 1)

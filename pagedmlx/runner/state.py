@@ -50,6 +50,21 @@ def state_group(plan: list[LayerPlan], config: EngineConfig) -> Optional[KVCache
                             sum(plan[i].state.nbytes for i in layers))
 
 
+def pages_budget(config: EngineConfig, state: Optional[KVCacheGroupSpec]) -> int:
+    """Bytes of kv_cache_memory_gb left for pages once the state slots are counted."""
+    budget = int(config.kv_cache_memory_gb * 1e9)
+    if state is None:
+        return budget
+    state_bytes = state.num_blocks * state.page_size_bytes
+    if state_bytes >= budget:
+        raise ValueError(
+            f"{state.num_blocks} recurrent-state slots ({config.max_num_seqs} running + "
+            f"{state.num_blocks - config.max_num_seqs} checkpoints) of {state.page_size_bytes / 2**20:.1f} MiB take "
+            f"{state_bytes / 1e9:.2f} GB, more than kv_cache_memory_gb={config.kv_cache_memory_gb}: raise it, or "
+            f"lower max_num_seqs or max_state_checkpoints")
+    return budget - state_bytes
+
+
 class StatePool:
     """Every state layer's arrays by layer index, [num_slots, *shape] each (None: no state)."""
 
