@@ -39,6 +39,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="compute dtype of unquantized weights (default: as loaded)")
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                    help="waiting-queue order (priority: a request's `priority`, lower first)")
+    p.add_argument("--state-checkpoint-interval", type=int, default=1024,
+                   help="models with recurrent state: save a state checkpoint every so many tokens (0: none), "
+                        "besides each prompt's last full block; prefix hits resume only from checkpoints")
+    p.add_argument("--max-state-checkpoints", type=int, default=None,
+                   help="state slots for checkpoints beside the max-num-seqs running ones (default: max-num-seqs)")
 
 
 def model_arg(args: argparse.Namespace) -> Optional[str]:
@@ -56,7 +61,9 @@ def engine_config(args: argparse.Namespace):
                         long_prefill_token_threshold=args.long_prefill_token_threshold,
                         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
                         async_scheduling=args.async_scheduling, generation_config=args.generation_config,
-                        scheduling_policy=args.scheduling_policy, dtype=args.dtype)
+                        scheduling_policy=args.scheduling_policy, dtype=args.dtype,
+                        state_checkpoint_interval=args.state_checkpoint_interval,
+                        max_state_checkpoints=args.max_state_checkpoints)
 
 
 def build_engine(config):
@@ -215,10 +222,18 @@ def kv_pool_line(engine) -> str:
     one such part per group ("full: ...; sliding 1024: ...")."""
     config = engine.runner.kv_cache_config
     parts = [f"{g.num_blocks} blocks x {config.block_size} tokens = {g.num_blocks * g.page_size_bytes / 1e9:.2f} GB"
-             for g in config.kv_cache_groups]
-    if len(parts) == 1:
+             if not g.is_state else state_pool_text(g, engine.config.max_num_seqs) for g in config.kv_cache_groups]
+    if len(parts) == 1 and not config.kv_cache_groups[0].is_state:
         return parts[0]
     return "; ".join(f"{g.name} ({len(g.layer_ids)} layers): {part}" for g, part in zip(config.kv_cache_groups, parts))
+
+
+def state_pool_text(group, max_num_seqs: int) -> str:
+    """The recurrent-state slots: "128 slots (64 running + 64 checkpoints) x 147.0 MiB = 19.73 GB"."""
+    page = group.page_size_bytes
+    size = f"{page / 2**20:.1f} MiB" if page >= 2**20 / 10 else f"{page / 2**10:.1f} KiB"
+    return (f"{group.num_blocks} slots ({max_num_seqs} running + {group.num_blocks - max_num_seqs} checkpoints) x "
+            f"{size} = {group.num_blocks * page / 1e9:.2f} GB")
 
 
 def defaults_line(engine) -> str:

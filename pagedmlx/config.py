@@ -20,6 +20,12 @@ class EngineConfig:
     long_prefill_token_threshold: int = 512
     max_model_len: Optional[int] = None  # None: the model's own limit (or 8192), capped at the pool
     enable_prefix_caching: bool = True
+    # Models with recurrent state (Qwen3.5, Mamba2, ...): a prefix hit resumes from a state checkpoint,
+    # saved every this many tokens (rounded up to whole blocks; 0: none) and at each prompt's last full block.
+    # The state pool holds max_num_seqs running slots plus max_state_checkpoints (None: max_num_seqs) more;
+    # checkpoints keep every slot no request holds, least recently used evicted first.
+    state_checkpoint_interval: int = 1024
+    max_state_checkpoints: Optional[int] = None
     scheduling_policy: str = "fcfs"  # or "priority"
     # Schedule and build step N+1 while step N runs on the device. None: on GPU backends only (on a
     # CPU the host work competes with the forward pass for the cores: docs/benchmarks.md).
@@ -45,6 +51,10 @@ class EngineConfig:
         if self.long_prefill_token_threshold < 0:
             raise ValueError(
                 f"long_prefill_token_threshold must be >= 0 (0: no cap), got {self.long_prefill_token_threshold}")
+        if self.state_checkpoint_interval < 0:
+            raise ValueError(f"state_checkpoint_interval must be >= 0, got {self.state_checkpoint_interval}")
+        if self.max_state_checkpoints is not None and self.max_state_checkpoints < 0:
+            raise ValueError(f"max_state_checkpoints must be >= 0, got {self.max_state_checkpoints}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.dtype not in (None, "float32", "float16", "bfloat16"):

@@ -118,7 +118,8 @@ class LLMEngine:
     def _max_model_len(self) -> int:
         args = getattr(self.model, "args", None)
         limit = self.config.max_model_len or getattr(args, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
-        capacity = self.runner.kv_cache_config.kv_cache_groups[0].num_blocks * self.config.block_size
+        paged = [g for g in self.runner.kv_cache_config.kv_cache_groups if not g.is_state]
+        capacity = paged[0].num_blocks * self.config.block_size if paged else limit  # states hold any length
         if limit > capacity:
             logger.warning("max_model_len %d exceeds the KV pool (%d tokens); capping it", limit, capacity)
         return min(limit, capacity)

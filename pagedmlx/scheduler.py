@@ -194,9 +194,10 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
 
+        kv = self.kv_cache_manager
         out = build_scheduler_output(
-            scheduled, self.kv_cache_manager.get_block_ids, self.block_size,
-            [r.request_id for r in preempted], self.finished_req_ids)
+            scheduled, kv.get_block_ids, self.block_size, [r.request_id for r in preempted], self.finished_req_ids,
+            kv.get_state_slots if kv.state_manager is not None else None)
         self.finished_req_ids = set()
         for req, n in scheduled:
             req.num_computed_tokens += n
@@ -284,7 +285,10 @@ class Scheduler:
                 # Gone since (aborted while the step ran): its pages were freed with the hashes
                 # this step was to make true. Uncaching a page that holds valid KV is harmless.
                 span = slice(computed_before // bs, -(-int(output.seq_lens[i]) // bs))
-                self.kv_cache_manager.uncache_block_ids([table[i, span].tolist() for table in output.block_table])
+                tables = [table[i, span].tolist() for table in output.block_table]
+                if len(output.state_slots):  # the state group: the checkpoint the step was to save
+                    tables[-1] = [int(output.state_slots[i, 2])] if output.state_slots[i, 2] >= 0 else []
+                self.kv_cache_manager.uncache_block_ids(tables)
                 continue
             self.kv_cache_manager.uncache_uncomputed(req, computed_before)
             alive.append(rid)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -24,6 +24,8 @@ class SchedulerOutput:
     num_decodes: int  # the first num_decodes requests schedule exactly one token
     input_ids: np.ndarray  # (T,) token ids
     positions: np.ndarray  # (T,) position of each token in its sequence
+    # A recurrent-state group (the last group, if any) holds one block per request: its state slot. Its
+    # block_table row is [slot] and its slot_mapping gives each token its request's slot.
     slot_mapping: np.ndarray  # (G, T) per KV cache group: the page-pool slot each token's K/V is written to
     query_start_loc: np.ndarray  # (B + 1,) where each request's tokens start in the flat batch
     seq_lens: np.ndarray  # (B,) tokens of context after this step (cached + new)
@@ -34,6 +36,10 @@ class SchedulerOutput:
     # previous step's sampled tokens.
     placeholder_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     placeholder_src: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    # Models with recurrent state: per request, the slot its state is read from (-1: none, the chunk
+    # starts at position 0), the slot it is written to, a checkpoint slot (-1: none) and how many of the
+    # request's scheduled tokens the checkpoint's state covers.
+    state_slots: np.ndarray = field(default_factory=lambda: np.zeros((0, 4), np.int32))  # (B, 4)
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)  # finished since the previous step
 
@@ -54,7 +60,7 @@ class SchedulerOutput:
         z = np.zeros(0, np.int32)
         return cls([], [], 0, z, z, np.zeros((1, 0), np.int32), np.zeros(1, np.int32), z,
                    np.zeros((1, 0, 1), np.int32), z, [],
-                   z, z, preempted_req_ids, finished_req_ids)
+                   preempted_req_ids=preempted_req_ids, finished_req_ids=finished_req_ids)
 
 
 def build_scheduler_output(
@@ -63,13 +69,15 @@ def build_scheduler_output(
     block_size: int,
     preempted_req_ids: list[str],
     finished_req_ids: set[str],
+    get_state_slots: Optional[Callable[[Request], tuple[int, int, int, int]]] = None,
 ) -> SchedulerOutput:
-    """Flatten the step's (request, num_new_tokens) pairs, read before num_computed_tokens advances."""
+    """Flatten the step's (request, num_new_tokens) pairs, read before num_computed_tokens advances.
+    get_state_slots: for a model with recurrent state, whose state group is the last group."""
     if not scheduled:
         return SchedulerOutput.empty(finished_req_ids, preempted_req_ids)
     scheduled = sorted(scheduled, key=lambda rn: rn[1] != 1)  # stable: decodes first
     num_decodes = sum(1 for _, n in scheduled if n == 1)
-    req_ids, counts, tokens, starts, seq_lens, tables = [], [], [], [], [], []
+    req_ids, counts, tokens, starts, seq_lens, tables, state_slots = [], [], [], [], [], [], []
     logits_indices, sampled_req_ids = [], []
     placeholder_rows, placeholder_src = [], []
     row = 0
@@ -81,6 +89,8 @@ def build_scheduler_output(
         starts.append(start)
         seq_lens.append(end)
         tables.append(get_block_ids(req.request_id))
+        if get_state_slots is not None:
+            state_slots.append(get_state_slots(req))
         known = req.num_tokens
         if n == 1 and start < known:
             tokens.append(req.all_token_ids[start])
@@ -104,9 +114,15 @@ def build_scheduler_output(
     token_req = np.repeat(np.arange(len(counts), dtype=np.int32), counts_np)
     positions = (np.arange(total, dtype=np.int32) - query_start_loc[token_req]
                  + np.asarray(starts, np.int32)[token_req])
-    block_table = np.stack([_block_table([t[g] for t in tables]) for g in range(len(tables[0]))])
+    width = max(max(map(len, t)) for t in tables)
+    block_table = np.stack([_block_table([t[g] for t in tables], width) for g in range(len(tables[0]))])
     # Per-token slots in each group, vectorised over the whole batch.
-    slot_mapping = block_table[:, token_req, positions // block_size] * block_size + positions % block_size
+    num_paged = len(block_table) - (get_state_slots is not None)
+    slot_mapping = [block_table[num_paged:, token_req, 0]]
+    if num_paged:
+        slot_mapping.insert(0, block_table[:num_paged, token_req, positions // block_size] * block_size
+                            + positions % block_size)
+    slot_mapping = np.concatenate(slot_mapping)
 
     return SchedulerOutput(
         req_ids=req_ids,
@@ -122,15 +138,16 @@ def build_scheduler_output(
         sampled_req_ids=sampled_req_ids,
         placeholder_rows=np.asarray(placeholder_rows, np.int32),
         placeholder_src=np.asarray(placeholder_src, np.int32),
+        state_slots=np.asarray(state_slots, np.int32).reshape(-1, 4),
         preempted_req_ids=preempted_req_ids,
         finished_req_ids=finished_req_ids,
     )
 
 
-def _block_table(tables: list[list[int]]) -> np.ndarray:
-    """(B, max_blocks) from each request's block ids, zero-padded."""
+def _block_table(tables: list[list[int]], width: int) -> np.ndarray:
+    """(B, width) from each request's block ids, zero-padded."""
     table_lens = np.fromiter(map(len, tables), np.int32, len(tables))
-    block_table = np.zeros((len(tables), max(int(table_lens.max()), 1)), np.int32)
+    block_table = np.zeros((len(tables), max(width, 1)), np.int32)
     block_table[np.arange(block_table.shape[1]) < table_lens[:, None]] = np.fromiter(
         chain.from_iterable(tables), np.int32, int(table_lens.sum()))
     return block_table

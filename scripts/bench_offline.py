@@ -10,6 +10,7 @@ and the ratio pagedmlx / mlx-lm of each. Each cell is the median of --repeats ru
   python scripts/bench_offline.py --preset llama-8b --dtype bfloat16 --batch-sizes 1 64 256
   python scripts/bench_offline.py --preset gemma3-27b-16l --dtype bfloat16 --batch-sizes 1 64   # sliding windows
   python scripts/bench_offline.py --model path/to/mlx-model
+  python scripts/bench_offline.py --arch qwen3.5-27b-16l --dtype bfloat16 --batch-sizes 1 64 --prefill-len 2048
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pagedmlx.models.random_model import RANDOM_ARCHS  # noqa: E402
+
 _LLAMA = dict(model_type="llama", rms_norm_eps=1e-5, tie_word_embeddings=False)
 PRESETS = {
     "small": dict(_LLAMA, hidden_size=512, num_hidden_layers=8, intermediate_size=1408, num_attention_heads=8,
@@ -43,6 +46,39 @@ PRESETS = {
                          num_attention_heads=8, num_key_value_heads=4, head_dim=64, sliding_window=256,
                          sliding_window_pattern=3, vocab_size=32000, max_position_embeddings=65536),
 }
+
+
+# Models with recurrent state: real widths, 16 layers (every 4th full attention, the others Gated DeltaNet).
+_QWEN35 = dict(model_type="qwen3_5", num_hidden_layers=16, full_attention_interval=4, head_dim=256,
+               linear_num_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+               vocab_size=248320, rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=262144,
+               rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
+PRESETS.update({
+    "qwen3.5-27b-16l": dict(model_type="qwen3_5", text_config=dict(
+        _QWEN35, model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408, num_attention_heads=24,
+        num_key_value_heads=4, linear_num_value_heads=48)),
+    "qwen3.5-35b-a3b-16l": dict(model_type="qwen3_5_moe", text_config=dict(
+        _QWEN35, model_type="qwen3_5_moe_text", hidden_size=2048, intermediate_size=512, num_attention_heads=16,
+        num_key_value_heads=2, linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8,
+        decoder_sparse_step=1, moe_intermediate_size=512, shared_expert_intermediate_size=512, norm_topk_prob=True)),
+    "qwen3.5-tiny": RANDOM_ARCHS["qwen3_5-tiny"],  # pagedmlx's random:qwen3_5-tiny, for a run on the CPU
+})
+
+
+def run_prefill(engine, model, prompt: list[int]) -> tuple[float, float]:
+    """(pagedmlx, mlx-lm generate_step) prompt tokens per second: one prompt to its first token."""
+    from mlx_lm.generate import generate_step
+
+    from pagedmlx.sampling_params import SamplingParams
+
+    engine.add_request(f"p{time.monotonic_ns()}", prompt, SamplingParams(temperature=0.0, max_tokens=1))
+    t = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    ours = len(prompt) / (time.perf_counter() - t)
+    t = time.perf_counter()
+    next(generate_step(mx.array(prompt), model, max_tokens=1))
+    return ours, len(prompt) / (time.perf_counter() - t)
 
 
 def random_model(preset: str, dtype: mx.Dtype):
@@ -170,7 +206,10 @@ def roofline_step(model, batch: int, context: int, bw: float, flops: float) -> t
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="an mlx-lm model folder or hub name (default: a random llama preset)")
-    ap.add_argument("--preset", default="small", choices=PRESETS)
+    ap.add_argument("--preset", "--arch", dest="preset", default="small", choices=PRESETS,
+                    help="a random model: llama shapes, gemma3 (sliding windows), qwen3.5 (recurrent state)")
+    ap.add_argument("--prefill-len", type=int, default=0, help="also time one prompt of this many tokens to its "
+                                                                "first token, against generate_step")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64, 128])
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -200,13 +239,13 @@ def main() -> None:
     else:
         model = random_model(args.preset, dtype)
         name = f"random {PRESETS[args.preset]['model_type']} '{args.preset}' ({args.dtype})"
-    vocab = model.args.vocab_size
+    vocab = getattr(model.args, "vocab_size", None) or model.args.text_config["vocab_size"]
     max_b = max(args.batch_sizes)
-    tokens_per_seq = args.prompt_len + args.gen_len
+    tokens_per_seq = max(args.prompt_len + args.gen_len, args.prefill_len + 1)
     num_blocks = max_b * (-(-tokens_per_seq // args.block_size) + 1) + 8
     engine = LLMEngine(model, None, EngineConfig(
         block_size=args.block_size, num_blocks=num_blocks, max_num_seqs=max_b,
-        max_num_batched_tokens=max(2048, args.prompt_len), long_prefill_token_threshold=0,
+        max_num_batched_tokens=max(2048, args.prompt_len, args.prefill_len), long_prefill_token_threshold=0,
         max_model_len=tokens_per_seq + 1, enable_prefix_caching=False, async_scheduling=False if args.no_async else (True if args.ab_async else None)))
 
     console = Console()
@@ -224,6 +263,13 @@ def main() -> None:
     if 1 in args.batch_sizes and not args.skip_peer:
         single_stream = run_generate_step(model, make_prompts(1, args.prompt_len, vocab, 9)[0], args.gen_len)
         console.print(f"  mlx-lm generate_step single stream: {single_stream:.0f} tok/s")
+    prefill = None
+    if args.prefill_len:
+        run_prefill(engine, model, make_prompts(1, 64, vocab, 7)[0])  # warm-up
+        ours_pf, theirs_pf = run_prefill(engine, model, make_prompts(1, args.prefill_len, vocab, 8)[0])
+        console.print(f"  prefill {args.prefill_len} tokens: pagedmlx {ours_pf:.0f} tok/s, mlx-lm generate_step "
+                      f"{theirs_pf:.0f} tok/s (ratio {ours_pf / theirs_pf:.2f})")
+        prefill = dict(tokens=args.prefill_len, pagedmlx=ours_pf, generate_step=theirs_pf)
     bw = flops = None
     if args.roofline:
         bw, flops = measure_machine()
@@ -285,7 +331,8 @@ def main() -> None:
     console.print(host)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(model=name, device=str(mx.default_device()), rows=rows,
-                                                   single_stream=single_stream, bandwidth=bw, matmul=flops), indent=1))
+                                                   single_stream=single_stream, bandwidth=bw, matmul=flops,
+                                                   prefill=prefill), indent=1))
 
 
 if __name__ == "__main__":

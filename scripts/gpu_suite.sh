@@ -7,6 +7,7 @@ export PYTHONUNBUFFERED=1
 BATCHES=${BATCHES:-"1 8 32 64 128 256"}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
 python3 scripts/gpu_check_decode.py ${QUICK:+--variants} 2>&1 | tee "$OUT/kernel_check.txt"
+python3 scripts/gpu_check_state.py 2>&1 | tee "$OUT/state_kernel_check.txt"
 python3 scripts/bench_offline.py --preset llama-8b --dtype bfloat16 --batch-sizes $BATCHES --roofline --ab-async \
   --json "$OUT/offline.json" 2>&1 | tee "$OUT/offline.txt"
 if [ -z "${QUICK:-}" ]; then
@@ -17,5 +18,5 @@ fi
 # steps. Full float32 (no TF32): mlx-lm's solo pass and a busy batch multiply with different M,
 # and TF32 rounds those differently, which flips ties in random-weight models.
 MLX_ENABLE_TF32=0 timeout 300 python3 -m pytest -q -rf -p no:cacheprovider tests/test_batched_equals_solo.py \
-  > "$OUT/pytest_gpu.txt" 2>&1
+  tests/test_state_layers.py > "$OUT/pytest_gpu.txt" 2>&1
 tail -12 "$OUT/pytest_gpu.txt"

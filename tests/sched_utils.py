@@ -7,6 +7,11 @@ queries attend (the whole context; a sliding-window group only the window) and c
 the request's own tokens. A block shared or revived with the wrong content, a block table pointing at
 another request's page, a page freed while its window still needs it, or a stale prefix-cache entry
 all show up as a mismatch here.
+
+With a recurrent-state group, the fake state of a slot is the token sequence it has consumed: a step
+checks that each request reads exactly its own prefix (nothing at position 0; a checkpoint of exactly
+the prefix it skipped after a hit), and that no slot one request reads or writes in a step is written
+by another request in that step.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import numpy as np
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.kv.manager import KVCacheManager, cdiv
-from pagedmlx.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+from pagedmlx.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
 from pagedmlx.request import Request, RequestStatus
 from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.scheduler import Scheduler
@@ -32,8 +37,10 @@ _arrivals = itertools.count(1)
 def make_scheduler(num_blocks: int = 16, block_size: int = 4, max_num_batched_tokens: int = 64,
                    max_num_seqs: int = 16, long_prefill_token_threshold: int = 0,
                    max_model_len: int = 64, policy: str = "fcfs", caching: bool = True,
-                   window: Optional[int] = None) -> Scheduler:
-    """window: a second KV cache group of sliding-window layers beside the full-attention one."""
+                   window: Optional[int] = None, state_interval: Optional[int] = None,
+                   state_checkpoints: int = 3) -> Scheduler:
+    """window: a second KV cache group of sliding-window layers beside the full-attention one.
+    state_interval: a recurrent-state group (last) with checkpoints every so many tokens (0: none)."""
     config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,
                           long_prefill_token_threshold=long_prefill_token_threshold,
@@ -42,6 +49,8 @@ def make_scheduler(num_blocks: int = 16, block_size: int = 4, max_num_batched_to
     groups = [KVCacheGroupSpec(FullAttentionSpec(), num_blocks)]
     if window is not None:
         groups.append(KVCacheGroupSpec(SlidingWindowSpec(window), num_blocks + 1))
+    if state_interval is not None:
+        groups.append(KVCacheGroupSpec(MambaSpec(state_interval, state_checkpoints), max_num_seqs + state_checkpoints))
     manager = KVCacheManager(KVCacheConfig(block_size, groups), enable_caching=caching)
     return Scheduler(config, manager, max_model_len)
 
@@ -63,8 +72,10 @@ class FakeModel:
     def __init__(self, sched: Scheduler, vocab: int = 50, seed: int = 0):
         self.sched = sched
         mgr = sched.kv_cache_manager
-        self.kv = [np.full(len(m.block_pool.blocks) * mgr.block_size, -1, np.int64) for m in mgr.managers]
-        self.windows = [getattr(m, "sliding_window", None) for m in mgr.managers]
+        paged = mgr.managers[:-1] if mgr.state_manager is not None else mgr.managers
+        self.kv = [np.full(len(m.block_pool.blocks) * mgr.block_size, -1, np.int64) for m in paged]
+        self.windows = [getattr(m, "sliding_window", None) for m in paged]
+        self.states: dict[int, tuple[int, ...]] = {}  # state slot -> the tokens its state has consumed
         self.rng = random.Random(seed)
         self.vocab = vocab
 
@@ -87,6 +98,35 @@ class FakeModel:
                 pos = np.arange(first, seq_len)
                 read = out.block_table[g, i, pos // bs] * bs + pos % bs
                 assert kv[read].tolist() == req.all_token_ids[first:seq_len], f"{rid} reads foreign KV (group {g})"
+        if self.sched.kv_cache_manager.state_manager is not None:
+            self._run_states(out)
+
+    def _run_states(self, out: SchedulerOutput) -> None:
+        """All reads of the step, then all writes (the runner's layers do the same per layer)."""
+        assert out.state_slots.shape == (out.num_reqs, 4)
+        readers: dict[int, set[str]] = {}
+        writers: dict[int, str] = {}
+        writes = []
+        for i, rid in enumerate(out.req_ids):
+            req = self.sched.requests[rid]
+            read, write, save, save_len = (int(x) for x in out.state_slots[i])
+            lo, hi = out.query_start_loc[i], out.query_start_loc[i + 1]
+            start, end = int(out.seq_lens[i]) - (hi - lo), int(out.seq_lens[i])
+            assert write == out.block_table[-1, i, 0] and (out.slot_mapping[-1, lo:hi] == write).all()
+            assert (read < 0) == (start == 0), f"{rid} at {start} reads slot {read}"
+            got = () if read < 0 else self.states.get(read)
+            assert got == tuple(req.all_token_ids[:start]), f"{rid} resumes at {start} from a foreign state"
+            readers.setdefault(read, set()).add(rid)
+            for slot in {write, save} - {-1}:
+                assert writers.setdefault(slot, rid) == rid, f"slot {slot}: {rid} and {writers[slot]} write it"
+            assert save < 0 or 0 < save_len <= hi - lo
+            writes.append((write, tuple(req.all_token_ids[:end])))
+            if save >= 0:
+                writes.append((save, tuple(req.all_token_ids[:start + save_len])))
+        for slot, rid in writers.items():  # several may resume from one checkpoint, none from a slot another writes
+            assert readers.get(slot, {rid}) == {rid}, f"slot {slot}: {rid} writes what {readers[slot]} read"
+        for slot, state in writes:
+            self.states[slot] = state
 
     def sample(self, out: SchedulerOutput) -> list[int]:
         return [self.rng.randrange(1, self.vocab) for _ in out.sampled_req_ids]  # never EOS
@@ -106,13 +146,55 @@ def step(sched: Scheduler, tokens: Optional[list[int]] = None, token: int = 7):
     return out, sched.update_from_output(out, tokens)
 
 
+def run_to_completion(sched: Scheduler, model: Optional[FakeModel] = None, max_steps: int = 1000) -> None:
+    """Step the fake model until every request finished, checking the invariants after each step."""
+    model = model or FakeModel(sched)
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            return
+        model.step()
+        check_invariants(sched)
+    raise AssertionError("requests did not finish")
+
+
 def check_invariants(sched: Scheduler) -> None:
     """Page accounting that must hold between any two calls into the scheduler, in every group."""
     mgr = sched.kv_cache_manager
     assert len({frozenset(m.req_to_blocks) for m in mgr.managers}) == 1, "groups disagree on who holds pages"
     for m in mgr.managers:
-        _check_group(sched, m)
+        (_check_state_group if m is mgr.state_manager else _check_group)(sched, m)
     check_queues(sched)
+
+
+def _check_free_queue(pool) -> None:
+    queue = list(pool.free_block_queue)
+    free_ids = [b.block_id for b in queue]
+    assert len(free_ids) == len(set(free_ids)) == pool.get_num_free_blocks()
+    assert set(free_ids) == {b.block_id for b in pool.blocks if b.ref_cnt == 0 and b is not pool.null_block}
+    for block_hash, block in pool.cached_block_hash_to_block.items():
+        assert block.block_hash == block_hash
+    hashed = [b for b in pool.blocks if b.block_hash is not None]
+    assert all(pool.cached_block_hash_to_block.get(b.block_hash) is b for b in hashed)
+
+
+def _check_state_group(sched: Scheduler, m) -> None:
+    """Each running request holds one slot (never cached); every other reference is a checkpoint block
+    its last step reads or saves; a slot is no checkpoint and no two requests share one."""
+    pool = m.block_pool
+    _check_free_queue(pool)
+    refs: dict[int, int] = {}
+    for rid, blocks in m.req_to_blocks.items():
+        assert sched.requests[rid].status == RequestStatus.RUNNING and len(blocks) == 1
+        assert m.req_to_block_ids[rid] == [blocks[0].block_id] and blocks[0].block_hash is None
+        refs[blocks[0].block_id] = refs.get(blocks[0].block_id, 0) + 1
+    assert all(n == 1 for n in refs.values()), "two requests share a state slot"
+    for rid, step_blocks in m.step_blocks.items():
+        assert rid in m.req_to_blocks
+        for sb in step_blocks:
+            assert sb.block.block_id not in m.req_to_block_ids[rid]
+            refs[sb.block.block_id] = refs.get(sb.block.block_id, 0) + 1
+    for block in pool.blocks:
+        assert block.ref_cnt == refs.get(block.block_id, 0), f"{block} has {refs.get(block.block_id, 0)} holders"
 
 
 def _check_group(sched: Scheduler, m) -> None:
@@ -183,3 +265,4 @@ def assert_no_leaks(sched: Scheduler) -> None:
         assert all(b.ref_cnt == 0 for b in pool.blocks)
         assert pool.get_num_free_blocks() == pool.num_blocks == len(list(pool.free_block_queue))
         assert not m.req_to_blocks and not m.req_to_block_ids and not m.num_cached_blocks
+        assert not getattr(m, "step_blocks", None) and not getattr(m, "saved", None)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from utils import assert_no_leaks, make_model, run_staggered, solo_greedy
+from utils import (assert_no_leaks, assert_samples_equal_alone, make_model, run_staggered, shared_prefix_prompts,
+                   solo_greedy)
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine import LLMEngine
@@ -25,15 +26,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 def prompts_across_windows(n: int, seed: int) -> list[list[int]]:
     """Lengths 1..90 (up to 11 windows); a third extend a shared 30-token prefix (hits inside and
     beyond the window), two are 1-token prompts."""
-    rng = random.Random(seed)
-    shared = [rng.randrange(1, 500) for _ in range(30)]
-    out = [[rng.randrange(1, 500)], [7]]
-    for i in range(n - 2):
-        if i % 3 == 0:
-            out.append(shared + [rng.randrange(1, 500) for _ in range(rng.randint(0, 30))])
-        else:
-            out.append([rng.randrange(1, 500) for _ in range(rng.randint(2, 90))])
-    return out
+    return shared_prefix_prompts(n, seed, max_len=90)
 
 
 def busy_engine(model, num_blocks: int = 60) -> LLMEngine:
@@ -115,15 +108,7 @@ def test_seeded_samples_and_n_equal_alone(arch):
     """n > 1 seeded samples in a busy engine equal the same samples run alone."""
     model = make_model(arch)
     params = SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=8, ignore_eos=True)
-    prompts = prompts_across_windows(8, seed=9)
-    busy = busy_engine(model, num_blocks=200)
-    from pagedmlx.llm import LLM
-
-    outs = LLM.from_engine(busy).generate(prompts, params)
-    for p, out in zip(prompts, outs):
-        alone = LLM.from_engine(busy_engine(model, num_blocks=200)).generate([p], params)[0]
-        assert [c.token_ids for c in out.outputs] == [c.token_ids for c in alone.outputs]
-    assert_no_leaks(busy)
+    assert_samples_equal_alone(lambda: busy_engine(model, num_blocks=200), prompts_across_windows(8, seed=9), params)
 
 
 def _mismatches(arch: str) -> int:
@@ -172,11 +157,7 @@ def test_a_window_only_the_mask_knows_is_refused_by_name():
         interleave_moe_layer_step=1, attention_chunk_size=8, use_qk_norm=True, max_position_embeddings=4096,
         attn_temperature_tuning=True, floor_scale=8192, attn_scale=0.1, rope_scaling=None,
         no_rope_layers=[1, 1, 1, 0])), "chunked local attention"),
-    (dict(model_type="mamba2", num_heads=4, head_dim=16, vocab_size=512, hidden_size=32, intermediate_size=64,
-          state_size=16, num_hidden_layers=2, layer_norm_epsilon=1e-5, conv_kernel=4, n_groups=1, use_bias=False,
-          use_conv_bias=True, tie_word_embeddings=True, time_step_limit=(0.0, float("inf")), time_step_rank=4),
-     "recurrent"),
-])
+])  # recurrent state (mamba2, ...) is served now: tests/test_state_layers.py
 def test_other_cache_kinds_are_refused_by_name(cfg, reason):
     from pagedmlx.models.random_model import build_model
 

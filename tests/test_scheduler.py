@@ -2,7 +2,8 @@
 
 import numpy as np
 import pytest
-from sched_utils import EOS, FakeModel, assert_no_leaks, check_invariants, make_request, make_scheduler, step
+from sched_utils import (EOS, FakeModel, assert_no_leaks, check_invariants, make_request, make_scheduler,
+                         run_to_completion, step)
 
 from pagedmlx.request import Request, RequestStatus
 from pagedmlx.scheduler import Scheduler
@@ -10,16 +11,6 @@ from pagedmlx.scheduler import Scheduler
 
 def scheduled(out):
     return list(zip(out.req_ids, out.num_scheduled_tokens))
-
-
-def run_to_completion(sched, model=None, max_steps=1000):
-    model = model or FakeModel(sched)
-    for _ in range(max_steps):
-        if not sched.has_unfinished_requests():
-            return
-        model.step()
-        check_invariants(sched)
-    raise AssertionError("requests did not finish")
 
 
 # ---- budgets and chunking ------------------------------------------------------------------------

@@ -21,13 +21,17 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(8, 16), block_size=st.integers(2, 4), budget=st.integers(1, 24),
                 cap=st.integers(0, 8), max_seqs=st.integers(1, 6), caching=st.booleans(),
                 policy=st.sampled_from(["fcfs", "priority"]), seed=st.integers(0, 2**16),
-                window=st.sampled_from([None, None, 2, 3, 6]))
-    def setup(self, num_blocks, block_size, budget, cap, max_seqs, caching, policy, seed, window):
-        """window: a sliding-window group beside the full-attention one (a hybrid model's pages)."""
+                window=st.sampled_from([None, None, 2, 3, 6]), state=st.sampled_from([None, None, 0, 1, 2]),
+                checkpoints=st.integers(0, 4))
+    def setup(self, num_blocks, block_size, budget, cap, max_seqs, caching, policy, seed, window, state,
+              checkpoints):
+        """window: a sliding-window group beside the full-attention one (a hybrid model's pages);
+        state: a recurrent-state group, with checkpoints every `state` blocks (0: none)."""
         # max_model_len = the pool's size: every request it accepts fits alone, so all can finish.
         self.max_model_len = num_blocks * block_size
         self.sched = make_scheduler(num_blocks, block_size, budget, max_seqs, cap, self.max_model_len,
-                                    policy, caching, window)
+                                    policy, caching, window, None if state is None else state * block_size,
+                                    checkpoints)
         self.model = FakeModel(self.sched, vocab=4, seed=seed)  # tiny vocab: outputs collide, blocks are shared
         self.counter = 0
         self.live = {}

@@ -62,6 +62,19 @@ def make_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
     return prompts
 
 
+def shared_prefix_prompts(n: int, seed: int, max_len: int = 60) -> list[list[int]]:
+    """Lengths 1..max_len; a third extend a shared 30-token prefix; two are 1-token prompts."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(1, 500) for _ in range(30)]
+    out = [[rng.randrange(1, 500)], [7]]
+    for i in range(n - 2):
+        if i % 3 == 0:
+            out.append(shared + [rng.randrange(1, 500) for _ in range(rng.randint(0, 30))])
+        else:
+            out.append([rng.randrange(1, 500) for _ in range(rng.randint(2, max_len))])
+    return out
+
+
 def run_staggered(engine, prompts, params, seed: int) -> dict[str, list[int]]:
     """Add requests a few at a time between steps; collect each one's final tokens."""
     rng = random.Random(seed)
@@ -79,12 +92,29 @@ def run_staggered(engine, prompts, params, seed: int) -> dict[str, list[int]]:
 
 
 def assert_no_leaks(engine) -> None:
-    """Every page of every KV cache group is free and no request holds any."""
+    """Every page of every KV cache group is free and no request holds any; no request holds a state
+    slot or a checkpoint (checkpoints stay cached in the free queue)."""
     manager = engine.kv_cache_manager
     for pool in manager.block_pools:
         assert all(b.ref_cnt == 0 for b in pool.blocks), [b for b in pool.blocks if b.ref_cnt]
         assert pool.get_num_free_blocks() == pool.num_blocks
     assert not manager.req_to_blocks
+    state = manager.state_manager
+    if state is not None:
+        assert not state.req_to_blocks and not state.step_blocks and not state.saved
+
+
+def assert_samples_equal_alone(make_engine: Callable, prompts: list[list[int]], params) -> None:
+    """n > 1 seeded samples from a busy engine equal the same samples run alone, in an engine of their
+    own; the busy engine leaks nothing."""
+    from pagedmlx.llm import LLM
+
+    busy = make_engine()
+    outs = LLM.from_engine(busy).generate(prompts, params)
+    for p, out in zip(prompts, outs):
+        alone = LLM.from_engine(make_engine()).generate([p], params)[0]
+        assert [c.token_ids for c in out.outputs] == [c.token_ids for c in alone.outputs]
+    assert_no_leaks(busy)
 
 
 def wait_healthy(url: str, alive: Callable[[], bool] = lambda: True, timeout: float = 60.0,

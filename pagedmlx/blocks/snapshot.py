@@ -7,7 +7,9 @@ rendered anywhere while the engine steps on.
 
 A model with several KV cache groups (sliding-window layers beside full-attention ones) has one
 pool per group: `groups` describes each; `pool`, `block_states` and the requests' block tables are
-the first group's (full attention where there is one).
+the first group's (full attention where there is one). A recurrent-state group's blocks are state
+slots: one per running request ("u"), checkpoints ("c" cached; "s"/"u" while a step reads or saves
+one); its entry adds a `state` summary.
 
 Block states, one character per block in `block_states`:
   "." free    no request holds it and it holds no reusable prefix
@@ -124,6 +126,16 @@ def _pool_summary(pool: Any, states: str, bpb: int) -> dict:
     }
 
 
+def _state_summary(manager: Any) -> dict:
+    return {
+        "running_slots": len(manager.req_to_blocks),
+        "checkpoints": len(manager.block_pool.cached_block_hash_to_block),
+        "checkpoint_interval": manager.checkpoint_interval,
+        "checkpoints_saved": manager.num_checkpoints_saved,
+        "checkpoint_hits": manager.num_checkpoint_hits,
+    }
+
+
 def kv_snapshot(engine: Any, top_shared: int = 10, block_text: bool = True) -> dict:
     """The pools, the prefix cache and every unfinished request's pages, as plain data.
     Call it where nothing steps the engine meanwhile (between steps). `block_text=False` leaves out
@@ -137,6 +149,8 @@ def kv_snapshot(engine: Any, top_shared: int = 10, block_text: bool = True) -> d
         states, held = block_states(pool, manager.req_to_blocks)
         groups.append(dict(_pool_summary(pool, states, spec.page_size_bytes), name=spec.name,
                            window=spec.sliding_window, layers=len(spec.layer_ids), block_states=states))
+        if spec.is_state:
+            groups[-1]["state"] = _state_summary(manager)
     pool, manager = kv.block_pool, kv.managers[0]
     states, held = block_states(pool, manager.req_to_blocks)
 

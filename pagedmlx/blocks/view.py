@@ -78,14 +78,20 @@ def summary_panel(snap: dict) -> Panel:
     grid.add_column()
     groups = snap.get("groups", [])
     name = f" ({groups[0]['name']}, {groups[0]['layers']} layers)" if len(groups) > 1 else ""
-    grid.add_row("pool", f"{n} blocks × {p['block_size']} tokens = {_size(n, bpb)} "
-                         f"({_size(1, bpb)} per block){name}")
-    grid.add_row("in use", f"[{STYLES[IN_USE]}]{p['used']}[/] blocks ({p['usage']:.1%}, {_size(p['used'], bpb)}), "
-                           f"[{STYLES[SHARED]}]{p['shared']}[/] of them shared")
-    grid.add_row("cached", f"[{STYLES[CACHED]}]{p['cached_free']}[/] free blocks keep a reusable prefix "
-                           f"({_size(p['cached_free'], bpb)})")
-    grid.add_row("free", f"{p['free']} blocks ({_size(p['free'], bpb)})")
-    for g in snap.get("groups", [])[1:]:  # the other KV cache groups (sliding-window layers)
+    if groups and "state" in groups[0]:  # no pages at all (Mamba2): the first group is the state slots'
+        grid.add_row("state", state_text(groups[0]))
+    else:
+        grid.add_row("pool", f"{n} blocks × {p['block_size']} tokens = {_size(n, bpb)} "
+                             f"({_size(1, bpb)} per block){name}")
+        grid.add_row("in use", f"[{STYLES[IN_USE]}]{p['used']}[/] blocks ({p['usage']:.1%}, {_size(p['used'], bpb)}), "
+                               f"[{STYLES[SHARED]}]{p['shared']}[/] of them shared")
+        grid.add_row("cached", f"[{STYLES[CACHED]}]{p['cached_free']}[/] free blocks keep a reusable prefix "
+                               f"({_size(p['cached_free'], bpb)})")
+        grid.add_row("free", f"{p['free']} blocks ({_size(p['free'], bpb)})")
+    for g in groups[1:]:  # the other KV cache groups (sliding-window layers, recurrent state)
+        if "state" in g:
+            grid.add_row("state", state_text(g))
+            continue
         grid.add_row(g["name"], f"{g['layers']} layers: {g['num_blocks']} blocks = "
                                 f"{_size(g['num_blocks'], g['bytes_per_block'])}; [{STYLES[IN_USE]}]{g['used']}[/] in "
                                 f"use ({g['usage']:.1%}), [{STYLES[CACHED]}]{g['cached_free']}[/] cached, {g['free']} free")
@@ -101,6 +107,17 @@ def summary_panel(snap: dict) -> Panel:
     when = datetime.fromtimestamp(snap["time"]).strftime("%H:%M:%S")
     model = f" {snap['model']}" if snap.get("model") else ""
     return Panel(grid, title=f"[bold]pagedmlx KV pool[/]{model}", subtitle=when, expand=False)
+
+
+def state_text(g: dict) -> str:
+    """A recurrent-state group: its slots, the running requests' and the checkpoints' shares of them."""
+    s = g["state"]
+    every = f"every {s['checkpoint_interval']} tokens and " if s["checkpoint_interval"] else ""
+    saving = (f"; checkpoints {every}at each prompt's last full block: {s['checkpoints_saved']} saved, "
+              f"{s['checkpoint_hits']} resumed from" if s["checkpoint_interval"] else "; no checkpoints (no prefix hits)")
+    return (f"{g['layers']} layers: {g['num_blocks']} slots = {_size(g['num_blocks'], g['bytes_per_block'])}; "
+            f"[{STYLES[IN_USE]}]{s['running_slots']}[/] running, [{STYLES[CACHED]}]{s['checkpoints']}[/] checkpoints, "
+            f"{g['free']} free" + saving)
 
 
 def short_id(request_id: str, width: int = 10) -> str:

@@ -1,6 +1,7 @@
 """KVCacheManager: the coordinator of a model's KV cache groups (vLLM's KVCacheManager over its
 hybrid coordinator): prefix-cache lookups intersected across groups, slot allocation all or nothing
-across groups, every group freed together."""
+across groups, every group freed together. A recurrent-state group (kv/state_manager.py), if any,
+is the last group: its hit is a checkpoint that covers exactly the prefix skipped."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pagedmlx.kv.block_hash import hash_request_blocks
 from pagedmlx.kv.block_pool import BlockPool, KVCacheBlock
 from pagedmlx.kv.single_type import SingleTypeKVCacheManager, intersect_hits, make_single_type_manager
 from pagedmlx.kv.spec import KVCacheConfig, cdiv
+from pagedmlx.kv.state_manager import StateManager
 from pagedmlx.request import Request
 
 __all__ = ["KVCacheBlocks", "KVCacheManager", "PrefixCacheStats", "cdiv"]
@@ -46,6 +48,10 @@ class KVCacheManager:
         self.managers: list[SingleTypeKVCacheManager] = [
             make_single_type_manager(g.kv_cache_spec, g.num_blocks, self.block_size, enable_caching)
             for g in kv_cache_config.kv_cache_groups]
+        self.state_manager: Optional[StateManager] = next(
+            (m for m in self.managers if isinstance(m, StateManager)), None)
+        if self.state_manager is not None and self.state_manager is not self.managers[-1]:
+            raise ValueError("the recurrent-state group must be the last KV cache group")
         self.stats = PrefixCacheStats()
 
     # The first group's bookkeeping (the only group of a plain-attention model).
@@ -92,7 +98,17 @@ class KVCacheManager:
         self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits, num_blocks = intersect_hits(self.managers, request.block_hashes, max_blocks)
+        if self.state_manager is not None and num_blocks:
+            self._check_state_hit(hits[-1], request.block_hashes[num_blocks - 1], num_blocks)
         return tuple(hits), num_blocks * self.block_size
+
+    @staticmethod
+    def _check_state_hit(hit: list, block_hash, num_blocks: int) -> None:
+        """A model with recurrent state resumes only from a checkpoint of exactly the prefix skipped:
+        a hit on pages alone would resume from a state that never saw those tokens."""
+        checkpoint = hit[-1] if len(hit) == num_blocks else None
+        if checkpoint is None or checkpoint.block_hash != block_hash:
+            raise RuntimeError(f"a prefix hit of {num_blocks} blocks has no state checkpoint that covers it")
 
     def record_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
         if not self.enable_caching:
@@ -132,6 +148,10 @@ class KVCacheManager:
         # Cache the blocks that this step fills, so that later requests of the same step share them:
         # within each layer every new K/V is written before any page is read.
         self._cache_full_blocks(request, min(total_tokens, request.num_tokens))
+        if self.state_manager is not None and self.enable_caching:
+            self.update_block_hashes(request)
+            start = request.num_computed_tokens + num_new_computed_tokens
+            self.state_manager.save_checkpoint(request, start, total_tokens)
         return new
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
@@ -159,6 +179,10 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         for manager in self.managers:
             manager.free(request.request_id)
+
+    def get_state_slots(self, request: Request) -> tuple[int, int, int, int]:
+        """The state slots of the request's step: see StateManager.state_slots."""
+        return self.state_manager.state_slots(request)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block ids in each group (its block table rows)."""

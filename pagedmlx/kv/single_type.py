@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 
 from pagedmlx.kv.block_hash import BlockHash
 from pagedmlx.kv.block_pool import BlockPool, KVCacheBlock
-from pagedmlx.kv.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, cdiv
+from pagedmlx.kv.spec import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec, cdiv
 
 
 class SingleTypeKVCacheManager:
@@ -133,7 +133,10 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
 def make_single_type_manager(spec: KVCacheSpec, num_blocks: int, block_size: int,
                              enable_caching: bool) -> SingleTypeKVCacheManager:
-    cls = {FullAttentionSpec: FullAttentionManager, SlidingWindowSpec: SlidingWindowManager}[type(spec)]
+    from pagedmlx.kv.state_manager import StateManager
+
+    cls = {FullAttentionSpec: FullAttentionManager, SlidingWindowSpec: SlidingWindowManager,
+           MambaSpec: StateManager}[type(spec)]
     return cls(spec, num_blocks, block_size, enable_caching)
 
 

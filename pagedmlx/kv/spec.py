@@ -1,5 +1,6 @@
 """What the block accounting needs to know of a model's layers (vLLM's kv_cache_interface): each
-layer's kind (full attention, or a sliding window of W tokens), grouped into KV cache groups."""
+layer's kind (full attention, a sliding window of W tokens, or a recurrent state), grouped into KV
+cache groups."""
 
 from __future__ import annotations
 
@@ -33,7 +34,23 @@ class SlidingWindowSpec:
         return min(cdiv(num_tokens, block_size), window + cdiv(max_chunk, block_size) + 1)
 
 
-KVCacheSpec = Union[FullAttentionSpec, SlidingWindowSpec]
+@dataclass(frozen=True)
+class MambaSpec:
+    """Layers with a recurrent state (vLLM's MambaSpec): a running request holds one block, its state
+    slot, however long it is. Checkpoints are slots that keep the state at a block boundary, cached
+    under that block's hash: a prefix hit resumes from one (and only from one). They are taken every
+    `checkpoint_interval` tokens (a multiple of the block size; 0: none, so no prefix hits) and at the
+    last full block of each prompt. The pool has `max_checkpoints` slots beyond the running ones;
+    checkpoints keep every slot no request holds, least recently used evicted first."""
+
+    checkpoint_interval: int = 0
+    max_checkpoints: int = 0
+
+    def max_blocks_held(self, num_tokens: int, block_size: int, max_chunk: int) -> int:
+        return 1
+
+
+KVCacheSpec = Union[FullAttentionSpec, SlidingWindowSpec, MambaSpec]
 
 
 @dataclass
@@ -50,9 +67,13 @@ class KVCacheGroupSpec:
         return getattr(self.kv_cache_spec, "sliding_window", None)
 
     @property
+    def is_state(self) -> bool:
+        return isinstance(self.kv_cache_spec, MambaSpec)
+
+    @property
     def name(self) -> str:
         w = self.sliding_window
-        return "full" if w is None else f"sliding {w}"
+        return "state" if self.is_state else "full" if w is None else f"sliding {w}"
 
 
 @dataclass

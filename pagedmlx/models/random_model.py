@@ -72,6 +72,51 @@ RANDOM_ARCHS.update({
                             layer_types=["sliding_attention", "full_attention"] * 2),
 })
 
+# Layers with a recurrent state beside (or instead of) attention, from the same prototype's configs:
+# Gated DeltaNet (Qwen3.5 / 3.6, Qwen3-Next), short convolutions (LFM2), Mamba2 (Nemotron-H, Granite-4-H,
+# Falcon-H1 with state and attention in one layer, Mamba2 alone).
+_GDN = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=32, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
+            linear_value_head_dim=32, linear_conv_kernel_dim=4, full_attention_interval=2, vocab_size=512,
+            rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=4096)
+_QWEN35_ROPE = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
+_MOE = dict(num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32)
+RANDOM_ARCHS.update({
+    "qwen3_5-tiny": dict(model_type="qwen3_5", text_config=dict(model_type="qwen3_5_text", rope_parameters=_QWEN35_ROPE,
+                                                                **_GDN)),
+    "qwen3_5_moe-tiny": dict(model_type="qwen3_5_moe", text_config=dict(
+        model_type="qwen3_5_moe_text", norm_topk_prob=True, rope_parameters=_QWEN35_ROPE, **_MOE, **_GDN)),
+    "qwen3_next-tiny": dict(model_type="qwen3_next", mlp_only_layers=[], rope_theta=1e7, partial_rotary_factor=0.25,
+                            **_MOE, **_GDN),
+    "lfm2-tiny": dict(model_type="lfm2", vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=4096, norm_eps=1e-5, conv_bias=False,
+                      conv_L_cache=3, block_dim=64, block_multiple_of=16, block_ffn_dim_multiplier=1.0,
+                      block_auto_adjust_ff_dim=False, block_ff_dim=128, full_attn_idxs=[1, 3]),
+    "nemotron_h-tiny": dict(model_type="nemotron_h", vocab_size=512, hidden_size=64, intermediate_size=128,
+                            max_position_embeddings=4096, num_attention_heads=4, num_key_value_heads=2,
+                            attention_bias=False, mamba_num_heads=4, mamba_head_dim=16, mamba_proj_bias=False,
+                            ssm_state_size=16, conv_kernel=4, n_groups=2, mlp_bias=False, layer_norm_epsilon=1e-5,
+                            use_bias=False, use_conv_bias=True, hybrid_override_pattern="M-M*", num_hidden_layers=4,
+                            head_dim=16),
+    "granitemoehybrid-tiny": dict(
+        model_type="granitemoehybrid", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        max_position_embeddings=4096, num_attention_heads=4, num_key_value_heads=2, attention_bias=False,
+        embedding_multiplier=1.0, attention_multiplier=0.25, logits_scaling=1.0, residual_multiplier=1.0,
+        layer_types=["mamba", "attention"] * 2, rms_norm_eps=1e-5, mamba_n_heads=4, mamba_d_head=16,
+        mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=16,
+        mamba_conv_bias=True, mamba_proj_bias=False, num_local_experts=0, num_experts_per_tok=0,
+        shared_intermediate_size=128, position_embedding_type="rope", rope_theta=10000.0),
+    "falcon_h1-tiny": dict(model_type="falcon_h1", vocab_size=512, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1,
+                           mamba_d_conv=4, max_position_embeddings=4096),
+    "mamba2-tiny": dict(model_type="mamba2", num_heads=4, head_dim=16, vocab_size=512, hidden_size=32,
+                        intermediate_size=64, state_size=16, num_hidden_layers=2, layer_norm_epsilon=1e-5,
+                        conv_kernel=4, n_groups=1, use_bias=False, use_conv_bias=True, tie_word_embeddings=True,
+                        time_step_limit=(0.0, float("inf")), time_step_rank=4),
+})
+
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -13,6 +13,8 @@ from pagedmlx.kv.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from pagedmlx.runner.attention import KVPool, PagedLayerCache, StepMetadata, install_paged_attention
 from pagedmlx.runner.kernel_check import select_kernels
 from pagedmlx.runner.plan import UnsupportedModelError, model_type, plan_layers
+from pagedmlx.runner.state import (StateLayerCache, StateMetadata, StatePool, install_regrouping, pages_budget,
+                                   state_group)
 from pagedmlx.scheduler_output import SchedulerOutput
 
 __all__ = ["ModelRunner", "Runner", "UnsupportedModelError", "model_type"]
@@ -37,23 +39,27 @@ class ModelRunner:
         # Routed first: the plan's probe sees each layer's query heads and sinks through the dispatcher.
         routed = install_paged_attention(model)
         self.plan, self.vocab_size = plan_layers(model)  # refuses the layers it cannot page, by name
-        if routed == 0:
+        install_regrouping(model, self.plan)
+        if routed == 0 and any(p.has_pages for p in self.plan):
             raise UnsupportedModelError(
                 f"model type {model_type(model)!r} does not call mlx-lm's scaled_dot_product_attention")
         self._body, self._head = self._split_head()
         self.kv_cache_config = self._kv_cache_config(config)
-        self.windows = [g.sliding_window for g in self.kv_cache_config.kv_cache_groups]
-        self.group_of = {i: g for g, group in enumerate(self.kv_cache_config.kv_cache_groups) for i in group.layer_ids}
+        paged = [g for g in self.kv_cache_config.kv_cache_groups if not g.is_state]  # the state group is last
+        self.windows = [g.sliding_window for g in paged]
+        self.group_of = {i: g for g, group in enumerate(paged) for i in group.layer_ids}
         # Where the paged kernels run and pass their load-time check, decode rows read the pages
         # through the block table (and on CUDA new K/V are written in place); elsewhere MLX
         # scatters the writes and decode rows gather the pages.
-        owners = [p for p in self.plan if p.kind != "shared"]
+        owners = [p for p in self.plan if p.has_pages]
         self.kernels = select_kernels([p.spec for p in owners], [p.n_heads for p in owners], self.block_size,
                                       windows=tuple(sorted(set(self.windows), key=str)),
                                       sinks=any(p.sinks for p in self.plan))
+        self.state_pool: Optional[StatePool] = None
         if verify:
             self._verify_against_mlx_lm()
         self.kv_pool = self.make_pool(self.kv_cache_config)
+        self.state_pool = self.make_state_pool(self.kv_cache_config)
 
     @property
     def pages_in_place(self) -> bool:
@@ -64,14 +70,14 @@ class ModelRunner:
 
     @property
     def kernel_kv_heads(self) -> list[int]:
-        """Per KV cache group, the KV heads the decode kernel is split for (0: pages gathered)."""
-        groups = self.kv_cache_config.kv_cache_groups
+        """Per KV cache group with pages, the KV heads the decode kernel is split for (0: pages gathered)."""
+        groups = [g for g in self.kv_cache_config.kv_cache_groups if not g.is_state]
         return [self.plan[g.layer_ids[0]].spec[0] if self.kernels.decode else 0 for g in groups]
 
     @property
     def layer_specs(self) -> list[tuple[int, int, int, mx.Dtype]]:
         """(n_kv_heads, k_dim, v_dim, dtype) of every layer that owns pages."""
-        return [p.spec for p in self.plan if p.kind != "shared"]
+        return [p.spec for p in self.plan if p.has_pages]
 
     @property
     def num_blocks(self) -> int:
@@ -92,7 +98,7 @@ class ModelRunner:
         group is sized like one."""
         by_spec: dict = {}
         for i, layer in enumerate(self.plan):
-            if layer.kind != "shared":
+            if layer.has_pages:
                 spec = FullAttentionSpec() if layer.kind == "full" else SlidingWindowSpec(layer.window)
                 by_spec.setdefault(spec, []).append(i)
         specs = sorted(by_spec, key=lambda s: getattr(s, "sliding_window", 0))
@@ -106,20 +112,28 @@ class ModelRunner:
         def sized(n: int) -> list[int]:
             return [n if cap is None else min(n + 1, cap) for cap in caps]
 
+        state = state_group(self.plan, config)
         n = config.num_blocks
-        if n is None:  # the most full-group blocks whose groups fit the memory budget
-            budget, lo, hi = int(config.kv_cache_memory_gb * 1e9), 2, 1 << 40
+        if n is None:  # the most full-group blocks whose groups fit the memory budget (after the state slots)
+            budget, lo, hi = pages_budget(config, state), 2, 1 << 40
             while lo < hi:
                 mid = (lo + hi + 1) // 2
                 lo, hi = (mid, hi) if sum(c * b for c, b in zip(sized(mid), bpb)) <= budget else (lo, mid - 1)
             n = lo
         for g, count, b in zip(groups, sized(n), bpb):
             g.num_blocks, g.page_size_bytes = max(count, 2), b
-        return KVCacheConfig(self.block_size, groups)
+        return KVCacheConfig(self.block_size, groups + ([state] if state is not None else []))
 
     def make_pool(self, kv_cache_config: KVCacheConfig) -> KVPool:
-        layers = [(i, (g.num_blocks, self.plan[i].spec)) for g in kv_cache_config.kv_cache_groups for i in g.layer_ids]
+        layers = [(i, (g.num_blocks, self.plan[i].spec)) for g in kv_cache_config.kv_cache_groups if not g.is_state
+                  for i in g.layer_ids]
         return KVPool(self.block_size, layers, len(self.plan))
+
+    def make_state_pool(self, kv_cache_config: KVCacheConfig) -> Optional[StatePool]:
+        group = next((g for g in kv_cache_config.kv_cache_groups if g.is_state), None)
+        if group is None:
+            return None
+        return StatePool(group.num_blocks, [(i, self.plan[i].state) for i in group.layer_ids], len(self.plan))
 
     def _split_head(self) -> tuple[Optional[Callable], Optional[Callable]]:
         """Find the transformer body and LM head so that only sampled rows are projected to the
@@ -139,28 +153,36 @@ class ModelRunner:
             return body, body.embed_tokens.as_linear
         return None, None
 
-    def make_caches(self, md: StepMetadata, pool: KVPool) -> list[PagedLayerCache]:
-        """One cache per planned layer; a shared layer's reads its source's pages."""
-        caches: list[PagedLayerCache] = []
+    def make_caches(self, md: StepMetadata, pool: KVPool, state_md: Optional[StateMetadata] = None,
+                    state_pool: Optional[StatePool] = None) -> list:
+        """One cache per planned layer; a shared layer's reads its source's pages; a state layer's
+        is read by its regrouped owner; a CacheList layer gets both (in the model's order)."""
+        from mlx_lm.models.cache import CacheList
+
+        caches: list = []
         for i, layer in enumerate(self.plan):
             if layer.kind == "shared":
                 source = caches[layer.source]
                 caches.append(PagedLayerCache(i, pool, source.md, source=source))
-            else:
-                caches.append(PagedLayerCache(i, pool, md.groups[self.group_of[i]]))
+                continue
+            parts = {"attention": PagedLayerCache(i, pool, md.groups[self.group_of[i]]) if layer.has_pages else None,
+                     "state": StateLayerCache(i, len(layer.state.arrays), state_pool, state_md) if layer.state else None}
+            caches.append(CacheList(*(parts[p] for p in layer.cache_list)) if layer.cache_list
+                          else parts["attention"] or parts["state"])
         return caches
 
     def forward(self, so: SchedulerOutput, prev_sampled: Optional[mx.array] = None,
-                kv_pool: Optional[KVPool] = None) -> mx.array:
+                kv_pool: Optional[KVPool] = None, state_pool: Optional[StatePool] = None) -> mx.array:
         """Logits (S, V) of the rows in so.logits_indices. `prev_sampled`: the previous step's
-        sampled tokens, still on the device, for the rows in so.placeholder_rows. `kv_pool`: other
-        pages than the runner's own (the load-time check's scratch pool).
+        sampled tokens, still on the device, for the rows in so.placeholder_rows. `kv_pool`,
+        `state_pool`: other pages and states than the runner's own (the load-time check's scratch pools).
 
         Lazy where MLX scatters the pages. Where kernels write them in place, the step is
         dispatched (mx.async_eval) before this returns: MLX sees no dependency between one step's
         page reads and the next step's writes, so steps must reach the device in order."""
         md = StepMetadata.build(so, self.block_size, self.windows, self.kernel_kv_heads, self.kernels.page_write)
-        caches = self.make_caches(md, kv_pool or self.kv_pool)
+        state_md = StateMetadata.build(so) if len(so.state_slots) else None
+        caches = self.make_caches(md, kv_pool or self.kv_pool, state_md, state_pool or self.state_pool)
         inputs = md.input_ids
         if md.placeholder_rows is not None:
             inputs = mx.put_along_axis(inputs, md.placeholder_rows,

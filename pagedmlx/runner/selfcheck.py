@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 
 from pagedmlx.kv.manager import KVCacheManager
-from pagedmlx.kv.spec import KVCacheConfig, KVCacheGroupSpec, cdiv
+from pagedmlx.kv.spec import KVCacheConfig, KVCacheGroupSpec, MambaSpec, cdiv
 from pagedmlx.request import Request
 from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.scheduler_output import build_scheduler_output
@@ -47,10 +47,12 @@ def check_paged_forward(runner: "ModelRunner") -> Optional[str]:
     fed = {"a": len(tokens["a"]), "b": 1, "c": 3}  # prompt lengths; the rest is fed one per decode
     reqs = {k: Request(k, t[:fed[k]], SamplingParams(max_tokens=8)) for k, t in tokens.items()}
     num_blocks = sum(cdiv(len(t), bs) for t in tokens.values()) + 2
-    config = KVCacheConfig(bs, [KVCacheGroupSpec(g.kv_cache_spec, num_blocks + 1, g.layer_ids)
-                                for g in runner.kv_cache_config.kv_cache_groups])
+    config = KVCacheConfig(bs, [KVCacheGroupSpec(MambaSpec() if g.is_state else g.kv_cache_spec, num_blocks + 1,
+                                                 g.layer_ids) for g in runner.kv_cache_config.kv_cache_groups])
     manager, pool = KVCacheManager(config, enable_caching=False), runner.make_pool(config)
+    state_pool = runner.make_state_pool(config)
     got: dict[str, dict[int, mx.array]] = {k: {} for k in tokens}
+    dtype = None
     for step in steps:
         for rid, n in step:
             req = reqs[rid]
@@ -58,16 +60,18 @@ def check_paged_forward(runner: "ModelRunner") -> Optional[str]:
                 req.append_output_token(tokens[rid][req.num_tokens])
             if manager.allocate_slots(req, n) is None:
                 return "the scratch pool was too small (a bug in the check)"
-        so = build_scheduler_output([(reqs[r], n) for r, n in step], manager.get_block_ids, bs, [], set())
+        so = build_scheduler_output([(reqs[r], n) for r, n in step], manager.get_block_ids, bs, [], set(),
+                                    manager.get_state_slots if state_pool is not None else None)
         rows = _compared_rows(so)
         so.logits_indices = np.asarray(sorted(rows), np.int32)
-        logits = runner.forward(so, kv_pool=pool).astype(mx.float32)
+        logits = runner.forward(so, kv_pool=pool, state_pool=state_pool)
+        dtype, logits = logits.dtype, logits.astype(mx.float32)
         for j, row in enumerate(so.logits_indices.tolist()):
             rid, pos = rows[row]
             got[rid][pos] = logits[j]
         for rid, n in step:
             reqs[rid].num_computed_tokens += n
-    tol = _TOLERANCE.get(runner.layer_specs[0][3], 6e-2)
+    tol = _TOLERANCE.get(dtype, 6e-2)
     for rid, t in tokens.items():
         chunks = [n for s in steps for r, n in s if r == rid]
         want = _mlx_lm_logits(runner.model, t, sorted(got[rid]), chunks)

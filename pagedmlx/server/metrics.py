@@ -43,6 +43,8 @@ class EngineSnapshot:
     step_forward_s: float
     step_update_s: float
     step_tokens: int
+    state_checkpoint_hits: int = 0
+    state_checkpoints_saved: int = 0
 
     @classmethod
     def take(cls, engine: LLMEngine) -> "EngineSnapshot":
@@ -51,10 +53,11 @@ class EngineSnapshot:
                    m.block_pool.num_cached_free_blocks())
                   for spec, m in zip(kv.kv_cache_config.kv_cache_groups, kv.managers)]
         s = engine.stats
+        state = kv.state_manager
         return cls(len(engine.scheduler.running), len(engine.scheduler.waiting), kv.usage, groups,
                    kv.stats.queries, kv.stats.hits,
                    engine.scheduler.num_preemptions, s.num_steps, s.schedule_s, s.forward_s, s.update_s,
-                   s.num_tokens)
+                   s.num_tokens, state.num_checkpoint_hits if state else 0, state.num_checkpoints_saved if state else 0)
 
 
 class ServerMetrics:
@@ -75,7 +78,8 @@ class ServerMetrics:
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        # One series per KV cache group ("full", "sliding 1024", ...): each group has its own pool.
+        # One series per KV cache group ("full", "sliding 1024", "state", ...): each group has its own pool;
+        # the "state" group's blocks are recurrent-state slots (cached free ones: checkpoints).
         group_labels = ["model_name", "kv_cache_group"]
         self.blocks_total = Gauge("pagedmlx:kv_blocks_total", "KV-cache blocks in the group's page pool.",
                                   group_labels, registry=r)
@@ -97,6 +101,9 @@ class ServerMetrics:
             "step_update_s": counter("pagedmlx:step_update_seconds",
                                      "Step time spent appending tokens, checking stops, detokenizing."),
             "step_tokens": counter("pagedmlx:step_tokens", "Tokens scheduled over all steps."),
+            "state_checkpoint_hits": counter("pagedmlx:state_checkpoint_hits",
+                                             "Requests that resumed from a recurrent-state checkpoint."),
+            "state_checkpoints_saved": counter("pagedmlx:state_checkpoints_saved", "Recurrent-state checkpoints saved."),
         }
         self._seen = {name: 0.0 for name in self._engine_counters}
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")

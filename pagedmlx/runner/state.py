@@ -1,0 +1,272 @@
+"""Recurrent-state layers in a token-major step: the state pool and the regrouped owner modules.
+
+A step's T rows run as independent length-1 sequences everywhere but in a state layer, whose
+recurrence runs along the sequence. There the module that owns the state (the plan's `owner`: a
+Gated DeltaNet, a Mamba2 mixer, a short convolution) is class-swapped (its parameter tree unchanged)
+to run its stock code per group of rows:
+- the decode rows of all requests together, as one (nd, 1) batch, their states gathered by slot;
+- each prefill segment alone, as (1, L), from its request's state (None at position 0, exactly as
+  mlx-lm's generate_step starts a prompt).
+The outputs go back in row order and the new states to their slots (and to a checkpoint slot where
+the step saves one).
+
+The pool keeps each layer's arrays [num_slots, *shape] in one list only (as KVPool does for pages).
+On CUDA a kernel writes the new states in place. Elsewhere MLX writes by scatter, which is in place
+only when nothing else references the array, and a gather of this step's states still references
+it: so the writes wait, and land at the start of the layer's next call, before its reads. The
+scheduler never lets one step read a slot that another request of the step writes, so the two
+orders give the same states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.cache import ArraysCache
+
+from pagedmlx.config import EngineConfig
+from pagedmlx.kv.spec import KVCacheGroupSpec, MambaSpec, cdiv
+from pagedmlx.runner import cuda_state
+from pagedmlx.runner.attention import _upload, as_dtype
+from pagedmlx.runner.plan import LayerPlan, StatePlan
+from pagedmlx.scheduler_output import SchedulerOutput
+
+
+def state_group(plan: list[LayerPlan], config: EngineConfig) -> Optional[KVCacheGroupSpec]:
+    """The recurrent-state KV cache group: a slot per running request (max_num_seqs) and the
+    checkpoints (none without prefix caching); page_size_bytes: one slot of every state layer."""
+    layers = tuple(i for i, p in enumerate(plan) if p.state is not None)
+    if not layers:
+        return None
+    interval = cdiv(config.state_checkpoint_interval, config.block_size) * config.block_size
+    interval = interval if config.enable_prefix_caching else 0
+    checkpoints = 0 if not interval else (config.max_num_seqs if config.max_state_checkpoints is None
+                                          else config.max_state_checkpoints)
+    return KVCacheGroupSpec(MambaSpec(interval, checkpoints), config.max_num_seqs + checkpoints, layers,
+                            sum(plan[i].state.nbytes for i in layers))
+
+
+def pages_budget(config: EngineConfig, state: Optional[KVCacheGroupSpec]) -> int:
+    """Bytes of kv_cache_memory_gb left for pages once the state slots are counted."""
+    budget = int(config.kv_cache_memory_gb * 1e9)
+    if state is None:
+        return budget
+    state_bytes = state.num_blocks * state.page_size_bytes
+    if state_bytes >= budget:
+        raise ValueError(
+            f"{state.num_blocks} recurrent-state slots ({config.max_num_seqs} running + "
+            f"{state.num_blocks - config.max_num_seqs} checkpoints) of {state.page_size_bytes / 2**20:.1f} MiB take "
+            f"{state_bytes / 1e9:.2f} GB, more than kv_cache_memory_gb={config.kv_cache_memory_gb}: raise it, or "
+            f"lower max_num_seqs or max_state_checkpoints")
+    return budget - state_bytes
+
+
+class StatePool:
+    """Every state layer's arrays by layer index, [num_slots, *shape] each (None: no state)."""
+
+    def __init__(self, num_slots: int, layers: list[tuple[int, StatePlan]], num_layers: int):
+        self.in_place = cuda_state.is_available()
+        self.arrays: list[Optional[list[mx.array]]] = [None] * num_layers
+        self.pending: list[list[tuple[Any, list[mx.array]]]] = [[] for _ in range(num_layers)]
+        for i, state in layers:
+            self.arrays[i] = [mx.zeros((num_slots, *shape), dtype) for shape, dtype in state.arrays]
+        mx.eval([a for arrays in self.arrays if arrays for a in arrays])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for arrays in self.arrays if arrays for a in arrays)
+
+    def read(self, layer: int, slots) -> list[mx.array]:
+        """The states at `slots` (a (n,) array, or one slot as an int), after the writes still pending."""
+        arrays = self.arrays[layer]
+        for where, values in self.pending[layer]:
+            for j, v in enumerate(values):
+                arrays[j][where] = v
+        self.pending[layer] = []
+        return [a[slots:slots + 1] if isinstance(slots, int) else a[slots] for a in arrays]
+
+    def write(self, layer: int, slots, values: list[mx.array]) -> list[mx.array]:
+        """Store states at `slots` (as in read). Returns what the step's output must depend on."""
+        arrays = self.arrays[layer]
+        values = [as_dtype(v, a.dtype) for v, a in zip(values, arrays)]
+        if not self.in_place:
+            self.pending[layer].append((slot_range(slots), values))
+            return values
+        if isinstance(slots, int):
+            slots = mx.array([slots], mx.int32)
+        return [cuda_state.write_rows(v, slots, a) for v, a in zip(values, arrays)]
+
+
+def slot_range(slots):
+    return slice(slots, slots + 1) if isinstance(slots, int) else slots
+
+
+@dataclass
+class StateSegment:
+    """One prefill chunk: its rows, and the slots its state is read from (-1: none), written to and
+    saved to (-1: no checkpoint) after its first save_len rows."""
+
+    row_start: int
+    num_rows: int
+    read: int
+    write: int
+    save: int
+    save_len: int
+
+
+@dataclass
+class StateMetadata:
+    """A step's grouping of rows for the state layers, built once on the host and shared by them."""
+
+    num_decodes: int  # rows of requests that continue a state by one token: one (nd, 1) batch
+    decode_rows: Optional[mx.array] = None  # (nd,) where those rows are, if not rows [0, nd)
+    decode_read: Optional[mx.array] = None  # (nd,)
+    decode_write: Optional[mx.array] = None  # (nd,)
+    save_rows: Optional[mx.array] = None  # decode rows (in the batch of nd) that also save a checkpoint
+    save_slots: Optional[mx.array] = None
+    segments: list[StateSegment] = field(default_factory=list)
+    order: Optional[mx.array] = None  # (T,) each row's place among the outputs [decodes..., segments...]
+
+    @classmethod
+    def build(cls, so: SchedulerOutput) -> "StateMetadata":
+        qsl, slots, nd = so.query_start_loc, so.state_slots, so.num_decodes
+        continues = slots[:nd, 0] >= 0  # a 1-token chunk at position 0 (a 1-token prompt) is a segment
+        decode = np.flatnonzero(continues)  # decode requests' rows are their indices
+        rest = np.concatenate([np.flatnonzero(~continues), np.arange(nd, so.num_reqs)])
+        segments = [StateSegment(int(qsl[i]), int(qsl[i + 1] - qsl[i]), *slots[i].tolist()) for i in rest]
+        rows = np.concatenate([decode, *(np.arange(s.row_start, s.row_start + s.num_rows) for s in segments)])
+        host = {}
+        if len(decode):
+            host.update(decode_read=slots[decode, 0], decode_write=slots[decode, 1])
+            saving = np.flatnonzero(slots[decode, 2] >= 0)
+            if len(saving):
+                host.update(save_rows=saving, save_slots=slots[decode[saving], 2])
+            if decode[-1] != len(decode) - 1:
+                host["decode_rows"] = decode
+        if (rows != np.arange(len(rows))).any():
+            host["order"] = np.argsort(rows)
+        md = cls(len(decode), segments=segments)
+        for name, value in (_upload(host) if host else {}).items():
+            setattr(md, name, value)
+        return md
+
+
+class StateLayerCache:
+    """Stands in for mlx-lm's ArraysCache in one state layer for one step; only the regrouped owner
+    module looks inside (the model itself may ask it for a mask: None)."""
+
+    lengths = None
+    left_padding = None
+
+    def __init__(self, layer: int, num_arrays: int, pool: StatePool, md: StateMetadata):
+        self.layer, self.num_arrays, self.pool, self.md = layer, num_arrays, pool, md
+
+    def make_mask(self, *args, **kwargs) -> None:
+        return None
+
+    def regroup(self, call: Callable, x: mx.array, rebuild: Callable) -> mx.array:
+        """x (T, 1, D) -> (T, 1, D'): call(*rebuild(rows, cache)) for each group of rows."""
+        with cuda_state.active():
+            return self._regroup(call, x, rebuild)
+
+    def _regroup(self, call: Callable, x: mx.array, rebuild: Callable) -> mx.array:
+        md, outs, deps = self.md, [], []
+        if md.num_decodes:
+            rows = x[:md.num_decodes] if md.decode_rows is None else x[md.decode_rows]
+            out, states = self._call(call, rebuild, rows, self.pool.read(self.layer, md.decode_read))
+            deps += self.pool.write(self.layer, md.decode_write, states)
+            if md.save_rows is not None:
+                deps += self.pool.write(self.layer, md.save_slots, [s[md.save_rows] for s in states])
+            outs.append(out)
+        for seg in md.segments:
+            rows = x[seg.row_start:seg.row_start + seg.num_rows].reshape(1, seg.num_rows, -1)
+            states = self.pool.read(self.layer, seg.read) if seg.read >= 0 else [None] * self.num_arrays
+            parts = []
+            if seg.save >= 0 and seg.save_len < seg.num_rows:  # a checkpoint inside the chunk: split the call there
+                out, states = self._call(call, rebuild, rows[:, :seg.save_len], states)
+                deps += self.pool.write(self.layer, seg.save, states)
+                parts.append(out)
+                rows = rows[:, seg.save_len:]
+            out, states = self._call(call, rebuild, rows, states)
+            parts.append(out)
+            deps += self.pool.write(self.layer, seg.write, states)
+            if seg.save >= 0 and seg.save_len == seg.num_rows:
+                deps += self.pool.write(self.layer, seg.save, states)
+            out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
+            outs.append(out.reshape(seg.num_rows, 1, -1))
+        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+        if md.order is not None:
+            out = out[md.order]
+        return mx.depends(out, deps)  # the writes are part of the step however the output is used
+
+    def _call(self, call: Callable, rebuild: Callable, rows: mx.array, states: list) -> tuple[mx.array, list[mx.array]]:
+        cache = ArraysCache(self.num_arrays)
+        cache.cache = list(states)
+        out = call(*rebuild(rows, cache))
+        if any(s is None or s.shape[0] != rows.shape[0] for s in cache.cache):
+            raise RuntimeError(f"state layer {self.layer}: the module left its state unwritten or of another batch size")
+        return out, cache.cache
+
+
+def _find_cache(args: tuple, kwargs: dict) -> Optional[StateLayerCache]:
+    return next((a for a in (*args, *kwargs.values()) if isinstance(a, StateLayerCache)), None)
+
+
+def _rebuilder(args: tuple, kwargs: dict) -> tuple[mx.array, Callable]:
+    """The call's input rows x (the first argument, or the keyword argument that is a 3-D array,
+    e.g. Falcon-H1's input_states) and a function that makes the call's arguments for other rows
+    and another cache."""
+    key = None if args else next(k for k, v in kwargs.items() if isinstance(v, mx.array) and v.ndim == 3)
+    x = args[0] if key is None else kwargs[key]
+
+    def rebuild(rows: mx.array, cache: ArraysCache) -> tuple[tuple, dict]:
+        a = tuple(cache if isinstance(v, StateLayerCache) else v for v in args)
+        kw = {k: cache if isinstance(v, StateLayerCache) else v for k, v in kwargs.items()}
+        if key is None:
+            return (rows, *a[1:]), kw
+        return a, {**kw, key: rows}
+
+    return x, rebuild
+
+
+class Regrouped:
+    """Mixed into a state owner's class: in a paged step the module runs per group of rows (see the
+    module docstring); with any other cache (mlx-lm's own, in the same process) it runs as written."""
+
+    def __call__(self, *args, **kwargs):
+        cache = _find_cache(args, kwargs)
+        if cache is None:
+            return super().__call__(*args, **kwargs)
+        x, rebuild = _rebuilder(args, kwargs)
+        inner = super().__call__
+        return cache.regroup(lambda a, kw: inner(*a, **kw), x, rebuild)
+
+
+def module_at(model: nn.Module, path: str) -> nn.Module:
+    obj = model
+    for part in path.split("."):
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    return obj
+
+
+def install_regrouping(model: nn.Module, plan: list[LayerPlan]) -> None:
+    """Class-swap every state owner to its Regrouped subclass (idempotent)."""
+    for layer in plan:
+        if layer.state is not None:
+            owner = module_at(model, layer.state.owner)
+            if not isinstance(owner, Regrouped):
+                owner.__class__ = _regrouped_class(type(owner))
+    cuda_state.install_kernels(model, [layer.state.owner for layer in plan if layer.state is not None])
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _regrouped_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Regrouped{cls.__name__}", (Regrouped, cls), {"__module__": cls.__module__})
+    return _CLASSES[cls]
