@@ -8,11 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import mlx.nn as nn
-from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .models.gguf import load_gguf
 from .models.pypi_models import DEFAULT_MODEL, PYPI_PREFIX, fetch, lookup
 from .models.random_model import RANDOM_PREFIX, load_random
+
+from mlx_lm.tokenizer_utils import TokenizerWrapper  # noqa: E402 - after .models, which guards its import
 
 
 def _is_gguf(model: str) -> bool:

@@ -1,12 +1,39 @@
-"""Where pagedmlx runs: the backend's name, and ending the process without MLX's teardown."""
+"""Where pagedmlx runs: the backend's name, importing mlx-lm without its open-file limit, and
+ending the process without MLX's teardown."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import resource
 import sys
-from typing import Callable
+from typing import Callable, Iterator
 
 _before_exit: list[Callable[[], None]] = []
+
+
+@contextlib.contextmanager
+def _no_file_limit_changes() -> Iterator[None]:
+    real = resource.setrlimit
+
+    def setrlimit(which: int, limits: tuple[int, int]) -> None:
+        if which != resource.RLIMIT_NOFILE:
+            real(which, limits)
+
+    resource.setrlimit = setrlimit
+    try:
+        yield
+    finally:
+        resource.setrlimit = real
+
+
+def import_mlx_lm() -> None:
+    """Import mlx-lm with its RLIMIT_NOFILE call skipped: importing `mlx_lm.utils` sets the open-file
+    limit to (2048, 4096) whatever the operator set, lowering a higher hard limit for good and failing
+    under a lower one (server/file_limit.py). The packages that import mlx-lm (runner, models) call it
+    first; a no-op once mlx-lm is imported."""
+    with _no_file_limit_changes():
+        import mlx_lm.utils  # noqa: F401
 
 
 def backend_name() -> str:

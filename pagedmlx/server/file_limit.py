@@ -6,34 +6,14 @@ fails with ValueError, so the server does not start at all, under a hard limit b
 
 from __future__ import annotations
 
-import contextlib
 import resource
-from typing import Iterator
+
+from pagedmlx.platform import import_mlx_lm
+
+__all__ = ["RESERVED_FDS", "default_max_connections", "import_mlx_lm", "raise_file_limit"]
 
 RESERVED_FDS = 256  # model files, pipes, the engine's own: kept out of the connection cap
 DEFAULT_MAX_CONNECTIONS = 4096
-
-
-@contextlib.contextmanager
-def _no_file_limit_changes() -> Iterator[None]:
-    real = resource.setrlimit
-
-    def setrlimit(which: int, limits: tuple[int, int]) -> None:
-        if which != resource.RLIMIT_NOFILE:
-            real(which, limits)
-
-    resource.setrlimit = setrlimit
-    try:
-        yield
-    finally:
-        resource.setrlimit = real
-
-
-def import_mlx_lm() -> None:
-    """Import mlx-lm with its RLIMIT_NOFILE call skipped. Call it before anything imports mlx-lm
-    (a no-op if something already has)."""
-    with _no_file_limit_changes():
-        import mlx_lm.utils  # noqa: F401
 
 
 def raise_file_limit() -> tuple[int, int]:
