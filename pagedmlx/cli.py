@@ -25,7 +25,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     pool.add_argument("--kv-cache-gb", type=float, default=2.0, help="KV pool size in GB (default 2)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one step (default: 8192 on a GPU, 2048 on the CPU)")
+                   help="token budget of one step (default: 8192 on a GPU, 512 on the CPU)")
     p.add_argument("--long-prefill-token-threshold", type=int, default=512,
                    help="largest prefill chunk of one request while others decode (0: no cap)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")

@@ -13,7 +13,8 @@ class EngineConfig:
     num_blocks: Optional[int] = None  # None: sized from kv_cache_memory_gb
     kv_cache_memory_gb: float = 2.0
     max_num_seqs: int = 256
-    # A step's token budget. None: 8192 on GPU backends, 2048 on the CPU (docs/benchmarks.md, run 23).
+    # A step's token budget. None: 8192 on GPU backends, 512 on the CPU (docs/benchmarks.md: fewer, larger
+    # chunks won on an H200, chunks past 512 tokens lost on a 2-core CPU).
     max_num_batched_tokens: Optional[int] = None
     # While other requests decode, one request's prefill chunk takes at most this many tokens (their
     # inter-token latency); a prompt with no decode beside it takes the whole budget. 0: no cap.
@@ -39,7 +40,7 @@ class EngineConfig:
         if self.max_num_batched_tokens is None:
             import mlx.core as mx
 
-            self.max_num_batched_tokens = 8192 if mx.default_device() == mx.gpu else 2048
+            self.max_num_batched_tokens = 8192 if mx.default_device() == mx.gpu else 512
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "async_min_batch"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
