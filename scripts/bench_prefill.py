@@ -114,8 +114,9 @@ def mixed(model, args, vocab: int, threshold: int, budget: int) -> dict:
     dec = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
     for i, p in enumerate(make_prompts(n_dec, 128, vocab, 3)):
         engine.add_request(f"d{i}", p, dec)
-    for _ in range(8):  # all admitted and decoding
-        engine.step()
+    while len(engine.scheduler.waiting) or any(r.num_computed_tokens < r.num_prompt_tokens
+                                               for r in engine.scheduler.running):
+        engine.step()  # until all 64 are decoding
     alone = _step_times(engine, 16)
     engine.add_request("long", make_prompts(1, long_len, vocab, 4)[0], SamplingParams(max_tokens=1, temperature=0.0))
     during, t0, ttft = [], time.perf_counter(), None
