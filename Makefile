@@ -33,7 +33,7 @@ demo: setup
 	$(RUN) $(VENV)/bin/pagedmlx generate $(MODEL) --prompt "What is the capital of France?" $(ARGS)
 
 bench: setup
-	$(RUN) $(PY) scripts/bench_offline.py $(ARGS)
+	$(RUN) $(PY) scripts/bench/bench_offline.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -78,7 +78,7 @@ def select_kernels(layer_specs: list[tuple[int, int, int, mx.Dtype]], query_head
         return KernelPlan(backend, reason="no layer shape the decode kernel takes")
     name = device_name()
     if any(gpu in name for gpu in TRUSTED_GPUS.get(backend, ())):
-        plan.checks.append((f"{name}: checked by scripts/gpu_check_decode.py", "trusted"))
+        plan.checks.append((f"{name}: checked by scripts/gpu/gpu_check_decode.py", "trusted"))
         return plan
     for check, ok, detail in run_checks(backend, shapes, block_size, plan.page_write, windows, sinks):
         plan.checks.append((check, "passed" if ok else f"failed: {detail}"))

@@ -7,9 +7,9 @@ the write (the ordering that `written` provides).
 Run on the GPU machine; prints PASS/FAIL per case and exits non-zero on any failure. Outputs are
 poisoned with NaN before each kernel run, so an element the kernel never writes fails the case.
 
-  python scripts/gpu_check_decode.py                      # every case, every bench_attention variant
-  python scripts/gpu_check_decode.py --variants 0 4 --window-sinks
-  python scripts/gpu_check_decode.py --variants --skip-default --bench-old OLD_DIR
+  python scripts/gpu/gpu_check_decode.py                      # every case, every bench_attention variant
+  python scripts/gpu/gpu_check_decode.py --variants 0 4 --window-sinks
+  python scripts/gpu/gpu_check_decode.py --variants --skip-default --bench-old OLD_DIR
       # OLD_DIR: the kernel sources before the portable rewrite, for an old-vs-new timing table:
       # mkdir OLD_DIR && for f in cuda_sources cuda_mma_sources; do
       #   git show 00010ee:pagedmlx/runner/$f.py > OLD_DIR/$f.py; done
@@ -25,11 +25,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pagedmlx.runner import paged_kernels  # noqa: E402
 from pagedmlx.runner.attention import _gather, gather_decode, length_mask  # noqa: E402
-from scripts.bench_attention import VARIANTS, settings  # noqa: E402
+from scripts.bench.bench_attention import VARIANTS, settings  # noqa: E402
 
 TOL = {mx.float32: 2e-3, mx.float16: 2e-2, mx.bfloat16: 4e-2}
 
@@ -207,7 +207,7 @@ def bench_old(old_dir: str, layers: int = 32, iters: int = 20) -> bool:
     """Old kernels (before the portable source) against new, Llama-8B heads bf16, ms per layer call
     (bench_attention's chained timing); the new ones also with a 1024-key window and with sinks.
     Old and new outputs must agree too."""
-    from scripts.bench_attention import timed_chain
+    from scripts.bench.timing import timed_chain
 
     old = load_old_kernels(old_dir)
     lanes = dataclasses.replace(paged_kernels.SETTINGS["cuda"], mma=0)

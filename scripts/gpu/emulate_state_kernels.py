@@ -1,12 +1,12 @@
 """Run the recurrent-state CUDA kernels' bodies on the CPU, against MLX's own ops: a check of their
-index math and numerics that needs no GPU (the GPU check is scripts/gpu_check_state.py).
+index math and numerics that needs no GPU (the GPU check is scripts/gpu/gpu_check_state.py).
 
-Each body is wrapped as MLX wraps it (scripts/check_cuda_sources.py) and compiled by g++ as host code:
+Each body is wrapped as MLX wraps it (scripts/gpu/check_cuda_sources.py) and compiled by g++ as host code:
 a C++ thread per CUDA thread of a block, a block at a time; warp shuffles go through a per-warp
 barrier, so warp-synchronous code runs as written. Outputs start as NaN, so an element a kernel never
 writes fails. Needs g++ (C++20) and the CUDA headers (cuda_bf16.h) under $CUDA_HOME or /usr/local/cuda.
 
-    python scripts/emulate_state_kernels.py
+    python scripts/gpu/emulate_state_kernels.py
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pagedmlx.runner import cuda_state_sources as src  # noqa: E402
-from scripts.check_cuda_sources import CUDA_TYPES, build  # noqa: E402
+from scripts.gpu.check_cuda_sources import CUDA_TYPES, build  # noqa: E402
 
 HOST = """
 #include <array>

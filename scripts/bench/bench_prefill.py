@@ -10,8 +10,8 @@ Prompt tokens/s: all prompt tokens over the time until the last request has its 
 `--chunks T:B ...` runs pagedmlx with each prefill chunk cap T (long_prefill_token_threshold) and
 token budget B (max_num_batched_tokens): how the defaults were chosen.
 
-  python scripts/bench_prefill.py --preset llama-8b --dtype bfloat16            # the GPU machine
-  python scripts/bench_prefill.py --model default --cases 1x32k --scale 0.0625    # a CPU: SmolLM2, 2k tokens
+  python scripts/bench/bench_prefill.py --preset llama-8b --dtype bfloat16            # the GPU machine
+  python scripts/bench/bench_prefill.py --model default --cases 1x32k --scale 0.0625    # a CPU: SmolLM2, 2k tokens
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_offline import PRESETS, make_prompts, measure_machine, random_model  # noqa: E402

@@ -4,7 +4,7 @@ default header, one __global__ function taking each input's pointer, its shape w
 it, and each output's pointer, the template arguments as constexpr / using lines), for the dtypes and
 template values the engine uses. A syntax or type error then shows here, not on the GPU machine.
 
-    python scripts/check_cuda_sources.py [--arch sm_90] [--keep DIR]
+    python scripts/gpu/check_cuda_sources.py [--arch sm_90] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pagedmlx.runner import cuda_state_sources as src  # noqa: E402
 

@@ -4,13 +4,13 @@ and a table with each server's ratio to the first one.
 
     pagedmlx serve --model M --port 8000 &
     mlx_lm.server --model M --port 8080 &
-    python scripts/bench_serve.py --target pagedmlx=http://127.0.0.1:8000 \\
+    python scripts/bench/bench_serve.py --target pagedmlx=http://127.0.0.1:8000 \\
         --target mlx-lm=http://127.0.0.1:8080 --model M --clients 1 8 32 64
 
 or let it start each server in turn (one at a time, so they never share the machine), and also run
 pagedmlx's offline engine on the same prompts at batch N for the server's overhead:
 
-    python scripts/bench_serve.py --spawn M --clients 1 8 32 64 --offline
+    python scripts/bench/bench_serve.py --spawn M --clients 1 8 32 64 --offline
 
 Each request streams /v1/completions with a prompt of --prompt-words random plain English
 words, temperature 0 and ignore_eos (servers that do not know it just ignore it). TTFT is the time
@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 WORDS = ("the quick brown fox jumps over a lazy dog while paged attention keeps every sequence's "
          "cache in fixed size blocks shared across requests").split()

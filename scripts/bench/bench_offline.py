@@ -6,11 +6,11 @@ For each batch size B, both engines get B prompts of --prompt-len random tokens 
   e2e tok/s     all generated tokens over the whole wall time, prefill included
 and the ratio pagedmlx / mlx-lm of each. Each cell is the median of --repeats runs.
 
-  python scripts/bench_offline.py                        # random 8-layer 512-wide llama, float32
-  python scripts/bench_offline.py --preset llama-8b --dtype bfloat16 --batch-sizes 1 64 256
-  python scripts/bench_offline.py --preset gemma3-27b-16l --dtype bfloat16 --batch-sizes 1 64   # sliding windows
-  python scripts/bench_offline.py --model path/to/mlx-model
-  python scripts/bench_offline.py --arch qwen3.5-27b-16l --dtype bfloat16 --batch-sizes 1 64 --prefill-len 2048
+  python scripts/bench/bench_offline.py                        # random 8-layer 512-wide llama, float32
+  python scripts/bench/bench_offline.py --preset llama-8b --dtype bfloat16 --batch-sizes 1 64 256
+  python scripts/bench/bench_offline.py --preset gemma3-27b-16l --dtype bfloat16 --batch-sizes 1 64   # sliding windows
+  python scripts/bench/bench_offline.py --model path/to/mlx-model
+  python scripts/bench/bench_offline.py --arch qwen3.5-27b-16l --dtype bfloat16 --batch-sizes 1 64 --prefill-len 2048
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pagedmlx.models.random_model import RANDOM_ARCHS  # noqa: E402
 
@@ -164,24 +164,13 @@ def run_generate_step(model, prompt, gen_len: int) -> float:
 def measure_machine() -> tuple[float, float]:
     """(copy bandwidth in bytes/s, matmul FLOP/s), measured now on the default device
     (bf16 on a GPU, float32 on the CPU)."""
+    from scripts.bench.timing import measure_bandwidth, timed
+
     gpu = mx.default_device() == mx.gpu
     n = 8192 if gpu else 1024
-    x = mx.zeros((2**29 if gpu else 2**26,), mx.float32)
     a = mx.random.normal((n, n)).astype(mx.bfloat16 if gpu else mx.float32)
-    mx.eval(x, a)
-
-    def best(fn, n=10):
-        mx.eval(fn())
-        ts = []
-        for _ in range(n):
-            t = time.perf_counter()
-            mx.eval(fn())
-            ts.append(time.perf_counter() - t)
-        return min(ts)
-
-    bw = 2 * x.nbytes / best(lambda: x + 1.0)
-    flops = 2 * n**3 / best(lambda: a @ a)
-    return bw, flops
+    mx.eval(a)
+    return measure_bandwidth(2.0 if gpu else 0.25), 2 * n**3 / timed(lambda: a @ a, 10)
 
 
 def roofline_step(model, batch: int, context: int, bw: float, flops: float) -> tuple[float, float, float]:

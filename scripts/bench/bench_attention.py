@@ -6,14 +6,13 @@ in one graph (each call's output is the next call's query, as layers follow each
 and divides by the count: the median of --iters such graphs. One call per eval would mostly time
 the launch and the host round trip, not the kernel.
 
-  python scripts/bench_attention.py                 # B=32 x 4096 keys, Llama-8B heads, bf16
+  python scripts/bench/bench_attention.py                 # B=32 x 4096 keys, Llama-8B heads, bf16
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -21,10 +20,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pagedmlx.runner import paged_kernels  # noqa: E402
 from pagedmlx.runner.attention import _gather  # noqa: E402
+from scripts.bench.timing import measure_bandwidth, timed_chain  # noqa: E402
 
 
 # (threads, unroll, prefetch, vectors per lane, heads per block, tensor cores): see paged_kernels.Settings.
@@ -36,34 +36,6 @@ DEFAULT = tuple(getattr(paged_kernels.SETTINGS["cuda"], name) for name in SETTIN
 
 def settings(variant: tuple) -> paged_kernels.Settings:
     return dataclasses.replace(paged_kernels.SETTINGS["cuda"], **dict(zip(SETTINGS, variant)))
-
-
-def timed(fn, iters: int) -> float:
-    mx.eval(fn())
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def timed_chain(fn, q: mx.array, layers: int, iters: int) -> float:
-    """Seconds per call of fn (B, H, D) -> (B, H, D), chained `layers` times in one graph."""
-    def chain():
-        x = q
-        for _ in range(layers):
-            x = fn(x)
-        return x
-    return timed(chain, iters) / layers
-
-
-def measure_bandwidth(gb: float = 2.0) -> float:
-    """Bytes per second of a large copy (read + write)."""
-    x = mx.zeros((int(gb * 2**30) // 4,), mx.float32)
-    mx.eval(x)
-    t = timed(lambda: x + 1.0, 10)
-    return 2 * x.nbytes / t
 
 
 def main() -> None:

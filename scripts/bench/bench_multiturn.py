@@ -7,8 +7,8 @@ prompts and answers) plus a new user message, so the history grows by about --gr
 Reported per turn: the mean time to first token over the conversations, and the prompt tokens served
 from checkpoints.
 
-  python scripts/bench_multiturn.py --arch qwen3.5-27b-16l --dtype bfloat16        # 8 x 6 turns, +1k a turn
-  python scripts/bench_multiturn.py --arch qwen3.5-tiny --growth 96 --gen-len 8     # on the CPU, a check
+  python scripts/bench/bench_multiturn.py --arch qwen3.5-27b-16l --dtype bfloat16        # 8 x 6 turns, +1k a turn
+  python scripts/bench/bench_multiturn.py --arch qwen3.5-tiny --growth 96 --gen-len 8     # on the CPU, a check
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from scripts.bench_offline import PRESETS, random_model  # noqa: E402
+from scripts.bench.bench_offline import PRESETS, random_model  # noqa: E402
 
 
 def run(engine, conversations: int, turns: int, growth: int, gen_len: int, vocab: int, seed: int) -> list[dict]:

@@ -5,8 +5,8 @@ head, final norm), the KV pool (bytes, blocks), and MLX's active and peak memory
 generation (8 requests x 32 tokens). The same --num-blocks on every run, so the KV bytes compare
 page for page.
 
-  python scripts/tp_memory.py                # one process
-  python scripts/tp_memory.py --tp 2         # two ranks on this machine (ring on loopback)
+  python scripts/bench/tp_memory.py                # one process
+  python scripts/bench/tp_memory.py --tp 2         # two ranks on this machine (ring on loopback)
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pagedmlx.tp import engine as tp_engine  # noqa: E402
 from pagedmlx.tp.group import join_group  # noqa: E402

@@ -6,13 +6,13 @@ OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 BATCHES=${BATCHES:-"1 8 32 64 128 256"}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
-python3 scripts/gpu_check_decode.py ${QUICK:+--variants} 2>&1 | tee "$OUT/kernel_check.txt"
-python3 scripts/gpu_check_state.py 2>&1 | tee "$OUT/state_kernel_check.txt"
-python3 scripts/bench_offline.py --preset llama-8b --dtype bfloat16 --batch-sizes $BATCHES --roofline --ab-async \
+python3 scripts/gpu/gpu_check_decode.py ${QUICK:+--variants} 2>&1 | tee "$OUT/kernel_check.txt"
+python3 scripts/gpu/gpu_check_state.py 2>&1 | tee "$OUT/state_kernel_check.txt"
+python3 scripts/bench/bench_offline.py --preset llama-8b --dtype bfloat16 --batch-sizes $BATCHES --roofline --ab-async \
   --json "$OUT/offline.json" 2>&1 | tee "$OUT/offline.txt"
 if [ -z "${QUICK:-}" ]; then
-  python3 scripts/bench_attention.py 2>&1 | tee "$OUT/attention.txt"
-  python3 scripts/bench_matmul.py 2>&1 | tee "$OUT/matmul.txt"
+  python3 scripts/bench/bench_attention.py 2>&1 | tee "$OUT/attention.txt"
+  python3 scripts/bench/bench_matmul.py 2>&1 | tee "$OUT/matmul.txt"
 fi
 # The engine's busy-equals-solo tests on the GPU: the kernels, in-place page writes, overlapped
 # steps. Full float32 (no TF32): mlx-lm's solo pass and a busy batch multiply with different M,

@@ -5,7 +5,7 @@ the device: on CUDA, encoding and launching it) and in mx.eval / host reads (wai
 is Python building the graph. A second pass times each engine's forward alone in lockstep: the
 graph built (Python), then evaluated (dispatch + device + sync), which bounds the device time.
 
-  python scripts/profile_step.py --preset llama-8b --dtype bfloat16 [--batch 256]
+  python scripts/bench/profile_step.py --preset llama-8b --dtype bfloat16 [--batch 256]
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from scripts.bench_offline import PRESETS, make_prompts, random_model  # noqa: E402
+from scripts.bench.bench_offline import PRESETS, make_prompts, random_model  # noqa: E402
 
 
 class Clock:

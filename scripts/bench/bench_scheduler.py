@@ -8,8 +8,8 @@ steps are run first and not timed; then `--steps` decode steps are timed one by 
 "sampled" tokens are random ids. The max column includes Python's garbage collector, which now and
 then walks every live object (all requests' token lists and block hashes).
 
-    python scripts/bench_scheduler.py              # batches 32, 64, 128, 256
-    python scripts/bench_scheduler.py --batches 256 --steps 2000
+    python scripts/bench/bench_scheduler.py              # batches 32, 64, 128, 256
+    python scripts/bench/bench_scheduler.py --batches 256 --steps 2000
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pagedmlx.config import EngineConfig  # noqa: E402
 from pagedmlx.kv.manager import KVCacheManager  # noqa: E402

@@ -5,7 +5,7 @@ This times the seven projections of one Llama-8B layer (q, k, v, o, gate, up, do
 rows, chained over --layers layers in one graph, and prints the time against that ideal, so that
 a step slower than its roofline can be split into what the matmuls cost and what the rest costs.
 
-  python scripts/bench_matmul.py --batch-sizes 1 8 32 64 128 256
+  python scripts/bench/bench_matmul.py --batch-sizes 1 8 32 64 128 256
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from scripts.bench_attention import measure_bandwidth, timed  # noqa: E402
+from scripts.bench.timing import measure_bandwidth, timed  # noqa: E402
 
 # (out, in) of Llama-8B's projections, in the order a layer runs them.
 SHAPES = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096), (4096, 14336)]

@@ -3,7 +3,7 @@
 Both engines' aggregate decode tok/s, and (when the run measured the machine with --roofline) the
 roofline: the tok/s a step would reach at the measured bandwidth and matmul rate.
 
-  python scripts/plot_benchmarks.py RUN/offline.json OUT.png ["machine, date"]
+  python scripts/bench/plot_benchmarks.py RUN/offline.json OUT.png ["machine, date"]
 """
 
 from __future__ import annotations

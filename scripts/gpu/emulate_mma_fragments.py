@@ -4,7 +4,7 @@ It stores K and V tiles as load() does (16-byte chunks swizzled by row), reads t
 kernel's ldmatrix addresses under PTX's m8n8 (and .trans) layouts, multiplies with mma m16n8k16
 layouts and compares with Q K^T and P V. Edit it with the kernel: it copies the kernel's index math.
 
-  python scripts/emulate_mma_fragments.py
+  python scripts/gpu/emulate_mma_fragments.py
 """
 import numpy as np
 

@@ -5,7 +5,7 @@ write against a scatter (also while another reference to the pool is alive, and 
 graph). Outputs are poisoned with NaN, so an element a kernel never writes fails. Then times the gated
 delta kernel against mlx-lm's per-token loop. Prints PASS/FAIL per case; exits non-zero on a failure.
 
-    python scripts/gpu_check_state.py [--no-timing]
+    python scripts/gpu/gpu_check_state.py [--no-timing]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pagedmlx.runner import cuda_state  # noqa: E402
 
