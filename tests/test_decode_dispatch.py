@@ -10,7 +10,7 @@ from utils import make_model
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine import LLMEngine
 from pagedmlx.runner import paged_kernels
-from pagedmlx.runner.attention import StepMetadata
+from pagedmlx.runner.attention_metadata import StepMetadata
 from pagedmlx.sampling_params import SamplingParams
 
 

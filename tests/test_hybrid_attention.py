@@ -13,7 +13,7 @@ from utils import (assert_no_leaks, assert_samples_equal_alone, make_model, run_
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine import LLMEngine
 from pagedmlx.kv.spec import cdiv
-from pagedmlx.runner import attention
+from pagedmlx.runner import attention, attention_metadata
 from pagedmlx.runner.plan import UnsupportedModelError
 from pagedmlx.sampling_params import SamplingParams
 
@@ -120,9 +120,10 @@ def _mismatches(arch: str) -> int:
 
 def test_negative_control_dropping_the_window_gives_other_tokens(monkeypatch):
     assert _mismatches("gemma3-tiny") == 0
-    real = attention._causal
-    monkeypatch.setattr(attention, "_causal", lambda k, q, window: real(k, q, None))
-    monkeypatch.setattr(attention, "_window_tables",
+    real = attention_metadata.causal_mask
+    for module in (attention, attention_metadata):
+        monkeypatch.setattr(module, "causal_mask", lambda k, q, window: real(k, q, None))
+    monkeypatch.setattr(attention_metadata, "_window_tables",
                         lambda table, seq_lens, q, bs, window: (table[:, :cdiv(int(seq_lens.max()), bs)], seq_lens))
     with pytest.raises(UnsupportedModelError, match="different logits on pages"):  # the load-time check sees it
         _mismatches("gemma3-tiny")

@@ -21,7 +21,8 @@ import pytest
 from kernel_emulator import EmulatedKernel, have_compiler, metal_source
 
 from pagedmlx.runner import paged_kernels, paged_sources
-from pagedmlx.runner.attention import gather_decode, length_mask
+from pagedmlx.runner.attention import gather_decode
+from pagedmlx.runner.attention_metadata import length_mask
 from pagedmlx.runner.dialect import CUDA, METAL, foreign_names, leftover_tokens, render
 
 # (dtype, head_dim, query heads, kv heads): MHA, GQA 4 (Llama), GQA 7 (Qwen), head_dim 64 and 256.

@@ -20,7 +20,8 @@ import mlx.core as mx
 import numpy as np
 
 from pagedmlx.runner import paged_kernels
-from pagedmlx.runner.attention import gather_decode, length_mask
+from pagedmlx.runner.attention import gather_decode
+from pagedmlx.runner.attention_metadata import length_mask
 from pagedmlx.runner.dialect import CUDA
 
 logger = logging.getLogger("pagedmlx")

@@ -10,7 +10,8 @@ import mlx.nn as nn
 from pagedmlx.config import EngineConfig
 from pagedmlx.kv.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec,
                               sliding_pool_blocks)
-from pagedmlx.runner.attention import KVPool, PagedLayerCache, StepMetadata, install_paged_attention
+from pagedmlx.runner.attention import KVPool, PagedLayerCache, install_paged_attention
+from pagedmlx.runner.attention_metadata import StepMetadata
 from pagedmlx.runner.kernel_check import select_kernels
 from pagedmlx.runner.plan import UnsupportedModelError, model_type, plan_layers
 from pagedmlx.runner.state import (StateLayerCache, StateMetadata, StatePool, install_regrouping, pages_budget,

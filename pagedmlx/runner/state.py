@@ -31,7 +31,8 @@ from mlx_lm.models.cache import ArraysCache
 from pagedmlx.config import EngineConfig
 from pagedmlx.kv.spec import KVCacheGroupSpec, MambaSpec, cdiv
 from pagedmlx.runner import cuda_state
-from pagedmlx.runner.attention import _upload, as_dtype
+from pagedmlx.runner.attention import as_dtype
+from pagedmlx.runner.attention_metadata import _upload
 from pagedmlx.runner.plan import LayerPlan, StatePlan
 from pagedmlx.scheduler_output import SchedulerOutput
 

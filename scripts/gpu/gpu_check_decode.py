@@ -28,7 +28,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pagedmlx.runner import paged_kernels  # noqa: E402
-from pagedmlx.runner.attention import _gather, gather_decode, length_mask  # noqa: E402
+from pagedmlx.runner.attention import _gather, gather_decode  # noqa: E402
+from pagedmlx.runner.attention_metadata import length_mask  # noqa: E402
 from scripts.bench.bench_attention import VARIANTS, settings  # noqa: E402
 
 TOL = {mx.float32: 2e-3, mx.float16: 2e-2, mx.bfloat16: 4e-2}
