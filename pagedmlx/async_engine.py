@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence
 from pagedmlx.async_stream import (EngineDeadError, EngineShutdownError, RequestStream, TooManyRequestsError,
                                    deliver, resolve)
 from pagedmlx.engine import LLMEngine, PromptType
-from pagedmlx.outputs import EngineOutput, RequestOutput, completion_output
+from pagedmlx.outputs import EngineOutput, RequestOutput, completion_output, prompt_logprobs
 from pagedmlx.request import fan_out
 from pagedmlx.sampling_params import SamplingParams
 
@@ -139,14 +139,17 @@ class AsyncEngine:
         index = {rid: i for i, rid in enumerate(stream.request_ids)}
         latest: dict[int, EngineOutput] = {}
         tokenizer = self.engine.tokenizer
+        prompt_lps = None  # they come with a request's first output
         try:
             async for out in stream:
                 latest[index[out.request_id]] = out
+                prompt_lps = prompt_lps or prompt_logprobs(out.prompt_logprobs, tokenizer)
                 outputs = [completion_output(o, i, tokenizer) for i, o in sorted(latest.items())]
                 finished = len(latest) == len(index) and all(o.finished for o in latest.values())
                 errors = [o.error for o in latest.values() if o.error]
                 yield RequestOutput(request_id, prompt if isinstance(prompt, str) else None, list(out.prompt_token_ids),
-                                    outputs, finished, out.num_cached_tokens, errors[0] if errors else None)
+                                    outputs, finished, out.num_cached_tokens, errors[0] if errors else None,
+                                    prompt_lps)
         finally:
             stream.close()
 

@@ -19,7 +19,7 @@ from pagedmlx.kv.manager import KVCacheManager
 from pagedmlx.outputs import EngineOutput, TokenLogprob
 from pagedmlx.request import Request, RequestStatus
 from pagedmlx.runner.model import ModelRunner
-from pagedmlx.sampler import Sampler, to_host
+from pagedmlx.sampler import Sampler, SamplerOutput, to_host
 from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.scheduler import Scheduler
 from pagedmlx.scheduler_output import SchedulerOutput
@@ -40,6 +40,8 @@ class LaunchedStep:
     arrays: list  # what the device must compute
     build_s: float
     error: Optional[Exception] = None
+    prompt: Any = None  # SamplerOutput of the prompt rows that score prompt tokens (prompt_logprobs)
+    prompt_rows: Optional[list] = None  # ... read back
 
 
 @dataclass
@@ -84,6 +86,7 @@ class LLMEngine:
         self.vocab_size = min(self.runner.vocab_size, len(tokenizer)) if tokenizer is not None else self.runner.vocab_size
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._logprobs: dict[str, list[TokenLogprob]] = {}
+        self._prompt_lps: dict[str, list[TokenLogprob]] = {}  # prompt logprobs, complete by the first output
         self.stats = StepStats()
         self._inflight: Optional[LaunchedStep] = None
         self.generation_defaults: dict[str, Any] = {}  # the model's recommended sampling values (from_config)
@@ -152,6 +155,8 @@ class LLMEngine:
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params)
         if params.logprobs is not None:
             self._logprobs[request_id] = []
+        if params.prompt_logprobs is not None:
+            self._prompt_lps[request_id] = []
         return request
 
     def abort_request(self, request_ids: Iterable[str]) -> list[EngineOutput]:
@@ -240,8 +245,11 @@ class LLMEngine:
         prev_sampled = self._inflight.sampled if self._inflight is not None else None
         prev = prev_sampled.sampled_token_ids if prev_sampled is not None else None
         logits = self.runner.forward(so, prev)
+        prompt = None
+        if len(so.prompt_logprob_tokens):  # the rows after the sampled ones score prompt tokens
+            prompt = self._prompt_logprobs(logits[len(requests):], so)
         if requests:
-            sampled = self.sampler(logits, requests)
+            sampled = self.sampler(logits[:len(requests)] if prompt is not None else logits, requests)
             for i, req in enumerate(requests):
                 req.num_output_placeholders += 1
                 req.placeholder_index = i
@@ -249,8 +257,32 @@ class LLMEngine:
                                   sampled.top_logprobs) if a is not None]
         else:  # only partial prefill chunks: nothing to sample, but the pages must be written
             sampled, arrays = None, [logits]
+        if prompt is not None:
+            arrays += [a for a in (prompt.logprobs, prompt.top_token_ids, prompt.top_logprobs) if a is not None]
         scheduled = [self.scheduler.requests[rid] for rid in so.req_ids]
-        return LaunchedStep(so, scheduled, sampled, arrays, time.perf_counter() - t)
+        return LaunchedStep(so, scheduled, sampled, arrays, time.perf_counter() - t, prompt=prompt)
+
+    def _prompt_logprobs(self, logits: mx.array, so: SchedulerOutput) -> SamplerOutput:
+        """Each prompt row's logprob of the prompt token after it, and its top k (the model's raw
+        logits, as vLLM: no bias, penalty or temperature)."""
+        ks = []
+        for rid, n in zip(so.prompt_logprob_req_ids, so.prompt_logprob_lens):
+            ks += [self.scheduler.requests[rid].sampling_params.prompt_logprobs] * n
+        out = SamplerOutput(mx.array(so.prompt_logprob_tokens), num_logprobs=ks)
+        Sampler.compute_logprobs(logits.astype(mx.float32), out, max(ks))
+        return out
+
+    def _record_prompt_logprobs(self, step: LaunchedStep) -> None:
+        """File a completed step's prompt logprobs under their requests (each position once: a
+        preempted request computes its prompt again)."""
+        so, rows = step.so, iter(step.prompt_rows)
+        scheduled = dict(zip(so.req_ids, step.requests))
+        for rid, start, n in zip(so.prompt_logprob_req_ids, so.prompt_logprob_starts, so.prompt_logprob_lens):
+            acc = self._prompt_lps.get(rid) if self.scheduler.requests.get(rid) is scheduled[rid] else None
+            for pos in range(start, start + n):
+                row = next(rows)
+                if acc is not None and len(acc) == pos:
+                    acc.append(TokenLogprob(row.token_id, row.logprob, row.top_logprobs or []))
 
     @staticmethod
     def _dispatch(step: LaunchedStep) -> None:
@@ -270,6 +302,8 @@ class LLMEngine:
         t = time.perf_counter()
         try:
             rows = to_host(step.sampled) if step.sampled is not None else (mx.eval(*step.arrays) or [])
+            if step.prompt is not None:
+                step.prompt_rows = to_host(step.prompt)
         except Exception as exc:
             step.error = exc
             return None
@@ -283,6 +317,8 @@ class LLMEngine:
         if rows is None:
             return self._fail(so, step.error, step.requests)
         t = time.perf_counter()
+        if step.prompt_rows:
+            self._record_prompt_logprobs(step)
         by_id = dict(zip(so.sampled_req_ids, rows))
         outputs = []
         for upd in self.scheduler.update_from_output(so, [r.token_id for r in rows], step.requests):
@@ -328,7 +364,8 @@ class LLMEngine:
             self._logprobs[rid].extend(new_lps)
         out = EngineOutput(rid, req.prompt_token_ids, req.output_token_ids, detok.text, new_ids, new_text,
                             finished, req.status.finish_reason if finished else None, req.stop_reason,
-                            self._logprobs.get(rid), new_lps, max(req.num_cached_tokens, 0))
+                            self._logprobs.get(rid), new_lps, max(req.num_cached_tokens, 0),
+                            prompt_logprobs=self._prompt_lps.get(rid))
         if finished:
             self._forget(rid)
         return out
@@ -338,10 +375,12 @@ class LLMEngine:
         text = detok.text if detok else ""
         out = EngineOutput(req.request_id, req.prompt_token_ids, req.output_token_ids, text, [], "", True,
                             req.status.finish_reason, req.stop_reason, self._logprobs.get(req.request_id),
-                            None, max(req.num_cached_tokens, 0), error)
+                            None, max(req.num_cached_tokens, 0), error,
+                            prompt_logprobs=self._prompt_lps.get(req.request_id))
         self._forget(req.request_id)
         return out
 
     def _forget(self, request_id: str) -> None:
         self._detokenizers.pop(request_id, None)
         self._logprobs.pop(request_id, None)
+        self._prompt_lps.pop(request_id, None)

@@ -16,7 +16,7 @@ import mlx.nn as nn
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine import LLMEngine
-from pagedmlx.outputs import EngineOutput, RequestOutput, completion_output
+from pagedmlx.outputs import EngineOutput, RequestOutput, completion_output, prompt_logprobs
 from pagedmlx.request import fan_out
 from pagedmlx.sampling_params import SamplingParams
 
@@ -107,7 +107,8 @@ class LLM:
         outputs = [completion_output(s, i, self.tokenizer) for i, s in enumerate(samples)]
         errors = [s.error for s in samples if s.error]
         return RequestOutput(rid, text, list(samples[0].prompt_token_ids), outputs, True,
-                             samples[0].num_cached_tokens, errors[0] if errors else None)
+                             samples[0].num_cached_tokens, errors[0] if errors else None,
+                             prompt_logprobs(samples[0].prompt_logprobs, self.tokenizer))
 
 
 def _as_list(prompts: Union[PromptInput, Sequence[PromptInput]]) -> list[PromptInput]:

@@ -37,6 +37,8 @@ class EngineOutput:
     new_logprobs: Optional[list[TokenLogprob]] = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: Optional[str] = None
+    # SamplingParams.prompt_logprobs: each prompt token's after the first (complete in every output)
+    prompt_logprobs: Optional[list[TokenLogprob]] = None
 
 
 @dataclass
@@ -75,6 +77,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     error: Optional[str] = None  # pagedmlx: why a request failed (finish_reason "error")
+    prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None  # None for the first token, as vLLM
 
 
 def completion_output(out: EngineOutput, index: int = 0, tokenizer: Any = None) -> CompletionOutput:
@@ -85,6 +88,11 @@ def completion_output(out: EngineOutput, index: int = 0, tokenizer: Any = None) 
         cumulative = sum(lp.logprob for lp in out.logprobs)
     return CompletionOutput(index, out.text, list(out.token_ids), cumulative, logprobs,
                             out.finish_reason, out.stop_reason)
+
+
+def prompt_logprobs(lps: Optional[list[TokenLogprob]], tokenizer: Any = None) -> Optional[list]:
+    """vLLM's RequestOutput.prompt_logprobs: None for the first prompt token, then a dict per token."""
+    return None if lps is None else [None] + [_vllm_logprobs(lp, tokenizer) for lp in lps]
 
 
 def _vllm_logprobs(lp: TokenLogprob, tokenizer: Any) -> dict[int, Logprob]:

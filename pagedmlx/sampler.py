@@ -188,11 +188,12 @@ class Sampler:
                 tokens = mx.where(mx.array(greedy), mx.argmax(logits, axis=-1), tokens)
         out = SamplerOutput(tokens.astype(mx.int32), num_logprobs=[p.logprobs for p in params])
         if any(k is not None for k in out.num_logprobs):
-            self._logprobs(logits, out, min(V, max(k or 0 for k in out.num_logprobs)))
+            self.compute_logprobs(logits, out, min(V, max(k or 0 for k in out.num_logprobs)))
         return out
 
     @staticmethod
-    def _logprobs(logits: mx.array, out: SamplerOutput, k: int) -> None:
+    def compute_logprobs(logits: mx.array, out: SamplerOutput, k: int) -> None:
+        """The logprob of each row's out.sampled_token_ids, and the k best of each row, into `out`."""
         lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         out.logprobs = mx.take_along_axis(lp, out.sampled_token_ids[:, None], axis=-1)[:, 0]
         if k:

@@ -37,6 +37,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: Optional[int] = None  # None: none; k: the sampled token's plus the top k
+    prompt_logprobs: Optional[int] = None  # as logprobs, for every prompt token after the first
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -76,8 +77,10 @@ class SamplingParams:
             if tok < 0:
                 raise ValueError(f"logit_bias keys must be token ids >= 0, got {tok}")
             _check_range(f"logit_bias[{tok}]", bias, -100.0, 100.0)
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and 0 <= value <= 20):
+                raise ValueError(f"{name} must be in [0, 20], got {value!r}")
 
     @property
     def greedy(self) -> bool:

@@ -30,7 +30,9 @@ class SchedulerOutput:
     query_start_loc: np.ndarray  # (B + 1,) where each request's tokens start in the flat batch
     seq_lens: np.ndarray  # (B,) tokens of context after this step (cached + new)
     block_table: np.ndarray  # (G, B, max_blocks) per KV cache group: page ids per request, zero-padded
-    logits_indices: np.ndarray  # (S,) rows whose logits are sampled: the last token of caught-up requests
+    # (S + R,) rows whose logits are needed: first the S rows sampled (the last token of caught-up
+    # requests), then the R prompt rows of requests that asked for prompt logprobs.
+    logits_indices: np.ndarray
     sampled_req_ids: list[str]
     # Async scheduling: rows whose input token is still on the device, and where it is in the
     # previous step's sampled tokens.
@@ -40,6 +42,12 @@ class SchedulerOutput:
     # starts at position 0), the slot it is written to, a checkpoint slot (-1: none) and how many of the
     # request's scheduled tokens the checkpoint's state covers.
     state_slots: np.ndarray = field(default_factory=lambda: np.zeros((0, 4), np.int32))  # (B, 4)
+    # Prompt logprobs (SamplingParams.prompt_logprobs): per such request, the position of its first
+    # row here and how many rows; each row's logits score the prompt token after it.
+    prompt_logprob_req_ids: list[str] = field(default_factory=list)
+    prompt_logprob_starts: list[int] = field(default_factory=list)
+    prompt_logprob_lens: list[int] = field(default_factory=list)
+    prompt_logprob_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # (R,)
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)  # finished since the previous step
 
@@ -80,6 +88,7 @@ def build_scheduler_output(
     req_ids, counts, tokens, starts, seq_lens, tables, state_slots = [], [], [], [], [], [], []
     logits_indices, sampled_req_ids = [], []
     placeholder_rows, placeholder_src = [], []
+    prompt_rows, prompt_tokens, prompt_reqs = [], [], ([], [], [])
     row = 0
     for req, n in scheduled:
         start = req.num_computed_tokens
@@ -100,6 +109,12 @@ def build_scheduler_output(
                 tokens.append(0)
                 placeholder_rows.append(row + n - 1)
                 placeholder_src.append(req.placeholder_index)
+        if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
+            last = min(end, req.num_prompt_tokens - 1)  # the prompt's last row scores the first output
+            prompt_rows.extend(range(row, row + last - start))
+            prompt_tokens.extend(req.prompt_token_ids[start + 1:last + 1])
+            for acc, value in zip(prompt_reqs, (req.request_id, start, last - start)):
+                acc.append(value)
         row += n
         if end == req.num_tokens_with_placeholders:
             logits_indices.append(row - 1)
@@ -134,11 +149,15 @@ def build_scheduler_output(
         query_start_loc=query_start_loc,
         seq_lens=seq_lens_np,
         block_table=block_table,
-        logits_indices=np.asarray(logits_indices, np.int32),
+        logits_indices=np.asarray(logits_indices + prompt_rows, np.int32),
         sampled_req_ids=sampled_req_ids,
         placeholder_rows=np.asarray(placeholder_rows, np.int32),
         placeholder_src=np.asarray(placeholder_src, np.int32),
         state_slots=np.asarray(state_slots, np.int32).reshape(-1, 4),
+        prompt_logprob_req_ids=prompt_reqs[0],
+        prompt_logprob_starts=prompt_reqs[1],
+        prompt_logprob_lens=prompt_reqs[2],
+        prompt_logprob_tokens=np.asarray(prompt_tokens, np.int32),
         preempted_req_ids=preempted_req_ids,
         finished_req_ids=finished_req_ids,
     )

@@ -161,3 +161,30 @@ def test_ids_must_decode_with_the_tokenizer_and_output_errors_stay_per_request(m
     assert done["boom"].finish_reason == "error" and "IndexError" in done["boom"].error
     assert done["fine"].finish_reason == "length" and len(done["fine"].token_ids) == 4
     assert_no_leaks(engine)
+
+
+def test_prompt_logprobs_match_mlx_lm_log_softmax_across_chunks():
+    """vLLM's prompt_logprobs: None for the first prompt token, then each token's logprob under the
+    model given the tokens before it, and the top k; computed in chunks (a budget of 4 tokens) and
+    never from the prefix cache (a repeated prompt computes its prompt again)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = make_model("llama_tied")
+    prompt = [5, 9, 11, 200, 3, 7, 42, 8, 1, 77]
+    llm = LLM(model, None, block_size=4, num_blocks=32, max_num_batched_tokens=4)
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2, ignore_eos=True)
+    first, again = llm.generate([prompt, prompt], params)
+    logits = model(mx.array([prompt]), cache=make_prompt_cache(model))[0].astype(mx.float32)
+    ref = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    for out in (first, again):
+        lps = out.prompt_logprobs
+        assert len(lps) == len(prompt) and lps[0] is None
+        for i in range(1, len(prompt)):
+            row, entry = ref[i - 1], lps[i]
+            assert next(iter(entry)) == prompt[i]  # the prompt's own token first
+            np.testing.assert_allclose(entry[prompt[i]].logprob, row[prompt[i]], atol=1e-4)
+            top = sorted((lp.rank, t) for t, lp in entry.items() if lp.rank is not None)
+            assert [t for _, t in top] == list(np.argsort(-row)[:2])
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids
+    assert llm.engine.kv_cache_manager.stats.hits == 0  # prompt logprobs take no prefix hit
+    assert llm.generate([prompt], SamplingParams(max_tokens=1))[0].prompt_logprobs is None

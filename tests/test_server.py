@@ -12,9 +12,11 @@ import time
 import httpx
 import openai
 import pytest
-from server_utils import (MAX_MODEL_LEN, MODEL, Served, ServeProcess, error_of, make_engine, sse_payloads,
-                          wait_idle)
+from server_utils import (MAX_MODEL_LEN, MODEL, Served, ServeProcess, engine_config, error_of, make_engine,
+                          sse_payloads, wait_idle)
+from utils import run_to_completion
 
+from pagedmlx.engine import LLMEngine
 from pagedmlx.sampling_params import SamplingParams
 
 
@@ -305,8 +307,22 @@ def test_logprobs_shapes(served):
     c = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, logprobs=2, extra_body={"ignore_eos": True})
     lp = c.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 4 and lp.text_offset[0] == 0
-    with pytest.raises(openai.BadRequestError, match="prompt's logprobs"):  # vLLM would return them: refused
-        client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, logprobs=2, echo=True)
+    # echo with logprobs: the prompt's tokens first (the first without a logprob), as vLLM returns them,
+    # equal to what the offline engine computes for that prompt; streamed in the first chunk.
+    prompt = [5, 9, 11, 200, 3]
+    e = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, logprobs=2, echo=True, temperature=0,
+                                  extra_body={"ignore_eos": True}).choices[0].logprobs
+    offline = LLMEngine(served.engine.model, served.engine.tokenizer, engine_config())
+    offline.add_request("x", prompt, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2, ignore_eos=True))
+    want = run_to_completion(offline)["x"].prompt_logprobs
+    assert len(e.tokens) == len(e.token_logprobs) == len(e.top_logprobs) == len(prompt) + 3
+    assert e.token_logprobs[0] is None and e.top_logprobs[0] is None
+    assert e.token_logprobs[1:len(prompt)] == pytest.approx([lp.logprob for lp in want], abs=1e-4)
+    assert all(1 <= len(t) <= 2 for t in e.top_logprobs[1:])  # keyed by text: two ids may decode alike
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, logprobs=2, echo=True,
+                                            temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(e.token_logprobs, abs=1e-4)
     chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                                                  max_tokens=4, logprobs=True, stream=True,
                                                  extra_body={"ignore_eos": True}))

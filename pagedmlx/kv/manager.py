@@ -92,8 +92,9 @@ class KVCacheManager:
         Never the whole sequence: the last token is always recomputed so that there are logits to
         sample from. Does not count in the stats (a request blocked at the head of the queue is looked
         up every step); the caller records the lookup that admits it with record_prefix_query.
+        A request that wants its prompt's logprobs computes every prompt token (as vLLM): no hit.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return tuple([] for _ in self.managers), 0
         self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -139,8 +139,12 @@ class SamplingRequest(OpenAIModel):
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_tokens
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
-        """SamplingParams for this request; a bad value raises APIError(400) naming the field."""
+    def requested_prompt_logprobs(self) -> Optional[int]:
+        return None
+
+    def to_sampling_params(self, max_tokens: int, defaults: Optional[dict] = None) -> SamplingParams:
+        """SamplingParams for this request; what it leaves out comes from `defaults` (the model's
+        recommended values), then vLLM's. A bad value raises APIError(400) naming the field."""
         bias = {}
         for key, value in (self.logit_bias or {}).items():
             try:
@@ -150,12 +154,14 @@ class SamplingRequest(OpenAIModel):
         given = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                      seed=self.seed, presence_penalty=self.presence_penalty,
                      frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty)
+        sampling = {k: v for k, v in (defaults or {}).items() if k in given}
+        sampling.update({k: v for k, v in given.items() if v is not None})
         try:
             return SamplingParams(
                 n=self.n, max_tokens=max_tokens, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
                 include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
-                logit_bias=bias, logprobs=self.requested_logprobs(), skip_special_tokens=self.skip_special_tokens,
-                **{k: v for k, v in given.items() if v is not None})
+                logit_bias=bias, logprobs=self.requested_logprobs(), prompt_logprobs=self.requested_prompt_logprobs(),
+                skip_special_tokens=self.skip_special_tokens, **sampling)
         except ValueError as exc:
             message = str(exc)
             field = message.split(" ", 1)[0].split("[", 1)[0]
@@ -171,6 +177,9 @@ class CompletionRequest(SamplingRequest):
 
     def requested_logprobs(self) -> Optional[int]:
         return self.logprobs
+
+    def requested_prompt_logprobs(self) -> Optional[int]:
+        return self.logprobs if self.echo else None  # OpenAI's echo: the prompt's logprobs too
 
     def prompts(self) -> list[Union[str, list[int]]]:
         p = self.prompt

@@ -85,10 +85,6 @@ class Serving:
         self.check_model(req)
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
-        if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo with logprobs asks for the prompt's logprobs, which pagedmlx does not compute "
-                           "(the engine projects only the rows it samples): send echo or logprobs, not both",
-                           param="echo")
         prompts = req.prompts()
         if not prompts:
             raise APIError(400, "prompt must not be empty", param="prompt")
@@ -139,7 +135,7 @@ class Serving:
                 f"completion). Please reduce the length of the {where} or completion.",
                 param="max_tokens" if requested is not None and longest < self.max_model_len else prompt_field,
                 code="context_length_exceeded")
-        params = req.to_sampling_params(max_tokens)
+        params = req.to_sampling_params(max_tokens, self.engine.engine.generation_defaults)
         bad = [t for t in params.logit_bias if t >= self.vocab_size]
         if bad:
             raise APIError(400, f"logit_bias keys must be token ids in [0, {self.vocab_size}), got {bad[:5]}",
@@ -222,6 +218,19 @@ class Serving:
         self.num_cut += any(self.note_cut(o) for o in finals.values())
         return finals
 
+    def echo_logprobs(self, prep: Prepared, index: int, out: EngineOutput, echo: str,
+                      lps: Optional[list[TokenLogprob]]) -> Optional[CompletionLogprobs]:
+        """OpenAI's echo with logprobs: the prompt's tokens (the first without a logprob, as vLLM),
+        then the completion's `lps`, offsets counted over the echoed text and the completion."""
+        if out.prompt_logprobs is None:
+            return self.completion_logprobs(lps, len(echo))
+        prompt = prep.prompts[index // prep.n]
+        first = TokenLogprob(prompt[0], 0.0, [])
+        merged = self.completion_logprobs([first, *out.prompt_logprobs, *(lps or [])], 0)
+        merged.token_logprobs[0] = None
+        merged.top_logprobs[0] = None
+        return merged
+
     def _prompt_text(self, prep: Prepared, index: int) -> str:
         k = index // prep.n
         if prep.texts and prep.texts[k] is not None:
@@ -235,7 +244,7 @@ class Serving:
             out = finals[i]
             echo = self._prompt_text(prep, i) if req.echo else ""
             choices.append(CompletionChoice(
-                index=i, text=echo + out.text, logprobs=self.completion_logprobs(out.logprobs, len(echo)),
+                index=i, text=echo + out.text, logprobs=self.echo_logprobs(prep, i, out, echo, out.logprobs),
                 finish_reason=out.finish_reason, stop_reason=out.stop_reason,
                 token_ids=out.token_ids if req.return_token_ids else None,
                 prompt_token_ids=out.prompt_token_ids if req.return_token_ids else None))
@@ -266,8 +275,10 @@ class Serving:
             offsets[i] = offset + len(out.new_text)
             if not (text or out.finished or out.new_logprobs or req.return_token_ids):
                 return None
+            logprobs = (self.echo_logprobs(prep, i, out, text, out.new_logprobs) if first and req.echo
+                        else self.completion_logprobs(out.new_logprobs, offset))
             return CompletionResponse(id=rid, model=self.model_name, choices=[CompletionChoice(
-                index=i, text=text, logprobs=self.completion_logprobs(out.new_logprobs, offset),
+                index=i, text=text, logprobs=logprobs,
                 finish_reason=out.finish_reason, stop_reason=out.stop_reason,
                 token_ids=out.new_token_ids if req.return_token_ids else None)])
 
