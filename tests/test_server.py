@@ -364,3 +364,25 @@ def test_cli_serve_drains_on_ctrl_c():
     assert results["plain"]["usage"]["completion_tokens"] == 240
     assert results["stream"][-1] == "[DONE]" and json.loads(results["stream"][-2])["choices"][0]["finish_reason"] \
         == "length"
+
+
+def test_requests_take_the_models_sampling_defaults_and_their_own_values_win():
+    """A request without temperature samples with the model's default (here greedy); its own wins."""
+    engine = make_engine()
+    engine.generation_defaults = {"temperature": 0.0}
+    served = Served(engine)
+    try:
+        client = served.client()
+        prompt = [7, 3, 99, 12]
+        plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, extra_body={"ignore_eos": True})
+        hot = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=1.5, seed=3,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+    finally:
+        served.stop()
+        served.async_engine.shutdown(timeout=5)
+    offline = make_engine()
+    offline.add_request("g", prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    offline.add_request("h", prompt, SamplingParams(temperature=1.5, seed=3, max_tokens=6, ignore_eos=True))
+    done = run_to_completion(offline)
+    assert plain.choices[0].text == done["g"].text
+    assert hot.choices[0].token_ids == done["h"].token_ids != done["g"].token_ids
