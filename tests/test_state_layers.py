@@ -305,3 +305,30 @@ def test_state_slots_are_counted_in_the_kv_budget_first():
                            verify_model=False).runner.kv_cache_config.kv_cache_groups
         sizes[seqs] = sum(g.num_blocks * g.page_size_bytes for g in groups), groups[0].num_blocks
     assert sizes[8][0] <= 0.01e9 and sizes[64][0] <= 0.01e9 and sizes[64][1] < sizes[8][1]
+
+
+def test_state_kernels_that_fail_at_load_are_switched_off_and_mlx_lm_serves(monkeypatch, caplog):
+    """Where the CUDA state kernels would run but fail (to build, to run, or to agree), the load-time
+    check switches them off with one warning and the model is served by mlx-lm's own state code, with
+    the same tokens: never refused, never wrong. (A stand-in: this CPU pretends to be a CUDA GPU whose
+    kernels raise.)"""
+    import logging
+
+    from pagedmlx.runner import cuda_state
+
+    def broken(name):
+        raise RuntimeError("[cuda::kernel] no CUDA here")
+
+    monkeypatch.setattr(cuda_state, "_off_reason", None)  # restored after the test
+    monkeypatch.setattr(cuda_state, "_kernel", broken)
+    model = make_model("qwen3_5-tiny")
+    with monkeypatch.context() as gpu, caplog.at_level(logging.WARNING, logger="pagedmlx"):
+        gpu.setattr(cuda_state.mx, "default_device", lambda: cuda_state.mx.gpu)
+        gpu.setattr(cuda_state.mx, "cuda", type("cuda", (), {"is_available": staticmethod(lambda: True)}))
+        engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=64))
+    warnings = [r.getMessage() for r in caplog.records if "state CUDA kernels off" in r.getMessage()]
+    assert len(warnings) == 1 and "no CUDA here" in warnings[0]
+    assert cuda_state._off_reason is not None and not engine.runner.state_pool.in_place
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [7]]
+    done = run_staggered(engine, prompts, GREEDY, seed=1)
+    assert [done[str(i)] for i in range(2)] == [solo_greedy(model, p, GREEDY.max_tokens) for p in prompts]

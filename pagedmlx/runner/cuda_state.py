@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
+import os
 from typing import Iterator, Optional
 
 import mlx.core as mx
@@ -23,13 +25,27 @@ import mlx.nn as nn
 from pagedmlx.runner import cuda_state_sources as src
 
 _active = 0  # > 0 inside a regrouped state layer's call
+_off_reason: Optional[str] = None  # why the kernels were switched off in this process (switch_off)
+logger = logging.getLogger("pagedmlx")
 
 
 def is_available() -> bool:
+    """On a CUDA GPU, unless PAGEDMLX_CUDA_KERNELS=0 (the paged kernels' switch too) or switched off."""
+    if _off_reason is not None or os.environ.get("PAGEDMLX_CUDA_KERNELS", "1") == "0":
+        return False
     try:
         return mx.default_device() == mx.gpu and mx.cuda.is_available()
     except AttributeError:
         return False
+
+
+def switch_off(reason: str) -> None:
+    """Run mlx-lm's own code for state layers from now on (the load-time check disagreed)."""
+    global _off_reason
+    if is_available():
+        logger.warning("pagedmlx: recurrent-state CUDA kernels off: %s; mlx-lm's own state code runs instead",
+                       reason)
+    _off_reason = reason
 
 
 @contextlib.contextmanager
@@ -97,7 +113,7 @@ def write_rows(values: mx.array, slots: mx.array, pool: mx.array) -> mx.array:
 
 def _gated_delta_ops(original):
     def gated_delta_ops(q, k, v, g, beta, state=None, mask=None):
-        if _active and mask is None and state is not None and supports_gated_delta(q, v, g):
+        if _active and _off_reason is None and mask is None and state is not None and supports_gated_delta(q, v, g):
             return gated_delta(q, k, v, g, beta, state)
         return original(q, k, v, g, beta, state, mask)
 
@@ -110,7 +126,8 @@ class KernelConv1d:
 
     def __call__(self, x: mx.array) -> mx.array:
         w = self.weight
-        if (_active and self.groups == x.shape[-1] == w.shape[0] and w.shape[2] == 1 and self.padding == 0
+        if (_active and _off_reason is None and self.groups == x.shape[-1] == w.shape[0] and w.shape[2] == 1
+                and self.padding == 0
                 and self.stride == 1 and self.dilation == 1):
             return depthwise_conv1d(x, w, self.get("bias"))
         return super().__call__(x)

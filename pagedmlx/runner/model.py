@@ -10,6 +10,7 @@ import mlx.nn as nn
 from pagedmlx.config import EngineConfig
 from pagedmlx.kv.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec,
                               sliding_pool_blocks)
+from pagedmlx.runner import cuda_state
 from pagedmlx.runner.attention import KVPool, PagedLayerCache, install_paged_attention
 from pagedmlx.runner.attention_metadata import StepMetadata
 from pagedmlx.runner.kernel_check import select_kernels
@@ -198,18 +199,27 @@ class ModelRunner:
             mx.async_eval(logits)
         return logits
 
+    def _check(self) -> Optional[str]:
+        """The load-time check; a kernel that fails to build or run counts as a disagreement."""
+        from pagedmlx.runner.selfcheck import check_paged_forward
+
+        try:
+            return check_paged_forward(self)
+        except Exception as exc:  # noqa: BLE001 - MLX raises when a kernel is built or run
+            return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+
     def _verify_against_mlx_lm(self) -> None:
         """Run a short busy schedule on scratch pages and compare with mlx-lm's own caches; fall back
         to the whole model call if the split head disagrees, refuse the model if pages disagree."""
-        from pagedmlx.runner.selfcheck import check_paged_forward
-
-        err = check_paged_forward(self)
-        if err is not None and self.kernels.enabled:  # the portable path may still be right
-            self.kernels = self.kernels.switch_off(f"the model's paged forward disagrees with mlx-lm ({err})")
-            err = check_paged_forward(self)
+        err = self._check()
+        if err is not None and (self.kernels.enabled or cuda_state.is_available()):  # the portable paths may be right
+            reason = f"the model's paged forward disagrees with mlx-lm ({err})"
+            self.kernels = self.kernels.switch_off(reason)
+            cuda_state.switch_off(reason)
+            err = self._check()
         if err is not None and self._head is not None:
             self._body = self._head = None
-            err = check_paged_forward(self)
+            err = self._check()
         if err is not None:
             raise UnsupportedModelError(
                 f"model type {model_type(self.model)!r} gives different logits on pages than with "
