@@ -121,8 +121,7 @@ def _mismatches(arch: str) -> int:
 def test_negative_control_dropping_the_window_gives_other_tokens(monkeypatch):
     assert _mismatches("gemma3-tiny") == 0
     real = attention_metadata.causal_mask
-    for module in (attention, attention_metadata):
-        monkeypatch.setattr(module, "causal_mask", lambda k, q, window: real(k, q, None))
+    monkeypatch.setattr(attention_metadata, "causal_mask", lambda k, q, window: real(k, q, None))
     monkeypatch.setattr(attention_metadata, "_window_tables",
                         lambda table, seq_lens, q, bs, window: (table[:, :cdiv(int(seq_lens.max()), bs)], seq_lens))
     with pytest.raises(UnsupportedModelError, match="different logits on pages"):  # the load-time check sees it

@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from pagedmlx.runner import paged_kernels
-from pagedmlx.runner.attention_metadata import AttentionMetadata, causal_mask, length_mask
+from pagedmlx.runner.attention_metadata import AttentionMetadata, length_mask
 
 def as_dtype(x: mx.array, dtype: mx.Dtype) -> mx.array:
     """Cast only when needed: every op in a layer is a kernel launch per step."""
@@ -156,15 +156,8 @@ def _prefill_attention(q, k_pages, v_pages, md: AttentionMetadata, scale, writte
         table = seg.block_table[None] if written is None else seg.block_table[None] + written
         k = _gather(k_pages, table)[:, :, :seg.num_keys]
         v = _gather(v_pages, table)[:, :, :seg.num_keys]
-        last_query = seg.first_query_pos + seg.num_queries - 1
-        if md.window is None or (seg.key_offset == 0 and last_query < md.window):  # the window does not bite
-            mask = "causal"  # aligned to the last key: query j sees keys up to num_keys - num_queries + j
-        else:
-            key_pos = mx.arange(seg.key_offset, seg.key_offset + seg.num_keys)[None, :]
-            query_pos = mx.arange(seg.first_query_pos, seg.first_query_pos + seg.num_queries)[:, None]
-            mask = causal_mask(key_pos, query_pos, md.window)
         o = mx.fast.scaled_dot_product_attention(as_dtype(rows[:, :, 0, :].transpose(1, 0, 2)[None], k.dtype), k, v,
-                                                 scale=scale, mask=mask, sinks=_sinks(sinks, k.dtype))
+                                                 scale=scale, mask=seg.mask, sinks=_sinks(sinks, k.dtype))
         outs.append(o[0].transpose(1, 0, 2))
     if md.padded_block_table is not None:
         P, L = md.padded_block_table.shape[0], md.padded_max_query_len

@@ -8,7 +8,7 @@ together (short ones, under one mask)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import mlx.core as mx
 import numpy as np
@@ -23,7 +23,7 @@ from pagedmlx.scheduler_output import SchedulerOutput
 PADDED_MAX_QUERY = 32
 
 
-def _upload(host: dict[str, np.ndarray]) -> dict[str, mx.array]:
+def upload_indices(host: dict[str, np.ndarray]) -> dict[str, mx.array]:
     """Send a step's int32 index arrays to the device as ONE array, each then a view (slice) of it:
     every MLX array made from host memory is an allocation and a copy of its own, and a step has
     a dozen index arrays."""
@@ -48,6 +48,9 @@ class PrefillSegment:
     key_offset: int  # position of the first gathered key (0, or a page boundary before the window)
     num_keys: int  # keys from key_offset to the segment's last token
     block_table: mx.array  # (nb,) the pages holding those keys
+    # "causal" (MLX's fused kernel, aligned to the last key) where the window does not bite, else
+    # the (num_queries, num_keys) band: built once a step, shared by the group's layers.
+    mask: Union[str, mx.array] = "causal"
 
 
 @dataclass
@@ -111,7 +114,7 @@ class StepMetadata:
                     for g, w in enumerate(windows)]
         for g, b in enumerate(builders):
             host.update({f"{g}.{k}": v for k, v in b.host.items()})
-        dev = _upload(host)
+        dev = upload_indices(host)
         groups = [b.finish(dev, f"{g}.", dev["positions"]) for g, b in enumerate(builders)]
         return cls(dev["input_ids"], dev["logits_indices"], dev.get("placeholder_rows"), dev.get("placeholder_src"),
                    groups)
@@ -174,7 +177,8 @@ class _GroupBuilder:
                                prefill_order=get.get("prefill_order"))
         if self.nd and not self.use_kernel:
             md.decode_mask = length_mask(md.decode_seq_lens, md.decode_block_table.shape[1] * self.bs, self.window)
-        md.segments = [PrefillSegment(*seg, block_table=get[f"segment{i}"]) for i, seg in enumerate(self.long)]
+        md.segments = [PrefillSegment(*seg, block_table=get[f"segment{i}"], mask=self._segment_mask(*seg))
+                       for i, seg in enumerate(self.long)]
         if self.short:
             md.padded_block_table, md.padded_query_rows = get["padded_block_table"], get["padded_query_rows"]
             md.padded_out_rows = get["padded_out_rows"]
@@ -183,6 +187,15 @@ class _GroupBuilder:
             key_pos = key_offset[:, None, None] + mx.arange(md.padded_block_table.shape[1] * self.bs)[None, None, :]
             md.padded_mask = causal_mask(key_pos, q_pos[:, :, None], self.window)[:, None]
         return md
+
+
+    def _segment_mask(self, row_start: int, num_queries: int, first_query_pos: int, key_offset: int,
+                      num_keys: int) -> Union[str, mx.array]:
+        if self.window is None or (key_offset == 0 and first_query_pos + num_queries <= self.window):
+            return "causal"
+        key_pos = mx.arange(key_offset, key_offset + num_keys)[None, :]
+        query_pos = mx.arange(first_query_pos, first_query_pos + num_queries)[:, None]
+        return causal_mask(key_pos, query_pos, self.window)
 
 
 def _window_tables(table: np.ndarray, seq_lens: np.ndarray, query_pos: np.ndarray, block_size: int,

@@ -32,7 +32,7 @@ from pagedmlx.config import EngineConfig
 from pagedmlx.kv.spec import KVCacheGroupSpec, MambaSpec, cdiv
 from pagedmlx.runner import cuda_state
 from pagedmlx.runner.attention import as_dtype
-from pagedmlx.runner.attention_metadata import _upload
+from pagedmlx.runner.attention_metadata import upload_indices
 from pagedmlx.runner.plan import LayerPlan, StatePlan
 from pagedmlx.scheduler_output import SchedulerOutput
 
@@ -151,7 +151,7 @@ class StateMetadata:
         if (rows != np.arange(len(rows))).any():
             host["order"] = np.argsort(rows)
         md = cls(len(decode), segments=segments)
-        for name, value in (_upload(host) if host else {}).items():
+        for name, value in (upload_indices(host) if host else {}).items():
             setattr(md, name, value)
         return md
 
