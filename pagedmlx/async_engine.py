@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence
 from pagedmlx.async_stream import (EngineDeadError, EngineShutdownError, RequestStream, TooManyRequestsError,
                                    deliver, resolve)
 from pagedmlx.engine import LLMEngine, PromptType
-from pagedmlx.outputs import EngineOutput, RequestOutput, completion_output, prompt_logprobs
+from pagedmlx.outputs import EngineOutput, RequestOutput, RequestOutputBuilder
 from pagedmlx.request import fan_out
 from pagedmlx.sampling_params import SamplingParams
 
@@ -137,19 +137,11 @@ class AsyncEngine:
         params = sampling_params or self.engine.get_default_sampling_params()
         stream = await self.add_request(request_id, prompt, params, priority, cache_salt)
         index = {rid: i for i, rid in enumerate(stream.request_ids)}
-        latest: dict[int, EngineOutput] = {}
-        tokenizer = self.engine.tokenizer
-        prompt_lps = None  # they come with a request's first output
+        builder = RequestOutputBuilder(request_id, prompt if isinstance(prompt, str) else None, len(index),
+                                       self.engine.tokenizer)
         try:
             async for out in stream:
-                latest[index[out.request_id]] = out
-                prompt_lps = prompt_lps or prompt_logprobs(out.prompt_logprobs, tokenizer)
-                outputs = [completion_output(o, i, tokenizer) for i, o in sorted(latest.items())]
-                finished = len(latest) == len(index) and all(o.finished for o in latest.values())
-                errors = [o.error for o in latest.values() if o.error]
-                yield RequestOutput(request_id, prompt if isinstance(prompt, str) else None, list(out.prompt_token_ids),
-                                    outputs, finished, out.num_cached_tokens, errors[0] if errors else None,
-                                    prompt_lps)
+                yield builder.add(index[out.request_id], out)
         finally:
             stream.close()
 

@@ -72,12 +72,6 @@ def build_engine(config):
     return LLMEngine.from_config(config)  # imports pagedmlx.loader only now
 
 
-def launched() -> bool:
-    from pagedmlx.tp.group import launched_backend  # no MLX import
-
-    return launched_backend() is not None
-
-
 # ---- serve -----------------------------------------------------------------------------------
 
 def _positive(kind: type) -> Callable[[str], object]:
@@ -125,7 +119,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from pagedmlx.server.file_limit import RESERVED_FDS, import_mlx_lm, raise_file_limit
+    from pagedmlx.platform import import_mlx_lm
+    from pagedmlx.server.file_limit import RESERVED_FDS, raise_file_limit
 
     import_mlx_lm()  # first: keep the operator's open-file limit (file_limit.py)
     nofile = raise_file_limit()
@@ -135,11 +130,12 @@ def run_serve(args: argparse.Namespace) -> int:
     from pagedmlx.server.api import build_app
     from pagedmlx.server.http_server import make_server, max_connections
     from pagedmlx.server.serving import ServerLimits
+    from pagedmlx.tp.group import launched_backend
 
     console = Console(stderr=True)
     config = engine_config(args)
     group = None
-    if args.tp or launched():  # tensor parallelism, when launched so or asked for with --tp
+    if args.tp or launched_backend() is not None:  # tensor parallelism, when launched so or asked for with --tp
         from pagedmlx.loader import load_model
         from pagedmlx.tp import engine as tp_engine
         from pagedmlx.tp.group import join_group
@@ -177,7 +173,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         console.print("[yellow]warning:[/] listening beyond this machine without --api-key")
     if max_connections(app) > nofile[0] - RESERVED_FDS:
-        console.print(f"[yellow]warning:[/] --max-connections {max_connections(app)} leaves fewer than {RESERVED_FDS} "
+        console.print(f"[yellow]warning:[/] {max_connections(app)} connections leave fewer than {RESERVED_FDS} "
                       f"of the {nofile[0]} open files for the rest: raise the limit (ulimit -n, LimitNOFILE)")
     server = make_server(app, args.host, args.port, args.log_level)
     lost = tp_engine.exit_on_rank_loss(engine, async_engine, server, console) if group else None

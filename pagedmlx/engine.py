@@ -98,11 +98,12 @@ class LLMEngine:
         return ModelRunner(self.model, self.config, verify=verify)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+    def from_config(cls, config: EngineConfig, tokenizer: Any = None) -> "LLMEngine":
+        """Load config.model (with its own tokenizer, unless one is given) and build the engine."""
         from pagedmlx.loader import load_model
 
-        model, tokenizer = load_model(config.model)
-        engine = cls(model, tokenizer, config)
+        model, loaded_tokenizer = load_model(config.model)
+        engine = cls(model, tokenizer or loaded_tokenizer, config)
         engine.load_generation_defaults(config.model)
         return engine
 

@@ -16,9 +16,10 @@ import mlx.nn as nn
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine import LLMEngine
-from pagedmlx.outputs import EngineOutput, RequestOutput, completion_output, prompt_logprobs
+from pagedmlx.outputs import EngineOutput, RequestOutput, RequestOutputBuilder
 from pagedmlx.request import fan_out
 from pagedmlx.sampling_params import SamplingParams
+from pagedmlx.tp.group import launched_backend
 
 # A prompt as vLLM takes it: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}.
 PromptInput = Union[str, Sequence[int], dict]
@@ -32,12 +33,12 @@ class LLM:
         model), or an nn.Module with its tokenizer. tp is an alias of tensor_parallel_size; the
         other keywords are EngineConfig fields (block_size, max_num_seqs, kv_cache_memory_gb, ...)."""
         size = tp or tensor_parallel_size
-        if size > 1 or _launched():
+        if size > 1 or launched_backend() is not None:
             self.engine = _tp_engine(model, tokenizer, size, tp_timeout, config)
         elif isinstance(model, nn.Module):
             self.engine = LLMEngine(model, tokenizer, EngineConfig(**config))
         else:
-            self.engine = LLMEngine.from_config(EngineConfig(model=model, **config))
+            self.engine = LLMEngine.from_config(EngineConfig(model=model, **config), tokenizer)
         self.tokenizer = self.engine.tokenizer
         self._counter = itertools.count()
 
@@ -65,12 +66,16 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         requests = []  # (request id, prompt text or None, sample ids)
-        for prompt, p in zip(prompts, params):
-            rid, (text, ids) = str(next(self._counter)), _unpack(prompt)
-            children = fan_out(rid, [ids if ids is not None else text], p)
-            for child_id, child_prompt, child_params in children:
-                self.engine.add_request(child_id, child_prompt, child_params)
-            requests.append((rid, text, [c[0] for c in children]))
+        try:
+            for prompt, p in zip(prompts, params):
+                rid, (text, ids) = str(next(self._counter)), _unpack(prompt)
+                requests.append((rid, text, []))
+                for child_id, child_prompt, child_params in fan_out(rid, [ids if ids is not None else text], p):
+                    self.engine.add_request(child_id, child_prompt, child_params)
+                    requests[-1][2].append(child_id)
+        except BaseException:  # a refused prompt: the call adds nothing
+            self.engine.abort_request([c for _, _, children in requests for c in children])
+            raise
         num_samples = sum(len(c) for _, _, c in requests)
         done = self._run(num_samples, use_tqdm if use_tqdm is not None else num_samples >= 8)
         return [self._request_output(rid, text, [done[c] for c in child_ids]) for rid, text, child_ids in requests]
@@ -104,11 +109,10 @@ class LLM:
         return done
 
     def _request_output(self, rid: str, text: Optional[str], samples: list[EngineOutput]) -> RequestOutput:
-        outputs = [completion_output(s, i, self.tokenizer) for i, s in enumerate(samples)]
-        errors = [s.error for s in samples if s.error]
-        return RequestOutput(rid, text, list(samples[0].prompt_token_ids), outputs, True,
-                             samples[0].num_cached_tokens, errors[0] if errors else None,
-                             prompt_logprobs(samples[0].prompt_logprobs, self.tokenizer))
+        builder = RequestOutputBuilder(rid, text, len(samples), self.tokenizer)
+        for i, sample in enumerate(samples):
+            output = builder.add(i, sample)
+        return output
 
 
 def _as_list(prompts: Union[PromptInput, Sequence[PromptInput]]) -> list[PromptInput]:
@@ -134,12 +138,6 @@ def _unpack(prompt: PromptInput) -> tuple[Optional[str], Optional[list[int]]]:
 
 def _bad(value: Any):
     raise ValueError(f"'prompt' must be a string, got {type(value).__name__}")
-
-
-def _launched() -> bool:
-    from pagedmlx.tp.group import launched_backend
-
-    return launched_backend() is not None
 
 
 def _tp_engine(model: Any, tokenizer: Any, size: int, timeout: float, config: dict) -> LLMEngine:

@@ -80,26 +80,51 @@ class RequestOutput:
     prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None  # None for the first token, as vLLM
 
 
-def completion_output(out: EngineOutput, index: int = 0, tokenizer: Any = None) -> CompletionOutput:
-    """One sample's CompletionOutput from the engine's output for it."""
-    logprobs = cumulative = None
-    if out.logprobs is not None:
-        logprobs = [_vllm_logprobs(lp, tokenizer) for lp in out.logprobs]
-        cumulative = sum(lp.logprob for lp in out.logprobs)
-    return CompletionOutput(index, out.text, list(out.token_ids), cumulative, logprobs,
-                            out.finish_reason, out.stop_reason)
+class RequestOutputBuilder:
+    """vLLM's RequestOutput of one request, built from its samples' EngineOutputs as they arrive
+    (LLM at the end, AsyncEngine.generate after every step): a sample's logprobs are converted (and
+    their tokens decoded) once, as they come, not again at every step."""
 
+    def __init__(self, request_id: str, prompt: Optional[str], num_samples: int, tokenizer: Any = None):
+        self.request_id, self.prompt, self.num_samples = request_id, prompt, num_samples
+        self.latest: dict[int, EngineOutput] = {}
+        self.outputs: dict[int, CompletionOutput] = {}
+        self._logprobs: dict[int, list[dict[int, Logprob]]] = {}
+        self._cumulative: dict[int, float] = {}
+        self.prompt_logprobs: Optional[list] = None
+        self._decoded: dict[int, Optional[str]] = {}
+        self._tokenizer = tokenizer
 
-def prompt_logprobs(lps: Optional[list[TokenLogprob]], tokenizer: Any = None) -> Optional[list]:
-    """vLLM's RequestOutput.prompt_logprobs: None for the first prompt token, then a dict per token."""
-    return None if lps is None else [None] + [_vllm_logprobs(lp, tokenizer) for lp in lps]
+    def add(self, index: int, out: EngineOutput) -> RequestOutput:
+        """Take sample `index`'s latest output; the request's RequestOutput so far (cumulative)."""
+        self.latest[index] = out
+        logprobs = cumulative = None
+        if out.logprobs is not None:
+            logprobs = self._logprobs.setdefault(index, [])
+            new = out.logprobs[len(logprobs):]
+            logprobs.extend(self._vllm_logprobs(lp) for lp in new)
+            cumulative = self._cumulative[index] = self._cumulative.get(index, 0.0) + sum(lp.logprob for lp in new)
+            logprobs = list(logprobs)
+        self.outputs[index] = CompletionOutput(index, out.text, list(out.token_ids), cumulative, logprobs,
+                                               out.finish_reason, out.stop_reason)
+        if self.prompt_logprobs is None and out.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] + [self._vllm_logprobs(lp) for lp in out.prompt_logprobs]
+        first = self.latest.get(0, out)
+        errors = [o.error for o in self.latest.values() if o.error]
+        finished = len(self.latest) == self.num_samples and all(o.finished for o in self.latest.values())
+        return RequestOutput(self.request_id, self.prompt, list(first.prompt_token_ids),
+                             [self.outputs[i] for i in sorted(self.outputs)], finished, first.num_cached_tokens,
+                             errors[0] if errors else None, self.prompt_logprobs)
 
+    def _decode(self, token_id: int) -> Optional[str]:
+        if self._tokenizer is None:
+            return None
+        if token_id not in self._decoded:
+            self._decoded[token_id] = self._tokenizer.decode([token_id])
+        return self._decoded[token_id]
 
-def _vllm_logprobs(lp: TokenLogprob, tokenizer: Any) -> dict[int, Logprob]:
-    def decode(t: int) -> Optional[str]:
-        return tokenizer.decode([t]) if tokenizer is not None else None
-
-    ranks = {tok: rank for rank, (tok, _) in enumerate(lp.top, 1)}
-    entries = {tok: Logprob(value, rank, decode(tok)) for rank, (tok, value) in enumerate(lp.top, 1)}
-    entries.setdefault(lp.token_id, Logprob(lp.logprob, ranks.get(lp.token_id), decode(lp.token_id)))
-    return {lp.token_id: entries.pop(lp.token_id), **entries}  # the sampled token first, as vLLM
+    def _vllm_logprobs(self, lp: TokenLogprob) -> dict[int, Logprob]:
+        ranks = {tok: rank for rank, (tok, _) in enumerate(lp.top, 1)}
+        entries = {tok: Logprob(value, rank, self._decode(tok)) for rank, (tok, value) in enumerate(lp.top, 1)}
+        entries.setdefault(lp.token_id, Logprob(lp.logprob, ranks.get(lp.token_id), self._decode(lp.token_id)))
+        return {lp.token_id: entries.pop(lp.token_id), **entries}  # the sampled token first, as vLLM

@@ -112,9 +112,9 @@ class Request:
 def fan_out(request_id: str, prompts: Sequence[Any], params: SamplingParams) -> list[tuple[str, Any, SamplingParams]]:
     """The engine requests of one API request: (id, prompt, params) for sample i of prompt p.
     One prompt with n == 1 keeps its id; otherwise child k = p * n + i is `{id}-{k}`, and seeded
-    samples get seed + i, so that the n samples of a prompt differ."""
+    samples get seed + i (wrapping past MAX_SEED), so that the n samples of a prompt differ."""
     n = params.n
     if len(prompts) == 1 and n == 1:
         return [(request_id, prompts[0], params)]
-    return [(f"{request_id}-{p * n + i}", prompt, replace(params, n=1, seed=None if params.seed is None else params.seed + i))
+    return [(f"{request_id}-{p * n + i}", prompt, replace(params, n=1, seed=None if params.seed is None else (params.seed + i) & MAX_SEED))
             for p, prompt in enumerate(prompts) for i in range(n)]

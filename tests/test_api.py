@@ -7,6 +7,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 from utils import make_model, make_tokenizer, solo_greedy
@@ -58,11 +59,16 @@ def test_prompt_forms_give_mlx_lm_tokens():
     assert len(one) == 1 and one[0].outputs[0].token_ids == want[0]
     with pytest.raises(ValueError, match="exactly one of 'prompt' or 'prompt_token_ids'"):
         llm.generate({"prompt": text, "prompt_token_ids": ids}, params)
+    with pytest.raises(ValueError, match="token ids"):  # the second prompt is refused: the first is not left behind
+        llm.generate([ids, [10**9]], params)
+    assert llm.engine.get_num_unfinished_requests() == 0
+    assert llm.generate(ids, params)[0].outputs[0].token_ids == want[0]
 
 
 def test_n_samples_are_grouped_in_order_with_their_seeds():
     """n > 1: one RequestOutput per prompt, outputs[i] is sample i, seeded with seed + i."""
     from pagedmlx import LLM, SamplingParams
+    from pagedmlx.sampling_params import MAX_SEED
 
     llm = LLM(make_model("llama"), None, block_size=4, num_blocks=128)
     prompts = [[3, 4, 5, 6], [9, 8, 7]]
@@ -73,6 +79,9 @@ def test_n_samples_are_grouped_in_order_with_their_seeds():
         for i, c in enumerate(out.outputs):
             alone = llm.generate([prompt], SamplingParams(temperature=1.0, seed=11 + i, max_tokens=8, ignore_eos=True))
             assert c.token_ids == alone[0].outputs[0].token_ids
+    top = SamplingParams(n=2, temperature=1.0, seed=MAX_SEED, max_tokens=4, ignore_eos=True)
+    wrapped = llm.generate([prompts[0]], top)[0].outputs  # seed + 1 wraps to 0, as a valid seed must
+    assert wrapped[1].token_ids == llm.generate([prompts[0]], replace(top, n=1, seed=0))[0].outputs[0].token_ids
 
 
 def test_async_generate_takes_vllms_argument_order():
@@ -81,7 +90,7 @@ def test_async_generate_takes_vllms_argument_order():
 
     model = make_model("llama")
     engine = AsyncEngine(LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=64)))
-    params = SamplingParams(n=2, temperature=0, max_tokens=5, ignore_eos=True)
+    params = SamplingParams(n=2, temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
 
     async def main():
         return [o async for o in engine.generate([1, 2, 3], params, "req-7")]
@@ -94,6 +103,9 @@ def test_async_generate_takes_vllms_argument_order():
     assert final.finished and not any(o.finished for o in outs[:-1]) and final.request_id == "req-7"
     assert [c.index for c in final.outputs] == [0, 1]
     assert all(c.token_ids == solo_greedy(model, [1, 2, 3], 5) for c in final.outputs)
+    for c in final.outputs:  # logprobs gathered step by step: one dict per token, the sampled token first
+        assert [next(iter(d)) for d in c.logprobs] == c.token_ids
+        assert c.cumulative_logprob == pytest.approx(sum(d[t].logprob for d, t in zip(c.logprobs, c.token_ids)))
 
 
 def test_package_import_is_lazy():

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import resource
 
-from pagedmlx.platform import import_mlx_lm
-
-__all__ = ["RESERVED_FDS", "default_max_connections", "import_mlx_lm", "raise_file_limit"]
+__all__ = ["RESERVED_FDS", "default_max_connections", "raise_file_limit"]
 
 RESERVED_FDS = 256  # model files, pipes, the engine's own: kept out of the connection cap
 DEFAULT_MAX_CONNECTIONS = 4096

@@ -68,8 +68,7 @@ class PromptEncoder:
                            param=field) from None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        for m in messages:
-            self.check_fits(m.get("content") or "", "messages")
+        self.check_fits("".join(_texts(m.get("content")) for m in messages), "messages")
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # noqa: BLE001 - a template that refuses these messages
@@ -77,3 +76,10 @@ class PromptEncoder:
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
+
+
+def _texts(content: Any) -> str:
+    """A message's text: its content string, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text") or "" for p in content or [] if isinstance(p, dict))

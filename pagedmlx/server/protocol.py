@@ -9,9 +9,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, WithJsonSchema
 
-from pagedmlx.sampling_params import SamplingParams
+from pagedmlx.sampling_params import MAX_SEED, SamplingParams
 
-MAX_SEED = 2**63 - 1
 MAX_TOKEN_ID = 2**31 - 1  # the vocabulary's real bound is checked per model (Serving)
 
 
@@ -115,8 +114,6 @@ class SamplingRequest(OpenAIModel):
     seed: Optional[int] = Field(None, ge=0, le=MAX_SEED)
     presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
-    # SamplingParams takes (0, 10], but a penalty under ~1e-37 turns logits into inf in float32 (and
-    # logprobs into NaN): the server keeps to what is meaningful.
     repetition_penalty: Optional[float] = Field(None, ge=0.01, le=10.0)
     logit_bias: Optional[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
                               Annotated[float, Field(ge=-100.0, le=100.0)]]] = None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 from pagedmlx.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError, RequestStream, TooManyRequestsError
 from pagedmlx.outputs import EngineOutput, TokenLogprob
@@ -218,12 +218,17 @@ class Serving:
         self.num_cut += any(self.note_cut(o) for o in finals.values())
         return finals
 
-    def echo_logprobs(self, prep: Prepared, index: int, out: EngineOutput, echo: str,
-                      lps: Optional[list[TokenLogprob]]) -> Optional[CompletionLogprobs]:
+    async def echo_logprobs(self, prep: Prepared, index: int, out: EngineOutput, echo: str,
+                            lps: Optional[list[TokenLogprob]]) -> Optional[CompletionLogprobs]:
         """OpenAI's echo with logprobs: the prompt's tokens (the first without a logprob, as vLLM),
-        then the completion's `lps`, offsets counted over the echoed text and the completion."""
+        then the completion's `lps`, offsets counted over the echoed text and the completion. The
+        prompt's (a token and its top k each) are decoded in the tokenizing pool, off the event loop."""
         if out.prompt_logprobs is None:
             return self.completion_logprobs(lps, len(echo))
+        return await self.prompts.run(self._merge_prompt_logprobs, prep, index, out, lps)
+
+    def _merge_prompt_logprobs(self, prep: Prepared, index: int, out: EngineOutput,
+                               lps: Optional[list[TokenLogprob]]) -> CompletionLogprobs:
         prompt = prep.prompts[index // prep.n]
         first = TokenLogprob(prompt[0], 0.0, [])
         merged = self.completion_logprobs([first, *out.prompt_logprobs, *(lps or [])], 0)
@@ -244,7 +249,7 @@ class Serving:
             out = finals[i]
             echo = self._prompt_text(prep, i) if req.echo else ""
             choices.append(CompletionChoice(
-                index=i, text=echo + out.text, logprobs=self.echo_logprobs(prep, i, out, echo, out.logprobs),
+                index=i, text=echo + out.text, logprobs=await self.echo_logprobs(prep, i, out, echo, out.logprobs),
                 finish_reason=out.finish_reason, stop_reason=out.stop_reason,
                 token_ids=out.token_ids if req.return_token_ids else None,
                 prompt_token_ids=out.prompt_token_ids if req.return_token_ids else None))
@@ -268,14 +273,14 @@ class Serving:
         rid = f"cmpl-{prep.request_id}"
         offsets: dict[int, int] = {}
 
-        def chunk(i: int, out: EngineOutput) -> Optional[CompletionResponse]:
+        async def chunk(i: int, out: EngineOutput) -> Optional[CompletionResponse]:
             first = i not in offsets
             text = (self._prompt_text(prep, i) if req.echo and first else "") + out.new_text
             offset = offsets.get(i, len(text) - len(out.new_text))
             offsets[i] = offset + len(out.new_text)
             if not (text or out.finished or out.new_logprobs or req.return_token_ids):
                 return None
-            logprobs = (self.echo_logprobs(prep, i, out, text, out.new_logprobs) if first and req.echo
+            logprobs = (await self.echo_logprobs(prep, i, out, text, out.new_logprobs) if first and req.echo
                         else self.completion_logprobs(out.new_logprobs, offset))
             return CompletionResponse(id=rid, model=self.model_name, choices=[CompletionChoice(
                 index=i, text=text, logprobs=logprobs,
@@ -292,7 +297,7 @@ class Serving:
         firsts = [ChatCompletionChunk(id=rid, model=self.model_name, choices=[
             ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]) for i in range(prep.n)]
 
-        def chunk(i: int, out: EngineOutput) -> Optional[ChatCompletionChunk]:
+        async def chunk(i: int, out: EngineOutput) -> Optional[ChatCompletionChunk]:
             if not (out.new_text or out.finished or out.new_logprobs or req.return_token_ids):
                 return None
             return ChatCompletionChunk(id=rid, model=self.model_name, choices=[ChatChunkChoice(
@@ -306,7 +311,7 @@ class Serving:
         return self._sse(req, prep, stream, firsts, chunk, usage_chunk)
 
     async def _sse(self, req: SamplingRequest, prep: Prepared, stream: RequestStream, firsts: list,
-                   chunk: Callable[[int, EngineOutput], Any], usage_chunk: Callable[[Usage], Any]
+                   chunk: Callable[[int, EngineOutput], Awaitable[Any]], usage_chunk: Callable[[Usage], Any]
                    ) -> AsyncIterator[str]:
         """`data:` payloads: the chunks, an optional usage chunk, then [DONE]. An engine error ends
         the stream with an error event (then [DONE]); a dropped connection aborts the request."""
@@ -323,7 +328,7 @@ class Serving:
                 if out.finished:
                     finals[i] = out
                     cut = cut or self.note_cut(out)
-                c = chunk(i, out)
+                c = await chunk(i, out)
                 if c is not None:
                     yield c.model_dump_json()
             else:
