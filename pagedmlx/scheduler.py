@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.kv.manager import KVCacheManager
+from pagedmlx.kv.manager import KVCacheManager, cdiv
 from pagedmlx.request import Request, RequestStatus
 from pagedmlx.scheduler_output import SchedulerOutput, build_scheduler_output
 
@@ -284,7 +284,7 @@ class Scheduler:
             if req is None or (requests is not None and requests[i] is not req):
                 # Gone since (aborted while the step ran): its pages were freed with the hashes
                 # this step was to make true. Uncaching a page that holds valid KV is harmless.
-                span = slice(computed_before // bs, -(-int(output.seq_lens[i]) // bs))
+                span = slice(computed_before // bs, cdiv(int(output.seq_lens[i]), bs))
                 tables = [table[i, span].tolist() for table in output.block_table]
                 if len(output.state_slots):  # the state group: the checkpoint the step was to save
                     tables[-1] = [int(output.state_slots[i, 2])] if output.state_slots[i, 2] >= 0 else []

@@ -92,13 +92,13 @@ def _request_row(req: Any, block_ids: list[int], held: dict) -> dict:
     }
 
 
-def block_states(pool: Any, req_to_blocks: dict) -> tuple[str, dict]:
+def block_states(pool: Any, held_blocks: list) -> tuple[str, dict]:
     """One state character per block, and the blocks in use by id. Costs in proportion to the
     blocks in use or cached, not to the pool: a large, mostly empty pool is cheap to look at."""
     states = bytearray(FREE.encode() * len(pool.blocks))
     for block in pool.cached_block_hash_to_block.values():
         states[block.block_id] = ord(CACHED)
-    held = {b.block_id: b for blocks in req_to_blocks.values() for b in blocks if b is not pool.null_block}
+    held = {b.block_id: b for blocks in held_blocks for b in blocks if b is not pool.null_block}
     if len(held) != pool.num_blocks - pool.get_num_free_blocks():  # a block no request holds: a leak; show it
         held.update((b.block_id, b) for b in pool.blocks if b.ref_cnt)
     for block_id, block in held.items():
@@ -143,16 +143,16 @@ def kv_snapshot(engine: Any, top_shared: int = 10, block_text: bool = True) -> d
     the server shows only to its admin key."""
     kv = engine.kv_cache_manager
     sched = engine.scheduler
-    groups = []
+    groups, group_held = [], []
     for spec, manager in zip(kv.kv_cache_config.kv_cache_groups, kv.managers):
         pool = manager.block_pool
-        states, held = block_states(pool, manager.req_to_blocks)
+        states, held = block_states(pool, manager.held_blocks())
+        group_held.append(held)
         groups.append(dict(_pool_summary(pool, states, spec.page_size_bytes), name=spec.name,
                            window=spec.sliding_window, layers=len(spec.layer_ids), block_states=states))
         if spec.is_state:
             groups[-1]["state"] = _state_summary(manager)
-    pool, manager = kv.block_pool, kv.managers[0]
-    states, held = block_states(pool, manager.req_to_blocks)
+    pool, manager, held, states = kv.block_pool, kv.managers[0], group_held[0], groups[0]["block_states"]
 
     requests = [_request_row(r, kv.get_block_ids(r.request_id)[0], held) for r in (*sched.running, *sched.waiting)]
 

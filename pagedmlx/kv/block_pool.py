@@ -139,7 +139,7 @@ class BlockPool:
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         """Record a full block under its hash. The first block to hold a chain keeps the key;
         a later duplicate (computed before the first was cached) stays private and uncached."""
-        if not self.enable_caching or block.block_hash is not None:
+        if not self.enable_caching or block.block_hash is not None or block is self.null_block:
             return
         if block_hash in self.cached_block_hash_to_block:
             return
@@ -148,7 +148,7 @@ class BlockPool:
 
     def uncache_block(self, block: KVCacheBlock) -> None:
         """Forget a block's hash (its KV is not valid, e.g. the step that wrote it failed)."""
-        self._evict(block)
+        self._evict(block)  # the null block never holds a hash
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block, in eviction order (first is evicted first).

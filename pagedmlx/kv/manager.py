@@ -64,10 +64,6 @@ class KVCacheManager:
         return self.managers[0].req_to_blocks
 
     @property
-    def num_blocks(self) -> int:
-        return self.block_pool.num_blocks
-
-    @property
     def block_pools(self) -> list[BlockPool]:
         return [m.block_pool for m in self.managers]
 
@@ -150,16 +146,14 @@ class KVCacheManager:
         # within each layer every new K/V is written before any page is read.
         self._cache_full_blocks(request, min(total_tokens, request.num_tokens))
         if self.state_manager is not None and self.enable_caching:
-            self.update_block_hashes(request)
             start = request.num_computed_tokens + num_new_computed_tokens
             self.state_manager.save_checkpoint(request, start, total_tokens)
         return new
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        if not self.enable_caching or num_tokens // self.block_size <= self.managers[0].num_cached_blocks.get(
-                request.request_id, 0):
-            return  # no block completed (most decode steps)
-        self.update_block_hashes(request)
+        if not self.enable_caching:
+            return
+        self.update_block_hashes(request)  # incremental: nothing to hash on most decode steps
         for manager in self.managers:
             manager.cache_blocks(request.request_id, request.block_hashes, num_tokens)
 
@@ -174,8 +168,7 @@ class KVCacheManager:
         for manager, block_ids in zip(self.managers, group_block_ids):
             pool = manager.block_pool
             for i in block_ids:
-                if pool.blocks[i] is not pool.null_block:
-                    pool.uncache_block(pool.blocks[i])
+                pool.uncache_block(pool.blocks[i])
 
     def free(self, request: Request) -> None:
         for manager in self.managers:

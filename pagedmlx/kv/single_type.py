@@ -11,6 +11,9 @@ from pagedmlx.kv.spec import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingW
 
 
 class SingleTypeKVCacheManager:
+    # A hit of n blocks cut to fewer is the hit for fewer (full attention): no second lookup.
+    hits_are_prefixes = False
+
     def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int, enable_caching: bool):
         self.spec = spec
         self.block_size = block_size
@@ -57,8 +60,7 @@ class SingleTypeKVCacheManager:
             return
         blocks = self.req_to_blocks[request_id]
         for i in range(start, end):
-            if blocks[i] is not self.block_pool.null_block:
-                self.block_pool.cache_block(blocks[i], block_hashes[i])
+            self.block_pool.cache_block(blocks[i], block_hashes[i])
         self.num_cached_blocks[request_id] = end
 
     def uncache_from(self, request_id: str, num_valid_tokens: int) -> None:
@@ -69,6 +71,10 @@ class SingleTypeKVCacheManager:
         if request_id in self.num_cached_blocks:
             self.num_cached_blocks[request_id] = min(self.num_cached_blocks[request_id], first)
 
+    def held_blocks(self) -> list[list[KVCacheBlock]]:
+        """Every list of blocks this group holds a reference on (the inspector's view)."""
+        return list(self.req_to_blocks.values())
+
     def free(self, request_id: str) -> None:
         """Release the request's pages, tail first: the end of a chain is evicted before its head."""
         blocks = self.req_to_blocks.pop(request_id, [])
@@ -78,6 +84,8 @@ class SingleTypeKVCacheManager:
 
 
 class FullAttentionManager(SingleTypeKVCacheManager):
+    hits_are_prefixes = True
+
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_blocks: int) -> list[KVCacheBlock]:
         hits: list[KVCacheBlock] = []
         for block_hash in block_hashes[:max_blocks]:  # left to right: a prefix stops at its first miss
@@ -145,11 +153,14 @@ def intersect_hits(managers: Sequence[SingleTypeKVCacheManager], block_hashes: S
     """vLLM's hybrid coordinator: the longest prefix every group has cached. Each group may only
     shorten the hit, so repeat until no group shortens it; one pass is enough for full + one window."""
     num_blocks: Optional[int] = None
-    hits = [[] for _ in managers]
+    hits: list[Optional[list[KVCacheBlock]]] = [None] * len(managers)
     limit = max_blocks
     while num_blocks != limit:
         num_blocks = limit
         for g, manager in enumerate(managers):
-            hits[g] = manager.find_longest_cache_hit(block_hashes, limit)
+            if hits[g] is not None and manager.hits_are_prefixes:
+                hits[g] = hits[g][:limit]
+            else:
+                hits[g] = manager.find_longest_cache_hit(block_hashes, limit)
             limit = min(limit, len(hits[g]))
     return [h[:num_blocks] for h in hits], num_blocks

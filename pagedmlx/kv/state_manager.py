@@ -164,6 +164,5 @@ class StateManager(SingleTypeKVCacheManager):
                     self.num_checkpoints_saved += 1
             self.block_pool.free_blocks([sb.block])
 
-    @property
-    def num_step_blocks(self) -> int:
-        return sum(map(len, self.step_blocks.values()))
+    def held_blocks(self) -> list[list[KVCacheBlock]]:
+        return [*self.req_to_blocks.values(), *([sb.block for sb in sbs] for sbs in self.step_blocks.values())]
