@@ -93,7 +93,7 @@ class Serving:
                            param="prompt")
         if any(isinstance(p, str) for p in prompts):
             self._need_tokenizer("a text prompt")
-        ids = [self.prompts.encode(p, "prompt") if isinstance(p, str) else self._check_ids(p) for p in prompts]
+        ids = [self.prompts.encode(p, "prompt") if isinstance(p, str) else list(p) for p in prompts]
         prep = self._prepare(req, ids, "prompt")
         prep.texts = [p if isinstance(p, str) else None for p in prompts]
         return prep
@@ -104,12 +104,6 @@ class Serving:
         messages = [m.to_template_dict() for m in req.messages]
         ids = self.prompts.apply_chat_template(messages, req.add_generation_prompt)
         return self._prepare(req, [ids], "messages")
-
-    def _check_ids(self, ids: list[int]) -> list[int]:
-        bad = [t for t in ids if t >= self.vocab_size]
-        if bad:
-            raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}", param="prompt")
-        return list(ids)
 
     def _prepare(self, req: SamplingRequest, prompts: list[list[int]], prompt_field: str) -> Prepared:
         limits = self.limits
@@ -136,10 +130,6 @@ class Serving:
                 param="max_tokens" if requested is not None and longest < self.max_model_len else prompt_field,
                 code="context_length_exceeded")
         params = req.to_sampling_params(max_tokens, self.engine.engine.generation_defaults)
-        bad = [t for t in params.logit_bias if t >= self.vocab_size]
-        if bad:
-            raise APIError(400, f"logit_bias keys must be token ids in [0, {self.vocab_size}), got {bad[:5]}",
-                           param="logit_bias")
         return Prepared(uuid.uuid4().hex, prompts, params, prompt_field=prompt_field)
 
     async def submit(self, prep: Prepared, req: SamplingRequest) -> RequestStream:
