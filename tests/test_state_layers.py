@@ -332,3 +332,20 @@ def test_state_kernels_that_fail_at_load_are_switched_off_and_mlx_lm_serves(monk
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [7]]
     done = run_staggered(engine, prompts, GREEDY, seed=1)
     assert [done[str(i)] for i in range(2)] == [solo_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+
+
+def test_state_kernels_are_named_by_their_source(monkeypatch):
+    """Built by paged_kernels.make_kernel, whose names carry the source's hash: MLX's on-disk JIT cache,
+    keyed by name, never serves a kernel built from an older source."""
+    from pagedmlx.runner import cuda_state, paged_kernels
+
+    built = []
+    monkeypatch.setattr(paged_kernels, "make_kernel", lambda *args: built.append(args))
+    cuda_state._kernel.cache_clear()
+    try:
+        for name in ("gated_delta", "depthwise_conv", "write_rows"):
+            cuda_state._kernel(name)
+    finally:
+        cuda_state._kernel.cache_clear()
+    assert [(b[0], b[1]) for b in built] == [("cuda", "pagedmlx_gated_delta"), ("cuda", "pagedmlx_depthwise_conv"),
+                                             ("cuda", "pagedmlx_write_rows")]

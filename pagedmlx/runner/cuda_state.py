@@ -23,6 +23,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from pagedmlx.runner import cuda_state_sources as src
+from pagedmlx.runner import paged_kernels
+from pagedmlx.runner.dialect import CUDA
 
 _active = 0  # > 0 inside a regrouped state layer's call
 _off_reason: Optional[str] = None  # why the kernels were switched off in this process (switch_off)
@@ -65,7 +67,7 @@ def _kernel(name: str):
         "depthwise_conv": (["x", "weight", "bias"], ["out"], src.DEPTHWISE_CONV),
         "write_rows": (["values", "slots", "pool"], ["written"], src.WRITE_ROWS),
     }[name]
-    return mx.fast.cuda_kernel(f"pagedmlx_{name}", inputs, outputs, source)
+    return paged_kernels.make_kernel(CUDA, f"pagedmlx_{name}", inputs, outputs, source, "")
 
 
 def supports_gated_delta(q: mx.array, v: mx.array, g: mx.array) -> bool:
