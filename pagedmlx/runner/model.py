@@ -56,7 +56,10 @@ class ModelRunner:
         owners = [p for p in self.plan if p.has_pages]
         self.kernels = select_kernels([p.spec for p in owners], [p.n_heads for p in owners], self.block_size,
                                       windows=tuple(sorted(set(self.windows), key=str)),
-                                      sinks=any(p.sinks for p in self.plan))
+                                      sinks=any(p.sinks for p in self.plan),
+                                      state_layers=any(p.state is not None for p in self.plan))
+        if self.kernels.state:
+            cuda_state.install_kernels(model, [p.state.owner for p in self.plan if p.state is not None])
         self.state_pool: Optional[StatePool] = None
         if verify:
             self._verify_against_mlx_lm()
@@ -135,7 +138,8 @@ class ModelRunner:
         group = next((g for g in kv_cache_config.kv_cache_groups if g.is_state), None)
         if group is None:
             return None
-        return StatePool(group.num_blocks, [(i, self.plan[i].state) for i in group.layer_ids], len(self.plan))
+        return StatePool(group.num_blocks, [(i, self.plan[i].state) for i in group.layer_ids], len(self.plan),
+                         in_place=self.kernels.state)
 
     def _split_head(self) -> tuple[Optional[Callable], Optional[Callable]]:
         """Find the transformer body and LM head so that only sampled rows are projected to the
@@ -212,10 +216,8 @@ class ModelRunner:
         """Run a short busy schedule on scratch pages and compare with mlx-lm's own caches; fall back
         to the whole model call if the split head disagrees, refuse the model if pages disagree."""
         err = self._check()
-        if err is not None and (self.kernels.enabled or cuda_state.is_available()):  # the portable paths may be right
-            reason = f"the model's paged forward disagrees with mlx-lm ({err})"
-            self.kernels = self.kernels.switch_off(reason)
-            cuda_state.switch_off(reason)
+        if err is not None and self.kernels.enabled:  # the portable paths may be right
+            self.kernels = self.kernels.switch_off(f"the model's paged forward disagrees with mlx-lm ({err})")
             err = self._check()
         if err is not None and self._head is not None:
             self._body = self._head = None

@@ -11,11 +11,11 @@ The outputs go back in row order and the new states to their slots (and to a che
 the step saves one).
 
 The pool keeps each layer's arrays [num_slots, *shape] in one list only (as KVPool does for pages).
-On CUDA a kernel writes the new states in place. Elsewhere MLX writes by scatter, which is in place
-only when nothing else references the array, and a gather of this step's states still references
-it: so the writes wait, and land at the start of the layer's next call, before its reads. The
-scheduler never lets one step read a slot that another request of the step writes, so the two
-orders give the same states.
+Where the runner's state kernels run (CUDA: KernelPlan.state), a kernel writes the new states in
+place. Elsewhere MLX writes by scatter, which is in place only when nothing else references the
+array, and a gather of this step's states still references it: so the writes wait, and land at the
+start of the layer's next call, before its reads. The scheduler never lets one step read a slot
+that another request of the step writes, so the two orders give the same states.
 """
 
 from __future__ import annotations
@@ -69,8 +69,9 @@ def pages_budget(config: EngineConfig, state: Optional[KVCacheGroupSpec]) -> int
 class StatePool:
     """Every state layer's arrays by layer index, [num_slots, *shape] each (None: no state)."""
 
-    def __init__(self, num_slots: int, layers: list[tuple[int, StatePlan]], num_layers: int):
-        self.in_place = cuda_state.is_available()
+    def __init__(self, num_slots: int, layers: list[tuple[int, StatePlan]], num_layers: int, in_place: bool):
+        """in_place: the runner's state kernels run (KernelPlan.state), and write_rows writes the states."""
+        self.in_place = in_place
         self.arrays: list[Optional[list[mx.array]]] = [None] * num_layers
         self.pending: list[list[tuple[Any, list[mx.array]]]] = [[] for _ in range(num_layers)]
         for i, state in layers:
@@ -171,7 +172,7 @@ class StateLayerCache:
 
     def regroup(self, call: Callable, x: mx.array, rebuild: Callable) -> mx.array:
         """x (T, 1, D) -> (T, 1, D'): call(*rebuild(rows, cache)) for each group of rows."""
-        with cuda_state.active():
+        with cuda_state.active(self.pool.in_place):
             return self._regroup(call, x, rebuild)
 
     def _regroup(self, call: Callable, x: mx.array, rebuild: Callable) -> mx.array:
@@ -261,7 +262,6 @@ def install_regrouping(model: nn.Module, plan: list[LayerPlan]) -> None:
             owner = module_at(model, layer.state.owner)
             if not isinstance(owner, Regrouped):
                 owner.__class__ = _regrouped_class(type(owner))
-    cuda_state.install_kernels(model, [layer.state.owner for layer in plan if layer.state is not None])
 
 
 _CLASSES: dict[type, type] = {}
