@@ -120,7 +120,7 @@ def paged_attention(queries: mx.array, k_pages: mx.array, v_pages: mx.array, md:
 
 def _decode_attention(q, k_pages, v_pages, md: AttentionMetadata, scale, written, sinks) -> mx.array:
     nd, H, D = md.num_decodes, q.shape[1], q.shape[3]
-    if md.use_decode_kernel and paged_kernels.supports(D, H, k_pages.shape[1], k_pages.dtype):
+    if md.use_decode_kernel and paged_kernels.supports_layer(D, v_pages.shape[-1], H, k_pages.shape[1], k_pages.dtype):
         o = paged_kernels.paged_decode(q.reshape(nd, H, D), k_pages, v_pages, md.decode_block_table,
                                        md.decode_seq_lens, scale, md.decode_splits, md.decode_split_tokens, written,
                                        window=md.window, sinks=sinks)

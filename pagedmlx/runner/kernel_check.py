@@ -108,7 +108,7 @@ def kernel_shapes(layer_specs: list[tuple[int, int, int, mx.Dtype]], query_heads
                   backend: str) -> list[Shape]:
     """The distinct (H, n_kv, D, dtype) of layers that the decode kernel takes."""
     shapes = {(h, n_kv, dk, dt) for (n_kv, dk, dv, dt), h in zip(layer_specs, query_heads)
-              if h and dk == dv and paged_kernels.supports(dk, h, n_kv, dt, backend)}
+              if h and paged_kernels.supports_layer(dk, dv, h, n_kv, dt, backend)}
     return sorted(shapes, key=str)
 
 

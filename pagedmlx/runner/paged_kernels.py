@@ -180,6 +180,13 @@ def supports(head_dim: int, n_heads: int, n_kv_heads: int, dtype: mx.Dtype, back
     return kernel_layout(head_dim, group, dtype, s.vectors) is not None and shared <= s.shared_bytes
 
 
+def supports_layer(k_dim: int, v_dim: int, n_heads: int, n_kv_heads: int, dtype: mx.Dtype,
+                   backend: Optional[str] = None) -> bool:
+    """The decode kernel takes the layer: keys and values of one head_dim, which `supports`. The one
+    gate, at load (kernel_check) and per layer call (attention), so the two cannot disagree."""
+    return k_dim == v_dim and supports(k_dim, n_heads, n_kv_heads, dtype, backend)
+
+
 def num_splits(batch: int, n_kv_heads: int, max_seq_len: int, window: Optional[int] = None,
                backend: Optional[str] = None) -> tuple[int, int]:
     """(splits, tokens per split): split the keys only when the sequences alone leave the GPU idle.
