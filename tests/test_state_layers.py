@@ -212,7 +212,7 @@ def _independent_rows(self, call, x, rebuild):
         pool.write(self.layer, md.decode_write, [s[:md.num_decodes] for s in cache.cache])
     for seg in md.segments:
         last = seg.row_start + seg.num_rows - 1
-        pool.write(self.layer, seg.write, [s[last:last + 1] for s in cache.cache])
+        pool.write(self.layer, seg.write_slots, [s[last:last + 1] for s in cache.cache])
     return out
 
 

@@ -91,20 +91,15 @@ class StatePool:
         self.pending[layer] = []
         return [a[slots:slots + 1] if isinstance(slots, int) else a[slots] for a in arrays]
 
-    def write(self, layer: int, slots, values: list[mx.array]) -> list[mx.array]:
-        """Store states at `slots` (as in read). Returns what the step's output must depend on."""
+    def write(self, layer: int, slots: mx.array, values: list[mx.array]) -> list[mx.array]:
+        """Store states at `slots` ((n,) int32, uploaded with the step's metadata). Returns what the
+        step's output must depend on."""
         arrays = self.arrays[layer]
         values = [as_dtype(v, a.dtype) for v, a in zip(values, arrays)]
         if not self.in_place:
-            self.pending[layer].append((slot_range(slots), values))
+            self.pending[layer].append((slots, values))
             return values
-        if isinstance(slots, int):
-            slots = mx.array([slots], mx.int32)
         return [cuda_state.write_rows(v, slots, a) for v, a in zip(values, arrays)]
-
-
-def slot_range(slots):
-    return slice(slots, slots + 1) if isinstance(slots, int) else slots
 
 
 @dataclass
@@ -118,6 +113,8 @@ class StateSegment:
     write: int
     save: int
     save_len: int
+    write_slots: Optional[mx.array] = None  # (1,) `write` and `save` on the device, for StatePool.write
+    save_slots: Optional[mx.array] = None
 
 
 @dataclass
@@ -151,8 +148,15 @@ class StateMetadata:
                 host["decode_rows"] = decode
         if (rows != np.arange(len(rows))).any():
             host["order"] = np.argsort(rows)
+        for i, seg in enumerate(segments):  # uploaded with the rest: an array made per write is an upload each
+            host[f"write{i}"] = np.array([seg.write])
+            if seg.save >= 0:
+                host[f"save{i}"] = np.array([seg.save])
         md = cls(len(decode), segments=segments)
-        for name, value in (upload_indices(host) if host else {}).items():
+        dev = upload_indices(host)  # every request is a decode or a segment: never empty
+        for i, seg in enumerate(segments):
+            seg.write_slots, seg.save_slots = dev.pop(f"write{i}"), dev.pop(f"save{i}", None)
+        for name, value in dev.items():
             setattr(md, name, value)
         return md
 
@@ -190,14 +194,14 @@ class StateLayerCache:
             parts = []
             if seg.save >= 0 and seg.save_len < seg.num_rows:  # a checkpoint inside the chunk: split the call there
                 out, states = self._call(call, rebuild, rows[:, :seg.save_len], states)
-                deps += self.pool.write(self.layer, seg.save, states)
+                deps += self.pool.write(self.layer, seg.save_slots, states)
                 parts.append(out)
                 rows = rows[:, seg.save_len:]
             out, states = self._call(call, rebuild, rows, states)
             parts.append(out)
-            deps += self.pool.write(self.layer, seg.write, states)
+            deps += self.pool.write(self.layer, seg.write_slots, states)
             if seg.save >= 0 and seg.save_len == seg.num_rows:
-                deps += self.pool.write(self.layer, seg.save, states)
+                deps += self.pool.write(self.layer, seg.save_slots, states)
             out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
             outs.append(out.reshape(seg.num_rows, 1, -1))
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
