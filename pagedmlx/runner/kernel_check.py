@@ -77,11 +77,11 @@ def device_name() -> str:
 
 
 def select_kernels(layer_specs: list[tuple[int, int, int, mx.Dtype]], query_heads: list[int], block_size: int,
-                   windows: tuple[Optional[int], ...] = (None,), sinks: bool = False,
+                   windows: tuple[Optional[int], ...] = (None,), sinks: tuple[bool, ...] = (False,),
                    state_layers: bool = False) -> KernelPlan:
     """The kernels this model may use here. layer_specs: (kv heads, Dk, Dv, dtype) per layer;
-    windows / sinks: what the model's layers use, so that the check covers it; state_layers: the
-    model has recurrent-state layers."""
+    windows / sinks: the windows and with / without sinks that the model's layers use, so that the
+    check covers them (and only them); state_layers: the model has recurrent-state layers."""
     backend = paged_kernels.gpu_backend()
     if backend is None:
         return KernelPlan(None, reason="no GPU backend")
@@ -113,9 +113,9 @@ def kernel_shapes(layer_specs: list[tuple[int, int, int, mx.Dtype]], query_heads
 
 
 def run_checks(backend: str, shapes: list[Shape], block_size: int, page_write: bool,
-               windows: tuple[Optional[int], ...] = (None,), sinks: bool = False):
+               windows: tuple[Optional[int], ...] = (None,), sinks: tuple[bool, ...] = (False,)):
     """Yields (check, ok, detail) per check; stops after the first failure."""
-    cases = [(shape, w, s) for shape in shapes for w in windows for s in sorted({False, sinks})]
+    cases = [(shape, w, s) for shape in shapes for w in windows for s in sinks]
     for (h, n_kv, d, dt), window, with_sinks in cases:
         name = f"decode H={h} kv={n_kv} D={d} {_dtype_name(dt)}" + (f" window={window}" if window else "") + \
             (" sinks" if with_sinks else "")

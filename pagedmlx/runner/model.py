@@ -54,9 +54,10 @@ class ModelRunner:
         # through the block table (and on CUDA new K/V are written in place); elsewhere MLX
         # scatters the writes and decode rows gather the pages.
         owners = [p for p in self.plan if p.has_pages]
+        attending = [p for p in self.plan if p.has_pages or p.kind == "shared"]
         self.kernels = select_kernels([p.spec for p in owners], [p.n_heads for p in owners], self.block_size,
                                       windows=tuple(sorted(set(self.windows), key=str)),
-                                      sinks=any(p.sinks for p in self.plan),
+                                      sinks=tuple(sorted({p.sinks for p in attending})),
                                       state_layers=any(p.state is not None for p in self.plan))
         if self.kernels.state:
             cuda_state.install_kernels(model, [p.state.owner for p in self.plan if p.state is not None])
