@@ -31,6 +31,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from pagedmlx.platform import gpu_backend_name
 from pagedmlx.runner import cuda_mma_sources as mma_src
 from pagedmlx.runner import paged_sources as src
 from pagedmlx.runner.dialect import CUDA, METAL, render
@@ -65,16 +66,12 @@ SETTINGS = {
 
 # `written` (the page write's output) is not read: it only orders the kernel after the write.
 _INPUTS = ["q", "k_pages", "v_pages", "block_table", "seq_lens", "split_tokens", "scale", "sinks", "written"]
+_BACKENDS = {"CUDA": CUDA, "Metal": METAL}  # platform.gpu_backend_name -> the dialect's name
 
 
 def gpu_backend() -> Optional[str]:
     """CUDA or METAL where MLX's default device is a GPU of that backend; None elsewhere."""
-    if mx.default_device() != mx.gpu:
-        return None
-    if mx.metal.is_available():
-        return METAL
-    cuda = getattr(mx, "cuda", None)
-    return CUDA if cuda is not None and cuda.is_available() else None
+    return _BACKENDS.get(gpu_backend_name()) if mx.default_device() == mx.gpu else None
 
 
 def make_kernel(backend: str, name: str, inputs: list[str], outputs: list[str], source: str, header: str):
