@@ -83,7 +83,7 @@ def depthwise_conv1d(x: mx.array, weight: mx.array, bias: Optional[mx.array] = N
 
 def write_rows(values: mx.array, slots: mx.array, pool: mx.array) -> mx.array:
     """pool[slots] = values (values in the pool's dtype), in place. Returns a (1,) int32 zero that the
-    step's output must depend on (a view of a 4-element output: see cuda_decode._scale_array)."""
+    step's output must depend on (a view of a 4-element output: see paged_kernels._constant)."""
     E = math.prod(pool.shape[1:])
     return _kernel("write_rows")(
         inputs=[values, slots, pool], template=[("P", pool.dtype), ("E", E)], grid=(max(values.shape[0] * E, 1), 1, 1),
