@@ -135,9 +135,14 @@ def _guarded(check, *args) -> tuple[bool, str]:
     try:
         err = check(*args)
     except Exception as exc:  # compilation or launch: MLX raises when the kernel is built or run
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        return False, f"did not compile or run ({type(exc).__name__}: {first[:200]})"
+        return False, f"did not compile or run ({error_line(exc)})"
     return err is None, err or "ok"
+
+
+def error_line(exc: Exception) -> str:
+    """The exception's type and first line, for a warning (a compiler's message runs to pages)."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first[:200]}"
 
 
 def _dtype_name(dtype: mx.Dtype) -> str:

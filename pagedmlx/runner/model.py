@@ -13,7 +13,7 @@ from pagedmlx.kv.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from pagedmlx.runner import cuda_state
 from pagedmlx.runner.attention import KVPool, PagedLayerCache, install_paged_attention
 from pagedmlx.runner.attention_metadata import StepMetadata
-from pagedmlx.runner.kernel_check import select_kernels
+from pagedmlx.runner.kernel_check import error_line, select_kernels
 from pagedmlx.runner.plan import UnsupportedModelError, model_type, plan_layers
 from pagedmlx.runner.state import (StateLayerCache, StateMetadata, StatePool, install_regrouping, pages_budget,
                                    state_group)
@@ -212,7 +212,7 @@ class ModelRunner:
         try:
             return check_paged_forward(self)
         except Exception as exc:  # noqa: BLE001 - MLX raises when a kernel is built or run
-            return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+            return error_line(exc)
 
     def _verify_against_mlx_lm(self) -> None:
         """Run a short busy schedule on scratch pages and compare with mlx-lm's own caches; fall back
