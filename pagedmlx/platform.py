@@ -4,6 +4,7 @@ ending the process without MLX's teardown."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import resource
 import sys
@@ -40,14 +41,21 @@ def backend_name() -> str:
     """"Metal", "CUDA", "GPU" (another MLX GPU backend) or "CPU": where MLX computes by default."""
     import mlx.core as mx
 
-    if mx.default_device().type == mx.gpu:
-        if mx.metal.is_available():
-            return "Metal"
-        cuda = getattr(mx, "cuda", None)
-        if cuda is not None and cuda.is_available():
-            return "CUDA"
-        return "GPU"
-    return "CPU"
+    return gpu_backend_name() if mx.default_device().type == mx.gpu else "CPU"
+
+
+@functools.cache
+def gpu_backend_name() -> str:
+    """"Metal", "CUDA" or "GPU": the MLX build's GPU backend, fixed for the process, so probed once
+    (paged_kernels.gpu_backend asks too)."""
+    import mlx.core as mx
+
+    if mx.metal.is_available():
+        return "Metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "CUDA"
+    return "GPU"
 
 
 def on_hard_exit(fn: Callable[[], None]) -> None:

@@ -34,6 +34,8 @@ def test_lane_layout_reads_whole_16_byte_vectors():
     assert not paged_kernels.supports(80, 32, 8, mx.bfloat16)
     assert not paged_kernels.supports(128, 32, 6, mx.bfloat16)  # heads not a multiple of KV heads
     assert paged_kernels.supports(128, 28, 4, mx.bfloat16)  # G = 7
+    assert paged_kernels.supports_layer(128, 128, 28, 4, mx.bfloat16)
+    assert not paged_kernels.supports_layer(192, 128, 16, 16, mx.bfloat16)  # values narrower than keys (MLA-like)
 
 
 def test_tensor_core_kernel_takes_16_bit_floats_whole_swizzle_groups_and_small_groups():

@@ -122,3 +122,12 @@ def test_cuda_kernels_on_the_trusted_gpu_skip_the_check_and_are_checked_elsewher
     monkeypatch.setattr(kernel_check, "device_name", lambda: "NVIDIA GeForce RTX 4090")
     other = kernel_check.select_kernels(specs, heads, 16)
     assert not other.enabled and other.reason == "decode: disagrees"
+
+
+def test_the_check_covers_only_the_variants_the_model_runs(monkeypatch):
+    """A model whose layers all use sinks is checked with sinks only (not also a no-sinks build it never runs)."""
+    checked = []
+    monkeypatch.setattr(kernel_check, "check_decode", lambda *args: checked.append(args[-2:]))
+    shape = (4, 2, 64, mx.float16)
+    names = [name for name, _, _ in kernel_check.run_checks("metal", [shape], 4, False, (None, 8), sinks=(True,))]
+    assert checked == [(None, True), (8, True)] and all(name.endswith(" sinks") for name in names)

@@ -212,7 +212,7 @@ def _independent_rows(self, call, x, rebuild):
         pool.write(self.layer, md.decode_write, [s[:md.num_decodes] for s in cache.cache])
     for seg in md.segments:
         last = seg.row_start + seg.num_rows - 1
-        pool.write(self.layer, seg.write, [s[last:last + 1] for s in cache.cache])
+        pool.write(self.layer, seg.write_slots, [s[last:last + 1] for s in cache.cache])
     return out
 
 
@@ -314,21 +314,40 @@ def test_state_kernels_that_fail_at_load_are_switched_off_and_mlx_lm_serves(monk
     kernels raise.)"""
     import logging
 
-    from pagedmlx.runner import cuda_state
+    from pagedmlx.runner import cuda_state, paged_kernels
 
     def broken(name):
         raise RuntimeError("[cuda::kernel] no CUDA here")
 
-    monkeypatch.setattr(cuda_state, "_off_reason", None)  # restored after the test
     monkeypatch.setattr(cuda_state, "_kernel", broken)
+    monkeypatch.delenv("PAGEDMLX_CUDA_KERNELS", raising=False)
     model = make_model("qwen3_5-tiny")
+    config = EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=64)
     with monkeypatch.context() as gpu, caplog.at_level(logging.WARNING, logger="pagedmlx"):
-        gpu.setattr(cuda_state.mx, "default_device", lambda: cuda_state.mx.gpu)
-        gpu.setattr(cuda_state.mx, "cuda", type("cuda", (), {"is_available": staticmethod(lambda: True)}))
-        engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=64))
-    warnings = [r.getMessage() for r in caplog.records if "state CUDA kernels off" in r.getMessage()]
-    assert len(warnings) == 1 and "no CUDA here" in warnings[0]
-    assert cuda_state._off_reason is not None and not engine.runner.state_pool.in_place
+        gpu.setattr(paged_kernels, "gpu_backend", lambda: "cuda")
+        engine = LLMEngine(model, None, config)
+        warnings = [r.getMessage() for r in caplog.records if "state CUDA kernels off" in r.getMessage()]
+        assert len(warnings) == 1 and "no CUDA here" in warnings[0]
+        assert not engine.runner.kernels.state and not engine.runner.state_pool.in_place
+        # The switch is the runner's own: a later runner in the process starts with the kernels on.
+        assert LLMEngine(model, None, config, verify_model=False).runner.state_pool.in_place
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [7]]
     done = run_staggered(engine, prompts, GREEDY, seed=1)
     assert [done[str(i)] for i in range(2)] == [solo_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+
+
+def test_state_kernels_are_named_by_their_source(monkeypatch):
+    """Built by paged_kernels.make_kernel, whose names carry the source's hash: MLX's on-disk JIT cache,
+    keyed by name, never serves a kernel built from an older source."""
+    from pagedmlx.runner import cuda_state, paged_kernels
+
+    built = []
+    monkeypatch.setattr(paged_kernels, "make_kernel", lambda *args: built.append(args))
+    cuda_state._kernel.cache_clear()
+    try:
+        for name in ("gated_delta", "depthwise_conv", "write_rows"):
+            cuda_state._kernel(name)
+    finally:
+        cuda_state._kernel.cache_clear()
+    assert [(b[0], b[1]) for b in built] == [("cuda", "pagedmlx_gated_delta"), ("cuda", "pagedmlx_depthwise_conv"),
+                                             ("cuda", "pagedmlx_write_rows")]

@@ -63,6 +63,7 @@ class AttentionMetadata:
     pages_in_place: bool  # the page-write kernel writes the pages (CUDA); else MLX scatters into them
     block_size: int
     window: Optional[int] = None  # sliding window W, or None for full attention
+    backend: Optional[str] = None  # the kernels' (the runner's KernelPlan): not detected per layer call
     positions: Optional[mx.array] = None  # (T,)
     slot_mapping: Optional[mx.array] = None  # (T,) block * block_size + offset of each new token (in place)
     write_blocks: Optional[mx.array] = None  # (T,) page of each new token (scatter)
@@ -102,15 +103,17 @@ class StepMetadata:
 
     @classmethod
     def build(cls, so: SchedulerOutput, block_size: int, windows: list[Optional[int]],
-              kernel_kv_heads: Optional[list[int]] = None, pages_in_place: bool = False) -> "StepMetadata":
+              kernel_kv_heads: Optional[list[int]] = None, pages_in_place: bool = False,
+              backend: Optional[str] = None) -> "StepMetadata":
         """windows: each group's sliding window (None: full attention). kernel_kv_heads: per group,
         the KV heads the paged-decode kernel is split for (0 or None: decode rows gather pages);
-        pages_in_place: the page-write kernel writes new K/V (else MLX scatters them)."""
+        pages_in_place: the page-write kernel writes new K/V (else MLX scatters them); backend: the
+        kernels' (None: paged_kernels.gpu_backend)."""
         kernel_kv_heads = kernel_kv_heads or [0] * len(windows)
         host = dict(input_ids=so.input_ids, positions=so.positions, logits_indices=so.logits_indices)
         if len(so.placeholder_rows):
             host.update(placeholder_rows=so.placeholder_rows, placeholder_src=so.placeholder_src)
-        builders = [_GroupBuilder(so, g, block_size, w, kernel_kv_heads[g], pages_in_place)
+        builders = [_GroupBuilder(so, g, block_size, w, kernel_kv_heads[g], pages_in_place, backend)
                     for g, w in enumerate(windows)]
         for g, b in enumerate(builders):
             host.update({f"{g}.{k}": v for k, v in b.host.items()})
@@ -124,8 +127,9 @@ class _GroupBuilder:
     """The host half of one group's AttentionMetadata; `finish` makes it from the uploaded arrays."""
 
     def __init__(self, so: SchedulerOutput, group: int, block_size: int, window: Optional[int], kernel_heads: int,
-                 in_place: bool):
+                 in_place: bool, backend: Optional[str]):
         self.T, self.nd, self.bs, self.window = so.total_num_scheduled_tokens, so.num_decodes, block_size, window
+        self.backend = backend
         self.in_place, self.use_kernel = in_place, kernel_heads > 0 and so.num_decodes > 0
         table, slots = so.block_table[group], so.slot_mapping[group]
         host: dict[str, np.ndarray] = {}
@@ -139,7 +143,8 @@ class _GroupBuilder:
                                                        so.seq_lens[:self.nd] - 1, block_size, window)
             host.update(decode_block_table=decode_table, decode_seq_lens=decode_lens)
             if self.use_kernel:
-                self.splits, tokens = paged_kernels.num_splits(self.nd, kernel_heads, int(decode_lens.max()), window)
+                self.splits, tokens = paged_kernels.num_splits(self.nd, kernel_heads, int(decode_lens.max()), window,
+                                                               backend)
                 host["decode_split_tokens"] = np.array([tokens])
         self.long, self.short = [], []
         if self.T > self.nd:
@@ -167,7 +172,7 @@ class _GroupBuilder:
 
     def finish(self, dev: dict[str, mx.array], prefix: str, positions: mx.array) -> AttentionMetadata:
         get = {k[len(prefix):]: v for k, v in dev.items() if k.startswith(prefix)}
-        md = AttentionMetadata(self.T, self.nd, self.in_place, self.bs, self.window, positions,
+        md = AttentionMetadata(self.T, self.nd, self.in_place, self.bs, self.window, self.backend, positions,
                                slot_mapping=get.get("slot_mapping"), write_blocks=get.get("write_blocks"),
                                write_offsets=get.get("write_offsets"),
                                decode_block_table=get.get("decode_block_table"),

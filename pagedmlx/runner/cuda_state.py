@@ -7,55 +7,36 @@ a compiled one-step function: a 512-token prefill chunk is 512 dispatches per la
 - depthwise_conv1d: the layers' short convolution over [conv state; new rows];
 - write_rows: new states into the pool at their slots, in place (see StatePool).
 The first two replace mlx-lm's code only inside a regrouped state layer of a paged step (`active`):
-mlx-lm's own generation in the same process keeps its own path. Every other backend keeps mlx-lm's.
+mlx-lm's own generation in the same process keeps its own path. Whether a runner uses them is its
+KernelPlan's `state` (kernel_check.py): on CUDA, unless PAGEDMLX_CUDA_KERNELS=0 or the model's
+load-time check disagreed. Every other backend keeps mlx-lm's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import math
-import os
 from typing import Iterator, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from pagedmlx.runner import cuda_state_sources as src
+from pagedmlx.runner import paged_kernels
+from pagedmlx.runner.dialect import CUDA
 
-_active = 0  # > 0 inside a regrouped state layer's call
-_off_reason: Optional[str] = None  # why the kernels were switched off in this process (switch_off)
-logger = logging.getLogger("pagedmlx")
-
-
-def is_available() -> bool:
-    """On a CUDA GPU, unless PAGEDMLX_CUDA_KERNELS=0 (the paged kernels' switch too) or switched off."""
-    if _off_reason is not None or os.environ.get("PAGEDMLX_CUDA_KERNELS", "1") == "0":
-        return False
-    try:
-        return mx.default_device() == mx.gpu and mx.cuda.is_available()
-    except AttributeError:
-        return False
-
-
-def switch_off(reason: str) -> None:
-    """Run mlx-lm's own code for state layers from now on (the load-time check disagreed)."""
-    global _off_reason
-    if is_available():
-        logger.warning("pagedmlx: recurrent-state CUDA kernels off: %s; mlx-lm's own state code runs instead",
-                       reason)
-    _off_reason = reason
+_active = 0  # > 0 inside a regrouped state layer's call whose runner uses the kernels
 
 
 @contextlib.contextmanager
-def active() -> Iterator[None]:
+def active(on: bool) -> Iterator[None]:
     global _active
-    _active += 1
+    _active += on
     try:
         yield
     finally:
-        _active -= 1
+        _active -= on
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,7 +46,7 @@ def _kernel(name: str):
         "depthwise_conv": (["x", "weight", "bias"], ["out"], src.DEPTHWISE_CONV),
         "write_rows": (["values", "slots", "pool"], ["written"], src.WRITE_ROWS),
     }[name]
-    return mx.fast.cuda_kernel(f"pagedmlx_{name}", inputs, outputs, source)
+    return paged_kernels.make_kernel(CUDA, f"pagedmlx_{name}", inputs, outputs, source, "")
 
 
 def supports_gated_delta(q: mx.array, v: mx.array, g: mx.array) -> bool:
@@ -102,7 +83,7 @@ def depthwise_conv1d(x: mx.array, weight: mx.array, bias: Optional[mx.array] = N
 
 def write_rows(values: mx.array, slots: mx.array, pool: mx.array) -> mx.array:
     """pool[slots] = values (values in the pool's dtype), in place. Returns a (1,) int32 zero that the
-    step's output must depend on (a view of a 4-element output: see cuda_decode._scale_array)."""
+    step's output must depend on (a view of a 4-element output: see paged_kernels._constant)."""
     E = math.prod(pool.shape[1:])
     return _kernel("write_rows")(
         inputs=[values, slots, pool], template=[("P", pool.dtype), ("E", E)], grid=(max(values.shape[0] * E, 1), 1, 1),
@@ -113,7 +94,7 @@ def write_rows(values: mx.array, slots: mx.array, pool: mx.array) -> mx.array:
 
 def _gated_delta_ops(original):
     def gated_delta_ops(q, k, v, g, beta, state=None, mask=None):
-        if _active and _off_reason is None and mask is None and state is not None and supports_gated_delta(q, v, g):
+        if _active and mask is None and state is not None and supports_gated_delta(q, v, g):
             return gated_delta(q, k, v, g, beta, state)
         return original(q, k, v, g, beta, state, mask)
 
@@ -126,7 +107,7 @@ class KernelConv1d:
 
     def __call__(self, x: mx.array) -> mx.array:
         w = self.weight
-        if (_active and _off_reason is None and self.groups == x.shape[-1] == w.shape[0] and w.shape[2] == 1
+        if (_active and self.groups == x.shape[-1] == w.shape[0] and w.shape[2] == 1
                 and self.padding == 0
                 and self.stride == 1 and self.dilation == 1):
             return depthwise_conv1d(x, w, self.get("bias"))
@@ -139,10 +120,8 @@ def _kernel_class(cls: type) -> type:
 
 
 def install_kernels(model: nn.Module, owners: list[str]) -> None:
-    """On CUDA: the gated delta kernel in mlx-lm's gated_delta module, and the conv kernel in the
-    owners' depthwise convolutions (class-swapped, parameters unchanged)."""
-    if not is_available():
-        return
+    """The gated delta kernel in mlx-lm's gated_delta module, and the conv kernel in the owners'
+    depthwise convolutions (class-swapped, parameters unchanged); both run only while `active`."""
     from mlx_lm.models import gated_delta as mlx_gated_delta
 
     if not hasattr(mlx_gated_delta.gated_delta_ops, "_pagedmlx_original"):

@@ -77,7 +77,7 @@ DEPTHWISE_CONV = """
 
 WRITE_ROWS = """
     // values: [n, E] -> pool[slots[r], :] for each row r (slot < 0: skip), through the input pointer: the
-    // pool is written in place, whoever else references it (see cuda_decode.py's page write).
+    // pool is written in place, whoever else references it (see paged_kernels.py's page write).
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i == 0) written[0] = 0;
     if (i >= (size_t)values_shape[0] * E) return;

@@ -7,6 +7,10 @@ split and unsplit, the page write and a read of its pages in the same graph. A k
 to compile, fails to run or disagrees is switched off with one warning line naming the reason, and
 decode attention gathers pages instead (the path every backend has). PAGEDMLX_METAL_KERNELS=0 (or
 PAGEDMLX_CUDA_KERNELS=0) switches them off.
+
+The plan also says whether the recurrent-state kernels (cuda_state.py, CUDA only) run: they are
+checked with the whole model, by the runner's load-time check, which switches the plan off if
+the model disagrees with mlx-lm.
 """
 
 from __future__ import annotations
@@ -42,18 +46,27 @@ class KernelPlan:
     backend: Optional[str]
     decode: bool = False  # decode rows read pages through the paged-decode kernel
     page_write: bool = False  # the page-write kernel writes new K/V in place
+    state: bool = False  # the recurrent-state kernels run in state layers (and write the state pool in place)
     checks: list[tuple[str, str]] = field(default_factory=list)  # (check, "passed" | "trusted" | "failed: ...")
-    reason: Optional[str] = None  # why the kernels are off
+    reason: Optional[str] = None  # why the paged kernels are off
+
+    @property
+    def paged(self) -> bool:
+        return self.decode or self.page_write
 
     @property
     def enabled(self) -> bool:
-        return self.decode or self.page_write
+        return self.paged or self.state
 
-    def switch_off(self, reason: str) -> "KernelPlan":
-        if self.enabled:
+    def switch_off(self, reason: str, keep_state: bool = False) -> "KernelPlan":
+        """The paged kernels off, and the state kernels too unless keep_state."""
+        if self.paged:
             logger.warning("pagedmlx: %s paged kernels off: %s; decode attention gathers pages instead",
                            self.backend, reason)
-        return KernelPlan(self.backend, checks=self.checks, reason=reason)
+        if self.state and not keep_state:
+            logger.warning("pagedmlx: recurrent-state CUDA kernels off: %s; mlx-lm's own state code runs instead",
+                           reason)
+        return KernelPlan(self.backend, state=self.state and keep_state, checks=self.checks, reason=reason)
 
 
 def device_name() -> str:
@@ -64,9 +77,11 @@ def device_name() -> str:
 
 
 def select_kernels(layer_specs: list[tuple[int, int, int, mx.Dtype]], query_heads: list[int], block_size: int,
-                   windows: tuple[Optional[int], ...] = (None,), sinks: bool = False) -> KernelPlan:
+                   windows: tuple[Optional[int], ...] = (None,), sinks: tuple[bool, ...] = (False,),
+                   state_layers: bool = False) -> KernelPlan:
     """The kernels this model may use here. layer_specs: (kv heads, Dk, Dv, dtype) per layer;
-    windows / sinks: what the model's layers use, so that the check covers it."""
+    windows / sinks: the windows and with / without sinks that the model's layers use, so that the
+    check covers them (and only them); state_layers: the model has recurrent-state layers."""
     backend = paged_kernels.gpu_backend()
     if backend is None:
         return KernelPlan(None, reason="no GPU backend")
@@ -74,9 +89,10 @@ def select_kernels(layer_specs: list[tuple[int, int, int, mx.Dtype]], query_head
     if os.environ.get(env, "1") == "0":
         return KernelPlan(backend, reason=f"{env}=0")
     shapes = kernel_shapes(layer_specs, query_heads, backend)
-    plan = KernelPlan(backend, decode=bool(shapes), page_write=PAGES_IN_PLACE.get(backend, False))
-    if not plan.enabled:
-        return KernelPlan(backend, reason="no layer shape the decode kernel takes")
+    plan = KernelPlan(backend, decode=bool(shapes), page_write=PAGES_IN_PLACE.get(backend, False),
+                      state=state_layers and backend == CUDA)
+    if not plan.paged:
+        return KernelPlan(backend, state=plan.state, reason="no layer shape the decode kernel takes")
     name = device_name()
     if any(gpu in name for gpu in TRUSTED_GPUS.get(backend, ())):
         plan.checks.append((f"{name}: checked by scripts/gpu/gpu_check_decode.py", "trusted"))
@@ -84,7 +100,7 @@ def select_kernels(layer_specs: list[tuple[int, int, int, mx.Dtype]], query_head
     for check, ok, detail in run_checks(backend, shapes, block_size, plan.page_write, windows, sinks):
         plan.checks.append((check, "passed" if ok else f"failed: {detail}"))
         if not ok:
-            return plan.switch_off(f"{check}: {detail}")
+            return plan.switch_off(f"{check}: {detail}", keep_state=True)
     return plan
 
 
@@ -92,14 +108,14 @@ def kernel_shapes(layer_specs: list[tuple[int, int, int, mx.Dtype]], query_heads
                   backend: str) -> list[Shape]:
     """The distinct (H, n_kv, D, dtype) of layers that the decode kernel takes."""
     shapes = {(h, n_kv, dk, dt) for (n_kv, dk, dv, dt), h in zip(layer_specs, query_heads)
-              if h and dk == dv and paged_kernels.supports(dk, h, n_kv, dt, backend)}
+              if h and paged_kernels.supports_layer(dk, dv, h, n_kv, dt, backend)}
     return sorted(shapes, key=str)
 
 
 def run_checks(backend: str, shapes: list[Shape], block_size: int, page_write: bool,
-               windows: tuple[Optional[int], ...] = (None,), sinks: bool = False):
+               windows: tuple[Optional[int], ...] = (None,), sinks: tuple[bool, ...] = (False,)):
     """Yields (check, ok, detail) per check; stops after the first failure."""
-    cases = [(shape, w, s) for shape in shapes for w in windows for s in sorted({False, sinks})]
+    cases = [(shape, w, s) for shape in shapes for w in windows for s in sinks]
     for (h, n_kv, d, dt), window, with_sinks in cases:
         name = f"decode H={h} kv={n_kv} D={d} {_dtype_name(dt)}" + (f" window={window}" if window else "") + \
             (" sinks" if with_sinks else "")
@@ -119,9 +135,14 @@ def _guarded(check, *args) -> tuple[bool, str]:
     try:
         err = check(*args)
     except Exception as exc:  # compilation or launch: MLX raises when the kernel is built or run
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        return False, f"did not compile or run ({type(exc).__name__}: {first[:200]})"
+        return False, f"did not compile or run ({error_line(exc)})"
     return err is None, err or "ok"
+
+
+def error_line(exc: Exception) -> str:
+    """The exception's type and first line, for a warning (a compiler's message runs to pages)."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first[:200]}"
 
 
 def _dtype_name(dtype: mx.Dtype) -> str:

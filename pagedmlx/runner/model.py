@@ -13,7 +13,7 @@ from pagedmlx.kv.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from pagedmlx.runner import cuda_state
 from pagedmlx.runner.attention import KVPool, PagedLayerCache, install_paged_attention
 from pagedmlx.runner.attention_metadata import StepMetadata
-from pagedmlx.runner.kernel_check import select_kernels
+from pagedmlx.runner.kernel_check import error_line, select_kernels
 from pagedmlx.runner.plan import UnsupportedModelError, model_type, plan_layers
 from pagedmlx.runner.state import (StateLayerCache, StateMetadata, StatePool, install_regrouping, pages_budget,
                                    state_group)
@@ -54,9 +54,13 @@ class ModelRunner:
         # through the block table (and on CUDA new K/V are written in place); elsewhere MLX
         # scatters the writes and decode rows gather the pages.
         owners = [p for p in self.plan if p.has_pages]
+        attending = [p for p in self.plan if p.has_pages or p.kind == "shared"]
         self.kernels = select_kernels([p.spec for p in owners], [p.n_heads for p in owners], self.block_size,
                                       windows=tuple(sorted(set(self.windows), key=str)),
-                                      sinks=any(p.sinks for p in self.plan))
+                                      sinks=tuple(sorted({p.sinks for p in attending})),
+                                      state_layers=any(p.state is not None for p in self.plan))
+        if self.kernels.state:
+            cuda_state.install_kernels(model, [p.state.owner for p in self.plan if p.state is not None])
         self.state_pool: Optional[StatePool] = None
         if verify:
             self._verify_against_mlx_lm()
@@ -135,7 +139,8 @@ class ModelRunner:
         group = next((g for g in kv_cache_config.kv_cache_groups if g.is_state), None)
         if group is None:
             return None
-        return StatePool(group.num_blocks, [(i, self.plan[i].state) for i in group.layer_ids], len(self.plan))
+        return StatePool(group.num_blocks, [(i, self.plan[i].state) for i in group.layer_ids], len(self.plan),
+                         in_place=self.kernels.state)
 
     def _split_head(self) -> tuple[Optional[Callable], Optional[Callable]]:
         """Find the transformer body and LM head so that only sampled rows are projected to the
@@ -182,7 +187,8 @@ class ModelRunner:
         Lazy where MLX scatters the pages. Where kernels write them in place, the step is
         dispatched (mx.async_eval) before this returns: MLX sees no dependency between one step's
         page reads and the next step's writes, so steps must reach the device in order."""
-        md = StepMetadata.build(so, self.block_size, self.windows, self.kernel_kv_heads, self.kernels.page_write)
+        md = StepMetadata.build(so, self.block_size, self.windows, self.kernel_kv_heads, self.kernels.page_write,
+                                self.kernels.backend)
         state_md = StateMetadata.build(so) if len(so.state_slots) else None
         caches = self.make_caches(md, kv_pool or self.kv_pool, state_md, state_pool or self.state_pool)
         inputs = md.input_ids
@@ -206,16 +212,14 @@ class ModelRunner:
         try:
             return check_paged_forward(self)
         except Exception as exc:  # noqa: BLE001 - MLX raises when a kernel is built or run
-            return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+            return error_line(exc)
 
     def _verify_against_mlx_lm(self) -> None:
         """Run a short busy schedule on scratch pages and compare with mlx-lm's own caches; fall back
         to the whole model call if the split head disagrees, refuse the model if pages disagree."""
         err = self._check()
-        if err is not None and (self.kernels.enabled or cuda_state.is_available()):  # the portable paths may be right
-            reason = f"the model's paged forward disagrees with mlx-lm ({err})"
-            self.kernels = self.kernels.switch_off(reason)
-            cuda_state.switch_off(reason)
+        if err is not None and self.kernels.enabled:  # the portable paths may be right
+            self.kernels = self.kernels.switch_off(f"the model's paged forward disagrees with mlx-lm ({err})")
             err = self._check()
         if err is not None and self._head is not None:
             self._body = self._head = None

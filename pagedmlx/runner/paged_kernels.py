@@ -31,6 +31,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from pagedmlx.platform import gpu_backend_name
 from pagedmlx.runner import cuda_mma_sources as mma_src
 from pagedmlx.runner import paged_sources as src
 from pagedmlx.runner.dialect import CUDA, METAL, render
@@ -65,16 +66,12 @@ SETTINGS = {
 
 # `written` (the page write's output) is not read: it only orders the kernel after the write.
 _INPUTS = ["q", "k_pages", "v_pages", "block_table", "seq_lens", "split_tokens", "scale", "sinks", "written"]
+_BACKENDS = {"CUDA": CUDA, "Metal": METAL}  # platform.gpu_backend_name -> the dialect's name
 
 
 def gpu_backend() -> Optional[str]:
     """CUDA or METAL where MLX's default device is a GPU of that backend; None elsewhere."""
-    if mx.default_device() != mx.gpu:
-        return None
-    if mx.metal.is_available():
-        return METAL
-    cuda = getattr(mx, "cuda", None)
-    return CUDA if cuda is not None and cuda.is_available() else None
+    return _BACKENDS.get(gpu_backend_name()) if mx.default_device() == mx.gpu else None
 
 
 def make_kernel(backend: str, name: str, inputs: list[str], outputs: list[str], source: str, header: str):
@@ -178,6 +175,13 @@ def supports(head_dim: int, n_heads: int, n_kv_heads: int, dtype: mx.Dtype, back
     group = n_heads // n_kv_heads
     shared = 4 * (s.threads // 32) * group * (head_dim + 2)  # the SIMD groups' partials: sm_acc, sm_m, sm_l
     return kernel_layout(head_dim, group, dtype, s.vectors) is not None and shared <= s.shared_bytes
+
+
+def supports_layer(k_dim: int, v_dim: int, n_heads: int, n_kv_heads: int, dtype: mx.Dtype,
+                   backend: Optional[str] = None) -> bool:
+    """The decode kernel takes the layer: keys and values of one head_dim, which `supports`. The one
+    gate, at load (kernel_check) and per layer call (attention), so the two cannot disagree."""
+    return k_dim == v_dim and supports(k_dim, n_heads, n_kv_heads, dtype, backend)
 
 
 def num_splits(batch: int, n_kv_heads: int, max_seq_len: int, window: Optional[int] = None,

@@ -11,11 +11,11 @@ The outputs go back in row order and the new states to their slots (and to a che
 the step saves one).
 
 The pool keeps each layer's arrays [num_slots, *shape] in one list only (as KVPool does for pages).
-On CUDA a kernel writes the new states in place. Elsewhere MLX writes by scatter, which is in place
-only when nothing else references the array, and a gather of this step's states still references
-it: so the writes wait, and land at the start of the layer's next call, before its reads. The
-scheduler never lets one step read a slot that another request of the step writes, so the two
-orders give the same states.
+Where the runner's state kernels run (CUDA: KernelPlan.state), a kernel writes the new states in
+place. Elsewhere MLX writes by scatter, which is in place only when nothing else references the
+array, and a gather of this step's states still references it: so the writes wait, and land at the
+start of the layer's next call, before its reads. The scheduler never lets one step read a slot
+that another request of the step writes, so the two orders give the same states.
 """
 
 from __future__ import annotations
@@ -69,8 +69,9 @@ def pages_budget(config: EngineConfig, state: Optional[KVCacheGroupSpec]) -> int
 class StatePool:
     """Every state layer's arrays by layer index, [num_slots, *shape] each (None: no state)."""
 
-    def __init__(self, num_slots: int, layers: list[tuple[int, StatePlan]], num_layers: int):
-        self.in_place = cuda_state.is_available()
+    def __init__(self, num_slots: int, layers: list[tuple[int, StatePlan]], num_layers: int, in_place: bool):
+        """in_place: the runner's state kernels run (KernelPlan.state), and write_rows writes the states."""
+        self.in_place = in_place
         self.arrays: list[Optional[list[mx.array]]] = [None] * num_layers
         self.pending: list[list[tuple[Any, list[mx.array]]]] = [[] for _ in range(num_layers)]
         for i, state in layers:
@@ -90,20 +91,15 @@ class StatePool:
         self.pending[layer] = []
         return [a[slots:slots + 1] if isinstance(slots, int) else a[slots] for a in arrays]
 
-    def write(self, layer: int, slots, values: list[mx.array]) -> list[mx.array]:
-        """Store states at `slots` (as in read). Returns what the step's output must depend on."""
+    def write(self, layer: int, slots: mx.array, values: list[mx.array]) -> list[mx.array]:
+        """Store states at `slots` ((n,) int32, uploaded with the step's metadata). Returns what the
+        step's output must depend on."""
         arrays = self.arrays[layer]
         values = [as_dtype(v, a.dtype) for v, a in zip(values, arrays)]
         if not self.in_place:
-            self.pending[layer].append((slot_range(slots), values))
+            self.pending[layer].append((slots, values))
             return values
-        if isinstance(slots, int):
-            slots = mx.array([slots], mx.int32)
         return [cuda_state.write_rows(v, slots, a) for v, a in zip(values, arrays)]
-
-
-def slot_range(slots):
-    return slice(slots, slots + 1) if isinstance(slots, int) else slots
 
 
 @dataclass
@@ -117,6 +113,8 @@ class StateSegment:
     write: int
     save: int
     save_len: int
+    write_slots: Optional[mx.array] = None  # (1,) `write` and `save` on the device, for StatePool.write
+    save_slots: Optional[mx.array] = None
 
 
 @dataclass
@@ -150,8 +148,15 @@ class StateMetadata:
                 host["decode_rows"] = decode
         if (rows != np.arange(len(rows))).any():
             host["order"] = np.argsort(rows)
+        for i, seg in enumerate(segments):  # uploaded with the rest: an array made per write is an upload each
+            host[f"write{i}"] = np.array([seg.write])
+            if seg.save >= 0:
+                host[f"save{i}"] = np.array([seg.save])
         md = cls(len(decode), segments=segments)
-        for name, value in (upload_indices(host) if host else {}).items():
+        dev = upload_indices(host)  # every request is a decode or a segment: never empty
+        for i, seg in enumerate(segments):
+            seg.write_slots, seg.save_slots = dev.pop(f"write{i}"), dev.pop(f"save{i}", None)
+        for name, value in dev.items():
             setattr(md, name, value)
         return md
 
@@ -171,7 +176,7 @@ class StateLayerCache:
 
     def regroup(self, call: Callable, x: mx.array, rebuild: Callable) -> mx.array:
         """x (T, 1, D) -> (T, 1, D'): call(*rebuild(rows, cache)) for each group of rows."""
-        with cuda_state.active():
+        with cuda_state.active(self.pool.in_place):
             return self._regroup(call, x, rebuild)
 
     def _regroup(self, call: Callable, x: mx.array, rebuild: Callable) -> mx.array:
@@ -189,14 +194,14 @@ class StateLayerCache:
             parts = []
             if seg.save >= 0 and seg.save_len < seg.num_rows:  # a checkpoint inside the chunk: split the call there
                 out, states = self._call(call, rebuild, rows[:, :seg.save_len], states)
-                deps += self.pool.write(self.layer, seg.save, states)
+                deps += self.pool.write(self.layer, seg.save_slots, states)
                 parts.append(out)
                 rows = rows[:, seg.save_len:]
             out, states = self._call(call, rebuild, rows, states)
             parts.append(out)
-            deps += self.pool.write(self.layer, seg.write, states)
+            deps += self.pool.write(self.layer, seg.write_slots, states)
             if seg.save >= 0 and seg.save_len == seg.num_rows:
-                deps += self.pool.write(self.layer, seg.save, states)
+                deps += self.pool.write(self.layer, seg.save_slots, states)
             out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
             outs.append(out.reshape(seg.num_rows, 1, -1))
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
@@ -261,7 +266,6 @@ def install_regrouping(model: nn.Module, plan: list[LayerPlan]) -> None:
             owner = module_at(model, layer.state.owner)
             if not isinstance(owner, Regrouped):
                 owner.__class__ = _regrouped_class(type(owner))
-    cuda_state.install_kernels(model, [layer.state.owner for layer in plan if layer.state is not None])
 
 
 _CLASSES: dict[type, type] = {}

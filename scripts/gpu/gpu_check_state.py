@@ -20,7 +20,8 @@ import mlx.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pagedmlx.runner import cuda_state  # noqa: E402
+from pagedmlx.runner import cuda_state, paged_kernels  # noqa: E402
+from pagedmlx.runner.dialect import CUDA  # noqa: E402
 
 TOL = {mx.float32: 2e-3, mx.float16: 2e-2, mx.bfloat16: 4e-2}
 # (B, T, Hk, Hv, Dk, Dv): Qwen3.5-27B's linear attention (16 key heads, 48 value heads, 128 x 128),
@@ -120,7 +121,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-timing", action="store_true")
     args = parser.parse_args()
-    if not cuda_state.is_available():
+    if paged_kernels.gpu_backend() != CUDA:
         print("no CUDA device: run this on the GPU machine")
         return 2
     mx.random.seed(0)
