@@ -121,19 +121,22 @@ def _paged_step_ms(model, batch: int, args: argparse.Namespace, kernels: bool) -
 
 
 def _batch_generator_step_ms(model, batch: int, args: argparse.Namespace) -> float:
-    """mlx-lm's BatchGenerator, `batch` prompts of args.context - 1 tokens, decode steps only."""
+    """mlx-lm's BatchGenerator, `batch` prompts of args.context - 1 tokens: the median time of its
+    decode steps once every prompt is in (after two warm-up steps, as on the paged side; a mean
+    would count the one-off graph builds of MLX's CUDA attention)."""
     from mlx_lm.generate import BatchGenerator
 
-    gen = BatchGenerator(model, max_tokens=args.steps + 1, completion_batch_size=batch,
+    gen = BatchGenerator(model, max_tokens=args.steps + 4, completion_batch_size=batch,
                          prefill_batch_size=min(batch, 8))
-    with gen.stats() as stats:
-        gen.insert([[1] * (args.context - 1) for _ in range(batch)], max_tokens=[args.steps + 1] * batch)
-        done = 0
-        while done < batch:
-            responses = gen.next_generated()
-            if not responses:
-                break
-            done += sum(r.finish_reason is not None for r in responses)
+    gen.insert([[1] * (args.context - 1) for _ in range(batch)], max_tokens=[args.steps + 4] * batch)
+    started, samples = set(), []
+    while len(samples) < args.steps + 2:
+        t = time.perf_counter()
+        responses = gen.next_generated()
+        if not responses:
+            break
+        if len(started) == batch:
+            samples.append(time.perf_counter() - t)
+        started.update(r.uid for r in responses)
     gen.close()
-    steps = stats.generation_tokens / batch
-    return 1e3 * stats.decode_time / max(steps, 1)
+    return 1e3 * statistics.median(samples[2:] or samples or [float("nan")])

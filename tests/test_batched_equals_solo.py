@@ -44,6 +44,42 @@ def test_64_busy_requests_equal_solo(arch_name, overlap, monkeypatch):
     assert_no_leaks(engine)
 
 
+@pytest.mark.parametrize("arch_name", ["llama", "qwen3"])
+def test_attention_shapes_padded_as_on_cuda_equal_solo(arch_name, monkeypatch):
+    """CUDA's setting on the CPU: every prefill attention call padded to multiples of a quantum
+    (query rows before and after a segment, keys after it; short segments' count, length and keys
+    too). Quantum 12, not a multiple of the 4-token pages, with prefix hits and chunks that start
+    anywhere: the padding must keep each query at its own position."""
+    from pagedmlx.runner import attention
+
+    monkeypatch.setenv("PAGEDMLX_SDPA_QUANTUM", "12")
+    seen, shapes, padded = [], set(), set()
+    real = attention._prefill_attention
+
+    def spy(q, k_pages, v_pages, md, *args):
+        seen.extend((seg.pad_front, seg.pad_back) for seg in md.segments)
+        shapes.update((seg.pad_front + seg.num_queries + seg.pad_back, seg.num_keys) for seg in md.segments)
+        if md.padded_block_table is not None:
+            padded.add(md.padded_mask.shape)
+        return real(q, k_pages, v_pages, md, *args)
+
+    monkeypatch.setattr(attention, "_prefill_attention", spy)
+    model = make_model(arch_name)
+    prompts = make_prompts(48, ARCHS[arch_name]["vocab_size"], seed=5)
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=160, max_num_batched_tokens=96,
+                                                 long_prefill_token_threshold=40, max_num_seqs=16))
+    assert engine.runner.sdpa_quantum == 12
+    done = run_staggered(engine, prompts, GREEDY, seed=4)
+    assert any(f > 0 for f, _ in seen) and any(b > 0 for _, b in seen)
+    assert all(q % 12 == 0 and k % 12 == 0 for q, k in shapes), shapes
+    pow2 = lambda n: n & (n - 1) == 0  # noqa: E731
+    assert padded and all(pow2(p) and pow2(L) and k % 12 == 0 for p, _, L, k in padded), padded
+    assert engine.kv_cache_manager.stats.hits > 0
+    for i, p in enumerate(prompts):
+        assert done[str(i)] == solo_greedy(model, p, GREEDY.max_tokens), f"request {i} (prompt {len(p)} tokens)"
+    assert_no_leaks(engine)
+
+
 def test_cached_blocks_hold_their_owners_kv():
     """mlx-lm issue 965: a stored prefix must hold the KV of the prompt that owns it, never another's."""
     from mlx_lm.models.cache import make_prompt_cache

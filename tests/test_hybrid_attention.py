@@ -77,6 +77,21 @@ def test_busy_engine_equals_solo(arch):
     assert_no_leaks(engine)
 
 
+@pytest.mark.parametrize("arch", ["gemma3-tiny", "gpt-oss-tiny"])
+def test_padded_attention_shapes_keep_windows_and_sinks(arch, monkeypatch):
+    """CUDA's padding of attention shapes (attention_metadata.sdpa_padding), forced on the CPU with a
+    quantum of 12: the window's band mask and the sinks still see only each query's own keys."""
+    monkeypatch.setenv("PAGEDMLX_SDPA_QUANTUM", "12")
+    model = make_model(arch)
+    engine = busy_engine(model)
+    assert engine.runner.sdpa_quantum == 12
+    prompts = prompts_across_windows(16, seed=9)
+    done = run_staggered(engine, prompts, GREEDY, seed=3)
+    for i, p in enumerate(prompts):
+        assert done[str(i)] == solo_greedy(model, p, GREEDY.max_tokens), f"request {i} ({len(p)} tokens)"
+    assert_no_leaks(engine)
+
+
 def test_sliding_prefix_hits_reuse_only_the_window():
     """A prompt extending an earlier one long past the window hits the cache: the sliding group
     revives only the window's pages before the hit (the rest are the null block) and the tokens

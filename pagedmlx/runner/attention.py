@@ -154,13 +154,15 @@ def _prefill_attention(q, k_pages, v_pages, md: AttentionMetadata, scale, writte
     H, D = q.shape[1], q.shape[3]
     outs = []
     for seg in md.segments:
-        rows = q[seg.row_start - md.num_decodes:seg.row_start - md.num_decodes + seg.num_queries]
+        rows = q[seg.row_start - md.num_decodes:seg.row_start - md.num_decodes + seg.num_queries, :, 0, :]
+        if seg.pad_front or seg.pad_back:
+            rows = mx.pad(rows, [(seg.pad_front, seg.pad_back), (0, 0), (0, 0)])
         table = seg.block_table[None] if written is None else seg.block_table[None] + written
         k = _gather(k_pages, table)[:, :, :seg.num_keys]
         v = _gather(v_pages, table)[:, :, :seg.num_keys]
-        o = mx.fast.scaled_dot_product_attention(as_dtype(rows[:, :, 0, :].transpose(1, 0, 2)[None], k.dtype), k, v,
+        o = mx.fast.scaled_dot_product_attention(as_dtype(rows.transpose(1, 0, 2)[None], k.dtype), k, v,
                                                  scale=scale, mask=seg.mask, sinks=_sinks(sinks, k.dtype))
-        outs.append(o[0].transpose(1, 0, 2))
+        outs.append(o[0, :, seg.pad_front:seg.pad_front + seg.num_queries].transpose(1, 0, 2))
     if md.padded_block_table is not None:
         P, L = md.padded_block_table.shape[0], md.padded_max_query_len
         padded = q[:, :, 0, :][md.padded_query_rows - md.num_decodes].reshape(P, L, H, D).transpose(0, 2, 1, 3)

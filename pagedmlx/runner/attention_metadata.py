@@ -7,6 +7,7 @@ together (short ones, under one mask)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -21,6 +22,30 @@ from pagedmlx.scheduler_output import SchedulerOutput
 # of them under one mask (small: the mask is P x L x keys); longer ones one by one with MLX's fused
 # causal attention over their own keys, which never builds an (L x keys) mask.
 PADDED_MAX_QUERY = 32
+
+# MLX's CUDA attention builds a cuDNN graph for every new (queries, keys) shape: about 48 ms on an
+# H200 (scripts/bench/bench_sdpa_shapes.py), paid again whenever a prompt's length is new. There,
+# each attention call is padded to a multiple of this many queries and keys, so that a server sees
+# a bounded set of shapes. Metal and the CPU build nothing per shape: no padding.
+SDPA_SHAPE_QUANTUM = {paged_kernels.CUDA: 256}
+
+
+def sdpa_shape_quantum(backend: Optional[str]) -> int:
+    """The padding quantum for attention shapes on `backend` (PAGEDMLX_SDPA_QUANTUM overrides)."""
+    env = os.environ.get("PAGEDMLX_SDPA_QUANTUM")
+    return int(env) if env else SDPA_SHAPE_QUANTUM.get(backend, 0)
+
+
+def sdpa_padding(num_prefix_keys: int, num_queries: int, quantum: int) -> tuple[int, int]:
+    """(front, back): query rows to add before and after a segment of num_queries new tokens that
+    follow num_prefix_keys gathered keys, and keys to add after the last, such that the queries and
+    the keys are both multiples of `quantum` while causal attention aligned to the last key still
+    puts each real query at its own position. The front rows are the last prefix positions (they
+    see only real keys); the back rows alone see the added keys. Their outputs are dropped."""
+    if quantum <= 1:
+        return 0, 0
+    front = num_prefix_keys % quantum
+    return front, -(front + num_queries) % quantum
 
 
 def upload_indices(host: dict[str, np.ndarray]) -> dict[str, mx.array]:
@@ -46,10 +71,14 @@ class PrefillSegment:
     num_queries: int
     first_query_pos: int
     key_offset: int  # position of the first gathered key (0, or a page boundary before the window)
-    num_keys: int  # keys from key_offset to the segment's last token
-    block_table: mx.array  # (nb,) the pages holding those keys
+    num_keys: int  # keys from key_offset to the segment's last token, plus pad_back
+    # Padding that rounds the attention call's shape (see sdpa_padding): pad_front query rows
+    # before the segment's, pad_back after, and pad_back keys after its last.
+    pad_front: int = 0
+    pad_back: int = 0
+    block_table: Optional[mx.array] = None  # (nb,) the pages holding those keys
     # "causal" (MLX's fused kernel, aligned to the last key) where the window does not bite, else
-    # the (num_queries, num_keys) band: built once a step, shared by the group's layers.
+    # the (queries, num_keys) band: built once a step, shared by the group's layers.
     mask: Union[str, mx.array] = "causal"
 
 
@@ -104,16 +133,17 @@ class StepMetadata:
     @classmethod
     def build(cls, so: SchedulerOutput, block_size: int, windows: list[Optional[int]],
               kernel_kv_heads: Optional[list[int]] = None, pages_in_place: bool = False,
-              backend: Optional[str] = None) -> "StepMetadata":
+              backend: Optional[str] = None, sdpa_quantum: int = 0) -> "StepMetadata":
         """windows: each group's sliding window (None: full attention). kernel_kv_heads: per group,
         the KV heads the paged-decode kernel is split for (0 or None: decode rows gather pages);
         pages_in_place: the page-write kernel writes new K/V (else MLX scatters them); backend: the
-        kernels' (None: paged_kernels.gpu_backend)."""
+        kernels' (None: paged_kernels.gpu_backend); sdpa_quantum: prefill attention shapes are
+        padded to its multiples (sdpa_shape_quantum)."""
         kernel_kv_heads = kernel_kv_heads or [0] * len(windows)
         host = dict(input_ids=so.input_ids, positions=so.positions, logits_indices=so.logits_indices)
         if len(so.placeholder_rows):
             host.update(placeholder_rows=so.placeholder_rows, placeholder_src=so.placeholder_src)
-        builders = [_GroupBuilder(so, g, block_size, w, kernel_kv_heads[g], pages_in_place, backend)
+        builders = [_GroupBuilder(so, g, block_size, w, kernel_kv_heads[g], pages_in_place, backend, sdpa_quantum)
                     for g, w in enumerate(windows)]
         for g, b in enumerate(builders):
             host.update({f"{g}.{k}": v for k, v in b.host.items()})
@@ -127,9 +157,9 @@ class _GroupBuilder:
     """The host half of one group's AttentionMetadata; `finish` makes it from the uploaded arrays."""
 
     def __init__(self, so: SchedulerOutput, group: int, block_size: int, window: Optional[int], kernel_heads: int,
-                 in_place: bool, backend: Optional[str]):
+                 in_place: bool, backend: Optional[str], quantum: int):
         self.T, self.nd, self.bs, self.window = so.total_num_scheduled_tokens, so.num_decodes, block_size, window
-        self.backend = backend
+        self.backend, self.quantum = backend, quantum
         self.in_place, self.use_kernel = in_place, kernel_heads > 0 and so.num_decodes > 0
         table, slots = so.block_table[group], so.slot_mapping[group]
         host: dict[str, np.ndarray] = {}
@@ -159,14 +189,17 @@ class _GroupBuilder:
             first_pos = int(seq_lens[s]) - n
             first_key = 0 if self.window is None else max(0, first_pos - self.window + 1)
             first_block, end_block = first_key // bs, cdiv(int(seq_lens[s]), bs)
-            seg = (int(qsl[s]), n, first_pos, first_block * bs, int(seq_lens[s]) - first_block * bs)
+            num_keys = int(seq_lens[s]) - first_block * bs
+            seg = (int(qsl[s]), n, first_pos, first_block * bs, num_keys)
             if n > PADDED_MAX_QUERY:
-                host[f"segment{len(self.long)}"] = table[s, first_block:end_block]
-                self.long.append(seg)
+                front, back = sdpa_padding(num_keys - n, n, self.quantum)
+                host[f"segment{len(self.long)}"] = _pad_pages(table[s, first_block:end_block],
+                                                             cdiv(num_keys + back, bs))
+                self.long.append(seg[:4] + (num_keys + back, front, back))
             else:
                 self.short.append((seg, table[s, first_block:end_block]))
         if self.short:
-            host.update(_padded_indices(self.short, bs))
+            host.update(_padded_indices(self.short, bs, self.quantum))
         if self.long and self.short and self.long[-1][0] > self.short[0][0][0]:  # not [long..., short...]
             host["prefill_order"] = _prefill_order(self.long, [seg for seg, _ in self.short], nd)
 
@@ -195,11 +228,11 @@ class _GroupBuilder:
 
 
     def _segment_mask(self, row_start: int, num_queries: int, first_query_pos: int, key_offset: int,
-                      num_keys: int) -> Union[str, mx.array]:
-        if self.window is None or (key_offset == 0 and first_query_pos + num_queries <= self.window):
+                      num_keys: int, front: int, back: int) -> Union[str, mx.array]:
+        if self.window is None or (key_offset == 0 and first_query_pos + num_queries + back <= self.window):
             return "causal"
         key_pos = mx.arange(key_offset, key_offset + num_keys)[None, :]
-        query_pos = mx.arange(first_query_pos, first_query_pos + num_queries)[:, None]
+        query_pos = mx.arange(first_query_pos - front, first_query_pos + num_queries + back)[:, None]
         return causal_mask(key_pos, query_pos, self.window)
 
 
@@ -216,16 +249,26 @@ def _window_tables(table: np.ndarray, seq_lens: np.ndarray, query_pos: np.ndarra
     return np.take_along_axis(table, cols, axis=1), seq_lens - first_block * block_size
 
 
-def _padded_indices(short: list, block_size: int) -> dict[str, np.ndarray]:
+def _pad_pages(pages: np.ndarray, n: int) -> np.ndarray:
+    """The block table extended to n pages with page 0: read only by padding rows."""
+    return pages if len(pages) >= n else np.concatenate([pages, np.zeros(n - len(pages), pages.dtype)])
+
+
+def _padded_indices(short: list, block_size: int, quantum: int = 0) -> dict[str, np.ndarray]:
     """Short prefill segments padded to the longest: block table, batch row of each padded query
-    slot, padded slot of each real query, each slot's query position and each segment's first key."""
+    slot, padded slot of each real query, each slot's query position and each segment's first key.
+    quantum: also round the segment count and length up to powers of two and the keys to a
+    multiple of it (the attention call's shape: see SDPA_SHAPE_QUANTUM); added segments see key 0."""
     P = len(short)
     L = max(seg[1] for seg, _ in short)
     nb = max(len(t) for _, t in short)
+    if quantum > 1:
+        P, L = 1 << (P - 1).bit_length(), 1 << (L - 1).bit_length()
+        nb = cdiv(-(-nb * block_size // quantum) * quantum, block_size)
     tables = np.zeros((P, nb), np.int32)
     rows = np.zeros((P, L), np.int32)
     q_pos = np.zeros((P, L), np.int32)
-    key_offset = np.array([seg[3] for seg, _ in short], np.int32)
+    key_offset = np.array([seg[3] for seg, _ in short] + [0] * (P - len(short)), np.int32)
     valid = np.zeros((P, L), bool)
     for p, ((row, n, first_pos, offset, _), t) in enumerate(short):
         tables[p, :len(t)] = t

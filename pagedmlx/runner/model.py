@@ -10,9 +10,9 @@ import mlx.nn as nn
 from pagedmlx.config import EngineConfig
 from pagedmlx.kv.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec,
                               sliding_pool_blocks)
-from pagedmlx.runner import cuda_state
+from pagedmlx.runner import cuda_state, paged_kernels
 from pagedmlx.runner.attention import KVPool, PagedLayerCache, install_paged_attention
-from pagedmlx.runner.attention_metadata import StepMetadata
+from pagedmlx.runner.attention_metadata import StepMetadata, sdpa_shape_quantum
 from pagedmlx.runner.kernel_check import error_line, select_kernels
 from pagedmlx.runner.plan import UnsupportedModelError, model_type, plan_layers
 from pagedmlx.runner.state import (StateLayerCache, StateMetadata, StatePool, install_regrouping, pages_budget,
@@ -59,6 +59,7 @@ class ModelRunner:
                                       windows=tuple(sorted(set(self.windows), key=str)),
                                       sinks=tuple(sorted({p.sinks for p in attending})),
                                       state_layers=any(p.state is not None for p in self.plan))
+        self.sdpa_quantum = sdpa_shape_quantum(paged_kernels.gpu_backend())
         if self.kernels.state:
             cuda_state.install_kernels(model, [p.state.owner for p in self.plan if p.state is not None])
         self.state_pool: Optional[StatePool] = None
@@ -188,7 +189,7 @@ class ModelRunner:
         dispatched (mx.async_eval) before this returns: MLX sees no dependency between one step's
         page reads and the next step's writes, so steps must reach the device in order."""
         md = StepMetadata.build(so, self.block_size, self.windows, self.kernel_kv_heads, self.kernels.page_write,
-                                self.kernels.backend)
+                                self.kernels.backend, self.sdpa_quantum)
         state_md = StateMetadata.build(so) if len(so.state_slots) else None
         caches = self.make_caches(md, kv_pool or self.kv_pool, state_md, state_pool or self.state_pool)
         inputs = md.input_ids

@@ -8,7 +8,8 @@ Cases (N prompts of L tokens, + G new tokens):
                while it prefills, against the same decodes alone (and BatchGenerator doing the same)
 Prompt tokens/s: all prompt tokens over the time until the last request has its first token.
 `--chunks T:B ...` runs pagedmlx with each prefill chunk cap T (long_prefill_token_threshold) and
-token budget B (max_num_batched_tokens): how the defaults were chosen.
+token budget B (max_num_batched_tokens): how the defaults were chosen. `--sdpa-quantum Q ...` runs
+it with each attention shape padding (0: none; CUDA's default pads to 256: bench_sdpa_shapes.py says why).
 
   python scripts/bench/bench_prefill.py --preset llama-8b --dtype bfloat16            # the GPU machine
   python scripts/bench/bench_prefill.py --model default --cases 1x32k --scale 0.0625    # a CPU: SmolLM2, 2k tokens
@@ -17,11 +18,14 @@ token budget B (max_num_batched_tokens): how the defaults were chosen.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import mlx.core as mx
 
@@ -33,15 +37,28 @@ from bench_offline import PRESETS, make_prompts, measure_machine, random_model  
 CASES = {"1x32k": (1, 32000, 1), "8x8k": (8, 8192, 1), "32x4k+128": (32, 3968, 128)}
 
 
-def engine_for(model, args, threshold: int, budget: int, max_len: int, num_seqs: int, blocks: int = 0):
-    """blocks: the pool's size (default: every request at max_len)."""
+def engine_for(model, args, threshold: int, budget: int, max_len: int, num_seqs: int, blocks: int = 0,
+               quantum: Optional[int] = None):
+    """blocks: the pool's size (default: every request at max_len); quantum: the attention shapes'
+    padding (attention_metadata.sdpa_shape_quantum; None: the backend's default)."""
     from pagedmlx.config import EngineConfig
     from pagedmlx.engine import LLMEngine
 
+    free_memory()
+    if quantum is None:
+        os.environ.pop("PAGEDMLX_SDPA_QUANTUM", None)
+    else:
+        os.environ["PAGEDMLX_SDPA_QUANTUM"] = str(quantum)
     blocks = blocks or num_seqs * (-(-max_len // args.block_size) + 1) + 8
     return LLMEngine(model, None, EngineConfig(
         block_size=args.block_size, num_blocks=blocks, max_num_seqs=num_seqs, max_num_batched_tokens=budget,
         long_prefill_token_threshold=threshold, max_model_len=max_len + 1, enable_prefix_caching=False))
+
+
+def free_memory() -> None:
+    """The previous case's engine and its KV pool (an H200 holds one Llama-8B pool at a time)."""
+    gc.collect()
+    mx.clear_cache()
 
 
 def run_pagedmlx(engine, prompts: list[list[int]], gen: int) -> dict:
@@ -103,14 +120,15 @@ def attention_flops(model, lengths: list[int]) -> float:
     return 2 * params * sum(lengths) + attn
 
 
-def mixed(model, args, vocab: int, threshold: int, budget: int) -> dict:
+def mixed(model, args, vocab: int, threshold: int, budget: int, quantum: Optional[int]) -> dict:
     """64 decoding requests; then a 16k prompt arrives. The decodes' step times before and during."""
     from pagedmlx.sampling_params import SamplingParams
 
     n_dec, long_len = 64, int(16384 * args.scale)
     bs = args.block_size
     engine = engine_for(model, args, threshold, budget, long_len + 512, n_dec + 1,
-                        blocks=n_dec * -(-1024 // bs) + -(-long_len // bs) + 16)  # decodes grow < 900 tokens
+                        blocks=n_dec * -(-1024 // bs) + -(-long_len // bs) + 16,  # decodes grow < 900 tokens
+                        quantum=quantum)
     dec = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
     for i, p in enumerate(make_prompts(n_dec, 128, vocab, 3)):
         engine.add_request(f"d{i}", p, dec)
@@ -177,6 +195,8 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every prompt length (CPU: 1/16)")
     ap.add_argument("--chunks", nargs="+", default=None, metavar="T:B",
                     help="pagedmlx prefill chunk caps and token budgets to run (default: the engine's defaults)")
+    ap.add_argument("--sdpa-quantum", type=int, nargs="+", default=None, metavar="Q",
+                    help="attention shape paddings to run pagedmlx with (0: none; default: the backend's)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--json")
@@ -200,16 +220,21 @@ def main() -> None:
     defaults = EngineConfig()
     chunks = [tuple(int(x) for x in c.split(":")) for c in args.chunks] if args.chunks else \
         [(defaults.long_prefill_token_threshold, defaults.max_num_batched_tokens)]
+    variants = [(t, b, q) for t, b in chunks for q in (args.sdpa_quantum or [None])]
+    label = lambda t, b, q: f"pagedmlx {t}:{b}" + ("" if q is None else f" q{q}")  # noqa: E731
     console.print(f"[bold]bench_prefill[/] {args.preset} ({args.dtype}) on {mx.default_device()}, "
                   f"{time.strftime('%Y-%m-%d')}, scale {args.scale}, chunk cap:budget {chunks}")
     _, peak = measure_machine()
     console.print(f"  measured matmul peak {peak / 1e12:.1f} TFLOP/s")
     rows = []
     for case in args.cases:
+        free_memory()
         if case == "mixed":
-            for threshold, budget in chunks:
-                m = mixed(model, args, vocab, threshold, budget)
-                rows.append(dict(case="mixed", engine=f"pagedmlx {threshold}:{budget}", **m))
+            for threshold, budget, quantum in variants:
+                m = mixed(model, args, vocab, threshold, budget, quantum)
+                rows.append(dict(case="mixed", engine=label(threshold, budget, quantum), **m))
+                console.print(f"  mixed {rows[-1]['engine']}: decode step p90 during / p50 alone "
+                              f"{m['itl_p90_during'] / m['itl_p50_alone']:.2f}, 16k TTFT {m['ttft']:.2f} s")
             if not args.no_peer:
                 rows.append(dict(case="mixed", engine="BatchGenerator", **mixed_batch_generator(model, args, vocab)))
             continue
@@ -222,11 +247,12 @@ def main() -> None:
             peer = run_generate_step(model, prompts[0]) if n == 1 else run_batch_generator(model, prompts, gen)
             rows.append(dict(case=case, engine="generate_step" if n == 1 else "BatchGenerator", **peer,
                              prompt_tps=n * length / peer["ttft"], roofline=flops / peer["ttft"] / peak))
-        for threshold, budget in chunks:
-            engine = engine_for(model, args, threshold, budget, length + gen, n)
+        for threshold, budget, quantum in variants:
+            engine = engine_for(model, args, threshold, budget, length + gen, n, quantum=quantum)
             run_pagedmlx(engine, make_prompts(1, min(length, 256), vocab, 1), 1)  # warm up
             ours = run_pagedmlx(engine, prompts, gen)
-            row = dict(case=case, engine=f"pagedmlx {threshold}:{budget}", **ours, prompt_tps=n * length / ours["ttft"],
+            del engine
+            row = dict(case=case, engine=label(threshold, budget, quantum), **ours, prompt_tps=n * length / ours["ttft"],
                        roofline=flops / ours["ttft"] / peak)
             if peer:
                 row.update(ratio=peer["ttft"] / ours["ttft"], e2e_ratio=peer["total"] / ours["total"])

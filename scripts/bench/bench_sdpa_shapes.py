@@ -1,0 +1,52 @@
+"""What a new prefill shape costs MLX's fused causal SDPA: the first call at a (queries, keys) shape
+against later calls at the same shape. On CUDA, MLX builds a cuDNN graph per shape (and strides)
+and keeps 256 in an LRU cache, so a serving engine whose chunk lengths vary pays the build on
+every new length. Llama-8B heads (32 query, 8 KV, 128 dims), bf16.
+
+  python scripts/bench/bench_sdpa_shapes.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from scripts.bench.timing import timed  # noqa: E402
+
+SHAPES = [(2048, 2048), (2048, 4096), (1712, 3968), (3968, 3968), (256, 256), (2047, 6015), (8192, 8192),
+          (8192, 32000), (2048, 2048 + 16), (2048 + 16, 2048 + 16)]
+
+
+def first_call(q, k, v) -> float:
+    t = time.perf_counter()
+    mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.088, mask="causal"))
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    H, Hkv, D, dtype = 32, 8, 128, mx.bfloat16
+    print(f"bench_sdpa_shapes on {mx.default_device()}, {time.strftime('%Y-%m-%d')}, H={H} Hkv={Hkv} D={D} bf16")
+    print(f"{'queries':>8} {'keys':>7} | {'first ms':>9} {'again ms':>9} {'first - again':>13}")
+    w = mx.random.normal((1, H, 64, D)).astype(dtype)
+    first_call(w, w[:, :Hkv], w[:, :Hkv])  # library start-up, not a shape's cost
+    extra = []
+    for L, S in SHAPES:
+        q = mx.random.normal((1, H, L, D)).astype(dtype)
+        k = mx.random.normal((1, Hkv, S, D)).astype(dtype)
+        v = mx.random.normal((1, Hkv, S, D)).astype(dtype)
+        mx.eval(q, k, v)
+        cold = first_call(q, k, v)
+        warm = timed(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.088, mask="causal"), 10)
+        extra.append(cold - warm)
+        print(f"{L:>8} {S:>7} | {1e3 * cold:9.2f} {1e3 * warm:9.2f} {1e3 * (cold - warm):13.2f}")
+    print(f"median cost of a new shape: {1e3 * statistics.median(extra):.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
