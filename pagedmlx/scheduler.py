@@ -291,6 +291,7 @@ class Scheduler:
                 self.kv_cache_manager.uncache_block_ids(tables)
                 continue
             self.kv_cache_manager.uncache_uncomputed(req, computed_before)
+            req.num_computed_tokens = min(req.num_computed_tokens, computed_before)  # so free caches none of it
             alive.append(rid)
         return self.finish_requests(alive, RequestStatus.FINISHED_ERROR)
 

@@ -79,12 +79,15 @@ def expected_hit(saved: set[int], computed: int) -> int:
     return max((c for c in saved if c <= computed // BS * BS), default=0)
 
 
-@pytest.mark.parametrize("arch", STATE_ARCHS)
-def test_multi_turn_resumes_from_checkpoints(arch):
+@pytest.mark.parametrize("arch,overlap", [(a, None) for a in STATE_ARCHS] + [("qwen3_5-tiny", True),
+                                                                           ("mamba2-tiny", True)])
+def test_multi_turn_resumes_from_checkpoints(arch, overlap):
     """Three conversations, three turns each: every turn resumes from the last checkpoint the previous
-    turns left (the prompt's last full block, or an interval one in the answer), equal to mlx-lm."""
+    turns left (the prompt's last full block, or an interval one in the answer), equal to mlx-lm.
+    overlap: async scheduling (the GPU's default), where a step's last token is not known when it is
+    scheduled: the checkpoint and the page it ends are keyed later (StepBlock.pending, free)."""
     model = make_model(arch)
-    engine = state_engine(model, num_blocks=400)
+    engine = state_engine(model, num_blocks=400, async_scheduling=overlap)
     rng = random.Random(4)
     history = {c: [rng.randrange(1, 500) for _ in range(rng.randint(5, 30))] for c in range(3)}
     saved = {c: set() for c in history}

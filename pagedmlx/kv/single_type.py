@@ -56,9 +56,9 @@ class SingleTypeKVCacheManager:
         """Record the request's blocks that are full at `num_tokens` under their hashes."""
         start = self.num_cached_blocks.get(request_id, 0)
         end = num_tokens // self.block_size
-        if not self.enable_caching or end <= start:  # no block completed (most decode steps)
+        blocks = self.req_to_blocks.get(request_id)
+        if not self.enable_caching or end <= start or blocks is None:  # no block completed (most decode steps)
             return
-        blocks = self.req_to_blocks[request_id]
         for i in range(start, end):
             self.block_pool.cache_block(blocks[i], block_hashes[i])
         self.num_cached_blocks[request_id] = end

@@ -36,6 +36,20 @@ class StepBlock:
     num_tokens: int  # tokens of the chain the state covers
     saves: bool
     block_hash: Optional[BlockHash] = None  # a save's key; None once cancelled (the step will not run)
+    # A save whose last token was not known when its step was scheduled (async scheduling: the
+    # token the previous step samples): the request's block hashes, where its key appears once the
+    # token does; looked up when the block is released. None once cancelled.
+    pending: Optional[list[BlockHash]] = None
+
+    @property
+    def live(self) -> bool:
+        return self.block_hash is not None or self.pending is not None
+
+    def key(self, block_size: int) -> Optional[BlockHash]:
+        i = self.num_tokens // block_size - 1
+        if self.block_hash is None and self.pending is not None and i < len(self.pending):
+            return self.pending[i]
+        return self.block_hash
 
 
 class StateManager(SingleTypeKVCacheManager):
@@ -56,19 +70,19 @@ class StateManager(SingleTypeKVCacheManager):
         return (request.num_prompt_tokens - 1) // self.block_size * self.block_size
 
     def checkpoint_in(self, request: Request, start: int, end: int) -> Optional[int]:
-        """The last checkpoint position in (start, end] still to be saved whose tokens are known."""
+        """The last checkpoint position in (start, end] still to be saved."""
         if not self.checkpoint_interval:
             return None
         last_full = self._last_full_block(request)
         candidates = {end // self.checkpoint_interval * self.checkpoint_interval, last_full if last_full <= end else 0}
         for pos in sorted(candidates, reverse=True):
-            if start < pos <= request.num_tokens and not self._saved_already(request, pos):
+            if start < pos and not self._saved_already(request, pos):
                 return pos
         return None
 
     def _saved_already(self, request: Request, num_tokens: int) -> bool:
-        block_hash = request.block_hashes[num_tokens // self.block_size - 1]
-        return self.block_pool.get_cached_block(block_hash) is not None
+        i = num_tokens // self.block_size - 1
+        return i < len(request.block_hashes) and self.block_pool.get_cached_block(request.block_hashes[i]) is not None
 
     # ---- the coordinator's interface -----------------------------------------------------------
 
@@ -115,7 +129,8 @@ class StateManager(SingleTypeKVCacheManager):
     def save_checkpoint(self, request: Request, start: int, end: int) -> None:
         """If the request's chunk [start, end) reaches a checkpoint position, take a block that the step
         writes the state at that position into; skipped when the chain is saved already, its tokens are
-        not known yet (async scheduling) or the pool must keep its blocks for running requests."""
+        not known yet (async scheduling: then its key is found when the block is released) or the pool
+        must keep its blocks for running requests."""
         num_tokens = self.checkpoint_in(request, start, end)
         if num_tokens is None:
             return
@@ -123,8 +138,10 @@ class StateManager(SingleTypeKVCacheManager):
         if self.block_pool.get_num_free_blocks() < slots_to_come + 2:  # one for this, one for a revived hit
             return
         block = self.block_pool.get_new_blocks(1)[0]
-        block_hash = request.block_hashes[num_tokens // self.block_size - 1]
-        self.step_blocks.setdefault(request.request_id, []).append(StepBlock(block, num_tokens, True, block_hash))
+        i, hashes = num_tokens // self.block_size - 1, request.block_hashes
+        sb = StepBlock(block, num_tokens, True, hashes[i]) if i < len(hashes) else \
+            StepBlock(block, num_tokens, True, pending=hashes)
+        self.step_blocks.setdefault(request.request_id, []).append(sb)
 
     def state_slots(self, request: Request) -> tuple[int, int, int, int]:
         """This step's (slot the state is read from, -1: none, it starts at position 0; slot it is
@@ -136,7 +153,7 @@ class StateManager(SingleTypeKVCacheManager):
         for sb in self.step_blocks.get(rid, ()):
             if not sb.saves:
                 read = sb.block.block_id
-            elif sb.block_hash is not None:
+            elif sb.live:
                 save, save_len = sb.block.block_id, sb.num_tokens - request.num_computed_tokens
         return read, slot, save, save_len
 
@@ -144,7 +161,7 @@ class StateManager(SingleTypeKVCacheManager):
         """Checkpoints past num_valid_tokens were never written (the step failed or was taken back)."""
         for sb in self.step_blocks.get(request_id, ()):
             if sb.saves and sb.num_tokens > num_valid_tokens:
-                sb.block_hash = None
+                sb.block_hash = sb.pending = None
         for sb in self.saved.get(request_id, ()):
             if sb.num_tokens > num_valid_tokens and sb.block.block_hash == sb.block_hash:
                 self.block_pool.uncache_block(sb.block)
@@ -157,7 +174,8 @@ class StateManager(SingleTypeKVCacheManager):
     def _release(self, request_id: str) -> None:
         """Give back the request's checkpoint blocks; the ones its step saved join the prefix cache."""
         for sb in self.step_blocks.pop(request_id, ()):
-            if sb.saves and sb.block_hash is not None:
+            sb.block_hash = sb.key(self.block_size) if sb.saves else None
+            if sb.block_hash is not None:
                 self.block_pool.cache_block(sb.block, sb.block_hash)
                 if sb.block.block_hash == sb.block_hash:  # not a duplicate of a chain saved meanwhile
                     self.saved.setdefault(request_id, []).append(sb)
