@@ -28,10 +28,13 @@ def as_dtype(x: mx.array, dtype: mx.Dtype) -> mx.array:
 
 
 def _gather(pages: mx.array, block_table: mx.array) -> mx.array:
-    """(num_blocks, h, bs, d) through a (B, nb) block table -> (B, h, nb * bs, d), contiguous."""
+    """(num_blocks, h, bs, d) through a (B, nb) block table -> (B, h, nb * bs, d), contiguous.
+    Gathers (page, head) rows straight into that order: gathering pages and then transposing
+    heads forward copied everything twice (2.5x slower on the CPU)."""
     B, nb = block_table.shape
-    _, h, bs, d = pages.shape
-    return pages[block_table].transpose(0, 2, 1, 3, 4).reshape(B, h, nb * bs, d)
+    P, h, bs, d = pages.shape
+    rows = block_table[:, None, :] * h + mx.arange(h, dtype=block_table.dtype)[None, :, None]  # (B, h, nb)
+    return pages.reshape(P * h, bs * d)[rows].reshape(B, h, nb * bs, d)
 
 
 class KVPool:
