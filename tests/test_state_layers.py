@@ -85,7 +85,7 @@ def test_multi_turn_resumes_from_checkpoints(arch, overlap):
     """Three conversations, three turns each: every turn resumes from the last checkpoint the previous
     turns left (the prompt's last full block, or an interval one in the answer), equal to mlx-lm.
     overlap: async scheduling (the GPU's default), where a step's last token is not known when it is
-    scheduled: the checkpoint and the page it ends are keyed later (StepBlock.pending, free)."""
+    scheduled: the checkpoint and the page it ends are keyed later (StepBlock.hashes, KVCacheManager.free)."""
     model = make_model(arch)
     engine = state_engine(model, num_blocks=400, async_scheduling=overlap)
     rng = random.Random(4)

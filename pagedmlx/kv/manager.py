@@ -133,7 +133,7 @@ class KVCacheManager:
         rid = request.request_id
         hits = new_computed_blocks or tuple([] for _ in self.managers)
         total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        self.update_block_hashes(request)  # a checkpoint saved under async scheduling finds its key here
+        self.update_block_hashes(request)  # incremental: nothing to hash on most decode steps
         for manager in self.managers:
             manager.remove_skipped_blocks(rid, request.num_computed_tokens)
         needs = [m.get_num_blocks_to_allocate(rid, total_tokens, h) for m, h in zip(self.managers, hits)]
@@ -154,7 +154,6 @@ class KVCacheManager:
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         if not self.enable_caching:
             return
-        self.update_block_hashes(request)  # incremental: nothing to hash on most decode steps
         for manager in self.managers:
             manager.cache_blocks(request.request_id, request.block_hashes, num_tokens)
 
@@ -176,6 +175,7 @@ class KVCacheManager:
         # step samples it), so its block is cached by the request's next allocation. The last step
         # has none: cache it here, its token known by now (and its K/V written: steps reach the
         # device in order). Checkpoints saved that way find their keys here too.
+        self.update_block_hashes(request)
         self._cache_full_blocks(request, min(request.num_computed_tokens, request.num_tokens))
         for manager in self.managers:
             manager.free(request.request_id)

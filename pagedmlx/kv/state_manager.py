@@ -35,21 +35,15 @@ class StepBlock:
     block: KVCacheBlock
     num_tokens: int  # tokens of the chain the state covers
     saves: bool
-    block_hash: Optional[BlockHash] = None  # a save's key; None once cancelled (the step will not run)
-    # A save whose last token was not known when its step was scheduled (async scheduling: the
-    # token the previous step samples): the request's block hashes, where its key appears once the
-    # token does; looked up when the block is released. None once cancelled.
-    pending: Optional[list[BlockHash]] = None
-
-    @property
-    def live(self) -> bool:
-        return self.block_hash is not None or self.pending is not None
+    # A save's request block hashes, where its key is (or, under async scheduling, will be once the
+    # step's last token is known: the previous step samples it); None once cancelled (the step will
+    # not run). Its key is looked up when the block is released.
+    hashes: Optional[list[BlockHash]] = None
+    block_hash: Optional[BlockHash] = None  # the key it was cached under, once released
 
     def key(self, block_size: int) -> Optional[BlockHash]:
         i = self.num_tokens // block_size - 1
-        if self.block_hash is None and self.pending is not None and i < len(self.pending):
-            return self.pending[i]
-        return self.block_hash
+        return self.hashes[i] if self.hashes is not None and i < len(self.hashes) else None
 
 
 class StateManager(SingleTypeKVCacheManager):
@@ -138,10 +132,8 @@ class StateManager(SingleTypeKVCacheManager):
         if self.block_pool.get_num_free_blocks() < slots_to_come + 2:  # one for this, one for a revived hit
             return
         block = self.block_pool.get_new_blocks(1)[0]
-        i, hashes = num_tokens // self.block_size - 1, request.block_hashes
-        sb = StepBlock(block, num_tokens, True, hashes[i]) if i < len(hashes) else \
-            StepBlock(block, num_tokens, True, pending=hashes)
-        self.step_blocks.setdefault(request.request_id, []).append(sb)
+        self.step_blocks.setdefault(request.request_id, []).append(
+            StepBlock(block, num_tokens, True, request.block_hashes))
 
     def state_slots(self, request: Request) -> tuple[int, int, int, int]:
         """This step's (slot the state is read from, -1: none, it starts at position 0; slot it is
@@ -153,7 +145,7 @@ class StateManager(SingleTypeKVCacheManager):
         for sb in self.step_blocks.get(rid, ()):
             if not sb.saves:
                 read = sb.block.block_id
-            elif sb.live:
+            elif sb.hashes is not None:
                 save, save_len = sb.block.block_id, sb.num_tokens - request.num_computed_tokens
         return read, slot, save, save_len
 
@@ -161,7 +153,7 @@ class StateManager(SingleTypeKVCacheManager):
         """Checkpoints past num_valid_tokens were never written (the step failed or was taken back)."""
         for sb in self.step_blocks.get(request_id, ()):
             if sb.saves and sb.num_tokens > num_valid_tokens:
-                sb.block_hash = sb.pending = None
+                sb.hashes = None
         for sb in self.saved.get(request_id, ()):
             if sb.num_tokens > num_valid_tokens and sb.block.block_hash == sb.block_hash:
                 self.block_pool.uncache_block(sb.block)
@@ -174,7 +166,7 @@ class StateManager(SingleTypeKVCacheManager):
     def _release(self, request_id: str) -> None:
         """Give back the request's checkpoint blocks; the ones its step saved join the prefix cache."""
         for sb in self.step_blocks.pop(request_id, ()):
-            sb.block_hash = sb.key(self.block_size) if sb.saves else None
+            sb.block_hash = sb.key(self.block_size)
             if sb.block_hash is not None:
                 self.block_pool.cache_block(sb.block, sb.block_hash)
                 if sb.block.block_hash == sb.block_hash:  # not a duplicate of a chain saved meanwhile

@@ -28,13 +28,27 @@ def as_dtype(x: mx.array, dtype: mx.Dtype) -> mx.array:
 
 
 def _gather(pages: mx.array, block_table: mx.array) -> mx.array:
-    """(num_blocks, h, bs, d) through a (B, nb) block table -> (B, h, nb * bs, d), contiguous.
-    Gathers (page, head) rows straight into that order: gathering pages and then transposing
-    heads forward copied everything twice (2.5x slower on the CPU)."""
-    B, nb = block_table.shape
+    """(num_blocks, h, bs, d) through a (B, nb) block table -> (B, h, nb * bs, d), contiguous."""
+    return _gather_rows(pages, _page_rows(block_table, pages.shape[1]), block_table.shape[1])
+
+
+def _gather_kv(k_pages: mx.array, v_pages: mx.array, block_table: mx.array) -> tuple[mx.array, mx.array]:
+    """_gather of the keys and the values, through one row index."""
+    rows = _page_rows(block_table, k_pages.shape[1])
+    nb = block_table.shape[1]
+    return _gather_rows(k_pages, rows, nb), _gather_rows(v_pages, rows, nb)
+
+
+def _page_rows(block_table: mx.array, h: int) -> mx.array:
+    """(B, h, nb): the (page, head) row of each sequence's head and page in pages seen as (P * h, ...).
+    Gathering those rows lands straight in (B, h, keys) order: gathering pages and then moving the
+    head axis forward copied everything twice (2.5x slower on the CPU)."""
+    return block_table[:, None, :] * h + mx.arange(h, dtype=block_table.dtype)[None, :, None]
+
+
+def _gather_rows(pages: mx.array, rows: mx.array, nb: int) -> mx.array:
     P, h, bs, d = pages.shape
-    rows = block_table[:, None, :] * h + mx.arange(h, dtype=block_table.dtype)[None, :, None]  # (B, h, nb)
-    return pages.reshape(P * h, bs * d)[rows].reshape(B, h, nb * bs, d)
+    return pages.reshape(P * h, bs * d)[rows].reshape(rows.shape[0], h, nb * bs, d)
 
 
 class KVPool:
@@ -141,7 +155,7 @@ def gather_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, block_table
     """The portable decode path, and the kernels' reference: gather each sequence's pages into a
     contiguous copy, then SDPA (GQA native). q (B, H, D) -> (B, H, Dv) in the pages' dtype."""
     table = block_table if written is None else block_table + written
-    k, v = _gather(k_pages, table), _gather(v_pages, table)
+    k, v = _gather_kv(k_pages, v_pages, table)
     return mx.fast.scaled_dot_product_attention(as_dtype(q, k.dtype)[:, :, None, :], k, v, scale=scale, mask=mask,
                                                 sinks=_sinks(sinks, k.dtype))[:, :, 0, :]
 
@@ -161,8 +175,7 @@ def _prefill_attention(q, k_pages, v_pages, md: AttentionMetadata, scale, writte
         if seg.pad_front or seg.pad_back:
             rows = mx.pad(rows, [(seg.pad_front, seg.pad_back), (0, 0), (0, 0)])
         table = seg.block_table[None] if written is None else seg.block_table[None] + written
-        k = _gather(k_pages, table)[:, :, :seg.num_keys]
-        v = _gather(v_pages, table)[:, :, :seg.num_keys]
+        k, v = (x[:, :, :seg.num_keys] for x in _gather_kv(k_pages, v_pages, table))
         o = mx.fast.scaled_dot_product_attention(as_dtype(rows.transpose(1, 0, 2)[None], k.dtype), k, v,
                                                  scale=scale, mask=seg.mask, sinks=_sinks(sinks, k.dtype))
         outs.append(o[0, :, seg.pad_front:seg.pad_front + seg.num_queries].transpose(1, 0, 2))
@@ -170,7 +183,7 @@ def _prefill_attention(q, k_pages, v_pages, md: AttentionMetadata, scale, writte
         P, L = md.padded_block_table.shape[0], md.padded_max_query_len
         padded = q[:, :, 0, :][md.padded_query_rows - md.num_decodes].reshape(P, L, H, D).transpose(0, 2, 1, 3)
         table = md.padded_block_table if written is None else md.padded_block_table + written
-        k, v = _gather(k_pages, table), _gather(v_pages, table)
+        k, v = _gather_kv(k_pages, v_pages, table)
         o = mx.fast.scaled_dot_product_attention(as_dtype(padded, k.dtype), k, v, scale=scale, mask=md.padded_mask,
                                                  sinks=_sinks(sinks, k.dtype))
         outs.append(o.transpose(0, 2, 1, 3).reshape(P * L, H, -1)[md.padded_out_rows])

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -45,14 +44,13 @@ def engine_for(model, args, threshold: int, budget: int, max_len: int, num_seqs:
     from pagedmlx.engine import LLMEngine
 
     free_memory()
-    if quantum is None:
-        os.environ.pop("PAGEDMLX_SDPA_QUANTUM", None)
-    else:
-        os.environ["PAGEDMLX_SDPA_QUANTUM"] = str(quantum)
     blocks = blocks or num_seqs * (-(-max_len // args.block_size) + 1) + 8
-    return LLMEngine(model, None, EngineConfig(
+    engine = LLMEngine(model, None, EngineConfig(
         block_size=args.block_size, num_blocks=blocks, max_num_seqs=num_seqs, max_num_batched_tokens=budget,
         long_prefill_token_threshold=threshold, max_model_len=max_len + 1, enable_prefix_caching=False))
+    if quantum is not None:
+        engine.runner.sdpa_quantum = quantum
+    return engine
 
 
 def free_memory() -> None:
