@@ -60,6 +60,7 @@ class ModelRunner:
                                       sinks=tuple(sorted({p.sinks for p in attending})),
                                       state_layers=any(p.state is not None for p in self.plan))
         self.sdpa_quantum = sdpa_shape_quantum(paged_kernels.gpu_backend())
+        self.sdpa_key_buckets = True  # attention_metadata.key_bucket (benchmarks turn it off to compare)
         if self.kernels.state:
             cuda_state.install_kernels(model, [p.state.owner for p in self.plan if p.state is not None])
         self.state_pool: Optional[StatePool] = None
@@ -189,7 +190,7 @@ class ModelRunner:
         dispatched (mx.async_eval) before this returns: MLX sees no dependency between one step's
         page reads and the next step's writes, so steps must reach the device in order."""
         md = StepMetadata.build(so, self.block_size, self.windows, self.kernel_kv_heads, self.kernels.page_write,
-                                self.kernels.backend, self.sdpa_quantum)
+                                self.kernels.backend, self.sdpa_quantum, self.sdpa_key_buckets)
         state_md = StateMetadata.build(so) if len(so.state_slots) else None
         caches = self.make_caches(md, kv_pool or self.kv_pool, state_md, state_pool or self.state_pool)
         inputs = md.input_ids

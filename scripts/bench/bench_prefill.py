@@ -5,11 +5,14 @@ Cases (N prompts of L tokens, + G new tokens):
   8x8k         8 prompts of 8,192 tokens, 1 new token      peer: mlx-lm BatchGenerator
   32x4k+128    32 prompts of 3,968 tokens, 128 new tokens  peer: BatchGenerator (end to end too)
   mixed        64 decoding requests, then a 16k prompt arrives: the decodes' inter-token latency
-               while it prefills, against the same decodes alone (and BatchGenerator doing the same)
+               while it prefills, against the same decodes alone (and BatchGenerator doing the same);
+               then a second 16k prompt: the first meets attention shapes new to the process (on
+               CUDA a cuDNN graph each), the second finds them built
 Prompt tokens/s: all prompt tokens over the time until the last request has its first token.
 `--chunks T:B ...` runs pagedmlx with each prefill chunk cap T (long_prefill_token_threshold) and
 token budget B (max_num_batched_tokens): how the defaults were chosen. `--sdpa-quantum Q ...` runs
-it with each attention shape padding (0: none; CUDA's default pads to 256: bench_sdpa_shapes.py says why).
+it with each attention shape padding (0: none; CUDA's default pads to 256: bench_sdpa_shapes.py says why);
+`--key-buckets on off` with and without continuation chunks' keys rounded to buckets.
 
   python scripts/bench/bench_prefill.py --preset llama-8b --dtype bfloat16            # the GPU machine
   python scripts/bench/bench_prefill.py --model default --cases 1x32k --scale 0.0625    # a CPU: SmolLM2, 2k tokens
@@ -37,9 +40,10 @@ CASES = {"1x32k": (1, 32000, 1), "8x8k": (8, 8192, 1), "32x4k+128": (32, 3968, 1
 
 
 def engine_for(model, args, threshold: int, budget: int, max_len: int, num_seqs: int, blocks: int = 0,
-               quantum: Optional[int] = None):
+               quantum: Optional[int] = None, buckets: bool = True):
     """blocks: the pool's size (default: every request at max_len); quantum: the attention shapes'
-    padding (attention_metadata.sdpa_shape_quantum; None: the backend's default)."""
+    padding (attention_metadata.sdpa_shape_quantum; None: the backend's default); buckets: keys
+    rounded to attention_metadata.key_bucket."""
     from pagedmlx.config import EngineConfig
     from pagedmlx.engine import LLMEngine
 
@@ -50,6 +54,7 @@ def engine_for(model, args, threshold: int, budget: int, max_len: int, num_seqs:
         long_prefill_token_threshold=threshold, max_model_len=max_len + 1, enable_prefix_caching=False))
     if quantum is not None:
         engine.runner.sdpa_quantum = quantum
+    engine.runner.sdpa_key_buckets = buckets
     return engine
 
 
@@ -118,15 +123,16 @@ def attention_flops(model, lengths: list[int]) -> float:
     return 2 * params * sum(lengths) + attn
 
 
-def mixed(model, args, vocab: int, threshold: int, budget: int, quantum: Optional[int]) -> dict:
-    """64 decoding requests; then a 16k prompt arrives. The decodes' step times before and during."""
+def mixed(model, args, vocab: int, threshold: int, budget: int, quantum: Optional[int], buckets: bool) -> dict:
+    """64 decoding requests; then a 16k prompt arrives, and when it is done another. The decodes'
+    step times before and during each."""
     from pagedmlx.sampling_params import SamplingParams
 
     n_dec, long_len = 64, int(16384 * args.scale)
     bs = args.block_size
     engine = engine_for(model, args, threshold, budget, long_len + 512, n_dec + 1,
-                        blocks=n_dec * -(-1024 // bs) + -(-long_len // bs) + 16,  # decodes grow < 900 tokens
-                        quantum=quantum)
+                        blocks=n_dec * -(-1200 // bs) + -(-long_len // bs) + 16,  # decodes grow < 1100 tokens
+                        quantum=quantum, buckets=buckets)
     dec = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
     for i, p in enumerate(make_prompts(n_dec, 128, vocab, 3)):
         engine.add_request(f"d{i}", p, dec)
@@ -134,20 +140,24 @@ def mixed(model, args, vocab: int, threshold: int, budget: int, quantum: Optiona
                                                for r in engine.scheduler.running):
         engine.step()  # until all 64 are decoding
     alone = _step_times(engine, 16)
-    engine.add_request("long", make_prompts(1, long_len, vocab, 4)[0], SamplingParams(max_tokens=1, temperature=0.0))
-    during, t0, ttft = [], time.perf_counter(), None
-    while ttft is None:
-        t = time.perf_counter()
-        outs = engine.step()
-        during.append(time.perf_counter() - t)
-        if any(o.request_id == "long" and o.new_token_ids for o in outs):
-            ttft = time.perf_counter() - t0
+    q = lambda xs, p: statistics.quantiles(xs, n=10)[p] if len(xs) > 2 else max(xs)  # noqa: E731
+    out = dict(itl_p50_alone=statistics.median(alone), itl_p90_alone=q(alone, 8))
+    for name, seed in (("", 4), ("_warm", 5)):
+        rid = f"long{seed}"
+        engine.add_request(rid, make_prompts(1, long_len, vocab, seed)[0], SamplingParams(max_tokens=1, temperature=0.0))
+        during, t0, ttft = [], time.perf_counter(), None
+        while ttft is None:
+            t = time.perf_counter()
+            outs = engine.step()
+            during.append(time.perf_counter() - t)
+            if any(o.request_id == rid and o.new_token_ids for o in outs):
+                ttft = time.perf_counter() - t0
+        out.update({f"itl_p50_during{name}": statistics.median(during), f"itl_p90_during{name}": q(during, 8),
+                    f"ttft{name}": ttft, f"steps{name}": len(during)})
     engine.abort_request([f"d{i}" for i in range(n_dec)])
     while engine.has_unfinished_requests():
         engine.step()
-    q = lambda xs, p: statistics.quantiles(xs, n=10)[p] if len(xs) > 2 else max(xs)  # noqa: E731
-    return dict(itl_p50_alone=statistics.median(alone), itl_p90_alone=q(alone, 8),
-                itl_p50_during=statistics.median(during), itl_p90_during=q(during, 8), ttft=ttft, steps=len(during))
+    return out
 
 
 def _step_times(engine, n: int) -> list[float]:
@@ -195,6 +205,7 @@ def main() -> None:
                     help="pagedmlx prefill chunk caps and token budgets to run (default: the engine's defaults)")
     ap.add_argument("--sdpa-quantum", type=int, nargs="+", default=None, metavar="Q",
                     help="attention shape paddings to run pagedmlx with (0: none; default: the backend's)")
+    ap.add_argument("--key-buckets", nargs="+", default=["on"], choices=["on", "off"])
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--json")
@@ -218,8 +229,9 @@ def main() -> None:
     defaults = EngineConfig()
     chunks = [tuple(int(x) for x in c.split(":")) for c in args.chunks] if args.chunks else \
         [(defaults.long_prefill_token_threshold, defaults.max_num_batched_tokens)]
-    variants = [(t, b, q) for t, b in chunks for q in (args.sdpa_quantum or [None])]
-    label = lambda t, b, q: f"pagedmlx {t}:{b}" + ("" if q is None else f" q{q}")  # noqa: E731
+    variants = [(t, b, q, k == "on") for t, b in chunks for q in (args.sdpa_quantum or [None]) for k in args.key_buckets]
+    label = lambda t, b, q, k: (f"pagedmlx {t}:{b}" + ("" if q is None else f" q{q}")  # noqa: E731
+                                + ("" if k else " no buckets"))
     console.print(f"[bold]bench_prefill[/] {args.preset} ({args.dtype}) on {mx.default_device()}, "
                   f"{time.strftime('%Y-%m-%d')}, scale {args.scale}, chunk cap:budget {chunks}")
     _, peak = measure_machine()
@@ -228,11 +240,12 @@ def main() -> None:
     for case in args.cases:
         free_memory()
         if case == "mixed":
-            for threshold, budget, quantum in variants:
-                m = mixed(model, args, vocab, threshold, budget, quantum)
-                rows.append(dict(case="mixed", engine=label(threshold, budget, quantum), **m))
+            for v in variants:
+                m = mixed(model, args, vocab, *v)
+                rows.append(dict(case="mixed", engine=label(*v), **m))
                 console.print(f"  mixed {rows[-1]['engine']}: decode step p90 during / p50 alone "
-                              f"{m['itl_p90_during'] / m['itl_p50_alone']:.2f}, 16k TTFT {m['ttft']:.2f} s")
+                              f"{m['itl_p90_during'] / m['itl_p50_alone']:.2f} (second prompt "
+                              f"{m['itl_p90_during_warm'] / m['itl_p50_alone']:.2f}), 16k TTFT {m['ttft']:.2f} s")
             if not args.no_peer:
                 free_memory()
                 try:
@@ -251,12 +264,13 @@ def main() -> None:
             peer = run_generate_step(model, prompts[0]) if n == 1 else run_batch_generator(model, prompts, gen)
             rows.append(dict(case=case, engine="generate_step" if n == 1 else "BatchGenerator", **peer,
                              prompt_tps=n * length / peer["ttft"], roofline=flops / peer["ttft"] / peak))
-        for threshold, budget, quantum in variants:
-            engine = engine_for(model, args, threshold, budget, length + gen, n, quantum=quantum)
+        for v in variants:
+            threshold, budget, quantum, buckets = v
+            engine = engine_for(model, args, threshold, budget, length + gen, n, quantum=quantum, buckets=buckets)
             run_pagedmlx(engine, make_prompts(1, min(length, 256), vocab, 1), 1)  # warm up
             ours = run_pagedmlx(engine, prompts, gen)
             del engine
-            row = dict(case=case, engine=label(threshold, budget, quantum), **ours, prompt_tps=n * length / ours["ttft"],
+            row = dict(case=case, engine=label(*v), **ours, prompt_tps=n * length / ours["ttft"],
                        roofline=flops / ours["ttft"] / peak)
             if peer:
                 row.update(ratio=peer["ttft"] / ours["ttft"], e2e_ratio=peer["total"] / ours["total"])
@@ -279,13 +293,16 @@ def main() -> None:
     if mixed_rows:
         t = Table(title="mixed: 64 decodes while a 16k prompt prefills (decode step time, ms)")
         for col in ("engine", "alone p50", "alone p90", "during p50", "during p90 (max for BatchGenerator)",
-                    "p90 during / p50 alone", "16k TTFT s"):
+                    "p90 during / p50 alone", "16k TTFT s", "2nd prompt: p90 / p50 alone", "2nd TTFT s"):
             t.add_column(col, justify="right")
+        nan = float("nan")
         for r in mixed_rows:
             during90 = r.get("itl_p90_during", r.get("itl_max_during"))
-            t.add_row(r["engine"], f"{1e3 * r['itl_p50_alone']:.1f}", f"{1e3 * r.get('itl_p90_alone', float('nan')):.1f}",
-                      f"{1e3 * r.get('itl_p50_during', float('nan')):.1f}", f"{1e3 * during90:.1f}",
-                      f"{during90 / r['itl_p50_alone']:.2f}", f"{r['ttft']:.2f}" if r["ttft"] else "-")
+            t.add_row(r["engine"], f"{1e3 * r['itl_p50_alone']:.1f}", f"{1e3 * r.get('itl_p90_alone', nan):.1f}",
+                      f"{1e3 * r.get('itl_p50_during', nan):.1f}", f"{1e3 * during90:.1f}",
+                      f"{during90 / r['itl_p50_alone']:.2f}", f"{r['ttft']:.2f}" if r["ttft"] else "-",
+                      f"{r.get('itl_p90_during_warm', nan) / r['itl_p50_alone']:.2f}",
+                      f"{r.get('ttft_warm', nan):.2f}")
         console.print(t)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(preset=args.preset, dtype=args.dtype, device=str(mx.default_device()),
