@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_offline import PRESETS, make_prompts, measure_machine, random_model  # noqa: E402
+from profile_step import Clock  # noqa: E402
 
 CASES = {"1x32k": (1, 32000, 1), "8x8k": (8, 8192, 1), "32x4k+128": (32, 3968, 128)}
 
@@ -145,14 +146,17 @@ def mixed(model, args, vocab: int, threshold: int, budget: int, quantum: Optiona
     for name, seed in (("", 4), ("_warm", 5)):
         rid = f"long{seed}"
         engine.add_request(rid, make_prompts(1, long_len, vocab, seed)[0], SamplingParams(max_tokens=1, temperature=0.0))
-        during, t0, ttft = [], time.perf_counter(), None
+        during, dispatch, t0, ttft = [], [], time.perf_counter(), None
         while ttft is None:
-            t = time.perf_counter()
-            outs = engine.step()
-            during.append(time.perf_counter() - t)
+            with Clock() as clock:  # time inside mx.async_eval: encoding the step (and any cuDNN graph build)
+                t = time.perf_counter()
+                outs = engine.step()
+                during.append(time.perf_counter() - t)
+            dispatch.append(clock.dispatch)
             if any(o.request_id == rid and o.new_token_ids for o in outs):
                 ttft = time.perf_counter() - t0
         out.update({f"itl_p50_during{name}": statistics.median(during), f"itl_p90_during{name}": q(during, 8),
+                    f"dispatch_p50{name}": statistics.median(dispatch), f"dispatch_p90{name}": q(dispatch, 8),
                     f"ttft{name}": ttft, f"steps{name}": len(during)})
     engine.abort_request([f"d{i}" for i in range(n_dec)])
     while engine.has_unfinished_requests():
@@ -245,7 +249,9 @@ def main() -> None:
                 rows.append(dict(case="mixed", engine=label(*v), **m))
                 console.print(f"  mixed {rows[-1]['engine']}: decode step p90 during / p50 alone "
                               f"{m['itl_p90_during'] / m['itl_p50_alone']:.2f} (second prompt "
-                              f"{m['itl_p90_during_warm'] / m['itl_p50_alone']:.2f}), 16k TTFT {m['ttft']:.2f} s")
+                              f"{m['itl_p90_during_warm'] / m['itl_p50_alone']:.2f}), 16k TTFT {m['ttft']:.2f} s; "
+                              f"ms in async_eval p50/p90 {1e3 * m['dispatch_p50']:.1f}/{1e3 * m['dispatch_p90']:.1f} "
+                              f"(second {1e3 * m['dispatch_p50_warm']:.1f}/{1e3 * m['dispatch_p90_warm']:.1f})")
             if not args.no_peer:
                 free_memory()
                 try:
