@@ -199,6 +199,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            self.engine.warm_up()  # in this thread, which steps: before the first request
             self._loop()
         except BaseException as exc:  # noqa: BLE001 - whatever killed the loop, consumers must hear of it
             logger.exception("the engine thread died")

@@ -35,6 +35,13 @@ class EngineConfig:
     # "auto": sampling defaults from the model's generation_config.json (as vLLM); "vllm": vLLM's own.
     generation_config: str = "auto"
     dtype: Optional[str] = None  # "float32" / "float16" / "bfloat16" for unquantized weights; None: as loaded
+    # Prefill attention shapes are padded to multiples of this (runner/attention_metadata.py: CUDA
+    # builds a cuDNN graph per shape). None: PAGEDMLX_SDPA_QUANTUM, else 256 on CUDA, 0 (none) elsewhere.
+    sdpa_quantum: Optional[int] = None
+    # Build at start-up, in the thread that steps, the attention shapes a long prompt's chunks meet
+    # (up to WARM_UP_MAX_KEYS tokens), so that the first long prompt does not stall the decodes beside
+    # it. None: wherever shapes are padded (CUDA).
+    warm_up_attention: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
@@ -52,6 +59,8 @@ class EngineConfig:
         if self.long_prefill_token_threshold < 0:
             raise ValueError(
                 f"long_prefill_token_threshold must be >= 0 (0: no cap), got {self.long_prefill_token_threshold}")
+        if self.sdpa_quantum is not None and (not isinstance(self.sdpa_quantum, int) or self.sdpa_quantum < 0):
+            raise ValueError(f"sdpa_quantum must be an integer >= 0 (0: no padding), got {self.sdpa_quantum!r}")
         if self.state_checkpoint_interval < 0:
             raise ValueError(f"state_checkpoint_interval must be >= 0, got {self.state_checkpoint_interval}")
         if self.max_state_checkpoints is not None and self.max_state_checkpoints < 0:

@@ -6,6 +6,7 @@ and builds step N+1 while step N runs. The offline API on top of it is llm.py.""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence, Union
@@ -18,6 +19,7 @@ from pagedmlx.detokenizer import IncrementalDetokenizer
 from pagedmlx.kv.manager import KVCacheManager
 from pagedmlx.outputs import EngineOutput, TokenLogprob
 from pagedmlx.request import Request, RequestStatus
+from pagedmlx.runner.attention_metadata import WARM_UP_MAX_KEYS
 from pagedmlx.runner.model import ModelRunner
 from pagedmlx.sampler import Sampler, SamplerOutput, to_host
 from pagedmlx.sampling_params import SamplingParams
@@ -92,6 +94,26 @@ class LLMEngine:
         self.generation_defaults: dict[str, Any] = {}  # the model's recommended sampling values (from_config)
         self.async_scheduling = (self.config.async_scheduling if self.config.async_scheduling is not None
                                  else mx.default_device() == mx.gpu)
+        self._warmed_up_in: Optional[int] = None  # the thread that ran warm_up
+
+    def warm_up(self) -> None:
+        """Build the attention shapes a long prompt's chunks meet (ModelRunner.warm_up_attention),
+        once per thread: MLX keeps CUDA's cuDNN graphs per thread, so the thread that steps does it
+        (the server's engine thread at start; otherwise the first step). Off unless
+        config.warm_up_attention (default: where attention shapes are padded, CUDA)."""
+        if self._warmed_up_in == threading.get_ident():
+            return
+        self._warmed_up_in = threading.get_ident()
+        quantum = getattr(self.runner, "sdpa_quantum", 0)  # a tensor-parallel driver: ranks build their own
+        enabled = self.config.warm_up_attention if self.config.warm_up_attention is not None else quantum > 1
+        chunk = self.config.long_prefill_token_threshold
+        if not (enabled and chunk and quantum):
+            return
+        start = time.perf_counter()
+        max_keys = min(self.max_model_len, WARM_UP_MAX_KEYS)
+        n = self.runner.warm_up_attention(chunk, max_keys)
+        logger.info("built %d prefill attention shapes (prompts up to %d tokens, %d-token chunks) in %.1f s",
+                    n, max_keys, chunk, time.perf_counter() - start)
 
     def make_runner(self, verify: bool) -> ModelRunner:
         """Hook: tensor parallelism (pagedmlx.distributed.TPEngine) wraps the runner."""
@@ -182,6 +204,8 @@ class LLMEngine:
 
         With async scheduling (by default on GPU backends) the engine overlaps instead: see
         step_with_batch_queue."""
+        if self._warmed_up_in != threading.get_ident():
+            self.warm_up()
         if self._can_overlap():
             return self.step_with_batch_queue()
         outputs: list[EngineOutput] = []

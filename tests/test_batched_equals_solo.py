@@ -7,8 +7,6 @@ import random
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 from utils import ARCHS, assert_no_leaks, make_model, make_prompts, run_staggered, solo_greedy
 
 from pagedmlx.config import EngineConfig
@@ -50,8 +48,7 @@ def test_64_busy_requests_equal_solo(arch_name, overlap, monkeypatch):
 def test_attention_shapes_padded_as_on_cuda_equal_solo(arch_name, monkeypatch):
     """CUDA's setting on the CPU: every prefill attention call padded to multiples of a quantum
     (query rows before and after a segment, keys after it; short segments' count, length and keys
-    too; chunks after a longer prefix with keys rounded to buckets under an explicit mask).
-    Quantum 12, not a multiple of the 4-token pages, with prefix hits and chunks that start
+    too). Quantum 12, not a multiple of the 4-token pages, with prefix hits and chunks that start
     anywhere: the padding must keep each query at its own position."""
     from pagedmlx.runner import attention
 
@@ -60,7 +57,7 @@ def test_attention_shapes_padded_as_on_cuda_equal_solo(arch_name, monkeypatch):
     real = attention._prefill_attention
 
     def spy(q, k_pages, v_pages, md, *args):
-        seen.extend((seg.pad_front, seg.pad_back, seg.bucketed) for seg in md.segments)
+        seen.extend((seg.pad_front, seg.pad_back) for seg in md.segments)
         shapes.update((seg.pad_front + seg.num_queries + seg.pad_back, seg.num_keys) for seg in md.segments)
         if md.padded_block_table is not None:
             padded.add(md.padded_mask.shape)
@@ -73,8 +70,7 @@ def test_attention_shapes_padded_as_on_cuda_equal_solo(arch_name, monkeypatch):
                                                  long_prefill_token_threshold=40, max_num_seqs=16))
     assert engine.runner.sdpa_quantum == 12
     done = run_staggered(engine, prompts, GREEDY, seed=4)
-    assert any(f > 0 for f, _, _ in seen) and any(b > 0 for _, b, _ in seen)
-    assert any(bucketed for _, _, bucketed in seen) and not all(bucketed for _, _, bucketed in seen)
+    assert any(f > 0 for f, _ in seen) and any(b > 0 for _, b in seen)
     assert all(q % 12 == 0 and k % 12 == 0 for q, k in shapes), shapes
     pow2 = lambda n: n & (n - 1) == 0  # noqa: E731
     assert padded and all(pow2(p) and pow2(L) and k % 12 == 0 for p, _, L, k in padded), padded
@@ -84,20 +80,41 @@ def test_attention_shapes_padded_as_on_cuda_equal_solo(arch_name, monkeypatch):
     assert_no_leaks(engine)
 
 
-@given(st.integers(1, 1 << 20), st.sampled_from([12, 256]))
-def test_key_buckets_bound_the_padding_and_the_shapes(num_keys, quantum):
-    from pagedmlx.runner.attention_metadata import key_bucket
+def test_warm_up_runs_the_shapes_a_long_prompt_meets_beside_decodes(monkeypatch):
+    """CUDA builds a cuDNN graph per attention shape; start-up runs the shapes of a long prompt
+    prefilled in capped chunks beside running decodes (forced on the CPU, quantum 12): every
+    causal call such a prompt then makes must be one of them, and the tokens stay mlx-lm's."""
+    calls, real = [], mx.fast.scaled_dot_product_attention
 
-    b = key_bucket(num_keys, quantum)
-    assert b % quantum == 0 and num_keys <= b and b - num_keys < max(quantum, (num_keys + quantum) // 4 + 1)
-    assert key_bucket(b, quantum) == b  # a bucket is its own bucket (monotone steps)
+    def spy(q, k, v, **kwargs):
+        if isinstance(kwargs.get("mask"), str):
+            calls.append((q.shape, k.shape))
+        return real(q, k, v, **kwargs)
 
-
-def test_key_buckets_are_few_per_doubling():
-    from pagedmlx.runner.attention_metadata import key_bucket
-
-    assert len({key_bucket(n, 256) for n in range(1, 32769, 64)}) <= 4 * 8 + 4
-    assert len({key_bucket(n, 256) for n in range(8193, 16385)}) == 4
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy)
+    model = make_model("llama")
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=128, max_num_batched_tokens=64,
+                                                 long_prefill_token_threshold=40, max_model_len=240,
+                                                 sdpa_quantum=12, warm_up_attention=True,
+                                                 enable_prefix_caching=False))
+    rng = random.Random(8)
+    short = [[rng.randrange(500) for _ in range(6)] for _ in range(3)]
+    long = [rng.randrange(500) for _ in range(190)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for i, p in enumerate(short):
+        engine.add_request(f"s{i}", p, params)
+    engine.step()  # warms up first, then prefills the short prompts
+    warmed = set(calls)
+    assert len(warmed) >= 8
+    calls.clear()
+    engine.add_request("long", long, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    assert len(calls) >= 4 * model.args.num_hidden_layers and set(calls) <= warmed, set(calls) - warmed
+    for rid, p in [("long", long)] + [(f"s{i}", p) for i, p in enumerate(short)]:
+        assert done[rid] == solo_greedy(model, p, 16), rid
+    assert_no_leaks(engine)
 
 
 def test_cached_blocks_hold_their_owners_kv():

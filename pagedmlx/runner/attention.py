@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from pagedmlx.runner import paged_kernels
-from pagedmlx.runner.attention_metadata import AttentionMetadata, length_mask
+from pagedmlx.runner.attention_metadata import AttentionMetadata, PrefillSegment, length_mask
 
 def as_dtype(x: mx.array, dtype: mx.Dtype) -> mx.array:
     """Cast only when needed: every op in a layer is a kernel launch per step."""
@@ -169,16 +169,8 @@ def _prefill_attention(q, k_pages, v_pages, md: AttentionMetadata, scale, writte
     with MLX's fused causal kernel (full attention) or a band mask of the window's size; short ones
     together, padded."""
     H, D = q.shape[1], q.shape[3]
-    outs = []
-    for seg in md.segments:
-        rows = q[seg.row_start - md.num_decodes:seg.row_start - md.num_decodes + seg.num_queries, :, 0, :]
-        if seg.pad_front or seg.pad_back:
-            rows = mx.pad(rows, [(seg.pad_front, seg.pad_back), (0, 0), (0, 0)])
-        table = seg.block_table[None] if written is None else seg.block_table[None] + written
-        k, v = (x[:, :, :seg.num_keys] for x in _gather_kv(k_pages, v_pages, table))
-        o = mx.fast.scaled_dot_product_attention(as_dtype(rows.transpose(1, 0, 2)[None], k.dtype), k, v,
-                                                 scale=scale, mask=seg.mask, sinks=_sinks(sinks, k.dtype))
-        outs.append(o[0, :, seg.pad_front:seg.pad_front + seg.num_queries].transpose(1, 0, 2))
+    outs = [_segment_attention(q[seg.row_start - md.num_decodes:seg.row_start - md.num_decodes + seg.num_queries, :, 0],
+                               k_pages, v_pages, seg, scale, written, sinks) for seg in md.segments]
     if md.padded_block_table is not None:
         P, L = md.padded_block_table.shape[0], md.padded_max_query_len
         padded = q[:, :, 0, :][md.padded_query_rows - md.num_decodes].reshape(P, L, H, D).transpose(0, 2, 1, 3)
@@ -191,6 +183,29 @@ def _prefill_attention(q, k_pages, v_pages, md: AttentionMetadata, scale, writte
     if md.prefill_order is not None:
         o = o[md.prefill_order]
     return as_dtype(o[:, :, None, :], q.dtype)
+
+
+def _segment_attention(rows: mx.array, k_pages: mx.array, v_pages: mx.array, seg: PrefillSegment, scale: float,
+                       written: Optional[mx.array], sinks: Optional[mx.array]) -> mx.array:
+    """One long prefill segment's rows (n, H, D) -> (n, H, Dv), over its pages."""
+    if seg.pad_front or seg.pad_back:
+        rows = mx.pad(rows, [(seg.pad_front, seg.pad_back), (0, 0), (0, 0)])
+    table = seg.block_table[None] if written is None else seg.block_table[None] + written
+    k, v = (x[:, :, :seg.num_keys] for x in _gather_kv(k_pages, v_pages, table))
+    # Contiguous: the same strides wherever the rows sit in the batch, so one cuDNN graph per shape.
+    q = mx.contiguous(as_dtype(rows.transpose(1, 0, 2)[None], k.dtype))
+    o = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=seg.mask, sinks=_sinks(sinks, k.dtype))
+    return o[0, :, seg.pad_front:seg.pad_front + seg.num_queries].transpose(1, 0, 2)
+
+
+def warm_up_prefill(n_heads: int, k_pages: mx.array, v_pages: mx.array, has_sinks: bool,
+                    segments: list[PrefillSegment]) -> None:
+    """Run each segment's attention once on page 0 with zero queries: on CUDA, MLX builds and keeps
+    the cuDNN graph of each shape (chunked_prefill_segments), so that later prompts find them."""
+    sinks = mx.zeros((n_heads,), k_pages.dtype) if has_sinks else None
+    for seg in segments:
+        rows = mx.zeros((seg.num_queries, n_heads, k_pages.shape[-1]), k_pages.dtype)
+        mx.eval(_segment_attention(rows, k_pages, v_pages, seg, 1.0, None, sinks))
 
 
 # ---- routing mlx-lm's attention call to the pages --------------------------------------------

@@ -48,16 +48,9 @@ def sdpa_padding(num_prefix_keys: int, num_queries: int, quantum: int) -> tuple[
     return front, -(front + num_queries) % quantum
 
 
-def key_bucket(num_keys: int, quantum: int) -> int:
-    """num_keys rounded up to a multiple of `quantum` times a quarter of the largest power of two
-    in num_keys / quantum: four key counts per doubling (at most 25% padding), so that a long
-    prefill, whose keys grow by a chunk every step, meets a new attention shape only every few
-    steps, and a server only a few dozen shapes up to its longest context."""
-    if quantum <= 1:
-        return num_keys
-    units = cdiv(num_keys, quantum)
-    step = max(1, (1 << (units.bit_length() - 1)) // 4)
-    return cdiv(units, step) * step * quantum
+# Start-up builds the attention shapes that prompts of up to this many tokens meet when prefilled
+# chunk by chunk (chunked_prefill_segments); longer prompts build the rest when first met.
+WARM_UP_MAX_KEYS = 32768
 
 
 def upload_indices(host: dict[str, np.ndarray]) -> dict[str, mx.array]:
@@ -85,16 +78,30 @@ class PrefillSegment:
     key_offset: int  # position of the first gathered key (0, or a page boundary before the window)
     num_keys: int  # keys from key_offset to the segment's last token, plus pad_back
     # Padding that rounds the attention call's shape (see sdpa_padding): pad_front query rows
-    # before the segment's, pad_back after, and pad_back keys after its last. A bucketed segment
-    # (a chunk after a prefix at least as long) instead has its keys rounded to a key_bucket under
-    # an explicit causal mask, and only pad_back query rows (at its last query's position).
+    # before the segment's, pad_back after, and pad_back keys after its last.
     pad_front: int = 0
     pad_back: int = 0
-    bucketed: bool = False
     block_table: Optional[mx.array] = None  # (nb,) the pages holding those keys
     # "causal" (MLX's fused kernel, aligned to the last key) where the window does not bite, else
     # the (queries, num_keys) band: built once a step, shared by the group's layers.
     mask: Union[str, mx.array] = "causal"
+
+
+def chunked_prefill_segments(chunk: int, max_keys: int, quantum: int, block_size: int) -> list[PrefillSegment]:
+    """The long segments, one per attention shape, of a prompt of max_keys tokens prefilled from
+    its start `chunk` tokens a step (its last chunk left out), padded as sdpa_padding pads them;
+    their block tables read page 0. What start-up runs once where each shape costs a build."""
+    segments, shapes = [], set()
+    if chunk <= PADDED_MAX_QUERY or quantum <= 1:
+        return segments
+    for first_pos in range(0, max_keys - chunk + 1, chunk):
+        front, back = sdpa_padding(first_pos, chunk, quantum)
+        num_keys = first_pos + chunk + back
+        if (front + chunk + back, num_keys) not in shapes:
+            shapes.add((front + chunk + back, num_keys))
+            segments.append(PrefillSegment(0, chunk, first_pos, 0, num_keys, front, back,
+                                           block_table=mx.zeros((cdiv(num_keys, block_size),), mx.int32)))
+    return segments
 
 
 @dataclass
@@ -148,19 +155,17 @@ class StepMetadata:
     @classmethod
     def build(cls, so: SchedulerOutput, block_size: int, windows: list[Optional[int]],
               kernel_kv_heads: Optional[list[int]] = None, pages_in_place: bool = False,
-              backend: Optional[str] = None, sdpa_quantum: int = 0, key_buckets: bool = True) -> "StepMetadata":
+              backend: Optional[str] = None, sdpa_quantum: int = 0) -> "StepMetadata":
         """windows: each group's sliding window (None: full attention). kernel_kv_heads: per group,
         the KV heads the paged-decode kernel is split for (0 or None: decode rows gather pages);
         pages_in_place: the page-write kernel writes new K/V (else MLX scatters them); backend: the
         kernels' (None: paged_kernels.gpu_backend); sdpa_quantum: prefill attention shapes are
-        padded to its multiples (sdpa_shape_quantum); key_buckets: and continuation chunks' keys to
-        their key_bucket (off: to the quantum, causal)."""
+        padded to its multiples (sdpa_shape_quantum)."""
         kernel_kv_heads = kernel_kv_heads or [0] * len(windows)
         host = dict(input_ids=so.input_ids, positions=so.positions, logits_indices=so.logits_indices)
         if len(so.placeholder_rows):
             host.update(placeholder_rows=so.placeholder_rows, placeholder_src=so.placeholder_src)
-        builders = [_GroupBuilder(so, g, block_size, w, kernel_kv_heads[g], pages_in_place, backend, sdpa_quantum,
-                                  key_buckets)
+        builders = [_GroupBuilder(so, g, block_size, w, kernel_kv_heads[g], pages_in_place, backend, sdpa_quantum)
                     for g, w in enumerate(windows)]
         for g, b in enumerate(builders):
             host.update({f"{g}.{k}": v for k, v in b.host.items()})
@@ -174,9 +179,9 @@ class _GroupBuilder:
     """The host half of one group's AttentionMetadata; `finish` makes it from the uploaded arrays."""
 
     def __init__(self, so: SchedulerOutput, group: int, block_size: int, window: Optional[int], kernel_heads: int,
-                 in_place: bool, backend: Optional[str], quantum: int, key_buckets: bool = True):
+                 in_place: bool, backend: Optional[str], quantum: int):
         self.T, self.nd, self.bs, self.window = so.total_num_scheduled_tokens, so.num_decodes, block_size, window
-        self.backend, self.quantum, self.key_buckets = backend, quantum, key_buckets
+        self.backend, self.quantum = backend, quantum
         self.in_place, self.use_kernel = in_place, kernel_heads > 0 and so.num_decodes > 0
         table, slots = so.block_table[group], so.slot_mapping[group]
         host: dict[str, np.ndarray] = {}
@@ -209,24 +214,16 @@ class _GroupBuilder:
             num_keys = int(seq_lens[s]) - first_block * bs
             seg = (int(qsl[s]), n, first_pos, first_block * bs, num_keys)
             if n > PADDED_MAX_QUERY:
-                self.long.append(self._pad_segment(*seg))
-                host[f"segment{len(self.long) - 1}"] = _pad_pages(table[s, first_block:end_block],
-                                                                 cdiv(self.long[-1][4], bs))
+                front, back = sdpa_padding(num_keys - n, n, self.quantum)
+                host[f"segment{len(self.long)}"] = _pad_pages(table[s, first_block:end_block],
+                                                             cdiv(num_keys + back, bs))
+                self.long.append(seg[:4] + (num_keys + back, front, back))
             else:
                 self.short.append((seg, table[s, first_block:end_block]))
         if self.short:
             host.update(_padded_indices(self.short, bs, self.quantum))
         if self.long and self.short and self.long[-1][0] > self.short[0][0][0]:  # not [long..., short...]
             host["prefill_order"] = _prefill_order(self.long, [seg for seg, _ in self.short], nd)
-
-    def _pad_segment(self, row_start: int, n: int, first_pos: int, key_offset: int, num_keys: int) -> tuple:
-        """The segment's attention shape on this backend: as is, padded causal (sdpa_padding), or
-        bucketed where the keys before the chunk are at least as many as its queries (a causal mask
-        there skips little, and the keys grow every step: rounded to buckets they repeat)."""
-        if self.quantum > 1 and self.key_buckets and num_keys - n >= n:
-            return row_start, n, first_pos, key_offset, key_bucket(num_keys, self.quantum), 0, -n % self.quantum, True
-        front, back = sdpa_padding(num_keys - n, n, self.quantum)
-        return row_start, n, first_pos, key_offset, num_keys + back, front, back, False
 
     def finish(self, dev: dict[str, mx.array], prefix: str, positions: mx.array) -> AttentionMetadata:
         get = {k[len(prefix):]: v for k, v in dev.items() if k.startswith(prefix)}
@@ -253,14 +250,11 @@ class _GroupBuilder:
 
 
     def _segment_mask(self, row_start: int, num_queries: int, first_query_pos: int, key_offset: int,
-                      num_keys: int, front: int, back: int, bucketed: bool) -> Union[str, mx.array]:
-        if not bucketed and (self.window is None or
-                             (key_offset == 0 and first_query_pos + num_queries + back <= self.window)):
+                      num_keys: int, front: int, back: int) -> Union[str, mx.array]:
+        if self.window is None or (key_offset == 0 and first_query_pos + num_queries + back <= self.window):
             return "causal"
         key_pos = mx.arange(key_offset, key_offset + num_keys)[None, :]
         query_pos = mx.arange(first_query_pos - front, first_query_pos + num_queries + back)[:, None]
-        if bucketed:  # the added keys lie past the last query; the added queries sit at the last one
-            query_pos = mx.minimum(query_pos, first_query_pos + num_queries - 1)
         return causal_mask(key_pos, query_pos, self.window)
 
 
@@ -285,14 +279,14 @@ def _pad_pages(pages: np.ndarray, n: int) -> np.ndarray:
 def _padded_indices(short: list, block_size: int, quantum: int = 0) -> dict[str, np.ndarray]:
     """Short prefill segments padded to the longest: block table, batch row of each padded query
     slot, padded slot of each real query, each slot's query position and each segment's first key.
-    quantum: also round the segment count and length up to powers of two and the keys to their
-    key_bucket (the attention call's shape: see SDPA_SHAPE_QUANTUM); added segments see key 0."""
+    quantum: also round the segment count and length up to powers of two and the keys to a
+    multiple of it (the attention call's shape: see SDPA_SHAPE_QUANTUM); added segments see key 0."""
     P = len(short)
     L = max(seg[1] for seg, _ in short)
     nb = max(len(t) for _, t in short)
     if quantum > 1:
         P, L = 1 << (P - 1).bit_length(), 1 << (L - 1).bit_length()
-        nb = cdiv(key_bucket(nb * block_size, quantum), block_size)
+        nb = cdiv(-(-nb * block_size // quantum) * quantum, block_size)
     tables = np.zeros((P, nb), np.int32)
     rows = np.zeros((P, L), np.int32)
     q_pos = np.zeros((P, L), np.int32)

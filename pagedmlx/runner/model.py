@@ -11,8 +11,8 @@ from pagedmlx.config import EngineConfig
 from pagedmlx.kv.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec,
                               sliding_pool_blocks)
 from pagedmlx.runner import cuda_state, paged_kernels
-from pagedmlx.runner.attention import KVPool, PagedLayerCache, install_paged_attention
-from pagedmlx.runner.attention_metadata import StepMetadata, sdpa_shape_quantum
+from pagedmlx.runner.attention import KVPool, PagedLayerCache, install_paged_attention, warm_up_prefill
+from pagedmlx.runner.attention_metadata import StepMetadata, chunked_prefill_segments, sdpa_shape_quantum
 from pagedmlx.runner.kernel_check import error_line, select_kernels
 from pagedmlx.runner.plan import UnsupportedModelError, model_type, plan_layers
 from pagedmlx.runner.state import (StateLayerCache, StateMetadata, StatePool, install_regrouping, pages_budget,
@@ -59,8 +59,8 @@ class ModelRunner:
                                       windows=tuple(sorted(set(self.windows), key=str)),
                                       sinks=tuple(sorted({p.sinks for p in attending})),
                                       state_layers=any(p.state is not None for p in self.plan))
-        self.sdpa_quantum = sdpa_shape_quantum(paged_kernels.gpu_backend())
-        self.sdpa_key_buckets = True  # attention_metadata.key_bucket (benchmarks turn it off to compare)
+        self.sdpa_quantum = (config.sdpa_quantum if config.sdpa_quantum is not None
+                             else sdpa_shape_quantum(paged_kernels.gpu_backend()))
         if self.kernels.state:
             cuda_state.install_kernels(model, [p.state.owner for p in self.plan if p.state is not None])
         self.state_pool: Optional[StatePool] = None
@@ -98,6 +98,20 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         """Bytes of one block of the first group (the only group of a plain-attention model)."""
         return self.group_bytes_per_block(self.kv_cache_config.kv_cache_groups[0])
+
+    def warm_up_attention(self, chunk: int, max_keys: int) -> int:
+        """Run once each padded attention shape of a prompt of max_keys tokens prefilled `chunk`
+        tokens a step, for each kind of full-attention layer (windows read a window's keys: their
+        shapes repeat anyway). On CUDA each first call builds a cuDNN graph (~50 ms) that MLX keeps
+        for the calling thread. Returns the number of shapes."""
+        segments = chunked_prefill_segments(chunk, max_keys, self.sdpa_quantum, self.block_size)
+        kinds = {}
+        for i, p in enumerate(self.plan):
+            if p.kind == "full":
+                kinds.setdefault((p.spec, p.n_heads, p.sinks), i)
+        for (_, n_heads, sinks), i in kinds.items():
+            warm_up_prefill(n_heads, self.kv_pool.keys[i], self.kv_pool.values[i], sinks, segments)
+        return len(segments) * len(kinds)
 
     def _kv_cache_config(self, config: EngineConfig) -> KVCacheConfig:
         """KV cache groups by layer kind (full first), sized: sliding groups get what their windows
@@ -190,7 +204,7 @@ class ModelRunner:
         dispatched (mx.async_eval) before this returns: MLX sees no dependency between one step's
         page reads and the next step's writes, so steps must reach the device in order."""
         md = StepMetadata.build(so, self.block_size, self.windows, self.kernel_kv_heads, self.kernels.page_write,
-                                self.kernels.backend, self.sdpa_quantum, self.sdpa_key_buckets)
+                                self.kernels.backend, self.sdpa_quantum)
         state_md = StateMetadata.build(so) if len(so.state_slots) else None
         caches = self.make_caches(md, kv_pool or self.kv_pool, state_md, state_pool or self.state_pool)
         inputs = md.input_ids

@@ -12,7 +12,6 @@ Prompt tokens/s: all prompt tokens over the time until the last request has its 
 `--chunks T:B ...` runs pagedmlx with each prefill chunk cap T (long_prefill_token_threshold) and
 token budget B (max_num_batched_tokens): how the defaults were chosen. `--sdpa-quantum Q ...` runs
 it with each attention shape padding (0: none; CUDA's default pads to 256: bench_sdpa_shapes.py says why);
-`--key-buckets on off` with and without continuation chunks' keys rounded to buckets.
 
   python scripts/bench/bench_prefill.py --preset llama-8b --dtype bfloat16            # the GPU machine
   python scripts/bench/bench_prefill.py --model default --cases 1x32k --scale 0.0625    # a CPU: SmolLM2, 2k tokens
@@ -23,6 +22,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import statistics
 import sys
 import time
@@ -41,10 +41,10 @@ CASES = {"1x32k": (1, 32000, 1), "8x8k": (8, 8192, 1), "32x4k+128": (32, 3968, 1
 
 
 def engine_for(model, args, threshold: int, budget: int, max_len: int, num_seqs: int, blocks: int = 0,
-               quantum: Optional[int] = None, buckets: bool = True):
+               quantum: Optional[int] = None, warm_up: Optional[bool] = None):
     """blocks: the pool's size (default: every request at max_len); quantum: the attention shapes'
-    padding (attention_metadata.sdpa_shape_quantum; None: the backend's default); buckets: keys
-    rounded to attention_metadata.key_bucket."""
+    padding (attention_metadata.sdpa_shape_quantum; None: the backend's default); warm_up:
+    EngineConfig.warm_up_attention (None: the backend's default)."""
     from pagedmlx.config import EngineConfig
     from pagedmlx.engine import LLMEngine
 
@@ -52,10 +52,8 @@ def engine_for(model, args, threshold: int, budget: int, max_len: int, num_seqs:
     blocks = blocks or num_seqs * (-(-max_len // args.block_size) + 1) + 8
     engine = LLMEngine(model, None, EngineConfig(
         block_size=args.block_size, num_blocks=blocks, max_num_seqs=num_seqs, max_num_batched_tokens=budget,
-        long_prefill_token_threshold=threshold, max_model_len=max_len + 1, enable_prefix_caching=False))
-    if quantum is not None:
-        engine.runner.sdpa_quantum = quantum
-    engine.runner.sdpa_key_buckets = buckets
+        long_prefill_token_threshold=threshold, max_model_len=max_len + 1, enable_prefix_caching=False,
+        sdpa_quantum=quantum, warm_up_attention=warm_up))
     return engine
 
 
@@ -124,7 +122,7 @@ def attention_flops(model, lengths: list[int]) -> float:
     return 2 * params * sum(lengths) + attn
 
 
-def mixed(model, args, vocab: int, threshold: int, budget: int, quantum: Optional[int], buckets: bool) -> dict:
+def mixed(model, args, vocab: int, threshold: int, budget: int, quantum: Optional[int], warm_up: Optional[bool]) -> dict:
     """64 decoding requests; then a 16k prompt arrives, and when it is done another. The decodes'
     step times before and during each."""
     from pagedmlx.sampling_params import SamplingParams
@@ -133,14 +131,15 @@ def mixed(model, args, vocab: int, threshold: int, budget: int, quantum: Optiona
     bs = args.block_size
     engine = engine_for(model, args, threshold, budget, long_len + 512, n_dec + 1,
                         blocks=n_dec * -(-1200 // bs) + -(-long_len // bs) + 16,  # decodes grow < 1100 tokens
-                        quantum=quantum, buckets=buckets)
+                        quantum=quantum, warm_up=warm_up)
     dec = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
     for i, p in enumerate(make_prompts(n_dec, 128, vocab, 3)):
         engine.add_request(f"d{i}", p, dec)
     while len(engine.scheduler.waiting) or any(r.num_computed_tokens < r.num_prompt_tokens
                                                for r in engine.scheduler.running):
         engine.step()  # until all 64 are decoding
-    alone = _step_times(engine, 16)
+    _step_times(engine, 8)  # the first decode steps (and their shapes) behind
+    alone = _step_times(engine, 32)
     q = lambda xs, p: statistics.quantiles(xs, n=10)[p] if len(xs) > 2 else max(xs)  # noqa: E731
     out = dict(itl_p50_alone=statistics.median(alone), itl_p90_alone=q(alone, 8))
     for name, seed in (("", 4), ("_warm", 5)):
@@ -209,7 +208,8 @@ def main() -> None:
                     help="pagedmlx prefill chunk caps and token budgets to run (default: the engine's defaults)")
     ap.add_argument("--sdpa-quantum", type=int, nargs="+", default=None, metavar="Q",
                     help="attention shape paddings to run pagedmlx with (0: none; default: the backend's)")
-    ap.add_argument("--key-buckets", nargs="+", default=["on"], choices=["on", "off"])
+    ap.add_argument("--warm-up", nargs="+", default=["default"], choices=["default", "on", "off"],
+                    help="EngineConfig.warm_up_attention for each variant (the first long prompt's cost)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--json")
@@ -220,6 +220,7 @@ def main() -> None:
 
     from pagedmlx.config import EngineConfig
 
+    logging.basicConfig(level=logging.INFO, format="  %(name)s: %(message)s")  # the engine's warm-up line
     console = Console()
     if args.model:
         from pagedmlx.loader import load_model
@@ -233,9 +234,10 @@ def main() -> None:
     defaults = EngineConfig()
     chunks = [tuple(int(x) for x in c.split(":")) for c in args.chunks] if args.chunks else \
         [(defaults.long_prefill_token_threshold, defaults.max_num_batched_tokens)]
-    variants = [(t, b, q, k == "on") for t, b in chunks for q in (args.sdpa_quantum or [None]) for k in args.key_buckets]
-    label = lambda t, b, q, k: (f"pagedmlx {t}:{b}" + ("" if q is None else f" q{q}")  # noqa: E731
-                                + ("" if k else " no buckets"))
+    warm = {"default": None, "on": True, "off": False}
+    variants = [(t, b, q, warm[w]) for t, b in chunks for q in (args.sdpa_quantum or [None]) for w in args.warm_up]
+    label = lambda t, b, q, w: (f"pagedmlx {t}:{b}" + ("" if q is None else f" q{q}")  # noqa: E731
+                                + ("" if w is None else " warm-up" if w else " no warm-up"))
     console.print(f"[bold]bench_prefill[/] {args.preset} ({args.dtype}) on {mx.default_device()}, "
                   f"{time.strftime('%Y-%m-%d')}, scale {args.scale}, chunk cap:budget {chunks}")
     _, peak = measure_machine()
@@ -271,8 +273,8 @@ def main() -> None:
             rows.append(dict(case=case, engine="generate_step" if n == 1 else "BatchGenerator", **peer,
                              prompt_tps=n * length / peer["ttft"], roofline=flops / peer["ttft"] / peak))
         for v in variants:
-            threshold, budget, quantum, buckets = v
-            engine = engine_for(model, args, threshold, budget, length + gen, n, quantum=quantum, buckets=buckets)
+            threshold, budget, quantum, warm_up = v
+            engine = engine_for(model, args, threshold, budget, length + gen, n, quantum=quantum, warm_up=warm_up)
             run_pagedmlx(engine, make_prompts(1, min(length, 256), vocab, 1), 1)  # warm up
             ours = run_pagedmlx(engine, prompts, gen)
             del engine

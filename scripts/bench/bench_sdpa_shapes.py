@@ -2,9 +2,10 @@
 against later calls at the same shape. On CUDA, MLX builds a cuDNN graph per shape (and strides)
 and keeps 256 in an LRU cache, so a serving engine whose chunk lengths vary pays the build on
 every new length. Llama-8B heads (32 query, 8 KV, 128 dims), bf16.
-Then what the engine does instead for a chunk after a long prefix: keys rounded up to their
-attention_metadata.key_bucket under an explicit causal mask (one shape for many steps), against the
-fused causal call at the exact key count (warm, ms per call).
+Then an alternative the engine does not take, and why: keys rounded up to coarse buckets (four per
+doubling) under an explicit causal mask, so that a long prefill's steps share a shape, against the
+fused causal call at the exact key count (warm, ms per call): on the H200 the masked call was 2-9x
+slower (run 27), so the engine pads to the quantum only and builds the shapes at start-up instead.
 
   python scripts/bench/bench_sdpa_shapes.py
 """
@@ -53,11 +54,12 @@ def main() -> None:
 
 
 def bucketed_vs_causal(H: int, Hkv: int, D: int, dtype) -> None:
-    from pagedmlx.runner.attention_metadata import causal_mask, key_bucket
+    from pagedmlx.runner.attention_metadata import causal_mask
 
     print(f"{'queries':>8} {'keys':>7} {'bucket':>7} | {'causal ms':>9} {'bucketed ms':>11} {'ratio':>6}")
     for L, S in [(128, 4000), (512, 4000), (128, 16000), (512, 16000), (512, 30000), (2048, 30000)]:
-        B = key_bucket(S, 256)
+        step = 256 * max(1, (1 << ((S // 256).bit_length() - 1)) // 4)
+        B = -(-S // step) * step
         q = mx.random.normal((1, H, L, D)).astype(dtype)
         k = mx.random.normal((1, Hkv, B, D)).astype(dtype)
         v = mx.random.normal((1, Hkv, B, D)).astype(dtype)
