@@ -26,8 +26,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step (default: 8192 on a GPU, 512 on the CPU)")
-    p.add_argument("--long-prefill-token-threshold", type=int, default=512,
-                   help="largest prefill chunk of one request while others decode (0: no cap)")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help="largest prefill chunk of one request while others decode (0: no cap; "
+                        "default: 256 on CUDA, 512 elsewhere)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share KV pages of common prefixes between requests")

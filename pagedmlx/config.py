@@ -17,8 +17,10 @@ class EngineConfig:
     # chunks won on an H200, chunks past 512 tokens lost on a 2-core CPU).
     max_num_batched_tokens: Optional[int] = None
     # While other requests decode, one request's prefill chunk takes at most this many tokens (their
-    # inter-token latency); a prompt with no decode beside it takes the whole budget. 0: no cap.
-    long_prefill_token_threshold: int = 512
+    # inter-token latency); a prompt with no decode beside it takes the whole budget. 0: no cap. None:
+    # 256 on CUDA, 512 elsewhere (docs/benchmarks.md "Run 28": on an H200, 64 decodes beside a 16k prompt
+    # stepped at p90 29.8 ms with 256-token chunks, 41.5 ms with 512, 31.8 ms with 128).
+    long_prefill_token_threshold: Optional[int] = None
     max_model_len: Optional[int] = None  # None: the model's own limit (or 8192), capped at the pool
     enable_prefix_caching: bool = True
     # Models with recurrent state (Qwen3.5, Mamba2, ...): a prefix hit resumes from a state checkpoint,
@@ -48,6 +50,10 @@ class EngineConfig:
             import mlx.core as mx
 
             self.max_num_batched_tokens = 8192 if mx.default_device() == mx.gpu else 512
+        if self.long_prefill_token_threshold is None:
+            import mlx.core as mx
+
+            self.long_prefill_token_threshold = 256 if mx.default_device() == mx.gpu and mx.cuda.is_available() else 512
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "async_min_batch"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

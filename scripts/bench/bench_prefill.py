@@ -139,9 +139,10 @@ def mixed(model, args, vocab: int, threshold: int, budget: int, quantum: Optiona
                                                for r in engine.scheduler.running):
         engine.step()  # until all 64 are decoding
     _step_times(engine, 8)  # the first decode steps (and their shapes) behind
-    alone = _step_times(engine, 32)
+    with Clock() as clock:
+        alone = _step_times(engine, 32)
     q = lambda xs, p: statistics.quantiles(xs, n=10)[p] if len(xs) > 2 else max(xs)  # noqa: E731
-    out = dict(itl_p50_alone=statistics.median(alone), itl_p90_alone=q(alone, 8))
+    out = dict(itl_p50_alone=statistics.median(alone), itl_p90_alone=q(alone, 8), dispatch_alone=clock.dispatch / 32)
     for name, seed in (("", 4), ("_warm", 5)):
         rid = f"long{seed}"
         engine.add_request(rid, make_prompts(1, long_len, vocab, seed)[0], SamplingParams(max_tokens=1, temperature=0.0))
@@ -253,6 +254,7 @@ def main() -> None:
                               f"{m['itl_p90_during'] / m['itl_p50_alone']:.2f} (second prompt "
                               f"{m['itl_p90_during_warm'] / m['itl_p50_alone']:.2f}), 16k TTFT {m['ttft']:.2f} s; "
                               f"ms in async_eval p50/p90 {1e3 * m['dispatch_p50']:.1f}/{1e3 * m['dispatch_p90']:.1f} "
+                              f"(alone: mean {1e3 * m['dispatch_alone']:.1f}) "
                               f"(second {1e3 * m['dispatch_p50_warm']:.1f}/{1e3 * m['dispatch_p90_warm']:.1f})")
             if not args.no_peer:
                 free_memory()
