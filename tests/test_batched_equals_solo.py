@@ -48,19 +48,23 @@ def test_64_busy_requests_equal_solo(arch_name, overlap, monkeypatch):
 def test_attention_shapes_padded_as_on_cuda_equal_solo(arch_name, monkeypatch):
     """CUDA's setting on the CPU: every prefill attention call padded to multiples of a quantum
     (query rows before and after a segment, keys after it; short segments' count, length and keys
-    too). Quantum 12, not a multiple of the 4-token pages, with prefix hits and chunks that start
-    anywhere: the padding must keep each query at its own position."""
+    too; long segments of one padded shape in one call). Quantum 12, not a multiple of the 4-token
+    pages, with prefix hits and chunks that start anywhere: the padding must keep each query at its
+    own position."""
     from pagedmlx.runner import attention
 
     monkeypatch.setenv("PAGEDMLX_SDPA_QUANTUM", "12")
-    seen, shapes, padded = [], set(), set()
+    seen, shapes, padded, batched = [], set(), set(), []
     real = attention._prefill_attention
 
     def spy(q, k_pages, v_pages, md, *args):
-        seen.extend((seg.pad_front, seg.pad_back) for seg in md.segments)
-        shapes.update((seg.pad_front + seg.num_queries + seg.pad_back, seg.num_keys) for seg in md.segments)
-        if md.padded_block_table is not None:
-            padded.add(md.padded_mask.shape)
+        for g in md.prefill_groups:
+            if isinstance(g.mask, str):  # long segments grouped by padded shape
+                seen.extend(g.pads)
+                shapes.add((g.num_queries, g.num_keys))
+                batched.append(len(g.pads))
+            else:
+                padded.add(g.mask.shape)
         return real(q, k_pages, v_pages, md, *args)
 
     monkeypatch.setattr(attention, "_prefill_attention", spy)
@@ -71,6 +75,7 @@ def test_attention_shapes_padded_as_on_cuda_equal_solo(arch_name, monkeypatch):
     assert engine.runner.sdpa_quantum == 12
     done = run_staggered(engine, prompts, GREEDY, seed=4)
     assert any(f > 0 for f, _ in seen) and any(b > 0 for _, b in seen)
+    assert max(batched) > 1  # segments of one shape in one call
     assert all(q % 12 == 0 and k % 12 == 0 for q, k in shapes), shapes
     pow2 = lambda n: n & (n - 1) == 0  # noqa: E731
     assert padded and all(pow2(p) and pow2(L) and k % 12 == 0 for p, _, L, k in padded), padded

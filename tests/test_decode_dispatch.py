@@ -84,11 +84,12 @@ def test_step_index_tensors_are_views_of_one_upload_and_equal_the_schedule():
     assert md.write_offsets.tolist() == (so.slot_mapping[0] % 4).tolist()
     assert md.decode_block_table.tolist() == so.block_table[0, :1, :1].tolist()
     assert md.decode_seq_lens.tolist() == [4]
-    assert md.padded_block_table.tolist() == so.block_table[0, 1:, :3].tolist()
-    assert md.padded_query_rows.tolist() == list(range(1, 10))
-    assert md.padded_out_rows.tolist() == list(range(9)) and md.padded_max_query_len == 9
+    (g,) = md.prefill_groups  # the short prompt's chunk, under an explicit mask
+    assert g.block_table.tolist() == so.block_table[0, 1:, :3].tolist()
+    assert g.query_rows.tolist() == list(range(9))  # among the prefill rows
+    assert g.out_rows.tolist() == list(range(9)) and g.num_queries == 9 and g.num_keys == 12
     # Causal over the 12 gathered keys: query j (position j) sees keys 0..j.
-    assert md.padded_mask.tolist() == [[[[k <= j for k in range(12)] for j in range(9)]]]
+    assert g.mask.tolist() == [[[[k <= j for k in range(12)] for j in range(9)]]]
 
 
 def test_kernel_path_metadata_carries_slots_and_split_for_the_cuda_kernels():

@@ -4,7 +4,8 @@ A step's T tokens enter the model as T rows of length 1. Each layer gets a Paged
 `offset` is the per-token positions (so RoPE rotates each row by its own position), whose
 `update_and_fetch` writes the new K/V into that layer's pages, and which the patched
 `scaled_dot_product_attention` recognises to attend over pages for the whole batch: single-token
-rows (decodes) together, prefill segments causally over their cached prefix plus new tokens.
+rows (decodes) together, prefill segments causally over their cached prefix plus new tokens, in
+groups of one padded shape (one attention call each).
 
 Layers of one KV cache group share block ids, so the step's index tensors are built once per group
 (attention_metadata.py). A sliding-window group's decode and prefill read only the pages of the
@@ -20,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from pagedmlx.runner import paged_kernels
-from pagedmlx.runner.attention_metadata import AttentionMetadata, PrefillSegment, length_mask
+from pagedmlx.runner.attention_metadata import AttentionMetadata, PrefillGroup, length_mask
 
 def as_dtype(x: mx.array, dtype: mx.Dtype) -> mx.array:
     """Cast only when needed: every op in a layer is a kernel launch per step."""
@@ -165,47 +166,39 @@ def _sinks(sinks: Optional[mx.array], dtype: mx.Dtype) -> Optional[mx.array]:
 
 
 def _prefill_attention(q, k_pages, v_pages, md: AttentionMetadata, scale, written, sinks) -> mx.array:
-    """q: the prefill rows (Tp, H, 1, D). Long segments attend one by one over exactly their keys,
-    with MLX's fused causal kernel (full attention) or a band mask of the window's size; short ones
-    together, padded."""
-    H, D = q.shape[1], q.shape[3]
-    outs = [_segment_attention(q[seg.row_start - md.num_decodes:seg.row_start - md.num_decodes + seg.num_queries, :, 0],
-                               k_pages, v_pages, seg, scale, written, sinks) for seg in md.segments]
-    if md.padded_block_table is not None:
-        P, L = md.padded_block_table.shape[0], md.padded_max_query_len
-        padded = q[:, :, 0, :][md.padded_query_rows - md.num_decodes].reshape(P, L, H, D).transpose(0, 2, 1, 3)
-        table = md.padded_block_table if written is None else md.padded_block_table + written
-        k, v = _gather_kv(k_pages, v_pages, table)
-        o = mx.fast.scaled_dot_product_attention(as_dtype(padded, k.dtype), k, v, scale=scale, mask=md.padded_mask,
-                                                 sinks=_sinks(sinks, k.dtype))
-        outs.append(o.transpose(0, 2, 1, 3).reshape(P * L, H, -1)[md.padded_out_rows])
+    """q: the prefill rows (Tp, H, 1, D); one attention call per prefill group (attention_metadata)."""
+    rows = q[:, :, 0, :]
+    outs = [_group_attention(rows, k_pages, v_pages, g, scale, written, sinks) for g in md.prefill_groups]
     o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
     if md.prefill_order is not None:
         o = o[md.prefill_order]
     return as_dtype(o[:, :, None, :], q.dtype)
 
 
-def _segment_attention(rows: mx.array, k_pages: mx.array, v_pages: mx.array, seg: PrefillSegment, scale: float,
-                       written: Optional[mx.array], sinks: Optional[mx.array]) -> mx.array:
-    """One long prefill segment's rows (n, H, D) -> (n, H, Dv), over its pages."""
-    if seg.pad_front or seg.pad_back:
-        rows = mx.pad(rows, [(seg.pad_front, seg.pad_back), (0, 0), (0, 0)])
-    table = seg.block_table[None] if written is None else seg.block_table[None] + written
-    k, v = (x[:, :, :seg.num_keys] for x in _gather_kv(k_pages, v_pages, table))
-    # Contiguous: the same strides wherever the rows sit in the batch, so one cuDNN graph per shape.
-    q = mx.contiguous(as_dtype(rows.transpose(1, 0, 2)[None], k.dtype))
-    o = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=seg.mask, sinks=_sinks(sinks, k.dtype))
-    return o[0, :, seg.pad_front:seg.pad_front + seg.num_queries].transpose(1, 0, 2)
+def _group_attention(rows: mx.array, k_pages: mx.array, v_pages: mx.array, g: PrefillGroup, scale: float,
+                     written: Optional[mx.array], sinks: Optional[mx.array]) -> mx.array:
+    """The prefill rows (Tp, H, D) -> the group's real queries' outputs (n, H, Dv), segment by segment.
+    The queries are gathered (a fresh array: the same strides whatever the batch, so on CUDA one
+    cuDNN graph per shape), each segment's keys gathered from its pages."""
+    P, Lq, H, D = g.block_table.shape[0], g.num_queries, rows.shape[1], rows.shape[2]
+    q = rows[g.query_rows].reshape(P, Lq, H, D).transpose(0, 2, 1, 3)
+    table = g.block_table if written is None else g.block_table + written
+    k, v = _gather_kv(k_pages, v_pages, table)
+    if k.shape[2] != g.num_keys:
+        k, v = k[:, :, :g.num_keys], v[:, :, :g.num_keys]
+    o = mx.fast.scaled_dot_product_attention(as_dtype(q, k.dtype), k, v, scale=scale, mask=g.mask,
+                                             sinks=_sinks(sinks, k.dtype))
+    return o.transpose(0, 2, 1, 3).reshape(P * Lq, H, -1)[g.out_rows]
 
 
 def warm_up_prefill(n_heads: int, k_pages: mx.array, v_pages: mx.array, has_sinks: bool,
-                    segments: list[PrefillSegment]) -> None:
-    """Run each segment's attention once on page 0 with zero queries: on CUDA, MLX builds and keeps
-    the cuDNN graph of each shape (chunked_prefill_segments), so that later prompts find them."""
+                    groups: list[PrefillGroup]) -> None:
+    """Run each group's attention once on page 0 with zero queries: on CUDA, MLX builds and keeps
+    the cuDNN graph of each shape (chunked_prefill_groups), so that later prompts find them."""
     sinks = mx.zeros((n_heads,), k_pages.dtype) if has_sinks else None
-    for seg in segments:
-        rows = mx.zeros((seg.num_queries, n_heads, k_pages.shape[-1]), k_pages.dtype)
-        mx.eval(_segment_attention(rows, k_pages, v_pages, seg, 1.0, None, sinks))
+    for g in groups:
+        rows = mx.zeros((g.num_queries, n_heads, k_pages.shape[-1]), k_pages.dtype)
+        mx.eval(_group_attention(rows, k_pages, v_pages, g, 1.0, None, sinks))
 
 
 # ---- routing mlx-lm's attention call to the pages --------------------------------------------

@@ -1,15 +1,16 @@
 """The step's attention metadata: index tensors built on the host once per KV cache group (vLLM's
 attention metadata builders), uploaded in one array, and the masks built from them on the device.
 
-A sliding-window group's decode rows get block tables cut to their window's pages; prefill segments
-are planned either one by one (long ones: their own keys, MLX's fused causal attention) or padded
-together (short ones, under one mask)."""
+A sliding-window group's decode rows get block tables cut to their window's pages. Prefill segments
+(one request's chunk each) are attended in groups, one attention call per group: long segments of
+the same padded shape together, with MLX's fused causal attention over exactly their keys; short
+ones padded to the longest, under one mask."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import mlx.core as mx
 import numpy as np
@@ -49,7 +50,7 @@ def sdpa_padding(num_prefix_keys: int, num_queries: int, quantum: int) -> tuple[
 
 
 # Start-up builds the attention shapes that prompts of up to this many tokens meet when prefilled
-# chunk by chunk (chunked_prefill_segments); longer prompts build the rest when first met.
+# chunk by chunk (chunked_prefill_groups); longer prompts build the rest when first met.
 WARM_UP_MAX_KEYS = 32768
 
 
@@ -69,39 +70,38 @@ def upload_indices(host: dict[str, np.ndarray]) -> dict[str, mx.array]:
 
 
 @dataclass
-class PrefillSegment:
-    """One long prefill chunk: its rows in the batch and the pages its queries read."""
+class PrefillGroup:
+    """Prefill segments attended in one call: P of them, each padded to the same Lq query slots and
+    K keys. Queries are gathered from the step's prefill rows into (P, H, Lq, D) and the real slots'
+    outputs taken back."""
 
-    row_start: int
-    num_queries: int
-    first_query_pos: int
-    key_offset: int  # position of the first gathered key (0, or a page boundary before the window)
-    num_keys: int  # keys from key_offset to the segment's last token, plus pad_back
-    # Padding that rounds the attention call's shape (see sdpa_padding): pad_front query rows
-    # before the segment's, pad_back after, and pad_back keys after its last.
-    pad_front: int = 0
-    pad_back: int = 0
-    block_table: Optional[mx.array] = None  # (nb,) the pages holding those keys
-    # "causal" (MLX's fused kernel, aligned to the last key) where the window does not bite, else
-    # the (queries, num_keys) band: built once a step, shared by the group's layers.
+    num_queries: int  # Lq: query slots per segment, padding included
+    num_keys: int  # K: keys per segment from its first gathered page, padding included
+    block_table: mx.array  # (P, cdiv(K, block_size)): each segment's pages from its first gathered key
+    query_rows: mx.array  # (P * Lq,) prefill row of each slot (a padding slot repeats a row of its segment)
+    out_rows: mx.array  # (real queries,) the slot of each real query, segment by segment
+    # "causal" (MLX's fused kernel, aligned to the last key: every segment shares Lq and K, and the
+    # padding keeps each query at its place, see sdpa_padding) or a (P, 1, Lq, K) boolean mask.
     mask: Union[str, mx.array] = "causal"
+    pads: tuple = ()  # host: (front, back) padding of each real segment (for tests and inspection)
 
 
-def chunked_prefill_segments(chunk: int, max_keys: int, quantum: int, block_size: int) -> list[PrefillSegment]:
-    """The long segments, one per attention shape, of a prompt of max_keys tokens prefilled from
-    its start `chunk` tokens a step (its last chunk left out), padded as sdpa_padding pads them;
-    their block tables read page 0. What start-up runs once where each shape costs a build."""
-    segments, shapes = [], set()
+def chunked_prefill_groups(chunk: int, max_keys: int, quantum: int, block_size: int) -> list[PrefillGroup]:
+    """One group per attention shape that a prompt of max_keys tokens meets when it is prefilled
+    from its start `chunk` tokens a step (its last chunk left out), padded as a step pads it, with
+    page 0 for every key and zero-based rows. What start-up runs once where each shape costs a build."""
+    groups, shapes = [], set()
     if chunk <= PADDED_MAX_QUERY or quantum <= 1:
-        return segments
+        return groups
     for first_pos in range(0, max_keys - chunk + 1, chunk):
         front, back = sdpa_padding(first_pos, chunk, quantum)
-        num_keys = first_pos + chunk + back
-        if (front + chunk + back, num_keys) not in shapes:
-            shapes.add((front + chunk + back, num_keys))
-            segments.append(PrefillSegment(0, chunk, first_pos, 0, num_keys, front, back,
-                                           block_table=mx.zeros((cdiv(num_keys, block_size),), mx.int32)))
-    return segments
+        shape = (front + chunk + back, first_pos + chunk + back)
+        if shape not in shapes:
+            shapes.add(shape)
+            seg = _Segment(0, chunk, first_pos, 0, shape[1] - back, np.zeros(cdiv(shape[1], block_size), np.int32))
+            host = _group_indices([(seg, front)], *shape, 1, block_size, 0)
+            groups.append(PrefillGroup(*shape, **{k: mx.array(v) for k, v in host.items() if k in _DEVICE_FIELDS}))
+    return groups
 
 
 @dataclass
@@ -127,14 +127,9 @@ class AttentionMetadata:
     use_decode_kernel: bool = False
     decode_splits: int = 1
     decode_split_tokens: Optional[mx.array] = None  # (1,)
-    segments: list[PrefillSegment] = field(default_factory=list)  # long prefill chunks, one by one
-    # Short prefill chunks, padded to the longest (P of them, Lmax queries, nb pages):
-    padded_block_table: Optional[mx.array] = None  # (P, nb)
-    padded_query_rows: Optional[mx.array] = None  # (P * Lmax,) batch row of each padded query slot
-    padded_out_rows: Optional[mx.array] = None  # (Tp,) padded slot of each real query
-    padded_mask: Optional[mx.array] = None  # (P, 1, Lmax, nb * block_size)
-    padded_max_query_len: int = 0
-    # Where each prefill row's output is among [segments..., padded] (None: already in row order).
+    prefill_groups: list[PrefillGroup] = field(default_factory=list)
+    # Where each prefill row's output is among the groups' outputs, concatenated (None: already in
+    # row order).
     prefill_order: Optional[mx.array] = None  # (Tp,)
 
     @property
@@ -198,32 +193,49 @@ class _GroupBuilder:
                 self.splits, tokens = paged_kernels.num_splits(self.nd, kernel_heads, int(decode_lens.max()), window,
                                                                backend)
                 host["decode_split_tokens"] = np.array([tokens])
-        self.long, self.short = [], []
+        self.groups: list[tuple] = []  # (Lq, K, explicit mask, pads) of each prefill group
         if self.T > self.nd:
             self._plan_prefill(so, table, host)
         self.host = host
 
     def _plan_prefill(self, so: SchedulerOutput, table: np.ndarray, host: dict) -> None:
-        nd, bs = self.nd, self.bs
+        """Group the step's prefill segments: long ones by padded shape (sdpa_padding), short ones
+        all together padded to the longest; one attention call per group."""
+        nd, bs, quantum = self.nd, self.bs, self.quantum
         qsl, seq_lens = so.query_start_loc, so.seq_lens
+        by_shape: dict[tuple[int, int], list] = {}
+        short = []
         for s in range(nd, so.num_reqs):
             n = int(qsl[s + 1] - qsl[s])
             first_pos = int(seq_lens[s]) - n
             first_key = 0 if self.window is None else max(0, first_pos - self.window + 1)
             first_block, end_block = first_key // bs, cdiv(int(seq_lens[s]), bs)
-            num_keys = int(seq_lens[s]) - first_block * bs
-            seg = (int(qsl[s]), n, first_pos, first_block * bs, num_keys)
+            seg = _Segment(int(qsl[s]), n, first_pos, first_block * bs, int(seq_lens[s]) - first_block * bs,
+                           table[s, first_block:end_block])
             if n > PADDED_MAX_QUERY:
-                front, back = sdpa_padding(num_keys - n, n, self.quantum)
-                host[f"segment{len(self.long)}"] = _pad_pages(table[s, first_block:end_block],
-                                                             cdiv(num_keys + back, bs))
-                self.long.append(seg[:4] + (num_keys + back, front, back))
+                front, back = sdpa_padding(seg.num_keys - n, n, quantum)
+                by_shape.setdefault((front + n + back, seg.num_keys + back), []).append((seg, front, back))
             else:
-                self.short.append((seg, table[s, first_block:end_block]))
-        if self.short:
-            host.update(_padded_indices(self.short, bs, self.quantum))
-        if self.long and self.short and self.long[-1][0] > self.short[0][0][0]:  # not [long..., short...]
-            host["prefill_order"] = _prefill_order(self.long, [seg for seg, _ in self.short], nd)
+                short.append((seg, 0, 0))
+        plans = [(Lq, K, members, any(self._needs_band(seg, back) for seg, _, back in members))
+                 for (Lq, K), members in by_shape.items()]
+        if short:  # under one mask: each its own length and keys
+            Lq, nb = max(seg.n for seg, _, _ in short), max(len(seg.pages) for seg, _, _ in short)
+            if quantum > 1:
+                Lq, nb = 1 << (Lq - 1).bit_length(), cdiv(cdiv(nb * bs, quantum) * quantum, bs)
+            plans.append((Lq, nb * bs, short, True))
+        for i, (Lq, K, members, explicit) in enumerate(plans):
+            P = len(members) if quantum <= 1 else 1 << (len(members) - 1).bit_length()
+            idx = _group_indices([(seg, front) for seg, front, _ in members], Lq, K, P, bs, nd)
+            host.update({f"group{i}.{k}": v for k, v in idx.items() if explicit or k in _DEVICE_FIELDS})
+            self.groups.append((Lq, K, explicit, tuple((front, back) for _, front, back in members)))
+        order = [seg for _, _, members, _ in plans for seg, _, _ in members]
+        if any(a.row > b.row for a, b in zip(order, order[1:])):
+            host["prefill_order"] = _prefill_order(order)
+
+    def _needs_band(self, seg: "_Segment", back: int) -> bool:
+        """A window that bites: some query (the padding's included) has keys before its window."""
+        return self.window is not None and not (seg.key_offset == 0 and seg.first_pos + seg.n + back <= self.window)
 
     def finish(self, dev: dict[str, mx.array], prefix: str, positions: mx.array) -> AttentionMetadata:
         get = {k[len(prefix):]: v for k, v in dev.items() if k.startswith(prefix)}
@@ -237,25 +249,50 @@ class _GroupBuilder:
                                prefill_order=get.get("prefill_order"))
         if self.nd and not self.use_kernel:
             md.decode_mask = length_mask(md.decode_seq_lens, md.decode_block_table.shape[1] * self.bs, self.window)
-        md.segments = [PrefillSegment(*seg, block_table=get[f"segment{i}"], mask=self._segment_mask(*seg))
-                       for i, seg in enumerate(self.long)]
-        if self.short:
-            md.padded_block_table, md.padded_query_rows = get["padded_block_table"], get["padded_query_rows"]
-            md.padded_out_rows = get["padded_out_rows"]
-            q_pos, key_offset = get["padded_query_pos"], get["padded_key_offset"]
-            md.padded_max_query_len = q_pos.shape[1]
-            key_pos = key_offset[:, None, None] + mx.arange(md.padded_block_table.shape[1] * self.bs)[None, None, :]
-            md.padded_mask = causal_mask(key_pos, q_pos[:, :, None], self.window)[:, None]
+        for i, (Lq, K, explicit, pads) in enumerate(self.groups):
+            g = {k: get[f"group{i}.{k}"] for k in _DEVICE_FIELDS}
+            mask = "causal"
+            if explicit:  # built once a step, shared by the group's layers
+                key_pos = get[f"group{i}.key_offset"][:, None, None] + mx.arange(K)[None, None, :]
+                mask = causal_mask(key_pos, get[f"group{i}.query_pos"][:, :, None], self.window)[:, None]
+            md.prefill_groups.append(PrefillGroup(Lq, K, mask=mask, pads=pads, **g))
         return md
 
 
-    def _segment_mask(self, row_start: int, num_queries: int, first_query_pos: int, key_offset: int,
-                      num_keys: int, front: int, back: int) -> Union[str, mx.array]:
-        if self.window is None or (key_offset == 0 and first_query_pos + num_queries + back <= self.window):
-            return "causal"
-        key_pos = mx.arange(key_offset, key_offset + num_keys)[None, :]
-        query_pos = mx.arange(first_query_pos - front, first_query_pos + num_queries + back)[:, None]
-        return causal_mask(key_pos, query_pos, self.window)
+class _Segment(NamedTuple):
+    """One request's prefill chunk in a step (host side)."""
+
+    row: int  # its first row in the batch
+    n: int  # new tokens
+    first_pos: int  # position of the first
+    key_offset: int  # position of the first key it reads (0, or a page boundary before its window)
+    num_keys: int  # keys from key_offset to its last new token
+    pages: np.ndarray  # the pages holding them
+
+
+_DEVICE_FIELDS = ("block_table", "query_rows", "out_rows")
+
+
+def _group_indices(members: list[tuple[_Segment, int]], Lq: int, K: int, P: int, block_size: int,
+                   nd: int) -> dict[str, np.ndarray]:
+    """A prefill group's host arrays: members (segment, front padding) fill its first segments, P
+    in all (added ones read page 0 and prefill row 0). A padding slot repeats its segment's first
+    or last query row; for explicit masks its position is the prefix position before the segment
+    (front) or the last query's (back), so that every slot sees at least one key."""
+    tables = np.zeros((P, cdiv(K, block_size)), np.int32)
+    rows = np.zeros((P, Lq), np.int32)
+    slots = np.arange(Lq)
+    query_pos = np.tile(slots, (P, 1)).astype(np.int32)
+    key_offset = np.zeros(P, np.int32)
+    out = []
+    for p, (seg, front) in enumerate(members):
+        tables[p, :len(seg.pages)] = seg.pages
+        rows[p] = seg.row - nd + np.clip(slots - front, 0, seg.n - 1)
+        query_pos[p] = seg.first_pos + np.minimum(slots - front, seg.n - 1)
+        key_offset[p] = seg.key_offset
+        out.append(p * Lq + front + np.arange(seg.n))
+    return dict(block_table=tables, query_rows=rows.reshape(-1), out_rows=np.concatenate(out),
+                query_pos=query_pos, key_offset=key_offset)
 
 
 def _window_tables(table: np.ndarray, seq_lens: np.ndarray, query_pos: np.ndarray, block_size: int,
@@ -271,48 +308,14 @@ def _window_tables(table: np.ndarray, seq_lens: np.ndarray, query_pos: np.ndarra
     return np.take_along_axis(table, cols, axis=1), seq_lens - first_block * block_size
 
 
-def _pad_pages(pages: np.ndarray, n: int) -> np.ndarray:
-    """The block table extended to n pages with page 0: read only by padding rows."""
-    return pages if len(pages) >= n else np.concatenate([pages, np.zeros(n - len(pages), pages.dtype)])
-
-
-def _padded_indices(short: list, block_size: int, quantum: int = 0) -> dict[str, np.ndarray]:
-    """Short prefill segments padded to the longest: block table, batch row of each padded query
-    slot, padded slot of each real query, each slot's query position and each segment's first key.
-    quantum: also round the segment count and length up to powers of two and the keys to a
-    multiple of it (the attention call's shape: see SDPA_SHAPE_QUANTUM); added segments see key 0."""
-    P = len(short)
-    L = max(seg[1] for seg, _ in short)
-    nb = max(len(t) for _, t in short)
-    if quantum > 1:
-        P, L = 1 << (P - 1).bit_length(), 1 << (L - 1).bit_length()
-        nb = cdiv(-(-nb * block_size // quantum) * quantum, block_size)
-    tables = np.zeros((P, nb), np.int32)
-    rows = np.zeros((P, L), np.int32)
-    q_pos = np.zeros((P, L), np.int32)
-    key_offset = np.array([seg[3] for seg, _ in short] + [0] * (P - len(short)), np.int32)
-    valid = np.zeros((P, L), bool)
-    for p, ((row, n, first_pos, offset, _), t) in enumerate(short):
-        tables[p, :len(t)] = t
-        rows[p, :n] = row + np.arange(n)
-        # A padded slot's query sits at the segment's first key and so sees one key: its softmax
-        # stays finite.
-        q_pos[p] = offset
-        q_pos[p, :n] = first_pos + np.arange(n)
-        valid[p, :n] = True
-    return dict(padded_block_table=tables, padded_query_rows=rows.reshape(-1),
-                padded_out_rows=np.flatnonzero(valid.reshape(-1)), padded_query_pos=q_pos,
-                padded_key_offset=key_offset)
-
-
-def _prefill_order(long: list, short: list, nd: int) -> np.ndarray:
-    """For each prefill row in batch order, its index among the outputs laid out as [the long
-    segments' rows..., the short segments' rows...]."""
-    at, order = 0, {}
-    for seg in long + short:
-        order[seg[0]] = (at, seg[1])
-        at += seg[1]
-    return np.concatenate([np.arange(order[r][0], order[r][0] + order[r][1]) for r in sorted(order)])
+def _prefill_order(order: list[_Segment]) -> np.ndarray:
+    """For each prefill row in batch order, its index among the groups' outputs, which hold the
+    segments in `order`."""
+    at, where = 0, {}
+    for seg in order:
+        where[seg.row] = (at, seg.n)
+        at += seg.n
+    return np.concatenate([np.arange(where[r][0], where[r][0] + where[r][1]) for r in sorted(where)])
 
 
 def causal_mask(key_pos: mx.array, query_pos: mx.array, window: Optional[int]) -> mx.array:

@@ -12,7 +12,7 @@ from pagedmlx.kv.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
                               sliding_pool_blocks)
 from pagedmlx.runner import cuda_state, paged_kernels
 from pagedmlx.runner.attention import KVPool, PagedLayerCache, install_paged_attention, warm_up_prefill
-from pagedmlx.runner.attention_metadata import StepMetadata, chunked_prefill_segments, sdpa_shape_quantum
+from pagedmlx.runner.attention_metadata import StepMetadata, chunked_prefill_groups, sdpa_shape_quantum
 from pagedmlx.runner.kernel_check import error_line, select_kernels
 from pagedmlx.runner.plan import UnsupportedModelError, model_type, plan_layers
 from pagedmlx.runner.state import (StateLayerCache, StateMetadata, StatePool, install_regrouping, pages_budget,
@@ -104,14 +104,14 @@ class ModelRunner:
         tokens a step, for each kind of full-attention layer (windows read a window's keys: their
         shapes repeat anyway). On CUDA each first call builds a cuDNN graph (~50 ms) that MLX keeps
         for the calling thread. Returns the number of shapes."""
-        segments = chunked_prefill_segments(chunk, max_keys, self.sdpa_quantum, self.block_size)
+        groups = chunked_prefill_groups(chunk, max_keys, self.sdpa_quantum, self.block_size)
         kinds = {}
         for i, p in enumerate(self.plan):
             if p.kind == "full":
                 kinds.setdefault((p.spec, p.n_heads, p.sinks), i)
         for (_, n_heads, sinks), i in kinds.items():
-            warm_up_prefill(n_heads, self.kv_pool.keys[i], self.kv_pool.values[i], sinks, segments)
-        return len(segments) * len(kinds)
+            warm_up_prefill(n_heads, self.kv_pool.keys[i], self.kv_pool.values[i], sinks, groups)
+        return len(groups) * len(kinds)
 
     def _kv_cache_config(self, config: EngineConfig) -> KVCacheConfig:
         """KV cache groups by layer kind (full first), sized: sliding groups get what their windows
