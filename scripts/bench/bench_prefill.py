@@ -68,6 +68,7 @@ def run_pagedmlx(engine, prompts: list[list[int]], gen: int) -> dict:
     from pagedmlx.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
+    engine.stats = type(engine.stats)()  # this run's steps only
     start = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(f"p{time.monotonic_ns()}-{i}", p, params)
@@ -77,7 +78,10 @@ def run_pagedmlx(engine, prompts: list[list[int]], gen: int) -> dict:
             generated += len(out.new_token_ids)
             first.setdefault(out.request_id, time.perf_counter() - start)
     total = time.perf_counter() - start
-    return dict(ttft=max(first.values()), ttft_first=min(first.values()), total=total, generated=generated)
+    st = engine.stats
+    return dict(ttft=max(first.values()), ttft_first=min(first.values()), total=total, generated=generated,
+                steps=st.num_steps, host_build_s=st.build_s, device_wait_s=st.wait_s,
+                host_other_s=st.schedule_s + st.update_s)
 
 
 def run_generate_step(model, prompt: list[int]) -> dict:
@@ -285,6 +289,8 @@ def main() -> None:
             if peer:
                 row.update(ratio=peer["ttft"] / ours["ttft"], e2e_ratio=peer["total"] / ours["total"])
             rows.append(row)
+            console.print(f"  {case} {row['engine']}: {ours['steps']} steps: building {ours['host_build_s']:.2f} s, "
+                          f"waiting {ours['device_wait_s']:.2f} s, scheduling and outputs {ours['host_other_s']:.2f} s")
             console.print(f"  {case} {row['engine']}: TTFT {ours['ttft']:.2f} s, end to end {ours['total']:.2f} s"
                           + (f" ({row['ratio']:.2f}x and {row['e2e_ratio']:.2f}x the peer's "
                              f"{peer['ttft']:.2f} s and {peer['total']:.2f} s)" if peer else ""))
