@@ -34,6 +34,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="share KV pages of common prefixes between requests")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="build step N+1 while step N runs (default: on GPU backends)")
+    p.add_argument("--warm-up-attention", action=argparse.BooleanOptionalAction, default=None,
+                   help="build the attention shapes of long prompts before serving (default: on CUDA)")
     p.add_argument("--generation-config", choices=["auto", "vllm"], default="auto",
                    help="sampling defaults: the model's generation_config.json (auto) or vLLM's own (vllm)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
@@ -61,7 +63,8 @@ def engine_config(args: argparse.Namespace):
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         long_prefill_token_threshold=args.long_prefill_token_threshold,
                         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-                        async_scheduling=args.async_scheduling, generation_config=args.generation_config,
+                        async_scheduling=args.async_scheduling, warm_up_attention=args.warm_up_attention,
+                        generation_config=args.generation_config,
                         scheduling_policy=args.scheduling_policy, dtype=args.dtype,
                         state_checkpoint_interval=args.state_checkpoint_interval,
                         max_state_checkpoints=args.max_state_checkpoints)
