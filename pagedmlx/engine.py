@@ -111,7 +111,12 @@ class LLMEngine:
             return
         start = time.perf_counter()
         max_keys = min(self.max_model_len, WARM_UP_MAX_KEYS)
-        n = self.runner.warm_up_attention(chunk, max_keys)
+        try:
+            n = self.runner.warm_up_attention(chunk, max_keys)
+        except Exception:  # noqa: BLE001 - an optimisation: serving goes on, shapes build when first met
+            logger.warning("building the prefill attention shapes failed; they will be built when first met",
+                           exc_info=True)
+            return
         logger.info("built %d prefill attention shapes (prompts up to %d tokens, %d-token chunks) in %.1f s",
                     n, max_keys, chunk, time.perf_counter() - start)
 

@@ -122,6 +122,27 @@ def test_warm_up_runs_the_shapes_a_long_prompt_meets_beside_decodes(monkeypatch)
     assert_no_leaks(engine)
 
 
+def test_a_failed_warm_up_is_logged_and_serving_goes_on(monkeypatch, caplog):
+    model = make_model("llama")
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=64, sdpa_quantum=12,
+                                                 warm_up_attention=True, long_prefill_token_threshold=40))
+    calls = []
+
+    def fail(chunk, max_keys):
+        calls.append((chunk, max_keys))
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(engine.runner, "warm_up_attention", fail)
+    prompt = list(range(1, 30))
+    engine.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    assert calls == [(40, 64 * 4)]  # once for this thread, however many steps
+    assert "building the prefill attention shapes failed" in caplog.text
+    assert done["a"] == solo_greedy(model, prompt, 5)
+
+
 def test_cached_blocks_hold_their_owners_kv():
     """mlx-lm issue 965: a stored prefix must hold the KV of the prompt that owns it, never another's."""
     from mlx_lm.models.cache import make_prompt_cache
