@@ -84,6 +84,20 @@ class PrefillGroup:
     # padding keeps each query at its place, see sdpa_padding) or a (P, 1, Lq, K) boolean mask.
     mask: Union[str, mx.array] = "causal"
     pads: tuple = ()  # host: (front, back) padding of each real segment (for tests and inspection)
+    _page_rows: dict = field(default_factory=dict, repr=False)
+
+    def page_rows(self, num_kv_heads: int) -> mx.array:
+        """page_rows of the block table: built once a step, shared by the group's layers."""
+        if num_kv_heads not in self._page_rows:
+            self._page_rows[num_kv_heads] = page_rows(self.block_table, num_kv_heads)
+        return self._page_rows[num_kv_heads]
+
+
+def page_rows(block_table: mx.array, h: int) -> mx.array:
+    """(B, h, nb): the (page, head) row of each sequence's head and page in pages seen as (P * h, ...).
+    Gathering those rows lands straight in (B, h, keys) order: gathering pages and then moving the
+    head axis forward copied everything twice (2.5x slower on the CPU)."""
+    return block_table[:, None, :] * h + mx.arange(h, dtype=block_table.dtype)[None, :, None]
 
 
 def chunked_prefill_groups(chunk: int, max_keys: int, quantum: int, block_size: int) -> list[PrefillGroup]:
