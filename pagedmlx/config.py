@@ -18,7 +18,7 @@ class EngineConfig:
     max_num_batched_tokens: Optional[int] = None
     # While other requests decode, one request's prefill chunk takes at most this many tokens (their
     # inter-token latency); a prompt with no decode beside it takes the whole budget. 0: no cap. None:
-    # 256 on CUDA, 512 elsewhere (docs/benchmarks.md "Run 28": on an H200, 64 decodes beside a 16k prompt
+    # 256 on CUDA, 512 elsewhere (docs/benchmarks.md "Runs 27-31": on an H200, 64 decodes beside a 16k prompt
     # stepped at p90 29.8 ms with 256-token chunks, 41.5 ms with 512, 31.8 ms with 128).
     long_prefill_token_threshold: Optional[int] = None
     max_model_len: Optional[int] = None  # None: the model's own limit (or 8192), capped at the pool
