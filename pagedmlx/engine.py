@@ -19,7 +19,6 @@ from pagedmlx.detokenizer import IncrementalDetokenizer
 from pagedmlx.kv.manager import KVCacheManager
 from pagedmlx.outputs import EngineOutput, TokenLogprob
 from pagedmlx.request import Request, RequestStatus
-from pagedmlx.runner.attention_metadata import WARM_UP_MAX_KEYS
 from pagedmlx.runner.model import ModelRunner
 from pagedmlx.sampler import Sampler, SamplerOutput, to_host
 from pagedmlx.sampling_params import SamplingParams
@@ -97,28 +96,13 @@ class LLMEngine:
         self._warmed_up_in: Optional[int] = None  # the thread that ran warm_up
 
     def warm_up(self) -> None:
-        """Build the attention shapes a long prompt's chunks meet (ModelRunner.warm_up_attention),
-        once per thread: MLX keeps CUDA's cuDNN graphs per thread, so the thread that steps does it
-        (the server's engine thread at start; otherwise the first step). Off unless
-        config.warm_up_attention (default: where attention shapes are padded, CUDA)."""
+        """ModelRunner.warm_up, once per thread: MLX keeps CUDA's cuDNN graphs per thread, so the
+        thread that steps does it (the server's engine thread at start; otherwise the first step)."""
         if self._warmed_up_in == threading.get_ident():
             return
         self._warmed_up_in = threading.get_ident()
-        quantum = getattr(self.runner, "sdpa_quantum", 0)  # a tensor-parallel driver: ranks build their own
-        enabled = self.config.warm_up_attention if self.config.warm_up_attention is not None else quantum > 1
-        chunk = self.config.long_prefill_token_threshold
-        if not (enabled and chunk and quantum):
-            return
-        start = time.perf_counter()
-        max_keys = min(self.max_model_len, WARM_UP_MAX_KEYS)
-        try:
-            n = self.runner.warm_up_attention(chunk, max_keys)
-        except Exception:  # noqa: BLE001 - an optimisation: serving goes on, shapes build when first met
-            logger.warning("building the prefill attention shapes failed; they will be built when first met",
-                           exc_info=True)
-            return
-        logger.info("built %d prefill attention shapes (prompts up to %d tokens, %d-token chunks) in %.1f s",
-                    n, max_keys, chunk, time.perf_counter() - start)
+        if hasattr(self.runner, "warm_up"):  # a tensor-parallel driver: not there (its ranks would build their own)
+            self.runner.warm_up(self.config, self.max_model_len)
 
     def make_runner(self, verify: bool) -> ModelRunner:
         """Hook: tensor parallelism (pagedmlx.distributed.TPEngine) wraps the runner."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Callable, Optional, Protocol
 
 import mlx.core as mx
@@ -12,12 +14,15 @@ from pagedmlx.kv.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
                               sliding_pool_blocks)
 from pagedmlx.runner import cuda_state, paged_kernels
 from pagedmlx.runner.attention import KVPool, PagedLayerCache, install_paged_attention, warm_up_prefill
-from pagedmlx.runner.attention_metadata import StepMetadata, chunked_prefill_groups, sdpa_shape_quantum
+from pagedmlx.runner.attention_metadata import (WARM_UP_MAX_KEYS, StepMetadata, chunked_prefill_groups,
+                                                sdpa_shape_quantum)
 from pagedmlx.runner.kernel_check import error_line, select_kernels
 from pagedmlx.runner.plan import UnsupportedModelError, model_type, plan_layers
 from pagedmlx.runner.state import (StateLayerCache, StateMetadata, StatePool, install_regrouping, pages_budget,
                                    state_group)
 from pagedmlx.scheduler_output import SchedulerOutput
+
+logger = logging.getLogger("pagedmlx")
 
 __all__ = ["ModelRunner", "Runner", "UnsupportedModelError", "model_type"]
 
@@ -98,6 +103,24 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         """Bytes of one block of the first group (the only group of a plain-attention model)."""
         return self.group_bytes_per_block(self.kv_cache_config.kv_cache_groups[0])
+
+    def warm_up(self, config: EngineConfig, max_model_len: int) -> None:
+        """Build the attention shapes a long prompt's chunks meet (warm_up_attention) where
+        config.warm_up_attention says so (default: where attention shapes are padded, CUDA). A
+        failure is logged: the shapes are then built when first met."""
+        enabled = config.warm_up_attention if config.warm_up_attention is not None else self.sdpa_quantum > 1
+        chunk = config.long_prefill_token_threshold
+        if not (enabled and chunk and self.sdpa_quantum):
+            return
+        start, max_keys = time.perf_counter(), min(max_model_len, WARM_UP_MAX_KEYS)
+        try:
+            n = self.warm_up_attention(chunk, max_keys)
+        except Exception:  # noqa: BLE001 - an optimisation: serving goes on
+            logger.warning("building the prefill attention shapes failed; they will be built when first met",
+                           exc_info=True)
+            return
+        logger.info("built %d prefill attention shapes (prompts up to %d tokens, %d-token chunks) in %.1f s",
+                    n, max_keys, chunk, time.perf_counter() - start)
 
     def warm_up_attention(self, chunk: int, max_keys: int) -> int:
         """Run once each padded attention shape of a prompt of max_keys tokens prefilled `chunk`
