@@ -38,7 +38,7 @@ class EngineConfig:
     generation_config: str = "auto"
     dtype: Optional[str] = None  # "float32" / "float16" / "bfloat16" for unquantized weights; None: as loaded
     # Prefill attention shapes are padded to multiples of this (runner/attention_metadata.py: CUDA
-    # builds a cuDNN graph per shape). None: PAGEDMLX_SDPA_QUANTUM, else 256 on CUDA, 0 (none) elsewhere.
+    # builds a cuDNN graph per shape). None: 256 on CUDA, 0 (none) elsewhere.
     sdpa_quantum: Optional[int] = None
     # Build at start-up, in the thread that steps, the attention shapes a long prompt's chunks meet
     # (up to WARM_UP_MAX_KEYS tokens), so that the first long prompt does not stall the decodes beside

@@ -193,8 +193,7 @@ class LLMEngine:
 
         With async scheduling (by default on GPU backends) the engine overlaps instead: see
         step_with_batch_queue."""
-        if self._warmed_up_in != threading.get_ident():
-            self.warm_up()
+        self.warm_up()
         if self._can_overlap():
             return self.step_with_batch_queue()
         outputs: list[EngineOutput] = []

@@ -53,7 +53,6 @@ def test_attention_shapes_padded_as_on_cuda_equal_solo(arch_name, monkeypatch):
     own position."""
     from pagedmlx.runner import attention
 
-    monkeypatch.setenv("PAGEDMLX_SDPA_QUANTUM", "12")
     seen, shapes, padded, batched = [], set(), set(), []
     real = attention._prefill_attention
 
@@ -71,7 +70,8 @@ def test_attention_shapes_padded_as_on_cuda_equal_solo(arch_name, monkeypatch):
     model = make_model(arch_name)
     prompts = make_prompts(48, ARCHS[arch_name]["vocab_size"], seed=5)
     engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=160, max_num_batched_tokens=96,
-                                                 long_prefill_token_threshold=40, max_num_seqs=16))
+                                                 long_prefill_token_threshold=40, max_num_seqs=16,
+                                                 sdpa_quantum=12))
     assert engine.runner.sdpa_quantum == 12
     done = run_staggered(engine, prompts, GREEDY, seed=4)
     assert any(f > 0 for f, _ in seen) and any(b > 0 for _, b in seen)

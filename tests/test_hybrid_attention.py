@@ -5,6 +5,7 @@ prompt alone (tiny random-weight float32 models, window 8 over pages of 4 tokens
 from __future__ import annotations
 
 import random
+from typing import Optional
 
 import pytest
 from utils import (assert_no_leaks, assert_samples_equal_alone, make_model, run_staggered, shared_prefix_prompts,
@@ -29,11 +30,11 @@ def prompts_across_windows(n: int, seed: int) -> list[list[int]]:
     return shared_prefix_prompts(n, seed, max_len=90)
 
 
-def busy_engine(model, num_blocks: int = 60) -> LLMEngine:
+def busy_engine(model, num_blocks: int = 60, sdpa_quantum: Optional[int] = None) -> LLMEngine:
     """Chunks of up to 40 tokens (longer than attention's padded threshold: both prefill paths run),
     a pool small enough to preempt."""
     config = EngineConfig(block_size=BS, num_blocks=num_blocks, max_num_batched_tokens=64,
-                          long_prefill_token_threshold=40, max_num_seqs=12)
+                          long_prefill_token_threshold=40, max_num_seqs=12, sdpa_quantum=sdpa_quantum)
     return LLMEngine(model, None, config)
 
 
@@ -78,12 +79,11 @@ def test_busy_engine_equals_solo(arch):
 
 
 @pytest.mark.parametrize("arch", ["gemma3-tiny", "gpt-oss-tiny"])
-def test_padded_attention_shapes_keep_windows_and_sinks(arch, monkeypatch):
+def test_padded_attention_shapes_keep_windows_and_sinks(arch):
     """CUDA's padding of attention shapes (attention_metadata.sdpa_padding), forced on the CPU with a
     quantum of 12: the window's band mask and the sinks still see only each query's own keys."""
-    monkeypatch.setenv("PAGEDMLX_SDPA_QUANTUM", "12")
     model = make_model(arch)
-    engine = busy_engine(model)
+    engine = busy_engine(model, sdpa_quantum=12)
     assert engine.runner.sdpa_quantum == 12
     prompts = prompts_across_windows(16, seed=9)
     done = run_staggered(engine, prompts, GREEDY, seed=3)

@@ -8,7 +8,6 @@ ones padded to the longest, under one mask."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Union
 
@@ -32,9 +31,8 @@ SDPA_SHAPE_QUANTUM = {paged_kernels.CUDA: 256}
 
 
 def sdpa_shape_quantum(backend: Optional[str]) -> int:
-    """The padding quantum for attention shapes on `backend` (PAGEDMLX_SDPA_QUANTUM overrides)."""
-    env = os.environ.get("PAGEDMLX_SDPA_QUANTUM")
-    return int(env) if env else SDPA_SHAPE_QUANTUM.get(backend, 0)
+    """The padding quantum for attention shapes on `backend` (EngineConfig.sdpa_quantum overrides)."""
+    return SDPA_SHAPE_QUANTUM.get(backend, 0)
 
 
 def sdpa_padding(num_prefix_keys: int, num_queries: int, quantum: int) -> tuple[int, int]:

@@ -110,7 +110,7 @@ class ModelRunner:
         failure is logged: the shapes are then built when first met."""
         enabled = config.warm_up_attention if config.warm_up_attention is not None else self.sdpa_quantum > 1
         chunk = config.long_prefill_token_threshold
-        if not (enabled and chunk and self.sdpa_quantum):
+        if not (enabled and chunk):
             return
         start, max_keys = time.perf_counter(), min(max_model_len, WARM_UP_MAX_KEYS)
         try:
