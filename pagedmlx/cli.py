@@ -36,6 +36,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="build step N+1 while step N runs (default: on GPU backends)")
     p.add_argument("--warm-up-attention", action=argparse.BooleanOptionalAction, default=None,
                    help="build the attention shapes of long prompts before serving (default: on CUDA)")
+    p.add_argument("--prefill-kernel", action=argparse.BooleanOptionalAction, default=None,
+                   help="attend prefill rows with the paged prefill kernel (default: where it runs, CUDA)")
     p.add_argument("--generation-config", choices=["auto", "vllm"], default="auto",
                    help="sampling defaults: the model's generation_config.json (auto) or vLLM's own (vllm)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
@@ -64,6 +66,7 @@ def engine_config(args: argparse.Namespace):
                         long_prefill_token_threshold=args.long_prefill_token_threshold,
                         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
                         async_scheduling=args.async_scheduling, warm_up_attention=args.warm_up_attention,
+                        prefill_kernel=args.prefill_kernel,
                         generation_config=args.generation_config,
                         scheduling_policy=args.scheduling_policy, dtype=args.dtype,
                         state_checkpoint_interval=args.state_checkpoint_interval,

@@ -44,6 +44,10 @@ class EngineConfig:
     # (up to WARM_UP_MAX_KEYS tokens), so that the first long prompt does not stall the decodes beside
     # it. None: wherever shapes are padded (CUDA).
     warm_up_attention: Optional[bool] = None
+    # Prefill rows attend through the paged prefill kernel (CUDA, 16-bit models: every segment of a
+    # step in one launch, keys read from the pages) instead of MLX's attention on gathered pages.
+    # None: wherever the kernels run; False: never.
+    prefill_kernel: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:

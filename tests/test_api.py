@@ -121,13 +121,14 @@ def test_cli_takes_vllms_flags():
     args = make_parser().parse_args(["serve", "some/model", "-tp", "2", "--no-enable-prefix-caching",
                                      "--max-model-len", "4096", "--max-num-seqs", "8",
                                      "--max-num-batched-tokens", "512", "--long-prefill-token-threshold", "128",
-                                     "--async-scheduling", "--no-warm-up-attention", "--generation-config", "vllm"])
+                                     "--async-scheduling", "--no-warm-up-attention", "--no-prefill-kernel",
+                                     "--generation-config", "vllm"])
     config = engine_config(args)
     assert args.tp == 2 and config.model == "some/model"
     assert (config.enable_prefix_caching, config.max_model_len, config.max_num_seqs) == (False, 4096, 8)
     assert (config.max_num_batched_tokens, config.long_prefill_token_threshold) == (512, 128)
     assert config.async_scheduling is True and config.generation_config == "vllm"
-    assert config.warm_up_attention is False
+    assert config.warm_up_attention is False and config.prefill_kernel is False
     args = make_parser().parse_args(["serve", "--model", "m", "--tensor-parallel-size", "4"])
     assert args.tp == 4 and engine_config(args).model == "m" and engine_config(args).enable_prefix_caching
     assert engine_config(args).long_prefill_token_threshold == 512  # the CPU's default (CUDA's: 256)

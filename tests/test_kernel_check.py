@@ -118,10 +118,22 @@ def test_cuda_kernels_on_the_trusted_gpu_skip_the_check_and_are_checked_elsewher
     specs, heads = [(8, 128, 128, mx.bfloat16)], [32]
     monkeypatch.setattr(kernel_check, "device_name", lambda: "NVIDIA H200")
     trusted = kernel_check.select_kernels(specs, heads, 16)
-    assert trusted.decode and trusted.page_write and trusted.checks[0][1] == "trusted"
+    assert trusted.decode and trusted.page_write and trusted.prefill and trusted.checks[0][1] == "trusted"
+    assert not kernel_check.select_kernels(specs, heads, 16, prefill=False).prefill  # --no-prefill-kernel
+    assert not kernel_check.select_kernels([(8, 128, 128, mx.float32)], heads, 16).prefill  # 16-bit only
     monkeypatch.setattr(kernel_check, "device_name", lambda: "NVIDIA GeForce RTX 4090")
     other = kernel_check.select_kernels(specs, heads, 16)
-    assert not other.enabled and other.reason == "decode: disagrees"
+    assert not other.enabled and not other.prefill and other.reason == "decode: disagrees"
+
+
+def test_the_prefill_kernel_is_checked_first_where_it_would_run(monkeypatch):
+    checked = []
+    monkeypatch.setattr(kernel_check, "check_prefill", lambda *args: checked.append(args) or "max |difference| 1")
+    monkeypatch.setattr(kernel_check, "check_decode", lambda *args: None)
+    shape = (32, 8, 128, mx.bfloat16)
+    results = list(kernel_check.run_checks("cuda", [shape], 16, False, prefill_shapes=[shape]))
+    assert results == [("prefill H=32 kv=8 D=128 bfloat16", False, "max |difference| 1")]
+    assert checked == [(32, 8, 128, mx.bfloat16, 16, None, False)]
 
 
 def test_the_check_covers_only_the_variants_the_model_runs(monkeypatch):

@@ -159,8 +159,14 @@ def _sinks(sinks: Optional[mx.array], dtype: mx.Dtype) -> Optional[mx.array]:
 
 
 def _prefill_attention(q, k_pages, v_pages, md: AttentionMetadata, scale, written, sinks) -> mx.array:
-    """q: the prefill rows (Tp, H, 1, D); one attention call per prefill group (attention_metadata)."""
+    """q: the prefill rows (Tp, H, 1, D); the prefill kernel over all segments where it runs, else
+    one attention call per prefill group (attention_metadata)."""
     rows = q[:, :, 0, :]
+    if md.prefill_tiles is not None:
+        t = md.prefill_tiles
+        o = paged_kernels.paged_prefill(rows, k_pages, v_pages, t.block_table, t.segs, t.tiles, scale, t.splits,
+                                        t.split_tokens, written, window=md.window, sinks=sinks)
+        return as_dtype(o[:, :, None, :], q.dtype)
     outs = [_group_attention(rows, k_pages, v_pages, g, scale, written, sinks) for g in md.prefill_groups]
     o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
     if md.prefill_order is not None:

@@ -2,9 +2,10 @@
 attention metadata builders), uploaded in one array, and the masks built from them on the device.
 
 A sliding-window group's decode rows get block tables cut to their window's pages. Prefill segments
-(one request's chunk each) are attended in groups, one attention call per group: long segments of
-the same padded shape together, with MLX's fused causal attention over exactly their keys; short
-ones padded to the longest, under one mask."""
+(one request's chunk each) are attended by the paged prefill kernel where it runs (CUDA): all of
+them in one launch, cut into 16-token tiles (PrefillTiles). Elsewhere in groups, one attention call
+per group: long segments of the same padded shape together, with MLX's fused causal attention over
+exactly their keys; short ones padded to the longest, under one mask."""
 
 from __future__ import annotations
 
@@ -68,6 +69,17 @@ def upload_indices(host: dict[str, np.ndarray]) -> dict[str, mx.array]:
 
 
 @dataclass
+class PrefillTiles:
+    """The paged prefill kernel's work in one step (paged_kernels.paged_prefill says the layout)."""
+
+    block_table: mx.array  # (S, nb) each segment's pages from its key_offset
+    segs: mx.array  # (S, 4) first prefill row, new tokens, first position, key_offset
+    tiles: mx.array  # (NT, 2) segment and first token of each 16-token tile, the most keys first
+    splits: int
+    split_tokens: mx.array  # (1,) keys per split
+
+
+@dataclass
 class PrefillGroup:
     """Prefill segments attended in one call: P of them, each padded to the same Lq query slots and
     K keys. Queries are gathered from the step's prefill rows into (P, H, Lq, D) and the real slots'
@@ -110,7 +122,7 @@ def chunked_prefill_groups(chunk: int, max_keys: int, quantum: int, block_size: 
         shape = (front + chunk + back, first_pos + chunk + back)
         if shape not in shapes:
             shapes.add(shape)
-            seg = _Segment(0, chunk, first_pos, 0, shape[1] - back, np.zeros(cdiv(shape[1], block_size), np.int32))
+            seg = Segment(0, chunk, first_pos, 0, shape[1] - back, np.zeros(cdiv(shape[1], block_size), np.int32))
             host = _group_indices([(seg, front)], *shape, 1, block_size, 0)
             groups.append(PrefillGroup(*shape, **{k: mx.array(v) for k, v in host.items() if k in _DEVICE_FIELDS}))
     return groups
@@ -139,6 +151,7 @@ class AttentionMetadata:
     use_decode_kernel: bool = False
     decode_splits: int = 1
     decode_split_tokens: Optional[mx.array] = None  # (1,)
+    prefill_tiles: Optional[PrefillTiles] = None  # the prefill kernel's work; else prefill_groups
     prefill_groups: list[PrefillGroup] = field(default_factory=list)
     # Where each prefill row's output is among the groups' outputs, concatenated (None: already in
     # row order).
@@ -162,18 +175,21 @@ class StepMetadata:
     @classmethod
     def build(cls, so: SchedulerOutput, block_size: int, windows: list[Optional[int]],
               kernel_kv_heads: Optional[list[int]] = None, pages_in_place: bool = False,
-              backend: Optional[str] = None, sdpa_quantum: int = 0) -> "StepMetadata":
+              backend: Optional[str] = None, sdpa_quantum: int = 0,
+              prefill_heads: Optional[list[Optional[tuple[int, int]]]] = None) -> "StepMetadata":
         """windows: each group's sliding window (None: full attention). kernel_kv_heads: per group,
         the KV heads the paged-decode kernel is split for (0 or None: decode rows gather pages);
         pages_in_place: the page-write kernel writes new K/V (else MLX scatters them); backend: the
         kernels' (None: paged_kernels.gpu_backend); sdpa_quantum: prefill attention shapes are
-        padded to its multiples (sdpa_shape_quantum)."""
+        padded to its multiples (sdpa_shape_quantum); prefill_heads: per group, (KV heads, query
+        heads per KV head) where the paged prefill kernel attends its prefill rows (None: groups)."""
         kernel_kv_heads = kernel_kv_heads or [0] * len(windows)
+        prefill_heads = prefill_heads or [None] * len(windows)
         host = dict(input_ids=so.input_ids, positions=so.positions, logits_indices=so.logits_indices)
         if len(so.placeholder_rows):
             host.update(placeholder_rows=so.placeholder_rows, placeholder_src=so.placeholder_src)
-        builders = [_GroupBuilder(so, g, block_size, w, kernel_kv_heads[g], pages_in_place, backend, sdpa_quantum)
-                    for g, w in enumerate(windows)]
+        builders = [_GroupBuilder(so, g, block_size, w, kernel_kv_heads[g], pages_in_place, backend, sdpa_quantum,
+                                  prefill_heads[g]) for g, w in enumerate(windows)]
         for g, b in enumerate(builders):
             host.update({f"{g}.{k}": v for k, v in b.host.items()})
         dev = upload_indices(host)
@@ -186,9 +202,10 @@ class _GroupBuilder:
     """The host half of one group's AttentionMetadata; `finish` makes it from the uploaded arrays."""
 
     def __init__(self, so: SchedulerOutput, group: int, block_size: int, window: Optional[int], kernel_heads: int,
-                 in_place: bool, backend: Optional[str], quantum: int):
+                 in_place: bool, backend: Optional[str], quantum: int, prefill_heads: Optional[tuple[int, int]]):
         self.T, self.nd, self.bs, self.window = so.total_num_scheduled_tokens, so.num_decodes, block_size, window
-        self.backend, self.quantum = backend, quantum
+        self.backend, self.quantum, self.prefill_heads = backend, quantum, prefill_heads
+        self.prefill_splits = 0  # the prefill kernel's splits; 0: prefill groups
         self.in_place, self.use_kernel = in_place, kernel_heads > 0 and so.num_decodes > 0
         table, slots = so.block_table[group], so.slot_mapping[group]
         host: dict[str, np.ndarray] = {}
@@ -210,23 +227,35 @@ class _GroupBuilder:
             self._plan_prefill(so, table, host)
         self.host = host
 
-    def _plan_prefill(self, so: SchedulerOutput, table: np.ndarray, host: dict) -> None:
-        """Group the step's prefill segments: long ones by padded shape (sdpa_padding), short ones
-        all together padded to the longest; one attention call per group."""
-        nd, bs, quantum = self.nd, self.bs, self.quantum
-        qsl, seq_lens = so.query_start_loc, so.seq_lens
-        by_shape: dict[tuple[int, int], list] = {}
-        short = []
-        for s in range(nd, so.num_reqs):
+    def _segments(self, so: SchedulerOutput, table: np.ndarray) -> list["Segment"]:
+        """The step's prefill segments, each with the pages from its first key's (under a window)."""
+        bs, qsl, seq_lens = self.bs, so.query_start_loc, so.seq_lens
+        segments = []
+        for s in range(self.nd, so.num_reqs):
             n = int(qsl[s + 1] - qsl[s])
             first_pos = int(seq_lens[s]) - n
             first_key = 0 if self.window is None else max(0, first_pos - self.window + 1)
             first_block, end_block = first_key // bs, cdiv(int(seq_lens[s]), bs)
-            seg = _Segment(int(qsl[s]), n, first_pos, first_block * bs, int(seq_lens[s]) - first_block * bs,
-                           table[s, first_block:end_block])
-            if n > PADDED_MAX_QUERY:
-                front, back = sdpa_padding(seg.num_keys - n, n, quantum)
-                by_shape.setdefault((front + n + back, seg.num_keys + back), []).append((seg, front, back))
+            segments.append(Segment(int(qsl[s]), n, first_pos, first_block * bs,
+                                     int(seq_lens[s]) - first_block * bs, table[s, first_block:end_block]))
+        return segments
+
+    def _plan_prefill(self, so: SchedulerOutput, table: np.ndarray, host: dict) -> None:
+        """The prefill kernel's tiles where it runs; else group the step's prefill segments: long
+        ones by padded shape (sdpa_padding), short ones all together padded to the longest; one
+        attention call per group."""
+        nd, bs, quantum = self.nd, self.bs, self.quantum
+        segments = self._segments(so, table)
+        if self.prefill_heads is not None:
+            tiles, self.prefill_splits = prefill_tile_indices(segments, nd, self.window, *self.prefill_heads)
+            host.update(tiles)
+            return
+        by_shape: dict[tuple[int, int], list] = {}
+        short = []
+        for seg in segments:
+            if seg.n > PADDED_MAX_QUERY:
+                front, back = sdpa_padding(seg.num_keys - seg.n, seg.n, quantum)
+                by_shape.setdefault((front + seg.n + back, seg.num_keys + back), []).append((seg, front, back))
             else:
                 short.append((seg, 0, 0))
         plans = [(Lq, K, members, any(self._needs_band(seg, back) for seg, _, back in members))
@@ -245,7 +274,7 @@ class _GroupBuilder:
         if any(a.row > b.row for a, b in zip(order, order[1:])):
             host["prefill_order"] = _prefill_order(order)
 
-    def _needs_band(self, seg: "_Segment", back: int) -> bool:
+    def _needs_band(self, seg: "Segment", back: int) -> bool:
         """A window that bites: some query (the padding's included) has keys before its window."""
         return self.window is not None and not (seg.key_offset == 0 and seg.first_pos + seg.n + back <= self.window)
 
@@ -261,6 +290,9 @@ class _GroupBuilder:
                                prefill_order=get.get("prefill_order"))
         if self.nd and not self.use_kernel:
             md.decode_mask = length_mask(md.decode_seq_lens, md.decode_block_table.shape[1] * self.bs, self.window)
+        if self.prefill_splits:
+            md.prefill_tiles = PrefillTiles(get["prefill_block_table"], get["prefill_segs"], get["prefill_tiles"],
+                                            self.prefill_splits, get["prefill_split_tokens"])
         for i, (Lq, K, explicit, pads) in enumerate(self.groups):
             g = {k: get[f"group{i}.{k}"] for k in _DEVICE_FIELDS}
             mask = "causal"
@@ -271,7 +303,7 @@ class _GroupBuilder:
         return md
 
 
-class _Segment(NamedTuple):
+class Segment(NamedTuple):
     """One request's prefill chunk in a step (host side)."""
 
     row: int  # its first row in the batch
@@ -285,7 +317,7 @@ class _Segment(NamedTuple):
 _DEVICE_FIELDS = ("block_table", "query_rows", "out_rows")
 
 
-def _group_indices(members: list[tuple[_Segment, int]], Lq: int, K: int, P: int, block_size: int,
+def _group_indices(members: list[tuple[Segment, int]], Lq: int, K: int, P: int, block_size: int,
                    nd: int) -> dict[str, np.ndarray]:
     """A prefill group's host arrays: members (segment, front padding) fill its first segments, P
     in all (added ones read page 0 and prefill row 0). A padding slot repeats its segment's first
@@ -307,6 +339,28 @@ def _group_indices(members: list[tuple[_Segment, int]], Lq: int, K: int, P: int,
                 query_pos=query_pos, key_offset=key_offset)
 
 
+def prefill_tile_indices(segments: list[Segment], nd: int, window: Optional[int], n_kv_heads: int,
+                         group: int) -> tuple[dict[str, np.ndarray], int]:
+    """The prefill kernel's host arrays (PrefillTiles' fields) and its number of splits. A tile's
+    keys run from its first token's first key (key_offset without a window) to its last token."""
+    table = np.zeros((len(segments), max(len(seg.pages) for seg in segments)), np.int32)
+    segs = np.zeros((len(segments), 4), np.int32)
+    tiles, keys = [], []
+    for i, seg in enumerate(segments):
+        table[i, :len(seg.pages)] = seg.pages
+        segs[i] = (seg.row - nd, seg.n, seg.first_pos, seg.key_offset)
+        tok0 = np.arange(0, seg.n, paged_kernels.PREFILL_TILE)
+        hi = seg.first_pos + np.minimum(seg.n, tok0 + paged_kernels.PREFILL_TILE)
+        lo = seg.key_offset if window is None else np.maximum(seg.key_offset, seg.first_pos + tok0 - window + 1)
+        tiles.append(np.stack([np.full_like(tok0, i), tok0], axis=1))
+        keys.append(hi - lo)
+    keys = np.concatenate(keys)
+    order = np.argsort(-keys, kind="stable")  # the longest tiles start first
+    splits, tokens = paged_kernels.prefill_splits(len(keys), n_kv_heads, group, int(keys.max()))
+    return dict(prefill_block_table=table, prefill_segs=segs, prefill_tiles=np.concatenate(tiles)[order],
+                prefill_split_tokens=np.array([tokens], np.int32)), splits
+
+
 def _window_tables(table: np.ndarray, seq_lens: np.ndarray, query_pos: np.ndarray, block_size: int,
                    window: Optional[int]) -> tuple[np.ndarray, np.ndarray]:
     """Decode rows' block tables cut to the pages their query reads, and the key counts from each
@@ -320,7 +374,7 @@ def _window_tables(table: np.ndarray, seq_lens: np.ndarray, query_pos: np.ndarra
     return np.take_along_axis(table, cols, axis=1), seq_lens - first_block * block_size
 
 
-def _prefill_order(order: list[_Segment]) -> np.ndarray:
+def _prefill_order(order: list[Segment]) -> np.ndarray:
     """For each prefill row in batch order, its index among the groups' outputs, which hold the
     segments in `order`."""
     at, where = 0, {}

@@ -25,7 +25,7 @@ import numpy as np
 
 from pagedmlx.runner import paged_kernels
 from pagedmlx.runner.attention import gather_decode
-from pagedmlx.runner.attention_metadata import length_mask
+from pagedmlx.runner.attention_metadata import Segment, length_mask, prefill_tile_indices
 from pagedmlx.runner.dialect import CUDA
 
 logger = logging.getLogger("pagedmlx")
@@ -47,6 +47,7 @@ class KernelPlan:
     decode: bool = False  # decode rows read pages through the paged-decode kernel
     page_write: bool = False  # the page-write kernel writes new K/V in place
     state: bool = False  # the recurrent-state kernels run in state layers (and write the state pool in place)
+    prefill: bool = False  # prefill rows of the layers it takes attend through the paged prefill kernel
     checks: list[tuple[str, str]] = field(default_factory=list)  # (check, "passed" | "trusted" | "failed: ...")
     reason: Optional[str] = None  # why the paged kernels are off
 
@@ -78,10 +79,11 @@ def device_name() -> str:
 
 def select_kernels(layer_specs: list[tuple[int, int, int, mx.Dtype]], query_heads: list[int], block_size: int,
                    windows: tuple[Optional[int], ...] = (None,), sinks: tuple[bool, ...] = (False,),
-                   state_layers: bool = False) -> KernelPlan:
+                   state_layers: bool = False, prefill: bool = True) -> KernelPlan:
     """The kernels this model may use here. layer_specs: (kv heads, Dk, Dv, dtype) per layer;
     windows / sinks: the windows and with / without sinks that the model's layers use, so that the
-    check covers them (and only them); state_layers: the model has recurrent-state layers."""
+    check covers them (and only them); state_layers: the model has recurrent-state layers;
+    prefill: the paged prefill kernel may run (CUDA) for the layers it takes."""
     backend = paged_kernels.gpu_backend()
     if backend is None:
         return KernelPlan(None, reason="no GPU backend")
@@ -89,15 +91,17 @@ def select_kernels(layer_specs: list[tuple[int, int, int, mx.Dtype]], query_head
     if os.environ.get(env, "1") == "0":
         return KernelPlan(backend, reason=f"{env}=0")
     shapes = kernel_shapes(layer_specs, query_heads, backend)
+    prefill_shapes = [x for x in shapes if paged_kernels.supports_prefill(x[2], x[2], x[0], x[1], x[3])]
     plan = KernelPlan(backend, decode=bool(shapes), page_write=PAGES_IN_PLACE.get(backend, False),
-                      state=state_layers and backend == CUDA)
+                      state=state_layers and backend == CUDA, prefill=prefill and backend == CUDA and bool(prefill_shapes))
     if not plan.paged:
         return KernelPlan(backend, state=plan.state, reason="no layer shape the decode kernel takes")
     name = device_name()
     if any(gpu in name for gpu in TRUSTED_GPUS.get(backend, ())):
         plan.checks.append((f"{name}: checked by scripts/gpu/gpu_check_decode.py", "trusted"))
         return plan
-    for check, ok, detail in run_checks(backend, shapes, block_size, plan.page_write, windows, sinks):
+    checked = prefill_shapes if plan.prefill else []
+    for check, ok, detail in run_checks(backend, shapes, block_size, plan.page_write, windows, sinks, checked):
         plan.checks.append((check, "passed" if ok else f"failed: {detail}"))
         if not ok:
             return plan.switch_off(f"{check}: {detail}", keep_state=True)
@@ -113,8 +117,16 @@ def kernel_shapes(layer_specs: list[tuple[int, int, int, mx.Dtype]], query_heads
 
 
 def run_checks(backend: str, shapes: list[Shape], block_size: int, page_write: bool,
-               windows: tuple[Optional[int], ...] = (None,), sinks: tuple[bool, ...] = (False,)):
+               windows: tuple[Optional[int], ...] = (None,), sinks: tuple[bool, ...] = (False,),
+               prefill_shapes: tuple[Shape, ...] = ()):
     """Yields (check, ok, detail) per check; stops after the first failure."""
+    for (h, n_kv, d, dt), window, with_sinks in [(x, w, s) for x in prefill_shapes for w in windows for s in sinks]:
+        name = f"prefill H={h} kv={n_kv} D={d} {_dtype_name(dt)}" + (f" window={window}" if window else "") + \
+            (" sinks" if with_sinks else "")
+        ok, detail = _guarded(check_prefill, h, n_kv, d, dt, block_size, window, with_sinks)
+        yield name, ok, detail
+        if not ok:
+            return
     cases = [(shape, w, s) for shape in shapes for w in windows for s in sinks]
     for (h, n_kv, d, dt), window, with_sinks in cases:
         name = f"decode H={h} kv={n_kv} D={d} {_dtype_name(dt)}" + (f" window={window}" if window else "") + \
@@ -219,3 +231,70 @@ def check_page_write(backend: str, h: int, n_kv: int, d: int, dtype: mx.Dtype, b
                          length_mask(seq_lens, 2 * bs))
     err = _compare(got, want, dtype)
     return None if err is None else f"a read in the same graph missed the write ({err})"
+
+
+def prefill_reference(q: np.ndarray, k_pages: np.ndarray, v_pages: np.ndarray, segments: list[Segment],
+                      scale: float, window: Optional[int] = None, sinks: Optional[np.ndarray] = None) -> np.ndarray:
+    """Causal attention of each segment's queries (rows of q (Tp, H, D)) over its keys read from
+    its pages, in float64: what the prefill kernel computes. Segment rows count from q's first."""
+    Tp, H, D = q.shape
+    n_kv, bs = k_pages.shape[1], k_pages.shape[2]
+    out = np.zeros((Tp, H, v_pages.shape[-1]))
+    for seg in segments:
+        keys = np.arange(seg.key_offset, seg.first_pos + seg.n)
+        pages = seg.pages[(keys - seg.key_offset) // bs]
+        k = k_pages[pages, :, keys % bs].astype(np.float64).repeat(H // n_kv, axis=1)  # (K, H, D)
+        v = v_pages[pages, :, keys % bs].astype(np.float64).repeat(H // n_kv, axis=1)
+        pos = seg.first_pos + np.arange(seg.n)
+        see = keys[None, :] <= pos[:, None]
+        if window:
+            see &= keys[None, :] > pos[:, None] - window
+        s = np.einsum("qhd,khd->hqk", q[seg.row:seg.row + seg.n].astype(np.float64), k) * scale
+        s = np.where(see[None], s, -np.inf)
+        m = s.max(-1, keepdims=True)
+        if sinks is not None:
+            m = np.maximum(m, sinks[:, None, None])
+        p = np.exp(s - m)
+        denom = p.sum(-1, keepdims=True) + (np.exp(sinks[:, None, None] - m) if sinks is not None else 0)
+        out[seg.row:seg.row + seg.n] = np.einsum("hqk,khd->qhd", p / denom, v)
+    return out
+
+
+def check_prefill(h: int, n_kv: int, d: int, dtype: mx.Dtype, bs: int, window: Optional[int] = None,
+                  sinks: bool = False, seed: int = 0) -> Optional[str]:
+    """Prefill segments of 1 to 70 new tokens after prefixes of 0 to 9 blocks and a few (tile,
+    page and split boundaries inside them), unsplit and split, against prefill_reference."""
+    rng = np.random.default_rng(seed)
+    shapes = [(0, 1), (0, 17), (bs - 1, 5), (3 * bs + 2, 40), (9 * bs + 5, 70), (bs, 16)]  # (prefix, new tokens)
+    nb = max(-(-(p + n) // bs) for p, n in shapes)
+    num_blocks = len(shapes) * nb + 2
+    k_pages, v_pages = _random_pages(rng, num_blocks, n_kv, bs, d, dtype)
+    perm = rng.permutation(num_blocks).astype(np.int32)
+    segments, row = [], 0
+    for i, (prefix, n) in enumerate(shapes):
+        first_key = 0 if not window else max(0, prefix - window + 1)
+        first_block = first_key // bs
+        pages = perm[i * nb:(i + 1) * nb][first_block:-(-(prefix + n) // bs)]
+        segments.append(Segment(row, n, prefix, first_block * bs, prefix + n - first_block * bs, pages))
+        row += n
+    q = rng.standard_normal((row, h, d)).astype(np.float32)
+    sink = rng.standard_normal(h).astype(np.float32) * 2 if sinks else None
+    scale = d ** -0.5
+    kf, vf = np.array(k_pages.astype(mx.float32)), np.array(v_pages.astype(mx.float32))
+    qd = mx.array(q).astype(dtype)
+    want = mx.array(prefill_reference(np.array(qd.astype(mx.float32)), kf, vf, segments, scale, window, sink)
+                    .astype(np.float32))
+    host, splits = prefill_tile_indices(segments, 0, window, n_kv, h // n_kv)
+    dev = {k: mx.array(v) for k, v in host.items()}
+    for forced in (None, 3):
+        if forced:
+            keys = int(host["prefill_split_tokens"][0]) if splits == 1 else splits * int(host["prefill_split_tokens"][0])
+            dev["prefill_split_tokens"] = mx.array([-(-keys // forced)], mx.int32)
+        got = paged_kernels.paged_prefill(qd, k_pages, v_pages, dev["prefill_block_table"], dev["prefill_segs"],
+                                          dev["prefill_tiles"], scale, forced or splits, dev["prefill_split_tokens"],
+                                          window=window, sinks=None if sink is None else mx.array(sink),
+                                          init_value=float("nan"))
+        err = _compare(got, want, dtype)
+        if err:
+            return f"{err} ({forced or splits} split{'s' if (forced or splits) > 1 else ''})"
+    return None

@@ -63,7 +63,8 @@ class ModelRunner:
         self.kernels = select_kernels([p.spec for p in owners], [p.n_heads for p in owners], self.block_size,
                                       windows=tuple(sorted(set(self.windows), key=str)),
                                       sinks=tuple(sorted({p.sinks for p in attending})),
-                                      state_layers=any(p.state is not None for p in self.plan))
+                                      state_layers=any(p.state is not None for p in self.plan),
+                                      prefill=config.prefill_kernel is not False)
         self.sdpa_quantum = (config.sdpa_quantum if config.sdpa_quantum is not None
                              else sdpa_shape_quantum(paged_kernels.gpu_backend()))
         if self.kernels.state:
@@ -88,6 +89,25 @@ class ModelRunner:
         return [self.plan[g.layer_ids[0]].spec[0] if self.kernels.decode else 0 for g in groups]
 
     @property
+    def prefill_heads(self) -> list[Optional[tuple[int, int]]]:
+        """Per KV cache group with pages, (KV heads, query heads per KV head) where the paged prefill
+        kernel attends its prefill rows: it runs here and takes every layer that reads the group's
+        pages (shared layers included). None: the group's prefill rows attend in groups of SDPA calls."""
+        groups = [g for g in self.kv_cache_config.kv_cache_groups if not g.is_state]
+        if not self.kernels.prefill:
+            return [None] * len(groups)
+        out = []
+        for g in groups:
+            ids = set(g.layer_ids)
+            shapes = {(self.plan[p.source if p.kind == "shared" else i].spec, p.n_heads) for i, p in enumerate(self.plan)
+                      if i in ids or (p.kind == "shared" and p.source in ids)}
+            heads = {(spec[0], h // spec[0]) for spec, h in shapes}
+            ok = len(heads) == 1 and all(paged_kernels.supports_prefill(dk, dv, h, n_kv, dt)
+                                         for (n_kv, dk, dv, dt), h in shapes)
+            out.append(heads.pop() if ok else None)
+        return out
+
+    @property
     def layer_specs(self) -> list[tuple[int, int, int, mx.Dtype]]:
         """(n_kv_heads, k_dim, v_dim, dtype) of every layer that owns pages."""
         return [p.spec for p in self.plan if p.has_pages]
@@ -108,7 +128,10 @@ class ModelRunner:
         """Build the attention shapes a long prompt's chunks meet (warm_up_attention) where
         config.warm_up_attention says so (default: where attention shapes are padded, CUDA). A
         failure is logged: the shapes are then built when first met."""
-        enabled = config.warm_up_attention if config.warm_up_attention is not None else self.sdpa_quantum > 1
+        enabled = config.warm_up_attention
+        if enabled is None:  # where shapes are padded, and full-attention prefill rows call SDPA
+            full = [g for g, w in zip(self.prefill_heads, self.windows) if w is None]
+            enabled = self.sdpa_quantum > 1 and any(g is None for g in full)
         chunk = config.long_prefill_token_threshold
         if not (enabled and chunk):
             return
@@ -227,7 +250,7 @@ class ModelRunner:
         dispatched (mx.async_eval) before this returns: MLX sees no dependency between one step's
         page reads and the next step's writes, so steps must reach the device in order."""
         md = StepMetadata.build(so, self.block_size, self.windows, self.kernel_kv_heads, self.kernels.page_write,
-                                self.kernels.backend, self.sdpa_quantum)
+                                self.kernels.backend, self.sdpa_quantum, self.prefill_heads)
         state_md = StateMetadata.build(so) if len(so.state_slots) else None
         caches = self.make_caches(md, kv_pool or self.kv_pool, state_md, state_pool or self.state_pool)
         inputs = md.input_ids

@@ -41,10 +41,10 @@ CASES = {"1x32k": (1, 32000, 1), "8x8k": (8, 8192, 1), "32x4k+128": (32, 3968, 1
 
 
 def engine_for(model, args, threshold: int, budget: int, max_len: int, num_seqs: int, blocks: int = 0,
-               quantum: Optional[int] = None, warm_up: Optional[bool] = None):
+               quantum: Optional[int] = None, warm_up: Optional[bool] = None, kernel: Optional[bool] = None):
     """blocks: the pool's size (default: every request at max_len); quantum: the attention shapes'
     padding (attention_metadata.sdpa_shape_quantum; None: the backend's default); warm_up:
-    EngineConfig.warm_up_attention (None: the backend's default)."""
+    EngineConfig.warm_up_attention (None: the backend's default); kernel: EngineConfig.prefill_kernel."""
     from pagedmlx.config import EngineConfig
     from pagedmlx.engine import LLMEngine
 
@@ -53,7 +53,7 @@ def engine_for(model, args, threshold: int, budget: int, max_len: int, num_seqs:
     engine = LLMEngine(model, None, EngineConfig(
         block_size=args.block_size, num_blocks=blocks, max_num_seqs=num_seqs, max_num_batched_tokens=budget,
         long_prefill_token_threshold=threshold, max_model_len=max_len + 1, enable_prefix_caching=False,
-        sdpa_quantum=quantum, warm_up_attention=warm_up))
+        sdpa_quantum=quantum, warm_up_attention=warm_up, prefill_kernel=kernel))
     return engine
 
 
@@ -126,7 +126,8 @@ def attention_flops(model, lengths: list[int]) -> float:
     return 2 * params * sum(lengths) + attn
 
 
-def mixed(model, args, vocab: int, threshold: int, budget: int, quantum: Optional[int], warm_up: Optional[bool]) -> dict:
+def mixed(model, args, vocab: int, threshold: int, budget: int, quantum: Optional[int], warm_up: Optional[bool],
+          kernel: Optional[bool]) -> dict:
     """64 decoding requests; then a 16k prompt arrives, and when it is done another. The decodes'
     step times before and during each."""
     from pagedmlx.sampling_params import SamplingParams
@@ -135,7 +136,7 @@ def mixed(model, args, vocab: int, threshold: int, budget: int, quantum: Optiona
     bs = args.block_size
     engine = engine_for(model, args, threshold, budget, long_len + 512, n_dec + 1,
                         blocks=n_dec * -(-1200 // bs) + -(-long_len // bs) + 16,  # decodes grow < 1100 tokens
-                        quantum=quantum, warm_up=warm_up)
+                        quantum=quantum, warm_up=warm_up, kernel=kernel)
     dec = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
     for i, p in enumerate(make_prompts(n_dec, 128, vocab, 3)):
         engine.add_request(f"d{i}", p, dec)
@@ -220,6 +221,8 @@ def main() -> None:
                     help="attention shape paddings to run pagedmlx with (0: none; default: the backend's)")
     ap.add_argument("--warm-up", nargs="+", default=["default"], choices=["default", "on", "off"],
                     help="EngineConfig.warm_up_attention for each variant (the first long prompt's cost)")
+    ap.add_argument("--prefill-kernel", nargs="+", default=["default"], choices=["default", "on", "off"],
+                    help="EngineConfig.prefill_kernel for each variant (CUDA's paged prefill kernel)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--json")
@@ -245,9 +248,11 @@ def main() -> None:
     chunks = [tuple(int(x) for x in c.split(":")) for c in args.chunks] if args.chunks else \
         [(defaults.long_prefill_token_threshold, defaults.max_num_batched_tokens)]
     warm = {"default": None, "on": True, "off": False}
-    variants = [(t, b, q, warm[w]) for t, b in chunks for q in (args.sdpa_quantum or [None]) for w in args.warm_up]
-    label = lambda t, b, q, w: (f"pagedmlx {t}:{b}" + ("" if q is None else f" q{q}")  # noqa: E731
-                                + ("" if w is None else " warm-up" if w else " no warm-up"))
+    variants = [(t, b, q, warm[w], warm[k]) for t, b in chunks for q in (args.sdpa_quantum or [None])
+                for w in args.warm_up for k in args.prefill_kernel]
+    label = lambda t, b, q, w, k: (f"pagedmlx {t}:{b}" + ("" if q is None else f" q{q}")  # noqa: E731
+                                   + ("" if w is None else " warm-up" if w else " no warm-up")
+                                   + ("" if k is None else " kernel" if k else " no kernel"))
     console.print(f"[bold]bench_prefill[/] {args.preset} ({args.dtype}) on {mx.default_device()}, "
                   f"{time.strftime('%Y-%m-%d')}, scale {args.scale}, chunk cap:budget {chunks}")
     _, peak = measure_machine()
@@ -284,8 +289,9 @@ def main() -> None:
             rows.append(dict(case=case, engine="generate_step" if n == 1 else "BatchGenerator", **peer,
                              prompt_tps=n * length / peer["ttft"], roofline=flops / peer["ttft"] / peak))
         for v in variants:
-            threshold, budget, quantum, warm_up = v
-            engine = engine_for(model, args, threshold, budget, length + gen, n, quantum=quantum, warm_up=warm_up)
+            threshold, budget, quantum, warm_up, kernel = v
+            engine = engine_for(model, args, threshold, budget, length + gen, n, quantum=quantum, warm_up=warm_up,
+                                kernel=kernel)
             run_pagedmlx(engine, make_prompts(1, min(length, 256), vocab, 1), 1)  # warm up
             ours = run_pagedmlx(engine, prompts, gen)
             del engine

@@ -1,4 +1,6 @@
-"""Numpy emulation of the tensor-core decode kernel's fragment addressing for one 16-token tile.
+"""Numpy emulation of the tensor-core kernels' fragment addressing: the decode kernel's for one
+16-token tile (cuda_mma_sources.py), and the prefill kernel's for one stage of KT keys with all 16
+query rows, P taken from S's accumulators (cuda_prefill_sources.py).
 
 It stores K and V tiles as load() does (16-byte chunks swizzled by row), reads them back with the
 kernel's ldmatrix addresses under PTX's m8n8 (and .trans) layouts, multiplies with mma m16n8k16
@@ -97,7 +99,94 @@ def check(D: int, G: int) -> tuple[float, float]:
     return qk_err, err
 
 
+def _store(M: np.ndarray, D: int) -> np.ndarray:
+    """A K or V tile in shared memory as load() stores it: 16-byte chunks swizzled by row."""
+    sm = np.zeros(M.shape[0] * D)
+    for row in range(M.shape[0]):
+        for chunk in range(D // 8):
+            dst = row * D + ((chunk ^ (row & 7)) * 8)
+            sm[dst:dst + 8] = M[row, chunk * 8:chunk * 8 + 8]
+    return sm
+
+
+def _ldmatrix(sm: np.ndarray, addr_of_lane, trans: bool = False) -> np.ndarray:
+    """ldmatrix.x4 (.trans): lanes 8i..8i+7 give matrix i's row addresses; regs (lane, matrix, pair)."""
+    regs = np.zeros((32, 4, 2))
+    for i in range(4):
+        mat = np.stack([sm[addr_of_lane(8 * i + r):addr_of_lane(8 * i + r) + 8] for r in range(8)])
+        for T in range(32):
+            regs[T, i] = mat[T // 4, 2 * (T % 4):2 * (T % 4) + 2] if not trans else \
+                [mat[2 * (T % 4), T // 4], mat[2 * (T % 4) + 1, T // 4]]
+    return regs
+
+
+def _mma_rows(dacc: np.ndarray, a: np.ndarray, b0: np.ndarray, b1: np.ndarray) -> np.ndarray:
+    """m16n8k16 with all 16 rows: a (32, 4, 2) per-lane pairs a[0..3], b0, b1 (32, 2); dacc (32, 4)."""
+    A = np.zeros((16, 16)); B = np.zeros((16, 8))
+    for T in range(32):
+        g, t = T >> 2, T & 3
+        A[g, 2 * t:2 * t + 2] = a[T, 0]; A[g + 8, 2 * t:2 * t + 2] = a[T, 1]
+        A[g, 2 * t + 8:2 * t + 10] = a[T, 2]; A[g + 8, 2 * t + 8:2 * t + 10] = a[T, 3]
+        B[2 * t:2 * t + 2, g] = b0[T]; B[2 * t + 8:2 * t + 10, g] = b1[T]
+    Dm = A @ B
+    out = dacc.copy()
+    for T in range(32):
+        g, t = T >> 2, T & 3
+        out[T, 0:2] += Dm[g, 2 * t:2 * t + 2]; out[T, 2:4] += Dm[g + 8, 2 * t:2 * t + 2]
+    return out
+
+
+def check_prefill(D: int) -> tuple[float, float]:
+    """One warp's stage in the prefill kernel: 16 query rows, KT = 4096 / D keys."""
+    rng = np.random.default_rng(1)
+    KT, KS, NT = 4096 // D, D // 16, D // 8
+    NJ = KT // 8
+    Q = rng.standard_normal((16, D)); K = rng.standard_normal((KT, D)); V = rng.standard_normal((KT, D))
+    kt, vt = _store(K, D), _store(V, D)
+    qa = np.zeros((32, KS, 4, 2))  # the kernel's qa[k][0..3]: rows g, g + 8; dims 16k + 2t (+8)
+    for T in range(32):
+        g, t = T >> 2, T & 3
+        for k in range(KS):
+            qa[T, k] = [Q[g, 16 * k + 2 * t:16 * k + 2 * t + 2], Q[g + 8, 16 * k + 2 * t:16 * k + 2 * t + 2],
+                        Q[g, 16 * k + 2 * t + 8:16 * k + 2 * t + 10], Q[g + 8, 16 * k + 2 * t + 8:16 * k + 2 * t + 10]]
+    s = np.zeros((NJ, 32, 4))
+    for j in range(NJ):
+        for p in range(KS // 2):
+            def addr(lane, j=j, p=p):
+                row, chunk = 8 * j + (lane & 7), 4 * p + (lane >> 3)
+                return row * D + ((chunk ^ (row & 7)) * 8)
+            kb = _ldmatrix(kt, addr)
+            s[j] = _mma_rows(s[j], qa[:, 2 * p], kb[:, 0], kb[:, 1])
+            s[j] = _mma_rows(s[j], qa[:, 2 * p + 1], kb[:, 2], kb[:, 3])
+    S_want = Q @ K.T
+    qk_err = max(abs(s[j][T, e] - S_want[(T >> 2) + 8 * (e >= 2), 8 * j + 2 * (T & 3) + e % 2])
+                 for j in range(NJ) for T in range(32) for e in range(4))
+    P = rng.random((16, KT))  # weights in S's accumulator layout, as the kernel leaves them in s
+    for j in range(NJ):
+        for T in range(32):
+            for e in range(4):
+                s[j][T, e] = P[(T >> 2) + 8 * (e >= 2), 8 * j + 2 * (T & 3) + e % 2]
+    acc = np.zeros((NT, 32, 4))
+    for kk in range(KT // 16):
+        pa = np.stack([s[2 * kk][:, 0:2], s[2 * kk][:, 2:4], s[2 * kk + 1][:, 0:2], s[2 * kk + 1][:, 2:4]], axis=1)
+        for n in range(0, NT, 2):
+            def addr(lane, n=n, kk=kk):
+                row, chunk = 16 * kk + ((lane >> 3) & 1) * 8 + (lane & 7), n + (lane >> 4)
+                return row * D + ((chunk ^ (row & 7)) * 8)
+            vb = _ldmatrix(vt, addr, trans=True)
+            acc[n] = _mma_rows(acc[n], pa, vb[:, 0], vb[:, 1])
+            acc[n + 1] = _mma_rows(acc[n + 1], pa, vb[:, 2], vb[:, 3])
+    O_want = P @ V
+    pv_err = max(abs(acc[n][T, e] - O_want[(T >> 2) + 8 * (e >= 2), 8 * n + 2 * (T & 3) + e % 2])
+                 for n in range(NT) for T in range(32) for e in range(4))
+    return qk_err, pv_err
+
+
 if __name__ == "__main__":
     for D, G in ((64, 8), (128, 4), (256, 8)):
         qk, pv = check(D, G)
-        print(f"head_dim {D}, group {G}: QK max err {qk:.1e}, PV max err {pv:.1e}", "PASS" if max(qk, pv) < 1e-9 else "FAIL")
+        print(f"decode head_dim {D}, group {G}: QK max err {qk:.1e}, PV max err {pv:.1e}",
+              "PASS" if max(qk, pv) < 1e-9 else "FAIL")
+    for D in (64, 128):
+        qk, pv = check_prefill(D)
+        print(f"prefill head_dim {D}: QK max err {qk:.1e}, PV max err {pv:.1e}", "PASS" if max(qk, pv) < 1e-9 else "FAIL")
