@@ -100,7 +100,6 @@ def main() -> None:
         k, g = times.get("kernel"), times["groups"]
         table.add_row(name, str(so.total_num_scheduled_tokens), f"{1e3 * k:.3f}" if k else "-",
                       f"{flops / k / 1e12:.0f}" if k else "-", f"{1e3 * g:.3f}", f"{g / k:.2f}x" if k else "-")
-        del k_pages, v_pages
     console.print(table)
 
 
