@@ -241,12 +241,13 @@ class _GroupBuilder:
         return segments
 
     def _plan_prefill(self, so: SchedulerOutput, table: np.ndarray, host: dict) -> None:
-        """The prefill kernel's tiles where it runs; else group the step's prefill segments: long
+        """The prefill kernel's tiles where it runs and takes the step's chunks (none longer than
+        PREFILL_KERNEL_MAX_QUERY); else group the step's prefill segments: long
         ones by padded shape (sdpa_padding), short ones all together padded to the longest; one
         attention call per group."""
         nd, bs, quantum = self.nd, self.bs, self.quantum
         segments = self._segments(so, table)
-        if self.prefill_heads is not None:
+        if self.prefill_heads is not None and max(seg.n for seg in segments) <= paged_kernels.PREFILL_KERNEL_MAX_QUERY:
             tiles, self.prefill_splits = prefill_tile_indices(segments, nd, self.window, *self.prefill_heads)
             host.update(tiles)
             return

@@ -126,13 +126,15 @@ class ModelRunner:
 
     def warm_up(self, config: EngineConfig, max_model_len: int) -> None:
         """Build the attention shapes a long prompt's chunks meet (warm_up_attention) where
-        config.warm_up_attention says so (default: where attention shapes are padded, CUDA). A
+        config.warm_up_attention says so (default: where attention shapes are padded, CUDA, unless
+        the prefill kernel takes the chunks beside decodes: it builds nothing per shape). A
         failure is logged: the shapes are then built when first met."""
         enabled = config.warm_up_attention
-        if enabled is None:  # where shapes are padded, and full-attention prefill rows call SDPA
-            full = [g for g, w in zip(self.prefill_heads, self.windows) if w is None]
-            enabled = self.sdpa_quantum > 1 and any(g is None for g in full)
         chunk = config.long_prefill_token_threshold
+        if enabled is None:  # where shapes are padded, and chunks beside decodes call SDPA
+            full = [g for g, w in zip(self.prefill_heads, self.windows) if w is None]
+            kernel = all(g is not None for g in full) and chunk and chunk <= paged_kernels.PREFILL_KERNEL_MAX_QUERY
+            enabled = self.sdpa_quantum > 1 and not kernel
         if not (enabled and chunk):
             return
         start, max_keys = time.perf_counter(), min(max_model_len, WARM_UP_MAX_KEYS)

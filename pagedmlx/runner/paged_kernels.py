@@ -261,6 +261,10 @@ PREFILL_MAX_GROUP = 8  # query heads per KV head: one warp each, at most 256 thr
 # each split at least PREFILL_MIN_SPLIT keys.
 PREFILL_TARGET_WARPS = 2112
 PREFILL_MIN_SPLIT = 1024
+# Steps whose prefill segments all have at most this many new tokens go through the kernel; larger
+# chunks through MLX's attention (cuDNN), which runs a single long chunk 1.5-2.7x faster (H200,
+# bench_prefill_attention.py, run 32) while the kernel wins at a few hundred queries a segment.
+PREFILL_KERNEL_MAX_QUERY = 512
 
 
 def prefill_sources() -> dict[str, tuple[str, str]]:

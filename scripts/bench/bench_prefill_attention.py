@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pagedmlx.runner.attention import paged_attention  # noqa: E402
 from pagedmlx.runner.attention_metadata import StepMetadata, sdpa_shape_quantum  # noqa: E402
+from pagedmlx.runner import paged_kernels  # noqa: E402
 from pagedmlx.runner.paged_kernels import gpu_backend  # noqa: E402
 from pagedmlx.scheduler_output import SchedulerOutput  # noqa: E402
 from scripts.bench.timing import timed_chain  # noqa: E402
@@ -33,6 +34,8 @@ CASES = {
     "mixed: 256 at 2k": [(2048, 256)],
     "1x32k: 8192 at 0": [(0, 8192)],
     "1x32k: 8192 at 24k": [(24576, 8192)],
+    "512 at 8k": [(8192, 512)],
+    "4 x 512 at 2k": [(2048, 512)] * 4,
     "8x8k: 8 x 1024 at 4k": [(4096, 1024)] * 8,
     "32x4k: 32 x 256 at 2k": [(2048, 256)] * 32,
     "32x4k: 30 x 256 + 2 x 32": [(1024, 256)] * 30 + [(3840, 32)] * 2,
@@ -75,6 +78,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
+    paged_kernels.PREFILL_KERNEL_MAX_QUERY = 1 << 30  # time the kernel on every shape, not only those it takes
     H, n_kv, D, bs, dt = args.heads, args.kv_heads, args.head_dim, args.block_size, getattr(mx, args.dtype)
     backend = gpu_backend()
     console = Console()
