@@ -194,3 +194,35 @@ needs_cuda = pytest.mark.skipif(paged_kernels.gpu_backend() != paged_kernels.CUD
 @pytest.mark.parametrize("window,sinks", [(None, False), (24, True), (None, True)])
 def test_the_kernel_on_the_gpu_matches_the_reference(h, n_kv, d, dtype, window, sinks):
     assert check_prefill(h, n_kv, d, dtype, 16, window, sinks) is None
+
+
+@pytest.mark.parametrize("arch,kinds", [("llama", [(None, False)]), ("gpt-oss-tiny", [(None, True), (8, True)])])
+def test_start_up_compiles_each_kernel_variant_the_layers_run(arch, kinds, monkeypatch):
+    """Each (head shape, window, sinks) the layers use, unsplit and split, through both kernels:
+    MLX compiles a variant when first run (2-3 s on the H200), which is then not a request's wait."""
+    from pagedmlx.runner.kernel_check import KernelPlan
+
+    calls = []
+    record = (lambda kind: lambda q, *a, window=None, sinks=None, **k: calls.append(
+        (kind, a[5] if kind == "decode" else a[6], window, sinks is not None)) or mx.zeros(q.shape))
+    monkeypatch.setattr(paged_kernels, "paged_decode", record("decode"))
+    monkeypatch.setattr(paged_kernels, "paged_prefill", record("prefill"))
+    monkeypatch.setattr(paged_kernels, "supports_layer", lambda *a: True)
+    monkeypatch.setattr(paged_kernels, "supports_prefill", lambda *a: True)
+    engine = LLMEngine(make_model(arch), None, EngineConfig(block_size=4, num_blocks=40), verify_model=False)
+    engine.runner.kernels = KernelPlan("cuda", decode=True, prefill=True)
+    assert engine.runner.compile_kernels() == 4 * len(kinds)
+    assert sorted(calls, key=str) == sorted([(kind, splits, w, s) for kind in ("decode", "prefill")
+                                             for splits in (1, 2) for w, s in kinds], key=str)
+
+
+def test_shapes_are_built_at_start_up_only_where_sdpa_takes_the_chunks_beside_decodes(monkeypatch):
+    model = make_model("llama")
+    built = []
+    monkeypatch.setattr(ModelRunner, "warm_up_attention", lambda self, chunk, max_keys: built.append(chunk) or 0)
+    monkeypatch.setattr(ModelRunner, "prefill_heads", property(lambda self: [(2, 2)]))
+    for chunk in (paged_kernels.PREFILL_KERNEL_MAX_QUERY, paged_kernels.PREFILL_KERNEL_MAX_QUERY + 1):
+        engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=40, sdpa_quantum=12,
+                                                     long_prefill_token_threshold=chunk), verify_model=False)
+        engine.warm_up()
+    assert built == [paged_kernels.PREFILL_KERNEL_MAX_QUERY + 1]  # the kernel takes capped chunks: nothing to build

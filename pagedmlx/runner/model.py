@@ -125,10 +125,19 @@ class ModelRunner:
         return self.group_bytes_per_block(self.kv_cache_config.kv_cache_groups[0])
 
     def warm_up(self, config: EngineConfig, max_model_len: int) -> None:
-        """Build the attention shapes a long prompt's chunks meet (warm_up_attention) where
+        """Compile the paged kernels the model's layers run (compile_kernels), then build the
+        attention shapes a long prompt's chunks meet (warm_up_attention) where
         config.warm_up_attention says so (default: where attention shapes are padded, CUDA, unless
         the prefill kernel takes the chunks beside decodes: it builds nothing per shape). A
-        failure is logged: the shapes are then built when first met."""
+        failure is logged: what it was to build is then built when first met."""
+        if self.kernels.paged or self.kernels.prefill:
+            start = time.perf_counter()
+            try:
+                n = self.compile_kernels()
+                logger.info("compiled %d paged kernel variants in %.1f s", n, time.perf_counter() - start)
+            except Exception:  # noqa: BLE001 - an optimisation: serving goes on
+                logger.warning("compiling the paged kernels failed; they will be compiled when first run",
+                               exc_info=True)
         enabled = config.warm_up_attention
         chunk = config.long_prefill_token_threshold
         if enabled is None:  # where shapes are padded, and chunks beside decodes call SDPA
@@ -146,6 +155,36 @@ class ModelRunner:
             return
         logger.info("built %d prefill attention shapes (prompts up to %d tokens, %d-token chunks) in %.1f s",
                     n, max_keys, chunk, time.perf_counter() - start)
+
+    def compile_kernels(self) -> int:
+        """Run once on page 0 each variant of the decode and prefill kernels that the layers use
+        (head shape, window, sinks; unsplit and split), so that MLX compiles them before the first
+        request (2-3 s each on the H200, run 34) rather than in its steps. Returns the variants run."""
+        kinds = {}
+        for i, p in enumerate(self.plan):
+            if p.has_pages or p.kind == "shared":
+                owner = p.source if p.kind == "shared" else i
+                kinds.setdefault((self.plan[owner].spec, p.n_heads, self.windows[self.group_of[owner]], p.sinks), owner)
+        runs = 0
+        for ((n_kv, dk, dv, dt), h, window, sinks), layer in kinds.items():
+            k_pages, v_pages = self.kv_pool.keys[layer], self.kv_pool.values[layer]
+            bs = k_pages.shape[2]
+            sink = mx.zeros((h,), mx.float32) if sinks else None
+            outs = []
+            for splits in (1, 2):
+                if self.kernels.decode and paged_kernels.supports_layer(dk, dv, h, n_kv, dt, self.kernels.backend):
+                    outs.append(paged_kernels.paged_decode(
+                        mx.zeros((1, h, dk), dt), k_pages, v_pages, mx.zeros((1, 2), mx.int32), mx.array([2 * bs]),
+                        1.0, splits, mx.array([bs], mx.int32), window=window, sinks=sink, backend=self.kernels.backend))
+                if self.kernels.prefill and paged_kernels.supports_prefill(dk, dv, h, n_kv, dt):
+                    tile = paged_kernels.PREFILL_TILE
+                    outs.append(paged_kernels.paged_prefill(
+                        mx.zeros((tile, h, dk), dt), k_pages, v_pages, mx.zeros((1, -(-tile // bs)), mx.int32),
+                        mx.array([[0, tile, 0, 0]], mx.int32), mx.array([[0, 0]], mx.int32), 1.0, splits,
+                        mx.array([tile // 2], mx.int32), window=window, sinks=sink))
+            mx.eval(outs)
+            runs += len(outs)
+        return runs
 
     def warm_up_attention(self, chunk: int, max_keys: int) -> int:
         """Run once each padded attention shape of a prompt of max_keys tokens prefilled `chunk`

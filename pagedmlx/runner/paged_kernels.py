@@ -262,9 +262,11 @@ PREFILL_MAX_GROUP = 8  # query heads per KV head: one warp each, at most 256 thr
 PREFILL_TARGET_WARPS = 2112
 PREFILL_MIN_SPLIT = 1024
 # Steps whose prefill segments all have at most this many new tokens go through the kernel; larger
-# chunks through MLX's attention (cuDNN), which runs a single long chunk 1.5-2.7x faster (H200,
-# bench_prefill_attention.py, run 32) while the kernel wins at a few hundred queries a segment.
-PREFILL_KERNEL_MAX_QUERY = 512
+# chunks through MLX's attention (cuDNN), which runs one 8,192-token chunk 2-3x faster and one of 512
+# tokens over 8k keys 1.4x faster, while the kernel is 1.2-1.4x faster at 256 tokens a segment and
+# 3.3x on a burst's step of 30 such segments (H200, bench_prefill_attention.py and
+# profile_prefill_steps.py, runs 32-34). CUDA's chunk cap beside decodes is 256.
+PREFILL_KERNEL_MAX_QUERY = 256
 
 
 def prefill_sources() -> dict[str, tuple[str, str]]:
