@@ -226,3 +226,13 @@ def test_shapes_are_built_at_start_up_only_where_sdpa_takes_the_chunks_beside_de
                                                      long_prefill_token_threshold=chunk), verify_model=False)
         engine.warm_up()
     assert built == [paged_kernels.PREFILL_KERNEL_MAX_QUERY + 1]  # the kernel takes capped chunks: nothing to build
+
+
+@pytest.mark.parametrize("head_dim", paged_kernels.PREFILL_HEAD_DIMS)
+def test_tensor_core_fragments_address_the_right_rows_and_keys(head_dim):
+    """The kernel's ldmatrix addresses, swizzle and mma.sync register layouts, emulated in numpy
+    (scripts/gpu/emulate_mma_fragments.py), give Q K^T and P V for all 16 rows of a warp."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "gpu"))
+    from emulate_mma_fragments import check_prefill as emulate_fragments
+
+    assert max(emulate_fragments(head_dim)) < 1e-9

@@ -11,94 +11,6 @@ layouts and compares with Q K^T and P V. Edit it with the kernel: it copies the 
 import numpy as np
 
 
-def check(D: int, G: int) -> tuple[float, float]:
-    rng = np.random.default_rng(0)
-    CH, KS, NT = D // 8, D // 16, D // 8
-    K = rng.standard_normal((16, D)); V = rng.standard_normal((16, D)); Q = rng.standard_normal((G, D))
-    # shared-memory tile, swizzled as the kernel's load() stores it
-    def store(M):
-        sm = np.zeros(16 * D)
-        for c_id in range(16 * CH):
-            row, chunk = c_id // CH, c_id % CH
-            dst = row * D + ((chunk ^ (row & 7)) * 8)
-            sm[dst:dst + 8] = M[row, chunk * 8:chunk * 8 + 8]
-        return sm
-    kt, vt = store(K), store(V)
-    def ldmatrix(sm, addr_of_lane, trans=False):
-        regs = np.zeros((32, 4, 2))
-        mats = [np.stack([sm[addr_of_lane(8 * i + r):addr_of_lane(8 * i + r) + 8] for r in range(8)]) for i in range(4)]
-        for T in range(32):
-            for i in range(4):
-                if not trans:
-                    regs[T, i] = mats[i][T // 4, 2 * (T % 4):2 * (T % 4) + 2]
-                else:
-                    regs[T, i] = [mats[i][2 * (T % 4), T // 4], mats[i][2 * (T % 4) + 1, T // 4]]
-        return regs
-    def mma(dacc, a0, a2, b0, b1):
-        """dacc (32,4); a0,a2,b0,b1 (32,2): per-lane pairs. Returns updated dacc."""
-        A = np.zeros((16, 16)); B = np.zeros((16, 8))
-        for T in range(32):
-            g, t = T >> 2, T & 3
-            A[g, 2 * t:2 * t + 2] = a0[T]; A[g, 2 * t + 8:2 * t + 10] = a2[T]
-            B[2 * t:2 * t + 2, g] = b0[T]; B[2 * t + 8:2 * t + 10, g] = b1[T]
-        Dm = A @ B
-        out = dacc.copy()
-        for T in range(32):
-            g, t = T >> 2, T & 3
-            out[T, 0:2] += Dm[g, 2 * t:2 * t + 2]; out[T, 2:4] += Dm[g + 8, 2 * t:2 * t + 2]
-        return out
-    # Q fragments
-    qa = np.zeros((32, KS, 2, 2))
-    for T in range(32):
-        g, t = T >> 2, T & 3
-        for k in range(KS):
-            if g < G:
-                qa[T, k, 0] = Q[g, 16 * k + 2 * t:16 * k + 2 * t + 2]
-                qa[T, k, 1] = Q[g, 16 * k + 2 * t + 8:16 * k + 2 * t + 10]
-    s = np.zeros((2, 32, 4))
-    for j in range(2):
-        for p in range(KS // 2):
-            def addr(l, j=j, p=p):
-                row = 8 * j + (l & 7); chunk = 4 * p + (l >> 3)
-                return row * D + ((chunk ^ (row & 7)) * 8)
-            kb = ldmatrix(kt, addr)
-            s[j] = mma(s[j], qa[:, 2 * p, 0], qa[:, 2 * p, 1], kb[:, 0], kb[:, 1])
-            s[j] = mma(s[j], qa[:, 2 * p + 1, 0], qa[:, 2 * p + 1, 1], kb[:, 2], kb[:, 3])
-    S_want = Q @ K.T  # (G, 16)
-    err = 0
-    for T in range(32):
-        g, t = T >> 2, T & 3
-        if g < G:
-            for j in range(2):
-                for e in range(2):
-                    err = max(err, abs(s[j][T, e] - S_want[g, 8 * j + 2 * t + e]))
-    qk_err = err
-    # PV with P = some weights in S's accumulator layout
-    P = rng.random((G, 16))
-    pa0 = np.zeros((32, 2)); pa2 = np.zeros((32, 2))
-    for T in range(32):
-        g, t = T >> 2, T & 3
-        if g < G:
-            pa0[T] = P[g, 2 * t:2 * t + 2]; pa2[T] = P[g, 8 + 2 * t:8 + 2 * t + 2]
-    acc = np.zeros((NT, 32, 4))
-    for n in range(0, NT, 2):
-        def addr(l, n=n):
-            row = ((l >> 3) & 1) * 8 + (l & 7); chunk = n + (l >> 4)
-            return row * D + ((chunk ^ (row & 7)) * 8)
-        vb = ldmatrix(vt, addr, trans=True)
-        acc[n] = mma(acc[n], pa0, pa2, vb[:, 0], vb[:, 1])
-        acc[n + 1] = mma(acc[n + 1], pa0, pa2, vb[:, 2], vb[:, 3])
-    O_want = P @ V
-    err = 0
-    for T in range(32):
-        g, t = T >> 2, T & 3
-        if g < G:
-            for n in range(NT):
-                for e in range(2):
-                    err = max(err, abs(acc[n][T, e] - O_want[g, 8 * n + 2 * t + e]))
-    return qk_err, err
-
-
 def _store(M: np.ndarray, D: int) -> np.ndarray:
     """A K or V tile in shared memory as load() stores it: 16-byte chunks swizzled by row."""
     sm = np.zeros(M.shape[0] * D)
@@ -134,6 +46,68 @@ def _mma_rows(dacc: np.ndarray, a: np.ndarray, b0: np.ndarray, b1: np.ndarray) -
         g, t = T >> 2, T & 3
         out[T, 0:2] += Dm[g, 2 * t:2 * t + 2]; out[T, 2:4] += Dm[g + 8, 2 * t:2 * t + 2]
     return out
+
+
+def check(D: int, G: int) -> tuple[float, float]:
+    """One 16-token tile of the decode kernel: G query rows (the rest zero), A's rows 8..15 zero."""
+    rng = np.random.default_rng(0)
+    KS, NT = D // 16, D // 8
+    K = rng.standard_normal((16, D)); V = rng.standard_normal((16, D)); Q = rng.standard_normal((G, D))
+    kt, vt = _store(K, D), _store(V, D)
+    zero = np.zeros((32, 2))
+
+    def mma(dacc, a0, a2, b0, b1):  # the decode kernel passes zeros for rows 8..15 (a1, a3)
+        return _mma_rows(dacc, np.stack([a0, zero, a2, zero], axis=1), b0, b1)
+    # Q fragments
+    qa = np.zeros((32, KS, 2, 2))
+    for T in range(32):
+        g, t = T >> 2, T & 3
+        for k in range(KS):
+            if g < G:
+                qa[T, k, 0] = Q[g, 16 * k + 2 * t:16 * k + 2 * t + 2]
+                qa[T, k, 1] = Q[g, 16 * k + 2 * t + 8:16 * k + 2 * t + 10]
+    s = np.zeros((2, 32, 4))
+    for j in range(2):
+        for p in range(KS // 2):
+            def addr(l, j=j, p=p):
+                row = 8 * j + (l & 7); chunk = 4 * p + (l >> 3)
+                return row * D + ((chunk ^ (row & 7)) * 8)
+            kb = _ldmatrix(kt, addr)
+            s[j] = mma(s[j], qa[:, 2 * p, 0], qa[:, 2 * p, 1], kb[:, 0], kb[:, 1])
+            s[j] = mma(s[j], qa[:, 2 * p + 1, 0], qa[:, 2 * p + 1, 1], kb[:, 2], kb[:, 3])
+    S_want = Q @ K.T  # (G, 16)
+    err = 0
+    for T in range(32):
+        g, t = T >> 2, T & 3
+        if g < G:
+            for j in range(2):
+                for e in range(2):
+                    err = max(err, abs(s[j][T, e] - S_want[g, 8 * j + 2 * t + e]))
+    qk_err = err
+    # PV with P = some weights in S's accumulator layout
+    P = rng.random((G, 16))
+    pa0 = np.zeros((32, 2)); pa2 = np.zeros((32, 2))
+    for T in range(32):
+        g, t = T >> 2, T & 3
+        if g < G:
+            pa0[T] = P[g, 2 * t:2 * t + 2]; pa2[T] = P[g, 8 + 2 * t:8 + 2 * t + 2]
+    acc = np.zeros((NT, 32, 4))
+    for n in range(0, NT, 2):
+        def addr(l, n=n):
+            row = ((l >> 3) & 1) * 8 + (l & 7); chunk = n + (l >> 4)
+            return row * D + ((chunk ^ (row & 7)) * 8)
+        vb = _ldmatrix(vt, addr, trans=True)
+        acc[n] = mma(acc[n], pa0, pa2, vb[:, 0], vb[:, 1])
+        acc[n + 1] = mma(acc[n + 1], pa0, pa2, vb[:, 2], vb[:, 3])
+    O_want = P @ V
+    err = 0
+    for T in range(32):
+        g, t = T >> 2, T & 3
+        if g < G:
+            for n in range(NT):
+                for e in range(2):
+                    err = max(err, abs(acc[n][T, e] - O_want[g, 8 * n + 2 * t + e]))
+    return qk_err, err
 
 
 def check_prefill(D: int) -> tuple[float, float]:
