@@ -242,9 +242,9 @@ class _GroupBuilder:
 
     def _plan_prefill(self, so: SchedulerOutput, table: np.ndarray, host: dict) -> None:
         """The prefill kernel's tiles where it runs and takes the step's chunks (none longer than
-        PREFILL_KERNEL_MAX_QUERY); else group the step's prefill segments: long
-        ones by padded shape (sdpa_padding), short ones all together padded to the longest; one
-        attention call per group."""
+        PREFILL_KERNEL_MAX_QUERY); else group the step's prefill segments: long ones by padded
+        shape (sdpa_padding), short ones all together padded to the longest; one attention call
+        per group."""
         nd, bs, quantum = self.nd, self.bs, self.quantum
         segments = self._segments(so, table)
         if self.prefill_heads is not None and max(seg.n for seg in segments) <= paged_kernels.PREFILL_KERNEL_MAX_QUERY:
