@@ -26,7 +26,7 @@ from pagedmlx.config import EngineConfig
 from pagedmlx.engine import LLMEngine
 from pagedmlx.runner import attention, paged_kernels
 from pagedmlx.runner.attention_metadata import Segment, prefill_tile_indices
-from pagedmlx.runner.kernel_check import check_prefill, prefill_reference
+from pagedmlx.runner.kernel_check import check_prefill, prefill_reference, random_segments
 from pagedmlx.runner.model import ModelRunner
 from pagedmlx.sampling_params import SamplingParams
 
@@ -76,17 +76,6 @@ def emulate(q, k_pages, v_pages, table, segs, tiles, scale, splits, split_tokens
     return (acc * c[..., None]).sum(0) / L[..., None]
 
 
-def random_segments(rng, shapes, bs, window, num_blocks):
-    perm, segments, row = rng.permutation(num_blocks).astype(np.int32), [], 0
-    nb = max(-(-(p + n) // bs) for p, n in shapes)
-    for i, (prefix, n) in enumerate(shapes):
-        first_block = (0 if not window else max(0, prefix - window + 1)) // bs
-        pages = perm[i * nb:(i + 1) * nb][first_block:-(-(prefix + n) // bs)]
-        segments.append(Segment(row, n, prefix, first_block * bs, prefix + n - first_block * bs, pages))
-        row += n
-    return segments, row
-
-
 @settings(max_examples=40, deadline=None)
 @given(shapes=st.lists(st.tuples(st.integers(0, 70), st.integers(1, 60)), min_size=1, max_size=5),
        window=st.sampled_from([None, 5, 16, 33]), group=st.sampled_from([1, 3]), forced=st.sampled_from([None, 2, 5]),
@@ -98,9 +87,7 @@ def test_tiles_cover_each_query_once_and_give_the_reference(shapes, window, grou
     rng = np.random.default_rng(seed)
     bs, n_kv, D = 4, 2, 8
     H = n_kv * group
-    nb = max(-(-(p + n) // bs) for p, n in shapes)
-    num_blocks = len(shapes) * nb + 1
-    segments, Tp = random_segments(rng, shapes, bs, window, num_blocks)
+    segments, Tp, num_blocks = random_segments(rng, shapes, bs, window)
     k = rng.standard_normal((num_blocks, n_kv, bs, D)).astype(np.float32)
     v = rng.standard_normal((num_blocks, n_kv, bs, D)).astype(np.float32)
     q = rng.standard_normal((Tp, H, D)).astype(np.float32)

@@ -121,19 +121,16 @@ ACCUMULATE = """
                 mma16816_rows(s[j], qa[2 * p + 1], kb[2], kb[3], T{});
             }
         }
-        // Mask and scale; each row's max over this stage, across the quad that holds the row. A stage
-        // that every token of the tile sees whole (before the causal diagonal, no window) skips the
-        // mask (a missing token's row then holds scores of zeros, and is never written).
-        const bool whole = WINDOW == 0 && base + KT <= end && base + KT <= first_pos + tok0 + 1;
+        // Mask and scale; each row's max over this stage, across the quad that holds the row.
         float mx_a = NEG_INF, mx_b = NEG_INF;
         #pragma unroll
         for (int j = 0; j < NJ; ++j) {
             #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int key = base + 8 * j + 2 * t + e;
-                const bool in = whole || key < end;
-                const bool see_a = whole || (in && key <= pos_a && (WINDOW == 0 || key > pos_a - WINDOW));
-                const bool see_b = whole || (in && key <= pos_b && (WINDOW == 0 || key > pos_b - WINDOW));
+                const bool in = key < end;
+                const bool see_a = in && key <= pos_a && (WINDOW == 0 || key > pos_a - WINDOW);
+                const bool see_b = in && key <= pos_b && (WINDOW == 0 || key > pos_b - WINDOW);
                 s[j][e] = see_a ? s[j][e] * sc : NEG_INF;
                 s[j][e + 2] = see_b ? s[j][e + 2] * sc : NEG_INF;
                 mx_a = fmaxf(mx_a, s[j][e]);

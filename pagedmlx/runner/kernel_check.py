@@ -260,23 +260,31 @@ def prefill_reference(q: np.ndarray, k_pages: np.ndarray, v_pages: np.ndarray, s
     return out
 
 
+def random_segments(rng, shapes: list[tuple[int, int]], bs: int,
+                    window: Optional[int] = None) -> tuple[list[Segment], int, int]:
+    """Prefill segments of (prefix, new tokens), one after another in the rows, each on pages of its
+    own in random order, from the page of its first key (under a window) on. Returns (segments,
+    rows, pages in the pool)."""
+    nb = max(-(-(p + n) // bs) for p, n in shapes)
+    num_blocks = len(shapes) * nb + 2
+    perm = rng.permutation(num_blocks).astype(np.int32)
+    segments, row = [], 0
+    for i, (prefix, n) in enumerate(shapes):
+        first_block = (0 if not window else max(0, prefix - window + 1)) // bs
+        pages = perm[i * nb:(i + 1) * nb][first_block:-(-(prefix + n) // bs)]
+        segments.append(Segment(row, n, prefix, first_block * bs, prefix + n - first_block * bs, pages))
+        row += n
+    return segments, row, num_blocks
+
+
 def check_prefill(h: int, n_kv: int, d: int, dtype: mx.Dtype, bs: int, window: Optional[int] = None,
                   sinks: bool = False, seed: int = 0) -> Optional[str]:
     """Prefill segments of 1 to 70 new tokens after prefixes of 0 to 9 blocks and a few (tile,
     page and split boundaries inside them), unsplit and split, against prefill_reference."""
     rng = np.random.default_rng(seed)
     shapes = [(0, 1), (0, 17), (bs - 1, 5), (3 * bs + 2, 40), (9 * bs + 5, 70), (bs, 16)]  # (prefix, new tokens)
-    nb = max(-(-(p + n) // bs) for p, n in shapes)
-    num_blocks = len(shapes) * nb + 2
+    segments, row, num_blocks = random_segments(rng, shapes, bs, window)
     k_pages, v_pages = _random_pages(rng, num_blocks, n_kv, bs, d, dtype)
-    perm = rng.permutation(num_blocks).astype(np.int32)
-    segments, row = [], 0
-    for i, (prefix, n) in enumerate(shapes):
-        first_key = 0 if not window else max(0, prefix - window + 1)
-        first_block = first_key // bs
-        pages = perm[i * nb:(i + 1) * nb][first_block:-(-(prefix + n) // bs)]
-        segments.append(Segment(row, n, prefix, first_block * bs, prefix + n - first_block * bs, pages))
-        row += n
     q = rng.standard_normal((row, h, d)).astype(np.float32)
     sink = rng.standard_normal(h).astype(np.float32) * 2 if sinks else None
     scale = d ** -0.5
