@@ -1,32 +1,36 @@
-"""AsyncEngine: an LLMEngine stepping in one dedicated thread, with one asyncio stream per request.
+"""AsyncEngine: the front end of an engine core (vLLM's AsyncLLM), with one asyncio stream per request.
 
-Callers (the server's handlers) live on an event loop; the engine lives in its own thread and
-is the only code that touches the LLMEngine. They meet in two places:
+The core steps elsewhere: in a thread of this process (an LLMEngine or EngineCore given here) or in
+a process of its own (a core/client.py CoreProcess, what `pagedmlx serve` runs). Either way it only
+sees token ids; this side tokenizes, turns token ids into text (the OutputProcessor), keeps request
+metrics, and feeds each request's asyncio.Queue. The core's messages arrive on a thread of the
+client's and are handed to the event loop once a step, so the step loop never waits on a client.
 
-- the inbox, a list under a condition variable: adds, aborts and calls go in from any thread
-  and are applied between steps; the engine thread sleeps on the condition when idle;
-- each request's asyncio.Queue, fed once per step per event loop with `call_soon_threadsafe`,
-  so the step loop never waits on a slow client.
-
-A request whose consumer goes away (disconnect, cancellation, garbage collection) is aborted,
-and its pages are freed before the next step. Every accepted request ends with a finish_reason,
-or with an exception when the engine thread itself dies or shuts down.
+A request whose consumer goes away (disconnect, cancellation, garbage collection) is aborted, and
+its pages are freed before the next step. Every accepted request ends with a finish_reason, or with
+an exception when the core itself dies or shuts down.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
 from pagedmlx.async_stream import (EngineDeadError, EngineShutdownError, RequestStream, TooManyRequestsError,
-                                   deliver, resolve)
-from pagedmlx.engine import LLMEngine, PromptType
-from pagedmlx.outputs import EngineOutput, RequestOutput, RequestOutputBuilder
+                                   resolve)
+from pagedmlx.core.client import CoreProcess, CoreThread
+from pagedmlx.core.engine_core import EngineCore
+from pagedmlx.core.info import CoreInfo
+from pagedmlx.core.messages import AddRequest
+from pagedmlx.engine import LLMEngine, PromptType, encode_prompt
+from pagedmlx.output_processor import OutputProcessor
+from pagedmlx.outputs import EngineCoreOutput, EngineOutput, RequestOutput, RequestOutputBuilder
 from pagedmlx.request import fan_out
 from pagedmlx.sampling_params import SamplingParams
 
@@ -35,41 +39,75 @@ logger = logging.getLogger("pagedmlx")
 
 @dataclass
 class RequestTiming:
-    """Engine-thread timestamps of one request (time.monotonic), for latency metrics."""
+    """Front-end timestamps of one request (time.monotonic), for latency metrics."""
 
     arrival: float
     first_token: Optional[float] = None
     last_token: Optional[float] = None
 
 
-# A listener sees every output in the engine thread: (output, its request's timing before this
-# output, now). It must be quick and thread-safe (prometheus_client's metrics are).
+# A listener sees every output on the event loop: (output, its request's timing before this output, now).
 OutputListener = Callable[[EngineOutput, RequestTiming, float], None]
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: Optional[int] = None, start: bool = True):
-        self.engine = engine
+    def __init__(self, engine: Union[LLMEngine, EngineCore, CoreProcess], max_waiting: Optional[int] = None,
+                 start: bool = True):
+        """engine: an LLMEngine or EngineCore, stepped by a thread of this process, or a CoreProcess.
+        `start=False` leaves the core idle until start()."""
+        core = engine.core if isinstance(engine, LLMEngine) else engine
+        self.client = core if isinstance(core, CoreProcess) else CoreThread(core)
+        self.engine: Optional[EngineCore] = None if isinstance(core, CoreProcess) else core  # in this process only
         self.max_waiting = max_waiting
-        self._cond = threading.Condition()
-        self._inbox: list[tuple] = []
-        self._num_pending_adds = 0  # child requests in the inbox, not yet in the scheduler
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.processor = OutputProcessor(self.tokenizer)
+        self._loop: Optional[asyncio.AbstractEventLoop] = None  # where streams live and outputs are processed
+        self._lock = threading.Lock()  # the flags below, the pending calls
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._adds: dict[str, tuple[asyncio.Future, list[str]]] = {}  # request id -> (accepted, child ids)
+        self._calls: dict[int, tuple] = {}  # call id -> (loop, future, fn, args, kwargs)
+        self._call_ids = itertools.count()
         self._timings: dict[str, RequestTiming] = {}
         self._listeners: list[OutputListener] = []
+        self._num_pending_adds = 0  # child requests sent, not yet accepted
+        self._core_waiting = 0  # requests waiting in the core, as it last said
         self._stop_requested = False
-        self._deadline = 0.0
-        self._closed = False  # the engine thread has exited (normally or not)
+        self._closed = False  # the core said its last word (stopped or dead)
         self.dead: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, name="pagedmlx-engine", daemon=True)
         if start:
-            self._thread.start()
+            self.start()
 
-    # ---- caller side (any event loop) ---------------------------------------------------------
+    def start(self) -> None:
+        self.client.start(self._receive)
+
+    # ---- what the core is --------------------------------------------------------------------------
+
+    @property
+    def info(self) -> CoreInfo:
+        return self.client.info
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.info.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
+
+    @property
+    def generation_defaults(self) -> dict[str, Any]:
+        return self.info.generation_defaults
+
+    def get_default_sampling_params(self, **overrides: Any) -> SamplingParams:
+        """SamplingParams from the model's defaults; `overrides` (a request's own values) win."""
+        return SamplingParams(**{**self.generation_defaults, **overrides})
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and self.dead is None and not self._stop_requested
+        return self.client.is_alive() and self.dead is None and not self._stop_requested
 
     @property
     def stopping(self) -> bool:
@@ -80,12 +118,14 @@ class AsyncEngine:
         self._listeners.append(listener)
 
     def num_waiting(self) -> int:
-        """Requests accepted but not yet running: in the inbox or the scheduler's waiting queue."""
-        return self._num_pending_adds + len(self.engine.scheduler.waiting)
+        """Requests accepted but not yet running: on their way to the core or in its waiting queue."""
+        return self._num_pending_adds + self._core_waiting
+
+    # ---- requests ----------------------------------------------------------------------------------
 
     async def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
                           priority: int = 0, cache_salt: Optional[str] = None) -> RequestStream:
-        """Add one prompt (n > 1 fans out into children `{id}-{i}`). Returns once the engine has
+        """Add one prompt (n > 1 fans out into children `{id}-{i}`). Returns once the core has
         accepted it; a bad request raises here (ValueError), as does a full queue
         (TooManyRequestsError) or a dead / stopping engine."""
         return await self.add_requests(request_id, [prompt], params, priority, cache_salt)
@@ -95,32 +135,37 @@ class AsyncEngine:
                            cache_salt: Optional[str] = None) -> RequestStream:
         """Several prompts as one request: child k = prompt k // n, sample k % n, id `{id}-{k}`
         (just `{id}` for a single prompt with n == 1). All are accepted or none."""
-        params = params or self.engine.get_default_sampling_params()
+        params = params or self.get_default_sampling_params()
         if not prompts:
             raise ValueError("prompt must not be empty")
-        children = fan_out(request_id, prompts, params)
+        loop = self._bind_loop()
+        self._check_accepting()
+        if self.max_waiting is not None and self.num_waiting() >= self.max_waiting:
+            raise TooManyRequestsError(
+                f"too many requests waiting ({self.num_waiting()} >= max_waiting {self.max_waiting})")
+        if request_id in self._adds:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        children = [(rid, encode_prompt(self.tokenizer, p), cp) for rid, p, cp in fan_out(request_id, prompts, params)]
         ids = [c[0] for c in children]
-        loop = asyncio.get_running_loop()
-        accepted = loop.create_future()
+        try:
+            for rid, prompt, child_params in children:
+                self.processor.add_request(rid, prompt, child_params)
+        except BaseException:
+            self.processor.forget(ids[:-1] if ids[-1] not in self.processor.requests else ids)
+            raise
+        stream = RequestStream(ids, self._abort_nowait)
         arrival = time.monotonic()
-        with self._cond:
-            self._check_accepting()
-            if self.max_waiting is not None and self.num_waiting() >= self.max_waiting:
-                raise TooManyRequestsError(
-                    f"too many requests waiting ({self.num_waiting()} >= max_waiting {self.max_waiting})")
-            taken = [rid for rid in ids if rid in self._streams]
-            if taken:
-                raise ValueError(f"request id {taken[0]!r} is already in use")
-            stream = RequestStream(ids, self._abort_nowait)
-            for rid in ids:
-                self._streams[rid] = (loop, stream._queue)
-            self._inbox.append(("add", children, priority, cache_salt, arrival, loop, accepted))
-            self._num_pending_adds += len(children)
-            self._cond.notify()
+        for rid in ids:
+            self._streams[rid] = stream._queue
+            self._timings[rid] = RequestTiming(arrival)
+        accepted = loop.create_future()
+        self._adds[request_id] = (accepted, ids)
+        self._num_pending_adds += len(ids)
+        self.client.send(("add", AddRequest(request_id, children, priority, cache_salt, arrival)))
         try:
             await accepted
         except asyncio.CancelledError:
-            stream.close()  # queued after the add: the engine applies both in order
+            stream.close()  # sent after the add: the core applies both in order
             raise
         except BaseException:
             stream._finalizer.detach()
@@ -134,41 +179,51 @@ class AsyncEngine:
         (cumulative: `outputs[i]` is sample i so far), the last one with finished=True. Stopping
         the iteration (break, cancellation, a closed generator) aborts the request."""
         request_id = request_id or uuid.uuid4().hex
-        params = sampling_params or self.engine.get_default_sampling_params()
+        params = sampling_params or self.get_default_sampling_params()
         stream = await self.add_request(request_id, prompt, params, priority, cache_salt)
         index = {rid: i for i, rid in enumerate(stream.request_ids)}
         builder = RequestOutputBuilder(request_id, prompt if isinstance(prompt, str) else None, len(index),
-                                       self.engine.tokenizer)
+                                       self.tokenizer)
         try:
             async for out in stream:
                 yield builder.add(index[out.request_id], out)
         finally:
             stream.close()
 
-    def abort(self, request_ids: str | Sequence[str]) -> None:
+    def abort(self, request_ids: Union[str, Sequence[str]]) -> None:
         """Abort requests by engine id (a fanned-out request's are its stream's request_ids); thread-safe."""
         self._abort_nowait((request_ids,) if isinstance(request_ids, str) else tuple(request_ids))
 
     def _abort_nowait(self, request_ids: tuple[str, ...]) -> None:
-        with self._cond:
-            if not self._closed:
-                self._inbox.append(("abort", request_ids))
-                self._cond.notify()
+        if not self._closed:
+            self.client.send(("abort", list(request_ids)))
 
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run fn(engine) in the engine thread between steps (state snapshots, metrics)."""
+    async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """fn(core, *args, **kwargs) run by the core between steps (state snapshots, metrics). For a
+        core in its own process, fn and its arguments must pickle (a module-level function does)."""
         loop = asyncio.get_running_loop()
-        done = loop.create_future()
-        with self._cond:
+        future = loop.create_future()
+        with self._lock:
             if self.dead is not None:
                 raise EngineDeadError(f"the engine died: {self.dead!r}")
             direct = self._closed
             if not direct:
-                self._inbox.append(("call", fn, loop, done))
-                self._cond.notify()
-        if direct:  # no engine thread left: nothing else touches the engine
-            return fn(self.engine)
-        return await done
+                call_id = next(self._call_ids)
+                self._calls[call_id] = (loop, future, fn, args, kwargs)
+                self.client.send(("call", call_id, fn, args, kwargs))
+        if direct:
+            if self.engine is None:
+                raise EngineShutdownError("the engine was shut down")
+            return fn(self.engine, *args, **kwargs)  # no core thread left: nothing else touches the core
+        return await future
+
+    def _bind_loop(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            if self._loop is not None and not self._loop.is_closed() and self._streams:
+                raise RuntimeError("an AsyncEngine serves one event loop at a time")
+            self._loop = loop
+        return loop
 
     def _check_accepting(self) -> None:
         if self.dead is not None:
@@ -176,144 +231,128 @@ class AsyncEngine:
         if self._stop_requested or self._closed:
             raise EngineShutdownError("the engine is shutting down")
 
+    # ---- shutdown ----------------------------------------------------------------------------------
+
     def begin_shutdown(self, timeout: float = 30.0) -> None:
         """Stop taking requests, let the in-flight ones finish for up to `timeout` seconds, then abort
-        the rest (their streams end with finish_reason "abort") and stop the engine thread. Returns
-        at once; the first call sets the deadline."""
-        with self._cond:
-            if not self._stop_requested:
-                self._stop_requested = True
-                self._deadline = time.monotonic() + timeout
-            self._cond.notify()
+        the rest (their streams end with finish_reason "abort") and stop the core. Returns at once;
+        the first call sets the deadline."""
+        with self._lock:
+            first = not self._stop_requested
+            self._stop_requested = True
+            if first and not self._closed:
+                self.client.send(("drain", float(timeout)))
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """begin_shutdown, then wait for the engine thread to stop. Blocking; see shutdown_async."""
+        """begin_shutdown, then wait for the core to stop. Blocking; see shutdown_async."""
         self.begin_shutdown(timeout)
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join()
+        self.client.join(timeout + 30.0)
 
     async def shutdown_async(self, timeout: float = 30.0) -> None:
         await asyncio.to_thread(self.shutdown, timeout)
 
-    # ---- engine thread ------------------------------------------------------------------------
+    # ---- the core's messages (on the client's thread, then on the event loop) ------------------------
 
-    def _run(self) -> None:
-        try:
-            self.engine.warm_up()  # in this thread, which steps: before the first request
-            self._loop()
-        except BaseException as exc:  # noqa: BLE001 - whatever killed the loop, consumers must hear of it
-            logger.exception("the engine thread died")
-            self.dead = exc
-        finally:
-            self._close()
-
-    def _loop(self) -> None:
-        engine = self.engine
-        while True:
-            with self._cond:
-                while not (self._inbox or self._stop_requested or engine.has_unfinished_requests()):
-                    self._cond.wait()
-                inbox, self._inbox = self._inbox, []
-                stopping, deadline = self._stop_requested, self._deadline
-            self._apply(inbox)
-            if stopping and (not engine.has_unfinished_requests() or time.monotonic() >= deadline):
-                ids = list(engine.scheduler.requests)
-                if ids:
-                    logger.warning("shutdown: the drain deadline passed; aborting %d unfinished requests "
-                                   "(they end with finish_reason \"abort\")", len(ids))
-                self._publish(engine.abort_request(ids))
-                return
-            if not engine.has_unfinished_requests():
-                continue
-            num_steps = engine.stats.num_steps
-            outputs = engine.step()
-            self._publish(outputs)
-            if not outputs and engine.stats.num_steps == num_steps and not engine.has_step_in_flight:
-                with self._cond:  # nothing could be scheduled: wait for a change instead of spinning
-                    if not self._inbox:
-                        self._cond.wait(0.005)
-
-    def _apply(self, inbox: list[tuple]) -> None:
-        for item in inbox:
-            kind = item[0]
-            if kind == "add":
-                self._apply_add(*item[1:])
-            elif kind == "abort":
-                self._publish(self.engine.abort_request(item[1]))
-            elif kind == "call":
-                _, fn, loop, done = item
-                try:
-                    resolve(loop, done, fn(self.engine), None)
-                except Exception as exc:  # noqa: BLE001 - handed back to the caller
-                    resolve(loop, done, None, exc)
-
-    def _apply_add(self, children, priority, cache_salt, arrival, loop, accepted) -> None:
-        added: list[str] = []
-        try:
-            for rid, prompt, params in children:
-                self.engine.add_request(rid, prompt, params, priority=priority, cache_salt=cache_salt)
-                added.append(rid)
-                self._timings[rid] = RequestTiming(arrival)
-        except Exception as exc:  # noqa: BLE001 - a bad request: hand the error to its caller
-            self.engine.abort_request(added)
-            with self._cond:
-                for rid, _, _ in children:
-                    self._streams.pop(rid, None)
-                    self._timings.pop(rid, None)
-            resolve(loop, accepted, None, exc)
-        else:
-            resolve(loop, accepted, None, None)
-        finally:
-            with self._cond:
-                self._num_pending_adds -= len(children)
-
-    def _publish(self, outputs: list[EngineOutput]) -> None:
-        """Hand a step's outputs to their streams: one wake-up per event loop per step."""
-        if not outputs:
+    def _receive(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "result":
+            with self._lock:
+                entry = self._calls.pop(message[1], None)
+            if entry is not None:
+                resolve(entry[0], entry[1], message[2], message[3])
             return
-        now = time.monotonic()
-        for out in outputs:  # timings are the engine thread's own: no lock
-            timing = self._timings.pop(out.request_id, None) if out.finished else self._timings.get(out.request_id)
-            if timing is None:
-                continue
-            for listener in self._listeners:
-                try:
-                    listener(out, timing, now)
-                except Exception:  # noqa: BLE001 - metrics never break serving
-                    logger.exception("output listener failed")
-            if out.new_token_ids:
-                timing.first_token = timing.first_token or now
-                timing.last_token = now
-        batches: dict[asyncio.AbstractEventLoop, list] = {}
-        with self._cond:
-            for out in outputs:
-                rid = out.request_id
-                entry = self._streams.pop(rid, None) if out.finished else self._streams.get(rid)
-                if entry is not None:
-                    batches.setdefault(entry[0], []).append((entry[1], out))
-        for loop, items in batches.items():
-            deliver(loop, items)
+        if kind in ("stopped", "dead"):
+            self._close(message[1] if kind == "dead" else None)
+        loop = self._loop
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(self._on_message, message)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
 
-    def _close(self) -> None:
-        """The thread is ending: fail everything still waiting on it."""
-        error = (EngineDeadError(f"the engine died: {self.dead!r}") if self.dead is not None
-                 else EngineShutdownError("the engine was shut down"))
-        with self._cond:
+    def _on_message(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "outputs":
+            self._core_waiting = message[2]
+            self._on_outputs(message[1])
+        elif kind == "added":
+            self._on_added(*message[1:])
+        elif kind in ("stopped", "dead"):
+            self._fail_all()
+
+    def _on_added(self, request_id: str, error: Optional[BaseException], num_waiting: int) -> None:
+        entry = self._adds.pop(request_id, None)
+        if entry is None:  # failed meanwhile (the core's last word)
+            return
+        future, ids = entry
+        self._num_pending_adds -= len(ids)
+        self._core_waiting = num_waiting
+        if error is not None:
+            self._forget(ids)
+            if not future.done():
+                future.set_exception(error)
+        elif not future.done():
+            future.set_result(None)
+
+    def _on_outputs(self, core_outputs: list[EngineCoreOutput]) -> None:
+        outputs, to_abort = self.processor.process(core_outputs)
+        if to_abort:
+            self._abort_nowait(tuple(to_abort))  # ended here (a stop string): the core still runs them
+        now = time.monotonic()
+        for out in outputs:
+            rid = out.request_id
+            timing = self._timings.pop(rid, None) if out.finished else self._timings.get(rid)
+            if timing is not None:
+                for listener in self._listeners:
+                    try:
+                        listener(out, timing, now)
+                    except Exception:  # noqa: BLE001 - metrics never break serving
+                        logger.exception("output listener failed")
+                if out.new_token_ids:
+                    timing.first_token = timing.first_token or now
+                    timing.last_token = now
+            queue = self._streams.pop(rid, None) if out.finished else self._streams.get(rid)
+            if queue is not None:
+                queue.put_nowait(out)
+
+    def _forget(self, ids: list[str]) -> None:
+        self.processor.forget(ids)
+        for rid in ids:
+            self._streams.pop(rid, None)
+            self._timings.pop(rid, None)
+
+    def _close(self, dead: Optional[BaseException]) -> None:
+        """The core's last word (on the client's thread): settle the calls still waiting on it."""
+        with self._lock:
             self._closed = True
-            inbox, self._inbox = self._inbox, []
-            streams, self._streams = self._streams, {}
-        batches: dict[asyncio.AbstractEventLoop, dict[int, tuple]] = {}
-        for loop, queue in streams.values():
-            batches.setdefault(loop, {})[id(queue)] = (queue, error)
-        for loop, items in batches.items():
-            deliver(loop, list(items.values()))
-        for item in inbox:
-            if item[0] == "add":
-                resolve(item[5], item[6], None, error)
-            elif item[0] == "call" and self.dead is not None:
-                resolve(item[2], item[3], None, error)
-            elif item[0] == "call":  # the engine is idle for good: run it here
-                try:
-                    resolve(item[2], item[3], item[1](self.engine), None)
-                except Exception as exc:  # noqa: BLE001
-                    resolve(item[2], item[3], None, exc)
+            if dead is not None:
+                self.dead = dead
+            calls, self._calls = self._calls, {}
+        for loop, future, fn, args, kwargs in calls.values():
+            if self.engine is None or self.dead is not None:
+                resolve(loop, future, None, self._error())
+                continue
+            try:  # a core thread that stopped: nothing else touches the core now
+                resolve(loop, future, fn(self.engine, *args, **kwargs), None)
+            except Exception as exc:  # noqa: BLE001
+                resolve(loop, future, None, exc)
+
+    def _error(self) -> BaseException:
+        return (EngineDeadError(f"the engine died: {self.dead!r}") if self.dead is not None
+                else EngineShutdownError("the engine was shut down"))
+
+    def _fail_all(self) -> None:
+        """On the loop, after the core's last word: every stream and add still open gets the error."""
+        error = self._error()
+        for future, _ in self._adds.values():
+            if not future.done():
+                future.set_exception(error)
+        self._adds.clear()
+        self._num_pending_adds = 0
+        seen = set()
+        for queue in self._streams.values():
+            if id(queue) not in seen:
+                seen.add(id(queue))
+                queue.put_nowait(error)
+        self._streams.clear()
+        self.processor.forget(list(self.processor.requests))

@@ -1,5 +1,5 @@
-"""The asyncio side of the engine thread: per-request output streams, the errors a caller may
-get, and the two thread-safe ways to hand things to an event loop."""
+"""The asyncio side of the engine core: per-request output streams, the errors a caller may get,
+and the thread-safe way to settle a future of an event loop."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ class RequestStream:
         self._index = {rid: i for i, rid in enumerate(request_ids)}
         self._queue: asyncio.Queue = asyncio.Queue()
         self._unfinished = set(request_ids)
+        self._error: Optional[BaseException] = None  # met by ready(), raised next
         self._finalizer = weakref.finalize(self, abort, tuple(request_ids))
 
     def index(self, request_id: str) -> int:
@@ -50,7 +51,21 @@ class RequestStream:
     async def __anext__(self) -> EngineOutput:
         if not self._unfinished:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        return self._take(self._error or await self._queue.get())
+
+    def ready(self) -> list[EngineOutput]:
+        """The outputs already queued behind the one just read, without waiting (an error queued
+        among them is raised by the next __anext__)."""
+        items = []
+        while self._unfinished and self._error is None and not self._queue.empty():
+            item = self._queue.get_nowait()
+            if isinstance(item, BaseException):
+                self._error = item
+            else:
+                items.append(self._take(item))
+        return items
+
+    def _take(self, item):
         if isinstance(item, BaseException):
             self._unfinished.clear()
             self._finalizer.detach()
@@ -66,18 +81,6 @@ class RequestStream:
         if self._unfinished:
             self._unfinished.clear()
             self._finalizer()
-
-
-def deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]]) -> None:
-    """From any thread: put each item in its queue, with one wake-up of the loop."""
-    def put_all() -> None:
-        for queue, item in items:
-            queue.put_nowait(item)
-
-    try:
-        loop.call_soon_threadsafe(put_all)
-    except RuntimeError:  # the loop is closed: nobody is listening any more
-        pass
 
 
 def resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result: Any,

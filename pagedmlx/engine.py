@@ -1,399 +1,86 @@
-"""LLMEngine: the step loop (schedule -> forward -> sample -> update -> outputs).
+"""LLMEngine (vLLM's name): an EngineCore and an OutputProcessor in the caller's thread, for offline
+generation (llm.py) and tests. `step()` returns EngineOutputs with text.
 
-`step` runs one step in lockstep with the device; `step_with_batch_queue` (vLLM's name) schedules
-and builds step N+1 while step N runs. The offline API on top of it is llm.py."""
+The core's state reads (and writes) through: `engine.scheduler`, `engine.kv_cache_manager`,
+`engine.runner`, `engine.stats`, `engine.config`, ... are the core's."""
 
 from __future__ import annotations
 
-import logging
-import threading
-import time
-from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence, Union
 
-import mlx.core as mx
 import mlx.nn as nn
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.detokenizer import IncrementalDetokenizer
-from pagedmlx.kv.manager import KVCacheManager
-from pagedmlx.outputs import EngineOutput, TokenLogprob
-from pagedmlx.request import Request, RequestStatus
-from pagedmlx.runner.model import ModelRunner
-from pagedmlx.sampler import Sampler, SamplerOutput, to_host
+from pagedmlx.core.engine_core import EngineCore
+from pagedmlx.output_processor import OutputProcessor
+from pagedmlx.outputs import EngineCoreOutput, EngineOutput
+from pagedmlx.request import Request
 from pagedmlx.sampling_params import SamplingParams
-from pagedmlx.scheduler import Scheduler
-from pagedmlx.scheduler_output import SchedulerOutput
-
-logger = logging.getLogger("pagedmlx")
 
 PromptType = Union[str, Sequence[int]]
-DEFAULT_MAX_MODEL_LEN = 8192
 
 
-@dataclass
-class LaunchedStep:
-    """A step whose graph is built (and maybe running on the device) but not read back yet."""
-
-    so: SchedulerOutput
-    requests: list[Request]  # the scheduled requests themselves: an id may be reused once one ends
-    sampled: Any  # SamplerOutput, or None for a step of partial prefill chunks only
-    arrays: list  # what the device must compute
-    build_s: float
-    error: Optional[Exception] = None
-    prompt: Any = None  # SamplerOutput of the prompt rows that score prompt tokens (prompt_logprobs)
-    prompt_rows: Optional[list] = None  # ... read back
-
-
-@dataclass
-class StepStats:
-    """Where a step's time goes: host work around the forward pass versus the pass itself."""
-
-    num_steps: int = 0
-    schedule_s: float = 0.0
-    build_s: float = 0.0  # building the step's graph and dispatching it
-    wait_s: float = 0.0  # waiting for the device (the one host sync)
-    update_s: float = 0.0  # appending tokens, stop checks, detokenization
-    num_tokens: int = 0
-    num_sampled: int = 0
-    num_overlapped: int = 0  # steps built while the previous one ran on the device
-
-    @property
-    def forward_s(self) -> float:
-        return self.build_s + self.wait_s
-
-    def host_fraction(self) -> float:
-        total = self.schedule_s + self.forward_s + self.update_s
-        return (self.schedule_s + self.update_s) / total if total else 0.0
+def encode_prompt(tokenizer: Any, prompt: PromptType) -> list[int]:
+    """A prompt's token ids: text through the tokenizer, ids as given (the core checks their range)."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("this engine has no tokenizer: give prompts as token ids")
+        return list(tokenizer.encode(prompt))
+    return list(prompt)
 
 
 class LLMEngine:
-    def __init__(self, model: nn.Module, tokenizer: Any, config: Optional[EngineConfig] = None,
-                 verify_model: bool = True):
-        self.config = config or EngineConfig()
-        self.model = model
-        if self.config.dtype is not None:  # quantized weights keep their packed form
-            model.set_dtype(getattr(mx, self.config.dtype))
-        self.tokenizer = tokenizer
-        self.runner = self.make_runner(verify_model)
-        self.max_model_len = self._max_model_len()
-        self.kv_cache_manager = KVCacheManager(self.runner.kv_cache_config,
-                                               enable_caching=self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.kv_cache_manager, self.max_model_len)
-        self.sampler = Sampler()
-        self.eos_token_ids = tuple(sorted(getattr(tokenizer, "eos_token_ids", None) or ()))
-        # Ids a request may name: rows the model has AND tokens the tokenizer can decode (some models
-        # pad their embedding past the tokenizer, and some detokenizers raise on those ids).
-        self.vocab_size = min(self.runner.vocab_size, len(tokenizer)) if tokenizer is not None else self.runner.vocab_size
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._logprobs: dict[str, list[TokenLogprob]] = {}
-        self._prompt_lps: dict[str, list[TokenLogprob]] = {}  # prompt logprobs, complete by the first output
-        self.stats = StepStats()
-        self._inflight: Optional[LaunchedStep] = None
-        self.generation_defaults: dict[str, Any] = {}  # the model's recommended sampling values (from_config)
-        self.async_scheduling = (self.config.async_scheduling if self.config.async_scheduling is not None
-                                 else mx.default_device() == mx.gpu)
-        self._warmed_up_in: Optional[int] = None  # the thread that ran warm_up
+    _OWN = frozenset({"core", "tokenizer", "processor"})
 
-    def warm_up(self) -> None:
-        """ModelRunner.warm_up, once per thread: MLX keeps CUDA's cuDNN graphs per thread, so the
-        thread that steps does it (the server's engine thread at start; otherwise the first step)."""
-        if self._warmed_up_in == threading.get_ident():
-            return
-        self._warmed_up_in = threading.get_ident()
-        if hasattr(self.runner, "warm_up"):  # a tensor-parallel driver: not there (its ranks would build their own)
-            self.runner.warm_up(self.config, self.max_model_len)
-
-    def make_runner(self, verify: bool) -> ModelRunner:
-        """Hook: tensor parallelism (pagedmlx.distributed.TPEngine) wraps the runner."""
-        return ModelRunner(self.model, self.config, verify=verify)
+    def __init__(self, model: Optional[nn.Module] = None, tokenizer: Any = None,
+                 config: Optional[EngineConfig] = None, verify_model: bool = True, *,
+                 core: Optional[EngineCore] = None):
+        """An engine over `model` (an mlx-lm model) and its tokenizer, or over a ready `core`."""
+        self.core = core if core is not None else EngineCore(model, tokenizer, config, verify_model)
+        self.tokenizer = self.core.tokenizer
+        self.processor = OutputProcessor(self.tokenizer)
 
     @classmethod
     def from_config(cls, config: EngineConfig, tokenizer: Any = None) -> "LLMEngine":
         """Load config.model (with its own tokenizer, unless one is given) and build the engine."""
-        from pagedmlx.loader import load_model
+        return cls(core=EngineCore.from_config(config, tokenizer))
 
-        model, loaded_tokenizer = load_model(config.model)
-        engine = cls(model, tokenizer or loaded_tokenizer, config)
-        engine.load_generation_defaults(config.model)
-        return engine
+    def __getattr__(self, name: str) -> Any:
+        core = self.__dict__.get("core")
+        if core is None:
+            raise AttributeError(name)
+        return getattr(core, name)
 
-    def load_generation_defaults(self, model: Optional[str]) -> None:
-        """Take the model's recommended sampling values (generation_config.json, or the default
-        model's card) as defaults, unless config.generation_config is "vllm" (vLLM's own defaults)."""
-        from pagedmlx.loader import generation_defaults
-
-        if self.config.generation_config == "auto":
-            self.generation_defaults = generation_defaults(model)
-
-    def get_default_sampling_params(self, **overrides: Any) -> SamplingParams:
-        """SamplingParams from the model's defaults; `overrides` (a request's own values) win."""
-        return SamplingParams(**{**self.generation_defaults, **overrides})
-
-    def _max_model_len(self) -> int:
-        args = getattr(self.model, "args", None)
-        limit = self.config.max_model_len or getattr(args, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
-        paged = [g for g in self.runner.kv_cache_config.kv_cache_groups if not g.is_state]
-        capacity = paged[0].num_blocks * self.config.block_size if paged else limit  # states hold any length
-        if limit > capacity:
-            logger.warning("max_model_len %d exceeds the KV pool (%d tokens); capping it", limit, capacity)
-        return min(limit, capacity)
-
-    # ---- requests ---------------------------------------------------------------------------
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._OWN or hasattr(type(self), name):  # its own, or a patch of one of its methods
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.core, name, value)
 
     def encode(self, prompt: PromptType) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer: give prompts as token ids")
-            return list(self.tokenizer.encode(prompt))
-        ids = list(prompt)
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}")
-        return ids
+        return self.core.check_prompt(encode_prompt(self.tokenizer, prompt))
 
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
                     priority: int = 0, arrival_time: Optional[float] = None,
                     cache_salt: Optional[str] = None) -> Request:
         params = params or SamplingParams()
-        bad_bias = [t for t in params.logit_bias if t >= self.vocab_size]
-        if bad_bias:
-            raise ValueError(f"logit_bias keys must be token ids in [0, {self.vocab_size}), got {bad_bias[:5]}")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
-        request = Request(request_id, self.encode(prompt), params, self.eos_token_ids,
-                          arrival_time=arrival_time, priority=priority, cache_salt=cache_salt)
-        self.scheduler.add_request(request)
-        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params)
-        if params.logprobs is not None:
-            self._logprobs[request_id] = []
-        if params.prompt_logprobs is not None:
-            self._prompt_lps[request_id] = []
-        return request
+        ids = encode_prompt(self.tokenizer, prompt)
+        self.processor.add_request(request_id, ids, params)
+        try:
+            return self.core.add_request(request_id, ids, params, priority, arrival_time, cache_salt)
+        except BaseException:
+            self.processor.forget([request_id])
+            raise
 
     def abort_request(self, request_ids: Iterable[str]) -> list[EngineOutput]:
-        finished = self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
-        return [self._final_output(req) for req in finished]
-
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._inflight is not None
-
-    def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.get_num_unfinished_requests()
-
-    # ---- the step ---------------------------------------------------------------------------
-
-    @property
-    def has_step_in_flight(self) -> bool:
-        """A step launched by step_with_batch_queue whose tokens are not read back yet."""
-        return self._inflight is not None
+        return self._outputs(self.core.abort_request(request_ids))
 
     def step(self) -> list[EngineOutput]:
-        """Run one step and return its outputs: schedule -> build -> dispatch -> wait -> process.
+        """One step of the core (see EngineCore.step); its outputs with their text."""
+        return self._outputs(self.core.step())
 
-        With async scheduling (by default on GPU backends) the engine overlaps instead: see
-        step_with_batch_queue."""
-        self.warm_up()
-        if self._can_overlap():
-            return self.step_with_batch_queue()
-        outputs: list[EngineOutput] = []
-        if self._inflight is not None:  # left by an overlapped step: its tokens come first
-            previous, self._inflight = self._inflight, None
-            outputs += self._process(previous, self._wait(previous))
-        built = self._schedule_and_build(outputs)
-        if built is not None:
-            self._dispatch(built)
-            outputs += self._process(built, self._wait(built))
+    def _outputs(self, core_outputs: list[EngineCoreOutput]) -> list[EngineOutput]:
+        outputs, to_abort = self.processor.process(core_outputs)
+        if to_abort:
+            self.core.abort_request(to_abort)  # ended here (a stop string): their outputs are already out
         return outputs
-
-    def step_with_batch_queue(self) -> list[EngineOutput]:
-        """Schedule and build step N+1 while step N runs on the device; return step N's outputs.
-
-        Decodes of step N+1 take their input tokens from step N's sampled array on the device.
-        Where the runner writes pages in place (the CUDA kernels), step N+1 is dispatched at once,
-        so the device goes from N to N+1 without waiting for the host. Where MLX scatters into the
-        pages instead, N+1 is dispatched only once step N is read back, processed and dropped:
-        while anything still references step N's graph, every page write of N+1 would copy its
-        layer's whole pool (MLX donates a buffer to a scatter only when nothing else references it).
-        """
-        outputs: list[EngineOutput] = []
-        built = self._schedule_and_build(outputs)
-        previous, self._inflight = self._inflight, built
-        self.stats.num_overlapped += previous is not None and built is not None
-        in_place = self.runner.pages_in_place
-        if built is not None and in_place:
-            self._dispatch(built)
-        if previous is not None:
-            outputs += self._process(previous, self._wait(previous))
-            previous.sampled = previous.arrays = previous = None  # see the docstring
-        if built is not None and not in_place:
-            self._dispatch(built)
-        return outputs
-
-    def _schedule_and_build(self, outputs: list[EngineOutput]) -> Optional[LaunchedStep]:
-        """Schedule a step and build its graph; None when nothing is scheduled or building failed
-        (then the step's requests are finished with an error, appended to `outputs`)."""
-        t0 = time.perf_counter()
-        so = self.scheduler.schedule()
-        self.stats.schedule_s += time.perf_counter() - t0
-        if so.is_empty:
-            return None
-        try:
-            return self._build(so)
-        except Exception as exc:  # graph building failed: only this step's requests fail
-            outputs += self._fail(so, exc, [self.scheduler.requests[rid] for rid in so.req_ids])
-            return None
-
-    def _can_overlap(self) -> bool:
-        """Overlap unless penalties need every earlier token on the host, or fewer requests run
-        than config.async_min_batch (docs/benchmarks.md, runs 19-20, for why batch 1 overlaps too)."""
-        running = self.scheduler.running
-        return (self.async_scheduling and len(running) >= self.config.async_min_batch
-                and not any(r.sampling_params.has_penalties for r in running))
-
-    def _build(self, so: SchedulerOutput) -> LaunchedStep:
-        """Build the step's graph (lazily: nothing runs on the device yet)."""
-        t = time.perf_counter()
-        requests = [self.scheduler.requests[rid] for rid in so.sampled_req_ids]
-        prev_sampled = self._inflight.sampled if self._inflight is not None else None
-        prev = prev_sampled.sampled_token_ids if prev_sampled is not None else None
-        logits = self.runner.forward(so, prev)
-        prompt = None
-        if len(so.prompt_logprob_tokens):  # the rows after the sampled ones score prompt tokens
-            prompt = self._prompt_logprobs(logits[len(requests):], so)
-        if requests:
-            sampled = self.sampler(logits[:len(requests)] if prompt is not None else logits, requests)
-            for i, req in enumerate(requests):
-                req.num_output_placeholders += 1
-                req.placeholder_index = i
-            arrays = [a for a in (sampled.sampled_token_ids, sampled.logprobs, sampled.top_token_ids,
-                                  sampled.top_logprobs) if a is not None]
-        else:  # only partial prefill chunks: nothing to sample, but the pages must be written
-            sampled, arrays = None, [logits]
-        if prompt is not None:
-            arrays += [a for a in (prompt.logprobs, prompt.top_token_ids, prompt.top_logprobs) if a is not None]
-        scheduled = [self.scheduler.requests[rid] for rid in so.req_ids]
-        return LaunchedStep(so, scheduled, sampled, arrays, time.perf_counter() - t, prompt=prompt)
-
-    def _prompt_logprobs(self, logits: mx.array, so: SchedulerOutput) -> SamplerOutput:
-        """Each prompt row's logprob of the prompt token after it, and its top k (the model's raw
-        logits, as vLLM: no bias, penalty or temperature)."""
-        ks = []
-        for rid, n in zip(so.prompt_logprob_req_ids, so.prompt_logprob_lens):
-            ks += [self.scheduler.requests[rid].sampling_params.prompt_logprobs] * n
-        out = SamplerOutput(mx.array(so.prompt_logprob_tokens), num_logprobs=ks)
-        Sampler.compute_logprobs(logits.astype(mx.float32), out, max(ks))
-        return out
-
-    def _record_prompt_logprobs(self, step: LaunchedStep) -> None:
-        """File a completed step's prompt logprobs under their requests (each position once: a
-        preempted request computes its prompt again)."""
-        so, rows = step.so, iter(step.prompt_rows)
-        scheduled = dict(zip(so.req_ids, step.requests))
-        for rid, start, n in zip(so.prompt_logprob_req_ids, so.prompt_logprob_starts, so.prompt_logprob_lens):
-            acc = self._prompt_lps.get(rid) if self.scheduler.requests.get(rid) is scheduled[rid] else None
-            for pos in range(start, start + n):
-                row = next(rows)
-                if acc is not None and len(acc) == pos:
-                    acc.append(TokenLogprob(row.token_id, row.logprob, row.top_logprobs or []))
-
-    @staticmethod
-    def _dispatch(step: LaunchedStep) -> None:
-        """Queue the step on the device. Counted as building: MLX encodes the graph here, and may
-        block here until earlier work drains."""
-        t = time.perf_counter()
-        try:
-            mx.async_eval(*step.arrays)
-        except Exception as exc:  # reported by _wait: only this step's requests fail
-            step.error = exc
-        step.build_s += time.perf_counter() - t
-
-    def _wait(self, step: LaunchedStep) -> Optional[list]:
-        """The step's one host sync: its sampled tokens (None if the step failed)."""
-        if step.error is not None:
-            return None
-        t = time.perf_counter()
-        try:
-            rows = to_host(step.sampled) if step.sampled is not None else (mx.eval(*step.arrays) or [])
-            if step.prompt is not None:
-                step.prompt_rows = to_host(step.prompt)
-        except Exception as exc:
-            step.error = exc
-            return None
-        self.stats.build_s += step.build_s
-        self.stats.wait_s += time.perf_counter() - t
-        return rows
-
-    def _process(self, step: LaunchedStep, rows: Optional[list]) -> list[EngineOutput]:
-        """Append a completed step's tokens, check stops, emit outputs."""
-        so = step.so
-        if rows is None:
-            return self._fail(so, step.error, step.requests)
-        t = time.perf_counter()
-        if step.prompt_rows:
-            self._record_prompt_logprobs(step)
-        by_id = dict(zip(so.sampled_req_ids, rows))
-        outputs = []
-        for upd in self.scheduler.update_from_output(so, [r.token_id for r in rows], step.requests):
-            try:
-                outputs.append(self._make_output(upd.request, upd.new_token_ids, upd.finished,
-                                                 by_id[upd.request.request_id]))
-            except Exception as exc:  # e.g. a detokenizer that cannot decode a token: this request only
-                logger.exception("request %s failed in output processing", upd.request.request_id)
-                self.scheduler.finish_requests([upd.request.request_id], RequestStatus.FINISHED_ERROR)
-                outputs.append(self._final_output(upd.request, error=f"{type(exc).__name__}: {exc}"))
-        self._record(so, time.perf_counter() - t)
-        return outputs
-
-    def _fail(self, so: SchedulerOutput, exc: Exception, requests: list[Request]) -> list[EngineOutput]:
-        logger.exception("step failed; finishing its %d requests with an error", so.num_reqs, exc_info=exc)
-        sampled = set(so.sampled_req_ids)
-        for req in requests:
-            if req.request_id in sampled:
-                req.num_output_placeholders = max(0, req.num_output_placeholders - 1)
-        failed = self.scheduler.fail_step(so, requests)
-        return [self._final_output(r, error=f"{type(exc).__name__}: {exc}") for r in failed]
-
-    def _record(self, so, update_s: float) -> None:
-        s = self.stats
-        s.num_steps += 1
-        s.update_s += update_s
-        s.num_tokens += so.total_num_scheduled_tokens
-        s.num_sampled += len(so.sampled_req_ids)
-
-    def _make_output(self, req: Request, new_ids: list[int], finished: bool, sample: Any) -> EngineOutput:
-        rid = req.request_id
-        detok = self._detokenizers[rid]
-        new_text, stop = detok.update(new_ids, finished)
-        if stop is not None:  # a stop string ends the request, whatever else ended it this step
-            if not finished:
-                self.scheduler.finish_requests([rid], RequestStatus.FINISHED_STOPPED)
-                finished = True
-            req.status = RequestStatus.FINISHED_STOPPED
-            req.stop_reason = stop
-        new_lps = None
-        if rid in self._logprobs:
-            new_lps = [TokenLogprob(sample.token_id, sample.logprob, sample.top_logprobs or [])]
-            self._logprobs[rid].extend(new_lps)
-        out = EngineOutput(rid, req.prompt_token_ids, req.output_token_ids, detok.text, new_ids, new_text,
-                            finished, req.status.finish_reason if finished else None, req.stop_reason,
-                            self._logprobs.get(rid), new_lps, max(req.num_cached_tokens, 0),
-                            prompt_logprobs=self._prompt_lps.get(rid))
-        if finished:
-            self._forget(rid)
-        return out
-
-    def _final_output(self, req: Request, error: Optional[str] = None) -> EngineOutput:
-        detok = self._detokenizers.get(req.request_id)
-        text = detok.text if detok else ""
-        out = EngineOutput(req.request_id, req.prompt_token_ids, req.output_token_ids, text, [], "", True,
-                            req.status.finish_reason, req.stop_reason, self._logprobs.get(req.request_id),
-                            None, max(req.num_cached_tokens, 0), error,
-                            prompt_logprobs=self._prompt_lps.get(req.request_id))
-        self._forget(req.request_id)
-        return out
-
-    def _forget(self, request_id: str) -> None:
-        self._detokenizers.pop(request_id, None)
-        self._logprobs.pop(request_id, None)
-        self._prompt_lps.pop(request_id, None)

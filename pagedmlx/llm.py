@@ -161,7 +161,7 @@ def _tp_engine(model: Any, tokenizer: Any, size: int, timeout: float, config: di
         sys.stderr.flush()
         os._exit(code)  # nothing of the user's script runs on the other ranks
     else:
-        engine = build_engine(model, tokenizer, engine_config, group, timeout)
+        engine = LLMEngine(core=build_engine(model, tokenizer, engine_config, group, timeout))
     if by_name:
         engine.load_generation_defaults(name)
     return engine

@@ -4,14 +4,33 @@ RequestOutput / CompletionOutput for the offline and async APIs."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
+
+import msgspec
 
 
-@dataclass
-class TokenLogprob:
+class TokenLogprob(msgspec.Struct, array_like=True):
     token_id: int
     logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+    top: list[tuple[int, float]] = []  # (token id, logprob), best first
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What the engine core reports of one sequence after a step: token ids, never text (the
+    OutputProcessor turns these into EngineOutputs). Crosses the process boundary as msgpack."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: Optional[str] = None  # "stop", "length", "abort", "error"; None: still running
+    stop_reason: Union[int, str, None] = None  # the stop token id that matched
+    new_logprobs: Optional[list[TokenLogprob]] = None
+    num_cached_tokens: int = 0
+    prompt_logprobs: Optional[list[TokenLogprob]] = None  # complete, in the request's first output only
+    error: Optional[str] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass

@@ -101,19 +101,10 @@ def error_of(response: httpx.Response) -> dict:
 # `pagedmlx serve` in a subprocess, with the tiny random model. The model (and mlx-lm with it) is
 # loaded only when the CLI asks for it, as with a real model: the CLI's own start-up runs first.
 SERVE = """
-import sys, types
+import sys
 sys.path.insert(0, {tests!r})
-def load_model(name, lazy=False):
-    from utils import make_model, make_tokenizer
-    return make_model("llama"), make_tokenizer(512)
-loader = types.ModuleType("pagedmlx.loader")
-loader.load_model = load_model
-loader.generation_defaults = lambda name: {{}}
-sys.modules["pagedmlx.loader"] = loader  # no real model: the CLI loads through this
-import time
-from pagedmlx.engine import LLMEngine
-_step = LLMEngine.step
-LLMEngine.step = lambda self: (time.sleep({step_sleep}), _step(self))[1]  # slow enough to catch requests in flight
+import serve_hooks
+serve_hooks.install({step_sleep})
 from pagedmlx.cli import main
 sys.exit(main(sys.argv[1:]))
 """

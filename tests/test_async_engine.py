@@ -119,7 +119,7 @@ def test_full_waiting_queue_raises():
         await asyncio.sleep(0)
         with pytest.raises(TooManyRequestsError):
             await ae.add_request("x", [1, 2], GREEDY)
-        ae._thread.start()
+        ae.start()
         for stream in await asyncio.gather(*tasks):
             assert [o async for o in stream][-1].finish_reason == "length"
         ae.shutdown()
@@ -180,4 +180,4 @@ def test_idle_engine_thread_sleeps():
     time.sleep(0.3)
     assert len(checks) <= 2, len(checks)  # woken by nothing: no polling
     ae.shutdown()
-    assert not ae._thread.is_alive()
+    assert not ae.client.thread.is_alive()

@@ -278,7 +278,7 @@ def test_failed_step_fails_only_its_requests_and_uncaches(monkeypatch):
 
 def test_a_step_that_fails_to_dispatch_fails_only_its_requests(monkeypatch):
     """mx.async_eval itself can raise (MLX encodes the graph there): an error output, no crash."""
-    import pagedmlx.engine as engine_module
+    import pagedmlx.core.engine_core as engine_module
 
     engine = LLMEngine(make_model("llama"), None, EngineConfig(block_size=4, num_blocks=64))
     real = engine_module.mx.async_eval

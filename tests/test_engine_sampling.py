@@ -146,14 +146,16 @@ def test_ids_must_decode_with_the_tokenizer_and_output_errors_stay_per_request(m
     for bad in (dict(prompt=[1, 2, 450]), dict(prompt=[1, 2], params=SamplingParams(logit_bias={450: 5.0}))):
         with pytest.raises(ValueError, match="384"):
             engine.add_request("bad", bad["prompt"], bad.get("params"))
-    real = engine._make_output
+    from pagedmlx.output_processor import RequestState
 
-    def make_output(req, *args):
-        if req.request_id == "boom":
+    real = RequestState.update
+
+    def update(state, out):
+        if state.request_id == "boom":
             raise IndexError("token id out of the detokenizer's range")
-        return real(req, *args)
+        return real(state, out)
 
-    monkeypatch.setattr(engine, "_make_output", make_output)
+    monkeypatch.setattr(RequestState, "update", update)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     engine.add_request("boom", [5, 6, 7], params)
     engine.add_request("fine", [8, 9, 10], params)

@@ -25,7 +25,7 @@ def served():
     s = Served(make_engine())
     yield s
     s.stop()
-    assert not s.async_engine._thread.is_alive()
+    assert not s.async_engine.client.is_alive()
 
 
 def offline(engine_kw: dict, prompt, max_tokens: int, **params) -> tuple[list[int], str]:
@@ -155,8 +155,8 @@ def test_stop_strings(served):
 
 
 def test_disconnect_frees_pages(served, monkeypatch):
-    real_step = served.engine.step  # slowed down: 200 tokens take > 4 s, unless aborted
-    monkeypatch.setattr(served.engine, "step", lambda: (time.sleep(0.02), real_step())[1])
+    real_step = served.engine.core.step  # slowed down: 200 tokens take > 4 s, unless aborted
+    monkeypatch.setattr(served.engine.core, "step", lambda: (time.sleep(0.02), real_step())[1])
     reasons = []
     served.async_engine.add_listener(lambda out, timing, now: out.finished and reasons.append(out.finish_reason))
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 200,
@@ -275,8 +275,8 @@ def test_api_key():
 def test_429_when_waiting_queue_is_full():
     engine = make_engine()
     gate = threading.Event()
-    real_step = engine.step
-    engine.step = lambda: (gate.wait(10), real_step())[1]
+    real_step = engine.core.step
+    engine.core.step = lambda: (gate.wait(10), real_step())[1]
     s = Served(engine, max_waiting=1)
     try:
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}

@@ -106,8 +106,8 @@ def tight():
     """A server with 1 s for headers, 0.5 s for a body and room for 8 connections."""
     limits = ServerLimits(max_n=4, header_timeout=1.0, body_timeout=0.5, max_connections=8)
     engine = make_engine()
-    step = engine.step
-    engine.step = lambda: (time.sleep(0.005), step())[1]
+    step = engine.core.step
+    engine.core.step = lambda: (time.sleep(0.005), step())[1]
     s = Served(engine, limits=limits)
     yield s
     s.stop()

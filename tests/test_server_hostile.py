@@ -129,8 +129,8 @@ def test_inspector_shows_block_text_only_to_the_admin_key():
     """A salted tenant's prompt text used to be listed in /v1/engine/kv (most shared blocks) for
     any holder of the client key."""
     engine = make_engine()
-    step = engine.step
-    engine.step = lambda: (time.sleep(0.01), step())[1]  # keep the requests in flight a while
+    step = engine.core.step
+    engine.core.step = lambda: (time.sleep(0.01), step())[1]  # keep the requests in flight a while
     s = Served(engine, api_key="client-key", admin_key="root-key")
     try:
         secret = "SECRET-SYSTEM-PROMPT of tenant A: the launch code is 0000. " * 3

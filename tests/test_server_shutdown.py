@@ -67,8 +67,8 @@ def test_drain_deadline_cut_ends_every_stream(caplog):
     """The same cut, in process: shutdown begins (as on a signal), the engine drains for 0.5 s,
     then every stream left gets its last chunk (finish_reason "abort"), usage if asked, and [DONE]."""
     engine = make_engine()
-    step = engine.step
-    engine.step = lambda: (time.sleep(0.01), step())[1]  # 240 tokens take > 2.4 s
+    step = engine.core.step
+    engine.core.step = lambda: (time.sleep(0.01), step())[1]  # 240 tokens take > 2.4 s
     s = Served(engine, drain_timeout=0.5)
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True, "n": 2,
             "stream_options": {"include_usage": True}}

@@ -272,7 +272,7 @@ def test_blocks_view_metrics_and_startup_line_show_state_slots(arch):
 
     from pagedmlx.blocks.snapshot import kv_snapshot
     from pagedmlx.blocks.view import render
-    from pagedmlx.cli import kv_pool_line
+    from pagedmlx.core.info import kv_pool_line
     from pagedmlx.server.metrics import EngineSnapshot, ServerMetrics
 
     engine = state_engine(make_model(arch), num_blocks=200)

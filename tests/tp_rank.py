@@ -72,7 +72,9 @@ def offline(out_path: str) -> None:
         if run_worker(model, EngineConfig(**ENGINE), group, timeout):
             sys.exit(1)
     else:
-        engine = build_engine(model, None, EngineConfig(**ENGINE), group, timeout)
+        from pagedmlx.engine import LLMEngine
+
+        engine = LLMEngine(core=build_engine(model, None, EngineConfig(**ENGINE), group, timeout))
         prompts = make_prompts(NUM_REQUESTS, ARCHS["qwen3"]["vocab_size"], seed=7)
         t0 = time.perf_counter()
         done = run_staggered(engine, prompts, params, seed=3)
@@ -95,13 +97,27 @@ def offline(out_path: str) -> None:
         json.dump(result, f)
 
 
-def serve(argv: list[str]) -> int:
+def fake_loader() -> None:
     loader = types.ModuleType("pagedmlx.loader")
     loader.load_model = lambda name, lazy=False: (make_model("llama"), make_tokenizer(ARCHS["llama"]["vocab_size"]))
     loader.generation_defaults = lambda name: {}
     sys.modules["pagedmlx.loader"] = loader  # no real model: the CLI loads through this
-    from pagedmlx.cli import main
 
+
+def core_with_fake_loader(real, args) -> None:
+    """The engine-core process (spawned: a fresh interpreter) loads through the fake loader too."""
+    fake_loader()
+    real(args)
+
+
+def serve(argv: list[str]) -> int:
+    fake_loader()
+    import functools
+
+    from pagedmlx.cli import main
+    from pagedmlx.core import proc
+
+    proc.run_engine_core = functools.partial(core_with_fake_loader, proc.run_engine_core)
     return main(["serve", "--tp", str(TP), *argv])
 
 

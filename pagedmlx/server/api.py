@@ -122,8 +122,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: Optional[str]
         Block text only for the admin key (--admin-key)."""
         show_text = is_admin(request)
         try:
-            snap = await asyncio.wait_for(async_engine.call(lambda e: kv_snapshot(e, block_text=show_text)),
-                                          timeout=10.0)
+            snap = await asyncio.wait_for(async_engine.call(kv_snapshot, block_text=show_text), timeout=10.0)
         except Exception as exc:  # noqa: BLE001 - a dead or stuck engine
             raise unavailable(RuntimeError(f"no engine snapshot: {type(exc).__name__}: {exc}"))
         return ASCIIJSONResponse({"model": model_name, **snap})

@@ -8,11 +8,14 @@ import asyncio
 import math
 import resource
 import socket
+import threading
+import time
 from typing import Callable, Optional
 
 import uvicorn
 from fastapi import FastAPI
 
+from pagedmlx.platform import hard_exit
 from pagedmlx.server.api import SSE_GRACE_AFTER_DRAIN
 from pagedmlx.server.connections import guarded_protocol, install_accept_error_filter
 from pagedmlx.server.file_limit import default_max_connections
@@ -46,3 +49,32 @@ def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_lev
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful,
                             http=guarded_protocol(limits.header_timeout, max_connections(app)))
     return PagedServer(config, on_shutdown=app.state.begin_drain)
+
+
+class EngineWatch:
+    """When the engine core dies (or a tensor-parallel rank is lost: `fail`), say so and stop the
+    HTTP server: requests in flight end with a 503 error, and the process ends within `grace`
+    seconds. `error` is set once that happened: the server then exits with a non-zero status."""
+
+    def __init__(self, async_engine, server: uvicorn.Server, console, grace: float = 5.0):
+        self.async_engine, self.server, self.console, self.grace = async_engine, server, console, grace
+        self.error: Optional[BaseException] = None
+        self._lock = threading.Lock()
+        threading.Thread(target=self._watch, name="pagedmlx-engine-watch", daemon=True).start()
+
+    def fail(self, error: BaseException) -> None:
+        with self._lock:
+            if self.error is not None:
+                return
+            self.error = error
+        self.console.print(f"[bold red]pagedmlx: {error}[/]\npagedmlx: stopping the server")
+        self.server.should_exit = True
+        timer = threading.Timer(self.grace, lambda: hard_exit(1, "the server did not stop in time"))
+        timer.daemon = True
+        timer.start()
+
+    def _watch(self) -> None:
+        while self.error is None:
+            if self.async_engine.dead is not None:
+                self.fail(self.async_engine.dead)
+            time.sleep(0.2)

@@ -15,7 +15,7 @@ from typing import Optional
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pagedmlx.async_engine import RequestTiming
-from pagedmlx.engine import LLMEngine
+from pagedmlx.core.engine_core import EngineCore
 from pagedmlx.outputs import EngineOutput
 
 # vLLM's buckets.
@@ -47,7 +47,7 @@ class EngineSnapshot:
     state_checkpoints_saved: int = 0
 
     @classmethod
-    def take(cls, engine: LLMEngine) -> "EngineSnapshot":
+    def take(cls, engine: EngineCore) -> "EngineSnapshot":
         kv = engine.kv_cache_manager
         groups = [(spec.name, m.block_pool.num_blocks, m.block_pool.get_num_free_blocks(),
                    m.block_pool.num_cached_free_blocks())

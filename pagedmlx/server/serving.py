@@ -4,6 +4,7 @@ whole (non-streaming) or as server-sent-event chunks."""
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
@@ -12,6 +13,7 @@ from pagedmlx.async_engine import AsyncEngine, EngineDeadError, EngineShutdownEr
 from pagedmlx.outputs import EngineOutput, TokenLogprob
 from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.server.prompts import PromptEncoder
+from pagedmlx.server.sse import ChunkTemplate, coalesce, event
 from pagedmlx.server.protocol import (APIError, AssistantMessage, ChatChoice, ChatChunkChoice,
                                       ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                       ChatLogprobs, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
@@ -58,9 +60,9 @@ class Serving:
         self.engine = engine
         self.model_name = model_name
         self.limits = limits
-        self.tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
-        self.vocab_size = engine.engine.vocab_size
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
         self.prompts = PromptEncoder(self.tokenizer, self.max_model_len)
         self.num_cut = 0  # responses ended by the drain deadline (finish_reason "abort")
         self._token_text: dict[int, str] = {}
@@ -129,7 +131,7 @@ class Serving:
                 f"completion). Please reduce the length of the {where} or completion.",
                 param="max_tokens" if requested is not None and longest < self.max_model_len else prompt_field,
                 code="context_length_exceeded")
-        params = req.to_sampling_params(max_tokens, self.engine.engine.generation_defaults)
+        params = req.to_sampling_params(max_tokens, self.engine.generation_defaults)
         return Prepared(uuid.uuid4().hex, prompts, params, prompt_field=prompt_field)
 
     async def submit(self, prep: Prepared, req: SamplingRequest) -> RequestStream:
@@ -259,11 +261,18 @@ class Serving:
 
     # ---- streaming ---------------------------------------------------------------------------
 
-    def completion_stream(self, req: CompletionRequest, prep: Prepared, stream: RequestStream) -> AsyncIterator[str]:
-        rid = f"cmpl-{prep.request_id}"
+    def completion_stream(self, req: CompletionRequest, prep: Prepared, stream: RequestStream) -> AsyncIterator[bytes]:
+        rid, created = f"cmpl-{prep.request_id}", int(time.time())
         offsets: dict[int, int] = {}
+        plain = None
+        if not (req.echo or prep.params.logprobs is not None or req.return_token_ids):
+            plain = ChunkTemplate(CompletionResponse(id=rid, model=self.model_name, created=created,
+                                                     choices=[CompletionChoice(index=0, text="")]))
 
-        async def chunk(i: int, out: EngineOutput) -> Optional[CompletionResponse]:
+        async def chunk(i: int, out: EngineOutput) -> Optional[bytes]:
+            if plain is not None:
+                return plain.render(i, out.new_text, out.finish_reason, out.stop_reason) \
+                    if out.new_text or out.finished else None
             first = i not in offsets
             text = (self._prompt_text(prep, i) if req.echo and first else "") + out.new_text
             offset = offsets.get(i, len(text) - len(out.new_text))
@@ -272,64 +281,81 @@ class Serving:
                 return None
             logprobs = (await self.echo_logprobs(prep, i, out, text, out.new_logprobs) if first and req.echo
                         else self.completion_logprobs(out.new_logprobs, offset))
-            return CompletionResponse(id=rid, model=self.model_name, choices=[CompletionChoice(
+            return event(CompletionResponse(id=rid, model=self.model_name, created=created, choices=[CompletionChoice(
                 index=i, text=text, logprobs=logprobs,
                 finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-                token_ids=out.new_token_ids if req.return_token_ids else None)])
+                token_ids=out.new_token_ids if req.return_token_ids else None)]).model_dump_json())
 
         def usage_chunk(usage: Usage) -> CompletionResponse:
-            return CompletionResponse(id=rid, model=self.model_name, choices=[], usage=usage)
+            return CompletionResponse(id=rid, model=self.model_name, created=created, choices=[], usage=usage)
 
         return self._sse(req, prep, stream, [], chunk, usage_chunk)
 
-    def chat_stream(self, req: ChatCompletionRequest, prep: Prepared, stream: RequestStream) -> AsyncIterator[str]:
-        rid = f"chatcmpl-{prep.request_id}"
-        firsts = [ChatCompletionChunk(id=rid, model=self.model_name, choices=[
-            ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]) for i in range(prep.n)]
+    def chat_stream(self, req: ChatCompletionRequest, prep: Prepared, stream: RequestStream) -> AsyncIterator[bytes]:
+        rid, created = f"chatcmpl-{prep.request_id}", int(time.time())
 
-        async def chunk(i: int, out: EngineOutput) -> Optional[ChatCompletionChunk]:
+        def model(**choice: Any) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=rid, model=self.model_name, created=created,
+                                       choices=[ChatChunkChoice(**choice)])
+
+        firsts = [model(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(prep.n)]
+        plain = None
+        if not (prep.params.logprobs is not None or req.return_token_ids):
+            plain = ChunkTemplate(model(index=0, delta=DeltaMessage()))
+
+        async def chunk(i: int, out: EngineOutput) -> Optional[bytes]:
             if not (out.new_text or out.finished or out.new_logprobs or req.return_token_ids):
                 return None
-            return ChatCompletionChunk(id=rid, model=self.model_name, choices=[ChatChunkChoice(
-                index=i, delta=DeltaMessage(content=out.new_text), logprobs=self.chat_logprobs(out.new_logprobs),
-                finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-                token_ids=out.new_token_ids if req.return_token_ids else None)])
+            if plain is not None:
+                return plain.render(i, out.new_text, out.finish_reason, out.stop_reason)
+            return event(model(index=i, delta=DeltaMessage(content=out.new_text),
+                               logprobs=self.chat_logprobs(out.new_logprobs), finish_reason=out.finish_reason,
+                               stop_reason=out.stop_reason,
+                               token_ids=out.new_token_ids if req.return_token_ids else None).model_dump_json())
 
         def usage_chunk(usage: Usage) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=rid, model=self.model_name, choices=[], usage=usage)
+            return ChatCompletionChunk(id=rid, model=self.model_name, created=created, choices=[], usage=usage)
 
         return self._sse(req, prep, stream, firsts, chunk, usage_chunk)
 
     async def _sse(self, req: SamplingRequest, prep: Prepared, stream: RequestStream, firsts: list,
-                   chunk: Callable[[int, EngineOutput], Awaitable[Any]], usage_chunk: Callable[[Usage], Any]
-                   ) -> AsyncIterator[str]:
-        """`data:` payloads: the chunks, an optional usage chunk, then [DONE]. An engine error ends
-        the stream with an error event (then [DONE]); a dropped connection aborts the request."""
+                   chunk: Callable[[int, EngineOutput], Awaitable[Optional[bytes]]],
+                   usage_chunk: Callable[[Usage], Any]) -> AsyncIterator[bytes]:
+        """The events: the chunks, an optional usage chunk, then [DONE]. The outputs a stream holds
+        when its turn comes go out as one chunk per sample (sse.coalesce). An engine error ends the
+        stream with an error event (then [DONE]); a dropped connection aborts the request."""
         finals: dict[int, EngineOutput] = {}
-        cut = False
+        cut = failed = False
         try:
             for c in firsts:
-                yield c.model_dump_json()
+                yield event(c.model_dump_json())
             async for out in stream:
-                i = stream.index(out.request_id)
-                if out.finish_reason == "error":
-                    yield _error_json(f"the engine failed on this request: {out.error}", 500)
+                batch = [(stream.index(o.request_id), o) for o in (out, *stream.ready())]
+                for i, o in (batch if any(o.finish_reason == "error" for _, o in batch) else coalesce(batch)):
+                    if o.finish_reason == "error":
+                        yield event(_error_json(f"the engine failed on this request: {o.error}", 500))
+                        failed = True
+                        break
+                    if o.finished:
+                        finals[i] = o
+                        cut = cut or self.note_cut(o)
+                    c = await chunk(i, o)
+                    if c is not None:
+                        yield c
+                if failed:
                     break
-                if out.finished:
-                    finals[i] = out
-                    cut = cut or self.note_cut(out)
-                c = await chunk(i, out)
-                if c is not None:
-                    yield c.model_dump_json()
             else:
                 if req.include_usage:
-                    yield usage_chunk(self.usage(prep, finals)).model_dump_json()
+                    yield event(usage_chunk(self.usage(prep, finals)).model_dump_json())
         except (EngineDeadError, EngineShutdownError) as exc:
-            yield _error_json(str(exc), 503)
+            yield event(_error_json(str(exc), 503))
         finally:
             stream.close()
             self.num_cut += cut
-        yield "[DONE]"
+        yield DONE
+
+
+DONE = event("[DONE]")
 
 
 def unavailable(exc: Exception) -> APIError:

@@ -21,7 +21,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -29,7 +28,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.engine import LLMEngine
+from pagedmlx.core.engine_core import EngineCore
 from pagedmlx.platform import backend_name, hard_exit
 from pagedmlx.runner.model import ModelRunner, UnsupportedModelError, model_type
 from pagedmlx.tp.channel import RankLostError
@@ -94,8 +93,8 @@ def build_runner(model: nn.Module, config: EngineConfig, verify: bool = True) ->
 
 # ---- rank 0 --------------------------------------------------------------------------------------
 
-class TPEngine(LLMEngine):
-    """LLMEngine on rank 0 of a group: its runner sends each step to the other ranks. A lost rank
+class TPEngine(EngineCore):
+    """EngineCore on rank 0 of a group: its runner sends each step to the other ranks. A lost rank
     raises RankLostError from step() (the step's requests fail), and every later step too."""
 
     def __init__(self, model: nn.Module, tokenizer: Any, config: Optional[EngineConfig], group: mx.distributed.Group,
@@ -163,33 +162,3 @@ def run_worker(model: nn.Module, config: EngineConfig, group: mx.distributed.Gro
         print(f"pagedmlx rank {rank}: {exc}; exiting", file=sys.stderr, flush=True)
         return 1
     return 0
-
-
-# ---- serving -------------------------------------------------------------------------------------
-
-def exit_on_rank_loss(engine: TPEngine, async_engine, server, console, grace: float = 5.0) -> dict:
-    """Serving on rank 0: when a rank is lost (or the engine thread dies), say so, stop the HTTP
-    server (clients of unfinished requests get an error) and make sure the process ends within
-    `grace` seconds. Returns a dict whose "error" is set once that happened."""
-    state: dict[str, Any] = {"error": None}
-
-    def fail(error: BaseException) -> None:
-        if state["error"] is not None:
-            return
-        state["error"] = error
-        console.print(f"[bold red]pagedmlx: {error}[/]\npagedmlx: stopping the server")
-        server.should_exit = True
-        timer = threading.Timer(grace, lambda: hard_exit(1, "the server did not stop in time"))
-        timer.daemon = True
-        timer.start()
-
-    engine.runner.on_lost(fail)
-
-    def watch_engine_thread() -> None:
-        while state["error"] is None:
-            if async_engine.dead is not None:
-                fail(async_engine.dead)
-            time.sleep(0.2)
-
-    threading.Thread(target=watch_engine_thread, name="pagedmlx-tp-monitor", daemon=True).start()
-    return state

@@ -31,6 +31,14 @@ _LAUNCH_ENV = (("MLX_JACCL_COORDINATOR", "jaccl"), ("MLX_IBV_DEVICES", "jaccl"),
                ("MLX_HOSTFILE", "ring"), ("OMPI_COMM_WORLD_SIZE", "mpi"), ("PMI_SIZE", "mpi"))
 
 
+def launched_rank() -> Optional[int]:
+    """This process's rank as a launcher numbered it, or None (no launcher, or one that does not say)."""
+    for var in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return None
+
+
 def launched_backend() -> Optional[str]:
     """The backend a launcher (mlx.launch, mpirun) started this process for, or None."""
     for var, backend in _LAUNCH_ENV:
@@ -44,12 +52,12 @@ def launched_backend() -> Optional[str]:
 class LocalRanks:
     """Ranks 1..N-1 that this process started (`--tp N`): copies of its command line."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, argv: Optional[list[str]] = None):
         ports = _free_ports(n)
         fd, self.hostfile = tempfile.mkstemp(prefix="pagedmlx-tp-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             json.dump([[f"127.0.0.1:{p}"] for p in ports], f)
-        argv = [sys.executable, *getattr(sys, "orig_argv", [sys.executable, *sys.argv])[1:]]
+        argv = [sys.executable, *(argv or getattr(sys, "orig_argv", [sys.executable, *sys.argv]))[1:]]
         self.procs = []
         for rank in range(1, n):
             env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=self.hostfile, PAGEDMLX_TP_PARENT=str(os.getpid()))
@@ -141,15 +149,17 @@ def local_ranks() -> Optional[LocalRanks]:
     return _local_ranks
 
 
-def join_group(tp: Optional[int] = None, connect_timeout: float = CONNECT_TIMEOUT) -> Optional[mx.distributed.Group]:
+def join_group(tp: Optional[int] = None, connect_timeout: float = CONNECT_TIMEOUT,
+               argv: Optional[list[str]] = None) -> Optional[mx.distributed.Group]:
     """The tensor-parallel group of this process, or None for a single process.
 
     Under a launcher, join the group its environment describes (tp, if given, must match its
-    size). Otherwise tp > 1 starts ranks 1..tp-1 here (ring backend on loopback)."""
+    size). Otherwise tp > 1 starts ranks 1..tp-1 here (ring backend on loopback), each running
+    `argv` (default: this process's own command line)."""
     global _local_ranks
     backend = launched_backend()
     if backend is None and (tp or 1) > 1:
-        _local_ranks = LocalRanks(tp)
+        _local_ranks = LocalRanks(tp, argv)
         backend = "ring"
     if backend is None:
         return None

@@ -1,0 +1,56 @@
+"""What the front end needs to know of an engine core: its limits, its tokenizer, and the lines
+the server prints at start (the same whether the core steps in a thread or in its own process)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedmlx.platform import backend_name
+
+
+@dataclass
+class CoreInfo:
+    max_model_len: int
+    vocab_size: int
+    generation_defaults: dict[str, Any]
+    tokenizer: Any
+    model: Any  # the config's model argument (None: the default model)
+    max_num_seqs: int
+    kv_pool: str  # kv_pool_line's text
+    rank_lines: list[str] = field(default_factory=list)  # tensor parallelism: one line per rank
+    backend: str = ""
+    pid: int = 0
+
+    @classmethod
+    def of(cls, core: Any) -> "CoreInfo":
+        return cls(core.max_model_len, core.vocab_size, dict(core.generation_defaults), core.tokenizer,
+                   core.config.model, core.config.max_num_seqs, kv_pool_line(core),
+                   list(getattr(core, "rank_lines", [])), backend_name(), os.getpid())
+
+
+def kv_pool_line(engine: Any) -> str:
+    """Each KV cache group's pages: "4096 blocks x 16 tokens = 1.07 GB" or, for a hybrid model,
+    one such part per group ("full: ...; sliding 1024: ...")."""
+    config = engine.runner.kv_cache_config
+    parts = [f"{g.num_blocks} blocks x {config.block_size} tokens = {g.num_blocks * g.page_size_bytes / 1e9:.2f} GB"
+             if not g.is_state else state_pool_text(g, engine.config.max_num_seqs) for g in config.kv_cache_groups]
+    if len(parts) == 1 and not config.kv_cache_groups[0].is_state:
+        return parts[0]
+    return "; ".join(f"{g.name} ({len(g.layer_ids)} layers): {part}" for g, part in zip(config.kv_cache_groups, parts))
+
+
+def state_pool_text(group: Any, max_num_seqs: int) -> str:
+    """The recurrent-state slots: "128 slots (64 running + 64 checkpoints) x 147.0 MiB = 19.73 GB"."""
+    page = group.page_size_bytes
+    size = f"{page / 2**20:.1f} MiB" if page >= 2**20 / 10 else f"{page / 2**10:.1f} KiB"
+    return (f"{group.num_blocks} slots ({max_num_seqs} running + {group.num_blocks - max_num_seqs} checkpoints) x "
+            f"{size} = {group.num_blocks * page / 1e9:.2f} GB")
+
+
+def defaults_line(generation_defaults: dict[str, Any], model: Any) -> str:
+    if not generation_defaults:
+        return "vLLM's (temperature 1.0, top_p 1.0); a request's own values win"
+    source = "the model's generation config" if model else "the default model's card"
+    return ", ".join(f"{k} {v}" for k, v in generation_defaults.items()) + f" ({source}); a request's own values win"

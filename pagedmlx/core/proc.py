@@ -1,0 +1,123 @@
+"""The engine-core process (vLLM's EngineCoreProc): spawned by core/client.py's CoreProcess, it builds
+the engine (the model and MLX live only here), says "ready", then runs the busy loop (core/loop.py).
+
+- Input: a thread reads the ZeroMQ socket and queues each message, so that the loop never waits on
+  a socket between steps; outputs go out on the loop's own thread.
+- Signals: Ctrl-C reaches the whole process group and systemd's SIGTERM the whole service, but the
+  front end owns the shutdown (it drains, then tells the core to stop), so both are ignored here.
+- The front end gone (killed, crashed): the core exits at once, not holding the device's memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import queue
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional
+
+logger = logging.getLogger("pagedmlx")
+
+
+@dataclass
+class CoreArgs:
+    config: Any  # EngineConfig
+    input_path: str
+    output_path: str
+    distributed: bool = False  # tensor parallelism: this process becomes rank 0 ...
+    tp: Optional[int] = None  # ... of `tp` ranks (None: the launcher's)
+    tp_timeout: float = 60.0
+    argv: Optional[list[str]] = None  # the server's command line, which `--tp N` starts the other ranks with
+    log_level: str = "info"
+
+
+def run_engine_core(args: CoreArgs) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     engine core: %(message)s")
+    _exit_with_parent()
+    import zmq
+
+    from pagedmlx.core.messages import decode, encode
+    from pagedmlx.platform import hard_exit
+
+    ctx = zmq.Context()
+    output = ctx.socket(zmq.PUSH)
+    output.setsockopt(zmq.SNDHWM, 0)
+    output.connect(args.output_path)
+
+    def send(message: tuple) -> None:
+        output.send_multipart(encode(message), copy=False)
+
+    try:
+        core = build_core(args)
+    except BaseException as exc:  # noqa: BLE001 - the front end says why and exits
+        send(("failed", f"{type(exc).__name__}: {exc}"))
+        ctx.destroy(linger=5000)
+        hard_exit(1)
+    from pagedmlx.core.info import CoreInfo
+    from pagedmlx.core.loop import CoreLoop
+
+    send(("ready", CoreInfo.of(core)))
+    inbox: queue.Queue = queue.Queue()
+    reader = ctx.socket(zmq.PULL)
+    reader.setsockopt(zmq.RCVHWM, 0)
+    reader.connect(args.input_path)
+
+    def read() -> None:
+        try:
+            while True:
+                inbox.put(decode(reader.recv_multipart()))
+        except zmq.ZMQError:  # the context ends with the process
+            pass
+
+    threading.Thread(target=read, name="pagedmlx-core-input", daemon=True).start()
+    code = 0
+    try:
+        CoreLoop(core, inbox, send).run()
+    except BaseException as exc:  # noqa: BLE001 - the front end answers 503 and exits
+        logger.exception("the engine core died")
+        send(("dead", exc))
+        code = 1
+    if hasattr(core, "shutdown"):  # tensor parallelism: the other ranks exit
+        core.shutdown()
+    output.close(linger=5000)  # the last messages reach the front end
+    ctx.destroy(linger=0)
+    hard_exit(code)  # skip MLX's teardown: nothing is left to release
+
+
+def build_core(args: CoreArgs) -> Any:
+    """The EngineCore this process steps (rank 0's, under tensor parallelism)."""
+    from pagedmlx.core.engine_core import EngineCore
+
+    group = None
+    if args.distributed:
+        from pagedmlx.tp.group import join_group
+
+        group = join_group(args.tp, argv=args.argv)
+    if group is None:
+        return EngineCore.from_config(args.config)
+    from pagedmlx.loader import load_model
+    from pagedmlx.tp import engine as tp_engine
+
+    core = tp_engine.build_engine(*load_model(args.config.model, lazy=True), args.config, group, args.tp_timeout)
+    core.load_generation_defaults(args.config.model)
+    return core
+
+
+def _exit_with_parent() -> None:
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        print("pagedmlx engine core: the server process is gone; exiting", file=sys.stderr, flush=True)
+        from pagedmlx.platform import hard_exit
+
+        hard_exit(1)
+
+    threading.Thread(target=watch, name="pagedmlx-parent-watch", daemon=True).start()

@@ -1,0 +1,67 @@
+"""The engine's command-line options, shared by every subcommand that builds an engine (vLLM's
+names, as its arg_utils.py), and the EngineConfig they make."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Options shared by every subcommand that builds an engine (vLLM's names)."""
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="mlx-lm folder or hub name, a .gguf file, or random:llama-tiny (a random-weight test "
+                        "model) (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help="the same as MODEL")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
+    pool = p.add_mutually_exclusive_group()
+    pool.add_argument("--num-blocks", type=int, default=None, help="KV pool size in pages")
+    pool.add_argument("--kv-cache-gb", type=float, default=2.0, help="KV pool size in GB (default 2)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step (default: 8192 on a GPU, 512 on the CPU)")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help="largest prefill chunk of one request while others decode (0: no cap; "
+                        "default: 256 on CUDA, 512 elsewhere)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share KV pages of common prefixes between requests")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="build step N+1 while step N runs (default: on GPU backends)")
+    p.add_argument("--warm-up-attention", action=argparse.BooleanOptionalAction, default=None,
+                   help="build the attention shapes of long prompts before serving (default: on CUDA)")
+    p.add_argument("--prefill-kernel", action=argparse.BooleanOptionalAction, default=None,
+                   help="attend prefill rows with the paged prefill kernel (default: where it runs, CUDA)")
+    p.add_argument("--generation-config", choices=["auto", "vllm"], default="auto",
+                   help="sampling defaults: the model's generation_config.json (auto) or vLLM's own (vllm)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="compute dtype of unquantized weights (default: as loaded)")
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="waiting-queue order (priority: a request's `priority`, lower first)")
+    p.add_argument("--state-checkpoint-interval", type=int, default=1024,
+                   help="models with recurrent state: save a state checkpoint every so many tokens (0: none), "
+                        "besides each prompt's last full block; prefix hits resume only from checkpoints")
+    p.add_argument("--max-state-checkpoints", type=int, default=None,
+                   help="state slots for checkpoints beside the max-num-seqs running ones (default: max-num-seqs)")
+
+
+def model_arg(args: argparse.Namespace) -> Optional[str]:
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise SystemExit(f"pagedmlx: two models given: {args.model_tag!r} and --model {args.model!r}")
+    return args.model_tag or args.model
+
+
+def engine_config(args: argparse.Namespace):
+    from pagedmlx.config import EngineConfig
+
+    return EngineConfig(model=model_arg(args), block_size=args.block_size, num_blocks=args.num_blocks,
+                        kv_cache_memory_gb=args.kv_cache_gb, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        long_prefill_token_threshold=args.long_prefill_token_threshold,
+                        max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
+                        async_scheduling=args.async_scheduling, warm_up_attention=args.warm_up_attention,
+                        prefill_kernel=args.prefill_kernel,
+                        generation_config=args.generation_config,
+                        scheduling_policy=args.scheduling_policy, dtype=args.dtype,
+                        state_checkpoint_interval=args.state_checkpoint_interval,
+                        max_state_checkpoints=args.max_state_checkpoints)

@@ -1,0 +1,184 @@
+"""`pagedmlx serve` (vLLM's api_server.py): its options, then the engine core (in a process of its
+own by default, core/client.py), the app (api.py) and the HTTP server (http_server.py)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from typing import Any, Callable
+
+from pagedmlx.engine_args import add_engine_args, engine_config
+from pagedmlx.platform import hard_exit
+
+
+def _positive(kind: type) -> Callable[[str], object]:
+    def parse(text: str) -> object:
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its error message
+    return parse
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible API")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* "
+                                                   "(default: $PAGEDMLX_API_KEY; none if unset)")
+    p.add_argument("--admin-key", default=None,
+                   help="a second key, for the operator: good on /v1/* too, and the only one that shows the "
+                        "prompt text of KV blocks in /v1/engine/kv (default: $PAGEDMLX_ADMIN_KEY; none if unset)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id clients must send (default: the --model string, or `default`)")
+    p.add_argument("--max-waiting", type=int, default=1024, help="waiting requests before 429 (default 1024)")
+    p.add_argument("--max-n", type=int, default=16, help="largest n accepted")
+    p.add_argument("--max-tokens-cap", type=int, default=None, help="largest max_tokens accepted")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    p.add_argument("--max-connections", type=_positive(int), default=None,
+                   help="open connections at most; beyond it the longest-idle one is closed, or with none idle "
+                        "the new one gets 503 (default: 4096, less if the open-file limit is lower)")
+    p.add_argument("--header-timeout", type=_positive(float), default=10.0,
+                   help="seconds a connection gets to send a request's line and headers (default 10)")
+    p.add_argument("--body-timeout", type=_positive(float), default=30.0,
+                   help="seconds a request's body may take once its headers are in; then 408 (default 30)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on Ctrl-C or SIGTERM, seconds in-flight requests get to finish; the rest end with "
+                        "finish_reason \"abort\" (default 30)")
+    p.add_argument("--log-level", default="info")
+    p.add_argument("-tp", "--tensor-parallel-size", "--tp", dest="tp", type=int, default=None, metavar="N",
+                   help="tensor parallelism: split the model over N ranks. Without a launcher, starts N local "
+                        "processes (ring backend on loopback); under mlx.launch, the launcher's ranks are used")
+    p.add_argument("--tp-timeout", type=float, default=60.0,
+                   help="seconds a step may wait on the other ranks before the server gives up (default 60)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine core in a process of its own, beside the HTTP front end (default); "
+                        "--no-engine-process steps it in a thread of the server's process")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from pagedmlx.platform import import_mlx_lm
+    from pagedmlx.server.file_limit import raise_file_limit
+
+    import_mlx_lm()  # first: keep the operator's open-file limit (file_limit.py)
+    nofile = raise_file_limit()
+    from rich.console import Console
+
+    from pagedmlx.core.client import CoreStartupError
+    from pagedmlx.tp.group import launched_backend, launched_rank
+
+    console = Console(stderr=True)
+    config = engine_config(args)
+    launcher = launched_backend()
+    distributed = bool(args.tp) or launcher is not None
+    if distributed and (not args.engine_process or launcher == "mpi" or (launcher and launched_rank() != 0)):
+        return _serve_in_thread_or_worker(args, config, console)  # ranks > 0 serve rank 0's steps there
+    try:
+        with console.status("loading the model..."):
+            async_engine = _start_engine(args, config, distributed)
+    except CoreStartupError as exc:
+        console.print(f"[red]pagedmlx: the engine could not start:[/] {exc}")
+        return 1
+    return _serve(args, async_engine, console, nofile)
+
+
+def _start_engine(args: argparse.Namespace, config: Any, distributed: bool):
+    from pagedmlx.async_engine import AsyncEngine
+    from pagedmlx.core.client import CoreProcess
+
+    if args.engine_process:
+        argv = list(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
+        core = CoreProcess(config, distributed=distributed, tp=args.tp, tp_timeout=args.tp_timeout, argv=argv,
+                           log_level=args.log_level)
+    else:
+        from pagedmlx.engine import LLMEngine
+
+        core = LLMEngine.from_config(config).core
+    return AsyncEngine(core, max_waiting=args.max_waiting)
+
+
+def _serve_in_thread_or_worker(args: argparse.Namespace, config: Any, console: Any) -> int:
+    """Tensor parallelism where the engine core stays in this process: ranks > 0 of a launcher, and
+    rank 0 under MPI (a spawned child cannot join an MPI world) or with --no-engine-process."""
+    from pagedmlx.async_engine import AsyncEngine
+    from pagedmlx.loader import load_model
+    from pagedmlx.tp import engine as tp_engine
+    from pagedmlx.tp.group import join_group
+
+    group = join_group(args.tp)  # None: one process
+    if group is not None and group.rank() > 0:
+        return tp_engine.run_worker(load_model(config.model, lazy=True)[0], config, group, args.tp_timeout)
+    with console.status("loading the model..."):
+        if group is None:
+            from pagedmlx.core.engine_core import EngineCore
+
+            core = EngineCore.from_config(config)
+        else:
+            core = tp_engine.build_engine(*load_model(config.model, lazy=True), config, group, args.tp_timeout)
+            core.load_generation_defaults(config.model)
+    from pagedmlx.server.file_limit import raise_file_limit
+
+    on_lost = core.runner.on_lost if group is not None else None
+    return _serve(args, AsyncEngine(core, max_waiting=args.max_waiting), console, raise_file_limit(), on_lost)
+
+
+def _serve(args: argparse.Namespace, async_engine: Any, console: Any, nofile: tuple[int, int],
+           on_lost: Callable[[Callable[[BaseException], None]], None] | None = None) -> int:
+    from pagedmlx.core.info import defaults_line
+    from pagedmlx.server.api import build_app
+    from pagedmlx.server.file_limit import RESERVED_FDS
+    from pagedmlx.server.http_server import EngineWatch, make_server, max_connections
+    from pagedmlx.server.serving import ServerLimits
+
+    info = async_engine.info
+    name = args.served_model_name or info.model or "default"  # as vLLM: the --model string
+    limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_n=args.max_n, max_tokens=args.max_tokens_cap,
+                          header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                          max_connections=args.max_connections)
+    api_key = args.api_key or os.environ.get("PAGEDMLX_API_KEY") or None
+    admin_key = args.admin_key or os.environ.get("PAGEDMLX_ADMIN_KEY") or None
+    app = build_app(async_engine, name, api_key=api_key, limits=limits, drain_timeout=args.drain_timeout,
+                    admin_key=admin_key)
+    url = f"http://{args.host}:{args.port}/v1"
+    where = (f"a process of its own (pid {info.pid})" if async_engine.engine is None
+             else "a thread of the server's process")
+    console.print(f"[bold]pagedmlx[/] serving [cyan]{name}[/] on [bold]{info.backend}[/]; engine core: {where}")
+    console.print(f"  KV pool: {info.kv_pool}; max_model_len {info.max_model_len}; max_num_seqs {info.max_num_seqs}")
+    for line in info.rank_lines:
+        console.print(f"  {line}", soft_wrap=True)
+    console.print(f"  sampling defaults: {defaults_line(info.generation_defaults, info.model)}")
+    console.print(f"  API key: {'required' if api_key else 'none'}; admin key: {'set' if admin_key else 'none'}; "
+                  f"URL: [link={url}]{url}[/link]")
+    console.print(f"  connections: at most {max_connections(app)} open (open-file limit {nofile[0]}); "
+                  f"{limits.header_timeout:g} s for headers, {limits.body_timeout:g} s for a body; "
+                  f"drain {args.drain_timeout:g} s")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        console.print("[yellow]warning:[/] listening beyond this machine without --api-key")
+    if max_connections(app) > nofile[0] - RESERVED_FDS:
+        console.print(f"[yellow]warning:[/] {max_connections(app)} connections leave fewer than {RESERVED_FDS} "
+                      f"of the {nofile[0]} open files for the rest: raise the limit (ulimit -n, LimitNOFILE)")
+    server = make_server(app, args.host, args.port, args.log_level)
+    watch = EngineWatch(async_engine, server, console)
+    if on_lost is not None:
+        on_lost(watch.fail)  # a lost tensor-parallel rank
+    # uvicorn re-raises the signal it handled once it has shut down: SIGTERM (systemd, launchd, Docker)
+    # must end like Ctrl-C, here, and not kill the process (exit 143, no cleanup).
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        server.run()  # a signal: stop accepting, drain, then the lifespan stops the engine
+    except KeyboardInterrupt:
+        pass
+    finally:
+        async_engine.shutdown(timeout=0)
+    shutdown = getattr(async_engine.engine, "shutdown", None)
+    if shutdown is not None:
+        shutdown()  # tensor parallelism in this process: the other ranks exit
+    if watch.error is not None:
+        hard_exit(1, "stopped after the error above")
+    console.print("pagedmlx: stopped")
+    hard_exit(0)  # everything has drained and the engine has stopped: skip MLX's teardown
+    return 0
