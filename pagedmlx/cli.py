@@ -10,6 +10,7 @@ import sys
 from typing import Callable, Optional, Sequence
 
 from pagedmlx.platform import backend_name, hard_exit
+from pagedmlx.bench.cli import add_bench_parser, run_bench
 from pagedmlx.doctor import add_doctor_parser, run_doctor
 
 
@@ -339,6 +340,7 @@ SUBCOMMANDS: dict[str, tuple[Callable[[argparse._SubParsersAction], None], Calla
     "generate": (add_generate_parser, run_generate),
     "blocks": (add_blocks_parser, run_blocks),
     "doctor": (add_doctor_parser, run_doctor),
+    "bench": (add_bench_parser, run_bench),
 }
 
 
