@@ -263,6 +263,11 @@ def test_bench_serve_chat_and_two_processes(served, tmp_path):
     assert all(n > 16 for n in out["input_lens"])  # the server's count: 16 words and the chat template
 
 
+def test_bench_serve_text_prompts_of_the_servers_tokenizer(served, tmp_path):
+    rc, out = bench_serve(served, tmp_path, "--text-prompts", "--tokenizer", "random:llama-tiny")  # the served one's
+    assert rc == 0 and out["completed"] == 12 and out["input_lens"] == [16] * 12 and out["output_lens"] == [8] * 12
+
+
 def test_bench_serve_stops_when_the_test_request_fails(served, tmp_path, capsys):
     rc, _ = bench_serve(served, tmp_path, "--model", "no-such-model")
     assert rc == 1 and "initial test run failed" in capsys.readouterr().err

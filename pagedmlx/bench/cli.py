@@ -39,9 +39,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="the server's key (default: $OPENAI_API_KEY, $PAGEDMLX_API_KEY)")
     p.add_argument("--model", default=None, help="model id sent in requests (default: the first of GET /v1/models)")
     p.add_argument("--tokenizer", default=None,
-                   help="a tokenizer (folder, hub name, or random:ARCH): random prompts are then drawn from its "
-                        "vocabulary and sent as text; without one, as token ids 3-258 (/v1/completions) or as "
-                        "words (chat)")
+                   help="a tokenizer (folder, hub name, or random:ARCH) whose vocabulary less its special tokens "
+                        "random prompts are drawn from (default: token ids 3-258, which every vocabulary holds)")
+    p.add_argument("--text-prompts", action="store_true",
+                   help="send random prompts to /v1/completions as text (the --tokenizer's decoding, as long in its "
+                        "tokens; without one, plain words) rather than token ids: for servers that take only text "
+                        "(mlx_lm.server). The chat endpoint always gets text")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: no limit)")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, arriving as a Poisson process (gamma with --burstiness); inf sends "

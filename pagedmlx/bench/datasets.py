@@ -171,14 +171,15 @@ def _first_exchange(entry: Any) -> Optional[tuple[str, str]]:
 
 def get_samples(args: Any, tokenizer: Any = None, chat: bool = False, as_ids: bool = False,
                 vocab_size: Optional[int] = None) -> list[SampleRequest]:
-    """The requests `args` (the dataset options of either command) ask for. Prompts are text for the
-    chat endpoint and whenever a tokenizer is given for a served run (so every server takes them);
-    token ids otherwise, and always with `as_ids` (offline)."""
+    """The requests `args` (the dataset options of either command) ask for. Random prompts are token
+    ids, exactly as long as asked, except for the chat endpoint and with `args.text_prompts` (servers
+    that take only text): then text (see random_requests). ShareGPT prompts are text, or with
+    `as_ids` (offline) their token ids."""
     if args.dataset_name == "sharegpt":
         if not args.dataset_path:
             raise ValueError("--dataset-name sharegpt needs --dataset-path")
         return sharegpt_requests(args.dataset_path, args.num_prompts, args.seed, tokenizer,
                                  args.sharegpt_output_len, as_ids=as_ids and not chat)
-    as_text = chat or (tokenizer is not None and not as_ids)
+    as_text = chat or (getattr(args, "text_prompts", False) and not as_ids)
     return random_requests(args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
                            args.random_prefix_len, args.seed, tokenizer, vocab_size, as_text=as_text)

@@ -8,9 +8,9 @@ Prints each run's vLLM result block, then one table per concurrency with ratios 
         --random-input-len 128 --random-output-len 64
 
 Every `pagedmlx bench serve` option applies (--random-*, --dataset-name, --request-rate, ...);
---ignore-eos is on, and --num-prompts defaults to 2 x clients (at least 8). Prompts are text drawn
-from the model's own vocabulary (--tokenizer defaults to the folder), as mlx_lm.server takes no
-token-id prompts.
+--ignore-eos and --text-prompts are on (mlx_lm.server takes no token-id prompts; the text is drawn
+from the model's own vocabulary: --tokenizer defaults to the folder), and --num-prompts defaults to
+2 x clients (at least 8).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def main() -> None:
     p.add_argument("--servers", nargs="+", default=["pagedmlx serve", "mlx_lm.server"], help="which servers to run")
     p.add_argument("--offline", action="store_true", help="also run pagedmlx's offline engine at each batch")
     add_serve_args(p)
-    p.set_defaults(num_prompts=None, ignore_eos=True, random_input_len=128, random_output_len=64)
+    p.set_defaults(num_prompts=None, ignore_eos=True, text_prompts=True, random_input_len=128, random_output_len=64)
     args = p.parse_args()
     args.model, args.tokenizer = args.model or args.model_dir, args.tokenizer or args.model_dir
     results: dict[int, list[tuple[str, dict]]] = {n: [] for n in args.clients}
