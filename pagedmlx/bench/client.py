@@ -9,7 +9,6 @@ E2EL (`latency`) to the end of the stream. Output tokens are the usage chunk's `
 from __future__ import annotations
 
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -80,8 +79,8 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict, headers:
             rec.error = "the stream ended before data: [DONE]"
         if not rec.error and stream.chunks == 0:
             rec.error = "no chunk with output text (nothing to time the first token by)"
-    except Exception:  # noqa: BLE001 - a transport error or a bad stream is this request's failure
-        rec.error = traceback.format_exc(limit=-1).strip()
+    except Exception as exc:  # noqa: BLE001 - a transport error or a bad stream is this request's failure
+        rec.error = f"{type(exc).__name__}: {exc}"
     rec.generated_text = "".join(stream.texts)
     rec.output_tokens = rec.output_tokens or stream.chunks
     rec.success = not rec.error

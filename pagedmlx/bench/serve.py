@@ -65,14 +65,29 @@ def selected_metrics(args: argparse.Namespace) -> tuple[list[str], list[float]]:
     if unknown:
         raise BenchError(f"--percentile-metrics: unknown {', '.join(unknown)} (choose from {', '.join(METRICS)})")
     try:
-        return names, [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
+        percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
     except ValueError as exc:
         raise BenchError(f"--metric-percentiles takes numbers like 50,90,99 ({exc})") from exc
+    if not all(0 <= p <= 100 for p in percentiles):
+        raise BenchError(f"--metric-percentiles must lie in [0, 100], got {args.metric_percentiles}")
+    return names, percentiles
+
+
+def check_args(args: argparse.Namespace) -> None:
+    for name in ("num_prompts", "num_processes", "max_concurrency"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise BenchError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.max_concurrency is not None and args.max_concurrency < args.num_processes:
+        raise BenchError(f"--max-concurrency {args.max_concurrency} is less than --num-processes {args.num_processes}")
+    if not (args.request_rate > 0 and args.burstiness > 0):
+        raise BenchError("--request-rate and --burstiness must be > 0")
 
 
 def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark `args` describes (the `bench serve` options); print and return vLLM's result
     fields (plus the client's CPU use); save them with --save-result."""
+    check_args(args)
     base_url, endpoint = base_url_of(args), endpoint_of(args)
     chat = endpoint.rstrip("/").endswith("chat/completions")
     headers = auth_headers(args.api_key)
@@ -87,7 +102,10 @@ def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
         samples = get_samples(args, tokenizer, chat=chat)
     except (ValueError, OSError) as exc:
         raise BenchError(str(exc)) from exc
-    extra = json.loads(args.extra_body) if args.extra_body else None
+    try:
+        extra = json.loads(args.extra_body) if args.extra_body else None
+    except json.JSONDecodeError as exc:
+        raise BenchError(f"--extra-body is not JSON: {exc}") from exc
     bodies = [request_body(endpoint, model, s, args.ignore_eos, args.temperature, extra) for s in samples]
     load = Load(base_url + endpoint, bodies, [s.prompt_len for s in samples], headers, args.max_concurrency,
                 args.request_rate, args.burstiness, args.seed)
@@ -106,7 +124,7 @@ def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
     print("Starting main benchmark run...")
     print(f"Traffic request rate: {args.request_rate}")
     print(f"Burstiness factor: {args.burstiness} ({'Poisson process' if args.burstiness == 1.0 else 'Gamma distribution'})")
-    print(f"Maximum request concurrency: {args.max_concurrency}")
+    print(f"Maximum request concurrency: {args.max_concurrency}", flush=True)
     result, parts = _run(load, args.num_processes, args.disable_tqdm)
 
     duration = result.end - result.start
@@ -121,10 +139,12 @@ def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
     print("\n".join(lines))
     _report_errors(result)
     if busiest > CLIENT_BUSY:
-        suggest = min(os.cpu_count() or 2, max(2 * len(parts), math.ceil(result.cpu_s / duration / 0.5)))
+        suggest = max(2 * len(parts), math.ceil(result.cpu_s / duration / 0.5))
+        cores = os.cpu_count() or 1
         print(f"warning: a client process was on the CPU {busiest:.0%} of the benchmark's wall time, so the client, "
               f"not the server, may be what limits these figures; split it over more processes: "
-              f"--num-processes {suggest}")
+              f"--num-processes {suggest}" + (f" (this machine has {cores} cores for the client and anything else "
+                                              f"it runs, the server too if it is here)" if suggest > cores else ""))
 
     out = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai-chat" if chat else "openai",
            "endpoint": endpoint, "base_url": base_url, "label": None, "model_id": model,
