@@ -7,7 +7,8 @@ figures come from one tool and one dataset code.
     sse.py         server-sent events: the byte stream to `data:` payloads, and what a payload says
     client.py      one streamed request over httpx, timed: a RequestRecord
     metrics.py     TTFT / TPOT / ITL / E2EL, throughput, goodput; vLLM's result block and JSON fields
-    serve.py       `bench serve`: the load (concurrency, arrivals), client CPU check, several processes
+    load.py        the load: arrival times, --max-concurrency, client CPU time; --num-processes clients
+    serve.py       `bench serve`: test request, warm-ups, the run, vLLM's block and JSON, the CPU check
     throughput.py  `bench throughput`: LLM.generate on the same prompts
     cli.py         the argparse parsers
 """
