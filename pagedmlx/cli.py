@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Callable, Optional, Sequence
 
+from pagedmlx.bench.cli import add_bench_parser, run_bench
 from pagedmlx.platform import backend_name
 from pagedmlx.doctor import add_doctor_parser, run_doctor
 from pagedmlx.engine_args import add_engine_args, engine_config, model_arg  # noqa: F401 - model_arg for callers
@@ -134,6 +135,7 @@ SUBCOMMANDS: dict[str, tuple[Callable[[argparse._SubParsersAction], None], Calla
     "generate": (add_generate_parser, run_generate),
     "blocks": (add_blocks_parser, run_blocks),
     "doctor": (add_doctor_parser, run_doctor),
+    "bench": (add_bench_parser, run_bench),
 }
 
 
