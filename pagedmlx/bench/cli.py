@@ -71,7 +71,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
-    from pagedmlx.cli import add_engine_args
+    from pagedmlx.engine_args import add_engine_args
 
     add_engine_args(p)
     add_dataset_args(p, offline=True)

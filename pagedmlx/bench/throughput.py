@@ -48,7 +48,8 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
     """Build the engine from `args` (`pagedmlx serve`'s engine options), run, print, save --output-json."""
     from rich.console import Console
 
-    from pagedmlx.cli import build_engine, engine_config
+    from pagedmlx.cli import build_engine
+    from pagedmlx.engine_args import engine_config
     from pagedmlx.llm import LLM
 
     with Console(stderr=True).status("loading the model..."):
