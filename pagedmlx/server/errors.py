@@ -33,7 +33,7 @@ def _is_label(part: Any) -> bool:
     return isinstance(part, str) and ("[" in part or part in _UNION_TAGS)
 
 
-_UNION_TAGS = {"text", "texts", "token_ids", "token_lists", "one", "list", "other"}
+_UNION_TAGS = {"text", "texts", "token_ids", "token_lists", "one", "list", "other", "named"}
 _RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
 
 

@@ -4,36 +4,20 @@ repetition_penalty, stop_token_ids, ignore_eos, return_token_ids, ...) are accep
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, WithJsonSchema
+from pydantic import BaseModel, Field, WithJsonSchema
 
 from pagedmlx.sampling_params import MAX_SEED, SamplingParams
+from pagedmlx.server.protocol_base import (APIError, ErrorInfo, ErrorResponse, NonEmptyText, OpenAIModel,  # noqa: F401
+                                           RequestModel, Text, _str_or_list, _tagged)
+from pagedmlx.server.protocol_tools import (ChatCompletionToolsParam, DeltaToolCall, MessageToolCall, Omitted,
+                                            ToolCall, ToolChoice)
 
 MAX_TOKEN_ID = 2**31 - 1  # the vocabulary's real bound is checked per model (Serving)
-
-
-def _valid_unicode(text: str) -> str:
-    """JSON can carry lone UTF-16 surrogates ("\\ud800"); no tokenizer or UTF-8 encoder takes them."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"must be valid Unicode, but holds a lone UTF-16 surrogate "
-                         f"(U+{ord(text[exc.start]):04X}) at position {exc.start}") from None
-    return text
-
-
-# Every string a client sends goes through Text: an encoding error is a 400 naming the field.
-Text = Annotated[str, AfterValidator(_valid_unicode)]
-NonEmptyText = Annotated[Text, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
-
-
-def _tagged(kind, message: str, **members: Any) -> Any:
-    """A union whose member is picked by `kind(value)`: errors then come from that member only."""
-    return Annotated[Union[tuple(Annotated[t, Tag(name)] for name, t in members.items())],
-                     Discriminator(kind, custom_error_type="union_type", custom_error_message=message)]
 
 
 def _prompt_kind(value: Any) -> Optional[str]:
@@ -45,10 +29,6 @@ def _prompt_kind(value: Any) -> Optional[str]:
     return None
 
 
-def _str_or_list(value: Any) -> Optional[str]:
-    return "one" if isinstance(value, str) else "list" if isinstance(value, list) else None
-
-
 Prompt = _tagged(_prompt_kind, "prompt must be a string, a list of strings, a list of token ids or a list of "
                  "lists of token ids", text=NonEmptyText, texts=Annotated[list[NonEmptyText], Field(min_length=1)],
                  token_ids=Annotated[list[TokenId], Field(min_length=1)],
@@ -57,45 +37,13 @@ Stop = _tagged(_str_or_list, "stop must be a string or a list of strings", one=N
                list=list[NonEmptyText])
 
 
-class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # unknown fields are ignored, as vLLM does
-
-
-# ---- errors ----------------------------------------------------------------------------------
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: Optional[str] = None
-    code: Optional[Union[str, int]] = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
-class APIError(Exception):
-    """An error the API answers with its status and OpenAI's error shape."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[Union[str, int]] = None,
-                 headers: Optional[dict[str, str]] = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.headers = status, message, type, param, headers
-        self.code = code if code is not None else status
-
-    def response_body(self) -> dict:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
-                                             code=self.code)).model_dump()
-
-
 # ---- requests --------------------------------------------------------------------------------
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
-class SamplingRequest(OpenAIModel):
+class SamplingRequest(RequestModel):
     """Parameters common to completions and chat completions. The ranges are SamplingParams' own
     (so the OpenAPI document states what the server enforces); n, max_tokens, the prompt count and
     token ids have per-server bounds, checked by Serving and added to the document (openapi.py)."""
@@ -210,6 +158,10 @@ class ChatMessage(OpenAIModel):
     role: Role
     content: Optional[Content] = None
     name: Optional[Text] = None
+    tool_call_id: Optional[Text] = None  # role "tool": the call this message answers
+    tool_calls: Optional[list[MessageToolCall]] = None  # role "assistant": the calls it made
+    reasoning_content: Optional[Text] = None  # an assistant's reasoning, for templates that show it (vLLM)
+    reasoning: Optional[Text] = None  # vLLM's newer name of reasoning_content
 
     def to_template_dict(self) -> dict:
         content = self.content
@@ -222,8 +174,14 @@ class ChatMessage(OpenAIModel):
                 texts.append(part.text)
             content = "\n".join(texts)
         message = {"role": self.role, "content": content or ""}
-        if self.name is not None:
-            message["name"] = self.name
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:
+            message["reasoning_content"] = message["reasoning"] = reasoning
+        if self.tool_calls:
+            message["tool_calls"] = [template_tool_call(c) for c in self.tool_calls]
         return message
 
 
@@ -233,6 +191,14 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    # Tool calling (chat_tools.py) and reasoning (server/reasoning/)
+    tools: Optional[list[ChatCompletionToolsParam]] = None
+    tool_choice: Optional[ToolChoice] = None  # default: "auto" with tools, "none" without (OpenAI's)
+    parallel_tool_calls: bool = True  # false: the first call only
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # e.g. {"enable_thinking": false}
+    include_reasoning: bool = True  # vLLM: false drops reasoning_content from the response
+    functions: Optional[list[Any]] = None  # OpenAI's deprecated form of tools: refused, naming tools
+    function_call: Optional[Any] = None  # OpenAI's deprecated form of tool_choice: refused
 
     def requested_logprobs(self) -> Optional[int]:
         if self.top_logprobs is not None and not self.logprobs:
@@ -241,6 +207,21 @@ class ChatCompletionRequest(SamplingRequest):
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def template_tool_call(call: MessageToolCall) -> dict:
+    """A call for the chat template: arguments as an object where they parse as one (vLLM's
+    conversion: the Qwen, Llama and Mistral templates render them with `tojson`)."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = call.function.arguments
+    if not isinstance(arguments, dict):
+        arguments = call.function.arguments
+    out = {"type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+    if call.id is not None:
+        out["id"] = call.id
+    return out
 
 
 def field_range(name: str) -> Optional[str]:
@@ -322,6 +303,9 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: str = "assistant"
     content: Optional[str] = None
+    reasoning_content: Optional[str] = Omitted()  # with --reasoning-parser (vLLM's field)
+    reasoning: Optional[str] = Omitted()  # the same text under vLLM's newer name
+    tool_calls: Optional[list[ToolCall]] = Omitted()
 
 
 class ChatChoice(ChoiceBase):
@@ -338,6 +322,9 @@ class ChatCompletionResponse(ResponseBase):
 class DeltaMessage(BaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = Omitted()
+    reasoning: Optional[str] = Omitted()
+    tool_calls: Optional[list[DeltaToolCall]] = Omitted()
 
 
 class ChatChunkChoice(ChoiceBase):

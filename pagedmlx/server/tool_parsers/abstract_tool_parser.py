@@ -1,0 +1,254 @@
+"""ToolParser (vLLM's name): the model's text in, content and tool calls out.
+
+One code path serves whole responses and streams. A parser keeps the text so far and a cursor, and
+`parse(final)` moves the cursor as far as the text decides: content up to a possible marker, a
+call's name once complete, its arguments as they are written. Where the text so far cannot decide
+(a marker may be starting), it waits for more. Decisions depend on the text alone, never on where a
+delta ended, so a stream's deltas add up to exactly what the whole text gives (tests/test_tool_calls.py
+checks every split of every fixture). A whole response is the stream of one delta.
+
+Whitespace next to a tool call is dropped: the run before a call's marker, and a trailing run once
+a call was made (Qwen writes "\\n\\n<tool_call>..."; OpenAI's content is then null). Text the format
+cannot explain (a broken call) is content from there on, as vLLM returns unparsable output as content.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from pagedmlx.server.protocol_tools import (DeltaFunctionCall, DeltaToolCall, ExtractedToolCallInformation,
+                                            FunctionCall, ToolCall, make_tool_call_id)
+from pagedmlx.server.tool_parsers.json_scan import WHITESPACE, ArgumentsReader, CallReader
+
+
+def partial_marker(text: str, start: int, markers: tuple[str, ...]) -> int:
+    """Length of the longest end of text[start:] that is a proper beginning of one of `markers`."""
+    best = 0
+    for marker in markers:
+        for n in range(min(len(marker) - 1, len(text) - start), best, -1):
+            if text.endswith(marker[:n]):
+                best = n
+                break
+    return best
+
+
+class ToolParser:
+    """Subclasses implement parse(final) over self.text from self.pos, with content(), begin_call(),
+    arguments() and end_call() (or read_call / read_arguments), fail() where the text breaks the format."""
+
+    # False: the format's markers are special tokens, which the detokenizer must keep (adjust_request)
+    skip_special_tokens = True
+    tool_call_id_factory = staticmethod(make_tool_call_id)
+
+    def __init__(self, tokenizer: Any = None, request: Any = None):
+        self.model_tokenizer = tokenizer
+        self.request = request
+        self.text = ""
+        self.pos = 0
+        self.mode = "text"
+        self.raw = False  # after a broken call: everything left is content
+        self.call_start = 0  # where the current call's text began (its marker)
+        self.reader: Any = None  # the current call's CallReader or ArgumentsReader
+        self.tool_calls: list[ToolCall] = []
+        self.content_text = ""
+        self.reasoning_text = ""  # formats that carry reasoning too (harmony)
+        self.max_calls = None if request is None or getattr(request, "parallel_tool_calls", True) else 1
+        self._open: Optional[ToolCall] = None  # the call being streamed
+        self._dropping = False  # a call past max_calls: read, not reported
+        self._args_sent = 0
+        self._pending_ws = ""
+        self._delta_content: list[str] = []
+        self._delta_reasoning: list[str] = []
+        self._delta_calls: dict[int, DeltaToolCall] = {}
+
+    # ---- vLLM's entry points ------------------------------------------------------------------
+
+    def adjust_request(self, params: Any) -> Any:
+        """SamplingParams for a request this parser reads: keep special tokens where they are markers."""
+        if not self.skip_special_tokens:
+            params.skip_special_tokens = False
+        return params
+
+    def extract_tool_calls(self, model_output: str, request: Any = None) -> ExtractedToolCallInformation:
+        self.extract_tool_calls_streaming(model_output, finished=True)
+        return ExtractedToolCallInformation(tools_called=bool(self.tool_calls), tool_calls=self.tool_calls,
+                                            content=self.content_text or None)
+
+    def extract_tool_calls_streaming(self, delta_text: str, finished: bool = False) -> Optional[Any]:
+        """The DeltaMessage this much more text gives (None: nothing yet). vLLM passes previous and
+        current text and token ids too; a parser here keeps its own text."""
+        from pagedmlx.server.protocol import DeltaMessage
+
+        self.text += delta_text
+        if not self.raw:
+            self.parse(finished)
+        if self.raw:
+            self.content(self.text[self.pos:])
+            self.pos = len(self.text)
+        if finished:
+            self._finish()
+        content = "".join(self._delta_content) or None
+        reasoning = "".join(self._delta_reasoning) or None
+        calls = list(self._delta_calls.values()) or None
+        self._delta_content, self._delta_reasoning, self._delta_calls = [], [], {}
+        if not (content or reasoning or calls):
+            return None
+        return DeltaMessage(content=content, reasoning_content=reasoning, tool_calls=calls)
+
+    @property
+    def finish_with_tool_calls(self) -> bool:
+        """Whether the response's finish_reason becomes "tool_calls" (OpenAI's: a call was made)."""
+        return bool(self.tool_calls)
+
+    def parse(self, final: bool) -> None:
+        raise NotImplementedError
+
+    # ---- what a parser reports ----------------------------------------------------------------
+
+    def content(self, text: str) -> None:
+        body = text.rstrip()
+        if body:
+            self._emit_content(self._pending_ws + body)
+            self._pending_ws = text[len(body):]
+        else:
+            self._pending_ws += text
+
+    def reasoning(self, text: str) -> None:
+        if text:
+            self._delta_reasoning.append(text)
+            self.reasoning_text += text
+
+    def begin_call(self, name: str) -> None:
+        self._pending_ws = ""
+        self._args_sent = 0
+        if self.max_calls is not None and len(self.tool_calls) >= self.max_calls:
+            self._dropping = True
+            return
+        call = ToolCall(id=self.tool_call_id_factory(), function=FunctionCall(name=name, arguments=""))
+        self.tool_calls.append(call)
+        self._open = call
+        self._delta_calls[len(self.tool_calls) - 1] = DeltaToolCall(
+            index=len(self.tool_calls) - 1, id=call.id, type="function",
+            function=DeltaFunctionCall(name=name, arguments=""))
+
+    def arguments(self, text: str) -> None:
+        if self._open is None or not text:
+            return
+        self._open.function.arguments += text
+        index = len(self.tool_calls) - 1
+        delta = self._delta_calls.get(index)
+        if delta is None:
+            self._delta_calls[index] = DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=text))
+        else:
+            delta.function.arguments += text
+
+    def end_call(self) -> None:
+        self._open, self._dropping, self.reader = None, False, None
+
+    @property
+    def in_call(self) -> bool:
+        return self._open is not None or self._dropping
+
+    def fail(self) -> None:
+        """The text breaks the format here: a call not yet reported becomes content from its marker,
+        one already streamed ends as it is; everything after is content."""
+        if self.in_call:
+            self.end_call()
+        else:
+            self.pos = self.call_start
+        self.reader = None
+        self.raw = True
+
+    def _emit_content(self, text: str) -> None:
+        self._delta_content.append(text)
+        self.content_text += text
+
+    def _finish(self) -> None:
+        if self.in_call:
+            self.end_call()
+        if self._pending_ws and not self.tool_calls:
+            self._emit_content(self._pending_ws)
+        self._pending_ws = ""
+
+    # ---- reading helpers ----------------------------------------------------------------------
+
+    def text_until(self, markers: tuple[str, ...], final: bool) -> Optional[str]:
+        """Content up to the first of `markers` (the cursor then stands on it; returned), or up to
+        what might be the start of one (None: wait for more)."""
+        found, at = None, len(self.text)
+        for marker in markers:
+            i = self.text.find(marker, self.pos)
+            if i != -1 and i < at:
+                found, at = marker, i
+        if found is None and not final:
+            at -= partial_marker(self.text, self.pos, markers)
+        self.content(self.text[self.pos:at])
+        self.pos = at
+        return found
+
+    def skip_whitespace(self) -> bool:
+        """Past whitespace; whether a character follows."""
+        while self.pos < len(self.text) and self.text[self.pos] in WHITESPACE:
+            self.pos += 1
+        return self.pos < len(self.text)
+
+    def at_marker(self, marker: str, final: bool) -> Optional[bool]:
+        """Whether the text at the cursor is `marker` (then consumed); None: cannot tell yet."""
+        rest = self.text[self.pos:self.pos + len(marker)]
+        if rest == marker:
+            self.pos += len(marker)
+            return True
+        if marker.startswith(rest) and not final:
+            return None
+        return False
+
+    def read_call(self, final: bool, args_keys: tuple[str, ...] = ("arguments", "parameters")) -> bool:
+        """Feed the call object at the cursor to a CallReader; True once it is complete and reported.
+        False: more text is needed, or the call broke (then fail() has run)."""
+        if self.reader is None:
+            self.reader = CallReader(args_keys)
+        reader = self.reader
+        try:
+            while self.pos < len(self.text) and not reader.done:
+                reader.feed(self.text[self.pos])
+                self.pos += 1
+                if reader.name is not None and not self.in_call:
+                    self.begin_call(reader.name)
+                if self.in_call and len(reader.arguments) > self._args_sent:
+                    self.arguments(reader.arguments[self._args_sent:])
+                    self._args_sent = len(reader.arguments)
+            if not reader.done:
+                if final and self.in_call:
+                    self.end_call()  # cut short: the call stays as streamed
+                elif final:
+                    self.fail()
+                return False
+            arguments = reader.finish()
+        except ValueError:
+            self.fail()
+            return False
+        self.arguments(arguments[self._args_sent:])
+        self.end_call()
+        return True
+
+    def read_arguments(self, final: bool) -> bool:
+        """Feed the arguments object at the cursor (its call already begun) to an ArgumentsReader,
+        streaming it; True once complete."""
+        if self.reader is None:
+            self.reader = ArgumentsReader()
+        reader = self.reader
+        try:
+            while self.pos < len(self.text) and not reader.done:
+                before = len(reader.text)
+                reader.feed(self.text[self.pos])
+                self.pos += 1
+                self.arguments(reader.text[before:])
+        except ValueError:
+            self.fail()
+            return False
+        if not reader.done:
+            if final:
+                self.end_call()
+            return False
+        self.end_call()
+        return True
