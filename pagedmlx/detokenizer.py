@@ -25,10 +25,15 @@ class IncrementalDetokenizer:
         self._num_emitted = 0
         self._num_searched = 0  # text before this index holds no stop string
 
-    def update(self, new_token_ids: Sequence[int], finished: bool) -> tuple[str, Optional[str]]:
-        """Add tokens; return (text newly ready for the caller, the stop string matched or None)."""
+    def update(self, new_token_ids: Sequence[int], finished: bool,
+               stop_terminated: bool = False) -> tuple[str, Optional[str]]:
+        """Add tokens; return (text newly ready for the caller, the stop string matched or None).
+        `stop_terminated`: the last token is the EOS or stop token that ended the request; as vLLM,
+        its text is left out (unless include_stop_str_in_output), special token or not."""
         if self._stream is None:
             return "", None
+        if stop_terminated and not self._include_stop and new_token_ids:
+            new_token_ids = new_token_ids[:-1]
         for t in new_token_ids:
             if t not in self._skip_ids:
                 self._stream.add_token(t)

@@ -33,7 +33,8 @@ class RequestState:
     def update(self, out: EngineCoreOutput) -> EngineOutput:
         self.token_ids.extend(out.new_token_ids)
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
-        new_text, stop = self.detokenizer.update(out.new_token_ids, out.finished)
+        # the core finishes with "stop" on an EOS or stop token id only (stop strings are found here)
+        new_text, stop = self.detokenizer.update(out.new_token_ids, out.finished, out.finish_reason == "stop")
         if stop is not None:  # a stop string ends the request, whatever else ended it this step
             finish_reason, stop_reason = "stop", stop
         if out.new_logprobs and self.logprobs is not None:

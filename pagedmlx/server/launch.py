@@ -55,9 +55,32 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "processes (ring backend on loopback); under mlx.launch, the launcher's ranks are used")
     p.add_argument("--tp-timeout", type=float, default=60.0,
                    help="seconds a step may wait on the other ranks before the server gives up (default 60)")
+    add_chat_parsing_args(p)
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine core in a process of its own, beside the HTTP front end (default); "
                         "--no-engine-process steps it in a thread of the server's process")
+
+
+def add_chat_parsing_args(p: argparse.ArgumentParser) -> None:
+    from pagedmlx.server.reasoning import REASONING_PARSERS
+    from pagedmlx.server.tool_parsers import TOOL_PARSERS
+
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="tool_choice \"auto\": the model's tool calls are parsed into tool_calls (with "
+                        "--tool-call-parser, or the parser the model's chat template points to)")
+    p.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS), metavar="NAME",
+                   help=f"the model's tool call format: {', '.join(TOOL_PARSERS)} (implies --enable-auto-tool-choice)")
+    p.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS), metavar="NAME",
+                   help=f"split the model's reasoning into reasoning_content: {', '.join(REASONING_PARSERS)}")
+
+
+def chat_parsing(args: argparse.Namespace, tokenizer: Any) -> Any:
+    """serve's ChatParsing; ValueError (naming the choices) where --enable-auto-tool-choice finds no parser."""
+    from pagedmlx.server.chat_tools import ChatParsing, resolve_tool_call_parser
+
+    enable = args.enable_auto_tool_choice or args.tool_call_parser is not None
+    name = resolve_tool_call_parser(args.tool_call_parser, enable, tokenizer)
+    return ChatParsing(tool_call_parser=name, enable_auto_tool_choice=enable, reasoning_parser=args.reasoning_parser)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -141,8 +164,15 @@ def _serve(args: argparse.Namespace, async_engine: Any, console: Any, nofile: tu
                           max_connections=args.max_connections)
     api_key = args.api_key or os.environ.get("PAGEDMLX_API_KEY") or None
     admin_key = args.admin_key or os.environ.get("PAGEDMLX_ADMIN_KEY") or None
+    try:
+        parsing = chat_parsing(args, async_engine.tokenizer)
+    except ValueError as exc:
+        console.print(f"[red]pagedmlx: {exc}[/]")
+        async_engine.shutdown(timeout=0)
+        hard_exit(1, "stopped: bad tool call options")
+        return 1
     app = build_app(async_engine, name, api_key=api_key, limits=limits, drain_timeout=args.drain_timeout,
-                    admin_key=admin_key)
+                    admin_key=admin_key, parsing=parsing)
     url = f"http://{args.host}:{args.port}/v1"
     where = (f"a process of its own (pid {info.pid})" if async_engine.engine is None
              else "a thread of the server's process")
@@ -151,6 +181,7 @@ def _serve(args: argparse.Namespace, async_engine: Any, console: Any, nofile: tu
     for line in info.rank_lines:
         console.print(f"  {line}", soft_wrap=True)
     console.print(f"  sampling defaults: {defaults_line(info.generation_defaults, info.model)}")
+    console.print(f"  tool calls: {parsing.describe()}; reasoning parser: {parsing.reasoning_parser or 'none'}")
     console.print(f"  API key: {'required' if api_key else 'none'}; admin key: {'set' if admin_key else 'none'}; "
                   f"URL: [link={url}]{url}[/link]")
     console.print(f"  connections: at most {max_connections(app)} open (open-file limit {nofile[0]}); "

@@ -50,12 +50,13 @@ class PromptEncoder:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def check_fits(self, text: str, field: str) -> None:
+    def check_fits(self, text: str, field: str, extra_chars: int = 0) -> None:
         """Refuse, without tokenizing, a text longer than any max_model_len tokens can spell."""
-        if self.max_text_chars is not None and len(text) > self.max_text_chars:
+        size = len(text) + extra_chars
+        if self.max_text_chars is not None and size > self.max_text_chars:
             raise APIError(
                 400, f"This model's maximum context length is {self.max_model_len} tokens. However, the {field} "
-                f"holds {len(text)} characters, more than {self.max_model_len} tokens of this tokenizer can hold "
+                f"holds {size} characters, more than {self.max_model_len} tokens of this tokenizer can hold "
                 f"(at most {self.max_text_chars}). Please reduce the length of the {field}.",
                 param=field, code="context_length_exceeded")
 
@@ -67,10 +68,13 @@ class PromptEncoder:
             raise APIError(400, f"{field}: the tokenizer could not encode it ({type(exc).__name__}: {exc})",
                            param=field) from None
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        self.check_fits("".join(_texts(m.get("content")) for m in messages), "messages")
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool, extra_chars: int = 0,
+                            **kwargs: Any) -> list[int]:
+        """`extra_chars`: text the template adds beyond the messages' content (tools, earlier calls);
+        `kwargs`: the template's other arguments (tools, chat_template_kwargs)."""
+        self.check_fits("".join(_texts(m.get("content")) for m in messages), "messages", extra_chars)
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as exc:  # noqa: BLE001 - a template that refuses these messages
             raise APIError(400, f"the chat template failed on these messages: {exc}", param="messages") from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):

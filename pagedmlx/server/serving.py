@@ -12,6 +12,9 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 from pagedmlx.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError, RequestStream, TooManyRequestsError
 from pagedmlx.outputs import EngineOutput, TokenLogprob
 from pagedmlx.sampling_params import SamplingParams
+from pagedmlx.server.chat_parsing import ChatOutputParser, chat_parser_factory
+from pagedmlx.server.chat_tools import (ChatParsing, attach_tool_constraint, check_tool_request, template_kwargs,
+                                        tool_text_length)
 from pagedmlx.server.prompts import PromptEncoder
 from pagedmlx.server.sse import ChunkTemplate, coalesce, event
 from pagedmlx.server.protocol import (APIError, AssistantMessage, ChatChoice, ChatChunkChoice,
@@ -45,6 +48,7 @@ class Prepared:
     params: SamplingParams
     texts: Optional[list[Optional[str]]] = None  # the prompts as sent, where they were text (for echo)
     prompt_field: str = "prompt"
+    chat_parser: Optional[Callable[[], ChatOutputParser]] = None  # tools / reasoning: one parser per choice
 
     @property
     def n(self) -> int:
@@ -56,10 +60,12 @@ def _lp(x: float) -> float:
 
 
 class Serving:
-    def __init__(self, engine: AsyncEngine, model_name: str, limits: ServerLimits):
+    def __init__(self, engine: AsyncEngine, model_name: str, limits: ServerLimits,
+                 parsing: Optional[ChatParsing] = None):
         self.engine = engine
         self.model_name = model_name
         self.limits = limits
+        self.parsing = parsing or ChatParsing()
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
@@ -103,9 +109,14 @@ class Serving:
     def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         self.check_model(req)
         self._need_tokenizer("chat")
+        check_tool_request(req, self.parsing)
+        kwargs = template_kwargs(req)
         messages = [m.to_template_dict() for m in req.messages]
-        ids = self.prompts.apply_chat_template(messages, req.add_generation_prompt)
-        return self._prepare(req, [ids], "messages")
+        ids = self.prompts.apply_chat_template(messages, req.add_generation_prompt, tool_text_length(req), **kwargs)
+        prep = self._prepare(req, [ids], "messages")
+        forced = attach_tool_constraint(req, prep.params)
+        prep.chat_parser = chat_parser_factory(req, self.parsing, self.tokenizer, prep.params, forced)
+        return prep
 
     def _prepare(self, req: SamplingRequest, prompts: list[list[int]], prompt_field: str) -> Prepared:
         limits = self.limits
@@ -250,11 +261,15 @@ class Serving:
 
     async def chat(self, req: ChatCompletionRequest, prep: Prepared, stream: RequestStream) -> ChatCompletionResponse:
         finals = await self.collect(stream)
-        choices = [ChatChoice(index=i, message=AssistantMessage(content=finals[i].text),
-                              logprobs=self.chat_logprobs(finals[i].logprobs), finish_reason=finals[i].finish_reason,
-                              stop_reason=finals[i].stop_reason,
-                              token_ids=finals[i].token_ids if req.return_token_ids else None)
-                   for i in sorted(finals)]
+        choices = []
+        for i in sorted(finals):
+            out = finals[i]
+            parser = prep.chat_parser() if prep.chat_parser is not None else None
+            choices.append(ChatChoice(
+                index=i, message=parser.whole(out.text) if parser else AssistantMessage(content=out.text),
+                logprobs=self.chat_logprobs(out.logprobs), stop_reason=out.stop_reason,
+                finish_reason=parser.finish_reason(out.finish_reason) if parser else out.finish_reason,
+                token_ids=out.token_ids if req.return_token_ids else None))
         return ChatCompletionResponse(id=f"chatcmpl-{prep.request_id}", model=self.model_name, choices=choices,
                                       usage=self.usage(prep, finals),
                                       prompt_token_ids=prep.prompts[0] if req.return_token_ids else None)
@@ -300,16 +315,23 @@ class Serving:
 
         firsts = [model(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(prep.n)]
         plain = None
-        if not (prep.params.logprobs is not None or req.return_token_ids):
+        if not (prep.params.logprobs is not None or req.return_token_ids or prep.chat_parser is not None):
             plain = ChunkTemplate(model(index=0, delta=DeltaMessage()))
+        parsers: dict[int, ChatOutputParser] = {}  # tools / reasoning: their own path, through the models
 
         async def chunk(i: int, out: EngineOutput) -> Optional[bytes]:
             if not (out.new_text or out.finished or out.new_logprobs or req.return_token_ids):
                 return None
             if plain is not None:
                 return plain.render(i, out.new_text, out.finish_reason, out.stop_reason)
-            return event(model(index=i, delta=DeltaMessage(content=out.new_text),
-                               logprobs=self.chat_logprobs(out.new_logprobs), finish_reason=out.finish_reason,
+            delta, finish = DeltaMessage(content=out.new_text), out.finish_reason
+            if prep.chat_parser is not None:
+                parser = parsers.get(i) or parsers.setdefault(i, prep.chat_parser())
+                delta, finish = parser.feed(out.new_text, out.finished), parser.finish_reason(out.finish_reason)
+                if delta is None and not (out.finished or out.new_logprobs or req.return_token_ids):
+                    return None
+            return event(model(index=i, delta=delta or DeltaMessage(),
+                               logprobs=self.chat_logprobs(out.new_logprobs), finish_reason=finish,
                                stop_reason=out.stop_reason,
                                token_ids=out.new_token_ids if req.return_token_ids else None).model_dump_json())
 
