@@ -49,17 +49,17 @@ class ToolParser:
         self.raw = False  # after a broken call: everything left is content
         self.call_start = 0  # where the current call's text began (its marker)
         self.reader: Any = None  # the current call's CallReader or ArgumentsReader
-        self.tool_calls: list[ToolCall] = []
+        self._calls: list[list[str]] = []  # [id, name, arguments] of each call reported
         self.content_text = ""
         self.reasoning_text = ""  # formats that carry reasoning too (harmony)
         self.max_calls = None if request is None or getattr(request, "parallel_tool_calls", True) else 1
-        self._open: Optional[ToolCall] = None  # the call being streamed
+        self._open: Optional[list[str]] = None  # the call being streamed
         self._dropping = False  # a call past max_calls: read, not reported
         self._args_sent = 0
         self._pending_ws = ""
         self._delta_content: list[str] = []
         self._delta_reasoning: list[str] = []
-        self._delta_calls: dict[int, DeltaToolCall] = {}
+        self._delta_calls: dict[int, list[Optional[str]]] = {}  # index -> [id, name, arguments] this delta
 
     # ---- vLLM's entry points ------------------------------------------------------------------
 
@@ -71,7 +71,7 @@ class ToolParser:
 
     def extract_tool_calls(self, model_output: str, request: Any = None) -> ExtractedToolCallInformation:
         self.extract_tool_calls_streaming(model_output, finished=True)
-        return ExtractedToolCallInformation(tools_called=bool(self.tool_calls), tool_calls=self.tool_calls,
+        return ExtractedToolCallInformation(tools_called=bool(self._calls), tool_calls=self.tool_calls,
                                             content=self.content_text or None)
 
     def extract_tool_calls_streaming(self, delta_text: str, finished: bool = False) -> Optional[Any]:
@@ -89,16 +89,22 @@ class ToolParser:
             self._finish()
         content = "".join(self._delta_content) or None
         reasoning = "".join(self._delta_reasoning) or None
-        calls = list(self._delta_calls.values()) or None
+        calls = [DeltaToolCall(index=i, id=c[0], type="function" if c[0] else None,
+                               function=DeltaFunctionCall(name=c[1], arguments=c[2]))
+                 for i, c in self._delta_calls.items()] or None
         self._delta_content, self._delta_reasoning, self._delta_calls = [], [], {}
         if not (content or reasoning or calls):
             return None
         return DeltaMessage(content=content, reasoning_content=reasoning, tool_calls=calls)
 
     @property
+    def tool_calls(self) -> list[ToolCall]:
+        return [ToolCall(id=i, function=FunctionCall(name=n, arguments=a)) for i, n, a in self._calls]
+
+    @property
     def finish_with_tool_calls(self) -> bool:
         """Whether the response's finish_reason becomes "tool_calls" (OpenAI's: a call was made)."""
-        return bool(self.tool_calls)
+        return bool(self._calls)
 
     def parse(self, final: bool) -> None:
         raise NotImplementedError
@@ -121,26 +127,19 @@ class ToolParser:
     def begin_call(self, name: str) -> None:
         self._pending_ws = ""
         self._args_sent = 0
-        if self.max_calls is not None and len(self.tool_calls) >= self.max_calls:
+        if self.max_calls is not None and len(self._calls) >= self.max_calls:
             self._dropping = True
             return
-        call = ToolCall(id=self.tool_call_id_factory(), function=FunctionCall(name=name, arguments=""))
-        self.tool_calls.append(call)
-        self._open = call
-        self._delta_calls[len(self.tool_calls) - 1] = DeltaToolCall(
-            index=len(self.tool_calls) - 1, id=call.id, type="function",
-            function=DeltaFunctionCall(name=name, arguments=""))
+        self._open = [self.tool_call_id_factory(), name, ""]
+        self._calls.append(self._open)
+        self._delta_calls[len(self._calls) - 1] = [self._open[0], name, ""]
 
     def arguments(self, text: str) -> None:
         if self._open is None or not text:
             return
-        self._open.function.arguments += text
-        index = len(self.tool_calls) - 1
-        delta = self._delta_calls.get(index)
-        if delta is None:
-            self._delta_calls[index] = DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=text))
-        else:
-            delta.function.arguments += text
+        self._open[2] += text
+        delta = self._delta_calls.setdefault(len(self._calls) - 1, [None, None, ""])
+        delta[2] += text
 
     def end_call(self) -> None:
         self._open, self._dropping, self.reader = None, False, None
@@ -166,7 +165,7 @@ class ToolParser:
     def _finish(self) -> None:
         if self.in_call:
             self.end_call()
-        if self._pending_ws and not self.tool_calls:
+        if self._pending_ws and not self._calls:
             self._emit_content(self._pending_ws)
         self._pending_ws = ""
 
@@ -209,14 +208,15 @@ class ToolParser:
             self.reader = CallReader(args_keys)
         reader = self.reader
         try:
-            while self.pos < len(self.text) and not reader.done:
+            while not reader.done:
+                self.pos = reader.feed_run(self.text, self.pos)
+                if self.pos >= len(self.text):
+                    break
                 reader.feed(self.text[self.pos])
                 self.pos += 1
                 if reader.name is not None and not self.in_call:
                     self.begin_call(reader.name)
-                if self.in_call and len(reader.arguments) > self._args_sent:
-                    self.arguments(reader.arguments[self._args_sent:])
-                    self._args_sent = len(reader.arguments)
+            self._send_arguments(reader.arguments)
             if not reader.done:
                 if final and self.in_call:
                     self.end_call()  # cut short: the call stays as streamed
@@ -225,11 +225,18 @@ class ToolParser:
                 return False
             arguments = reader.finish()
         except ValueError:
+            self._send_arguments(reader.arguments)
             self.fail()
             return False
-        self.arguments(arguments[self._args_sent:])
+        self._send_arguments(arguments)
         self.end_call()
         return True
+
+    def _send_arguments(self, arguments: str) -> None:
+        """The current call's arguments are `arguments` so far: report what is new."""
+        if self.in_call and len(arguments) > self._args_sent:
+            self.arguments(arguments[self._args_sent:])
+            self._args_sent = len(arguments)
 
     def read_arguments(self, final: bool) -> bool:
         """Feed the arguments object at the cursor (its call already begun) to an ArgumentsReader,
@@ -238,14 +245,17 @@ class ToolParser:
             self.reader = ArgumentsReader()
         reader = self.reader
         try:
-            while self.pos < len(self.text) and not reader.done:
-                before = len(reader.text)
+            while not reader.done:
+                self.pos = reader.feed_run(self.text, self.pos)
+                if self.pos >= len(self.text):
+                    break
                 reader.feed(self.text[self.pos])
                 self.pos += 1
-                self.arguments(reader.text[before:])
         except ValueError:
+            self._send_arguments(reader.text)
             self.fail()
             return False
+        self._send_arguments(reader.text)
         if not reader.done:
             if final:
                 self.end_call()

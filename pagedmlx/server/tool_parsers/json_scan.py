@@ -17,6 +17,7 @@ from typing import Optional
 WHITESPACE = " \t\r\n"
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 _NUMBER_CHARS = frozenset("0123456789+-.eE")
+_STRING_SPECIAL = re.compile(r'["\\\x00-\x1f]')  # what ends a run of plain characters inside a string
 _HEX = frozenset("0123456789abcdefABCDEF")
 _LITERALS = ("true", "false", "null")
 # what the scanner expects next
@@ -39,9 +40,16 @@ class JsonScanner:
     def depth(self) -> int:
         return len(self.stack)
 
-    @property
-    def in_string(self) -> bool:
-        return self.state in (STRING, ESCAPE, UNICODE)
+    def plain_run(self, text: str, start: int) -> int:
+        """Inside a string, take the plain characters from `start` on at once (the common case, and
+        the long one: code in an argument); the index of the first one left for feed()."""
+        if self.state != STRING:
+            return start
+        match = _STRING_SPECIAL.search(text, start)
+        end = match.start() if match else len(text)
+        if self._raw is not None:
+            self._raw += text[start:end]
+        return end
 
     def feed(self, ch: str) -> int:
         """Take one character: KEY_END or STRING_END when it closes a depth-1 key or string, else 0."""
@@ -163,6 +171,11 @@ class ArgumentsReader:
     def done(self) -> bool:
         return self.scanner.done
 
+    def feed_run(self, text: str, start: int) -> int:
+        end = self.scanner.plain_run(text, start)
+        self.text += text[start:end]
+        return end
+
     def feed(self, ch: str) -> None:
         if self.scanner.depth == 0 and ch != "{" and ch not in WHITESPACE:
             raise ValueError(f"the arguments must be a JSON object, not start with {ch!r}")
@@ -189,6 +202,14 @@ class CallReader:
     @property
     def done(self) -> bool:
         return self.scanner.done
+
+    def feed_run(self, text: str, start: int) -> int:
+        """feed() for a run of plain string characters from `start`; the index after them."""
+        sc = self.scanner
+        end = sc.plain_run(text, start)
+        if end > start and len(sc.stack) >= 2 and self.key in self.args_keys and not self.args_done:
+            self.arguments += text[start:end]
+        return end
 
     def feed(self, ch: str) -> None:
         sc = self.scanner
