@@ -75,9 +75,9 @@ def check_every_split(make: Callable[[], ChatOutputParser], text: str, expected:
 
 
 class ScriptedSampler:
-    """Stands in for the engine core's sampler: the "model" writes a given reply, chosen by a key
-    found in the request's prompt (then EOS); requests with no key keep the model's own tokens. The
-    reply goes through the real tokenizer and detokenizer, token by token."""
+    """Stands in for the engine core's sampler: the "model" writes a given reply, chosen by the key
+    found last in the request's prompt (then EOS); requests with no key keep the model's own tokens.
+    The reply goes through the real tokenizer and detokenizer, token by token."""
 
     def __init__(self, sampler, tokenizer, replies: dict[str, str]):
         self.sampler, self.tokenizer, self.replies = sampler, tokenizer, replies
@@ -92,7 +92,8 @@ class ScriptedSampler:
             script = self.scripts.get(req.request_id)
             if script is None:
                 prompt = self.tokenizer.decode(req.prompt_token_ids)
-                reply = next((text for key, text in self.replies.items() if key in prompt), None)
+                found = max(((prompt.rfind(key), text) for key, text in self.replies.items()), default=(-1, None))
+                reply = found[1] if found[0] >= 0 else None
                 script = [] if reply is None else [*self.tokenizer.encode(reply), self.tokenizer.eos_token_id]
                 self.scripts[req.request_id] = script
             k = len(req.output_token_ids) + req.num_output_placeholders
