@@ -8,6 +8,7 @@ import random
 from typing import Callable, Iterator, Optional
 
 from pagedmlx.server.chat_parsing import ChatOutputParser
+from utils import ARCHS, make_tokenizer
 
 # (content, reasoning, [(name, arguments)])
 Result = tuple[Optional[str], Optional[str], list[tuple[str, str]]]
@@ -101,3 +102,14 @@ class ScriptedSampler:
                 ids[i] = script[k]
         out.sampled_token_ids = mx.array(ids, dtype=mx.int32)
         return out
+
+
+def template_tokenizer(template: str):
+    """The tests' tiny tokenizer with another chat template (a copy: the cached one stays as it is)."""
+    import copy
+
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    hf = copy.deepcopy(make_tokenizer(ARCHS["llama"]["vocab_size"])._tokenizer)
+    hf.chat_template = template
+    return TokenizerWrapper(hf)

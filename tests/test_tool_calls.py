@@ -3,15 +3,13 @@ every split, and the server end to end with the openai SDK (a scripted "model" w
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 
 import httpx
 import openai
 import pytest
-from mlx_lm.tokenizer_utils import TokenizerWrapper
-from parser_utils import ScriptedSampler, check_every_split, streamed, whole
+from parser_utils import ScriptedSampler, check_every_split, streamed, template_tokenizer, whole
 from pydantic import BaseModel
 from server_utils import MODEL, Served, engine_config, error_of
 from tool_call_fixtures import BY_PARSER, NAMED, REQUIRED, TOOLS, WEATHER
@@ -136,12 +134,6 @@ TEMPLATE = """{%- if tools %}<|im_start|>system
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
 REPLIES = {"#weather": "Let me check.\n" + CALL, "<tool_response": "It is 21 degrees in Paris.",
            "#required": '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]', "#named": '{"city": "Rome"}'}
-
-
-def template_tokenizer(template: str) -> TokenizerWrapper:
-    hf = copy.deepcopy(make_tokenizer(ARCHS["llama"]["vocab_size"])._tokenizer)
-    hf.chat_template = template
-    return TokenizerWrapper(hf)
 
 
 @pytest.fixture(scope="module")

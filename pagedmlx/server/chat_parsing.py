@@ -14,6 +14,9 @@ from pagedmlx.server.tool_parsers import TOOL_PARSERS, ToolParser
 from pagedmlx.server.tool_parsers.forced_tool_parser import NamedToolParser, RequiredToolParser
 
 
+PROMPT_TAIL_TOKENS = 16  # enough for "</think>" and the whitespace after it, in any tokenizer
+
+
 class ChatOutputParser:
     def __init__(self, reasoning: Optional[ReasoningParser], tools: Optional[ToolParser], include_reasoning: bool = True):
         self.reasoning_parser = reasoning
@@ -62,11 +65,12 @@ def _call(delta: Any) -> Any:
     return ToolCall(id=delta.id, function=FunctionCall(name=delta.function.name, arguments=delta.function.arguments))
 
 
-def chat_parser_factory(req: Any, parsing: ChatParsing, tokenizer: Any, params: Any,
-                        forced: bool) -> Optional[Callable[[], ChatOutputParser]]:
+def chat_parser_factory(req: Any, parsing: ChatParsing, tokenizer: Any, params: Any, forced: bool,
+                        prompt: Optional[list[int]] = None) -> Optional[Callable[[], ChatOutputParser]]:
     """A maker of one ChatOutputParser per choice, or None for a plain chat. `forced`: tool_choice
     "required" / named is enforced by a grammar (its output is JSON, read without the tool parser).
-    Adjusts `params` (special tokens kept where a parser's markers are special tokens)."""
+    `prompt`: its token ids (their end tells a reasoning parser whether the template closed the
+    reasoning). Adjusts `params` (special tokens kept where a parser's markers are special tokens)."""
     choice = tool_choice_of(req)
     if forced:
         tool_class: Optional[type[ToolParser]] = (NamedToolParser if isinstance(choice, ChatCompletionNamedToolChoiceParam)
@@ -85,8 +89,10 @@ def chat_parser_factory(req: Any, parsing: ChatParsing, tokenizer: Any, params: 
         if cls is not None and not cls.skip_special_tokens:
             params.skip_special_tokens = False
 
+    tail = tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:]) if reasoning_class and prompt and tokenizer else ""
+
     def make() -> ChatOutputParser:
-        return ChatOutputParser(reasoning_class(tokenizer, req) if reasoning_class else None,
+        return ChatOutputParser(reasoning_class(tokenizer, req, tail) if reasoning_class else None,
                                 tool_class(tokenizer, req) if tool_class else None, req.include_reasoning)
 
     return make

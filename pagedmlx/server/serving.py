@@ -115,7 +115,7 @@ class Serving:
         ids = self.prompts.apply_chat_template(messages, req.add_generation_prompt, tool_text_length(req), **kwargs)
         prep = self._prepare(req, [ids], "messages")
         forced = attach_tool_constraint(req, prep.params)
-        prep.chat_parser = chat_parser_factory(req, self.parsing, self.tokenizer, prep.params, forced)
+        prep.chat_parser = chat_parser_factory(req, self.parsing, self.tokenizer, prep.params, forced, ids)
         return prep
 
     def _prepare(self, req: SamplingRequest, prompts: list[list[int]], prompt_field: str) -> Prepared:

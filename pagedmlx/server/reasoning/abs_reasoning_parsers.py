@@ -14,9 +14,11 @@ from pagedmlx.server.tool_parsers.abstract_tool_parser import partial_marker
 class ReasoningParser:
     skip_special_tokens = True  # False: the markers are special tokens the detokenizer must keep
 
-    def __init__(self, tokenizer: Any = None, request: Any = None):
+    def __init__(self, tokenizer: Any = None, request: Any = None, prompt_tail: str = ""):
+        """`prompt_tail`: the end of the prompt as text (a template may have closed the reasoning there)."""
         self.model_tokenizer = tokenizer
         self.request = request
+        self.prompt_tail = prompt_tail
         kwargs = getattr(request, "chat_template_kwargs", None) or {}
         self.chat_template_kwargs: dict = kwargs if isinstance(kwargs, dict) else {}
         self.text = ""

@@ -16,8 +16,9 @@ class BaseThinkingReasoningParser(ReasoningParser):
     end_token = "</think>"
 
     def thinking(self) -> bool:
-        """Whether the output starts in reasoning (False: a template told the model not to think)."""
-        return True
+        """Whether the output starts in reasoning: not when the prompt ends by closing the block (a
+        template told the model not to think; vLLM's prompt_is_reasoning_end)."""
+        return not self.prompt_tail.rstrip().endswith(self.end_token)
 
     def parse(self, final: bool) -> None:
         if self.mode == "start" and not self._start(final):
@@ -72,7 +73,7 @@ class Qwen3ReasoningParser(BaseThinkingReasoningParser):
     function_start = "<function"
 
     def thinking(self) -> bool:
-        return self.chat_template_kwargs.get("enable_thinking", True) is not False
+        return self.chat_template_kwargs.get("enable_thinking", True) is not False and super().thinking()
 
     def held_markers(self) -> tuple[str, ...]:
         return (self.end_token, self.tool_call_start)

@@ -13,8 +13,8 @@ class GptOssReasoningParser(ReasoningParser):
     skip_special_tokens = False
     harmony = True  # with the `openai` tool parser, that one reads everything (chat_parsing.py)
 
-    def __init__(self, tokenizer: Any = None, request: Any = None):
-        super().__init__(tokenizer, request)
+    def __init__(self, tokenizer: Any = None, request: Any = None, prompt_tail: str = ""):
+        super().__init__(tokenizer, request, prompt_tail)
         self.reader = OpenAIToolParser(tokenizer, request, tools=False)
 
     def extract_reasoning_streaming(self, delta_text: str, finished: bool = False) -> Optional[Any]:
