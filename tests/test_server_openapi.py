@@ -57,6 +57,23 @@ def test_document_lists_what_the_server_answers(served):
     assert "HTTPValidationError" not in doc["components"]["schemas"]
 
 
+def test_document_lists_tool_calling_and_reasoning(served):
+    import httpx
+
+    schemas = httpx.get(served.url + "/openapi.json").json()["components"]["schemas"]
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    assert {"tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "include_reasoning"} <= set(chat)
+    choice = chat["tool_choice"]["anyOf"][0]["oneOf"]
+    assert choice[0]["enum"] == ["none", "auto", "required"]
+    assert choice[1]["$ref"].endswith("/ChatCompletionNamedToolChoiceParam")
+    message = schemas["ChatMessage"]["properties"]
+    assert {"tool_call_id", "tool_calls", "reasoning_content"} <= set(message)
+    for name in ("AssistantMessage", "DeltaMessage"):
+        assert {"reasoning_content", "reasoning", "tool_calls"} <= set(schemas[name]["properties"]), name
+    assert set(schemas["DeltaToolCall"]["properties"]) == {"index", "id", "type", "function"}
+    assert schemas["FunctionDefinition"]["properties"]["name"]["pattern"] == "^[A-Za-z0-9_.-]{1,64}$"
+
+
 def test_schema_fuzzing_finds_no_5xx_and_nothing_undocumented(served):
     schema = schemathesis.openapi.from_url(served.url + "/openapi.json")
     statuses: Counter = Counter()

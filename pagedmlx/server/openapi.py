@@ -15,7 +15,8 @@ from pagedmlx.server.protocol import MAX_TOKEN_ID, ChatCompletionChunk, ErrorRes
 
 ERRORS = {
     400: "Invalid request: a field's type or range, an unknown token id, a prompt or chat that does not fit the "
-         "context, text the tokenizer cannot take. `error.param` names the field.",
+         "context, text the tokenizer cannot take, a tool_choice this server cannot honour (an unknown function, "
+         "\"auto\" without --enable-auto-tool-choice). `error.param` names the field.",
     401: "Missing or wrong API key (`Authorization: Bearer <key>`).",
     404: "Unknown model.",
     408: "The request body did not arrive in time (--body-timeout); the connection is closed.",

@@ -192,13 +192,18 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     # Tool calling (chat_tools.py) and reasoning (server/reasoning/)
-    tools: Optional[list[ChatCompletionToolsParam]] = None
-    tool_choice: Optional[ToolChoice] = None  # default: "auto" with tools, "none" without (OpenAI's)
-    parallel_tool_calls: bool = True  # false: the first call only
-    chat_template_kwargs: Optional[dict[str, Any]] = None  # e.g. {"enable_thinking": false}
-    include_reasoning: bool = True  # vLLM: false drops reasoning_content from the response
-    functions: Optional[list[Any]] = None  # OpenAI's deprecated form of tools: refused, naming tools
-    function_call: Optional[Any] = None  # OpenAI's deprecated form of tool_choice: refused
+    tools: Optional[list[ChatCompletionToolsParam]] = Field(None, description=(
+        "Functions the model may call; they go to the chat template (not with tool_choice \"none\")."))
+    tool_choice: Optional[ToolChoice] = Field(None, description=(
+        "Default \"auto\" with tools (needs the server's --enable-auto-tool-choice), \"none\" without. "
+        "\"required\" and a named function are enforced with guided decoding; a server without it answers 400."))
+    parallel_tool_calls: bool = Field(True, description="false: only the first call is returned.")
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(None, description=(
+        "Extra arguments of the chat template, e.g. {\"enable_thinking\": false}; the template's own "
+        "(tokenize, tools, add_generation_prompt, ...) are refused."))
+    include_reasoning: bool = Field(True, description="vLLM's: false leaves reasoning_content out.")
+    functions: Optional[list[Any]] = Field(None, description="OpenAI's deprecated form of tools: refused (400).")
+    function_call: Optional[Any] = Field(None, description="OpenAI's deprecated form of tool_choice: refused (400).")
 
     def requested_logprobs(self) -> Optional[int]:
         if self.top_logprobs is not None and not self.logprobs:
@@ -303,9 +308,9 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: str = "assistant"
     content: Optional[str] = None
-    reasoning_content: Optional[str] = Omitted()  # with --reasoning-parser (vLLM's field)
-    reasoning: Optional[str] = Omitted()  # the same text under vLLM's newer name
-    tool_calls: Optional[list[ToolCall]] = Omitted()
+    reasoning_content: Optional[str] = Omitted(description="With --reasoning-parser: the model's reasoning (vLLM).")
+    reasoning: Optional[str] = Omitted(description="The same text under vLLM's newer name.")
+    tool_calls: Optional[list[ToolCall]] = Omitted(description="The calls the model made (finish_reason tool_calls).")
 
 
 class ChatChoice(ChoiceBase):
