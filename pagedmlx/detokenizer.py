@@ -20,6 +20,8 @@ class IncrementalDetokenizer:
         self._skip_ids = set(special) if params.skip_special_tokens else set()
         self._stops = params.stop
         self._include_stop = params.include_stop_str_in_output
+        # the token ids that end a request in the core (Scheduler._check_stop)
+        self._stop_ids = set(getattr(tokenizer, "eos_token_ids", None) or ()) | set(params.stop_token_ids)
         self._holdback = max((len(s) for s in self._stops), default=1) - 1
         self.text = ""
         self._num_emitted = 0
@@ -28,11 +30,12 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: Sequence[int], finished: bool,
                stop_terminated: bool = False) -> tuple[str, Optional[str]]:
         """Add tokens; return (text newly ready for the caller, the stop string matched or None).
-        `stop_terminated`: the last token is the EOS or stop token that ended the request; as vLLM,
-        its text is left out (unless include_stop_str_in_output), special token or not."""
+        `stop_terminated`: the core ended the request with "stop"; where its last token is an EOS or
+        stop token id, that token's text is left out, as vLLM (unless include_stop_str_in_output),
+        special token or not (skip_special_tokens=False would show an EOS's text)."""
         if self._stream is None:
             return "", None
-        if stop_terminated and not self._include_stop and new_token_ids:
+        if stop_terminated and not self._include_stop and new_token_ids and new_token_ids[-1] in self._stop_ids:
             new_token_ids = new_token_ids[:-1]
         for t in new_token_ids:
             if t not in self._skip_ids:

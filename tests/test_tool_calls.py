@@ -3,6 +3,7 @@ every split, and the server end to end with the openai SDK (a scripted "model" w
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 
@@ -16,13 +17,16 @@ from tool_call_fixtures import BY_PARSER, NAMED, REQUIRED, TOOLS, WEATHER
 from utils import ARCHS, make_model, make_tokenizer
 
 from pagedmlx.cli import main as cli_main
+from pagedmlx.detokenizer import IncrementalDetokenizer
 from pagedmlx.engine import LLMEngine
 from pagedmlx.server import chat_tools
 from pagedmlx.server.chat_parsing import ChatOutputParser
 from pagedmlx.server.chat_tools import ChatParsing, get_json_schema_from_tools
+from pagedmlx.server.launch import chat_parsing
 from pagedmlx.server.protocol import ChatCompletionRequest
 from pagedmlx.server.tool_parsers import TOOL_PARSERS, detect_tool_parser
 from pagedmlx.server.tool_parsers.forced_tool_parser import NamedToolParser, RequiredToolParser
+from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.server.tool_parsers.json_scan import JsonScanner
 
 
@@ -80,6 +84,19 @@ def test_json_scanner_stops_at_the_first_bad_character(text):
             scanner.feed(ch)
 
 
+def test_a_stop_tokens_text_is_left_out():
+    """skip_special_tokens=False (mistral, harmony) kept the EOS's text in the output; as vLLM, a token
+    that stopped the request is left out (unless include_stop_str_in_output)."""
+    tok = make_tokenizer(ARCHS["llama"]["vocab_size"])
+    ids = [*tok.encode("Done."), tok.eos_token_id]
+
+    def text(finish_reason, **params):
+        detok = IncrementalDetokenizer(tok, SamplingParams(skip_special_tokens=False, **params))
+        return detok.update(ids, True, finish_reason == "stop")[0]
+    assert text("stop") == "Done." and text("stop", include_stop_str_in_output=True) == "Done.<|im_end|>"
+    assert text("length", ignore_eos=True) == "Done.<|im_end|>"  # not what stopped it
+
+
 def test_parser_found_from_the_chat_template():
     def tok(template):
         return type("Tok", (), {"chat_template": template})()
@@ -99,6 +116,17 @@ def test_unknown_or_missing_parser_is_a_startup_error(capsys):
         ChatParsing(reasoning_parser="nope")
     with pytest.raises(ValueError, match="needs --tool-call-parser.*choose one of hermes, qwen3_coder"):
         ChatParsing(enable_auto_tool_choice=True)
+    qwen = type("Tok", (), {"chat_template": "{{ '<tool_call>' }}"})()
+    plain = type("Tok", (), {"chat_template": "{{ m.content }}"})()
+
+    def args(*argv):
+        return argparse.Namespace(enable_auto_tool_choice="--enable-auto-tool-choice" in argv, reasoning_parser=None,
+                                  tool_call_parser=argv[-1] if "--tool-call-parser" in argv else None)
+    assert chat_parsing(args("--enable-auto-tool-choice"), qwen).tool_call_parser == "hermes"  # from the template
+    assert chat_parsing(args("--tool-call-parser", "mistral"), qwen).auto_tools  # named: on, whatever the template
+    assert not chat_parsing(args(), qwen).auto_tools  # off unless asked for
+    with pytest.raises(ValueError, match="choose one of"):
+        chat_parsing(args("--enable-auto-tool-choice"), plain)
 
 
 def test_required_schema_is_vllms():

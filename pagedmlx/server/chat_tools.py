@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from pagedmlx.server.protocol_base import APIError
+from pagedmlx.server.protocol_base import IGNORED_FIELDS, APIError
 from pagedmlx.server.protocol_tools import ChatCompletionNamedToolChoiceParam
 from pagedmlx.server.reasoning import REASONING_PARSERS
 from pagedmlx.server.tool_parsers import TOOL_PARSERS, detect_tool_parser
@@ -91,6 +91,10 @@ def check_tool_request(req: Any, parsing: ChatParsing) -> None:
     if choice == "auto" and not parsing.auto_tools:
         raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
                        'on the server', param="tool_choice" if req.tool_choice is not None else "tools")
+    if choice == "auto" and any(t.function.strict for t in req.tools):
+        # The openai SDK's pydantic_function_tool sets it on every tool: refusing would break its helpers.
+        IGNORED_FIELDS.note("ChatCompletionRequest", {"tools[].function.strict (enforced only with tool_choice "
+                                                      "required / named)"})
 
 
 def _show(choice: Any) -> str:
