@@ -54,12 +54,15 @@ class IgnoredFields:
 
     def note(self, kind: str, names: set[str]) -> None:
         now = time.monotonic()
+        fresh, overflow = [], False
         with self._lock:
-            fresh = sorted(n for n in names if now - self._last.get(n, -float("inf")) >= self.interval
-                           and (n in self._last or len(self._last) < self.max_names))
-            for name in fresh:
-                self._last[name] = now
-            overflow = any(n not in self._last for n in names) and now - self._overflow_logged >= self.interval
+            for name in sorted(names):
+                if name not in self._last and len(self._last) >= self.max_names:
+                    overflow = True
+                elif now - self._last.get(name, -float("inf")) >= self.interval:
+                    self._last[name] = now
+                    fresh.append(name)
+            overflow = overflow and now - self._overflow_logged >= self.interval
             if overflow:
                 self._overflow_logged = now
         for name in fresh:

@@ -28,11 +28,6 @@ class ReasoningParser:
         self.content_text = ""
         self._delta: list[tuple[str, str]] = []
 
-    def adjust_request(self, params: Any) -> Any:
-        if not self.skip_special_tokens:
-            params.skip_special_tokens = False
-        return params
-
     def extract_reasoning(self, model_output: str, request: Any = None) -> tuple[Optional[str], Optional[str]]:
         """(reasoning, content) of a whole response, None where empty."""
         self.extract_reasoning_streaming(model_output, finished=True)

@@ -36,7 +36,7 @@ class ToolParser:
     """Subclasses implement parse(final) over self.text from self.pos, with content(), begin_call(),
     arguments() and end_call() (or read_call / read_arguments), fail() where the text breaks the format."""
 
-    # False: the format's markers are special tokens, which the detokenizer must keep (adjust_request)
+    # False: the format's markers are special tokens, which the detokenizer must keep (chat_parser_factory)
     skip_special_tokens = True
     tool_call_id_factory = staticmethod(make_tool_call_id)
 
@@ -62,12 +62,6 @@ class ToolParser:
         self._delta_calls: dict[int, list[Optional[str]]] = {}  # index -> [id, name, arguments] this delta
 
     # ---- vLLM's entry points ------------------------------------------------------------------
-
-    def adjust_request(self, params: Any) -> Any:
-        """SamplingParams for a request this parser reads: keep special tokens where they are markers."""
-        if not self.skip_special_tokens:
-            params.skip_special_tokens = False
-        return params
 
     def extract_tool_calls(self, model_output: str, request: Any = None) -> ExtractedToolCallInformation:
         self.extract_tool_calls_streaming(model_output, finished=True)
