@@ -84,10 +84,10 @@ class ScriptedSampler:
         self.sampler, self.tokenizer, self.replies = sampler, tokenizer, replies
         self.scripts: dict[str, list[int]] = {}
 
-    def __call__(self, logits, requests):
+    def __call__(self, logits, requests, *args, **kwargs):
         import mlx.core as mx
 
-        out = self.sampler(logits, requests)
+        out = self.sampler(logits, requests, *args, **kwargs)
         ids = out.sampled_token_ids.tolist()
         for i, req in enumerate(requests):
             script = self.scripts.get(req.request_id)

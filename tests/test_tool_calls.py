@@ -231,13 +231,15 @@ def test_raw_stream_chunks_have_openais_shape(served):
 
 
 def test_forced_tool_choice_with_guided_decoding(served, monkeypatch):
-    """What the guided branch makes live: the grammar's constraint goes on the request, and its JSON
-    output becomes the calls. A stand-in StructuredOutputsParams records the constraint."""
+    """What guided decoding makes live: the grammar's constraint goes on the request, and its JSON output
+    becomes the calls. The constraint is recorded on its way (into the real StructuredOutputsParams
+    where this build has one, else into a stand-in)."""
     seen = []
+    real = chat_tools.structured_outputs_class()
 
     def params_class(json):
         seen.append(json)
-        return {"json": json}
+        return real(json=json) if real is not None else {"json": json}
     monkeypatch.setattr(chat_tools, "structured_outputs_class", lambda: params_class)
     client = served.client()
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "#required"}], tools=TOOLS,
@@ -259,7 +261,6 @@ def test_forced_tool_choice_with_guided_decoding(served, monkeypatch):
     ({"tools": None, "tool_choice": "auto"}, "tool_choice", "needs tools"),
     ({"tool_choice": "always"}, "tool_choice", "Input should be 'none', 'auto' or 'required', got 'always'"),
     ({"tool_choice": 3}, "tool_choice", 'tool_choice must be "none", "auto", "required" or {"type": "function"'),
-    ({"tool_choice": "required"}, "tool_choice", "guided decoding"),
     ({"functions": [{"name": "f"}]}, "functions", "send tools"),
     ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs", "may not set tokenize"),
     ({"tools": [WEATHER, WEATHER]}, "tools", "given twice"),
@@ -271,6 +272,14 @@ def test_what_cannot_be_honoured_is_a_400(served, body, param, words):
     assert response.status_code == 400, response.text
     error = error_of(response)
     assert error["param"] == param and words in error["message"], error
+
+
+def test_forced_tool_choice_without_guided_decoding_is_a_400(served, monkeypatch):
+    monkeypatch.setattr(chat_tools, "structured_outputs_class", lambda: None)  # a build without it
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": choice}
+        error = error_of(httpx.post(served.url + "/v1/chat/completions", json=body, timeout=30))
+        assert error["param"] == "tool_choice" and "guided decoding" in error["message"], error
 
 
 def test_auto_needs_a_parser_on_the_server_and_unknown_fields_are_logged(caplog):
