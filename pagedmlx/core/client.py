@@ -121,6 +121,9 @@ class CoreProcess:
                                        f"starting (its error is above)")
 
     def start(self, receive: Receive) -> None:
+        """Hand the core's messages to `receive` from now on (one front end per core)."""
+        if self.thread is not None:
+            raise RuntimeError("this engine core already has a front end")
         self.thread = threading.Thread(target=self._read, args=(receive,), name="pagedmlx-core-output", daemon=True)
         self.thread.start()
 
