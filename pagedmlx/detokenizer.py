@@ -1,9 +1,14 @@
 """Incremental detokenization with stop strings.
 
-Text is produced token by token with mlx-lm's streaming detokenizer. A stop string may be split
-across tokens, so the last (longest stop string - 1) characters are held back until the next
-token shows whether they start a stop string; on a match the text is cut before the stop string
-(or after it, with include_stop_str_in_output).
+Text is produced token by token: by the `tokenizers` library's DecodeStream where the tokenizer is a
+Hugging Face fast tokenizer (Rust, about a microsecond a token; the text is exactly what `decode`
+gives for the output ids, as in vLLM), else by mlx-lm's streaming detokenizer. (mlx-lm's own Python
+detokenizers cost tens of microseconds a token, and building its BPE one reads the whole vocabulary:
+too much for a server's front end at thousands of tokens a second.)
+
+A stop string may be split across tokens, so the last (longest stop string - 1) characters are held
+back until the next token shows whether they start a stop string; on a match the text is cut before
+the stop string (or after it, with include_stop_str_in_output).
 """
 
 from __future__ import annotations
@@ -13,9 +18,37 @@ from typing import Any, Optional, Sequence
 from pagedmlx.sampling_params import SamplingParams
 
 
+class _FastStream:
+    """mlx-lm's streaming detokenizer interface (add_token, finalize, text) over DecodeStream."""
+
+    def __init__(self, backend: Any):
+        from tokenizers.decoders import DecodeStream
+
+        self._backend, self._decoder, self._parts = backend, DecodeStream(skip_special_tokens=False), []
+
+    def add_token(self, token_id: int) -> None:
+        piece = self._decoder.step(self._backend, token_id)
+        if piece:
+            self._parts.append(piece)
+
+    def finalize(self) -> None:
+        pass
+
+    @property
+    def text(self) -> str:
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
+
+def _stream(tokenizer: Any) -> Any:
+    backend = getattr(getattr(tokenizer, "_tokenizer", tokenizer), "backend_tokenizer", None)
+    return _FastStream(backend) if backend is not None else tokenizer.detokenizer
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, params: SamplingParams):
-        self._stream = tokenizer.detokenizer if tokenizer is not None else None
+        self._stream = _stream(tokenizer) if tokenizer is not None else None
         special = getattr(tokenizer, "all_special_ids", None) or []
         self._skip_ids = set(special) if params.skip_special_tokens else set()
         self._stops = params.stop

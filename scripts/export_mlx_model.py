@@ -4,10 +4,16 @@ model folder (config.json, model.safetensors, tokenizer files), so that mlx-lm's
 
   python scripts/export_mlx_model.py default /tmp/smollm2-mlx
   mlx_lm.server --model /tmp/smollm2-mlx
+  python scripts/export_mlx_model.py --tokenizer-only default /tmp/smollm2-tok   # just its tokenizer files
+  python scripts/export_mlx_model.py preset:llama-8b /tmp/llama8b --dtype bfloat16 --tokenizer /tmp/smollm2-tok
+
+`preset:NAME` is a random-weight model of pagedmlx.bench.presets (real widths), sized to the
+tokenizer given, so that served benchmarks detokenize real text.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import sys
@@ -22,16 +28,40 @@ from pagedmlx.loader import load_model  # noqa: E402
 
 
 def main() -> None:
-    if len(sys.argv) != 3:
-        sys.exit(__doc__)
-    name, out = sys.argv[1], Path(sys.argv[2])
-    model, tokenizer = load_model(None if name == "default" else name)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="default, a .gguf file, random:ARCH, preset:NAME, an mlx-lm folder")
+    ap.add_argument("out")
+    ap.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
+    ap.add_argument("--tokenizer", default=None, help="preset: a folder with tokenizer files (default: the tiny one)")
+    ap.add_argument("--tokenizer-only", action="store_true", help="write only the tokenizer files")
+    args = ap.parse_args()
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.model.startswith("preset:"):
+        model, tokenizer = preset_model(args.model[len("preset:"):], args.dtype or "bfloat16", args.tokenizer)
+    else:
+        model, tokenizer = load_model(None if args.model == "default" else args.model)
+        tokenizer = tokenizer._tokenizer
+        if args.dtype:
+            model.set_dtype(getattr(mx, args.dtype))
+    tokenizer.save_pretrained(str(out))
+    if args.tokenizer_only:
+        print(f"wrote {out} (tokenizer, {len(tokenizer)} tokens)")
+        return
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
     config = {k: v for k, v in dataclasses.asdict(model.args).items() if v is not None}
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    tokenizer._tokenizer.save_pretrained(str(out))
     print(f"wrote {out} ({config['model_type']}, {sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e6:.0f} MB)")
+
+
+def preset_model(name: str, dtype: str, tokenizer_dir: str | None):
+    from transformers import AutoTokenizer
+
+    from pagedmlx.bench.presets import random_model
+    from pagedmlx.models.random_model import tiny_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir else tiny_tokenizer()._tokenizer
+    return random_model(name, getattr(mx, dtype), vocab_size=len(tokenizer)), tokenizer
 
 
 if __name__ == "__main__":

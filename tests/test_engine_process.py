@@ -26,13 +26,12 @@ CONFIG = dict(model="random:llama-tiny", block_size=8, num_blocks=128, max_model
 
 
 @pytest.fixture(scope="module")
-def core():
-    """One engine-core process for the tests that leave it running (starting one takes seconds)."""
-    core = CoreProcess(EngineConfig(**CONFIG))
-    yield core
-    if core.is_alive():
-        core.proc.kill()
-    core.join(5)
+def ae():
+    """One engine-core process (and its front end) for the tests that leave it running: starting
+    one takes seconds. Each test runs its own event loop; the front end follows."""
+    ae = AsyncEngine(CoreProcess(EngineConfig(**CONFIG)))
+    yield ae
+    ae.shutdown(timeout=0)
 
 
 async def _collect(ae: AsyncEngine, rid: str, prompt, params) -> list:
@@ -50,11 +49,10 @@ async def _blocks_free(ae: AsyncEngine, timeout: float = 5.0) -> EngineSnapshot:
         await asyncio.sleep(0.02)
 
 
-def test_a_core_process_gives_mlx_lms_tokens_and_its_errors(core):
+def test_a_core_process_gives_mlx_lms_tokens_and_its_errors(ae):
     prompts = [[(7 * i + j) % 500 + 1 for j in range(5 + 3 * i)] for i in range(6)]
 
     async def main():
-        ae = AsyncEngine(core)
         results = await asyncio.gather(*(_collect(ae, str(i), p, GREEDY) for i, p in enumerate(prompts)))
         with pytest.raises(ValueError, match="token ids must be integers"):
             await ae.add_request("bad", [1, 2, 100_000], GREEDY)
@@ -76,9 +74,8 @@ def test_a_core_process_gives_mlx_lms_tokens_and_its_errors(core):
         assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
 
 
-def test_a_consumer_that_leaves_frees_its_pages(core):
+def test_a_consumer_that_leaves_frees_its_pages(ae):
     async def main():
-        ae = AsyncEngine(core)
         stream = await ae.add_request("leaver", list(range(1, 60)), LONG)
         async for out in stream:
             if len(out.token_ids) >= 3:

@@ -104,20 +104,21 @@ def fake_loader() -> None:
     sys.modules["pagedmlx.loader"] = loader  # no real model: the CLI loads through this
 
 
-def core_with_fake_loader(real, args) -> None:
-    """The engine-core process (spawned: a fresh interpreter) loads through the fake loader too."""
+def core_with_fake_loader(args) -> None:
+    """The engine-core process (spawned: a fresh interpreter, where run_engine_core is still the real
+    one) loads through the fake loader too."""
     fake_loader()
-    real(args)
+    from pagedmlx.core import proc
+
+    proc.run_engine_core(args)
 
 
 def serve(argv: list[str]) -> int:
     fake_loader()
-    import functools
-
     from pagedmlx.cli import main
     from pagedmlx.core import proc
 
-    proc.run_engine_core = functools.partial(core_with_fake_loader, proc.run_engine_core)
+    proc.run_engine_core = core_with_fake_loader  # what CoreProcess spawns
     return main(["serve", "--tp", str(TP), *argv])
 
 

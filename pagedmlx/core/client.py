@@ -121,6 +121,9 @@ class CoreProcess:
                                        f"starting (its error is above)")
 
     def start(self, receive: Receive) -> None:
+        """Hand the core's messages to `receive` from now on (one front end per core)."""
+        if self.thread is not None:
+            raise RuntimeError("this engine core already has a front end")
         self.thread = threading.Thread(target=self._read, args=(receive,), name="pagedmlx-core-output", daemon=True)
         self.thread.start()
 
@@ -142,10 +145,13 @@ class CoreProcess:
             logger.warning("the engine core process did not stop in time; killing it")
             self.proc.kill()
             self.proc.join(5)
-        if self.thread is not None and self.thread is not threading.current_thread():
-            self.thread.join(5)
         with self._lock:
-            self._ctx.destroy(linger=0)
+            if self._ctx.closed:  # joined before
+                return
+            self._input.close(linger=0)
+        if self.thread is None:
+            self._output.close(linger=0)
+        self._ctx.term()  # wakes the reader thread, which closes its own socket (zmq sockets stay in their thread)
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def _read(self, receive: Receive) -> None:
@@ -172,5 +178,7 @@ class CoreProcess:
                     receive(("dead", EngineDeadError(
                         f"the engine core process (pid {self.proc.pid}) exited with code {self.proc.exitcode}")))
                     return
-        except zmq.ZMQError:  # the context was destroyed: join() after the end
+        except zmq.ZMQError:  # the context is ending: join()
             return
+        finally:
+            self._output.close(linger=0)

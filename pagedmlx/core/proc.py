@@ -56,7 +56,8 @@ def run_engine_core(args: CoreArgs) -> None:
         core = build_core(args)
     except BaseException as exc:  # noqa: BLE001 - the front end says why and exits
         send(("failed", f"{type(exc).__name__}: {exc}"))
-        ctx.destroy(linger=5000)
+        output.close(linger=5000)
+        ctx.term()
         hard_exit(1)
     from pagedmlx.core.info import CoreInfo
     from pagedmlx.core.loop import CoreLoop
@@ -71,8 +72,10 @@ def run_engine_core(args: CoreArgs) -> None:
         try:
             while True:
                 inbox.put(decode(reader.recv_multipart()))
-        except zmq.ZMQError:  # the context ends with the process
+        except zmq.ZMQError:  # the context is ending (ctx.term below): this thread closes its own socket
             pass
+        finally:
+            reader.close(linger=0)
 
     threading.Thread(target=read, name="pagedmlx-core-input", daemon=True).start()
     code = 0
@@ -84,8 +87,8 @@ def run_engine_core(args: CoreArgs) -> None:
         code = 1
     if hasattr(core, "shutdown"):  # tensor parallelism: the other ranks exit
         core.shutdown()
-    output.close(linger=5000)  # the last messages reach the front end
-    ctx.destroy(linger=0)
+    output.close(linger=5000)  # the last messages reach the front end (up to 5 s) before term() returns
+    ctx.term()
     hard_exit(code)  # skip MLX's teardown: nothing is left to release
 
 

@@ -29,41 +29,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pagedmlx.models.random_model import RANDOM_ARCHS  # noqa: E402
-
-_LLAMA = dict(model_type="llama", rms_norm_eps=1e-5, tie_word_embeddings=False)
-PRESETS = {
-    "small": dict(_LLAMA, hidden_size=512, num_hidden_layers=8, intermediate_size=1408, num_attention_heads=8,
-                  num_key_value_heads=4, vocab_size=32000),
-    "llama-8b": dict(_LLAMA, hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
-                     num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
-    # Gemma 3 27B's widths, 16 of its 62 layers (pattern 6: 5 sliding layers of window 1024 per full one).
-    "gemma3-27b-16l": dict(model_type="gemma3_text", hidden_size=5376, num_hidden_layers=16, intermediate_size=21504,
-                           num_attention_heads=32, num_key_value_heads=16, head_dim=128, query_pre_attn_scalar=168,
-                           sliding_window=1024, sliding_window_pattern=6, vocab_size=262208, rms_norm_eps=1e-6,
-                           max_position_embeddings=131072, rope_theta=1000000.0, rope_local_base_freq=10000.0),
-    "gemma3-small": dict(model_type="gemma3_text", hidden_size=512, num_hidden_layers=6, intermediate_size=1408,
-                         num_attention_heads=8, num_key_value_heads=4, head_dim=64, sliding_window=256,
-                         sliding_window_pattern=3, vocab_size=32000, max_position_embeddings=65536),
-}
-
-
-# Models with recurrent state: real widths, 16 layers (every 4th full attention, the others Gated DeltaNet).
-_QWEN35 = dict(model_type="qwen3_5", num_hidden_layers=16, full_attention_interval=4, head_dim=256,
-               linear_num_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-               vocab_size=248320, rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=262144,
-               rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
-PRESETS.update({
-    "qwen3.5-27b-16l": dict(model_type="qwen3_5", text_config=dict(
-        _QWEN35, model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408, num_attention_heads=24,
-        num_key_value_heads=4, linear_num_value_heads=48)),
-    "qwen3.5-35b-a3b-16l": dict(model_type="qwen3_5_moe", text_config=dict(
-        _QWEN35, model_type="qwen3_5_moe_text", hidden_size=2048, intermediate_size=512, num_attention_heads=16,
-        num_key_value_heads=2, linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8,
-        decoder_sparse_step=1, moe_intermediate_size=512, shared_expert_intermediate_size=512, norm_topk_prob=True)),
-    "qwen3.5-tiny": RANDOM_ARCHS["qwen3_5-tiny"],  # pagedmlx's random:qwen3_5-tiny, for a run on the CPU
-})
-
+from pagedmlx.bench.presets import PRESETS, random_model  # noqa: E402,F401 - the other scripts import them from here
 
 def run_prefill(engine, model, prompt: list[int]) -> tuple[float, float]:
     """(pagedmlx, mlx-lm generate_step) prompt tokens per second: one prompt to its first token."""
@@ -79,19 +45,6 @@ def run_prefill(engine, model, prompt: list[int]) -> tuple[float, float]:
     t = time.perf_counter()
     next(generate_step(mx.array(prompt), model, max_tokens=1))
     return ours, len(prompt) / (time.perf_counter() - t)
-
-
-def random_model(preset: str, dtype: mx.Dtype):
-    """A random-weight model of the preset's architecture (mlx-lm's own class), in `dtype`."""
-    from mlx_lm.utils import _get_classes
-
-    cfg = PRESETS[preset]
-    model_class, args_class = _get_classes(cfg)
-    mx.random.seed(0)
-    model = model_class(args_class.from_dict(cfg))
-    model.set_dtype(dtype)
-    mx.eval(model.parameters())
-    return model
 
 
 def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:

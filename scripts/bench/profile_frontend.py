@@ -105,10 +105,10 @@ async def load(url: str, args: argparse.Namespace, run: Run) -> None:
         run.wall_s, run.client_cpu = time.perf_counter() - t0, time.process_time() - c0
 
 
-def serve_and_load(name: str, cmd: list[str], env: dict, args: argparse.Namespace) -> Run:
+def serve_and_load(name: str, cmd: list[str], env: dict, cwd: str, args: argparse.Namespace) -> Run:
     port = args.port
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([*cmd, "--port", str(port), "--log-level", "warning"], env=env,
+    proc = subprocess.Popen([*cmd, "--port", str(port), "--log-level", "warning"], env=env, cwd=cwd,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300
@@ -176,14 +176,15 @@ def main() -> None:
     targets = []
     for spec in args.config or ["default="]:
         name, _, extra = spec.partition("=")
-        targets.append((name, base + shlex.split(extra), dict(os.environ)))
+        targets.append((name, base + shlex.split(extra), dict(os.environ), os.getcwd()))
     for spec in args.tree:
         name, _, path = spec.partition("=")
-        targets.append((name, base, dict(os.environ, PYTHONPATH=os.path.abspath(path))))
+        path = os.path.abspath(path)  # run from there: `python -m` puts the working folder first on sys.path
+        targets.append((name, base, dict(os.environ, PYTHONPATH=path), path))
     runs = []
     for _ in range(args.repeat):
-        for name, cmd, env in targets:
-            runs.append(serve_and_load(name, cmd, env, args))
+        for name, cmd, env, cwd in targets:
+            runs.append(serve_and_load(name, cmd, env, cwd, args))
             r = runs[-1]
             print(f"{name}: {r.tokens / r.wall_s:.0f} tok/s, front-end {r.per_1k(r.front_cpu):.3f} s / 1k tok, "
                   f"core {r.per_1k(r.core_cpu):.3f}", flush=True)
