@@ -25,8 +25,8 @@ wait_up() {  # port, pid
 
 if [ "${STAGE:-offline}" = offline ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
-  [ -f "$M/config.json" ] || python3 scripts/export_mlx_model.py preset:llama-8b "$M" --dtype bfloat16 \
-    --tokenizer /root/gpu-parts/tok 2>&1 | tail -1
+  [ -f "$M/config.json" ] || python3 scripts/export_mlx_model.py "preset:${PRESET:-llama-8b}" "$M" --dtype bfloat16 \
+    --tokenizer "${TOK:-/root/gpu-parts/tok}" 2>&1 | tail -1
   for b in 64 256; do
     n=$([ $b = 64 ] && echo $N64 || echo $N256)
     $PM bench throughput "$M" --input-len 128 --output-len 256 --num-prompts "$n" --max-num-seqs $b \
