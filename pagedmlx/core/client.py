@@ -175,6 +175,7 @@ class CoreProcess:
                     if message[0] in ("stopped", "dead"):
                         return
                 if exited:
+                    self.proc.join(1)  # reap it: its exit code is known only then
                     receive(("dead", EngineDeadError(
                         f"the engine core process (pid {self.proc.pid}) exited with code {self.proc.exitcode}")))
                     return

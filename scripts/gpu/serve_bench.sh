@@ -30,14 +30,14 @@ if [ "${STAGE:-offline}" = offline ]; then
   for b in 64 256; do
     n=$([ $b = 64 ] && echo $N64 || echo $N256)
     $PM bench throughput "$M" --input-len 128 --output-len 256 --num-prompts "$n" --max-num-seqs $b \
-      --temperature 0 --disable-tqdm --output-json "$OUT/offline$b.json" 2>&1 | tail -2 | tee "$OUT/offline$b.txt"
+      --kv-cache-gb ${KVGB:-24} --temperature 0 --disable-tqdm --output-json "$OUT/offline$b.json" 2>&1 | tail -2 | tee "$OUT/offline$b.txt"
   done
   exit 0
 fi
 
 serve_run() {  # name, extra serve args...
   local name=$1; shift
-  $PM serve "$M" --port 8000 --max-num-seqs 256 "$@" > "$OUT/serve-$name.log" 2>&1 &
+  $PM serve "$M" --port 8000 --max-num-seqs 256 --kv-cache-gb ${KVGB:-24} "$@" > "$OUT/serve-$name.log" 2>&1 &
   local pid=$!
   wait_up 8000 $pid || { echo "$name: the server did not start"; tail -20 "$OUT/serve-$name.log"; return 1; }
   for b in ${CLIENTS:-64 256}; do
