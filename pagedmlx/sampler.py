@@ -2,11 +2,14 @@
 
 Per row, in vLLM v1's order (all in float32):
   logit_bias -> repetition penalty (prompt + output tokens) -> frequency and presence penalties
-  (output tokens) = the *processed* logits. Greedy rows (temperature 0) take their argmax.
+  (output tokens) -> guided rows: the grammar's bitmask (disallowed tokens to -inf) = the *processed*
+  logits. Greedy rows (temperature 0) take their argmax.
   Sampled rows: / temperature -> min_p -> top_k -> top_p (over what top_k kept, renormalised)
   -> argmax(logits + Gumbel noise) over the tokens still allowed.
 Logprobs are log_softmax of the processed logits, before temperature/min_p/top_k/top_p: the
-model's distribution with the penalties and bias the user asked for, whatever way it samples.
+model's distribution with the penalties and bias the user asked for, whatever way it samples. For a
+guided row that is the distribution over the tokens its grammar allows (renormalised; the others
+-inf), as vLLM, which masks the logits before its sampler computes logprobs.
 Top-k/top-p cut by value: tokens tied with the last kept value are kept too.
 
 Randomness is a counter-based hash, noise[r, v] = hash(seed_r, step_r, v) with step_r the number
@@ -131,6 +134,22 @@ def apply_bias_and_penalties(logits: mx.array, requests: Sequence[Request]) -> m
     return logits
 
 
+def apply_grammar_bitmask(logits: mx.array, rows: np.ndarray, words: np.ndarray) -> mx.array:
+    """Guided decoding: rows[i]'s tokens whose bit is clear in words[i] (int32, 32 tokens a word, bit
+    t % 32 of word t // 32) to -inf, on the device in one expression; other rows untouched. Token ids
+    past the words' end (a model's padded rows) are disallowed."""
+    V = logits.shape[1]
+    ids = mx.arange(V, dtype=mx.int32)
+    word = mx.minimum(ids // 32, words.shape[1] - 1)
+    bits = (mx.take(mx.array(words), word, axis=1) >> (ids % 32)) & 1
+    keep = (bits == 1) & (ids < 32 * words.shape[1])
+    if len(rows) == logits.shape[0]:
+        return mx.where(keep, logits, -mx.inf)
+    idx = mx.array(rows)
+    logits[idx] = mx.where(keep, logits[idx], -mx.inf)
+    return logits
+
+
 def _allowed(x: mx.array, top_k: list[int], top_p: list[float], min_p: list[float]) -> mx.array:
     """x (temperature-scaled) with the tokens outside min_p / top_k / top_p set to -inf."""
     V = x.shape[1]
@@ -171,7 +190,8 @@ def _sample_random(logits: mx.array, requests: Sequence[Request]) -> mx.array:
 class Sampler:
     """One call per step: sampled tokens (and logprobs) for rows with different parameters."""
 
-    def __call__(self, logits: mx.array, requests: Sequence[Request]) -> SamplerOutput:
+    def __call__(self, logits: mx.array, requests: Sequence[Request], grammar_bitmask=None) -> SamplerOutput:
+        """grammar_bitmask: the guided rows' masks (structured_outputs.manager.GrammarBitmask) or None."""
         if logits.ndim != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits {logits.shape} do not match {len(requests)} requests")
         if not requests:
@@ -179,6 +199,8 @@ class Sampler:
         V = logits.shape[1]
         params = [r.sampling_params for r in requests]
         logits = apply_bias_and_penalties(logits, requests)
+        if grammar_bitmask is not None:
+            logits = apply_grammar_bitmask(logits, grammar_bitmask.rows, grammar_bitmask.words)
         greedy = [p.greedy for p in params]
         if all(greedy):
             tokens = mx.argmax(logits, axis=-1)
