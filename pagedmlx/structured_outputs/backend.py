@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     from pagedmlx.structured_outputs.params import StructuredOutputsParams
 
 
+DEFAULT_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,64}"
+
+
 def _strip_additional_properties(schema: Any) -> Any:
     """disable_additional_properties: every object schema that says nothing takes only its properties."""
     if isinstance(schema, dict):
@@ -37,8 +40,10 @@ def grammar_text(params: "StructuredOutputsParams") -> str:
         schema = params.json if kind == "json" else {"type": "object"}
         if params.disable_additional_properties:
             schema = _strip_additional_properties(schema)
-        return llguidance.LLMatcher.grammar_from_json_schema(
-            schema, defaults={"whitespace_flexible": not params.disable_any_whitespace})
+        options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
+        if not params.disable_any_whitespace:
+            options["whitespace_pattern"] = params.whitespace_pattern or DEFAULT_WHITESPACE
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(params.regex)
     if kind == "choice":

@@ -25,6 +25,9 @@ class StructuredOutputsParams:
     grammar: Optional[str] = None
     json_object: Optional[bool] = None
     disable_any_whitespace: bool = False  # JSON: no whitespace between tokens (vLLM's name)
+    # JSON: the whitespace allowed between two tokens, a regex; default: up to 64 of space, tab, CR, LF
+    # (vLLM allows any amount: a small model can then loop on newlines until max_tokens)
+    whitespace_pattern: Optional[str] = None
     disable_additional_properties: bool = False  # JSON: objects take only the properties the schema names
     structural_tag: Optional[str] = None  # vLLM's; refused: not supported yet
 
@@ -69,4 +72,5 @@ class StructuredOutputsParams:
     def key(self) -> tuple:
         """What the compiled grammar depends on: the cache key (manager.py)."""
         spec = json.dumps(self.spec, sort_keys=True) if self.kind in ("json", "choice") else self.spec
-        return (self.kind, spec, self.disable_any_whitespace, self.disable_additional_properties)
+        return (self.kind, spec, self.disable_any_whitespace, self.disable_additional_properties,
+                self.whitespace_pattern)
