@@ -126,7 +126,7 @@ class StructuredOutputManager:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(key)
         request.structured_output_request = StructuredOutputRequest(params, future)
-        if not future.done():
+        if not request.structured_output_request.is_ready():  # compiling, or failed already
             self._pending[request.request_id] = request
 
     def take_failed(self) -> list[tuple["Request", str]]:
