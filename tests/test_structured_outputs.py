@@ -373,22 +373,25 @@ def test_openapi_documents_the_fields(served):
 
 # ---- the real default model (slow) ----------------------------------------------------------------------
 
+STR = {"type": "string", "maxLength": 40}  # a 135M model can repeat itself inside a string: give it an end
 REAL_SCHEMAS = {
-    "person": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                                                "city": {"type": "string"}},
+    "person": {"type": "object", "properties": {"name": STR, "age": {"type": "integer"},
+                                                "city": STR},
                "required": ["name", "age", "city"], "additionalProperties": False},
-    "enum": {"type": "object", "properties": {"capital": {"type": "string"},
+    "enum": {"type": "object", "properties": {"capital": STR,
                                               "continent": {"enum": ["Europe", "Asia", "Africa", "America"]}},
              "required": ["capital", "continent"], "additionalProperties": False},
-    "array": {"type": "object", "properties": {"colours": {"type": "array", "items": {"type": "string"},
+    "array": {"type": "object", "properties": {"colours": {"type": "array", "items": STR,
                                                            "minItems": 3, "maxItems": 3}},
               "required": ["colours"], "additionalProperties": False},
     "nested": {"type": "object", "properties": {
-        "book": {"type": "object", "properties": {"title": {"type": "string"}, "year": {"type": "integer"},
-                                                  "author": {"type": "object", "properties": {"name": {"type": "string"}},
-                                                             "required": ["name"]}},
-                 "required": ["title", "year", "author"]}}, "required": ["book"]},
-    "numbers": {"type": "object", "properties": {"celsius": {"type": "number"}, "fahrenheit": {"type": "number"},
+        "book": {"type": "object", "properties": {"title": STR, "year": {"type": "integer"},
+                                                  "author": {"type": "object", "properties": {"name": STR},
+                                                             "required": ["name"], "additionalProperties": False}},
+                 "required": ["title", "year", "author"], "additionalProperties": False}},
+               "required": ["book"], "additionalProperties": False},
+    "numbers": {"type": "object", "properties": {"celsius": {"type": "integer"},
+                                                 "fahrenheit": {"type": "number", "multipleOf": 0.5},
                                                  "boiling": {"type": "boolean"}},
                 "required": ["celsius", "fahrenheit", "boiling"]},
 }
@@ -414,20 +417,23 @@ def test_smollm_guided_outputs_validate_and_unguided_equal_mlx_lm(smollm):
                 json=schema, disable_any_whitespace=ws)))
             names.append(name)
     prompts += [chat("What is the capital of France?"), chat("Is Paris in France? Answer yes or no."),
-                chat("Give a date in ISO format.")]
+                chat("Give a date in ISO format."), chat("Where is Paris? Answer with a JSON object with the keys city and country.")]
     params += [SamplingParams(temperature=0, max_tokens=24),
                SamplingParams(temperature=0, max_tokens=10, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
                SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(
-                   regex=r"[0-9]{4}-[0-9]{2}-[0-9]{2}"))]
+                   regex=r"[0-9]{4}-[0-9]{2}-[0-9]{2}")),
+               SamplingParams(temperature=0, max_tokens=120, structured_outputs=StructuredOutputsParams(json_object=True))]
     outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     for name, out in zip(names, outs):
         assert out.finish_reason == "stop", (name, out.text)
         jsonschema.validate(json.loads(out.text), REAL_SCHEMAS[name])
-    plain, choice, date = outs[len(names):]
+    plain, choice, date, obj = outs[len(names):]
+    print("\n".join(f"{n}: {o.text!r}" for n, o in zip(names + ["plain", "choice", "date", "object"], outs)))
     want = solo_greedy(model, prompts[len(names)], 24, tuple(tok.eos_token_ids))
     assert plain.token_ids == want and "Paris" in plain.text
     assert choice.text in ("yes", "no") and choice.finish_reason == "stop"
     assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", date.text)
+    assert obj.finish_reason == "stop" and isinstance(json.loads(obj.text), dict)
     assert_no_leaks(llm.engine)
 
 
