@@ -412,6 +412,33 @@ def engine_steps(vocab: str, batch: int, guided: int, async_scheduling: bool, st
             "overlapped": engine.stats.num_overlapped}
 
 
+def apply_times(batch: int, vocabs=(49_152, 151_936, 262_144)) -> list[tuple[int, int, float, float]]:
+    """(vocab, guided rows, ms to mask them on the device, ms of an argmax over the batch for scale)."""
+    import mlx.core as mx
+
+    from pagedmlx.sampler import apply_grammar_bitmask
+
+    out = []
+    rng = np.random.default_rng(0)
+    for V in vocabs:
+        logits = mx.random.normal((batch, V))
+        mx.eval(logits)
+        for guided in (batch // 4, batch):
+            words = rng.integers(-2**31, 2**31 - 1, size=(guided, (V + 31) // 32), dtype=np.int64).astype(np.int32)
+            rows = np.arange(0, batch, batch // guided, dtype=np.int32)[:guided]
+            med = []
+            for fn in (lambda: apply_grammar_bitmask(logits, rows, words), lambda: mx.argmax(logits, axis=-1)):
+                mx.eval(fn())
+                ts = []
+                for _ in range(20):
+                    t = time.perf_counter()
+                    mx.eval(fn())
+                    ts.append(time.perf_counter() - t)
+                med.append(statistics.median(ts) * 1e3)
+            out.append((V, guided, *med))
+    return out
+
+
 def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q))
 
@@ -426,6 +453,14 @@ def main() -> int:
     ap.add_argument("--engine", action="store_true", help="only the engine's decode step, guided or not")
     args = ap.parse_args()
     if args.engine:
+        print(f"# {platform.node()} {platform.machine()}, {time.strftime('%Y-%m-%d')}: the sampler's bitmask on the "
+              f"device (MLX {__import__('mlx.core').core.default_device()}), a batch of {args.batch} rows")
+        print()
+        print("| vocabulary | guided rows | mask applied, ms | an argmax over the batch, ms |")
+        print("| --- | --- | --- | --- |")
+        for V, guided, apply_ms, argmax_ms in apply_times(args.batch):
+            print(f"| {V:,} | {guided} | {apply_ms:.2f} | {argmax_ms:.2f} |")
+        print()
         print(f"# {platform.node()} {platform.machine()}, {time.strftime('%Y-%m-%d')}: decode step at batch "
               f"{args.batch}, a quarter guided or none, async scheduling off / on")
         print()
