@@ -266,6 +266,46 @@ def test_grammar_end_stops_like_eos_even_with_ignore_eos():
     assert llm.tokenizer.decode(out.token_ids) == "ab"
 
 
+def test_matcher_resyncs_by_rollback_and_catch_up():
+    """A matcher that holds more or fewer tokens than its request's output is brought back to exactly
+    the output: its next mask equals a fresh matcher's after those tokens."""
+    import numpy as np
+
+    from pagedmlx.request import Request
+    from pagedmlx.structured_outputs.manager import StructuredOutputManager
+
+    tok = make_tokenizer(VOCAB)
+    manager = StructuredOutputManager(tok, tok.eos_token_ids)
+    params = SamplingParams(structured_outputs=guided(json=SCHEMAS["enum"]))
+    text = tok.encode('{"color":"green","size":2}', add_special_tokens=False)
+
+    def mask_after(tokens, consumed):
+        req = Request("r", [1], params)
+        manager.add_request(req)
+        req.structured_output_request._future.result()
+        for t in consumed:
+            req.structured_output_request.accept(t)
+        req.output_token_ids = list(tokens)
+        return manager.grammar_bitmask([req]).words[0], req.structured_output_request.grammar
+
+    want, _ = mask_after(text[:5], text[:5])
+    for consumed in (text[:8], text[:2], []):
+        got, grammar = mask_after(text[:5], consumed)
+        assert np.array_equal(got, want) and grammar.num_processed_tokens == 5
+    assert not np.array_equal(mask_after(text[:2], text[:2])[0], want)
+
+
+def test_n_samples_each_have_their_own_matcher():
+    llm = LLM.from_engine(tiny_engine())
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=100, structured_outputs=guided(json=SCHEMAS["array"]))
+    outs = llm.generate([[3, 4, 5]], params)[0].outputs
+    for out in outs:
+        assert out.finish_reason == "stop"
+        check_output("array", out.text)
+    assert len({o.text for o in outs}) > 1
+    assert llm.engine.structured_output_manager.num_compiles == 1
+
+
 # ---- the server ---------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
