@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "pagedmlx.llm",
     "SamplingParams": "pagedmlx.sampling_params",
+    "StructuredOutputsParams": "pagedmlx.structured_outputs.params",
     "RequestOutput": "pagedmlx.outputs",
     "CompletionOutput": "pagedmlx.outputs",
     "Logprob": "pagedmlx.outputs",
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from pagedmlx.llm import LLM
     from pagedmlx.outputs import CompletionOutput, EngineOutput, Logprob, RequestOutput
     from pagedmlx.sampling_params import SamplingParams
+    from pagedmlx.structured_outputs.params import StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

@@ -74,6 +74,7 @@ class Request:
         self.num_cached_tokens = -1  # prompt tokens found in the prefix cache at first schedule
         self.num_preemptions = 0
         self.block_hashes: list[BlockHash] = []
+        self.structured_output_request: Any = None  # guided decoding: its grammar (structured_outputs/manager.py)
         # Unseeded requests get a random seed so that every row samples the same way.
         self.sampling_seed = (
             sampling_params.seed if sampling_params.seed is not None

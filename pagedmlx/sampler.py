@@ -2,11 +2,14 @@
 
 Per row, in vLLM v1's order (all in float32):
   logit_bias -> repetition penalty (prompt + output tokens) -> frequency and presence penalties
-  (output tokens) = the *processed* logits. Greedy rows (temperature 0) take their argmax.
+  (output tokens) -> guided rows: the grammar's bitmask (disallowed tokens to -inf) = the *processed*
+  logits. Greedy rows (temperature 0) take their argmax.
   Sampled rows: / temperature -> min_p -> top_k -> top_p (over what top_k kept, renormalised)
   -> argmax(logits + Gumbel noise) over the tokens still allowed.
 Logprobs are log_softmax of the processed logits, before temperature/min_p/top_k/top_p: the
-model's distribution with the penalties and bias the user asked for, whatever way it samples.
+model's distribution with the penalties and bias the user asked for, whatever way it samples. For a
+guided row that is the distribution over the tokens its grammar allows (renormalised; the others
+-inf), as vLLM, which masks the logits before its sampler computes logprobs.
 Top-k/top-p cut by value: tokens tied with the last kept value are kept too.
 
 Randomness is a counter-based hash, noise[r, v] = hash(seed_r, step_r, v) with step_r the number
@@ -131,6 +134,29 @@ def apply_bias_and_penalties(logits: mx.array, requests: Sequence[Request]) -> m
     return logits
 
 
+_NEG_INF_BITS = 0xFF800000  # float32 -inf's bit pattern
+
+
+def apply_grammar_bitmask(logits: mx.array, rows: np.ndarray, words: np.ndarray) -> mx.array:
+    """Guided decoding: rows[i]'s tokens whose bit is clear in words[i] (int32, 32 tokens a word, bit
+    t % 32 of word t // 32) to -inf, on the device; other rows untouched. Token ids past the words'
+    end (a model's padded rows) are disallowed.
+
+    Written for MLX's CPU backend, where ternary ops (mx.where) and scatters run an element at a
+    time: the words unpack to 0/1 by shifts, (1 - bit) * 0xFF800000 viewed as float32 is 0.0 or
+    -inf, and that bias is added (x + 0.0 == x): 64 x 49k logits in ~10 ms on a 2-core x86, against
+    ~40 ms with mx.where (docs/benchmarks.md)."""
+    V = logits.shape[1]
+    words = np.asarray(words).view(np.uint32)
+    if words.shape[1] * 32 < V:
+        words = np.pad(words, ((0, 0), (0, -(-V // 32) - words.shape[1])))
+    bits = mx.right_shift(mx.array(words)[:, :, None], mx.arange(32, dtype=mx.uint32)) & 1
+    bias = mx.view((1 - bits) * _NEG_INF_BITS, mx.float32).reshape(len(rows), -1)[:, :V]
+    if len(rows) == logits.shape[0]:
+        return logits + bias
+    return logits.at[mx.array(rows)].add(bias)
+
+
 def _allowed(x: mx.array, top_k: list[int], top_p: list[float], min_p: list[float]) -> mx.array:
     """x (temperature-scaled) with the tokens outside min_p / top_k / top_p set to -inf."""
     V = x.shape[1]
@@ -171,7 +197,8 @@ def _sample_random(logits: mx.array, requests: Sequence[Request]) -> mx.array:
 class Sampler:
     """One call per step: sampled tokens (and logprobs) for rows with different parameters."""
 
-    def __call__(self, logits: mx.array, requests: Sequence[Request]) -> SamplerOutput:
+    def __call__(self, logits: mx.array, requests: Sequence[Request], grammar_bitmask=None) -> SamplerOutput:
+        """grammar_bitmask: the guided rows' masks (structured_outputs.manager.GrammarBitmask) or None."""
         if logits.ndim != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits {logits.shape} do not match {len(requests)} requests")
         if not requests:
@@ -179,6 +206,8 @@ class Sampler:
         V = logits.shape[1]
         params = [r.sampling_params for r in requests]
         logits = apply_bias_and_penalties(logits, requests)
+        if grammar_bitmask is not None:
+            logits = apply_grammar_bitmask(logits, grammar_bitmask.rows, grammar_bitmask.words)
         greedy = [p.greedy for p in params]
         if all(greedy):
             tokens = mx.argmax(logits, axis=-1)

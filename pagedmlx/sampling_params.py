@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+from pagedmlx.structured_outputs.params import StructuredOutputsParams
+
 MAX_SEED = 2**63 - 1
 
 
@@ -39,6 +41,7 @@ class SamplingParams:
     logprobs: Optional[int] = None  # None: none; k: the sampled token's plus the top k
     prompt_logprobs: Optional[int] = None  # as logprobs, for every prompt token after the first
     skip_special_tokens: bool = True
+    structured_outputs: Optional[StructuredOutputsParams] = None  # guided decoding (pagedmlx/structured_outputs/)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -81,6 +84,9 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and 0 <= value <= 20):
                 raise ValueError(f"{name} must be in [0, 20], got {value!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -121,6 +121,7 @@ class Scheduler:
         return finished
 
     def _free(self, request: Request) -> None:
+        request.structured_output_request = None  # guided decoding: its matcher goes with it
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -176,9 +177,13 @@ class Scheduler:
 
         # Then waiting ones, in queue order, while there is budget, room and pages. Not after a
         # preemption: the pages just freed belong to the running requests.
+        compiling: list[Request] = []  # guided requests whose grammar is not ready: they wait (vLLM's WAITING_FOR_FSM)
         while (not preempted and budget > 0 and len(self.waiting) > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting.peek()
+            if req.structured_output_request is not None and not req.structured_output_request.is_ready():
+                compiling.append(self.waiting.pop())
+                continue
             hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(req)
             n = self._num_new_tokens(req, budget, num_hit_tokens, cap)
             if self.kv_cache_manager.allocate_slots(req, n, num_new_computed_tokens=num_hit_tokens,
@@ -193,6 +198,8 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n
+        for req in reversed(compiling):  # back at the head, in their order
+            self.waiting.prepend(req)
 
         kv = self.kv_cache_manager
         out = build_scheduler_output(
@@ -250,6 +257,8 @@ class Scheduler:
                 continue  # aborted, already stopped, or its id now names another request
             req.num_output_placeholders = max(0, req.num_output_placeholders - 1)
             req.append_output_token(token)
+            if req.structured_output_request is not None:  # guided decoding: the grammar takes the token
+                req.structured_output_request.accept(token)
             finished = self._check_stop(req)
             if finished:
                 if req in self.running:
@@ -268,6 +277,8 @@ class Scheduler:
         elif last in params.stop_token_ids:
             req.status = RequestStatus.FINISHED_STOPPED
             req.stop_reason = last
+        elif req.structured_output_request is not None and (ended := req.structured_output_request.finish_status()):
+            req.status = ended  # guided decoding: the grammar has ended (or a token broke it)
         elif self._reaches_length(req):
             req.status = RequestStatus.FINISHED_LENGTH
         return req.is_finished

@@ -200,3 +200,17 @@ def test_serve_answers_503_and_exits_1_when_its_engine_core_dies():
         assert code == 1 and f"the engine core process (pid {core_pid}) exited with code -9" in err, err[-2000:]
     finally:
         server.kill()
+
+
+def test_guided_requests_cross_the_boundary(ae):
+    """A grammar travels with its SamplingParams to the core, which compiles and applies it."""
+    from pagedmlx.structured_outputs.params import StructuredOutputsParams
+
+    choices = ["red", "green", "blue"]
+    params = SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=StructuredOutputsParams(choice=choices))
+
+    async def main():
+        return await asyncio.gather(*(_collect(ae, f"g{i}", [i + 1, 2, 3], params) for i in range(4)))
+
+    for outs in asyncio.run(main()):
+        assert outs[-1].outputs[0].text in choices and outs[-1].outputs[0].finish_reason == "stop"

@@ -313,3 +313,58 @@ def test_property_sampled_token_in_allowed_set(rows, V, data_seed, scale):
         else:
             assert tok in allowed_set(logits[i], p)
         assert tokens(logits[i:i + 1], [make_req(**rows[i])]) == [tok]  # same token alone
+
+
+# --- guided decoding: the grammar's bitmask (pagedmlx/structured_outputs) ----------------------------
+
+def _words(allowed: list[set[int]], vocab: int) -> np.ndarray:
+    """Bitmask rows in llguidance's layout: bit t % 32 of int32 word t // 32."""
+    words = np.zeros((len(allowed), (vocab + 31) // 32), dtype=np.uint32)
+    for i, ids in enumerate(allowed):
+        for t in ids:
+            words[i, t // 32] |= np.uint32(1 << (t % 32))
+    return words.view(np.int32)
+
+
+@pytest.mark.parametrize("rows", [[1, 3], [0, 1, 2, 3]])
+def test_grammar_bitmask_masks_only_its_rows(rows):
+    """Guided rows keep exactly their allowed tokens (bit 31 included: a negative int32 word), the
+    others are untouched; ids past the mask's words (a model's padded rows) are disallowed."""
+    from pagedmlx.sampler import apply_grammar_bitmask
+
+    rng = np.random.default_rng(3)
+    vocab, V = 70, 100  # the tokenizer's 70 ids in 3 words; the model has 100 rows
+    logits = rng.normal(size=(4, V)).astype(np.float32)
+    allowed = [set(rng.choice(vocab, size=5, replace=False).tolist()) | {31, 63} for _ in rows]
+    out = np.array(apply_grammar_bitmask(mx.array(logits), np.array(rows, np.int32), _words(allowed, vocab)))
+    for r in range(4):
+        if r not in rows:
+            assert (out[r] == logits[r]).all()
+            continue
+        ids = allowed[rows.index(r)]
+        keep = np.array([t in ids for t in range(V)])
+        assert (out[r][keep] == logits[r][keep]).all() and np.isneginf(out[r][~keep]).all()
+
+
+def test_sampler_takes_only_allowed_tokens_and_logprobs_renormalise():
+    """Greedy and sampled guided rows take an allowed token whatever the logits say; logprobs are
+    over the allowed tokens (vLLM masks before its logprobs), an unguided row's are unchanged."""
+    from pagedmlx.structured_outputs.manager import GrammarBitmask
+
+    rng = np.random.default_rng(4)
+    V = 64
+    logits = (rng.normal(size=(3, V)) * 3).astype(np.float32)
+    allowed = [{5, 40}, {7, 8, 9}]
+    for temp in (0.0, 1.0):
+        reqs = [make_req(temperature=temp, seed=i, logprobs=3) for i in range(3)]
+        got = sampler(mx.array(logits), reqs, GrammarBitmask(np.array([0, 2], np.int32), _words(allowed, V)))
+        out = to_host(got)
+        assert out[0].token_id in allowed[0] and out[2].token_id in allowed[1]
+        for row, ids in ((0, allowed[0]), (2, allowed[1])):
+            lp = log_softmax(logits[row][sorted(ids)])
+            want = dict(zip(sorted(ids), lp))
+            assert out[row].logprob == pytest.approx(want[out[row].token_id], abs=1e-5)
+            finite = {t: v for t, v in out[row].top_logprobs if np.isfinite(v)}
+            assert set(finite) == ids and all(v == pytest.approx(want[t], abs=1e-5) for t, v in finite.items())
+        full = log_softmax(logits[1])
+        assert out[1].logprob == pytest.approx(full[out[1].token_id], abs=1e-5)

@@ -25,6 +25,7 @@ from pagedmlx.sampler import Sampler, SamplerOutput, to_host
 from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.scheduler import Scheduler
 from pagedmlx.scheduler_output import SchedulerOutput
+from pagedmlx.structured_outputs.manager import StructuredOutputManager
 
 logger = logging.getLogger("pagedmlx")
 
@@ -82,6 +83,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.config, self.kv_cache_manager, self.max_model_len)
         self.sampler = Sampler()
         self.eos_token_ids = tuple(sorted(getattr(tokenizer, "eos_token_ids", None) or ()))
+        self.structured_output_manager = StructuredOutputManager(tokenizer, self.eos_token_ids)  # guided decoding
         # Ids a request may name: rows the model has AND tokens the tokenizer can decode (some models
         # pad their embedding past the tokenizer, and some detokenizers raise on those ids).
         self.vocab_size = min(self.runner.vocab_size, len(tokenizer)) if tokenizer is not None else self.runner.vocab_size
@@ -156,6 +158,7 @@ class EngineCore:
             raise ValueError(f"logit_bias keys must be token ids in [0, {self.vocab_size}), got {bad_bias[:5]}")
         request = Request(request_id, self.check_prompt(prompt_token_ids), params, self.eos_token_ids,
                           arrival_time=arrival_time, priority=priority, cache_salt=cache_salt)
+        self.structured_output_manager.add_request(request)  # guided decoding: compile its grammar off the step loop
         self.scheduler.add_request(request)
         if params.prompt_logprobs is not None:
             self._prompt_lps[request_id] = []
@@ -223,10 +226,14 @@ class EngineCore:
     def _schedule_and_build(self, outputs: list[EngineCoreOutput]) -> Optional[LaunchedStep]:
         """Schedule a step and build its graph; None when nothing is scheduled or building failed
         (then the step's requests are finished with an error, appended to `outputs`)."""
+        for req, error in self.structured_output_manager.take_failed():  # guided decoding: grammars that failed
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR)
+            outputs.append(self._final_output(req, error=error))
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
         self.stats.schedule_s += time.perf_counter() - t0
         if so.is_empty:
+            self.structured_output_manager.wait_for_grammars(0.005)  # guided decoding: only grammars compiling
             return None
         try:
             return self._build(so)
@@ -235,11 +242,13 @@ class EngineCore:
             return None
 
     def _can_overlap(self) -> bool:
-        """Overlap unless penalties need every earlier token on the host, or fewer requests run
-        than config.async_min_batch (docs/benchmarks.md, runs 19-20, for why batch 1 overlaps too)."""
+        """Overlap unless penalties need every earlier token on the host, or a guided request's
+        grammar needs its previous token before its next mask, or fewer requests run than
+        config.async_min_batch (docs/benchmarks.md, runs 19-20, for why batch 1 overlaps too)."""
         running = self.scheduler.running
         return (self.async_scheduling and len(running) >= self.config.async_min_batch
-                and not any(r.sampling_params.has_penalties for r in running))
+                and not any(r.sampling_params.has_penalties or r.structured_output_request is not None
+                            for r in running))
 
     def _build(self, so: SchedulerOutput) -> LaunchedStep:
         """Build the step's graph (lazily: nothing runs on the device yet)."""
@@ -252,7 +261,8 @@ class EngineCore:
         if len(so.prompt_logprob_tokens):  # the rows after the sampled ones score prompt tokens
             prompt = self._prompt_logprobs(logits[len(requests):], so)
         if requests:
-            sampled = self.sampler(logits[:len(requests)] if prompt is not None else logits, requests)
+            bitmask = self.structured_output_manager.grammar_bitmask(requests)  # guided rows' masks, or None
+            sampled = self.sampler(logits[:len(requests)] if prompt is not None else logits, requests, bitmask)
             for i, req in enumerate(requests):
                 req.num_output_placeholders += 1
                 req.placeholder_index = i

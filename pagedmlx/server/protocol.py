@@ -15,6 +15,7 @@ from pagedmlx.server.protocol_base import (APIError, ErrorInfo, ErrorResponse, N
                                            RequestModel, Text, _str_or_list, _tagged)
 from pagedmlx.server.protocol_tools import (ChatCompletionToolsParam, DeltaToolCall, MessageToolCall, Omitted,
                                             ToolCall, ToolChoice)
+from pagedmlx.structured_outputs.params import KINDS, StructuredOutputsParams
 
 MAX_TOKEN_ID = 2**31 - 1  # the vocabulary's real bound is checked per model (Serving)
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
@@ -41,6 +42,32 @@ Stop = _tagged(_str_or_list, "stop must be a string or a list of strings", one=N
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(OpenAIModel):
+    name: Text = "response"
+    description: Optional[Text] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None  # the schema is always enforced
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputsField(OpenAIModel):
+    """vLLM's `structured_outputs` request field: one kind, and options."""
+
+    json_: Optional[Union[dict[str, Any], Text]] = Field(None, alias="json")
+    regex: Optional[Text] = None
+    choice: Optional[list[Text]] = None
+    grammar: Optional[Text] = None
+    json_object: Optional[bool] = None
+    structural_tag: Optional[Any] = None  # refused: not supported
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: Optional[Text] = None
 
 
 class SamplingRequest(RequestModel):
@@ -73,6 +100,13 @@ class SamplingRequest(RequestModel):
     return_token_ids: bool = False  # vLLM extension: token ids in every choice / chunk
     cache_salt: Optional[Text] = None  # vLLM extension: isolates this request's prefix-cache entries
     priority: int = 0  # vLLM extension: lower runs first under --scheduling-policy priority
+    # Guided decoding: OpenAI's response_format, vLLM's structured_outputs and its older guided_* names
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsField] = None
+    guided_json: Optional[Union[dict[str, Any], Text]] = None
+    guided_regex: Optional[Text] = None
+    guided_choice: Optional[list[Text]] = None
+    guided_grammar: Optional[Text] = None
 
     @property
     def include_usage(self) -> bool:
@@ -86,6 +120,42 @@ class SamplingRequest(RequestModel):
 
     def requested_prompt_logprobs(self) -> Optional[int]:
         return None
+
+    def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
+        """The request's guided decoding, from whichever field gave it (one kind at most; the options
+        of `structured_outputs` apply to the others too, as vLLM). A 400 names the field."""
+        kinds: list[tuple[str, str, Any]] = []  # (the request's field, its path in messages, kind -> value)
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise APIError(400, "response_format.json_schema.schema is required with type json_schema",
+                               param="response_format")
+            kinds.append(("response_format", "response_format.json_schema.schema", ("json", fmt.json_schema.schema_)))
+        elif fmt is not None and fmt.type == "json_object":
+            kinds.append(("response_format", "response_format", ("json_object", True)))
+        so = self.structured_outputs
+        if so is not None:
+            for kind in KINDS:
+                value = getattr(so, "json_" if kind == "json" else kind)
+                if value not in (None, False):
+                    kinds.append(("structured_outputs", f"structured_outputs.{kind}", (kind, value)))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                kinds.append((f"guided_{kind}", f"guided_{kind}", (kind, value)))
+        if not kinds:
+            return None
+        if len(kinds) > 1:
+            raise APIError(400, f"give one kind of structured output, got {', '.join(k[1] for k in kinds)}",
+                           param=kinds[1][0])
+        field, path, (kind, value) = kinds[0]
+        options = {} if so is None else dict(disable_any_whitespace=so.disable_any_whitespace,
+                                             disable_additional_properties=so.disable_additional_properties,
+                                             whitespace_pattern=so.whitespace_pattern)
+        try:
+            return StructuredOutputsParams(**{kind: value}, **options)
+        except ValueError as exc:
+            raise APIError(400, str(exc).replace(f"structured_outputs.{kind}", path), param=field)
 
     def to_sampling_params(self, max_tokens: int, defaults: Optional[dict] = None) -> SamplingParams:
         """SamplingParams for this request; what it leaves out comes from `defaults` (the model's
@@ -101,12 +171,13 @@ class SamplingRequest(RequestModel):
                      frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty)
         sampling = {k: v for k, v in (defaults or {}).items() if k in given}
         sampling.update({k: v for k, v in given.items() if v is not None})
+        structured = self.structured_outputs_params()
         try:
             return SamplingParams(
                 n=self.n, max_tokens=max_tokens, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
                 include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
                 logit_bias=bias, logprobs=self.requested_logprobs(), prompt_logprobs=self.requested_prompt_logprobs(),
-                skip_special_tokens=self.skip_special_tokens, **sampling)
+                skip_special_tokens=self.skip_special_tokens, structured_outputs=structured, **sampling)
         except ValueError as exc:
             message = str(exc)
             field = message.split(" ", 1)[0].split("[", 1)[0]

@@ -25,7 +25,7 @@ from pagedmlx.server.protocol import (APIError, AssistantMessage, ChatChoice, Ch
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 RETRY_AFTER_503 = "5"  # seconds: a stopping server's supervisor restarts it in about that
-_ENGINE_ERROR_FIELDS = {"logit_bias": "logit_bias", "stop": "stop"}  # an engine ValueError's first word
+_ENGINE_ERROR_FIELDS = {"logit_bias": "logit_bias", "stop": "stop", "structured_outputs": "structured_outputs"}  # an engine ValueError's first word
 
 
 @dataclass
