@@ -48,3 +48,15 @@ def test_coalesce_merges_each_samples_outputs_in_order():
     assert (a.new_token_ids, a.new_text, a.finish_reason, len(a.new_logprobs)) == ([5, 6, 8], "xyz", "length", 3)
     assert (b.new_token_ids, b.new_text, b.finished) == ([7], "p", False)
     assert coalesce([(0, batch[1][1])])[0][1] is batch[1][1]  # one output: as it is
+
+
+def test_a_template_is_refused_where_a_marker_would_be_ambiguous():
+    """Digits of the id are no marker (an index marker once was); a marker is a whole JSON string, so
+    only a model name that is exactly one gets no template: its chunks then go through the model."""
+    ok = ChunkTemplate.of(ChatCompletionChunk(id="chatcmpl-0123456789", model="m", created=1,
+                                              choices=[ChatChunkChoice(index=0, delta=DeltaMessage())]))
+    assert ok is not None and b"0123456789" in ok.render(3, "x", None, None)
+    assert ChunkTemplate.of(CompletionResponse(id="cmpl-1", model="a\x01text\x01b", created=1,
+                                               choices=[CompletionChoice(index=0, text="")])) is not None
+    assert ChunkTemplate.of(CompletionResponse(id="cmpl-1", model="\x01text\x01", created=1,
+                                               choices=[CompletionChoice(index=0, text="")])) is None

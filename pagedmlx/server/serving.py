@@ -281,7 +281,7 @@ class Serving:
         offsets: dict[int, int] = {}
         plain = None
         if not (req.echo or prep.params.logprobs is not None or req.return_token_ids):
-            plain = ChunkTemplate(CompletionResponse(id=rid, model=self.model_name, created=created,
+            plain = ChunkTemplate.of(CompletionResponse(id=rid, model=self.model_name, created=created,
                                                      choices=[CompletionChoice(index=0, text="")]))
 
         async def chunk(i: int, out: EngineOutput) -> Optional[bytes]:
@@ -316,7 +316,7 @@ class Serving:
         firsts = [model(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(prep.n)]
         plain = None
         if not (prep.params.logprobs is not None or req.return_token_ids or prep.chat_parser is not None):
-            plain = ChunkTemplate(model(index=0, delta=DeltaMessage()))
+            plain = ChunkTemplate.of(model(index=0, delta=DeltaMessage()))
         parsers: dict[int, ChatOutputParser] = {}  # tools / reasoning: their own path, through the models
 
         async def chunk(i: int, out: EngineOutput) -> Optional[bytes]:

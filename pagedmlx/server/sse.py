@@ -19,7 +19,7 @@ import msgspec
 
 from pagedmlx.outputs import EngineOutput
 
-_INDEX, _TEXT, _FINISH, _STOP = 123456789, "\x01text\x01", "\x01finish\x01", "\x01stop\x01"
+_INDEX, _TEXT, _FINISH, _STOP = "\x01index\x01", "\x01text\x01", "\x01finish\x01", "\x01stop\x01"
 _json = msgspec.json.Encoder()
 
 
@@ -32,19 +32,29 @@ class ChunkTemplate:
     """The JSON of a chunk model whose one choice has index, text, finish_reason and stop_reason."""
 
     def __init__(self, chunk: Any):
-        """chunk: the stream's chunk model with one choice (index 0, no text, not finished)."""
+        """chunk: the stream's chunk model with one choice (index 0, no text, not finished). Raises
+        ValueError where a marker cannot be placed (an id or model name that holds one)."""
         choice = chunk.choices[0]
-        choice.index, choice.finish_reason, choice.stop_reason = _INDEX, _FINISH, _STOP
+        choice.index, choice.finish_reason, choice.stop_reason = _INDEX, _FINISH, _STOP  # type: ignore[assignment]
         if hasattr(choice, "delta"):
             choice.delta.content = _TEXT
         else:
             choice.text = _TEXT
-        text = chunk.model_dump_json().replace("{", "{{").replace("}", "}}")
-        for marker, field in ((str(_INDEX), "{0}"), (json.dumps(_FINISH), "{1}"), (json.dumps(_STOP), "{2}"),
-                              (json.dumps(_TEXT), "{3}")):
-            assert text.count(marker) == 1, (marker, text)
+        text = chunk.model_dump_json(warnings=False).replace("{", "{{").replace("}", "}}")  # index: a str here
+        for marker, field in ((_INDEX, "{0}"), (_FINISH, "{1}"), (_STOP, "{2}"), (_TEXT, "{3}")):
+            marker = json.dumps(marker)
+            if text.count(marker) != 1:
+                raise ValueError(f"no template for this chunk: {marker} appears {text.count(marker)} times")
             text = text.replace(marker, field)
         self._format = text.format
+
+    @classmethod
+    def of(cls, chunk: Any) -> Optional["ChunkTemplate"]:
+        """The template, or None where it cannot be made (the chunks then go through the model)."""
+        try:
+            return cls(chunk)
+        except ValueError:
+            return None
 
     def render(self, index: int, text: str, finish_reason: Optional[str], stop_reason: Any) -> bytes:
         return event(self._format(index, _value(finish_reason), _value(stop_reason), _value(text)))
