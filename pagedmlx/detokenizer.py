@@ -25,14 +25,18 @@ class _FastStream:
         from tokenizers.decoders import DecodeStream
 
         self._backend, self._decoder, self._parts = backend, DecodeStream(skip_special_tokens=False), []
+        self._ids: list[int] = []
 
     def add_token(self, token_id: int) -> None:
+        self._ids.append(token_id)
         piece = self._decoder.step(self._backend, token_id)
         if piece:
             self._parts.append(piece)
 
     def finalize(self) -> None:
-        pass
+        """Bytes DecodeStream still holds (a character cut by the end) come out as `decode` gives them."""
+        text, full = self.text, self._backend.decode(self._ids, skip_special_tokens=False)
+        self._parts = [text + full[len(text):]] if full.startswith(text) else [full]
 
     @property
     def text(self) -> str:

@@ -37,10 +37,7 @@ class CoreThread:
         self.inbox: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="pagedmlx-engine", daemon=True)
         self._receive: Optional[Receive] = None
-
-    @property
-    def info(self) -> CoreInfo:  # read live: tests and callers may change the core's defaults
-        return CoreInfo.of(self.core)
+        self.info = CoreInfo.of(core)
 
     def start(self, receive: Receive) -> None:
         self._receive = receive
