@@ -210,7 +210,12 @@ def test_guided_requests_cross_the_boundary(ae):
     params = SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=StructuredOutputsParams(choice=choices))
 
     async def main():
-        return await asyncio.gather(*(_collect(ae, f"g{i}", [i + 1, 2, 3], params) for i in range(4)))
+        before = await ae.call(EngineSnapshot.take)
+        results = await asyncio.gather(*(_collect(ae, f"g{i}", [i + 1, 2, 3], params) for i in range(4)))
+        return results, before, await ae.call(EngineSnapshot.take)
 
-    for outs in asyncio.run(main()):
+    results, before, after = asyncio.run(main())
+    for outs in results:
         assert outs[-1].outputs[0].text in choices and outs[-1].outputs[0].finish_reason == "stop"
+    assert after.guided_requests - before.guided_requests == 4  # /metrics: pagedmlx:structured_output_requests
+    assert after.grammar_compiles - before.grammar_compiles <= 1  # one grammar, compiled once

@@ -86,6 +86,7 @@ def _request_row(req: Any, block_ids: list[int], held: dict) -> dict:
         "output_tokens": req.num_output_tokens,
         "cached_tokens": max(req.num_cached_tokens, 0),
         "preemptions": req.num_preemptions,
+        "guided": getattr(req, "structured_output_request", None) is not None,
         "blocks": len(block_ids),
         "shared_blocks": sum(1 for b in block_ids if held[b].ref_cnt > 1),
         "block_table": compress_ranges(block_ids),

@@ -145,7 +145,7 @@ def requests_table(snap: dict, width: int = 100, max_rows: int = 20) -> Table:
         cells = {"prompt": r["prompt_tokens"], "computed": r["computed_tokens"], "output": r["output_tokens"],
                  "cached": r["cached_tokens"], "blocks": r["blocks"],
                  "shared": f"[{STYLES[SHARED]}]{r['shared_blocks']}[/]" if r["shared_blocks"] else "0"}
-        state = r["state"] + (f" ×{r['preemptions']}" if r["preemptions"] else "")
+        state = r["state"] + (f" ×{r['preemptions']}" if r["preemptions"] else "") + (" guided" if r.get("guided") else "")
         table.add_row(short_id(r["id"]), state, *(str(cells[n]) for n in numbers),
                       r["block_table"].replace(",", ", ") or "-")
     return table

@@ -45,6 +45,8 @@ class EngineSnapshot:
     step_tokens: int
     state_checkpoint_hits: int = 0
     state_checkpoints_saved: int = 0
+    guided_requests: int = 0
+    grammar_compiles: int = 0
 
     @classmethod
     def take(cls, engine: EngineCore) -> "EngineSnapshot":
@@ -53,11 +55,12 @@ class EngineSnapshot:
                    m.block_pool.num_cached_free_blocks())
                   for spec, m in zip(kv.kv_cache_config.kv_cache_groups, kv.managers)]
         s = engine.stats
-        state = kv.state_manager
+        state, guided = kv.state_manager, engine.structured_output_manager
         return cls(len(engine.scheduler.running), len(engine.scheduler.waiting), kv.usage, groups,
                    kv.stats.queries, kv.stats.hits,
                    engine.scheduler.num_preemptions, s.num_steps, s.schedule_s, s.forward_s, s.update_s,
-                   s.num_tokens, state.num_checkpoint_hits if state else 0, state.num_checkpoints_saved if state else 0)
+                   s.num_tokens, state.num_checkpoint_hits if state else 0, state.num_checkpoints_saved if state else 0,
+                   guided.num_requests, guided.num_compiles)
 
 
 class ServerMetrics:
@@ -99,11 +102,15 @@ class ServerMetrics:
             "step_forward_s": counter("pagedmlx:step_forward_seconds",
                                       "Step time spent in the forward pass and sampling (device work)."),
             "step_update_s": counter("pagedmlx:step_update_seconds",
-                                     "Step time spent appending tokens, checking stops, detokenizing."),
+                                     "Step time spent appending tokens and checking stops (text is the front end's)."),
             "step_tokens": counter("pagedmlx:step_tokens", "Tokens scheduled over all steps."),
             "state_checkpoint_hits": counter("pagedmlx:state_checkpoint_hits",
                                              "Requests that resumed from a recurrent-state checkpoint."),
             "state_checkpoints_saved": counter("pagedmlx:state_checkpoints_saved", "Recurrent-state checkpoints saved."),
+            "guided_requests": counter("pagedmlx:structured_output_requests",
+                                       "Requests decoded under a grammar (structured outputs, forced tool calls)."),
+            "grammar_compiles": counter("pagedmlx:grammar_compiles",
+                                        "Grammars compiled (the others came from the cache)."),
         }
         self._seen = {name: 0.0 for name in self._engine_counters}
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")

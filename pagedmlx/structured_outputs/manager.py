@@ -97,7 +97,8 @@ class StructuredOutputManager:
         self._cache: OrderedDict[tuple, cf.Future] = OrderedDict()
         self._pending: dict[str, "Request"] = {}  # guided requests whose grammar is still compiling
         self._fill_executor = None  # llguidance's own thread pool for batched mask fills
-        self.num_compiles = 0
+        self.num_compiles = 0  # grammars compiled (the rest came from the cache)
+        self.num_requests = 0  # guided requests added
 
     @property
     def backend(self) -> GuidanceBackend:
@@ -115,6 +116,7 @@ class StructuredOutputManager:
         params = request.sampling_params.structured_outputs
         if params is None:
             return
+        self.num_requests += 1
         backend = self.backend
         key = params.key()
         future = self._cache.get(key)
