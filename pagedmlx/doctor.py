@@ -1,7 +1,7 @@
 """`pagedmlx doctor`: what this machine runs, in a form to paste into a bug report.
 
 It prints the backend and device, whether each paged kernel compiled and passed its check here
-(runner/kernel_check.py, the check the engine runs at load, here with every kernel checked even
+(kernels/check.py, the check the engine runs at load, here with every kernel checked even
 on a GPU that the project trusts), and a decode step's time at a few batch sizes over a long
 context: paged kernels on, off (pages gathered, the path every backend has), and mlx-lm's own
 BatchGenerator on the same random-weight model.
@@ -36,12 +36,12 @@ def run_doctor(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from pagedmlx.platform import backend_name
-    from pagedmlx.runner import kernel_check, paged_kernels
+    from pagedmlx.kernels import build, check, selector
 
     console = Console()
     dtype = getattr(mx, args.dtype)
-    backend = paged_kernels.gpu_backend()
-    console.print(f"[bold]pagedmlx doctor[/]  backend {backend_name()}, device {kernel_check.device_name() or '?'}, "
+    backend = build.gpu_backend()
+    console.print(f"[bold]pagedmlx doctor[/]  backend {backend_name()}, device {selector.device_name() or '?'}, "
                   f"mlx {mx.__version__}, {platform.platform()}")
     checks = Table("check", "result", title="paged kernels (compiled and checked against the gather path)")
     ok = True
@@ -51,8 +51,8 @@ def run_doctor(args: argparse.Namespace) -> int:
         h, kv = MODEL["num_attention_heads"], MODEL["num_key_value_heads"]
         d = MODEL["hidden_size"] // h
         shapes = [(h, kv, d, dt) for dt in (mx.float16, mx.bfloat16, mx.float32)] + [(28, 4, 128, dtype)]
-        for name, passed, detail in kernel_check.run_checks(backend, shapes, args.block_size, True,
-                                                            windows=(None, 100), sinks=(False, True)):
+        for name, passed, detail in check.run_checks(backend, shapes, args.block_size, True,
+                                                     windows=(None, 100), sinks=(False, True)):
             ok &= passed
             checks.add_row(name, "[green]passed[/]" if passed else f"[red]failed[/]: {detail}")
     console.print(checks)
@@ -88,7 +88,7 @@ def _paged_step_ms(model, batch: int, args: argparse.Namespace, kernels: bool) -
     from pagedmlx.config import EngineConfig
     from pagedmlx.request import Request
     from pagedmlx.sampling_params import SamplingParams
-    from pagedmlx.runner.kernel_check import KernelPlan
+    from pagedmlx.kernels.selector import KernelPlan
     from pagedmlx.runner.model import ModelRunner
     from pagedmlx.scheduler_output import build_scheduler_output
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pagedmlx.runner import cuda_state_sources as src  # noqa: E402
-from pagedmlx.runner import paged_kernels  # noqa: E402
+from pagedmlx.kernels import prefill_attention  # noqa: E402
+from pagedmlx.kernels.sources import recurrent_state_cuda as src  # noqa: E402
 
 # What MLX's default header provides to a body (mlx/backend/cuda/device/utils.cuh, reduced to what is
 # visible to kernels: the 16-bit float types, cuda::std, Shape / Strides, cooperative groups, inf).
@@ -83,14 +83,14 @@ def cases():
 
 def prefill_cases():
     """The paged prefill kernels for each head_dim they take, GQA groups of 1..8, window and sinks."""
-    sources = paged_kernels.prefill_sources()
+    sources = prefill_attention.prefill_sources()
     inputs = [("k_pages", None), ("v_pages", None), ("block_table", "int32"), ("segs", "int32"),
               ("tiles", "int32"), ("split_tokens", "int32"), ("scale", "float32"), ("sinks", "float32"),
               ("written", "int32")]
     outputs = {"single": lambda dt: [("out", dt)],
                "split": lambda dt: [("part_acc", "float32"), ("part_m", "float32"), ("part_l", "float32")]}
     for dt in ("bfloat16", "float16"):
-        for d in paged_kernels.PREFILL_HEAD_DIMS:
+        for d in prefill_attention.PREFILL_HEAD_DIMS:
             for g, window, sinks in ((1, 0, 0), (4, 0, 0), (7, 0, 0), (8, 4096, 1)):
                 for kind in ("single", "split"):
                     body, header = sources[kind]

@@ -1,6 +1,6 @@
 """Numpy emulation of the tensor-core kernels' fragment addressing: the decode kernel's for one
-16-token tile (cuda_mma_sources.py), and the prefill kernel's for one stage of KT keys with all 16
-query rows, P taken from S's accumulators (cuda_prefill_sources.py).
+16-token tile (kernels/sources/decode_attention_mma_cuda.py), and the prefill kernel's for one stage
+of KT keys with all 16 query rows, P taken from S's accumulators (kernels/sources/prefill_attention_cuda.py).
 
 It stores K and V tiles as load() does (16-byte chunks swizzled by row), reads them back with the
 kernel's ldmatrix addresses under PTX's m8n8 (and .trans) layouts, multiplies with mma m16n8k16

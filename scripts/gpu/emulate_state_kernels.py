@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pagedmlx.runner import cuda_state_sources as src  # noqa: E402
+from pagedmlx.kernels.sources import recurrent_state_cuda as src  # noqa: E402
 from scripts.gpu.check_cuda_sources import CUDA_TYPES, build  # noqa: E402
 
 HOST = """

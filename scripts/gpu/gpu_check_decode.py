@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pagedmlx.runner import paged_kernels  # noqa: E402
+from pagedmlx.kernels import build, decode_attention, page_write  # noqa: E402
 from pagedmlx.runner.attention import _gather, gather_decode  # noqa: E402
 from pagedmlx.runner.attention_metadata import length_mask  # noqa: E402
 from scripts.bench.bench_attention import VARIANTS, settings  # noqa: E402
@@ -64,11 +64,11 @@ def case(name, *, B, H, n_kv, D, bs, lens, dtype, shared=False, num_blocks=None,
     sink = mx.array(rng.standard_normal(H).astype(np.float32) * 3) if sinks else None
     want = reference(q, k_pages, v_pages, table, seq_lens, scale, window, sink)
     span = int(min(max(lens), window or max(lens)))
-    splits, tokens = paged_kernels.num_splits(B, n_kv, int(max(lens)), window)
+    splits, tokens = decode_attention.num_splits(B, n_kv, int(max(lens)), window)
     results = []
     for forced in sorted({splits, 1, min(4, -(-span // 64))}):
         tok = -(-span // forced)
-        got = paged_kernels.paged_decode(q, k_pages, v_pages, table, seq_lens, scale, -(-span // tok),
+        got = decode_attention.paged_decode(q, k_pages, v_pages, table, seq_lens, scale, -(-span // tok),
                                          mx.array([tok], mx.int32), window=window, sinks=sink,
                                          init_value=float("nan"), settings=variant).astype(mx.float32)
         err = mx.abs(got - want).max().item()
@@ -94,7 +94,7 @@ def write_case(name, *, T, n_kv, D, bs, num_blocks, dtype, seed=0, rounds=8):
     slots[::7] = -1  # skipped rows
     keys = mx.array(rng.standard_normal((T, n_kv, 1, D)).astype(np.float32)).astype(dtype)
     values = mx.array(rng.standard_normal((T, n_kv, 1, D)).astype(np.float32)).astype(dtype)
-    mx.eval(paged_kernels.reshape_and_cache(keys, values, k_pages, v_pages, mx.array(slots)))
+    mx.eval(page_write.reshape_and_cache(keys, values, k_pages, v_pages, mx.array(slots)))
     for i, s in enumerate(slots):
         if s >= 0:
             want_k[s // bs, :, s % bs] = np.array(keys[i, :, 0].astype(mx.float32))
@@ -116,9 +116,9 @@ def write_case(name, *, T, n_kv, D, bs, num_blocks, dtype, seed=0, rounds=8):
         nv = mx.array(rng.standard_normal((B, n_kv, 1, D)).astype(np.float32) * 3).astype(dtype)
         q = mx.array(rng.standard_normal((B, H, D)).astype(np.float32)).astype(dtype)
         seq_lens = mx.array(lens)
-        written = paged_kernels.reshape_and_cache(nk, nv, k_pages, v_pages, mx.array(new_slots))
-        splits, tokens = paged_kernels.num_splits(B, n_kv, int(lens.max()))
-        got = paged_kernels.paged_decode(q, k_pages, v_pages, table, seq_lens, scale, splits,
+        written = page_write.reshape_and_cache(nk, nv, k_pages, v_pages, mx.array(new_slots))
+        splits, tokens = decode_attention.num_splits(B, n_kv, int(lens.max()))
+        got = decode_attention.paged_decode(q, k_pages, v_pages, table, seq_lens, scale, splits,
                                          mx.array([tokens], mx.int32), written, init_value=float("nan"))
         gathered = _gather(k_pages, table + written)
         got, gathered = got.astype(mx.float32), gathered.astype(mx.float32)
@@ -188,7 +188,7 @@ def load_old_kernels(old_dir: str):
             blocks = n_kv
         else:
             threads = 128
-            tpt, vec = paged_kernels.kernel_layout(D, G, k_pages.dtype)
+            tpt, vec = decode_attention.kernel_layout(D, G, k_pages.dtype)
             template = [("T", k_pages.dtype), ("D", D), ("G", G), ("R", 1), ("BS", bs), ("THREADS", threads),
                         ("TPT", tpt), ("VEC", vec), ("U", 2), ("PF", 1)]
             blocks = n_kv
@@ -211,8 +211,8 @@ def bench_old(old_dir: str, layers: int = 32, iters: int = 20) -> bool:
     from scripts.bench.timing import timed_chain
 
     old = load_old_kernels(old_dir)
-    lanes = dataclasses.replace(paged_kernels.SETTINGS["cuda"], mma=0)
-    mma = dataclasses.replace(paged_kernels.SETTINGS["cuda"], mma=1)
+    lanes = dataclasses.replace(decode_attention.SETTINGS["cuda"], mma=0)
+    mma = dataclasses.replace(decode_attention.SETTINGS["cuda"], mma=1)
     rng = np.random.default_rng(0)
     print(f"\nold (00010ee) vs new kernels, ms per layer call, {layers} chained calls, median of {iters}")
     print(f"{'case':>9} | {'lanes old':>9} {'lanes new':>9} {'new/old':>7} | {'mma old':>8} {'mma new':>8} "
@@ -228,12 +228,12 @@ def bench_old(old_dir: str, layers: int = 32, iters: int = 20) -> bool:
         lens = mx.full((B,), S, mx.int32)
         q = mx.random.normal((B, H, D)).astype(dtype)
         scale = D ** -0.5
-        splits, tokens = paged_kernels.num_splits(B, n_kv, S)
+        splits, tokens = decode_attention.num_splits(B, n_kv, S)
         tok = mx.array([tokens], mx.int32)
         sinks = mx.random.normal((H,))
-        wsplits, wtokens = paged_kernels.num_splits(B, n_kv, S, 1024)
+        wsplits, wtokens = decode_attention.num_splits(B, n_kv, S, 1024)
         wtok = mx.array([wtokens], mx.int32)
-        new = {name: (lambda x, st=st: paged_kernels.paged_decode(x, k_pages, v_pages, table, lens, scale, splits,
+        new = {name: (lambda x, st=st: decode_attention.paged_decode(x, k_pages, v_pages, table, lens, scale, splits,
                                                                   tok, settings=st))
                for name, st in (("lanes", lanes), ("mma", mma))}
         t = {}
@@ -246,9 +246,9 @@ def bench_old(old_dir: str, layers: int = 32, iters: int = 20) -> bool:
             ok &= bool(np.isfinite(diff) and diff <= TOL[dtype])
             t[name + " old"] = timed_chain(fo, q, layers, iters)
             t[name + " new"] = timed_chain(new[name], q, layers, iters)
-        t["window"] = timed_chain(lambda x: paged_kernels.paged_decode(
+        t["window"] = timed_chain(lambda x: decode_attention.paged_decode(
             x, k_pages, v_pages, table, lens, scale, wsplits, wtok, window=1024), q, layers, iters)
-        t["sinks"] = timed_chain(lambda x: paged_kernels.paged_decode(
+        t["sinks"] = timed_chain(lambda x: decode_attention.paged_decode(
             x, k_pages, v_pages, table, lens, scale, splits, tok, sinks=sinks), q, layers, iters)
         ms = {k: 1e3 * v for k, v in t.items()}
         print(f"{B:>4}x{S:<5}{'' if dtype == mx.bfloat16 else ' f32'} | {ms['lanes old']:9.3f} {ms['lanes new']:9.3f} "
@@ -266,14 +266,14 @@ def main() -> int:
                     help="also windows and sinks, with the default settings and the lanes kernel (mma=0)")
     ap.add_argument("--bench-old", metavar="OLD_DIR", help="time the kernels before the rewrite against the new")
     args = ap.parse_args()
-    if paged_kernels.gpu_backend() is None:
+    if build.gpu_backend() is None:
         print("SKIP: no GPU backend")
         return 0
     rng = np.random.default_rng(1)
     ok = True
     if args.window_sinks:
         ok &= window_sink_cases(rng)
-        ok &= window_sink_cases(rng, dataclasses.replace(paged_kernels.SETTINGS["cuda"], mma=0), " lanes")
+        ok &= window_sink_cases(rng, dataclasses.replace(decode_attention.SETTINGS["cuda"], mma=0), " lanes")
     for dtype in () if args.skip_default else (mx.bfloat16, mx.float16, mx.float32):
         dn = str(dtype).split(".")[-1]
         ok &= case(f"{dn} llama-8b heads, random lengths", B=16, H=32, n_kv=8, D=128, bs=16,

@@ -20,8 +20,8 @@ import mlx.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pagedmlx.runner import cuda_state, paged_kernels  # noqa: E402
-from pagedmlx.runner.dialect import CUDA  # noqa: E402
+from pagedmlx.kernels import build, recurrent_state  # noqa: E402
+from pagedmlx.kernels.dialect import CUDA  # noqa: E402
 
 TOL = {mx.float32: 2e-3, mx.float16: 2e-2, mx.bfloat16: 4e-2}
 # (B, T, Hk, Hv, Dk, Dv): Qwen3.5-27B's linear attention (16 key heads, 48 value heads, 128 x 128),
@@ -58,7 +58,7 @@ def check_gated_delta() -> int:
             for vec in (False, True):
                 args = inputs(*shape, dtype, vec)
                 want = gated_delta_ops(*args)
-                got = cuda_state.gated_delta(*args, init_value=float("nan"))
+                got = recurrent_state.gated_delta(*args, init_value=float("nan"))
                 err = max(rel(got[0], want[0]), rel(got[1], want[1]))
                 ok = err <= TOL[dtype]
                 failed += not ok
@@ -73,7 +73,7 @@ def check_conv() -> int:
             conv = nn.Conv1d(C, C, K, groups=C, bias=bias)
             conv.set_dtype(dtype)
             x = mx.random.normal((B, L, C)).astype(dtype)
-            err = rel(cuda_state.depthwise_conv1d(x, conv.weight, conv.get("bias"), init_value=float("nan")), conv(x))
+            err = rel(recurrent_state.depthwise_conv1d(x, conv.weight, conv.get("bias"), init_value=float("nan")), conv(x))
             ok = err <= TOL[dtype]
             failed += not ok
             print(f"{'PASS' if ok else 'FAIL'} depthwise_conv C={C} K={K} bias={bias} B={B} L={L} {dtype}: {err:.2e}")
@@ -90,7 +90,7 @@ def check_write_rows() -> int:
         slots = mx.array([3, -1, 17, 39], mx.int32)
         values = mx.random.normal((4, 48, 128, 128)).astype(dtype)
         keep = pool  # a second reference: a scatter would copy; the kernel must still write this very array
-        written = cuda_state.write_rows(values, slots, pool)
+        written = recurrent_state.write_rows(values, slots, pool)
         after = mx.depends(pool[mx.array([17])], written)  # a read ordered after the write in one graph
         mx.eval(written, after)
         want[mx.array([3, 17, 39])] = values[mx.array([0, 2, 3])]
@@ -109,7 +109,7 @@ def timing() -> None:
     for shape in ((64, 1, 16, 48, 128, 128), (1, 512, 16, 48, 128, 128), (1, 2048, 16, 48, 128, 128)):
         args = inputs(*shape, mx.bfloat16)
         mx.eval(args)
-        for name, fn in (("mlx-lm ops", gated_delta_ops), ("kernel", cuda_state.gated_delta)):
+        for name, fn in (("mlx-lm ops", gated_delta_ops), ("kernel", recurrent_state.gated_delta)):
             mx.eval(fn(*args))
             t = time.perf_counter()
             for _ in range(5):
@@ -121,7 +121,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-timing", action="store_true")
     args = parser.parse_args()
-    if paged_kernels.gpu_backend() != CUDA:
+    if build.gpu_backend() != CUDA:
         print("no CUDA device: run this on the GPU machine")
         return 2
     mx.random.seed(0)
