@@ -19,6 +19,7 @@ from pagedmlx.runner.attention import KVPool, PagedLayerCache, install_paged_att
 from pagedmlx.runner.attention_metadata import (WARM_UP_MAX_KEYS, StepMetadata, chunked_prefill_groups,
                                                 sdpa_shape_quantum)
 from pagedmlx.runner.plan import UnsupportedModelError, model_type, plan_layers
+from pagedmlx.runner.selfcheck import check_paged_forward
 from pagedmlx.runner.state import (StateLayerCache, StateMetadata, StatePool, install_regrouping, pages_budget,
                                    state_group)
 from pagedmlx.scheduler_output import SchedulerOutput
@@ -312,8 +313,6 @@ class ModelRunner:
 
     def _check(self) -> Optional[str]:
         """The load-time check; a kernel that fails to build or run counts as a disagreement."""
-        from pagedmlx.runner.selfcheck import check_paged_forward
-
         try:
             return check_paged_forward(self)
         except Exception as exc:  # noqa: BLE001 - MLX raises when a kernel is built or run
