@@ -16,6 +16,7 @@ from pagedmlx.config import EngineConfig
 from pagedmlx.engine import LLMEngine
 from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.kernels import build, check, decode_attention, selector
+from pagedmlx.runner.kernel_paths import kernel_path_lines
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [7, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -88,6 +89,8 @@ def test_a_kernel_that_fails_its_check_is_switched_off_and_the_gather_path_serve
     assert reason in plan.reason and plan.checks[-1][1].startswith("failed")
     warnings = kernel_warnings(caplog)
     assert len(warnings) == 1 and "metal paged kernels off" in warnings[0] and reason in warnings[0]
+    [line] = kernel_path_lines(engine.runner)  # what the server's start-up and `pagedmlx doctor` say
+    assert line.endswith(f"decode gather + SDPA; prefill gather + SDPA; page write MLX scatter ({plan.reason})")
     assert run(engine) == {str(i): solo_greedy(model, p, GREEDY.max_tokens) for i, p in enumerate(PROMPTS)}
 
 
@@ -100,6 +103,9 @@ def test_kernels_that_pass_their_check_serve_decode_rows(on_metal, caplog):
     plan = engine.runner.kernels
     assert plan.decode and not plan.page_write  # Metal: MLX's scatter writes the pages (selector.PAGES_IN_PLACE)
     assert all(result == "passed" for _, result in plan.checks) and not kernel_warnings(caplog)
+    [line] = kernel_path_lines(engine.runner)
+    assert line.endswith(": decode paged decode kernel; prefill gather + SDPA (the prefill kernel is CUDA only); "
+                         "page write MLX scatter (not in place on metal yet)")
     before = len(EmulatedKernel.sources)
     assert run(engine) == {str(i): solo_greedy(model, p, GREEDY.max_tokens) for i, p in enumerate(PROMPTS)}
     assert len(EmulatedKernel.sources) > before and calls  # decode rows went through the kernel

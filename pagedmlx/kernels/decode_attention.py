@@ -115,16 +115,30 @@ def supports_mma(head_dim: int, group: int, dtype: mx.Dtype) -> bool:
     return dtype in (mx.float16, mx.bfloat16) and head_dim in (64, 128, 256) and group <= 8
 
 
-@functools.lru_cache(maxsize=None)
-def supports(head_dim: int, n_heads: int, n_kv_heads: int, dtype: mx.Dtype, backend: Optional[str] = None) -> bool:
+def refusal(head_dim: int, n_heads: int, n_kv_heads: int, dtype: mx.Dtype,
+            backend: Optional[str] = None) -> Optional[str]:
+    """Why the decode kernel does not take heads of this shape; None: it does."""
+    if dtype not in (mx.float16, mx.bfloat16, mx.float32):
+        return f"{str(dtype).split('.')[-1]} pages"
+    if n_heads % n_kv_heads:
+        return f"{n_heads} query heads over {n_kv_heads} KV heads"
     # head_dim 8 (a random test model's) failed to launch on the H200 (cudaGraphAddKernelNode: invalid
     # argument, docs/benchmarks.md run 21) where 16 and up ran; no real model has heads that small.
-    if dtype not in (mx.float16, mx.bfloat16, mx.float32) or n_heads % n_kv_heads or head_dim < 16:
-        return False
+    if head_dim < 16:
+        return f"head_dim {head_dim} < 16"
     s = SETTINGS[backend or build.gpu_backend() or CUDA]
     group = n_heads // n_kv_heads
+    if kernel_layout(head_dim, group, dtype, s.vectors) is None:
+        return f"no lane layout for head_dim {head_dim} with {group} query heads per KV head"
     shared = 4 * (s.threads // 32) * group * (head_dim + 2)  # the SIMD groups' partials: sm_acc, sm_m, sm_l
-    return kernel_layout(head_dim, group, dtype, s.vectors) is not None and shared <= s.shared_bytes
+    if shared > s.shared_bytes:
+        return f"its partials need {shared} bytes of shared memory, more than {s.shared_bytes}"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def supports(head_dim: int, n_heads: int, n_kv_heads: int, dtype: mx.Dtype, backend: Optional[str] = None) -> bool:
+    return refusal(head_dim, n_heads, n_kv_heads, dtype, backend) is None
 
 
 def supports_layer(k_dim: int, v_dim: int, n_heads: int, n_kv_heads: int, dtype: mx.Dtype,
@@ -132,6 +146,21 @@ def supports_layer(k_dim: int, v_dim: int, n_heads: int, n_kv_heads: int, dtype:
     """The decode kernel takes the layer: keys and values of one head_dim, which `supports`. The one
     gate, at load (selector) and per layer call (attention), so the two cannot disagree."""
     return k_dim == v_dim and supports(k_dim, n_heads, n_kv_heads, dtype, backend)
+
+
+def layer_refusal(k_dim: int, v_dim: int, n_heads: int, n_kv_heads: int, dtype: mx.Dtype,
+                  backend: Optional[str] = None) -> Optional[str]:
+    """Why the decode kernel does not take the layer (supports_layer's reason); None: it does."""
+    if k_dim != v_dim:
+        return f"keys of head_dim {k_dim}, values of {v_dim}"
+    return refusal(k_dim, n_heads, n_kv_heads, dtype, backend)
+
+
+def uses_tensor_cores(head_dim: int, group: int, dtype: mx.Dtype, backend: Optional[str],
+                      settings: Optional[Settings] = None) -> bool:
+    """The decode kernel accumulates on tensor cores (CUDA, supports_mma, unless PAGEDMLX_DECODE_MMA=0)."""
+    s = settings or SETTINGS.get(backend)
+    return backend == CUDA and s is not None and bool(s.mma) and supports_mma(head_dim, group, dtype)
 
 
 def num_splits(batch: int, n_kv_heads: int, max_seq_len: int, window: Optional[int] = None,
@@ -173,7 +202,7 @@ def paged_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, block_table:
               build.device_constant(scale, mx.float32), sink_input,
               written if written is not None else build.device_constant(0, mx.int32)]
     flags = [("WINDOW", int(window or 0)), ("SINKS", int(sinks is not None))]
-    use_mma = backend == CUDA and bool(s.mma) and supports_mma(D, G, k_pages.dtype)
+    use_mma = uses_tensor_cores(D, G, k_pages.dtype, backend, s)
     if use_mma:  # two 16-token stages of K and V per warp in 32 KB of shared memory
         threads = 32 * max(1, min(4, 256 // D))
         template = [("T", k_pages.dtype), ("D", D), ("G", G), ("BS", bs), ("THREADS", threads)] + flags

@@ -55,8 +55,20 @@ def _prefill_kernels():
 
 def supports_prefill(k_dim: int, v_dim: int, n_heads: int, n_kv_heads: int, dtype: mx.Dtype) -> bool:
     """The prefill kernel takes the layer: 16-bit floats, one head_dim it is built for, <= 8 heads per KV head."""
-    return (dtype in (mx.float16, mx.bfloat16) and k_dim == v_dim and k_dim in PREFILL_HEAD_DIMS
-            and n_heads % n_kv_heads == 0 and n_heads // n_kv_heads <= PREFILL_MAX_GROUP)
+    return prefill_refusal(k_dim, v_dim, n_heads, n_kv_heads, dtype) is None
+
+
+def prefill_refusal(k_dim: int, v_dim: int, n_heads: int, n_kv_heads: int, dtype: mx.Dtype) -> Optional[str]:
+    """Why the prefill kernel does not take the layer; None: it does."""
+    if dtype not in (mx.float16, mx.bfloat16):
+        return f"{str(dtype).split('.')[-1]} pages (tensor cores: 16-bit floats only)"
+    if k_dim != v_dim:
+        return f"keys of head_dim {k_dim}, values of {v_dim}"
+    if k_dim not in PREFILL_HEAD_DIMS:
+        return f"head_dim {k_dim} (built for {', '.join(map(str, PREFILL_HEAD_DIMS))})"
+    if n_heads % n_kv_heads or n_heads // n_kv_heads > PREFILL_MAX_GROUP:
+        return f"{n_heads} query heads over {n_kv_heads} KV heads (at most {PREFILL_MAX_GROUP} per KV head)"
+    return None
 
 
 def prefill_splits(num_tiles: int, n_kv_heads: int, group: int, max_keys: int) -> tuple[int, int]:

@@ -44,6 +44,7 @@ class KernelPlan:
     prefill: bool = False  # prefill rows of the layers it takes attend through the paged prefill kernel
     checks: list[tuple[str, str]] = field(default_factory=list)  # (check, "passed" | "trusted" | "failed: ...")
     reason: Optional[str] = None  # why the paged kernels are off
+    prefill_reason: Optional[str] = None  # why the prefill kernel is off while the others run
 
     @property
     def paged(self) -> bool:
@@ -88,6 +89,9 @@ def select_kernels(layer_specs: list[tuple[int, int, int, mx.Dtype]], query_head
     prefill_shapes = [x for x in shapes if prefill_attention.supports_prefill(x[2], x[2], x[0], x[1], x[3])]
     plan = KernelPlan(backend, decode=bool(shapes), page_write=PAGES_IN_PLACE.get(backend, False),
                       state=state_layers and backend == CUDA, prefill=prefill and backend == CUDA and bool(prefill_shapes))
+    if not plan.prefill:
+        plan.prefill_reason = ("--no-prefill-kernel" if not prefill else "the prefill kernel is CUDA only"
+                               if backend != CUDA else "no layer shape the prefill kernel takes")
     if not plan.paged:
         return KernelPlan(backend, state=plan.state, reason="no layer shape the decode kernel takes")
     name = device_name()

@@ -180,6 +180,10 @@ def _serve(args: argparse.Namespace, async_engine: Any, console: Any, nofile: tu
     console.print(f"  KV pool: {info.kv_pool}; max_model_len {info.max_model_len}; max_num_seqs {info.max_num_seqs}")
     for line in info.rank_lines:
         console.print(f"  {line}", soft_wrap=True)
+    if info.kernel_lines:
+        console.print("  kernels per KV cache group:")
+    for line in info.kernel_lines:
+        console.print(f"    {line}", soft_wrap=True, markup=False, highlight=False)
     console.print(f"  sampling defaults: {defaults_line(info.generation_defaults, info.model)}")
     console.print(f"  tool calls: {parsing.describe()}; reasoning parser: {parsing.reasoning_parser or 'none'}")
     console.print(f"  API key: {'required' if api_key else 'none'}; admin key: {'set' if admin_key else 'none'}; "
