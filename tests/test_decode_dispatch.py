@@ -1,5 +1,5 @@
 """Decode attention dispatch: the CUDA paged-decode kernel where it runs, the gather path elsewhere.
-The kernel itself is checked on the GPU machine (scripts/gpu/gpu_check_decode.py); here, on the CPU,
+The kernel itself is checked on a GPU (tests/test_gpu_kernels.py, skipped elsewhere); here, on the CPU,
 the dispatch must fall back, and the kernel's launch arithmetic must be right."""
 
 from __future__ import annotations

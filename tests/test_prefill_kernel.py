@@ -1,7 +1,6 @@
-"""The paged prefill kernel (CUDA): its host side on the CPU, its source compiled by nvcc where one is
-installed, and on a CUDA GPU the kernel itself against the reference.
-
-The kernel's tensor-core fragment addressing is emulated in scripts/gpu/emulate_mma_fragments.py.
+"""The paged prefill kernel (CUDA): its host side on the CPU, and on a CUDA GPU the kernel itself
+against the reference. Its source compiled by nvcc: tests/test_cuda_sources.py; its tensor-core
+fragment addressing emulated: tests/test_mma_fragments.py.
 Here `emulate` runs the kernel's tile and split logic (which keys a tile's split reads, through
 which page, under which mask; the merge) in numpy from the very arrays the engine uploads, so the
 engine's tiles are checked against the reference, and a busy engine whose prefill rows go through
@@ -9,11 +8,6 @@ the emulation must give each request mlx-lm's tokens.
 """
 
 from __future__ import annotations
-
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -164,14 +158,6 @@ def test_busy_engine_through_the_prefill_kernels_tiles_equals_solo(arch, monkeyp
     assert_no_leaks(engine)
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc compiles the CUDA source")
-def test_prefill_source_compiles_for_the_h200_without_spills():
-    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "check_cuda_sources.py"
-    r = subprocess.run([sys.executable, str(script), "--only", "prefill single bfloat16 D=128 G=4"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr
-
-
 needs_cuda = pytest.mark.skipif(build.gpu_backend() != CUDA, reason="a CUDA GPU runs the kernel")
 
 
@@ -215,12 +201,3 @@ def test_shapes_are_built_at_start_up_only_where_sdpa_takes_the_chunks_beside_de
         engine.warm_up()
     assert built == [prefill_attention.PREFILL_KERNEL_MAX_QUERY + 1]  # the kernel takes capped chunks: nothing to build
 
-
-@pytest.mark.parametrize("head_dim", prefill_attention.PREFILL_HEAD_DIMS)
-def test_tensor_core_fragments_address_the_right_rows_and_keys(head_dim):
-    """The kernel's ldmatrix addresses, swizzle and mma.sync register layouts, emulated in numpy
-    (scripts/gpu/emulate_mma_fragments.py), give Q K^T and P V for all 16 rows of a warp."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "gpu"))
-    from emulate_mma_fragments import check_prefill as emulate_fragments
-
-    assert max(emulate_fragments(head_dim)) < 1e-9

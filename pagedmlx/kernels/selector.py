@@ -96,7 +96,7 @@ def select_kernels(layer_specs: list[tuple[int, int, int, mx.Dtype]], query_head
         return KernelPlan(backend, state=plan.state, reason="no layer shape the decode kernel takes")
     name = device_name()
     if any(gpu in name for gpu in TRUSTED_GPUS.get(backend, ())):
-        plan.checks.append((f"{name}: checked by scripts/gpu/gpu_check_decode.py", "trusted"))
+        plan.checks.append((f"{name}: checked by tests/test_gpu_kernels.py", "trusted"))
         return plan
     checked = prefill_shapes if plan.prefill else []
     for label, ok, detail in check.run_checks(backend, shapes, block_size, plan.page_write, windows, sinks, checked):
