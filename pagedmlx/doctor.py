@@ -31,7 +31,8 @@ def add_doctor_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--model", action="append", default=None,
                    help="a model whose layers' kernels to show (what `serve` takes: a folder, hub name, .gguf, "
-                        "random:ARCH; repeat for several; default: the timing table's random Llama, --dtype)")
+                        "random:ARCH, preset:NAME in --dtype; repeat for several; default: the timing table's "
+                        "random Llama, --dtype)")
     p.add_argument("--no-timing", action="store_true", help="only the backend, the kernel checks and the layers' kernels")
 
 
@@ -88,7 +89,7 @@ def kernel_paths_table(name, args: argparse.Namespace, dtype):
     else:
         from pagedmlx.loader import load_model
 
-        model, title = load_model(name)[0], name
+        model, title = load_model(name, dtype=args.dtype)[0], name
     table = Table("KV cache group", "kernels (a portable path's reason in parentheses)",
                   title=f"which kernel each layer runs: {escape(title)}")
     try:
