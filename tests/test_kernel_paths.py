@@ -113,3 +113,23 @@ def test_doctor_prints_each_models_kernel_paths():
     assert "which kernel each layer runs: random:qwen3_5-tiny" in text
     assert f"state (layers 0, 2) │ {STATE} (no GPU backend)" in text
     assert f"│ full (layers 0-1) │ {PORTABLE} (no GPU backend) │" in text
+
+
+def test_gemma4_e2b_head_shapes_on_cuda_say_which_layers_leave_the_kernels():
+    """The gemma4-e2b-16l preset's attention shapes (8 query heads over one KV head; head_dim 256 on
+    sliding layers, 512 on full ones), narrow otherwise: what a CUDA plan runs for each group."""
+    cfg = dict(model_type="gemma4_text", hidden_size=64, num_hidden_layers=10, intermediate_size=64,
+               num_attention_heads=8, head_dim=256, global_head_dim=512, num_key_value_heads=1, num_kv_shared_layers=4,
+               hidden_size_per_layer_input=16, vocab_size=512, vocab_size_per_layer_input=512, sliding_window=512,
+               sliding_window_pattern=5, final_logit_softcapping=30.0, use_double_wide_mlp=True, rms_norm_eps=1e-6,
+               max_position_embeddings=4096, tie_word_embeddings=True)
+    model = build_model(cfg)
+    model.set_dtype(mx.bfloat16)
+    runner = ModelRunner(model, EngineConfig(block_size=16, num_blocks=8), verify=False)
+    runner.kernels = KernelPlan("cuda", decode=True, page_write=True, prefill_reason="no layer shape the prefill "
+                                                                                     "kernel takes")
+    assert kernel_path_lines(runner) == [
+        "full (layer 4, KV shared by layer 9): decode gather + SDPA (no lane layout for head_dim 512 with 8 query "
+        "heads per KV head); prefill gather + SDPA (no layer shape the prefill kernel takes); page write kernel, in place",
+        "sliding 512 (layers 0-3, 5, KV shared by layers 6-8): decode paged decode kernel on tensor cores; prefill "
+        "gather + SDPA (no layer shape the prefill kernel takes); page write kernel, in place"]
