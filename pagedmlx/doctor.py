@@ -1,10 +1,12 @@
 """`pagedmlx doctor`: what this machine runs, in a form to paste into a bug report.
 
 It prints the backend and device, whether each paged kernel compiled and passed its check here
-(runner/kernel_check.py, the check the engine runs at load, here with every kernel checked even
-on a GPU that the project trusts), and a decode step's time at a few batch sizes over a long
-context: paged kernels on, off (pages gathered, the path every backend has), and mlx-lm's own
-BatchGenerator on the same random-weight model.
+(kernels/check.py, the check the engine runs at load, here with every kernel checked even
+on a GPU that the project trusts), which kernel each layer of a model runs here (per KV cache
+group, as the server's start-up lines say it: runner/kernel_paths.py, after the model's own
+load-time check), and a decode step's time at a few batch sizes over a long context: paged
+kernels on, off (pages gathered, the path every backend has), and mlx-lm's own BatchGenerator on
+the same random-weight model.
 """
 
 from __future__ import annotations
@@ -27,7 +29,11 @@ def add_doctor_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--steps", type=int, default=10, help="decode steps timed per cell (median)")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--no-timing", action="store_true", help="only the backend and the kernel checks")
+    p.add_argument("--model", action="append", default=None,
+                   help="a model whose layers' kernels to show (what `serve` takes: a folder, hub name, .gguf, "
+                        "random:ARCH, preset:NAME in --dtype; repeat for several; default: the timing table's "
+                        "random Llama, --dtype)")
+    p.add_argument("--no-timing", action="store_true", help="only the backend, the kernel checks and the layers' kernels")
 
 
 def run_doctor(args: argparse.Namespace) -> int:
@@ -36,12 +42,12 @@ def run_doctor(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from pagedmlx.platform import backend_name
-    from pagedmlx.runner import kernel_check, paged_kernels
+    from pagedmlx.kernels import build, check, selector
 
     console = Console()
     dtype = getattr(mx, args.dtype)
-    backend = paged_kernels.gpu_backend()
-    console.print(f"[bold]pagedmlx doctor[/]  backend {backend_name()}, device {kernel_check.device_name() or '?'}, "
+    backend = build.gpu_backend()
+    console.print(f"[bold]pagedmlx doctor[/]  backend {backend_name()}, device {selector.device_name() or '?'}, "
                   f"mlx {mx.__version__}, {platform.platform()}")
     checks = Table("check", "result", title="paged kernels (compiled and checked against the gather path)")
     ok = True
@@ -51,15 +57,50 @@ def run_doctor(args: argparse.Namespace) -> int:
         h, kv = MODEL["num_attention_heads"], MODEL["num_key_value_heads"]
         d = MODEL["hidden_size"] // h
         shapes = [(h, kv, d, dt) for dt in (mx.float16, mx.bfloat16, mx.float32)] + [(28, 4, 128, dtype)]
-        for name, passed, detail in kernel_check.run_checks(backend, shapes, args.block_size, True,
-                                                            windows=(None, 100), sinks=(False, True)):
+        for name, passed, detail in check.run_checks(backend, shapes, args.block_size, True,
+                                                     windows=(None, 100), sinks=(False, True)):
             ok &= passed
             checks.add_row(name, "[green]passed[/]" if passed else f"[red]failed[/]: {detail}")
     console.print(checks)
+    for name in args.model or [None]:
+        console.print(kernel_paths_table(name, args, dtype))
     if args.no_timing:
         return 0 if ok else 1
     console.print(_timing_table(args, dtype, backend is not None))
     return 0 if ok else 1
+
+
+def kernel_paths_table(name, args: argparse.Namespace, dtype):
+    """Which kernel each KV cache group's layers run here, for the model `name` (None: the timing
+    table's random Llama in `dtype`), after the engine's own load-time checks."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from pagedmlx.config import EngineConfig
+    from pagedmlx.runner.kernel_paths import kernel_path_lines
+    from pagedmlx.runner.model import ModelRunner, UnsupportedModelError
+
+    if name is None:
+        from mlx_lm.models import llama
+
+        model = llama.Model(llama.ModelArgs.from_dict(MODEL))
+        model.set_dtype(dtype)
+        title = f"random {MODEL['num_hidden_layers']}-layer llama, {args.dtype}"
+    else:
+        from pagedmlx.loader import load_model
+
+        model, title = load_model(name, dtype=args.dtype)[0], name
+    table = Table("KV cache group", "kernels (a portable path's reason in parentheses)",
+                  title=f"which kernel each layer runs: {escape(title)}")
+    try:
+        runner = ModelRunner(model, EngineConfig(block_size=args.block_size, num_blocks=64))
+    except UnsupportedModelError as exc:
+        table.add_row("-", f"[red]refused[/]: {escape(str(exc))}")
+        return table
+    for line in kernel_path_lines(runner):
+        group, _, paths = line.partition(": ")
+        table.add_row(escape(group), escape(paths))
+    return table
 
 
 def _timing_table(args: argparse.Namespace, dtype, kernels: bool):
@@ -88,7 +129,7 @@ def _paged_step_ms(model, batch: int, args: argparse.Namespace, kernels: bool) -
     from pagedmlx.config import EngineConfig
     from pagedmlx.request import Request
     from pagedmlx.sampling_params import SamplingParams
-    from pagedmlx.runner.kernel_check import KernelPlan
+    from pagedmlx.kernels.selector import KernelPlan
     from pagedmlx.runner.model import ModelRunner
     from pagedmlx.scheduler_output import build_scheduler_output
 

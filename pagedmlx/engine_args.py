@@ -10,8 +10,10 @@ from typing import Optional
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Options shared by every subcommand that builds an engine (vLLM's names)."""
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="mlx-lm folder or hub name, a .gguf file, or random:llama-tiny (a random-weight test "
-                        "model) (default: SmolLM2-135M-Instruct)")
+                   help="mlx-lm folder or hub name, a .gguf file, random:llama-tiny (a random-weight test model) "
+                        "or preset:NAME (random weights at a real model's widths, in --dtype: llama-8b, "
+                        "gemma3-27b-16l, gemma4-e2b-16l, qwen3.5-27b-16l, qwen3.6-35b-a3b-16l, ...) "
+                        "(default: SmolLM2-135M-Instruct)")
     p.add_argument("--model", default=None, help="the same as MODEL")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
     pool = p.add_mutually_exclusive_group()

@@ -150,7 +150,7 @@ def _tp_engine(model: Any, tokenizer: Any, size: int, timeout: float, config: di
     by_name = not isinstance(model, nn.Module)
     name = model if by_name else None
     if by_name:
-        model, loaded_tokenizer = load_model(name, lazy=True)
+        model, loaded_tokenizer = load_model(name, lazy=True, dtype=config.get("dtype"))
         tokenizer = tokenizer or loaded_tokenizer
     engine_config = EngineConfig(model=name, **config)
     if group is None:

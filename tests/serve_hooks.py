@@ -11,7 +11,7 @@ import types
 
 
 def install(step_sleep: float) -> None:
-    def load_model(name, lazy=False):
+    def load_model(name, lazy=False, dtype=None):
         from utils import make_model, make_tokenizer
 
         return make_model("llama"), make_tokenizer(512)

@@ -1,5 +1,5 @@
 """Decode attention dispatch: the CUDA paged-decode kernel where it runs, the gather path elsewhere.
-The kernel itself is checked on the GPU machine (scripts/gpu/gpu_check_decode.py); here, on the CPU,
+The kernel itself is checked on a GPU (tests/test_gpu_kernels.py, skipped elsewhere); here, on the CPU,
 the dispatch must fall back, and the kernel's launch arithmetic must be right."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ from utils import make_model
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine import LLMEngine
-from pagedmlx.runner import paged_kernels
+from pagedmlx.kernels import build, decode_attention
 from pagedmlx.runner.attention_metadata import StepMetadata
 from pagedmlx.sampling_params import SamplingParams
 
 
 @pytest.mark.skipif(mx.default_device() == mx.gpu, reason="what a machine without a GPU backend does")
 def test_cpu_falls_back_to_the_gather_path():
-    assert paged_kernels.gpu_backend() is None
+    assert build.gpu_backend() is None
     engine = LLMEngine(make_model("llama"), None, EngineConfig(block_size=4, num_blocks=32))
     assert engine.runner.kernel_kv_heads == [0] and not engine.runner.pages_in_place
     assert not engine.runner.kernels.enabled and engine.runner.kernels.reason == "no GPU backend"
@@ -29,39 +29,39 @@ def test_cpu_falls_back_to_the_gather_path():
 
 
 def test_lane_layout_reads_whole_16_byte_vectors():
-    assert paged_kernels.lane_layout(128, mx.bfloat16) == (16, 8)  # 16 lanes x 8 bf16 = one 256-byte row
-    assert paged_kernels.lane_layout(64, mx.float32) == (16, 4)
-    assert paged_kernels.lane_layout(256, mx.float32) == (32, 8)
-    assert paged_kernels.lane_layout(96, mx.bfloat16) is None  # 12 lanes do not divide a warp
-    assert not paged_kernels.supports(80, 32, 8, mx.bfloat16)
-    assert not paged_kernels.supports(128, 32, 6, mx.bfloat16)  # heads not a multiple of KV heads
-    assert paged_kernels.supports(128, 28, 4, mx.bfloat16)  # G = 7
-    assert paged_kernels.supports_layer(128, 128, 28, 4, mx.bfloat16)
-    assert not paged_kernels.supports_layer(192, 128, 16, 16, mx.bfloat16)  # values narrower than keys (MLA-like)
+    assert decode_attention.lane_layout(128, mx.bfloat16) == (16, 8)  # 16 lanes x 8 bf16 = one 256-byte row
+    assert decode_attention.lane_layout(64, mx.float32) == (16, 4)
+    assert decode_attention.lane_layout(256, mx.float32) == (32, 8)
+    assert decode_attention.lane_layout(96, mx.bfloat16) is None  # 12 lanes do not divide a warp
+    assert not decode_attention.supports(80, 32, 8, mx.bfloat16)
+    assert not decode_attention.supports(128, 32, 6, mx.bfloat16)  # heads not a multiple of KV heads
+    assert decode_attention.supports(128, 28, 4, mx.bfloat16)  # G = 7
+    assert decode_attention.supports_layer(128, 128, 28, 4, mx.bfloat16)
+    assert not decode_attention.supports_layer(192, 128, 16, 16, mx.bfloat16)  # values narrower than keys (MLA-like)
 
 
 def test_tensor_core_kernel_takes_16_bit_floats_whole_swizzle_groups_and_small_groups():
-    assert paged_kernels.supports_mma(128, 4, mx.bfloat16) and paged_kernels.supports_mma(64, 1, mx.float16)
-    assert paged_kernels.supports_mma(256, 8, mx.bfloat16)
-    assert not paged_kernels.supports_mma(128, 4, mx.float32)  # no 16-bit operands
-    assert not paged_kernels.supports_mma(96, 4, mx.bfloat16)  # rows of 12 chunks do not swizzle in 8s
-    assert not paged_kernels.supports_mma(128, 16, mx.bfloat16)  # heads fill only rows 0..7 of the tile
+    assert decode_attention.supports_mma(128, 4, mx.bfloat16) and decode_attention.supports_mma(64, 1, mx.float16)
+    assert decode_attention.supports_mma(256, 8, mx.bfloat16)
+    assert not decode_attention.supports_mma(128, 4, mx.float32)  # no 16-bit operands
+    assert not decode_attention.supports_mma(96, 4, mx.bfloat16)  # rows of 12 chunks do not swizzle in 8s
+    assert not decode_attention.supports_mma(128, 16, mx.bfloat16)  # heads fill only rows 0..7 of the tile
 
 
 def test_kernel_layout_takes_two_vectors_per_lane_only_where_registers_allow():
-    assert paged_kernels.kernel_layout(128, 4, mx.bfloat16, vectors=2) == (8, 16)  # Llama-8B: 8 lanes a token
-    assert paged_kernels.kernel_layout(128, 7, mx.bfloat16, vectors=2) == (16, 8)  # 7 x 16 > 64 registers: one
-    assert paged_kernels.kernel_layout(128, 4, mx.bfloat16, vectors=1) == (16, 8)
-    assert paged_kernels.kernel_layout(96, 4, mx.bfloat16, vectors=2) is None
+    assert decode_attention.kernel_layout(128, 4, mx.bfloat16, vectors=2) == (8, 16)  # Llama-8B: 8 lanes a token
+    assert decode_attention.kernel_layout(128, 7, mx.bfloat16, vectors=2) == (16, 8)  # 7 x 16 > 64 registers: one
+    assert decode_attention.kernel_layout(128, 4, mx.bfloat16, vectors=1) == (16, 8)
+    assert decode_attention.kernel_layout(96, 4, mx.bfloat16, vectors=2) is None
 
 
 def test_splits_cover_every_key_and_only_when_sms_would_idle():
     for batch, kv_heads, seq in [(1, 8, 32763), (32, 8, 4096), (64, 8, 1024), (256, 8, 256), (3, 2, 17)]:
-        splits, tokens = paged_kernels.num_splits(batch, kv_heads, seq)
+        splits, tokens = decode_attention.num_splits(batch, kv_heads, seq)
         assert splits * tokens >= seq and (splits - 1) * tokens < seq  # no empty split, none missing
-    assert paged_kernels.num_splits(256, 8, 4096)[0] == 1  # 2,048 thread blocks already fill the GPU
-    assert paged_kernels.num_splits(1, 8, 200)[0] == 1  # short: not worth a merge pass
-    assert paged_kernels.num_splits(1, 8, 32763)[0] == 64  # 512 keys a split
+    assert decode_attention.num_splits(256, 8, 4096)[0] == 1  # 2,048 thread blocks already fill the GPU
+    assert decode_attention.num_splits(1, 8, 200)[0] == 1  # short: not worth a merge pass
+    assert decode_attention.num_splits(1, 8, 32763)[0] == 64  # 512 keys a split
 
 
 def test_step_index_tensors_are_views_of_one_upload_and_equal_the_schedule():
@@ -108,7 +108,7 @@ def test_kernel_path_metadata_carries_slots_and_split_for_the_cuda_kernels():
     md = StepMetadata.build(so, 4, [None], kernel_kv_heads=[2], pages_in_place=True).groups[0]
     assert md.pages_in_place and md.use_decode_kernel and md.write_blocks is None
     assert md.slot_mapping.tolist() == so.slot_mapping[0].tolist() == [150 * 4 + 0]
-    splits, tokens = paged_kernels.num_splits(1, 2, 601)
+    splits, tokens = decode_attention.num_splits(1, 2, 601)
     assert (md.decode_splits, md.decode_split_tokens.tolist()) == (splits, [tokens]) and splits > 1
     assert md.decode_block_table.shape == (1, 151) and md.decode_mask is None
     assert np.array_equal(np.array(md.decode_block_table), so.block_table[0, :1, :151])

@@ -15,7 +15,8 @@ from kernel_emulator import EmulatedKernel, have_compiler
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine import LLMEngine
 from pagedmlx.sampling_params import SamplingParams
-from pagedmlx.runner import kernel_check, paged_kernels
+from pagedmlx.kernels import build, check, decode_attention, selector
+from pagedmlx.runner.kernel_paths import kernel_path_lines
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [7, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -42,7 +43,7 @@ class WrongKernel(EmulatedKernel):
 @pytest.fixture
 def on_metal(monkeypatch):
     """The runner and the kernels see a Metal GPU; `use(factory)` picks the stand-in kernels."""
-    monkeypatch.setattr(paged_kernels, "gpu_backend", lambda: "metal")
+    monkeypatch.setattr(build, "gpu_backend", lambda: "metal")
     monkeypatch.delenv("PAGEDMLX_METAL_KERNELS", raising=False)
     calls = []
 
@@ -50,13 +51,13 @@ def on_metal(monkeypatch):
         def make(*args):
             calls.append(args[1])
             return factory(*args)
-        monkeypatch.setattr(paged_kernels, "make_kernel", make)
-        paged_kernels._kernels.cache_clear()
-        paged_kernels.supports.cache_clear()
+        monkeypatch.setattr(build, "make_kernel", make)
+        decode_attention._kernels.cache_clear()
+        decode_attention.supports.cache_clear()
         return calls
     yield use
-    paged_kernels._kernels.cache_clear()
-    paged_kernels.supports.cache_clear()
+    decode_attention._kernels.cache_clear()
+    decode_attention.supports.cache_clear()
 
 
 def serve(model) -> LLMEngine:
@@ -67,7 +68,7 @@ def serve(model) -> LLMEngine:
 
 
 def kernel_warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.filename == "kernel_check.py"]
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.filename == "selector.py"]
 
 
 def run(engine: LLMEngine) -> dict[str, list[int]]:
@@ -88,6 +89,8 @@ def test_a_kernel_that_fails_its_check_is_switched_off_and_the_gather_path_serve
     assert reason in plan.reason and plan.checks[-1][1].startswith("failed")
     warnings = kernel_warnings(caplog)
     assert len(warnings) == 1 and "metal paged kernels off" in warnings[0] and reason in warnings[0]
+    [line] = kernel_path_lines(engine.runner)  # what the server's start-up and `pagedmlx doctor` say
+    assert line.endswith(f"decode gather + SDPA; prefill gather + SDPA; page write MLX scatter ({plan.reason})")
     assert run(engine) == {str(i): solo_greedy(model, p, GREEDY.max_tokens) for i, p in enumerate(PROMPTS)}
 
 
@@ -98,8 +101,11 @@ def test_kernels_that_pass_their_check_serve_decode_rows(on_metal, caplog):
     with caplog.at_level(logging.WARNING, logger="pagedmlx"):
         engine = serve(model)
     plan = engine.runner.kernels
-    assert plan.decode and not plan.page_write  # Metal: MLX's scatter writes the pages (kernel_check.PAGES_IN_PLACE)
+    assert plan.decode and not plan.page_write  # Metal: MLX's scatter writes the pages (selector.PAGES_IN_PLACE)
     assert all(result == "passed" for _, result in plan.checks) and not kernel_warnings(caplog)
+    [line] = kernel_path_lines(engine.runner)
+    assert line.endswith(": decode paged decode kernel; prefill gather + SDPA (the prefill kernel is CUDA only); "
+                         "page write MLX scatter (not in place on metal yet)")
     before = len(EmulatedKernel.sources)
     assert run(engine) == {str(i): solo_greedy(model, p, GREEDY.max_tokens) for i, p in enumerate(PROMPTS)}
     assert len(EmulatedKernel.sources) > before and calls  # decode rows went through the kernel
@@ -113,25 +119,25 @@ def test_the_environment_switches_the_kernels_off(on_metal, monkeypatch):
 
 
 def test_cuda_kernels_on_the_trusted_gpu_skip_the_check_and_are_checked_elsewhere(monkeypatch):
-    monkeypatch.setattr(paged_kernels, "gpu_backend", lambda: "cuda")
-    monkeypatch.setattr(kernel_check, "run_checks", lambda *a, **k: iter([("decode", False, "disagrees")]))
+    monkeypatch.setattr(build, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(check, "run_checks", lambda *a, **k: iter([("decode", False, "disagrees")]))
     specs, heads = [(8, 128, 128, mx.bfloat16)], [32]
-    monkeypatch.setattr(kernel_check, "device_name", lambda: "NVIDIA H200")
-    trusted = kernel_check.select_kernels(specs, heads, 16)
+    monkeypatch.setattr(selector, "device_name", lambda: "NVIDIA H200")
+    trusted = selector.select_kernels(specs, heads, 16)
     assert trusted.decode and trusted.page_write and trusted.prefill and trusted.checks[0][1] == "trusted"
-    assert not kernel_check.select_kernels(specs, heads, 16, prefill=False).prefill  # --no-prefill-kernel
-    assert not kernel_check.select_kernels([(8, 128, 128, mx.float32)], heads, 16).prefill  # 16-bit only
-    monkeypatch.setattr(kernel_check, "device_name", lambda: "NVIDIA GeForce RTX 4090")
-    other = kernel_check.select_kernels(specs, heads, 16)
+    assert not selector.select_kernels(specs, heads, 16, prefill=False).prefill  # --no-prefill-kernel
+    assert not selector.select_kernels([(8, 128, 128, mx.float32)], heads, 16).prefill  # 16-bit only
+    monkeypatch.setattr(selector, "device_name", lambda: "NVIDIA GeForce RTX 4090")
+    other = selector.select_kernels(specs, heads, 16)
     assert not other.enabled and not other.prefill and other.reason == "decode: disagrees"
 
 
 def test_the_prefill_kernel_is_checked_first_where_it_would_run(monkeypatch):
     checked = []
-    monkeypatch.setattr(kernel_check, "check_prefill", lambda *args: checked.append(args) or "max |difference| 1")
-    monkeypatch.setattr(kernel_check, "check_decode", lambda *args: None)
+    monkeypatch.setattr(check, "check_prefill", lambda *args: checked.append(args) or "max |difference| 1")
+    monkeypatch.setattr(check, "check_decode", lambda *args: None)
     shape = (32, 8, 128, mx.bfloat16)
-    results = list(kernel_check.run_checks("cuda", [shape], 16, False, prefill_shapes=[shape]))
+    results = list(check.run_checks("cuda", [shape], 16, False, prefill_shapes=[shape]))
     assert results == [("prefill H=32 kv=8 D=128 bfloat16", False, "max |difference| 1")]
     assert checked == [(32, 8, 128, mx.bfloat16, 16, None, False)]
 
@@ -139,7 +145,7 @@ def test_the_prefill_kernel_is_checked_first_where_it_would_run(monkeypatch):
 def test_the_check_covers_only_the_variants_the_model_runs(monkeypatch):
     """A model whose layers all use sinks is checked with sinks only (not also a no-sinks build it never runs)."""
     checked = []
-    monkeypatch.setattr(kernel_check, "check_decode", lambda *args: checked.append(args[-2:]))
+    monkeypatch.setattr(check, "check_decode", lambda *args: checked.append(args[-2:]))
     shape = (4, 2, 64, mx.float16)
-    names = [name for name, _, _ in kernel_check.run_checks("metal", [shape], 4, False, (None, 8), sinks=(True,))]
+    names = [name for name, _, _ in check.run_checks("metal", [shape], 4, False, (None, 8), sinks=(True,))]
     assert checked == [(None, True), (8, True)] and all(name.endswith(" sinks") for name in names)

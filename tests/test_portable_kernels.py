@@ -20,10 +20,11 @@ import numpy as np
 import pytest
 from kernel_emulator import EmulatedKernel, have_compiler, metal_source
 
-from pagedmlx.runner import paged_kernels, paged_sources
+from pagedmlx.kernels import build, decode_attention, page_write
+from pagedmlx.kernels.sources import decode_attention as decode_source
 from pagedmlx.runner.attention import gather_decode
 from pagedmlx.runner.attention_metadata import length_mask
-from pagedmlx.runner.dialect import CUDA, METAL, foreign_names, leftover_tokens, render
+from pagedmlx.kernels.dialect import CUDA, METAL, foreign_names, leftover_tokens, render
 
 # (dtype, head_dim, query heads, kv heads): MHA, GQA 4 (Llama), GQA 7 (Qwen), head_dim 64 and 256.
 SHAPES = [(mx.bfloat16, 128, 32, 8), (mx.float16, 64, 8, 8), (mx.float32, 128, 28, 4), (mx.bfloat16, 256, 8, 2),
@@ -37,9 +38,9 @@ def all_sources() -> dict[str, str]:
     out = {}
     for backend in (CUDA, METAL):
         for mma in (False, True) if backend == CUDA else (False,):
-            for kernel, (body, header) in paged_kernels.decode_sources(backend, mma).items():
+            for kernel, (body, header) in decode_attention.decode_sources(backend, mma).items():
                 out[f"{backend} {kernel}{' mma' if mma else ''}"] = header + body
-        out[f"{backend} write"] = paged_kernels.write_source(backend)
+        out[f"{backend} write"] = page_write.write_source(backend)
     return out
 
 
@@ -64,7 +65,7 @@ def test_the_checks_catch_what_they_look_for():
 def test_comments_are_dropped_so_mlx_sees_only_code():
     """MLX declares a Metal attribute (and an input's _shape) when its name appears anywhere in the
     body's text: a comment naming one would add a parameter."""
-    text = render(paged_sources.ACCUMULATE, METAL)
+    text = render(decode_source.ACCUMULATE, METAL)
     assert "//" not in text and "/*" not in text
 
 
@@ -86,14 +87,14 @@ RECORDED: list = []
 
 @pytest.fixture
 def kernels(monkeypatch):
-    """paged_kernels builds its kernels through `factory`."""
+    """The kernels are built through `factory`."""
     def use(factory):
-        monkeypatch.setattr(paged_kernels, "make_kernel", factory)
-        paged_kernels._kernels.cache_clear()
-        paged_kernels._write_kernel.cache_clear()
+        monkeypatch.setattr(build, "make_kernel", factory)
+        decode_attention._kernels.cache_clear()
+        page_write._write_kernel.cache_clear()
     yield use
-    paged_kernels._kernels.cache_clear()
-    paged_kernels._write_kernel.cache_clear()
+    decode_attention._kernels.cache_clear()
+    page_write._write_kernel.cache_clear()
 
 
 def random_case(rng, dtype, D, H, KV, lens, bs=16, extra_blocks=3):
@@ -109,16 +110,16 @@ def random_case(rng, dtype, D, H, KV, lens, bs=16, extra_blocks=3):
 
 @pytest.mark.parametrize("dtype,D,H,KV", SHAPES)
 def test_metal_signature_mlx_generates_declares_what_the_body_uses(kernels, dtype, D, H, KV):
-    assert paged_kernels.supports(D, H, KV, dtype, METAL)
+    assert decode_attention.supports(D, H, KV, dtype, METAL)
     RECORDED.clear()
     kernels(RecordingKernel)
     rng = np.random.default_rng(0)
     q, k, v, table, lens, sinks = random_case(rng, dtype, D, H, KV, [3, 40])
     for window, with_sinks in FEATURES:
         for splits in (1, 3):
-            paged_kernels.paged_decode(q, k, v, table, lens, D ** -0.5, splits, mx.array([14], mx.int32),
+            decode_attention.paged_decode(q, k, v, table, lens, D ** -0.5, splits, mx.array([14], mx.int32),
                                        window=window, sinks=sinks if with_sinks else None, backend=METAL)
-    paged_kernels.reshape_and_cache(q[:, :KV, None, :], q[:, :KV, None, :], k, v, lens, backend=METAL)
+    page_write.reshape_and_cache(q[:, :KV, None, :], q[:, :KV, None, :], k, v, lens, backend=METAL)
     assert len(RECORDED) == 4 * (1 + 2) + 1  # single; split + merge
     for (name, input_names, output_names, body, header), text, call in RECORDED:
         signature = re.search(r"\[\[kernel\]\] void (\w+)\((.*?)\) \{", text, re.S)
@@ -144,9 +145,9 @@ def test_metal_signature_mlx_generates_declares_what_the_body_uses(kernels, dtyp
 
 
 def test_metal_takes_only_groups_whose_partials_fit_32_kb_of_threadgroup_memory():
-    assert paged_kernels.supports(256, 16, 2, mx.bfloat16, CUDA)  # 4 x 8 x 258 floats: 33 KB of 48
-    assert not paged_kernels.supports(256, 16, 2, mx.bfloat16, METAL)
-    assert paged_kernels.supports(256, 8, 2, mx.bfloat16, METAL)
+    assert decode_attention.supports(256, 16, 2, mx.bfloat16, CUDA)  # 4 x 8 x 258 floats: 33 KB of 48
+    assert not decode_attention.supports(256, 16, 2, mx.bfloat16, METAL)
+    assert decode_attention.supports(256, 8, 2, mx.bfloat16, METAL)
 
 
 needs_compiler = pytest.mark.skipif(not have_compiler(), reason="g++ runs the emulated kernels")
@@ -160,7 +161,7 @@ EMULATED = [(mx.bfloat16, 128, 8, 2, [1, 17, 70], 30), (mx.float16, 64, 4, 4, [5
 def test_emulated_kernels_match_the_gather_path(kernels, backend, dtype, D, H, KV, lens, window):
     """The MMA kernel is CUDA's own (PTX) and not emulated: the lanes kernel runs for CUDA here."""
     kernels(EmulatedKernel)
-    settings = dataclasses.replace(paged_kernels.SETTINGS[backend], mma=0)
+    settings = dataclasses.replace(decode_attention.SETTINGS[backend], mma=0)
     rng = np.random.default_rng(1)
     q, k, v, table, seq_lens, sinks = random_case(rng, dtype, D, H, KV, lens)
     f32 = (lambda x: x.astype(mx.float32))
@@ -172,7 +173,7 @@ def test_emulated_kernels_match_the_gather_path(kernels, backend, dtype, D, H, K
         span = min(max(lens), w or max(lens))
         for splits in (1, 3):
             tokens = -(-span // splits)
-            got = paged_kernels.paged_decode(q, k, v, table, seq_lens, D ** -0.5, -(-span // tokens),
+            got = decode_attention.paged_decode(q, k, v, table, seq_lens, D ** -0.5, -(-span // tokens),
                                              mx.array([tokens], mx.int32), window=w, sinks=s,
                                              init_value=float("nan"), settings=settings, backend=backend)
             err = mx.abs(f32(got) - want).max().item()
@@ -191,7 +192,7 @@ def test_emulated_page_write_lands_in_place_and_skips_negative_slots(kernels, ba
     slots = np.array([5, -1, 31, 8], np.int32)
     keys = mx.array(rng.standard_normal((4, 2, 1, 32)).astype(np.float32)).astype(mx.bfloat16)
     values = mx.array(rng.standard_normal((4, 2, 1, 32)).astype(np.float32)).astype(mx.bfloat16)
-    written = paged_kernels.reshape_and_cache(keys, values, k, v, mx.array(slots), backend=backend)
+    written = page_write.reshape_and_cache(keys, values, k, v, mx.array(slots), backend=backend)
     assert written.tolist() == [0]
     for i, s in enumerate(slots):
         if s >= 0:

@@ -1,7 +1,6 @@
-"""The paged prefill kernel (CUDA): its host side on the CPU, its source compiled by nvcc where one is
-installed, and on a CUDA GPU the kernel itself against the reference.
-
-The kernel's tensor-core fragment addressing is emulated in scripts/gpu/emulate_mma_fragments.py.
+"""The paged prefill kernel (CUDA): its host side on the CPU, and on a CUDA GPU the kernel itself
+against the reference. Its source compiled by nvcc: tests/test_cuda_sources.py; its tensor-core
+fragment addressing emulated: tests/test_mma_fragments.py.
 Here `emulate` runs the kernel's tile and split logic (which keys a tile's split reads, through
 which page, under which mask; the merge) in numpy from the very arrays the engine uploads, so the
 engine's tiles are checked against the reference, and a busy engine whose prefill rows go through
@@ -9,11 +8,6 @@ the emulation must give each request mlx-lm's tokens.
 """
 
 from __future__ import annotations
-
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -24,19 +18,20 @@ from utils import assert_no_leaks, make_model, make_prompts, run_staggered, shar
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine import LLMEngine
-from pagedmlx.runner import attention, paged_kernels
+from pagedmlx.kernels import build, prefill_attention
+from pagedmlx.kernels.dialect import CUDA
 from pagedmlx.runner.attention_metadata import Segment, prefill_tile_indices
-from pagedmlx.runner.kernel_check import check_prefill, prefill_reference, random_segments
+from pagedmlx.kernels.check import check_prefill, prefill_reference, random_segments
 from pagedmlx.runner.model import ModelRunner
 from pagedmlx.sampling_params import SamplingParams
 
-TILE = paged_kernels.PREFILL_TILE
+TILE = prefill_attention.PREFILL_TILE
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 def emulate(q, k_pages, v_pages, table, segs, tiles, scale, splits, split_tokens, window=None, sinks=None,
             coverage=None):
-    """What cuda_prefill_sources computes, tile by tile and split by split, then merged (float32)."""
+    """What sources/prefill_attention_cuda.py computes, tile by tile and split by split, then merged (float32)."""
     Tp, H, D = q.shape
     n_kv, bs = k_pages.shape[1], k_pages.shape[2]
     G = H // n_kv
@@ -111,17 +106,17 @@ def test_tiles_run_longest_first_and_split_only_when_the_gpu_would_idle():
     assert keys == sorted(keys, reverse=True) and len(keys) == 4 + 2
     # 6 tiles x 8 KV heads x 4 warps leave the GPU idle: the 4,128 keys are split, 1,024 or more each.
     assert splits > 1 and splits * host["prefill_split_tokens"][0] >= 4128
-    assert host["prefill_split_tokens"][0] >= paged_kernels.PREFILL_MIN_SPLIT
-    assert paged_kernels.prefill_splits(600, 8, 4, 32768) == (1, 32768)  # enough tiles: one pass
+    assert host["prefill_split_tokens"][0] >= prefill_attention.PREFILL_MIN_SPLIT
+    assert prefill_attention.prefill_splits(600, 8, 4, 32768) == (1, 32768)  # enough tiles: one pass
 
 
 def test_prefill_kernel_takes_16_bit_layers_it_is_built_for():
-    assert paged_kernels.supports_prefill(128, 128, 32, 8, mx.bfloat16)
-    assert paged_kernels.supports_prefill(64, 64, 14, 2, mx.float16)
-    assert not paged_kernels.supports_prefill(128, 128, 32, 8, mx.float32)  # tensor cores: 16-bit only
-    assert not paged_kernels.supports_prefill(256, 256, 8, 4, mx.bfloat16)
-    assert not paged_kernels.supports_prefill(128, 64, 8, 4, mx.bfloat16)
-    assert not paged_kernels.supports_prefill(128, 128, 32, 2, mx.bfloat16)  # 16 heads per KV head
+    assert prefill_attention.supports_prefill(128, 128, 32, 8, mx.bfloat16)
+    assert prefill_attention.supports_prefill(64, 64, 14, 2, mx.float16)
+    assert not prefill_attention.supports_prefill(128, 128, 32, 8, mx.float32)  # tensor cores: 16-bit only
+    assert not prefill_attention.supports_prefill(256, 256, 8, 4, mx.bfloat16)
+    assert not prefill_attention.supports_prefill(128, 64, 8, 4, mx.bfloat16)
+    assert not prefill_attention.supports_prefill(128, 128, 32, 2, mx.bfloat16)  # 16 heads per KV head
 
 
 def _emulated_kernel(monkeypatch, seen):
@@ -140,8 +135,7 @@ def _emulated_kernel(monkeypatch, seen):
         return mx.array(out).astype(k_pages.dtype)
 
     monkeypatch.setattr(ModelRunner, "prefill_heads", property(heads))
-    monkeypatch.setattr(paged_kernels, "paged_prefill", fake)
-    monkeypatch.setattr(attention.paged_kernels, "paged_prefill", fake)
+    monkeypatch.setattr(prefill_attention, "paged_prefill", fake)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3-tiny", "gpt-oss-tiny", "gemma3n-tiny"])
@@ -164,15 +158,7 @@ def test_busy_engine_through_the_prefill_kernels_tiles_equals_solo(arch, monkeyp
     assert_no_leaks(engine)
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc compiles the CUDA source")
-def test_prefill_source_compiles_for_the_h200_without_spills():
-    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "check_cuda_sources.py"
-    r = subprocess.run([sys.executable, str(script), "--only", "prefill single bfloat16 D=128 G=4"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr
-
-
-needs_cuda = pytest.mark.skipif(paged_kernels.gpu_backend() != paged_kernels.CUDA, reason="a CUDA GPU runs the kernel")
+needs_cuda = pytest.mark.skipif(build.gpu_backend() != CUDA, reason="a CUDA GPU runs the kernel")
 
 
 @needs_cuda
@@ -187,15 +173,16 @@ def test_the_kernel_on_the_gpu_matches_the_reference(h, n_kv, d, dtype, window, 
 def test_start_up_compiles_each_kernel_variant_the_layers_run(arch, kinds, monkeypatch):
     """Each (head shape, window, sinks) the layers use, unsplit and split, through both kernels:
     MLX compiles a variant when first run (2-3 s on the H200), which is then not a request's wait."""
-    from pagedmlx.runner.kernel_check import KernelPlan
+    from pagedmlx.kernels import decode_attention
+    from pagedmlx.kernels.selector import KernelPlan
 
     calls = []
     record = (lambda kind: lambda q, *a, window=None, sinks=None, **k: calls.append(
         (kind, a[5] if kind == "decode" else a[6], window, sinks is not None)) or mx.zeros(q.shape))
-    monkeypatch.setattr(paged_kernels, "paged_decode", record("decode"))
-    monkeypatch.setattr(paged_kernels, "paged_prefill", record("prefill"))
-    monkeypatch.setattr(paged_kernels, "supports_layer", lambda *a: True)
-    monkeypatch.setattr(paged_kernels, "supports_prefill", lambda *a: True)
+    monkeypatch.setattr(decode_attention, "paged_decode", record("decode"))
+    monkeypatch.setattr(prefill_attention, "paged_prefill", record("prefill"))
+    monkeypatch.setattr(decode_attention, "supports_layer", lambda *a: True)
+    monkeypatch.setattr(prefill_attention, "supports_prefill", lambda *a: True)
     engine = LLMEngine(make_model(arch), None, EngineConfig(block_size=4, num_blocks=40), verify_model=False)
     engine.runner.kernels = KernelPlan("cuda", decode=True, prefill=True)
     assert engine.runner.compile_kernels() == 4 * len(kinds)
@@ -208,18 +195,9 @@ def test_shapes_are_built_at_start_up_only_where_sdpa_takes_the_chunks_beside_de
     built = []
     monkeypatch.setattr(ModelRunner, "warm_up_attention", lambda self, chunk, max_keys: built.append(chunk) or 0)
     monkeypatch.setattr(ModelRunner, "prefill_heads", property(lambda self: [(2, 2)]))
-    for chunk in (paged_kernels.PREFILL_KERNEL_MAX_QUERY, paged_kernels.PREFILL_KERNEL_MAX_QUERY + 1):
+    for chunk in (prefill_attention.PREFILL_KERNEL_MAX_QUERY, prefill_attention.PREFILL_KERNEL_MAX_QUERY + 1):
         engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=40, sdpa_quantum=12,
                                                      long_prefill_token_threshold=chunk), verify_model=False)
         engine.warm_up()
-    assert built == [paged_kernels.PREFILL_KERNEL_MAX_QUERY + 1]  # the kernel takes capped chunks: nothing to build
+    assert built == [prefill_attention.PREFILL_KERNEL_MAX_QUERY + 1]  # the kernel takes capped chunks: nothing to build
 
-
-@pytest.mark.parametrize("head_dim", paged_kernels.PREFILL_HEAD_DIMS)
-def test_tensor_core_fragments_address_the_right_rows_and_keys(head_dim):
-    """The kernel's ldmatrix addresses, swizzle and mma.sync register layouts, emulated in numpy
-    (scripts/gpu/emulate_mma_fragments.py), give Q K^T and P V for all 16 rows of a warp."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "gpu"))
-    from emulate_mma_fragments import check_prefill as emulate_fragments
-
-    assert max(emulate_fragments(head_dim)) < 1e-9

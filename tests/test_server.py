@@ -360,6 +360,8 @@ def test_cli_serve_drains_on_ctrl_c():
         server.kill()
     assert code == 0, err
     assert "CPU" in err and "256 blocks" in err and f"127.0.0.1:{server.port}/v1" in err
+    assert ("kernels per KV cache group:\n    full (layers 0-1): decode gather + SDPA; prefill gather + SDPA; "
+            "page write MLX scatter (no GPU backend)\n") in err  # runner/kernel_paths.py
     assert results["plain"]["choices"][0]["finish_reason"] == "length"
     assert results["plain"]["usage"]["completion_tokens"] == 240
     assert results["stream"][-1] == "[DONE]" and json.loads(results["stream"][-2])["choices"][0]["finish_reason"] \

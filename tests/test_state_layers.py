@@ -317,17 +317,17 @@ def test_state_kernels_that_fail_at_load_are_switched_off_and_mlx_lm_serves(monk
     kernels raise.)"""
     import logging
 
-    from pagedmlx.runner import cuda_state, paged_kernels
+    from pagedmlx.kernels import build, recurrent_state
 
     def broken(name):
         raise RuntimeError("[cuda::kernel] no CUDA here")
 
-    monkeypatch.setattr(cuda_state, "_kernel", broken)
+    monkeypatch.setattr(recurrent_state, "_kernel", broken)
     monkeypatch.delenv("PAGEDMLX_CUDA_KERNELS", raising=False)
     model = make_model("qwen3_5-tiny")
     config = EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=64)
     with monkeypatch.context() as gpu, caplog.at_level(logging.WARNING, logger="pagedmlx"):
-        gpu.setattr(paged_kernels, "gpu_backend", lambda: "cuda")
+        gpu.setattr(build, "gpu_backend", lambda: "cuda")
         engine = LLMEngine(model, None, config)
         warnings = [r.getMessage() for r in caplog.records if "state CUDA kernels off" in r.getMessage()]
         assert len(warnings) == 1 and "no CUDA here" in warnings[0]
@@ -340,17 +340,17 @@ def test_state_kernels_that_fail_at_load_are_switched_off_and_mlx_lm_serves(monk
 
 
 def test_state_kernels_are_named_by_their_source(monkeypatch):
-    """Built by paged_kernels.make_kernel, whose names carry the source's hash: MLX's on-disk JIT cache,
+    """Built by build.make_kernel, whose names carry the source's hash: MLX's on-disk JIT cache,
     keyed by name, never serves a kernel built from an older source."""
-    from pagedmlx.runner import cuda_state, paged_kernels
+    from pagedmlx.kernels import build, recurrent_state
 
     built = []
-    monkeypatch.setattr(paged_kernels, "make_kernel", lambda *args: built.append(args))
-    cuda_state._kernel.cache_clear()
+    monkeypatch.setattr(build, "make_kernel", lambda *args: built.append(args))
+    recurrent_state._kernel.cache_clear()
     try:
         for name in ("gated_delta", "depthwise_conv", "write_rows"):
-            cuda_state._kernel(name)
+            recurrent_state._kernel(name)
     finally:
-        cuda_state._kernel.cache_clear()
+        recurrent_state._kernel.cache_clear()
     assert [(b[0], b[1]) for b in built] == [("cuda", "pagedmlx_gated_delta"), ("cuda", "pagedmlx_depthwise_conv"),
                                              ("cuda", "pagedmlx_write_rows")]

@@ -99,7 +99,8 @@ def offline(out_path: str) -> None:
 
 def fake_loader() -> None:
     loader = types.ModuleType("pagedmlx.loader")
-    loader.load_model = lambda name, lazy=False: (make_model("llama"), make_tokenizer(ARCHS["llama"]["vocab_size"]))
+    loader.load_model = lambda name, lazy=False, dtype=None: (make_model("llama"),
+                                                              make_tokenizer(ARCHS["llama"]["vocab_size"]))
     loader.generation_defaults = lambda name: {}
     sys.modules["pagedmlx.loader"] = loader  # no real model: the CLI loads through this
 

@@ -10,5 +10,6 @@ figures come from one tool and one dataset code.
     load.py        the load: arrival times, --max-concurrency, client CPU time; --num-processes clients
     serve.py       `bench serve`: test request, warm-ups, the run, vLLM's block and JSON, the CPU check
     throughput.py  `bench throughput`: LLM.generate on the same prompts
+    presets.py     random weights at real models' widths, one per family: the `preset:NAME` models
     cli.py         the argparse parsers
 """

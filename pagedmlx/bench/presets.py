@@ -1,12 +1,19 @@
-"""Random-weight models at real widths, one preset per family, for the benchmarks (`pagedmlx bench
-throughput random-preset:NAME`, scripts/bench/*, scripts/export_mlx_model.py): mlx-lm's own model
-classes with the real models' shapes (fewer layers where the name says so)."""
+"""Random-weight models at real widths, one preset per family, for the benchmarks: mlx-lm's own model
+classes with the real models' shapes (fewer layers where the name says so). `preset:NAME` is a model
+argument wherever one is taken (`pagedmlx bench throughput preset:llama-8b --dtype bfloat16`, `serve`,
+`doctor --model`, `LLM(...)`: pagedmlx/loader.py), and scripts/bench/* and scripts/export_mlx_model.py
+build them here too (preset_model)."""
 
 from __future__ import annotations
 
+from typing import Optional, Union
+
 import mlx.core as mx
 
-from pagedmlx.models.random_model import RANDOM_ARCHS
+from pagedmlx.models.random_model import RANDOM_ARCHS, tiny_tokenizer
+from pagedmlx.models.random_model import vocab_size as config_vocab_size
+
+PRESET_PREFIX = "preset:"
 
 _LLAMA = dict(model_type="llama", rms_norm_eps=1e-5, tie_word_embeddings=False)
 PRESETS = {
@@ -40,9 +47,24 @@ PRESETS.update({
         decoder_sparse_step=1, moe_intermediate_size=512, shared_expert_intermediate_size=512, norm_topk_prob=True)),
     "qwen3.5-tiny": RANDOM_ARCHS["qwen3_5-tiny"],  # pagedmlx's random:qwen3_5-tiny, for a run on the CPU
 })
+# Qwen3.6-35B-A3B: mlx-lm has no class of its own for it (0.32: its checkpoints run as qwen3_5_moe), so
+# the Qwen3.5-35B-A3B preset is its shape too, under its name as well.
+PRESETS["qwen3.6-35b-a3b-16l"] = PRESETS["qwen3.5-35b-a3b-16l"]
+
+# Gemma 4 (mlx-lm's gemma4_text), "E" style: sliding layers of head_dim 256 and full layers of 512 (one
+# per 5), one KV head, a tail of KV-shared layers that read the last owner of their kind, per-layer
+# inputs, double-wide MLPs in the shared layers, soft-capped logits. The widths are Gemma 4 E2B's (mlx-lm's
+# ModelArgs defaults: hidden 1536, 8 heads, vocabulary 262,144, window 512); 16 of its 35 layers, 9 of
+# them KV-shared (its 20 of 35, scaled).
+PRESETS["gemma4-e2b-16l"] = dict(
+    model_type="gemma4_text", hidden_size=1536, num_hidden_layers=16, intermediate_size=6144, num_attention_heads=8,
+    head_dim=256, global_head_dim=512, num_key_value_heads=1, num_kv_shared_layers=9, hidden_size_per_layer_input=256,
+    vocab_size=262144, vocab_size_per_layer_input=262144, sliding_window=512, sliding_window_pattern=5,
+    final_logit_softcapping=30.0, use_double_wide_mlp=True, rms_norm_eps=1e-6, max_position_embeddings=131072,
+    tie_word_embeddings=True)
 
 
-def random_model(preset: str, dtype: mx.Dtype, vocab_size: int | None = None):
+def random_model(preset: str, dtype: mx.Dtype, vocab_size: Optional[int] = None):
     """A random-weight model of the preset's architecture (mlx-lm's own class), in `dtype`;
     `vocab_size` replaces the preset's (a tokenizer's own size)."""
     from mlx_lm.utils import _get_classes
@@ -53,9 +75,31 @@ def random_model(preset: str, dtype: mx.Dtype, vocab_size: int | None = None):
         if inner is not None:
             cfg["text_config"] = dict(inner, vocab_size=vocab_size)
         cfg["vocab_size"] = vocab_size
+        if "vocab_size_per_layer_input" in cfg:  # gemma4: per-layer inputs are embedded by token id too
+            cfg["vocab_size_per_layer_input"] = vocab_size
     model_class, args_class = _get_classes(cfg)
     mx.random.seed(0)
     model = model_class(args_class.from_dict(cfg))
     model.set_dtype(dtype)
     mx.eval(model.parameters())
     return model
+
+
+def preset_model(name: str, dtype: Union[str, mx.Dtype, None] = None, tokenizer: Optional[str] = None):
+    """(model, tokenizer) of `preset:NAME` (or NAME), in `dtype` (default bfloat16), the tokenizer
+    wrapped as mlx-lm wraps it. `tokenizer`, a folder or hub name with tokenizer files, sizes the model's
+    vocabulary to it (served benchmarks then detokenize real text); without one, pagedmlx's tiny
+    tokenizer padded to the preset's own vocabulary, so that the LM head keeps its real width and every
+    id a random model samples decodes."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    name = name[len(PRESET_PREFIX):] if name.startswith(PRESET_PREFIX) else name
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
+    dtype = getattr(mx, dtype) if isinstance(dtype, str) else dtype or mx.bfloat16
+    if tokenizer is None:
+        return random_model(name, dtype), tiny_tokenizer(config_vocab_size(PRESETS[name]))
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tokenizer)
+    return random_model(name, dtype, vocab_size=len(hf)), TokenizerWrapper(hf)

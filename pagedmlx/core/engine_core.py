@@ -113,7 +113,7 @@ class EngineCore:
         """Load config.model (with its own tokenizer, unless one is given) and build the engine."""
         from pagedmlx.loader import load_model
 
-        model, loaded_tokenizer = load_model(config.model)
+        model, loaded_tokenizer = load_model(config.model, dtype=config.dtype)
         engine = cls(model, tokenizer or loaded_tokenizer, config)
         engine.load_generation_defaults(config.model)
         return engine

@@ -20,6 +20,7 @@ class CoreInfo:
     max_num_seqs: int
     kv_pool: str  # kv_pool_line's text
     rank_lines: list[str] = field(default_factory=list)  # tensor parallelism: one line per rank
+    kernel_lines: list[str] = field(default_factory=list)  # per KV cache group: the kernels its layers run
     backend: str = ""
     pid: int = 0
 
@@ -27,7 +28,16 @@ class CoreInfo:
     def of(cls, core: Any) -> "CoreInfo":
         return cls(core.max_model_len, core.vocab_size, dict(core.generation_defaults), core.tokenizer,
                    core.config.model, core.config.max_num_seqs, kv_pool_line(core),
-                   list(getattr(core, "rank_lines", [])), backend_name(), os.getpid())
+                   list(getattr(core, "rank_lines", [])), kernel_lines(core), backend_name(), os.getpid())
+
+
+def kernel_lines(engine: Any) -> list[str]:
+    """runner/kernel_paths.py's lines: which kernel each KV cache group's layers run, and why a
+    portable path runs where one does (under tensor parallelism, rank 0's shard: every rank has its shapes)."""
+    from pagedmlx.runner.kernel_paths import kernel_path_lines
+
+    runner = getattr(engine.runner, "runner", engine.runner)  # tp/driver.py's TPDriver wraps rank 0's runner
+    return kernel_path_lines(runner) if hasattr(runner, "kernels") else []
 
 
 def kv_pool_line(engine: Any) -> str:

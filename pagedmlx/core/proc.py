@@ -106,7 +106,8 @@ def build_core(args: CoreArgs) -> Any:
     from pagedmlx.loader import load_model
     from pagedmlx.tp import engine as tp_engine
 
-    core = tp_engine.build_engine(*load_model(args.config.model, lazy=True), args.config, group, args.tp_timeout)
+    core = tp_engine.build_engine(*load_model(args.config.model, lazy=True, dtype=args.config.dtype), args.config,
+                                  group, args.tp_timeout)
     core.load_generation_defaults(args.config.model)
     return core
 

@@ -10,8 +10,9 @@ from typing import Iterable, Optional, Sequence
 
 from pagedmlx.kv.block_hash import hash_request_blocks
 from pagedmlx.kv.block_pool import BlockPool, KVCacheBlock
-from pagedmlx.kv.single_type import SingleTypeKVCacheManager, intersect_hits, make_single_type_manager
-from pagedmlx.kv.spec import KVCacheConfig, cdiv
+from pagedmlx.kv.single_type import (FullAttentionManager, SingleTypeKVCacheManager, SlidingWindowManager,
+                                     intersect_hits)
+from pagedmlx.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec, SlidingWindowSpec, cdiv
 from pagedmlx.kv.state_manager import StateManager
 from pagedmlx.request import Request
 
@@ -19,6 +20,16 @@ __all__ = ["KVCacheBlocks", "KVCacheManager", "PrefixCacheStats", "cdiv"]
 
 # A request's blocks in each group (vLLM's KVCacheBlocks.blocks), group 0 first.
 KVCacheBlocks = tuple[list[KVCacheBlock], ...]
+
+# Each layer kind's manager (vLLM's spec_manager_map).
+SPEC_MANAGER_MAP: dict[type, type[SingleTypeKVCacheManager]] = {
+    FullAttentionSpec: FullAttentionManager, SlidingWindowSpec: SlidingWindowManager, MambaSpec: StateManager}
+
+
+def make_single_type_manager(spec: KVCacheSpec, num_blocks: int, block_size: int,
+                             enable_caching: bool) -> SingleTypeKVCacheManager:
+    """The manager of one KV cache group, by its spec (vLLM's get_manager_for_kv_cache_spec)."""
+    return SPEC_MANAGER_MAP[type(spec)](spec, num_blocks, block_size, enable_caching)
 
 
 @dataclass

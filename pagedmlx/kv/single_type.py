@@ -1,5 +1,7 @@
 """One KV cache group's pages (vLLM's SingleTypeKVCacheManager): which blocks each request holds
-in this group, its prefix hits and what it frees. The KVCacheManager coordinates the groups."""
+in this group, its prefix hits and what it frees. The KVCacheManager coordinates the groups and
+picks each group's manager by its spec (kv/manager.py: full and sliding window here, recurrent
+state in kv/state_manager.py, which builds on this module and is never imported by it)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from typing import Optional, Sequence
 
 from pagedmlx.kv.block_hash import BlockHash
 from pagedmlx.kv.block_pool import BlockPool, KVCacheBlock
-from pagedmlx.kv.spec import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec, cdiv
+from pagedmlx.kv.spec import KVCacheSpec, SlidingWindowSpec, cdiv
 
 
 class SingleTypeKVCacheManager:
@@ -137,15 +139,6 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             freed.append(blocks[i])
             blocks[i], ids[i] = null, null.block_id
         self.block_pool.free_blocks(reversed(freed))  # the oldest is evicted first
-
-
-def make_single_type_manager(spec: KVCacheSpec, num_blocks: int, block_size: int,
-                             enable_caching: bool) -> SingleTypeKVCacheManager:
-    from pagedmlx.kv.state_manager import StateManager
-
-    cls = {FullAttentionSpec: FullAttentionManager, SlidingWindowSpec: SlidingWindowManager,
-           MambaSpec: StateManager}[type(spec)]
-    return cls(spec, num_blocks, block_size, enable_caching)
 
 
 def intersect_hits(managers: Sequence[SingleTypeKVCacheManager], block_hashes: Sequence[BlockHash],

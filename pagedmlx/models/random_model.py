@@ -176,4 +176,9 @@ def load_random(name: str):
     """`random:<arch>` -> (model, tokenizer)."""
     arch = name[len(RANDOM_PREFIX):] if name.startswith(RANDOM_PREFIX) else name
     model = random_model(arch)
-    return model, tiny_tokenizer(RANDOM_ARCHS[arch]["vocab_size"])
+    return model, tiny_tokenizer(vocab_size(RANDOM_ARCHS[arch]))
+
+
+def vocab_size(cfg: dict) -> int:
+    """A config's vocabulary size, at its top or in its text_config (qwen3_5, gemma3n)."""
+    return cfg["vocab_size"] if "vocab_size" in cfg else cfg["text_config"]["vocab_size"]

@@ -20,7 +20,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from pagedmlx.runner import paged_kernels
+from pagedmlx.kernels import decode_attention, page_write, prefill_attention
 from pagedmlx.runner.attention_metadata import AttentionMetadata, PrefillGroup, length_mask, page_rows
 
 def as_dtype(x: mx.array, dtype: mx.Dtype) -> mx.array:
@@ -102,8 +102,8 @@ class PagedLayerCache:
         k_pages, v_pages = self.pool.keys, self.pool.values
         self._new = (keys, values)
         if md.pages_in_place:
-            self.written = paged_kernels.reshape_and_cache(keys, values, k_pages[i], v_pages[i], md.slot_mapping,
-                                                           md.backend)
+            self.written = page_write.reshape_and_cache(keys, values, k_pages[i], v_pages[i], md.slot_mapping,
+                                                        md.backend)
             return keys, values
         # (T, n_kv, 1, D) -> (T, n_kv, D), scattered into the pages (in place when nothing else holds them).
         k_pages[i][md.write_blocks, :, md.write_offsets] = as_dtype(keys[:, :, 0, :], k_pages[i].dtype)
@@ -132,11 +132,11 @@ def paged_attention(queries: mx.array, k_pages: mx.array, v_pages: mx.array, md:
 
 def _decode_attention(q, k_pages, v_pages, md: AttentionMetadata, scale, written, sinks) -> mx.array:
     nd, H, D = md.num_decodes, q.shape[1], q.shape[3]
-    if md.use_decode_kernel and paged_kernels.supports_layer(D, v_pages.shape[-1], H, k_pages.shape[1], k_pages.dtype,
-                                                             md.backend):
-        o = paged_kernels.paged_decode(q.reshape(nd, H, D), k_pages, v_pages, md.decode_block_table,
-                                       md.decode_seq_lens, scale, md.decode_splits, md.decode_split_tokens, written,
-                                       window=md.window, sinks=sinks, backend=md.backend)
+    if md.use_decode_kernel and decode_attention.supports_layer(D, v_pages.shape[-1], H, k_pages.shape[1],
+                                                                k_pages.dtype, md.backend):
+        o = decode_attention.paged_decode(q.reshape(nd, H, D), k_pages, v_pages, md.decode_block_table,
+                                          md.decode_seq_lens, scale, md.decode_splits, md.decode_split_tokens, written,
+                                          window=md.window, sinks=sinks, backend=md.backend)
         return as_dtype(o[:, :, None, :], q.dtype)
     if md.decode_mask is None:  # this layer's shape is not one the kernel takes
         md.decode_mask = length_mask(md.decode_seq_lens, md.decode_block_table.shape[1] * k_pages.shape[2], md.window)
@@ -164,8 +164,8 @@ def _prefill_attention(q, k_pages, v_pages, md: AttentionMetadata, scale, writte
     rows = q[:, :, 0, :]
     if md.prefill_tiles is not None:
         t = md.prefill_tiles
-        o = paged_kernels.paged_prefill(rows, k_pages, v_pages, t.block_table, t.segs, t.tiles, scale, t.splits,
-                                        t.split_tokens, written, window=md.window, sinks=sinks)
+        o = prefill_attention.paged_prefill(rows, k_pages, v_pages, t.block_table, t.segs, t.tiles, scale,
+                                            t.splits, t.split_tokens, written, window=md.window, sinks=sinks)
         return as_dtype(o[:, :, None, :], q.dtype)
     outs = [_group_attention(rows, k_pages, v_pages, g, scale, written, sinks) for g in md.prefill_groups]
     o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)

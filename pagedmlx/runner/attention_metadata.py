@@ -16,7 +16,8 @@ import mlx.core as mx
 import numpy as np
 
 from pagedmlx.kv.spec import cdiv
-from pagedmlx.runner import paged_kernels
+from pagedmlx.kernels import decode_attention, prefill_attention
+from pagedmlx.kernels.dialect import CUDA
 from pagedmlx.scheduler_output import SchedulerOutput
 
 # Prefill segments with at most this many new tokens are attended together, padded to the longest
@@ -28,7 +29,7 @@ PADDED_MAX_QUERY = 32
 # H200 (scripts/bench/bench_sdpa_shapes.py), paid again whenever a prompt's length is new. There,
 # each attention call is padded to a multiple of this many queries and keys, so that a server sees
 # a bounded set of shapes. Metal and the CPU build nothing per shape: no padding.
-SDPA_SHAPE_QUANTUM = {paged_kernels.CUDA: 256}
+SDPA_SHAPE_QUANTUM = {CUDA: 256}
 
 
 def sdpa_shape_quantum(backend: Optional[str]) -> int:
@@ -70,7 +71,7 @@ def upload_indices(host: dict[str, np.ndarray]) -> dict[str, mx.array]:
 
 @dataclass
 class PrefillTiles:
-    """The paged prefill kernel's work in one step (paged_kernels.paged_prefill says the layout)."""
+    """The paged prefill kernel's work in one step (prefill_attention.paged_prefill says the layout)."""
 
     block_table: mx.array  # (S, nb) each segment's pages from its key_offset
     segs: mx.array  # (S, 4) first prefill row, new tokens, first position, key_offset
@@ -180,7 +181,7 @@ class StepMetadata:
         """windows: each group's sliding window (None: full attention). kernel_kv_heads: per group,
         the KV heads the paged-decode kernel is split for (0 or None: decode rows gather pages);
         pages_in_place: the page-write kernel writes new K/V (else MLX scatters them); backend: the
-        kernels' (None: paged_kernels.gpu_backend); sdpa_quantum: prefill attention shapes are
+        kernels' (None: kernels.build.gpu_backend); sdpa_quantum: prefill attention shapes are
         padded to its multiples (sdpa_shape_quantum); prefill_heads: per group, (KV heads, query
         heads per KV head) where the paged prefill kernel attends its prefill rows (None: groups)."""
         kernel_kv_heads = kernel_kv_heads or [0] * len(windows)
@@ -219,8 +220,8 @@ class _GroupBuilder:
                                                        so.seq_lens[:self.nd] - 1, block_size, window)
             host.update(decode_block_table=decode_table, decode_seq_lens=decode_lens)
             if self.use_kernel:
-                self.splits, tokens = paged_kernels.num_splits(self.nd, kernel_heads, int(decode_lens.max()), window,
-                                                               backend)
+                self.splits, tokens = decode_attention.num_splits(self.nd, kernel_heads, int(decode_lens.max()),
+                                                                  window, backend)
                 host["decode_split_tokens"] = np.array([tokens])
         self.groups: list[tuple] = []  # (Lq, K, explicit mask, pads) of each prefill group
         if self.T > self.nd:
@@ -247,7 +248,8 @@ class _GroupBuilder:
         per group."""
         nd, bs, quantum = self.nd, self.bs, self.quantum
         segments = self._segments(so, table)
-        if self.prefill_heads is not None and max(seg.n for seg in segments) <= paged_kernels.PREFILL_KERNEL_MAX_QUERY:
+        max_query = prefill_attention.PREFILL_KERNEL_MAX_QUERY
+        if self.prefill_heads is not None and max(seg.n for seg in segments) <= max_query:
             tiles, self.prefill_splits = prefill_tile_indices(segments, nd, self.window, *self.prefill_heads)
             host.update(tiles)
             return
@@ -350,14 +352,14 @@ def prefill_tile_indices(segments: list[Segment], nd: int, window: Optional[int]
     for i, seg in enumerate(segments):
         table[i, :len(seg.pages)] = seg.pages
         segs[i] = (seg.row - nd, seg.n, seg.first_pos, seg.key_offset)
-        tok0 = np.arange(0, seg.n, paged_kernels.PREFILL_TILE)
-        hi = seg.first_pos + np.minimum(seg.n, tok0 + paged_kernels.PREFILL_TILE)
+        tok0 = np.arange(0, seg.n, prefill_attention.PREFILL_TILE)
+        hi = seg.first_pos + np.minimum(seg.n, tok0 + prefill_attention.PREFILL_TILE)
         lo = seg.key_offset if window is None else np.maximum(seg.key_offset, seg.first_pos + tok0 - window + 1)
         tiles.append(np.stack([np.full_like(tok0, i), tok0], axis=1))
         keys.append(hi - lo)
     keys = np.concatenate(keys)
     order = np.argsort(-keys, kind="stable")  # the longest tiles start first
-    splits, tokens = paged_kernels.prefill_splits(len(keys), n_kv_heads, group, int(keys.max()))
+    splits, tokens = prefill_attention.prefill_splits(len(keys), n_kv_heads, group, int(keys.max()))
     return dict(prefill_block_table=table, prefill_segs=segs, prefill_tiles=np.concatenate(tiles)[order],
                 prefill_split_tokens=np.array([tokens], np.int32)), splits
 

@@ -12,12 +12,14 @@ import mlx.nn as nn
 from pagedmlx.config import EngineConfig
 from pagedmlx.kv.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec,
                               sliding_pool_blocks)
-from pagedmlx.runner import cuda_state, paged_kernels
+from pagedmlx.kernels import build, decode_attention, prefill_attention, recurrent_state
+from pagedmlx.kernels.check import error_line
+from pagedmlx.kernels.selector import select_kernels
 from pagedmlx.runner.attention import KVPool, PagedLayerCache, install_paged_attention, warm_up_prefill
 from pagedmlx.runner.attention_metadata import (WARM_UP_MAX_KEYS, StepMetadata, chunked_prefill_groups,
                                                 sdpa_shape_quantum)
-from pagedmlx.runner.kernel_check import error_line, select_kernels
 from pagedmlx.runner.plan import UnsupportedModelError, model_type, plan_layers
+from pagedmlx.runner.selfcheck import check_paged_forward
 from pagedmlx.runner.state import (StateLayerCache, StateMetadata, StatePool, install_regrouping, pages_budget,
                                    state_group)
 from pagedmlx.scheduler_output import SchedulerOutput
@@ -66,9 +68,9 @@ class ModelRunner:
                                       state_layers=any(p.state is not None for p in self.plan),
                                       prefill=config.prefill_kernel is not False)
         self.sdpa_quantum = (config.sdpa_quantum if config.sdpa_quantum is not None
-                             else sdpa_shape_quantum(paged_kernels.gpu_backend()))
+                             else sdpa_shape_quantum(build.gpu_backend()))
         if self.kernels.state:
-            cuda_state.install_kernels(model, [p.state.owner for p in self.plan if p.state is not None])
+            recurrent_state.install_kernels(model, [p.state.owner for p in self.plan if p.state is not None])
         self.state_pool: Optional[StatePool] = None
         if verify:
             self._verify_against_mlx_lm()
@@ -102,7 +104,7 @@ class ModelRunner:
             shapes = {(self.plan[p.source if p.kind == "shared" else i].spec, p.n_heads) for i, p in enumerate(self.plan)
                       if i in ids or (p.kind == "shared" and p.source in ids)}
             heads = {(spec[0], h // spec[0]) for spec, h in shapes}
-            ok = len(heads) == 1 and all(paged_kernels.supports_prefill(dk, dv, h, n_kv, dt)
+            ok = len(heads) == 1 and all(prefill_attention.supports_prefill(dk, dv, h, n_kv, dt)
                                          for (n_kv, dk, dv, dt), h in shapes)
             out.append(heads.pop() if ok else None)
         return out
@@ -142,7 +144,8 @@ class ModelRunner:
         chunk = config.long_prefill_token_threshold
         if enabled is None:  # where shapes are padded, and chunks beside decodes call SDPA
             full = [g for g, w in zip(self.prefill_heads, self.windows) if w is None]
-            kernel = all(g is not None for g in full) and chunk and chunk <= paged_kernels.PREFILL_KERNEL_MAX_QUERY
+            max_query = prefill_attention.PREFILL_KERNEL_MAX_QUERY
+            kernel = all(g is not None for g in full) and chunk and chunk <= max_query
             enabled = self.sdpa_quantum > 1 and not kernel
         if not (enabled and chunk):
             return
@@ -172,13 +175,13 @@ class ModelRunner:
             sink = mx.zeros((h,), mx.float32) if sinks else None
             outs = []
             for splits in (1, 2):
-                if self.kernels.decode and paged_kernels.supports_layer(dk, dv, h, n_kv, dt, self.kernels.backend):
-                    outs.append(paged_kernels.paged_decode(
+                if self.kernels.decode and decode_attention.supports_layer(dk, dv, h, n_kv, dt, self.kernels.backend):
+                    outs.append(decode_attention.paged_decode(
                         mx.zeros((1, h, dk), dt), k_pages, v_pages, mx.zeros((1, 2), mx.int32), mx.array([2 * bs]),
                         1.0, splits, mx.array([bs], mx.int32), window=window, sinks=sink, backend=self.kernels.backend))
-                if self.kernels.prefill and paged_kernels.supports_prefill(dk, dv, h, n_kv, dt):
-                    tile = paged_kernels.PREFILL_TILE
-                    outs.append(paged_kernels.paged_prefill(
+                if self.kernels.prefill and prefill_attention.supports_prefill(dk, dv, h, n_kv, dt):
+                    tile = prefill_attention.PREFILL_TILE
+                    outs.append(prefill_attention.paged_prefill(
                         mx.zeros((tile, h, dk), dt), k_pages, v_pages, mx.zeros((1, -(-tile // bs)), mx.int32),
                         mx.array([[0, tile, 0, 0]], mx.int32), mx.array([[0, 0]], mx.int32), 1.0, splits,
                         mx.array([tile // 2], mx.int32), window=window, sinks=sink))
@@ -310,8 +313,6 @@ class ModelRunner:
 
     def _check(self) -> Optional[str]:
         """The load-time check; a kernel that fails to build or run counts as a disagreement."""
-        from pagedmlx.runner.selfcheck import check_paged_forward
-
         try:
             return check_paged_forward(self)
         except Exception as exc:  # noqa: BLE001 - MLX raises when a kernel is built or run

@@ -1,20 +1,23 @@
-"""Load-time check that a model gives on pages the logits it gives with mlx-lm's own caches."""
+"""Load-time check that a model gives on pages the logits it gives with mlx-lm's own caches: the
+whole paged forward (plan, pages, windows, state slots, and the kernels the runner's KernelPlan
+runs), against mlx-lm. The runner calls it (model.py); it reads the runner through CheckedRunner,
+never by importing model.py, so that the two modules are no import circle."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from pagedmlx.kv.manager import KVCacheManager
 from pagedmlx.kv.spec import KVCacheConfig, KVCacheGroupSpec, MambaSpec, cdiv
 from pagedmlx.request import Request
 from pagedmlx.sampling_params import SamplingParams
-from pagedmlx.scheduler_output import build_scheduler_output
-
-if TYPE_CHECKING:
-    from pagedmlx.runner.model import ModelRunner
+from pagedmlx.runner.attention import KVPool
+from pagedmlx.runner.state import StatePool
+from pagedmlx.scheduler_output import SchedulerOutput, build_scheduler_output
 
 # float32: 5e-3, not less: on tensor-core GPUs MLX multiplies float32 in TF32 by default
 # (MLX_ENABLE_TF32), and the paged and mlx-lm passes round differently (1.06e-3 seen on an H200).
@@ -37,7 +40,25 @@ def _schedule(block_size: int, window: int, vocab: int) -> tuple[dict[str, list[
     return {"a": a, "b": [5, 2, 7], "c": [3, 1, 4, 1, 5]}, steps
 
 
-def check_paged_forward(runner: "ModelRunner") -> Optional[str]:
+class CheckedRunner(Protocol):
+    """What the check uses of a ModelRunner: its model and layout, scratch pools in the runner's
+    layout, and a forward that takes them."""
+
+    model: nn.Module
+    block_size: int
+    windows: list[Optional[int]]
+    vocab_size: int
+    kv_cache_config: KVCacheConfig
+
+    def make_pool(self, kv_cache_config: KVCacheConfig) -> KVPool: ...
+
+    def make_state_pool(self, kv_cache_config: KVCacheConfig) -> Optional[StatePool]: ...
+
+    def forward(self, so: SchedulerOutput, prev_sampled: Optional[mx.array] = None, kv_pool: Optional[KVPool] = None,
+                state_pool: Optional[StatePool] = None) -> mx.array: ...
+
+
+def check_paged_forward(runner: CheckedRunner) -> Optional[str]:
     """A busy schedule on a scratch pool: chunked prefill across a window, a 1-token prompt and
     decodes. Returns None if every compared logit row matches mlx-lm within the dtype's tolerance
     (relative to the logits' scale), else a description of the mismatch."""

@@ -30,7 +30,7 @@ from mlx_lm.models.cache import ArraysCache
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.kv.spec import KVCacheGroupSpec, MambaSpec, cdiv
-from pagedmlx.runner import cuda_state
+from pagedmlx.kernels import recurrent_state
 from pagedmlx.runner.attention import as_dtype
 from pagedmlx.runner.attention_metadata import upload_indices
 from pagedmlx.runner.plan import LayerPlan, StatePlan
@@ -99,7 +99,7 @@ class StatePool:
         if not self.in_place:
             self.pending[layer].append((slots, values))
             return values
-        return [cuda_state.write_rows(v, slots, a) for v, a in zip(values, arrays)]
+        return [recurrent_state.write_rows(v, slots, a) for v, a in zip(values, arrays)]
 
 
 @dataclass
@@ -176,7 +176,7 @@ class StateLayerCache:
 
     def regroup(self, call: Callable, x: mx.array, rebuild: Callable) -> mx.array:
         """x (T, 1, D) -> (T, 1, D'): call(*rebuild(rows, cache)) for each group of rows."""
-        with cuda_state.active(self.pool.in_place):
+        with recurrent_state.active(self.pool.in_place):
             return self._regroup(call, x, rebuild)
 
     def _regroup(self, call: Callable, x: mx.array, rebuild: Callable) -> mx.array:

@@ -134,14 +134,16 @@ def _serve_in_thread_or_worker(args: argparse.Namespace, config: Any, console: A
 
     group = join_group(args.tp)  # None: one process
     if group is not None and group.rank() > 0:
-        return tp_engine.run_worker(load_model(config.model, lazy=True)[0], config, group, args.tp_timeout)
+        return tp_engine.run_worker(load_model(config.model, lazy=True, dtype=config.dtype)[0], config, group,
+                                    args.tp_timeout)
     with console.status("loading the model..."):
         if group is None:
             from pagedmlx.core.engine_core import EngineCore
 
             core = EngineCore.from_config(config)
         else:
-            core = tp_engine.build_engine(*load_model(config.model, lazy=True), config, group, args.tp_timeout)
+            core = tp_engine.build_engine(*load_model(config.model, lazy=True, dtype=config.dtype), config, group,
+                                          args.tp_timeout)
             core.load_generation_defaults(config.model)
     from pagedmlx.server.file_limit import raise_file_limit
 
@@ -180,6 +182,10 @@ def _serve(args: argparse.Namespace, async_engine: Any, console: Any, nofile: tu
     console.print(f"  KV pool: {info.kv_pool}; max_model_len {info.max_model_len}; max_num_seqs {info.max_num_seqs}")
     for line in info.rank_lines:
         console.print(f"  {line}", soft_wrap=True)
+    if info.kernel_lines:
+        console.print("  kernels per KV cache group:")
+    for line in info.kernel_lines:
+        console.print(f"    {line}", soft_wrap=True, markup=False, highlight=False)
     console.print(f"  sampling defaults: {defaults_line(info.generation_defaults, info.model)}")
     console.print(f"  tool calls: {parsing.describe()}; reasoning parser: {parsing.reasoning_parser or 'none'}")
     console.print(f"  API key: {'required' if api_key else 'none'}; admin key: {'set' if admin_key else 'none'}; "

@@ -8,12 +8,25 @@ fills host arrays; the sampler applies them on the device (sampler.apply_grammar
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence, Union
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from pagedmlx.structured_outputs.params import StructuredOutputsParams
+
+class GrammarParams(Protocol):
+    """What this module reads of a StructuredOutputsParams (params.py, which imports this module to
+    validate itself: a protocol here, not an import back, keeps the two modules out of a circle)."""
+
+    json: Optional[Union[str, dict]]
+    regex: Optional[str]
+    choice: Optional[list[str]]
+    grammar: Optional[str]
+    disable_any_whitespace: bool
+    disable_additional_properties: bool
+    whitespace_pattern: Optional[str]
+
+    @property
+    def kind(self) -> str: ...
 
 
 DEFAULT_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,64}"
@@ -31,7 +44,7 @@ def _strip_additional_properties(schema: Any) -> Any:
     return schema
 
 
-def grammar_text(params: "StructuredOutputsParams") -> str:
+def grammar_text(params: GrammarParams) -> str:
     """llguidance's grammar for the params (what LLMatcher compiles)."""
     import llguidance
 
@@ -51,7 +64,7 @@ def grammar_text(params: "StructuredOutputsParams") -> str:
     return llguidance.grammar_from("grammar", params.grammar)  # Lark, or GBNF converted to Lark
 
 
-def validate(params: "StructuredOutputsParams") -> None:
+def validate(params: GrammarParams) -> None:
     """Compile-check without a tokenizer (milliseconds): a ValueError naming the field if it fails."""
     import llguidance
 
@@ -90,7 +103,7 @@ class GuidanceBackend:
     def vocab_size(self) -> int:
         return self.ll_tokenizer.vocab_size
 
-    def compile(self, params: "StructuredOutputsParams") -> "Any":
+    def compile(self, params: GrammarParams) -> Any:
         """A matcher at the grammar's start: the template each request's matcher copies."""
         import llguidance
 

@@ -22,20 +22,20 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pagedmlx.runner import paged_kernels  # noqa: E402
+from pagedmlx.kernels import build, decode_attention  # noqa: E402
 from pagedmlx.runner.attention import _gather  # noqa: E402
 from scripts.bench.timing import measure_bandwidth, timed_chain  # noqa: E402
 
 
-# (threads, unroll, prefetch, vectors per lane, heads per block, tensor cores): see paged_kernels.Settings.
+# (threads, unroll, prefetch, vectors per lane, heads per block, tensor cores): see decode_attention.Settings.
 VARIANTS = [(128, 2, 1, 1, 0, 0), (128, 2, 1, 1, 2, 0), (128, 2, 1, 2, 2, 0), (256, 2, 1, 1, 0, 0),
             (128, 2, 1, 1, 0, 1)]
 SETTINGS = ("threads", "unroll", "prefetch", "vectors", "heads_per_block", "mma")
-DEFAULT = tuple(getattr(paged_kernels.SETTINGS["cuda"], name) for name in SETTINGS)
+DEFAULT = tuple(getattr(decode_attention.SETTINGS["cuda"], name) for name in SETTINGS)
 
 
-def settings(variant: tuple) -> paged_kernels.Settings:
-    return dataclasses.replace(paged_kernels.SETTINGS["cuda"], **dict(zip(SETTINGS, variant)))
+def settings(variant: tuple) -> decode_attention.Settings:
+    return dataclasses.replace(decode_attention.SETTINGS["cuda"], **dict(zip(SETTINGS, variant)))
 
 
 def main() -> None:
@@ -55,7 +55,7 @@ def main() -> None:
     dtype = getattr(mx, args.dtype)
     bw = measure_bandwidth()
     print(f"device {mx.default_device()}, measured copy bandwidth {bw / 1e9:.0f} GB/s, {time.strftime('%Y-%m-%d')}")
-    kernel = paged_kernels.gpu_backend() is not None
+    kernel = build.gpu_backend() is not None
     header = f"{'case':>10} {'KV MB':>8} {'ideal ms':>9} {'kernel ms':>10} {'x ideal':>8} {'gather ms':>10} {'x ideal':>8} {'contig ms':>10} {'x ideal':>8}"
     print(header)
     rng = np.random.default_rng(0)
@@ -85,11 +85,11 @@ def main() -> None:
         t_contig = timed_chain(contiguous, q, args.layers, args.iters)
         t_kernel = float("nan")
         if kernel:
-            splits, tokens = paged_kernels.num_splits(B, nkv, S)
+            splits, tokens = decode_attention.num_splits(B, nkv, S)
             tok = mx.array([tokens], mx.int32)
             variants = {}
             for v in dict.fromkeys(VARIANTS + [DEFAULT]):
-                variants[v] = timed_chain(lambda x: paged_kernels.paged_decode(
+                variants[v] = timed_chain(lambda x: decode_attention.paged_decode(
                     x, k_pages, v_pages, table, lens, scale, splits, tok, settings=settings(v)), q, args.layers,
                     args.iters)
             print(f"    variants {SETTINGS}: "
@@ -97,7 +97,7 @@ def main() -> None:
             by_split = {}
             for n in args.splits:
                 per = mx.array([-(-S // n)], mx.int32)
-                by_split[n] = timed_chain(lambda x: paged_kernels.paged_decode(
+                by_split[n] = timed_chain(lambda x: decode_attention.paged_decode(
                     x, k_pages, v_pages, table, lens, scale, -(-S // (-(-S // n))), per), q, args.layers, args.iters)
             if by_split:
                 print(f"    splits (chosen {splits}): " + ", ".join(f"{n}: {1e3 * v:.3f}" for n, v in by_split.items()))

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pagedmlx.runner.attention import paged_attention  # noqa: E402
 from pagedmlx.runner.attention_metadata import StepMetadata, sdpa_shape_quantum  # noqa: E402
-from pagedmlx.runner import paged_kernels  # noqa: E402
-from pagedmlx.runner.paged_kernels import gpu_backend  # noqa: E402
+from pagedmlx.kernels import prefill_attention  # noqa: E402
+from pagedmlx.kernels.build import gpu_backend  # noqa: E402
 from pagedmlx.scheduler_output import SchedulerOutput  # noqa: E402
 from scripts.bench.timing import timed_chain  # noqa: E402
 
@@ -78,7 +78,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    paged_kernels.PREFILL_KERNEL_MAX_QUERY = 1 << 30  # time the kernel on every shape, not only those it takes
+    prefill_attention.PREFILL_KERNEL_MAX_QUERY = 1 << 30  # time the kernel on every shape, not only those it takes
     H, n_kv, D, bs, dt = args.heads, args.kv_heads, args.head_dim, args.block_size, getattr(mx, args.dtype)
     backend = gpu_backend()
     console = Console()

@@ -6,8 +6,11 @@ OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 BATCHES=${BATCHES:-"1 8 32 64 128 256"}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
-python3 scripts/gpu/gpu_check_decode.py ${QUICK:+--variants} 2>&1 | tee "$OUT/kernel_check.txt"
-python3 scripts/gpu/gpu_check_state.py 2>&1 | tee "$OUT/state_kernel_check.txt"
+# The kernels against the portable path (they skip without a GPU): paged decode, the page write, every
+# setting bench_attention sweeps (QUICK: not those), the prefill kernel, the recurrent-state kernels.
+python3 -m pytest -q -rf -p no:cacheprovider tests/test_gpu_kernels.py tests/test_prefill_kernel.py \
+  tests/test_state_kernels.py ${QUICK:+-k "not every_setting"} 2>&1 | tee "$OUT/kernel_check.txt"
+python3 scripts/bench/bench_state_kernels.py 2>&1 | tee "$OUT/state_kernels.txt"
 python3 scripts/bench/bench_offline.py --preset llama-8b --dtype bfloat16 --batch-sizes $BATCHES --roofline --ab-async \
   --json "$OUT/offline.json" 2>&1 | tee "$OUT/offline.txt"
 if [ -z "${QUICK:-}" ]; then

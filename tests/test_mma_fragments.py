@@ -1,14 +1,13 @@
 """Numpy emulation of the tensor-core kernels' fragment addressing: the decode kernel's for one
-16-token tile (cuda_mma_sources.py), and the prefill kernel's for one stage of KT keys with all 16
-query rows, P taken from S's accumulators (cuda_prefill_sources.py).
+16-token tile (kernels/sources/decode_attention_mma_cuda.py), and the prefill kernel's for one stage
+of KT keys with all 16 query rows, P taken from S's accumulators (kernels/sources/prefill_attention_cuda.py).
 
 It stores K and V tiles as load() does (16-byte chunks swizzled by row), reads them back with the
 kernel's ldmatrix addresses under PTX's m8n8 (and .trans) layouts, multiplies with mma m16n8k16
 layouts and compares with Q K^T and P V. Edit it with the kernel: it copies the kernel's index math.
-
-  python scripts/gpu/emulate_mma_fragments.py
 """
 import numpy as np
+import pytest
 
 
 def _store(M: np.ndarray, D: int) -> np.ndarray:
@@ -156,11 +155,13 @@ def check_prefill(D: int) -> tuple[float, float]:
     return qk_err, pv_err
 
 
-if __name__ == "__main__":
-    for D, G in ((64, 8), (128, 4), (256, 8)):
-        qk, pv = check(D, G)
-        print(f"decode head_dim {D}, group {G}: QK max err {qk:.1e}, PV max err {pv:.1e}",
-              "PASS" if max(qk, pv) < 1e-9 else "FAIL")
-    for D in (64, 128):
-        qk, pv = check_prefill(D)
-        print(f"prefill head_dim {D}: QK max err {qk:.1e}, PV max err {pv:.1e}", "PASS" if max(qk, pv) < 1e-9 else "FAIL")
+@pytest.mark.parametrize("D,G", [(64, 8), (128, 4), (256, 8)])
+def test_decode_fragments_give_qk_and_pv(D, G):
+    """The decode kernel's tile: its ldmatrix addresses, swizzle and mma.sync layouts give Q K^T and P V."""
+    assert max(check(D, G)) < 1e-9
+
+
+@pytest.mark.parametrize("D", [64, 128])  # prefill_attention.PREFILL_HEAD_DIMS
+def test_prefill_fragments_give_qk_and_pv_for_all_16_rows(D):
+    """The prefill kernel's stage: Q K^T and P V for all 16 rows of a warp, P from S's accumulators."""
+    assert max(check_prefill(D)) < 1e-9

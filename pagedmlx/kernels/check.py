@@ -1,119 +1,23 @@
-"""Which paged kernels a process may use, decided at load and never on trust alone.
-
-On Metal (which no machine of the project has run) and on any CUDA GPU other than the one the GPU
-suite runs on, the kernels are compiled and checked first, with the model's own head shapes and
-dtypes, against the gather path: decode rows at lengths that cross block and split boundaries,
-split and unsplit, the page write and a read of its pages in the same graph. A kernel that fails
-to compile, fails to run or disagrees is switched off with one warning line naming the reason, and
-decode attention gathers pages instead (the path every backend has). PAGEDMLX_METAL_KERNELS=0 (or
-PAGEDMLX_CUDA_KERNELS=0) switches them off.
-
-The plan also says whether the recurrent-state kernels (cuda_state.py, CUDA only) run: they are
-checked with the whole model, by the runner's load-time check, which switches the plan off if
-the model disagrees with mlx-lm.
+"""The kernels' checks against the portable path, run at load (selector.select_kernels) and by
+`pagedmlx doctor`: paged decode against the gather path (windows, sinks, splits), the page write
+against a scatter with a read of its pages in the same graph, and paged prefill against a float64
+reference. Each yields (check, ok, detail); a kernel that fails to build or run fails its check.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-from dataclasses import dataclass, field
 from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 
-from pagedmlx.runner import paged_kernels
+from pagedmlx.kernels import decode_attention, page_write, prefill_attention
 from pagedmlx.runner.attention import gather_decode
 from pagedmlx.runner.attention_metadata import Segment, length_mask, prefill_tile_indices
-from pagedmlx.runner.dialect import CUDA
 
-logger = logging.getLogger("pagedmlx")
-
-# GPUs the project's GPU suite has run the kernels on (docs/benchmarks.md): checked there, not at load.
-TRUSTED_GPUS = {CUDA: ("H200",)}
-# Pages written in place by the page-write kernel. Not on Metal yet: the engine then dispatches step
-# N+1 before step N ends, and nothing run here shows that Metal keeps one step's page reads before
-# the next step's writes (CUDA's single stream does); MLX's scatter writes them there instead.
-PAGES_IN_PLACE = {CUDA: True}
 TOLERANCE = {mx.float32: 2e-3, mx.float16: 2e-2, mx.bfloat16: 4e-2}
 
 Shape = tuple[int, int, int, mx.Dtype]  # (query heads, kv heads, head_dim, dtype)
-
-
-@dataclass
-class KernelPlan:
-    backend: Optional[str]
-    decode: bool = False  # decode rows read pages through the paged-decode kernel
-    page_write: bool = False  # the page-write kernel writes new K/V in place
-    state: bool = False  # the recurrent-state kernels run in state layers (and write the state pool in place)
-    prefill: bool = False  # prefill rows of the layers it takes attend through the paged prefill kernel
-    checks: list[tuple[str, str]] = field(default_factory=list)  # (check, "passed" | "trusted" | "failed: ...")
-    reason: Optional[str] = None  # why the paged kernels are off
-
-    @property
-    def paged(self) -> bool:
-        return self.decode or self.page_write
-
-    @property
-    def enabled(self) -> bool:
-        return self.paged or self.state
-
-    def switch_off(self, reason: str, keep_state: bool = False) -> "KernelPlan":
-        """The paged kernels off, and the state kernels too unless keep_state."""
-        if self.paged:
-            logger.warning("pagedmlx: %s paged kernels off: %s; decode attention gathers pages instead",
-                           self.backend, reason)
-        if self.state and not keep_state:
-            logger.warning("pagedmlx: recurrent-state CUDA kernels off: %s; mlx-lm's own state code runs instead",
-                           reason)
-        return KernelPlan(self.backend, state=self.state and keep_state, checks=self.checks, reason=reason)
-
-
-def device_name() -> str:
-    try:
-        return str(mx.device_info().get("device_name", ""))
-    except Exception:  # an MLX without device_info
-        return ""
-
-
-def select_kernels(layer_specs: list[tuple[int, int, int, mx.Dtype]], query_heads: list[int], block_size: int,
-                   windows: tuple[Optional[int], ...] = (None,), sinks: tuple[bool, ...] = (False,),
-                   state_layers: bool = False, prefill: bool = True) -> KernelPlan:
-    """The kernels this model may use here. layer_specs: (kv heads, Dk, Dv, dtype) per layer;
-    windows / sinks: the windows and with / without sinks that the model's layers use, so that the
-    check covers them (and only them); state_layers: the model has recurrent-state layers;
-    prefill: the paged prefill kernel may run (CUDA) for the layers it takes."""
-    backend = paged_kernels.gpu_backend()
-    if backend is None:
-        return KernelPlan(None, reason="no GPU backend")
-    env = f"PAGEDMLX_{backend.upper()}_KERNELS"
-    if os.environ.get(env, "1") == "0":
-        return KernelPlan(backend, reason=f"{env}=0")
-    shapes = kernel_shapes(layer_specs, query_heads, backend)
-    prefill_shapes = [x for x in shapes if paged_kernels.supports_prefill(x[2], x[2], x[0], x[1], x[3])]
-    plan = KernelPlan(backend, decode=bool(shapes), page_write=PAGES_IN_PLACE.get(backend, False),
-                      state=state_layers and backend == CUDA, prefill=prefill and backend == CUDA and bool(prefill_shapes))
-    if not plan.paged:
-        return KernelPlan(backend, state=plan.state, reason="no layer shape the decode kernel takes")
-    name = device_name()
-    if any(gpu in name for gpu in TRUSTED_GPUS.get(backend, ())):
-        plan.checks.append((f"{name}: checked by scripts/gpu/gpu_check_decode.py", "trusted"))
-        return plan
-    checked = prefill_shapes if plan.prefill else []
-    for check, ok, detail in run_checks(backend, shapes, block_size, plan.page_write, windows, sinks, checked):
-        plan.checks.append((check, "passed" if ok else f"failed: {detail}"))
-        if not ok:
-            return plan.switch_off(f"{check}: {detail}", keep_state=True)
-    return plan
-
-
-def kernel_shapes(layer_specs: list[tuple[int, int, int, mx.Dtype]], query_heads: list[int],
-                  backend: str) -> list[Shape]:
-    """The distinct (H, n_kv, D, dtype) of layers that the decode kernel takes."""
-    shapes = {(h, n_kv, dk, dt) for (n_kv, dk, dv, dt), h in zip(layer_specs, query_heads)
-              if h and paged_kernels.supports_layer(dk, dv, h, n_kv, dt, backend)}
-    return sorted(shapes, key=str)
 
 
 def run_checks(backend: str, shapes: list[Shape], block_size: int, page_write: bool,
@@ -192,7 +96,7 @@ def check_decode(backend: str, h: int, n_kv: int, d: int, dtype: mx.Dtype, bs: i
     span = int(min(lens.max(), window or lens.max()))
     for splits in (1, 3):
         tokens = -(-span // splits)
-        got = paged_kernels.paged_decode(q, k_pages, v_pages, table, seq_lens, scale, -(-span // tokens),
+        got = decode_attention.paged_decode(q, k_pages, v_pages, table, seq_lens, scale, -(-span // tokens),
                                          mx.array([tokens], mx.int32), window=window, sinks=sink,
                                          init_value=float("nan"), backend=backend)
         err = _compare(got, want, dtype)
@@ -218,10 +122,10 @@ def check_page_write(backend: str, h: int, n_kv: int, d: int, dtype: mx.Dtype, b
     for i, s in enumerate(slots[:B]):
         want_k[s // bs, :, s % bs] = np.array(keys[i, :, 0].astype(mx.float32))
         want_v[s // bs, :, s % bs] = np.array(values[i, :, 0].astype(mx.float32))
-    written = paged_kernels.reshape_and_cache(keys, values, k_pages, v_pages, mx.array(slots), backend=backend)
+    written = page_write.reshape_and_cache(keys, values, k_pages, v_pages, mx.array(slots), backend=backend)
     q = mx.array(rng.standard_normal((B, h, d)).astype(np.float32)).astype(dtype)
     seq_lens = mx.array(lens)
-    got = paged_kernels.paged_decode(q, k_pages, v_pages, table, seq_lens, d ** -0.5, 1,
+    got = decode_attention.paged_decode(q, k_pages, v_pages, table, seq_lens, d ** -0.5, 1,
                                      mx.array([2 * bs], mx.int32), written, init_value=float("nan"), backend=backend)
     mx.eval(got)
     if not (np.array_equal(np.array(k_pages.astype(mx.float32)), want_k)
@@ -298,7 +202,7 @@ def check_prefill(h: int, n_kv: int, d: int, dtype: mx.Dtype, bs: int, window: O
         if forced:
             keys = int(host["prefill_split_tokens"][0]) if splits == 1 else splits * int(host["prefill_split_tokens"][0])
             dev["prefill_split_tokens"] = mx.array([-(-keys // forced)], mx.int32)
-        got = paged_kernels.paged_prefill(qd, k_pages, v_pages, dev["prefill_block_table"], dev["prefill_segs"],
+        got = prefill_attention.paged_prefill(qd, k_pages, v_pages, dev["prefill_block_table"], dev["prefill_segs"],
                                           dev["prefill_tiles"], scale, forced or splits, dev["prefill_split_tokens"],
                                           window=window, sinks=None if sink is None else mx.array(sink),
                                           init_value=float("nan"))

@@ -1,5 +1,5 @@
-"""CUDA source of the recurrent-state kernels, as mx.fast.cuda_kernel bodies (cuda_state.py builds and
-launches them; template parameters and inputs are named there).
+"""CUDA source of the recurrent-state kernels, as mx.fast.cuda_kernel bodies (kernels/recurrent_state.py
+builds and launches them; template parameters and inputs are named there).
 
 - GATED_DELTA: the gated delta rule over a chunk of T tokens (decode: T = 1, a batch of sequences;
   prefill: one sequence), a port of mlx-lm's Metal kernel: one warp per (sequence, value head, value
@@ -77,7 +77,7 @@ DEPTHWISE_CONV = """
 
 WRITE_ROWS = """
     // values: [n, E] -> pool[slots[r], :] for each row r (slot < 0: skip), through the input pointer: the
-    // pool is written in place, whoever else references it (see paged_kernels.py's page write).
+    // pool is written in place, whoever else references it (see kernels/page_write.py).
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i == 0) written[0] = 0;
     if (i >= (size_t)values_shape[0] * E) return;

@@ -1,7 +1,7 @@
-"""CUDA source of the paged-decode loop on tensor cores (sm_80+), a drop-in for paged_sources.ACCUMULATE:
+"""CUDA source of the paged-decode loop on tensor cores (sm_80+), a drop-in for decode_attention.ACCUMULATE:
 per 16-token tile, scores and weighted values by mma.sync m16n8k16, K/V tiles staged in shared memory by
 cp.async. MMA_HEADER holds the PTX helpers; ACCUMULATE_MMA ends with the same per-warp partials
-(sm_m, sm_l, sm_acc) that paged_sources.MERGE_WARPS merges. CUDA only, but rendered through the
+(sm_m, sm_l, sm_acc) that decode_attention.MERGE_WARPS merges. CUDA only, but rendered through the
 dialect for CUDA like the rest (NEG_INF), and it takes the same window (keys from lo) and sinks.
 """
 

@@ -12,9 +12,9 @@ Keys of a tile are [lo, hi): hi = the position after its last token, lo = 0, or 
 window the first key its first token sees (never before the segment's key_offset, the first key
 its block table holds). Split s takes [lo + s * split_tokens, ...). Unsplit, the kernel writes the
 output (with the sink term); split, each split writes its partials (float32 weighted values,
-running max and sum) in the decode kernel's layout, and paged_sources.MERGE merges them.
+running max and sum) in the decode kernel's layout, and decode_attention.MERGE merges them.
 
-Rendered through the dialect for CUDA (NEG_INF) like the decode kernels; cuda_mma_sources.MMA_HEADER
+Rendered through the dialect for CUDA (NEG_INF) like the decode kernels; decode_attention_mma_cuda.MMA_HEADER
 holds the PTX helpers shared with the decode kernel.
 """
 
@@ -214,7 +214,7 @@ WRITE_OUT = """
 """
 
 WRITE_SPLIT = """
-    // Partials in paged_sources.MERGE's layout: (splits, tokens, H, D), (splits, tokens, H).
+    // Partials in decode_attention.MERGE's layout: (splits, tokens, H, D), (splits, tokens, H).
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int tok = r ? tb : ta;

@@ -1,13 +1,12 @@
-"""The paged KV kernels in the portable dialect (runner/dialect.py), for CUDA and Metal alike;
-paged_kernels.py renders, builds and launches them (template parameters and inputs are named there).
+"""Paged decode attention in the portable dialect (kernels/dialect.py), for CUDA and Metal alike;
+kernels/decode_attention.py renders, builds and launches it (template parameters and inputs are named there).
 
 - HEADER: helpers (a step's K/V row loads; the sink term).
 - ACCUMULATE: the decode kernel's main loop. Lanes work in groups; each group holds one token's
-  K/V row in 16-byte vectors, with an online softmax per group. cuda_mma_sources.py has the same
+  K/V row in 16-byte vectors, with an online softmax per group. decode_attention_mma_cuda.py has the same
   loop on tensor cores (CUDA only), ending in the same per-SIMD-group partials.
 - MERGE_WARPS, then WRITE_OUT (one split: sink term, output) or WRITE_SPLIT (a split's partials);
   MERGE: the splits (sink term, output).
-- RESHAPE_AND_CACHE: the in-place page write.
 
 Every sequence's keys are [lo, seq_len) with lo = seq_len - WINDOW under a sliding window (a decode
 query at position p = seq_len - 1 sees keys p - WINDOW < j <= p), else 0; split s takes
@@ -251,20 +250,4 @@ MERGE = """
     }
     if (SINKS) add_sink(M, L, A, static_cast<float>(sinks[h]));
     out[((size_t)b * H + h) * D + d] = static_cast<T>(L > 0.f ? A / L : 0.f);
-"""
-
-RESHAPE_AND_CACHE = """
-    // One thread per (token, kv head, element): keys (T, NKV, DK) and values (T, NKV, DV) go to
-    // pages[slot / BS, kv head, slot % BS, :], written in place (see paged_kernels.py).
-    const size_t i = GLOBAL_THREAD;
-    if (i == 0) written[0] = 0;
-    constexpr int DM = DK > DV ? DK : DV;
-    const size_t t = i / (NKV * DM);
-    if (t >= (size_t)keys_shape[0]) return;
-    const int slot = slot_mapping[t];
-    if (slot < 0) return;
-    const int h = (i / DM) % NKV, d = i % DM;
-    const size_t page_row = ((size_t)(slot / BS) * NKV + h) * BS + slot % BS;
-    if (d < DK) const_cast<DEVICE P*>(k_pages)[page_row * DK + d] = static_cast<P>(static_cast<float>(keys[(t * NKV + h) * DK + d]));
-    if (d < DV) const_cast<DEVICE P*>(v_pages)[page_row * DV + d] = static_cast<P>(static_cast<float>(values[(t * NKV + h) * DV + d]));
 """

@@ -1,14 +1,15 @@
-"""CUDA kernels for recurrent-state layers (sources in cuda_state_sources.py).
+"""Recurrent-state kernels, for state layers (Gated DeltaNet, short convolutions), on CUDA only
+(sources in sources/recurrent_state_cuda.py).
 
 On CUDA, mlx-lm runs the gated delta rule (Qwen3.5 / 3.6, Qwen3-Next) as a Python loop over tokens of
 a compiled one-step function: a 512-token prefill chunk is 512 dispatches per layer. Here:
 - gated_delta: one kernel for a whole chunk (or a whole decode batch), in place of mlx-lm's
   `gated_delta_ops`;
 - depthwise_conv1d: the layers' short convolution over [conv state; new rows];
-- write_rows: new states into the pool at their slots, in place (see StatePool).
+- write_rows: new states into the pool at their slots, in place (see runner/state.py's StatePool).
 The first two replace mlx-lm's code only inside a regrouped state layer of a paged step (`active`):
 mlx-lm's own generation in the same process keeps its own path. Whether a runner uses them is its
-KernelPlan's `state` (kernel_check.py): on CUDA, unless PAGEDMLX_CUDA_KERNELS=0 or the model's
+KernelPlan's `state` (selector.py): on CUDA, unless PAGEDMLX_CUDA_KERNELS=0 or the model's
 load-time check disagreed. Every other backend keeps mlx-lm's.
 """
 
@@ -22,9 +23,9 @@ from typing import Iterator, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from pagedmlx.runner import cuda_state_sources as src
-from pagedmlx.runner import paged_kernels
-from pagedmlx.runner.dialect import CUDA
+from pagedmlx.kernels import build
+from pagedmlx.kernels.dialect import CUDA
+from pagedmlx.kernels.sources import recurrent_state_cuda as src
 
 _active = 0  # > 0 inside a regrouped state layer's call whose runner uses the kernels
 
@@ -46,7 +47,7 @@ def _kernel(name: str):
         "depthwise_conv": (["x", "weight", "bias"], ["out"], src.DEPTHWISE_CONV),
         "write_rows": (["values", "slots", "pool"], ["written"], src.WRITE_ROWS),
     }[name]
-    return paged_kernels.make_kernel(CUDA, f"pagedmlx_{name}", inputs, outputs, source, "")
+    return build.make_kernel(CUDA, f"pagedmlx_{name}", inputs, outputs, source, "")
 
 
 def supports_gated_delta(q: mx.array, v: mx.array, g: mx.array) -> bool:
@@ -83,7 +84,7 @@ def depthwise_conv1d(x: mx.array, weight: mx.array, bias: Optional[mx.array] = N
 
 def write_rows(values: mx.array, slots: mx.array, pool: mx.array) -> mx.array:
     """pool[slots] = values (values in the pool's dtype), in place. Returns a (1,) int32 zero that the
-    step's output must depend on (a view of a 4-element output: see paged_kernels._constant)."""
+    step's output must depend on (a view of a 4-element output: see build.device_constant)."""
     E = math.prod(pool.shape[1:])
     return _kernel("write_rows")(
         inputs=[values, slots, pool], template=[("P", pool.dtype), ("E", E)], grid=(max(values.shape[0] * E, 1), 1, 1),

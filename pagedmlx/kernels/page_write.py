@@ -1,0 +1,48 @@
+"""The page write (vLLM's reshape_and_cache) for attention layers that own pages, on CUDA and Metal,
+from one source (sources/page_write.py, in the portable dialect of dialect.py).
+
+It stores each new token's K/V at its slot in place, through the input pointers: MLX sees the
+pools as arrays that never change, so no write can turn into a copy of a whole pool (which MLX's
+scatter does whenever anything else still references the pool, e.g. the step in flight), and
+step N+1 can be dispatched while step N runs. Its small `written` output is an input of every
+reader of that layer's pages in the step: MLX orders kernels by the buffers they share (CUDA
+graphs; Metal's barriers between dependent dispatches), so this keeps a read after the write.
+Where it runs is selector.PAGES_IN_PLACE (CUDA); elsewhere MLX's scatter writes the pages.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import mlx.core as mx
+
+from pagedmlx.kernels import build
+from pagedmlx.kernels.dialect import render
+from pagedmlx.kernels.sources import page_write as src
+
+
+def write_source(backend: str) -> str:
+    return render(src.RESHAPE_AND_CACHE, backend)
+
+
+@functools.lru_cache(maxsize=None)
+def _write_kernel(backend: str):
+    return build.make_kernel(backend, "pagedmlx_reshape_and_cache",
+                             ["keys", "values", "slot_mapping", "k_pages", "v_pages"], ["written"], write_source(backend), "")
+
+
+def reshape_and_cache(keys: mx.array, values: mx.array, k_pages: mx.array, v_pages: mx.array,
+                      slot_mapping: mx.array, backend: Optional[str] = None) -> mx.array:
+    """Write keys (T, n_kv, 1, Dk) and values (T, n_kv, 1, Dv) into the pages at slot_mapping (T,)
+    int32 (block * block_size + offset; negative: skip), in place. Returns `written`, a (1,) int32
+    zero that every reader of these pages in the step must take as an input (a view of a 4-element
+    output: see build.device_constant)."""
+    T, n_kv, _, dk = keys.shape
+    dv = values.shape[3]
+    bs = k_pages.shape[2]
+    template = [("P", k_pages.dtype), ("KT", keys.dtype), ("NKV", n_kv), ("DK", dk), ("DV", dv), ("BS", bs)]
+    return _write_kernel(backend or build.gpu_backend())(
+        inputs=[keys, values, slot_mapping, k_pages, v_pages], template=template,
+        grid=(max(T * n_kv * max(dk, dv), 1), 1, 1), threadgroup=(256, 1, 1),
+        output_shapes=[(4,)], output_dtypes=[mx.int32])[0][:1]

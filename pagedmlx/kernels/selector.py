@@ -1,0 +1,114 @@
+"""Which kernels a process may use (its KernelPlan), decided at load and never on trust alone.
+
+On Metal (which no machine of the project has run) and on any CUDA GPU other than the one the GPU
+suite runs on, the kernels are compiled and checked first (check.py), with the model's own head
+shapes and dtypes, against the gather path: decode rows at lengths that cross block and split
+boundaries, split and unsplit, the page write and a read of its pages in the same graph. A kernel
+that fails to compile, fails to run or disagrees is switched off with one warning line naming the
+reason, and decode attention gathers pages instead (the path every backend has).
+PAGEDMLX_METAL_KERNELS=0 (or PAGEDMLX_CUDA_KERNELS=0) switches them off.
+
+The plan also says whether the recurrent-state kernels (recurrent_state.py, CUDA only) run: they are
+checked with the whole model, by the runner's load-time check (runner/selfcheck.py), which switches
+the plan off if the model disagrees with mlx-lm.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import mlx.core as mx
+
+from pagedmlx.kernels import build, check, decode_attention, prefill_attention
+from pagedmlx.kernels.dialect import CUDA
+
+logger = logging.getLogger("pagedmlx")
+
+# GPUs the project's GPU suite has run the kernels on (docs/benchmarks.md): checked there, not at load.
+TRUSTED_GPUS = {CUDA: ("H200",)}
+# Pages written in place by the page-write kernel. Not on Metal yet: the engine then dispatches step
+# N+1 before step N ends, and nothing run here shows that Metal keeps one step's page reads before
+# the next step's writes (CUDA's single stream does); MLX's scatter writes them there instead.
+PAGES_IN_PLACE = {CUDA: True}
+
+
+@dataclass
+class KernelPlan:
+    backend: Optional[str]
+    decode: bool = False  # decode rows read pages through the paged-decode kernel
+    page_write: bool = False  # the page-write kernel writes new K/V in place
+    state: bool = False  # the recurrent-state kernels run in state layers (and write the state pool in place)
+    prefill: bool = False  # prefill rows of the layers it takes attend through the paged prefill kernel
+    checks: list[tuple[str, str]] = field(default_factory=list)  # (check, "passed" | "trusted" | "failed: ...")
+    reason: Optional[str] = None  # why the paged kernels are off
+    prefill_reason: Optional[str] = None  # why the prefill kernel is off while the others run
+
+    @property
+    def paged(self) -> bool:
+        return self.decode or self.page_write
+
+    @property
+    def enabled(self) -> bool:
+        return self.paged or self.state
+
+    def switch_off(self, reason: str, keep_state: bool = False) -> "KernelPlan":
+        """The paged kernels off, and the state kernels too unless keep_state."""
+        if self.paged:
+            logger.warning("pagedmlx: %s paged kernels off: %s; decode attention gathers pages instead",
+                           self.backend, reason)
+        if self.state and not keep_state:
+            logger.warning("pagedmlx: recurrent-state CUDA kernels off: %s; mlx-lm's own state code runs instead",
+                           reason)
+        return KernelPlan(self.backend, state=self.state and keep_state, checks=self.checks, reason=reason)
+
+
+def device_name() -> str:
+    try:
+        return str(mx.device_info().get("device_name", ""))
+    except Exception:  # an MLX without device_info
+        return ""
+
+
+def select_kernels(layer_specs: list[tuple[int, int, int, mx.Dtype]], query_heads: list[int], block_size: int,
+                   windows: tuple[Optional[int], ...] = (None,), sinks: tuple[bool, ...] = (False,),
+                   state_layers: bool = False, prefill: bool = True) -> KernelPlan:
+    """The kernels this model may use here. layer_specs: (kv heads, Dk, Dv, dtype) per layer;
+    windows / sinks: the windows and with / without sinks that the model's layers use, so that the
+    check covers them (and only them); state_layers: the model has recurrent-state layers;
+    prefill: the paged prefill kernel may run (CUDA) for the layers it takes."""
+    backend = build.gpu_backend()
+    if backend is None:
+        return KernelPlan(None, reason="no GPU backend")
+    env = f"PAGEDMLX_{backend.upper()}_KERNELS"
+    if os.environ.get(env, "1") == "0":
+        return KernelPlan(backend, reason=f"{env}=0")
+    shapes = kernel_shapes(layer_specs, query_heads, backend)
+    prefill_shapes = [x for x in shapes if prefill_attention.supports_prefill(x[2], x[2], x[0], x[1], x[3])]
+    plan = KernelPlan(backend, decode=bool(shapes), page_write=PAGES_IN_PLACE.get(backend, False),
+                      state=state_layers and backend == CUDA, prefill=prefill and backend == CUDA and bool(prefill_shapes))
+    if not plan.prefill:
+        plan.prefill_reason = ("--no-prefill-kernel" if not prefill else "the prefill kernel is CUDA only"
+                               if backend != CUDA else "no layer shape the prefill kernel takes")
+    if not plan.paged:
+        return KernelPlan(backend, state=plan.state, reason="no layer shape the decode kernel takes")
+    name = device_name()
+    if any(gpu in name for gpu in TRUSTED_GPUS.get(backend, ())):
+        plan.checks.append((f"{name}: checked by tests/test_gpu_kernels.py", "trusted"))
+        return plan
+    checked = prefill_shapes if plan.prefill else []
+    for label, ok, detail in check.run_checks(backend, shapes, block_size, plan.page_write, windows, sinks, checked):
+        plan.checks.append((label, "passed" if ok else f"failed: {detail}"))
+        if not ok:
+            return plan.switch_off(f"{label}: {detail}", keep_state=True)
+    return plan
+
+
+def kernel_shapes(layer_specs: list[tuple[int, int, int, mx.Dtype]], query_heads: list[int],
+                  backend: str) -> list[check.Shape]:
+    """The distinct (H, n_kv, D, dtype) of layers that the decode kernel takes."""
+    shapes = {(h, n_kv, dk, dt) for (n_kv, dk, dv, dt), h in zip(layer_specs, query_heads)
+              if h and decode_attention.supports_layer(dk, dv, h, n_kv, dt, backend)}
+    return sorted(shapes, key=str)

@@ -1,0 +1,113 @@
+"""Which kernel each layer runs, said out loud: per KV cache group (one layer kind), the path of its
+decode rows, its prefill rows and its page write, or for the recurrent-state group its update; and,
+wherever a portable path runs, why (the KernelPlan's reason: no GPU backend, a switch, a load-time
+check that failed; or a head shape the kernel does not take). The same gates the step uses decide
+(decode_attention.supports_layer, the runner's prefill_heads, the plan), so the text cannot drift
+from what runs. `pagedmlx doctor` prints these lines for a model; the server prints them at start
+(core/info.py)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from pagedmlx.kernels import decode_attention, prefill_attention
+from pagedmlx.kernels.dialect import CUDA
+
+PORTABLE = "gather + SDPA"  # pages gathered into a contiguous copy, then MLX's attention
+
+
+def layer_list(ids: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
+    runs: list[list[int]] = []
+    for i in sorted(ids):
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+def _shape(spec: tuple, n_heads: int) -> str:
+    n_kv, dk, dv, dt = spec
+    return f"H={n_heads} kv={n_kv} D={dk}{'' if dk == dv else f'/{dv}'} {str(dt).split('.')[-1]}"
+
+
+def kernel_path_lines(runner: Any) -> list[str]:
+    """One line per KV cache group of a ModelRunner: "<group> (layers ...): decode ...; prefill ...;
+    page write ..." or, for the state group, "state (layers ...): update ...", each portable path
+    followed by its reason in parentheses (once at the end when they all share it)."""
+    plan, kernels = runner.plan, runner.kernels
+    paged = [g for g in runner.kv_cache_config.kv_cache_groups if not g.is_state]
+    lines = []
+    for gi, group in enumerate(paged):
+        ids = set(group.layer_ids)
+        shared = [i for i, p in enumerate(plan) if p.kind == "shared" and p.source in ids]
+        shapes: dict[tuple, list[int]] = {}  # (spec, query heads) -> the layers reading the pages with it
+        for i in sorted(ids | set(shared)):
+            p = plan[i]
+            shapes.setdefault((plan[p.source].spec if p.kind == "shared" else p.spec, p.n_heads), []).append(i)
+        layers = _layers(sorted(ids)) + (f", KV shared by {_layers(shared)}" if shared else "")
+        paths = [*_decode_paths(kernels, shapes), _prefill_path(kernels, shapes, runner.prefill_heads[gi]),
+                 _write_path(kernels)]
+        lines.append(f"{group.name} ({layers}): {_join(paths)}")
+    state = next((g for g in runner.kv_cache_config.kv_cache_groups if g.is_state), None)
+    if state is not None:
+        lines.append(f"{state.name} ({_layers(list(state.layer_ids))}): {_join([_state_path(kernels)])}")
+    return lines
+
+
+def _layers(ids: list[int]) -> str:
+    return f"layer{'s' if len(ids) > 1 else ''} {layer_list(ids)}"
+
+
+def _join(paths: list[tuple[str, Optional[str]]]) -> str:
+    """(path, why it is not a kernel or None) -> "a (why); b" or, all for one reason, "a; b (why)"."""
+    whys = {why for _, why in paths}
+    if len(whys) == 1 and None not in whys:
+        return "; ".join(path for path, _ in paths) + f" ({whys.pop()})"
+    return "; ".join(path + (f" ({why})" if why else "") for path, why in paths)
+
+
+def _decode_paths(kernels: Any, shapes: dict) -> list[tuple[str, Optional[str]]]:
+    paths = []
+    for (spec, h), _ in shapes.items():
+        n_kv, dk, dv, dt = spec
+        why = None if kernels.decode else kernels.reason
+        if why is None and kernels.backend is not None:  # the gate each layer call passes (attention.py)
+            why = decode_attention.layer_refusal(dk, dv, h, n_kv, dt, kernels.backend)
+        if why is None and kernels.decode:
+            mma = decode_attention.uses_tensor_cores(dk, h // n_kv, dt, kernels.backend)
+            path = "paged decode kernel" + (" on tensor cores" if mma else "")
+        else:
+            path, why = PORTABLE, why or "kernels off"
+        paths.append((f"decode {path}" if len(shapes) == 1 else f"decode {_shape(spec, h)} {path}", why))
+    return paths
+
+
+def _prefill_path(kernels: Any, shapes: dict, heads: Optional[tuple[int, int]]) -> tuple[str, Optional[str]]:
+    if heads is not None:  # runner.prefill_heads: the group's prefill rows go through the kernel
+        return (f"prefill paged prefill kernel (steps whose chunks are all <= "
+                f"{prefill_attention.PREFILL_KERNEL_MAX_QUERY} tokens; longer: {PORTABLE})", None)
+    if not kernels.prefill:
+        why = kernels.prefill_reason or kernels.reason
+    elif len({(spec[0], h // spec[0]) for spec, h in shapes}) > 1:
+        why = "its layers differ in KV heads or query heads per KV head"
+    else:
+        why = next((r for (n_kv, dk, dv, dt), h in shapes
+                    if (r := prefill_attention.prefill_refusal(dk, dv, h, n_kv, dt))), None)
+    return f"prefill {PORTABLE}", why or "kernels off"
+
+
+def _write_path(kernels: Any) -> tuple[str, Optional[str]]:
+    if kernels.page_write:
+        return "page write kernel, in place", None
+    if kernels.reason is None and kernels.backend is not None:
+        return "page write MLX scatter", f"not in place on {kernels.backend} yet"
+    return "page write MLX scatter", kernels.reason or "kernels off"
+
+
+def _state_path(kernels: Any) -> tuple[str, Optional[str]]:
+    if kernels.state:
+        return "update recurrent-state kernels (gated delta rule, short convolution; states written in place)", None
+    why = "the state kernels are CUDA only" if kernels.backend not in (None, CUDA) else kernels.reason
+    return "update mlx-lm's own code, states scattered into the pool", why or "kernels off"
