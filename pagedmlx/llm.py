@@ -16,6 +16,7 @@ import mlx.nn as nn
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine import LLMEngine
+from pagedmlx.lora.request import LoRARequest
 from pagedmlx.outputs import EngineOutput, RequestOutput, RequestOutputBuilder
 from pagedmlx.request import fan_out
 from pagedmlx.sampling_params import SamplingParams
@@ -57,21 +58,27 @@ class LLM:
 
     def generate(self, prompts: Union[PromptInput, Sequence[PromptInput]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: Optional[bool] = None) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in prompt order; `outputs[i]` is its i-th of n samples."""
+                 use_tqdm: Optional[bool] = None,
+                 lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in prompt order; `outputs[i]` is its i-th of n samples.
+        lora_request: the adapter of every prompt, or one per prompt (None: the base model); the
+        engine needs enable_lora=True."""
         prompts = _as_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora requests for {len(prompts)} prompts")
         requests = []  # (request id, prompt text or None, sample ids)
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, lora in zip(prompts, params, loras):
                 rid, (text, ids) = str(next(self._counter)), _unpack(prompt)
                 requests.append((rid, text, []))
                 for child_id, child_prompt, child_params in fan_out(rid, [ids if ids is not None else text], p):
-                    self.engine.add_request(child_id, child_prompt, child_params)
+                    self.engine.add_request(child_id, child_prompt, child_params, lora_request=lora)
                     requests[-1][2].append(child_id)
         except BaseException:  # a refused prompt: the call adds nothing
             self.engine.abort_request([c for _, _, children in requests for c in children])
@@ -82,12 +89,12 @@ class LLM:
 
     def chat(self, messages: Union[list[dict], Sequence[list[dict]]],
              sampling_params: Optional[SamplingParams] = None, use_tqdm: Optional[bool] = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, lora_request: Optional[LoRARequest] = None) -> list[RequestOutput]:
         """One conversation (a list of messages) or several, through the tokenizer's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
                    for c in conversations]
-        return self.generate([{"prompt_token_ids": p} for p in prompts], sampling_params, use_tqdm)
+        return self.generate([{"prompt_token_ids": p} for p in prompts], sampling_params, use_tqdm, lora_request)
 
     def close(self) -> None:
         """Let the other tensor-parallel ranks exit (nothing to do for one process)."""

@@ -73,7 +73,12 @@ class KVCacheManager:
         return max(pool.get_usage() for pool in self.block_pools)
 
     def _extra_keys(self, request: Request) -> Optional[tuple]:
-        return (request.cache_salt,) if request.cache_salt is not None else None
+        """What besides the tokens a block's KV depends on: the cache salt, and the LoRA adapter
+        (a page computed with adapter A never serves adapter B or the base model)."""
+        keys = (request.cache_salt,) if request.cache_salt is not None else ()
+        if request.lora_request is not None:
+            keys += (("lora", request.lora_request.lora_int_id),)
+        return keys or None
 
     def update_block_hashes(self, request: Request) -> None:
         """Hash the request's newly full blocks (each block is hashed once, stored on the request)."""
