@@ -234,3 +234,29 @@ def test_the_base_model_runs_as_before_beside_an_idle_lora_engine(adapters):
     assert engine.runner.lora_manager.layers  # wrapped
     x = mx.array([[1, 2, 3, 4, 5]])
     assert mx.array_equal(base(x), fresh()()(x)).item()
+
+
+def test_the_scheduler_runs_at_most_max_loras_adapters_and_the_rest_wait_their_turn():
+    """With 2 slots, a request for a third adapter waits (passed over, keeping its place) while
+    later requests for running adapters or the base go ahead; it runs once a slot frees."""
+    from sched_utils import FakeModel, make_request, make_scheduler
+
+    sched = make_scheduler(num_blocks=64, max_num_batched_tokens=64)
+    sched.config.max_loras = 2
+    ids = [1, 2, 3, 1, 0, 3, 2, 4]
+    for i, lid in enumerate(ids):
+        lora = LoRARequest(f"a{lid}", lid, f"/adapters/{lid}") if lid else None
+        sched.add_request(make_request(f"r{i}", [i + 1] * (3 + i), max_tokens=2 + i % 3, lora_request=lora))
+    model, first_step = FakeModel(sched), {}
+    for step in range(100):
+        if not sched.has_unfinished_requests():
+            break
+        out, _ = model.step()
+        running = {r.lora_request.lora_int_id for r in sched.running if r.lora_request is not None}
+        assert len(running) <= 2 and len(set(out.lora_int_ids.tolist()) - {0}) <= 2
+        if len(out.lora_int_ids):
+            assert out.lora_int_ids.tolist() == [ids[int(rid[1:])] for rid in out.req_ids]
+        for rid in out.req_ids:
+            first_step.setdefault(rid, step)
+    assert not sched.has_unfinished_requests()
+    assert first_step["r2"] > first_step["r4"] == first_step["r3"] == 0  # r2 (adapter 3) waited, r3 / r4 did not
