@@ -11,6 +11,7 @@ zeroed in every layer it filled."""
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -24,9 +25,9 @@ from pagedmlx.lora.models import LoRAError, LoRAModel
 from pagedmlx.lora.request import LoRARequest
 
 # On a GPU, steps of at least this many rows sort them by slot, so that MLX's gather_mm runs each
-# adapter's rows as one segment (as mlx-lm's SwitchGLU does for experts); on the CPU it loops over
-# rows either way.
-SORT_MIN_ROWS = 64
+# adapter's rows as one segment (as mlx-lm's SwitchGLU does for experts; fewer rows: one gather-GEMV
+# launch for all); on the CPU it loops over rows either way. PAGEDMLX_LORA_SORT_MIN_ROWS=0: never.
+SORT_MIN_ROWS = int(os.environ.get("PAGEDMLX_LORA_SORT_MIN_ROWS", "64"))
 
 
 @dataclass
