@@ -226,6 +226,21 @@ def test_an_adapter_removed_while_its_requests_run_serves_them_to_the_end(adapte
     assert_no_leaks(engine)
 
 
+def test_llm_generate_takes_one_adapter_for_all_prompts_or_one_per_prompt(adapters, refs):
+    from pagedmlx import LLM
+
+    llm = LLM.from_engine(lora_engine())
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5], [8, 9, 7, 9]]
+    for loras in ([adapters[3], None, adapters[2]], adapters[1]):
+        outs = llm.generate(prompts, GREEDY, lora_request=loras)
+        each = loras if isinstance(loras, list) else [loras] * 3
+        for p, lora, out in zip(prompts, each, outs):
+            assert out.lora_request is lora
+            assert out.outputs[0].token_ids == refs(lora.lora_path if lora else None, p, GREEDY.max_tokens)
+    with pytest.raises(ValueError, match="got 2 lora requests for 3 prompts"):
+        llm.generate(prompts, GREEDY, lora_request=adapters[:2])
+
+
 def test_the_base_model_runs_as_before_beside_an_idle_lora_engine(adapters):
     """Wrapped layers outside a step are their base layers: mlx-lm's own call on the engine's model
     object gives the base model's logits, bit for bit."""

@@ -154,7 +154,7 @@ def test_an_engine_core_process_runs_the_adapter_each_request_names(paths, refs)
         ae.shutdown(timeout=0)
     for i, (out, lora) in enumerate(zip(outs, loras)):
         want = refs(lora.lora_path if lora else None, PROMPTS[i % 3], 8)
-        assert out.outputs[0].token_ids == want, lora
+        assert out.outputs[0].token_ids == want and out.lora_request == lora, lora
 
 
 def test_serve_takes_lora_modules_and_refuses_a_bad_one(paths, refs):
