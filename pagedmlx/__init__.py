@@ -22,6 +22,7 @@ _EXPORTS = {
     "LLMEngine": "pagedmlx.engine",
     "AsyncEngine": "pagedmlx.async_engine",
     "EngineConfig": "pagedmlx.config",
+    "LoRARequest": "pagedmlx.lora.request",
 }
 __all__ = ["__version__", *_EXPORTS]
 
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from pagedmlx.config import EngineConfig
     from pagedmlx.engine import LLMEngine
     from pagedmlx.llm import LLM
+    from pagedmlx.lora.request import LoRARequest
     from pagedmlx.outputs import CompletionOutput, EngineOutput, Logprob, RequestOutput
     from pagedmlx.sampling_params import SamplingParams
     from pagedmlx.structured_outputs.params import StructuredOutputsParams

@@ -29,6 +29,7 @@ from pagedmlx.core.engine_core import EngineCore
 from pagedmlx.core.info import CoreInfo
 from pagedmlx.core.messages import AddRequest
 from pagedmlx.engine import LLMEngine, PromptType, encode_prompt
+from pagedmlx.lora.request import LoRARequest
 from pagedmlx.output_processor import OutputProcessor
 from pagedmlx.outputs import EngineCoreOutput, EngineOutput, RequestOutput, RequestOutputBuilder
 from pagedmlx.request import fan_out
@@ -124,17 +125,19 @@ class AsyncEngine:
     # ---- requests ----------------------------------------------------------------------------------
 
     async def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
-                          priority: int = 0, cache_salt: Optional[str] = None) -> RequestStream:
+                          priority: int = 0, cache_salt: Optional[str] = None,
+                          lora_request: Optional[LoRARequest] = None) -> RequestStream:
         """Add one prompt (n > 1 fans out into children `{id}-{i}`). Returns once the core has
-        accepted it; a bad request raises here (ValueError), as does a full queue
-        (TooManyRequestsError) or a dead / stopping engine."""
-        return await self.add_requests(request_id, [prompt], params, priority, cache_salt)
+        accepted it; a bad request raises here (ValueError, also for an adapter that cannot be
+        served), as does a full queue (TooManyRequestsError) or a dead / stopping engine."""
+        return await self.add_requests(request_id, [prompt], params, priority, cache_salt, lora_request)
 
     async def add_requests(self, request_id: str, prompts: Sequence[PromptType],
                            params: Optional[SamplingParams] = None, priority: int = 0,
-                           cache_salt: Optional[str] = None) -> RequestStream:
+                           cache_salt: Optional[str] = None, lora_request: Optional[LoRARequest] = None) -> RequestStream:
         """Several prompts as one request: child k = prompt k // n, sample k % n, id `{id}-{k}`
-        (just `{id}` for a single prompt with n == 1). All are accepted or none."""
+        (just `{id}` for a single prompt with n == 1). All are accepted or none. lora_request: the
+        adapter they all run with (the engine needs enable_lora)."""
         params = params or self.get_default_sampling_params()
         if not prompts:
             raise ValueError("prompt must not be empty")
@@ -161,7 +164,7 @@ class AsyncEngine:
         accepted = loop.create_future()
         self._adds[request_id] = (accepted, ids)
         self._num_pending_adds += len(ids)
-        self.client.send(("add", AddRequest(request_id, children, priority, cache_salt, arrival)))
+        self.client.send(("add", AddRequest(request_id, children, priority, cache_salt, arrival, lora_request)))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -173,17 +176,17 @@ class AsyncEngine:
         return stream
 
     async def generate(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None,
-                       request_id: Optional[str] = None, *, priority: int = 0,
-                       cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+                       request_id: Optional[str] = None, *, priority: int = 0, cache_salt: Optional[str] = None,
+                       lora_request: Optional[LoRARequest] = None) -> AsyncIterator[RequestOutput]:
         """vLLM's AsyncLLM.generate: the request's RequestOutput after every step that changed it
         (cumulative: `outputs[i]` is sample i so far), the last one with finished=True. Stopping
         the iteration (break, cancellation, a closed generator) aborts the request."""
         request_id = request_id or uuid.uuid4().hex
         params = sampling_params or self.get_default_sampling_params()
-        stream = await self.add_request(request_id, prompt, params, priority, cache_salt)
+        stream = await self.add_request(request_id, prompt, params, priority, cache_salt, lora_request)
         index = {rid: i for i, rid in enumerate(stream.request_ids)}
         builder = RequestOutputBuilder(request_id, prompt if isinstance(prompt, str) else None, len(index),
-                                       self.tokenizer)
+                                       self.tokenizer, lora_request)
         try:
             async for out in stream:
                 yield builder.add(index[out.request_id], out)
@@ -197,6 +200,16 @@ class AsyncEngine:
     def _abort_nowait(self, request_ids: tuple[str, ...]) -> None:
         if not self._closed:
             self.client.send(("abort", list(request_ids)))
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter in the core (ValueError saying why it cannot be served)."""
+        return await self.call(_add_lora, lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await self.call(_remove_lora, lora_id)
+
+    async def list_loras(self) -> set[int]:
+        return await self.call(_list_loras)
 
     async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """fn(core, *args, **kwargs) run by the core between steps (state snapshots, metrics). For a
@@ -356,3 +369,16 @@ class AsyncEngine:
                 queue.put_nowait(error)
         self._streams.clear()
         self.processor.forget(list(self.processor.requests))
+
+
+# Run by the core between steps (module-level: they pickle to a core in its own process).
+def _add_lora(core: EngineCore, lora_request: LoRARequest) -> bool:
+    return core.add_lora(lora_request)
+
+
+def _remove_lora(core: EngineCore, lora_id: int) -> bool:
+    return core.remove_lora(lora_id)
+
+
+def _list_loras(core: EngineCore) -> set[int]:
+    return core.list_loras()

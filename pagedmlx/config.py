@@ -48,6 +48,13 @@ class EngineConfig:
     # step in one launch, keys read from the pages) instead of MLX's attention on gathered pages.
     # None: wherever the kernels run; False: never.
     prefill_kernel: Optional[bool] = None
+    # Batched multi-LoRA (vLLM's LoRAConfig, pagedmlx/lora/): requests may name an mlx-lm LoRA or DoRA
+    # adapter; a step's rows each use their own. max_loras adapters at most among running requests
+    # (device slots), of rank max_lora_rank at most; max_cpu_loras read adapters kept (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
@@ -58,7 +65,8 @@ class EngineConfig:
             import mlx.core as mx
 
             self.long_prefill_token_threshold = 256 if mx.default_device() == mx.gpu and mx.cuda.is_available() else 512
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "async_min_batch"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "async_min_batch", "max_loras",
+                     "max_lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -77,6 +85,8 @@ class EngineConfig:
             raise ValueError(f"max_state_checkpoints must be >= 0, got {self.max_state_checkpoints}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         if self.dtype not in (None, "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         if self.generation_config not in ("auto", "vllm"):

@@ -12,6 +12,7 @@ import mlx.nn as nn
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.core.engine_core import EngineCore
+from pagedmlx.lora.request import LoRARequest
 from pagedmlx.output_processor import OutputProcessor
 from pagedmlx.outputs import EngineCoreOutput, EngineOutput
 from pagedmlx.request import Request
@@ -62,12 +63,12 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
                     priority: int = 0, arrival_time: Optional[float] = None,
-                    cache_salt: Optional[str] = None) -> Request:
+                    cache_salt: Optional[str] = None, lora_request: Optional[LoRARequest] = None) -> Request:
         params = params or SamplingParams()
         ids = encode_prompt(self.tokenizer, prompt)
         self.processor.add_request(request_id, ids, params)
         try:
-            return self.core.add_request(request_id, ids, params, priority, arrival_time, cache_salt)
+            return self.core.add_request(request_id, ids, params, priority, arrival_time, cache_salt, lora_request)
         except BaseException:
             self.processor.forget([request_id])
             raise

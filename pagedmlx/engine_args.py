@@ -45,6 +45,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "besides each prompt's last full block; prefix hits resume only from checkpoints")
     p.add_argument("--max-state-checkpoints", type=int, default=None,
                    help="state slots for checkpoints beside the max-num-seqs running ones (default: max-num-seqs)")
+    lora = p.add_argument_group("LoRA adapters (mlx-lm's LoRA and DoRA, batched: each row its own)")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters beside the base model")
+    lora.add_argument("--max-loras", type=int, default=1,
+                      help="adapters among running requests at once (requests for others wait; default 1)")
+    lora.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted (default 16)")
+    lora.add_argument("--max-cpu-loras", type=int, default=None,
+                      help="adapters kept read in the engine (others are read again from their folders when "
+                           "used; default: --max-loras)")
 
 
 def model_arg(args: argparse.Namespace) -> Optional[str]:
@@ -66,4 +74,6 @@ def engine_config(args: argparse.Namespace):
                         generation_config=args.generation_config,
                         scheduling_policy=args.scheduling_policy, dtype=args.dtype,
                         state_checkpoint_interval=args.state_checkpoint_interval,
-                        max_state_checkpoints=args.max_state_checkpoints)
+                        max_state_checkpoints=args.max_state_checkpoints, enable_lora=args.enable_lora,
+                        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                        max_cpu_loras=args.max_cpu_loras)

@@ -16,6 +16,7 @@ import mlx.nn as nn
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine import LLMEngine
+from pagedmlx.lora.request import LoRARequest
 from pagedmlx.outputs import EngineOutput, RequestOutput, RequestOutputBuilder
 from pagedmlx.request import fan_out
 from pagedmlx.sampling_params import SamplingParams
@@ -57,37 +58,44 @@ class LLM:
 
     def generate(self, prompts: Union[PromptInput, Sequence[PromptInput]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: Optional[bool] = None) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in prompt order; `outputs[i]` is its i-th of n samples."""
+                 use_tqdm: Optional[bool] = None,
+                 lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in prompt order; `outputs[i]` is its i-th of n samples.
+        lora_request: the adapter of every prompt, or one per prompt (None: the base model); the
+        engine needs enable_lora=True."""
         prompts = _as_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        requests = []  # (request id, prompt text or None, sample ids)
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora requests for {len(prompts)} prompts")
+        requests = []  # (request id, prompt text or None, sample ids, adapter)
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, lora in zip(prompts, params, loras):
                 rid, (text, ids) = str(next(self._counter)), _unpack(prompt)
-                requests.append((rid, text, []))
+                requests.append((rid, text, [], lora))
                 for child_id, child_prompt, child_params in fan_out(rid, [ids if ids is not None else text], p):
-                    self.engine.add_request(child_id, child_prompt, child_params)
+                    self.engine.add_request(child_id, child_prompt, child_params, lora_request=lora)
                     requests[-1][2].append(child_id)
         except BaseException:  # a refused prompt: the call adds nothing
-            self.engine.abort_request([c for _, _, children in requests for c in children])
+            self.engine.abort_request([c for _, _, children, _ in requests for c in children])
             raise
-        num_samples = sum(len(c) for _, _, c in requests)
+        num_samples = sum(len(c) for _, _, c, _ in requests)
         done = self._run(num_samples, use_tqdm if use_tqdm is not None else num_samples >= 8)
-        return [self._request_output(rid, text, [done[c] for c in child_ids]) for rid, text, child_ids in requests]
+        return [self._request_output(rid, text, [done[c] for c in child_ids], lora)
+                for rid, text, child_ids, lora in requests]
 
     def chat(self, messages: Union[list[dict], Sequence[list[dict]]],
              sampling_params: Optional[SamplingParams] = None, use_tqdm: Optional[bool] = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, lora_request: Optional[LoRARequest] = None) -> list[RequestOutput]:
         """One conversation (a list of messages) or several, through the tokenizer's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
                    for c in conversations]
-        return self.generate([{"prompt_token_ids": p} for p in prompts], sampling_params, use_tqdm)
+        return self.generate([{"prompt_token_ids": p} for p in prompts], sampling_params, use_tqdm, lora_request)
 
     def close(self) -> None:
         """Let the other tensor-parallel ranks exit (nothing to do for one process)."""
@@ -108,8 +116,9 @@ class LLM:
                         progress.advance(task)
         return done
 
-    def _request_output(self, rid: str, text: Optional[str], samples: list[EngineOutput]) -> RequestOutput:
-        builder = RequestOutputBuilder(rid, text, len(samples), self.tokenizer)
+    def _request_output(self, rid: str, text: Optional[str], samples: list[EngineOutput],
+                        lora_request: Optional[LoRARequest] = None) -> RequestOutput:
+        builder = RequestOutputBuilder(rid, text, len(samples), self.tokenizer, lora_request)
         for i, sample in enumerate(samples):
             output = builder.add(i, sample)
         return output

@@ -97,6 +97,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: Optional[str] = None  # pagedmlx: why a request failed (finish_reason "error")
     prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None  # None for the first token, as vLLM
+    lora_request: Any = None  # the LoRARequest it ran with, as vLLM
 
 
 class RequestOutputBuilder:
@@ -104,8 +105,10 @@ class RequestOutputBuilder:
     (LLM at the end, AsyncEngine.generate after every step): a sample's logprobs are converted (and
     their tokens decoded) once, as they come, not again at every step."""
 
-    def __init__(self, request_id: str, prompt: Optional[str], num_samples: int, tokenizer: Any = None):
+    def __init__(self, request_id: str, prompt: Optional[str], num_samples: int, tokenizer: Any = None,
+                 lora_request: Any = None):
         self.request_id, self.prompt, self.num_samples = request_id, prompt, num_samples
+        self.lora_request = lora_request
         self.latest: dict[int, EngineOutput] = {}
         self.outputs: dict[int, CompletionOutput] = {}
         self._logprobs: dict[int, list[dict[int, Logprob]]] = {}
@@ -133,7 +136,7 @@ class RequestOutputBuilder:
         finished = len(self.latest) == self.num_samples and all(o.finished for o in self.latest.values())
         return RequestOutput(self.request_id, self.prompt, list(first.prompt_token_ids),
                              [self.outputs[i] for i in sorted(self.outputs)], finished, first.num_cached_tokens,
-                             errors[0] if errors else None, self.prompt_logprobs)
+                             errors[0] if errors else None, self.prompt_logprobs, self.lora_request)
 
     def _decode(self, token_id: int) -> Optional[str]:
         if self._tokenizer is None:

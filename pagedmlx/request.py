@@ -12,6 +12,7 @@ from pagedmlx.sampling_params import MAX_SEED, SamplingParams
 
 if TYPE_CHECKING:
     from pagedmlx.kv.block_hash import BlockHash
+    from pagedmlx.lora.request import LoRARequest
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
@@ -52,6 +53,7 @@ class Request:
         arrival_time: Optional[float] = None,
         priority: int = 0,
         cache_salt: Optional[str] = None,
+        lora_request: Optional[LoRARequest] = None,
     ):
         if not prompt_token_ids:
             raise ValueError("prompt must hold at least one token")
@@ -62,6 +64,7 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        self.lora_request = lora_request  # the adapter its rows run with (pagedmlx/lora/), or None
         self.status = RequestStatus.WAITING
         self.stop_reason: Any = None  # the stop token id or stop string that ended it
         self.output_token_ids: list[int] = []

@@ -177,11 +177,18 @@ class Scheduler:
 
         # Then waiting ones, in queue order, while there is budget, room and pages. Not after a
         # preemption: the pages just freed belong to the running requests.
-        compiling: list[Request] = []  # guided requests whose grammar is not ready: they wait (vLLM's WAITING_FOR_FSM)
+        # Passed over, they keep their places: guided requests whose grammar is not ready (vLLM's
+        # WAITING_FOR_FSM), and requests for an adapter when max_loras others are running (as vLLM).
+        compiling: list[Request] = []
+        loras = self._running_loras()
         while (not preempted and budget > 0 and len(self.waiting) > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting.peek()
             if req.structured_output_request is not None and not req.structured_output_request.is_ready():
+                compiling.append(self.waiting.pop())
+                continue
+            lora = req.lora_request.lora_int_id if req.lora_request is not None else 0
+            if lora and lora not in loras and len(loras) >= self.config.max_loras:
                 compiling.append(self.waiting.pop())
                 continue
             hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(req)
@@ -198,6 +205,8 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n
+            if lora:
+                loras.add(lora)
         for req in reversed(compiling):  # back at the head, in their order
             self.waiting.prepend(req)
 
@@ -209,6 +218,10 @@ class Scheduler:
         for req, n in scheduled:
             req.num_computed_tokens += n
         return out
+
+    def _running_loras(self) -> set[int]:
+        """The adapters of running requests: at most max_loras, so every step fits the LoRA slots."""
+        return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
 
     def _reaches_length(self, request: Request, extra: int = 0) -> bool:
         """Whether the request is at max_model_len or max_tokens, counting `extra` tokens in flight."""

@@ -42,6 +42,8 @@ class SchedulerOutput:
     # starts at position 0), the slot it is written to, a checkpoint slot (-1: none) and how many of the
     # request's scheduled tokens the checkpoint's state covers.
     state_slots: np.ndarray = field(default_factory=lambda: np.zeros((0, 4), np.int32))  # (B, 4)
+    # LoRA: per request, its adapter's lora_int_id (0: none); empty when no request has one.
+    lora_int_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # (B,)
     # Prompt logprobs (SamplingParams.prompt_logprobs): per such request, the position of its first
     # row here and how many rows; each row's logits score the prompt token after it.
     prompt_logprob_req_ids: list[str] = field(default_factory=list)
@@ -154,6 +156,7 @@ def build_scheduler_output(
         placeholder_rows=np.asarray(placeholder_rows, np.int32),
         placeholder_src=np.asarray(placeholder_src, np.int32),
         state_slots=np.asarray(state_slots, np.int32).reshape(-1, 4),
+        lora_int_ids=_lora_int_ids([req for req, _ in scheduled]),
         prompt_logprob_req_ids=prompt_reqs[0],
         prompt_logprob_starts=prompt_reqs[1],
         prompt_logprob_lens=prompt_reqs[2],
@@ -161,6 +164,11 @@ def build_scheduler_output(
         preempted_req_ids=preempted_req_ids,
         finished_req_ids=finished_req_ids,
     )
+
+
+def _lora_int_ids(requests: list[Request]) -> np.ndarray:
+    ids = [r.lora_request.lora_int_id if r.lora_request is not None else 0 for r in requests]
+    return np.asarray(ids, np.int32) if any(ids) else np.zeros(0, np.int32)
 
 
 def _block_table(tables: list[list[int]], width: int) -> np.ndarray:

@@ -57,9 +57,9 @@ class ServerThread:
 
 
 class Served:
-    def __init__(self, engine: LLMEngine, **app_kw):
+    def __init__(self, engine: LLMEngine, async_engine: Optional[AsyncEngine] = None, **app_kw):
         self.engine = engine
-        self.async_engine = AsyncEngine(engine)
+        self.async_engine = async_engine or AsyncEngine(engine)
         app_kw.setdefault("drain_timeout", 2.0)
         app_kw.setdefault("limits", ServerLimits(max_body_bytes=64 * 1024, max_n=4))
         self.app = build_app(self.async_engine, MODEL, **app_kw)

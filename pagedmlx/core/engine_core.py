@@ -18,6 +18,7 @@ import mlx.nn as nn
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.kv.manager import KVCacheManager
+from pagedmlx.lora.request import LoRARequest
 from pagedmlx.outputs import EngineCoreOutput, TokenLogprob
 from pagedmlx.request import Request, RequestStatus
 from pagedmlx.runner.model import ModelRunner
@@ -77,6 +78,11 @@ class EngineCore:
             model.set_dtype(getattr(mx, self.config.dtype))
         self.tokenizer = tokenizer
         self.runner = self.make_runner(verify_model)
+        self.lora_manager = getattr(self.runner, "lora_manager", None)  # batched LoRA (pagedmlx/lora/)
+        if self.config.enable_lora and self.lora_manager is None:
+            raise ValueError("enable_lora is not supported with tensor parallelism yet")
+        if self.lora_manager is not None:
+            self.lora_manager.in_use = self._loras_in_use
         self.max_model_len = self._max_model_len()
         self.kv_cache_manager = KVCacheManager(self.runner.kv_cache_config,
                                                enable_caching=self.config.enable_prefix_caching)
@@ -150,19 +156,42 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: Optional[SamplingParams] = None,
                     priority: int = 0, arrival_time: Optional[float] = None,
-                    cache_salt: Optional[str] = None) -> Request:
-        """Queue a request (token ids: text is the front end's). A bad request raises ValueError."""
+                    cache_salt: Optional[str] = None, lora_request: Optional[LoRARequest] = None) -> Request:
+        """Queue a request (token ids: text is the front end's). A bad request raises ValueError,
+        an adapter that cannot be served too (its LoRAError says why)."""
         params = params or SamplingParams()
+        if lora_request is not None:
+            self.add_lora(lora_request)
         bad_bias = [t for t in params.logit_bias if t >= self.vocab_size]
         if bad_bias:
             raise ValueError(f"logit_bias keys must be token ids in [0, {self.vocab_size}), got {bad_bias[:5]}")
         request = Request(request_id, self.check_prompt(prompt_token_ids), params, self.eos_token_ids,
-                          arrival_time=arrival_time, priority=priority, cache_salt=cache_salt)
+                          arrival_time=arrival_time, priority=priority, cache_salt=cache_salt,
+                          lora_request=lora_request)
         self.structured_output_manager.add_request(request)  # guided decoding: compile its grammar off the step loop
         self.scheduler.add_request(request)
         if params.prompt_logprobs is not None:
             self._prompt_lps[request_id] = []
         return request
+
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ---------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter (ValueError saying why it cannot be served); False if loaded."""
+        if self.lora_manager is None:
+            raise ValueError(f"adapter {lora_request.lora_name!r}: LoRA is not enabled (enable_lora=True, "
+                             f"pagedmlx serve --enable-lora)")
+        return self.lora_manager.add_adapter(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter; requests running with it finish with it first."""
+        return self.lora_manager is not None and self.lora_manager.remove_adapter(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.lora_manager.list_adapters() if self.lora_manager is not None else set()
+
+    def _loras_in_use(self) -> set[int]:
+        return {r.lora_request.lora_int_id for r in self.scheduler.requests.values() if r.lora_request is not None}
 
     def abort_request(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
         finished = self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)

@@ -23,12 +23,15 @@ class CoreInfo:
     kernel_lines: list[str] = field(default_factory=list)  # per KV cache group: the kernels its layers run
     backend: str = ""
     pid: int = 0
+    max_loras: int = 0  # LoRA adapters among running requests (0: LoRA not enabled)
+    max_lora_rank: int = 0
 
     @classmethod
     def of(cls, core: Any) -> "CoreInfo":
         return cls(core.max_model_len, core.vocab_size, dict(core.generation_defaults), core.tokenizer,
                    core.config.model, core.config.max_num_seqs, kv_pool_line(core),
-                   list(getattr(core, "rank_lines", [])), kernel_lines(core), backend_name(), os.getpid())
+                   list(getattr(core, "rank_lines", [])), kernel_lines(core), backend_name(), os.getpid(),
+                   core.config.max_loras if core.config.enable_lora else 0, core.config.max_lora_rank)
 
 
 def kernel_lines(engine: Any) -> list[str]:

@@ -90,7 +90,7 @@ class CoreLoop:
         try:
             for rid, prompt, params in add.children:
                 self.core.add_request(rid, prompt, params, priority=add.priority, arrival_time=add.arrival_time,
-                                      cache_salt=add.cache_salt)
+                                      cache_salt=add.cache_salt, lora_request=add.lora_request)
                 added.append(rid)
         except Exception as exc:  # noqa: BLE001 - a bad request: its caller hears why
             self.core.abort_request(added)

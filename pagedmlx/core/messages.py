@@ -26,6 +26,7 @@ from typing import Optional
 
 import msgspec
 
+from pagedmlx.lora.request import LoRARequest
 from pagedmlx.outputs import EngineCoreOutput
 from pagedmlx.sampling_params import SamplingParams
 
@@ -36,6 +37,7 @@ class AddRequest(msgspec.Struct, array_like=True):
     priority: int = 0
     cache_salt: Optional[str] = None
     arrival_time: float = 0.0  # time.monotonic() in the front end (a clock every process shares)
+    lora_request: Optional[LoRARequest] = None  # the adapter every child runs with
 
 
 _MSGPACK_BODIES = {"add": tuple[AddRequest], "abort": tuple[list[str]],

@@ -84,7 +84,14 @@ class KVCacheManager:
         return max(pool.get_usage() for pool in self.block_pools)
 
     def _extra_keys(self, request: Request) -> Optional[tuple]:
-        return (request.cache_salt,) if request.cache_salt is not None else None
+        """What besides the tokens a block's KV depends on: the cache salt, and the LoRA adapter
+        (a page computed with adapter A never serves adapter B or the base model; its id, name and
+        folder: an id freed by remove_lora may name another adapter later)."""
+        keys = (request.cache_salt,) if request.cache_salt is not None else ()
+        lora = request.lora_request
+        if lora is not None:
+            keys += (("lora", lora.lora_int_id, lora.lora_name, lora.lora_path),)
+        return keys or None
 
     def update_block_hashes(self, request: Request) -> None:
         """Hash the request's newly full blocks (each block is hashed once, stored on the request)."""

@@ -172,21 +172,25 @@ class StepMetadata:
     placeholder_rows: Optional[mx.array]  # (R,) rows whose input token comes from the previous step
     placeholder_src: Optional[mx.array]  # (R,) where in the previous step's sampled tokens
     groups: list[AttentionMetadata]
+    extra: dict[str, mx.array] = field(default_factory=dict)  # the caller's own per-step arrays (LoRA rows)
 
     @classmethod
     def build(cls, so: SchedulerOutput, block_size: int, windows: list[Optional[int]],
               kernel_kv_heads: Optional[list[int]] = None, pages_in_place: bool = False,
               backend: Optional[str] = None, sdpa_quantum: int = 0,
-              prefill_heads: Optional[list[Optional[tuple[int, int]]]] = None) -> "StepMetadata":
+              prefill_heads: Optional[list[Optional[tuple[int, int]]]] = None,
+              extra: Optional[dict[str, np.ndarray]] = None) -> "StepMetadata":
         """windows: each group's sliding window (None: full attention). kernel_kv_heads: per group,
         the KV heads the paged-decode kernel is split for (0 or None: decode rows gather pages);
         pages_in_place: the page-write kernel writes new K/V (else MLX scatters them); backend: the
         kernels' (None: kernels.build.gpu_backend); sdpa_quantum: prefill attention shapes are
         padded to its multiples (sdpa_shape_quantum); prefill_heads: per group, (KV heads, query
-        heads per KV head) where the paged prefill kernel attends its prefill rows (None: groups)."""
+        heads per KV head) where the paged prefill kernel attends its prefill rows (None: groups); extra:
+        int arrays uploaded with the rest (StepMetadata.extra)."""
         kernel_kv_heads = kernel_kv_heads or [0] * len(windows)
         prefill_heads = prefill_heads or [None] * len(windows)
-        host = dict(input_ids=so.input_ids, positions=so.positions, logits_indices=so.logits_indices)
+        host = dict(input_ids=so.input_ids, positions=so.positions, logits_indices=so.logits_indices,
+                    **{f"extra.{k}": v for k, v in (extra or {}).items()})
         if len(so.placeholder_rows):
             host.update(placeholder_rows=so.placeholder_rows, placeholder_src=so.placeholder_src)
         builders = [_GroupBuilder(so, g, block_size, w, kernel_kv_heads[g], pages_in_place, backend, sdpa_quantum,
@@ -196,7 +200,7 @@ class StepMetadata:
         dev = upload_indices(host)
         groups = [b.finish(dev, f"{g}.", dev["positions"]) for g, b in enumerate(builders)]
         return cls(dev["input_ids"], dev["logits_indices"], dev.get("placeholder_rows"), dev.get("placeholder_src"),
-                   groups)
+                   groups, {k[6:]: v for k, v in dev.items() if k.startswith("extra.")})
 
 
 class _GroupBuilder:
@@ -390,9 +394,7 @@ def _prefill_order(order: list[Segment]) -> np.ndarray:
 def causal_mask(key_pos: mx.array, query_pos: mx.array, window: Optional[int]) -> mx.array:
     """Which keys each query sees: up to its own position, and within the window if there is one."""
     mask = key_pos <= query_pos
-    if window is not None:
-        mask = mask & (key_pos > query_pos - window)
-    return mask
+    return mask if window is None else mask & (key_pos > query_pos - window)
 
 
 def length_mask(seq_lens: mx.array, num_keys: int, window: Optional[int] = None) -> mx.array:

@@ -72,10 +72,21 @@ class ModelRunner:
         if self.kernels.state:
             recurrent_state.install_kernels(model, [p.state.owner for p in self.plan if p.state is not None])
         self.state_pool: Optional[StatePool] = None
+        self.lora_manager = None  # after the check below: it runs the base model
         if verify:
             self._verify_against_mlx_lm()
         self.kv_pool = self.make_pool(self.kv_cache_config)
         self.state_pool = self.make_state_pool(self.kv_cache_config)
+        self.lora_manager = self._make_lora_manager(config) if config.enable_lora else None
+
+    def _make_lora_manager(self, config: EngineConfig):
+        """Batched LoRA (pagedmlx/lora/): adapters on the layers that run token-major, as every row does."""
+        from pagedmlx.lora.model_manager import LoRAModelManager
+
+        if any(p.state is not None for p in self.plan):
+            raise UnsupportedModelError(f"enable_lora: model type {model_type(self.model)!r} has recurrent-state "
+                                        "layers, whose rows are regrouped by request; LoRA is not served there yet")
+        return LoRAModelManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
 
     @property
     def pages_in_place(self) -> bool:
@@ -293,8 +304,10 @@ class ModelRunner:
         Lazy where MLX scatters the pages. Where kernels write them in place, the step is
         dispatched (mx.async_eval) before this returns: MLX sees no dependency between one step's
         page reads and the next step's writes, so steps must reach the device in order."""
+        lora = self.lora_manager.prepare_step(so.lora_int_ids, so.num_scheduled_tokens) if self.lora_manager else None
         md = StepMetadata.build(so, self.block_size, self.windows, self.kernel_kv_heads, self.kernels.page_write,
-                                self.kernels.backend, self.sdpa_quantum, self.prefill_heads)
+                                self.kernels.backend, self.sdpa_quantum, self.prefill_heads,
+                                lora.host if lora is not None else None)
         state_md = StateMetadata.build(so) if len(so.state_slots) else None
         caches = self.make_caches(md, kv_pool or self.kv_pool, state_md, state_pool or self.state_pool)
         inputs = md.input_ids
@@ -302,11 +315,17 @@ class ModelRunner:
             inputs = mx.put_along_axis(inputs, md.placeholder_rows,
                                        prev_sampled[md.placeholder_src].astype(inputs.dtype), axis=0)
         inputs = inputs[:, None]
-        if self._head is not None:
-            h = self._body(inputs, cache=caches)
-            logits = self._head(h[md.logits_indices])[:, 0, :]
-        else:
-            logits = self.model(inputs, cache=caches)[md.logits_indices][:, 0, :]
+        if lora is not None:  # each row's adapter slot, for the wrapped layers while the graph is built
+            self.lora_manager.begin_step(lora, md.extra)
+        try:
+            if self._head is not None:
+                h = self._body(inputs, cache=caches)
+                logits = self._head(h[md.logits_indices])[:, 0, :]
+            else:
+                logits = self.model(inputs, cache=caches)[md.logits_indices][:, 0, :]
+        finally:
+            if lora is not None:
+                self.lora_manager.end_step()
         if self.pages_in_place:
             mx.async_eval(logits)
         return logits

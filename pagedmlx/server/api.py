@@ -12,7 +12,7 @@ import logging
 from typing import Any, Awaitable, Optional
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
@@ -25,8 +25,10 @@ from pagedmlx.server.errors import ASCIIJSONResponse, add_error_handlers
 from pagedmlx.server.metrics import EngineSnapshot, ServerMetrics
 from pagedmlx.server.middleware import BodyLimits
 from pagedmlx.server.protocol import (APIError, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                                      CompletionRequest, CompletionResponse, ModelCard, ModelList)
+                                      CompletionRequest, CompletionResponse, ModelList)
+from pagedmlx.server.protocol_responses import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from pagedmlx.server.serving import RETRY_AFTER_503, Serving, ServerLimits, unavailable
+from pagedmlx.server.serving_models import ServingModels
 
 logger = logging.getLogger("pagedmlx.server")
 
@@ -43,16 +45,19 @@ class Health(BaseModel):
 def build_app(async_engine: AsyncEngine, model_name: str, api_key: Optional[str] = None,
               max_waiting: Optional[int] = None, limits: Optional[ServerLimits] = None,
               drain_timeout: float = 30.0, shutdown_engine: bool = True, admin_key: Optional[str] = None,
-              parsing: Optional[ChatParsing] = None) -> FastAPI:
+              parsing: Optional[ChatParsing] = None, models: Optional[ServingModels] = None) -> FastAPI:
     """The server's app. `max_waiting` caps requests waiting in the engine (429 beyond it);
     `limits` caps body size and time, n, prompts and max_tokens; on shutdown the app drains the engine for
     up to `drain_timeout` seconds (unless shutdown_engine is False). `api_key` guards /v1; `admin_key`
     (also good for /v1) alone unlocks the prompt text of KV blocks in /v1/engine/kv. `parsing`: the tool
-    call and reasoning parsers of chat responses (chat_tools.py)."""
+    call and reasoning parsers of chat responses (chat_tools.py). `models`: the base model and the LoRA
+    adapters requests may name (serving_models.py; its --lora-modules loaded by the caller); where the
+    engine has LoRA enabled, /v1/load_lora_adapter and /v1/unload_lora_adapter take the admin key."""
     limits = limits or ServerLimits()
     if max_waiting is not None:
         async_engine.max_waiting = max_waiting
-    serving = Serving(async_engine, model_name, limits, parsing)
+    models = models or ServingModels(async_engine, model_name, async_engine.max_model_len)
+    serving = Serving(async_engine, model_name, limits, parsing, models)
     metrics = ServerMetrics(model_name)
     async_engine.add_listener(metrics.on_output)
     keys = [k.encode() for k in (api_key, admin_key) if k]
@@ -96,9 +101,12 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: Optional[str]
     auth_errors = openapi.error_responses(401) if auth else {}
 
     @v1.get("/models", responses={200: {"model": ModelList}, **auth_errors})
-    async def models() -> Any:
-        card = ModelCard(id=model_name, max_model_len=serving.max_model_len)
-        return ModelList(data=[card]).model_dump()
+    async def list_models() -> Any:
+        """The base model and the LoRA adapters (`parent`: their base model)."""
+        return models.show_available_models().model_dump()
+
+    if models.lora_enabled:
+        add_lora_routes(v1, models, admin_key, is_admin, auth)
 
     async def respond(req, raw: Request, prepare, whole, chunks) -> Any:
         prep = await serving.prepare(prepare, req)
@@ -162,6 +170,33 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: Optional[str]
 
     openapi.install(app, bounds, auth)
     return app
+
+
+def add_lora_routes(v1: APIRouter, models: ServingModels, admin_key: Optional[str], is_admin, auth: bool) -> None:
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, for the admin key only (without
+    --admin-key, for nobody: 403)."""
+
+    async def require_admin(request: Request) -> None:
+        if admin_key is None:
+            raise APIError(403, "loading and unloading LoRA adapters at run time needs the server's admin key "
+                                "(--admin-key or PAGEDMLX_ADMIN_KEY)", code="forbidden")
+        if not is_admin(request):
+            raise APIError(401, "this route takes the admin key: send `Authorization: Bearer <admin key>`.",
+                           code="invalid_api_key")
+
+    docs = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Done."},
+            **openapi.error_responses(400, 401, 403, 404)}
+
+    @v1.post("/load_lora_adapter", responses=docs, dependencies=[Depends(require_admin)])
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
+        """Read an mlx-lm adapter folder and serve it as `model: lora_name` (400 with the reason where the
+        engine cannot serve it: rank above --max-lora-rank, another base model's shapes, ...)."""
+        return PlainTextResponse(await models.load_lora_adapter(req.lora_name, req.lora_path))
+
+    @v1.post("/unload_lora_adapter", responses=docs, dependencies=[Depends(require_admin)])
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> Response:
+        """Stop serving an adapter; requests already running with it finish."""
+        return PlainTextResponse(await models.unload_lora_adapter(req.lora_name, req.lora_int_id))
 
 
 def _unhealthy(body: dict) -> Response:

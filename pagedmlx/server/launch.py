@@ -35,6 +35,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "prompt text of KV blocks in /v1/engine/kv (default: $PAGEDMLX_ADMIN_KEY; none if unset)")
     p.add_argument("--served-model-name", default=None,
                    help="model id clients must send (default: the --model string, or `default`)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="with --enable-lora: mlx-lm adapter folders to serve, each as `model: NAME` (vLLM's "
+                        "form; also its JSON form)")
     p.add_argument("--max-waiting", type=int, default=1024, help="waiting requests before 429 (default 1024)")
     p.add_argument("--max-n", type=int, default=16, help="largest n accepted")
     p.add_argument("--max-tokens-cap", type=int, default=None, help="largest max_tokens accepted")
@@ -124,6 +127,20 @@ def _start_engine(args: argparse.Namespace, config: Any, distributed: bool):
     return AsyncEngine(core, max_waiting=args.max_waiting)
 
 
+def _serving_models(args: argparse.Namespace, async_engine: Any, name: str):
+    """The served model and its --lora-modules, read and checked by the engine (ValueError saying why)."""
+    import asyncio
+
+    from pagedmlx.server.serving_models import LoRAModulePath, ServingModels
+
+    modules = [LoRAModulePath.parse(m) for m in args.lora_modules or []]
+    if modules and not async_engine.info.max_loras:
+        raise ValueError("--lora-modules needs --enable-lora")
+    models = ServingModels(async_engine, name, async_engine.max_model_len, modules)
+    asyncio.run(models.init_static_loras())
+    return models
+
+
 def _serve_in_thread_or_worker(args: argparse.Namespace, config: Any, console: Any) -> int:
     """Tensor parallelism where the engine core stays in this process: ranks > 0 of a launcher, and
     rank 0 under MPI (a spawned child cannot join an MPI world) or with --no-engine-process."""
@@ -173,8 +190,15 @@ def _serve(args: argparse.Namespace, async_engine: Any, console: Any, nofile: tu
         async_engine.shutdown(timeout=0)
         hard_exit(1, "stopped: bad tool call options")
         return 1
+    try:
+        models = _serving_models(args, async_engine, name)
+    except ValueError as exc:
+        console.print(f"[red]pagedmlx: {exc}[/]", soft_wrap=True)
+        async_engine.shutdown(timeout=0)
+        hard_exit(1, "stopped: bad LoRA options")
+        return 1
     app = build_app(async_engine, name, api_key=api_key, limits=limits, drain_timeout=args.drain_timeout,
-                    admin_key=admin_key, parsing=parsing)
+                    admin_key=admin_key, parsing=parsing, models=models)
     url = f"http://{args.host}:{args.port}/v1"
     where = (f"a process of its own (pid {info.pid})" if async_engine.engine is None
              else "a thread of the server's process")
@@ -188,6 +212,10 @@ def _serve(args: argparse.Namespace, async_engine: Any, console: Any, nofile: tu
         console.print(f"    {line}", soft_wrap=True, markup=False, highlight=False)
     console.print(f"  sampling defaults: {defaults_line(info.generation_defaults, info.model)}")
     console.print(f"  tool calls: {parsing.describe()}; reasoning parser: {parsing.reasoning_parser or 'none'}")
+    if info.max_loras:
+        console.print(f"  LoRA: {', '.join(models.lora_requests) or 'no adapters yet'}; max_loras {info.max_loras}, "
+                      f"max_lora_rank {info.max_lora_rank}; run-time loading "
+                      f"{'with the admin key' if admin_key else 'off (no --admin-key)'}")
     console.print(f"  API key: {'required' if api_key else 'none'}; admin key: {'set' if admin_key else 'none'}; "
                   f"URL: [link={url}]{url}[/link]")
     console.print(f"  connections: at most {max_connections(app)} open (open-file limit {nofile[0]}); "

@@ -17,8 +17,9 @@ ERRORS = {
     400: "Invalid request: a field's type or range, an unknown token id, a prompt or chat that does not fit the "
          "context, text the tokenizer cannot take, a tool_choice this server cannot honour (an unknown function, "
          "\"auto\" without --enable-auto-tool-choice). `error.param` names the field.",
-    401: "Missing or wrong API key (`Authorization: Bearer <key>`).",
-    404: "Unknown model.",
+    401: "Missing or wrong API key (`Authorization: Bearer <key>`); on the LoRA admin routes, not the admin key.",
+    403: "Loading LoRA adapters at run time is off: the server has no admin key (--admin-key).",
+    404: "Unknown model (or LoRA adapter).",
     408: "The request body did not arrive in time (--body-timeout); the connection is closed.",
     413: "Request body too large (--max-body-bytes).",
     429: "Too many requests waiting (--max-waiting); retry after `Retry-After` seconds.",

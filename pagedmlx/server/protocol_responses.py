@@ -1,4 +1,5 @@
-"""The OpenAI API's response bodies (protocol.py has the requests and re-exports these)."""
+"""The OpenAI API's response bodies (protocol.py has the requests and re-exports these), and the
+bodies of vLLM's LoRA admin routes."""
 
 from __future__ import annotations
 
@@ -111,8 +112,22 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedmlx"
     max_model_len: Optional[int] = None
+    root: Optional[str] = None  # the base model's name, or a LoRA adapter's folder
+    parent: Optional[str] = None  # a LoRA adapter's base model
 
 
 class ModelList(BaseModel):
     object: str = "list"
     data: list[ModelCard]
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's): an mlx-lm adapter folder, served as `model: lora_name`."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    lora_name: Optional[str] = Field(default=None, max_length=256)
+    lora_int_id: Optional[int] = None

@@ -10,12 +10,14 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 from pagedmlx.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError, RequestStream, TooManyRequestsError
+from pagedmlx.lora.request import LoRARequest
 from pagedmlx.outputs import EngineOutput, TokenLogprob
 from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.server.chat_parsing import ChatOutputParser, chat_parser_factory
 from pagedmlx.server.chat_tools import (ChatParsing, attach_tool_constraint, check_tool_request, template_kwargs,
                                         tool_text_length)
 from pagedmlx.server.prompts import PromptEncoder
+from pagedmlx.server.serving_models import ServingModels
 from pagedmlx.server.sse import ChunkTemplate, coalesce, event
 from pagedmlx.server.protocol import (APIError, AssistantMessage, ChatChoice, ChatChunkChoice,
                                       ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
@@ -25,7 +27,8 @@ from pagedmlx.server.protocol import (APIError, AssistantMessage, ChatChoice, Ch
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 RETRY_AFTER_503 = "5"  # seconds: a stopping server's supervisor restarts it in about that
-_ENGINE_ERROR_FIELDS = {"logit_bias": "logit_bias", "stop": "stop", "structured_outputs": "structured_outputs"}  # an engine ValueError's first word
+_ENGINE_ERROR_FIELDS = {"logit_bias": "logit_bias", "stop": "stop", "structured_outputs": "structured_outputs",
+                        "adapter": "model"}  # an engine ValueError's first word
 
 
 @dataclass
@@ -49,6 +52,8 @@ class Prepared:
     texts: Optional[list[Optional[str]]] = None  # the prompts as sent, where they were text (for echo)
     prompt_field: str = "prompt"
     chat_parser: Optional[Callable[[], ChatOutputParser]] = None  # tools / reasoning: one parser per choice
+    lora_request: Optional[LoRARequest] = None  # the adapter `model` names
+    model_name: str = ""  # what responses say in `model`: the base model's name or the adapter's
 
     @property
     def n(self) -> int:
@@ -61,9 +66,10 @@ def _lp(x: float) -> float:
 
 class Serving:
     def __init__(self, engine: AsyncEngine, model_name: str, limits: ServerLimits,
-                 parsing: Optional[ChatParsing] = None):
+                 parsing: Optional[ChatParsing] = None, models: Optional[ServingModels] = None):
         self.engine = engine
         self.model_name = model_name
+        self.models = models or ServingModels(engine, model_name, engine.max_model_len)
         self.limits = limits
         self.parsing = parsing or ChatParsing()
         self.tokenizer = engine.tokenizer
@@ -79,10 +85,9 @@ class Serving:
         """prepare_completion / prepare_chat, off the event loop (they tokenize)."""
         return await self.prompts.run(prepare, req)
 
-    def check_model(self, req: SamplingRequest) -> None:
-        if req.model is not None and req.model != self.model_name:
-            name = req.model if len(req.model) <= 200 else req.model[:200] + "..."
-            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+    def check_model(self, req: SamplingRequest) -> Optional[LoRARequest]:
+        """The LoRA adapter `model` names (None: the base model); 404 model_not_found for other names."""
+        return self.models.resolve(req.model)
 
     def _need_tokenizer(self, what: str) -> Any:
         if self.tokenizer is None:
@@ -90,7 +95,7 @@ class Serving:
         return self.tokenizer
 
     def prepare_completion(self, req: CompletionRequest) -> Prepared:
-        self.check_model(req)
+        lora = self.check_model(req)
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         prompts = req.prompts()
@@ -102,23 +107,24 @@ class Serving:
         if any(isinstance(p, str) for p in prompts):
             self._need_tokenizer("a text prompt")
         ids = [self.prompts.encode(p, "prompt") if isinstance(p, str) else list(p) for p in prompts]
-        prep = self._prepare(req, ids, "prompt")
+        prep = self._prepare(req, ids, "prompt", lora)
         prep.texts = [p if isinstance(p, str) else None for p in prompts]
         return prep
 
     def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
-        self.check_model(req)
+        lora = self.check_model(req)
         self._need_tokenizer("chat")
         check_tool_request(req, self.parsing)
         kwargs = template_kwargs(req)
         messages = [m.to_template_dict() for m in req.messages]
         ids = self.prompts.apply_chat_template(messages, req.add_generation_prompt, tool_text_length(req), **kwargs)
-        prep = self._prepare(req, [ids], "messages")
+        prep = self._prepare(req, [ids], "messages", lora)
         forced = attach_tool_constraint(req, prep.params)
         prep.chat_parser = chat_parser_factory(req, self.parsing, self.tokenizer, prep.params, forced, ids)
         return prep
 
-    def _prepare(self, req: SamplingRequest, prompts: list[list[int]], prompt_field: str) -> Prepared:
+    def _prepare(self, req: SamplingRequest, prompts: list[list[int]], prompt_field: str,
+                 lora: Optional[LoRARequest] = None) -> Prepared:
         limits = self.limits
         if req.n > limits.max_n:
             raise APIError(400, f"n must be <= {limits.max_n}, got {req.n}", param="n")
@@ -143,12 +149,14 @@ class Serving:
                 param="max_tokens" if requested is not None and longest < self.max_model_len else prompt_field,
                 code="context_length_exceeded")
         params = req.to_sampling_params(max_tokens, self.engine.generation_defaults)
-        return Prepared(uuid.uuid4().hex, prompts, params, prompt_field=prompt_field)
+        return Prepared(uuid.uuid4().hex, prompts, params, prompt_field=prompt_field, lora_request=lora,
+                        model_name=lora.lora_name if lora is not None else self.model_name)
 
     async def submit(self, prep: Prepared, req: SamplingRequest) -> RequestStream:
         try:
             return await self.engine.add_requests(prep.request_id, prep.prompts, prep.params,
-                                                  priority=req.priority, cache_salt=req.cache_salt)
+                                                  priority=req.priority, cache_salt=req.cache_salt,
+                                                  lora_request=prep.lora_request)
         except TooManyRequestsError as exc:
             raise APIError(429, f"{exc}; retry later", type="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": "1"})
@@ -256,7 +264,7 @@ class Serving:
                 finish_reason=out.finish_reason, stop_reason=out.stop_reason,
                 token_ids=out.token_ids if req.return_token_ids else None,
                 prompt_token_ids=out.prompt_token_ids if req.return_token_ids else None))
-        return CompletionResponse(id=f"cmpl-{prep.request_id}", model=self.model_name, choices=choices,
+        return CompletionResponse(id=f"cmpl-{prep.request_id}", model=prep.model_name, choices=choices,
                                   usage=self.usage(prep, finals))
 
     async def chat(self, req: ChatCompletionRequest, prep: Prepared, stream: RequestStream) -> ChatCompletionResponse:
@@ -270,7 +278,7 @@ class Serving:
                 logprobs=self.chat_logprobs(out.logprobs), stop_reason=out.stop_reason,
                 finish_reason=parser.finish_reason(out.finish_reason) if parser else out.finish_reason,
                 token_ids=out.token_ids if req.return_token_ids else None))
-        return ChatCompletionResponse(id=f"chatcmpl-{prep.request_id}", model=self.model_name, choices=choices,
+        return ChatCompletionResponse(id=f"chatcmpl-{prep.request_id}", model=prep.model_name, choices=choices,
                                       usage=self.usage(prep, finals),
                                       prompt_token_ids=prep.prompts[0] if req.return_token_ids else None)
 
@@ -281,7 +289,7 @@ class Serving:
         offsets: dict[int, int] = {}
         plain = None
         if not (req.echo or prep.params.logprobs is not None or req.return_token_ids):
-            plain = ChunkTemplate.of(CompletionResponse(id=rid, model=self.model_name, created=created,
+            plain = ChunkTemplate.of(CompletionResponse(id=rid, model=prep.model_name, created=created,
                                                      choices=[CompletionChoice(index=0, text="")]))
 
         async def chunk(i: int, out: EngineOutput) -> Optional[bytes]:
@@ -296,13 +304,13 @@ class Serving:
                 return None
             logprobs = (await self.echo_logprobs(prep, i, out, text, out.new_logprobs) if first and req.echo
                         else self.completion_logprobs(out.new_logprobs, offset))
-            return event(CompletionResponse(id=rid, model=self.model_name, created=created, choices=[CompletionChoice(
+            return event(CompletionResponse(id=rid, model=prep.model_name, created=created, choices=[CompletionChoice(
                 index=i, text=text, logprobs=logprobs,
                 finish_reason=out.finish_reason, stop_reason=out.stop_reason,
                 token_ids=out.new_token_ids if req.return_token_ids else None)]).model_dump_json())
 
         def usage_chunk(usage: Usage) -> CompletionResponse:
-            return CompletionResponse(id=rid, model=self.model_name, created=created, choices=[], usage=usage)
+            return CompletionResponse(id=rid, model=prep.model_name, created=created, choices=[], usage=usage)
 
         return self._sse(req, prep, stream, [], chunk, usage_chunk)
 
@@ -310,7 +318,7 @@ class Serving:
         rid, created = f"chatcmpl-{prep.request_id}", int(time.time())
 
         def model(**choice: Any) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=rid, model=self.model_name, created=created,
+            return ChatCompletionChunk(id=rid, model=prep.model_name, created=created,
                                        choices=[ChatChunkChoice(**choice)])
 
         firsts = [model(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(prep.n)]
@@ -336,7 +344,7 @@ class Serving:
                                token_ids=out.new_token_ids if req.return_token_ids else None).model_dump_json())
 
         def usage_chunk(usage: Usage) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=rid, model=self.model_name, created=created, choices=[], usage=usage)
+            return ChatCompletionChunk(id=rid, model=prep.model_name, created=created, choices=[], usage=usage)
 
         return self._sse(req, prep, stream, firsts, chunk, usage_chunk)
 

@@ -1,0 +1,159 @@
+"""LinearWithLoRA (vLLM's vllm/lora/layers.py): a targeted Linear or QuantizedLinear whose rows each
+add their own adapter's low-rank product, and PunicaWrapper (vLLM's punica wrapper): the step's
+per-row adapter slots that every such layer reads.
+
+A step's T tokens are T rows (token-major, DESIGN.md). Each wrapped layer keeps every resident
+adapter's A and B stacked by slot (slot 0 is zeros: rows without an adapter), and computes
+
+    base(x) + scale[slot] * ((x @ A[slot]) @ B[slot])
+
+for all rows at once with two mx.gather_mm calls that pick each row's slot (the BGMV idea; rows
+sorted by slot first for big steps on a GPU, where MLX runs sorted indices as segments: SGMV). No
+Python loop over rows or adapters, one extra pair of small matmuls per layer. Rows of slot 0 add
+exactly zero, so base rows give the base model's values; adapter rows give mlx-lm's LoRALinear's
+(and DoRALinear's) values, operation for operation. A layer that no row of the step targets runs
+its base layer alone."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from pagedmlx.lora.models import LoRALayerWeights, dense_weight, linear_dims
+
+
+@dataclass
+class LoRAStep:
+    """One step's adapter rows, uploaded with the step's other indices (attention_metadata.py)."""
+
+    num_rows: int
+    indices: mx.array  # (T,) each row's slot; 0: no adapter
+    slots: frozenset  # host: the non-zero slots the rows use
+    dora_slots: frozenset  # host: those of them holding DoRA adapters
+    slot_scales: mx.array  # (num_slots,) each slot's scale (0 for slot 0)
+    slot_dora: Optional[mx.array] = None  # (num_slots,) bool, where a DoRA row is in the step
+    order: Optional[mx.array] = None  # (T,) rows sorted by slot (stable), or None: rows as they are
+    sorted_indices: Optional[mx.array] = None  # (T,) indices[order]
+    inverse: Optional[mx.array] = None  # (T,) where each row went in `order`
+    _scales: dict = field(default_factory=dict, repr=False)
+    _dora_rows: Optional[mx.array] = field(default=None, repr=False)
+
+    def row_scales(self, dtype: mx.Dtype) -> mx.array:
+        """(T, 1) each row's adapter scale in `dtype` (built once a step per dtype)."""
+        if dtype not in self._scales:
+            self._scales[dtype] = self.slot_scales.astype(dtype)[self.indices][:, None]
+        return self._scales[dtype]
+
+    def dora_rows(self) -> mx.array:
+        if self._dora_rows is None:
+            self._dora_rows = self.slot_dora[self.indices][:, None]
+        return self._dora_rows
+
+
+class PunicaWrapper:
+    """The step's LoRAStep, shared by every LinearWithLoRA; None outside a step the runner runs, so
+    that the model called any other way (mlx-lm's own generate, the load-time check) is the base."""
+
+    def __init__(self) -> None:
+        self.step: Optional[LoRAStep] = None
+
+    def add_lora_linear(self, layer: "LinearWithLoRA", x: mx.array) -> mx.array:
+        step = self.step
+        lead, out_dims = x.shape[:-1], layer.output_size
+        rows = math.prod(lead)
+        if rows != step.num_rows:
+            raise RuntimeError(f"LoRA: a targeted layer ran on {rows} rows but the step has {step.num_rows}: this "
+                               f"model does not run its layers token-major, which batched adapters need")
+        h = x.reshape(rows, 1, x.shape[-1])
+        idx, is_sorted = step.indices, False
+        if step.order is not None:
+            h, idx, is_sorted = h[step.order], step.sorted_indices, True
+        # (S, R, in) and (S, out, R) seen transposed: the layout MLX's CUDA gather_mv takes
+        a = mx.gather_mm(h, layer._lora_a_stacked.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=is_sorted)
+        z = mx.gather_mm(a, layer._lora_b_stacked.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=is_sorted)
+        if step.order is not None:
+            z = z[step.inverse]
+        z = z.reshape(rows, out_dims)
+        lora = (step.row_scales(z.dtype) * z).astype(x.dtype).reshape(*lead, out_dims)  # mlx-lm's (scale * z)
+        y = layer.base_layer(x)
+        if step.dora_slots.isdisjoint(layer.dora_slots):
+            return y + lora
+        # DoRA (mlx-lm's DoRALinear): (m / ||W + scale B^T A^T||) * (x W^T + scale z) + bias; the norm
+        # factor is 1 in every other slot.
+        norm_scale = layer._norm_scale_stacked[step.indices].astype(x.dtype).reshape(*lead, out_dims)
+        if layer.plain:  # x W^T is base(x): one product serves every row
+            return norm_scale * (y + lora)
+        dora = norm_scale * (x @ dense_weight(layer.base_layer).T + lora)
+        if "bias" in layer.base_layer:
+            dora = dora + layer.base_layer.bias
+        return mx.where(step.dora_rows().reshape(*lead, 1), dora, y + lora)
+
+
+class LinearWithLoRA(nn.Module):
+    """A Linear / QuantizedLinear of the model with num_slots adapter slots of rank up to max_rank.
+    The stacks are "_"-named: not model parameters (model.parameters() stays the base model's)."""
+
+    def __init__(self, base_layer: nn.Module, punica: PunicaWrapper, num_slots: int, max_rank: int,
+                 dtype: mx.Dtype):
+        super().__init__()
+        self.base_layer = base_layer
+        self.punica = punica
+        self.input_size, self.output_size = linear_dims(base_layer)
+        self.max_rank = max_rank
+        self.plain = isinstance(base_layer, nn.Linear) and "bias" not in base_layer
+        self._lora_a_stacked = mx.zeros((num_slots, max_rank, self.input_size), dtype)
+        self._lora_b_stacked = mx.zeros((num_slots, self.output_size, max_rank), dtype)
+        self._norm_scale_stacked: Optional[mx.array] = None  # (num_slots, out), once a DoRA adapter lands
+        self.lora_slots: frozenset = frozenset()  # host: slots holding a pair for this layer
+        self.dora_slots: frozenset = frozenset()
+
+    @property
+    def weight(self) -> mx.array:  # code that reads a projection's weight (shapes, dtype) still finds it
+        return self.base_layer.weight
+
+    def __call__(self, x: mx.array) -> mx.array:
+        step = self.punica.step
+        if step is None or step.slots.isdisjoint(self.lora_slots):
+            return self.base_layer(x)
+        return self.punica.add_lora_linear(self, x)
+
+    def set_lora(self, slot: int, weights: LoRALayerWeights) -> list[mx.array]:
+        """Put an adapter's pair in `slot` (rank padded with zeros to max_rank); returns what to evaluate."""
+        r, pad = weights.rank, self.max_rank - weights.rank
+        dtype = self._lora_a_stacked.dtype
+        self._lora_a_stacked[slot] = mx.pad(weights.lora_a.T.astype(dtype), [(0, pad), (0, 0)])
+        self._lora_b_stacked[slot] = mx.pad(weights.lora_b.T.astype(dtype), [(0, 0), (0, pad)])
+        self.lora_slots = self.lora_slots | {slot}
+        out = [self._lora_a_stacked, self._lora_b_stacked]
+        if weights.norm_scale is not None:
+            if self._norm_scale_stacked is None:
+                self._norm_scale_stacked = mx.ones((self._lora_a_stacked.shape[0], self.output_size), mx.float32)
+            self._norm_scale_stacked[slot] = weights.norm_scale.astype(mx.float32)
+            self.dora_slots = self.dora_slots | {slot}
+            out.append(self._norm_scale_stacked)
+        elif slot in self.dora_slots:
+            self._reset_norm(slot)
+            out.append(self._norm_scale_stacked)
+        assert r <= self.max_rank
+        return out
+
+    def reset_lora(self, slot: int) -> list[mx.array]:
+        """Empty `slot` (zeros: its rows get the base layer)."""
+        if slot not in self.lora_slots:
+            return []
+        self._lora_a_stacked[slot] = 0
+        self._lora_b_stacked[slot] = 0
+        self.lora_slots = self.lora_slots - {slot}
+        out = [self._lora_a_stacked, self._lora_b_stacked]
+        if slot in self.dora_slots:
+            self._reset_norm(slot)
+            out.append(self._norm_scale_stacked)
+        return out
+
+    def _reset_norm(self, slot: int) -> None:
+        self._norm_scale_stacked[slot] = 1
+        self.dora_slots = self.dora_slots - {slot}

@@ -1,0 +1,146 @@
+"""Batched multi-LoRA: decode throughput of a batch whose requests use --num-adapters different adapters
+(round robin) against the same batch on the base model, same run (issue 29: >= 80% at batch 64 on the H200).
+
+For each batch size B, three runs of B prompts (--prompt-len random tokens, --gen-len tokens each,
+greedy, EOS ignored), each cell the median of --repeats:
+  base       an engine without LoRA (its own copy of the model)
+  base+lora  the LoRA engine, every request on the base model (what serving adapters costs the rest)
+  mixed      the LoRA engine, request i on adapter i % num_adapters: every step's rows mix them all
+Reported: decode tok/s (decode steps only) and end-to-end tok/s, and mixed / base.
+
+The adapters are random (A and B ~ N(0, 0.01)), of rank --rank on the --keys of every layer (default:
+every linear layer, mlx_lm.lora's own default), written in mlx-lm's format to a temporary folder.
+
+  python scripts/bench/bench_lora.py                                   # random 8-layer 512-wide llama, float32
+  python scripts/bench/bench_lora.py --preset llama-8b --dtype bfloat16 --batch-sizes 8 32 64 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from pagedmlx.bench.presets import PRESETS, random_model  # noqa: E402
+
+
+def write_adapters(model, folder: str, n: int, rank: int, keys, dtype) -> list:
+    """n random adapters for `model`'s targets, saved as mlx_lm.lora saves them."""
+    from pagedmlx.lora.models import linear_dims, target_modules
+    from pagedmlx.lora.request import LoRARequest
+
+    targets = target_modules(model, -1, keys)
+    out = []
+    for i in range(n):
+        mx.random.seed(100 + i)
+        weights = {}
+        for path, module in targets.items():
+            d_in, d_out = linear_dims(module)
+            weights[f"{path}.lora_a"] = (0.01 * mx.random.normal((d_in, rank))).astype(dtype)
+            weights[f"{path}.lora_b"] = (0.01 * mx.random.normal((rank, d_out))).astype(dtype)
+        path = os.path.join(folder, f"adapter{i}")
+        os.makedirs(path)
+        mx.save_safetensors(os.path.join(path, "adapters.safetensors"), weights)
+        params = {"rank": rank, "scale": 2.0, "dropout": 0.0, **({"keys": keys} if keys else {})}
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump({"fine_tune_type": "lora", "num_layers": -1, "lora_parameters": params}, f)
+        out.append(LoRARequest(f"adapter{i}", i + 1, path))
+    return out
+
+
+def run(engine, prompts, gen_len: int, loras) -> tuple[float, float]:
+    """(decode tok/s, end-to-end tok/s) of one batch; loras[i]: request i's adapter (None: base)."""
+    from pagedmlx.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
+    for i, (p, lora) in enumerate(zip(prompts, loras)):
+        engine.add_request(f"b{time.monotonic_ns()}-{i}", p, params, lora_request=lora)
+    decode_s, decode_tokens, generated = 0.0, 0, 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        tokens, sampled = engine.stats.num_tokens, engine.stats.num_sampled
+        t = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t
+        new, got = engine.stats.num_tokens - tokens, engine.stats.num_sampled - sampled
+        generated += got
+        if new == got:  # a pure decode step
+            decode_s, decode_tokens = decode_s + dt, decode_tokens + got
+    return decode_tokens / decode_s, generated / (time.perf_counter() - start)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="small", choices=PRESETS)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32, 64])
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--gen-len", type=int, default=64)
+    ap.add_argument("--num-adapters", type=int, default=4)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--keys", nargs="+", default=None, help="targeted modules of each layer (default: every linear)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--json", help="also write the rows to this file")
+    args = ap.parse_args()
+
+    from pagedmlx.config import EngineConfig
+    from pagedmlx.engine import LLMEngine
+
+    dtype = getattr(mx, args.dtype)
+    largest = max(args.batch_sizes)
+    per_seq = -(-(args.prompt_len + args.gen_len) // args.block_size) + 1
+    common = dict(block_size=args.block_size, num_blocks=largest * per_seq + 16, max_num_seqs=largest,
+                  max_model_len=args.prompt_len + args.gen_len + args.block_size)
+    base_engine = LLMEngine(random_model(args.preset, dtype), None, EngineConfig(**common))
+    lora_model = random_model(args.preset, dtype)
+    lora_engine = LLMEngine(lora_model, None, EngineConfig(**common, enable_lora=True, max_loras=args.num_adapters,
+                                                           max_lora_rank=args.rank))
+    folder = tempfile.mkdtemp(prefix="bench_lora_")
+    adapters = write_adapters(lora_model, folder, args.num_adapters, args.rank, args.keys, dtype)
+    vocab = lora_engine.runner.vocab_size
+    name = f"random {PRESETS[args.preset]['model_type']} '{args.preset}' ({args.dtype})"
+    print(f"{name} on {mx.default_device()}; {args.num_adapters} adapters of rank {args.rank} on "
+          f"{'keys ' + ' '.join(args.keys) if args.keys else 'every linear layer'}; prompt {args.prompt_len}, "
+          f"gen {args.gen_len}, median of {args.repeats}")
+    import random
+
+    rows = []
+    print(f"{'batch':>5} | {'base dec':>9} {'base+lora':>9} {'mixed':>9} tok/s | {'mixed/base':>10} | "
+          f"{'e2e base':>9} {'e2e mixed':>9} {'ratio':>6}")
+    for batch in args.batch_sizes:
+        rng = random.Random(batch)
+        prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(batch)]
+        mixed_loras = [adapters[i % len(adapters)] for i in range(batch)]
+        run(lora_engine, prompts[:2], 4, mixed_loras[:2])  # warm-up: adapters into their slots
+        cells = {"base": [], "base+lora": [], "mixed": []}
+        for _ in range(args.repeats):  # interleaved, so that drift hits all three alike
+            cells["base"].append(run(base_engine, prompts, args.gen_len, [None] * batch))
+            cells["base+lora"].append(run(lora_engine, prompts, args.gen_len, [None] * batch))
+            cells["mixed"].append(run(lora_engine, prompts, args.gen_len, mixed_loras))
+        med = {k: (statistics.median(d for d, _ in v), statistics.median(e for _, e in v)) for k, v in cells.items()}
+        row = dict(batch=batch, **{f"{k}_decode_tok_s": v[0] for k, v in med.items()},
+                   **{f"{k}_e2e_tok_s": v[1] for k, v in med.items()},
+                   ratio_decode=med["mixed"][0] / med["base"][0], ratio_e2e=med["mixed"][1] / med["base"][1])
+        rows.append(row)
+        print(f"{batch:>5} | {med['base'][0]:>9.1f} {med['base+lora'][0]:>9.1f} {med['mixed'][0]:>9.1f}       | "
+              f"{row['ratio_decode']:>9.2f}x | {med['base'][1]:>9.1f} {med['mixed'][1]:>9.1f} {row['ratio_e2e']:>5.2f}x")
+    if args.json:
+        meta = dict(model=name, device=str(mx.default_device()), machine=platform.machine(), rank=args.rank,
+                    num_adapters=args.num_adapters, keys=args.keys, prompt_len=args.prompt_len, gen_len=args.gen_len,
+                    repeats=args.repeats)
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
