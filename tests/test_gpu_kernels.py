@@ -23,7 +23,7 @@ import pytest
 from pagedmlx.kernels import build, decode_attention, page_write
 from pagedmlx.kernels.dialect import CUDA
 from pagedmlx.runner.attention import _gather, gather_decode
-from pagedmlx.runner.attention_metadata import length_mask
+from pagedmlx.runner.masks import length_mask
 
 BACKEND = build.gpu_backend()
 pytestmark = pytest.mark.skipif(BACKEND is None, reason="a GPU (CUDA or Metal) runs the kernels")

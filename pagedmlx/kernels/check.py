@@ -13,7 +13,8 @@ import numpy as np
 
 from pagedmlx.kernels import decode_attention, page_write, prefill_attention
 from pagedmlx.runner.attention import gather_decode
-from pagedmlx.runner.attention_metadata import Segment, length_mask, prefill_tile_indices
+from pagedmlx.runner.attention_metadata import Segment, prefill_tile_indices
+from pagedmlx.runner.masks import length_mask
 
 TOLERANCE = {mx.float32: 2e-3, mx.float16: 2e-2, mx.bfloat16: 4e-2}
 

@@ -21,7 +21,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from pagedmlx.kernels import decode_attention, page_write, prefill_attention
-from pagedmlx.runner.attention_metadata import AttentionMetadata, PrefillGroup, length_mask, page_rows
+from pagedmlx.runner.attention_metadata import AttentionMetadata, PrefillGroup, page_rows
+from pagedmlx.runner.masks import length_mask
 
 def as_dtype(x: mx.array, dtype: mx.Dtype) -> mx.array:
     """Cast only when needed: every op in a layer is a kernel launch per step."""

@@ -18,6 +18,7 @@ import numpy as np
 from pagedmlx.kv.spec import cdiv
 from pagedmlx.kernels import decode_attention, prefill_attention
 from pagedmlx.kernels.dialect import CUDA
+from pagedmlx.runner.masks import causal_mask, length_mask
 from pagedmlx.scheduler_output import SchedulerOutput
 
 # Prefill segments with at most this many new tokens are attended together, padded to the longest
@@ -389,16 +390,3 @@ def _prefill_order(order: list[Segment]) -> np.ndarray:
         where[seg.row] = (at, seg.n)
         at += seg.n
     return np.concatenate([np.arange(where[r][0], where[r][0] + where[r][1]) for r in sorted(where)])
-
-
-def causal_mask(key_pos: mx.array, query_pos: mx.array, window: Optional[int]) -> mx.array:
-    """Which keys each query sees: up to its own position, and within the window if there is one."""
-    mask = key_pos <= query_pos
-    return mask if window is None else mask & (key_pos > query_pos - window)
-
-
-def length_mask(seq_lens: mx.array, num_keys: int, window: Optional[int] = None) -> mx.array:
-    """(B, 1, 1, num_keys): the gathered keys each decode row sees: those that exist, and under a
-    sliding window its last `window` (the decode query is the last key)."""
-    key_pos = mx.arange(num_keys)[None, :]
-    return causal_mask(key_pos, (seq_lens - 1)[:, None], window)[:, None, None, :]
