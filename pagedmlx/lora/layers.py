@@ -97,6 +97,8 @@ class LinearWithLoRA(nn.Module):
     """A Linear / QuantizedLinear of the model with num_slots adapter slots of rank up to max_rank.
     The stacks are "_"-named: not model parameters (model.parameters() stays the base model's)."""
 
+    wraps_base_layer = True  # models.py finds wrapped layers by this (it cannot import this module)
+
     def __init__(self, base_layer: nn.Module, punica: PunicaWrapper, num_slots: int, max_rank: int,
                  dtype: mx.Dtype):
         super().__init__()

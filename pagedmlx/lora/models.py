@@ -163,12 +163,11 @@ def target_modules(model: nn.Module, num_layers: int, keys: Optional[list[str]])
 
 
 def _named(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """named_modules, where a layer already wrapped for LoRA (layers.py) stands for the layer it wraps."""
-    from pagedmlx.lora.layers import LinearWithLoRA
-
+    """named_modules, where a layer already wrapped for LoRA (layers.py's LinearWithLoRA, which says so
+    with `wraps_base_layer`: no import of layers.py, which imports this module) stands for the layer it wraps."""
     items = module.named_modules()
-    wrapped = {p for p, m in items if isinstance(m, LinearWithLoRA)}
-    return [(p, m.base_layer if isinstance(m, LinearWithLoRA) else m) for p, m in items
+    wrapped = {p for p, m in items if getattr(m, "wraps_base_layer", False)}
+    return [(p, m.base_layer if p in wrapped else m) for p, m in items
             if not (p.endswith("base_layer") and p[:-len(".base_layer")] in wrapped)]
 
 
