@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
+
+from pagedmlx.spec_decode.config import SpeculativeConfig
+
+__all__ = ["EngineConfig", "SpeculativeConfig"]
 
 
 @dataclass
@@ -48,8 +52,12 @@ class EngineConfig:
     # step in one launch, keys read from the pages) instead of MLX's attention on gathered pages.
     # None: wherever the kernels run; False: never.
     prefill_kernel: Optional[bool] = None
+    # Speculative decoding (vLLM's speculative_config: a SpeculativeConfig, or its dict or JSON text;
+    # None: off). pagedmlx/spec_decode/.
+    speculative_config: Any = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
         if self.max_num_batched_tokens is None:
             import mlx.core as mx
 
