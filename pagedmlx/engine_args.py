@@ -43,6 +43,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "besides each prompt's last full block; prefix hits resume only from checkpoints")
     p.add_argument("--max-state-checkpoints", type=int, default=None,
                    help="state slots for checkpoints beside the max-num-seqs running ones (default: max-num-seqs)")
+    p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                   help="speculative decoding, as vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (also disable_by_batch_size, "
+                        "min_acceptance_rate; default: off)")
+
+
+def _speculative_config(text: str):
+    from pagedmlx.spec_decode.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.from_any(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def model_arg(args: argparse.Namespace) -> Optional[str]:
@@ -64,4 +77,5 @@ def engine_config(args: argparse.Namespace):
                         generation_config=args.generation_config,
                         scheduling_policy=args.scheduling_policy, dtype=args.dtype,
                         state_checkpoint_interval=args.state_checkpoint_interval,
-                        max_state_checkpoints=args.max_state_checkpoints)
+                        max_state_checkpoints=args.max_state_checkpoints,
+                        speculative_config=args.speculative_config)

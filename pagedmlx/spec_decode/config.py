@@ -41,14 +41,15 @@ class SpeculativeConfig:
         _int_at_least("num_speculative_tokens", k, 1)
         if k > 32:
             raise ValueError(f"speculative_config.num_speculative_tokens must be <= 32, got {k}")
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):  # the ones given, before either fills the other
+            if getattr(self, name) is not None:
+                _int_at_least(name, getattr(self, name), 1)
         if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
             self.prompt_lookup_min = self.prompt_lookup_max = 5
         elif self.prompt_lookup_min is None:
             self.prompt_lookup_min = self.prompt_lookup_max
         elif self.prompt_lookup_max is None:
             self.prompt_lookup_max = self.prompt_lookup_min
-        _int_at_least("prompt_lookup_min", self.prompt_lookup_min, 1)
-        _int_at_least("prompt_lookup_max", self.prompt_lookup_max, 1)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
