@@ -203,9 +203,12 @@ def test_a_rejected_drafts_block_is_never_cached():
 
 
 def test_logprobs_of_accepted_drafts_equal_those_without_speculation():
+    """Sampled tokens' logprobs, and a prompt's logprobs scored in a step where others verify drafts
+    (its rows come after every sampled row, drafts' included)."""
     model = make_model("llama")
     prompts = [[11, 12, 13, 14, 15], [300, 2, 301, 2, 300]]
-    refs = {tuple(p): solo_greedy(model, p, 12) for p in prompts}
+    late = list(range(40, 70))
+    refs = {tuple(p): solo_greedy(model, p, 12) for p in prompts + [late]}
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
     outs = []
     for speculate in (False, True):
@@ -213,8 +216,14 @@ def test_logprobs_of_accepted_drafts_equal_those_without_speculation():
                              speculative_config=spec(min_acceptance_rate=0.0) if speculate else None)
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, params)
+        engine.step()
+        engine.step()
+        engine.add_request("late", late, SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2))
         outs.append(run_to_completion(engine))
     assert engine.scheduler.spec_decoding_stats.num_accepted_tokens > 0
+    a, b = outs[0]["late"].prompt_logprobs, outs[1]["late"].prompt_logprobs
+    assert len(a) == len(b) == len(late) - 1
+    assert all(x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4 for x, y in zip(a, b))
     for rid in ("0", "1"):
         plain, spec_lps = outs[0][rid].logprobs, outs[1][rid].logprobs
         assert outs[1][rid].token_ids == outs[0][rid].token_ids and len(spec_lps) == 12

@@ -28,7 +28,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int = 8
     # Adaptive, per request: one whose recent drafts are accepted at less than this rate (accepted / drafted,
     # a moving average) stops proposing for a while, twice as long each time it happens again.
-    min_acceptance_rate: float = 0.2
+    min_acceptance_rate: float = 0.15
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

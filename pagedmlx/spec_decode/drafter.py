@@ -24,7 +24,7 @@ from pagedmlx.spec_decode.ngram_proposer import NgramProposer
 
 logger = logging.getLogger("pagedmlx")
 
-RATE_WEIGHT = 0.25  # each draft's weight in the moving average (from 1.0, six drafts all rejected pause a request)
+RATE_WEIGHT = 0.25  # each draft's weight in the moving average (from 1.0, seven drafts all rejected pause a request at 0.15)
 PAUSE_TOKENS = 16
 MAX_PAUSE_TOKENS = 1024
 
