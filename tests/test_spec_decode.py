@@ -318,6 +318,43 @@ def test_the_engine_process_speculates():
     assert snap.spec_decode_num_draft_tokens > 0 and len(snap.spec_decode_num_accepted_tokens_per_pos) == 3
 
 
+def test_the_server_streams_several_tokens_a_step():
+    """OpenAI completions through the server with drafts accepted: streamed chunks (several tokens in
+    some) add up to the whole response, logprobs and usage count every token, a stop string cuts the
+    text as without speculation, and /metrics shows vLLM's counters."""
+    import httpx
+    from server_utils import MODEL, Served, engine_config
+    from utils import make_tokenizer
+
+    model, tok = make_model("llama"), make_tokenizer(VOCAB["llama"])
+    prompt = [5, 9, 11, 200, 3, 5, 9, 11]
+    ref = solo_greedy(model, prompt, 24)
+    engine = LLMEngine(model, tok, engine_config(speculative_config=spec(min_acceptance_rate=0.0)))
+    engine.drafter.proposer.propose = lambda req, room: ref[req.num_output_tokens:][:min(3, room)]
+    served = Served(engine)
+    try:
+        client = served.client()
+        kw = dict(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, logprobs=1, extra_body={"ignore_eos": True})
+        whole = client.completions.create(**kw)
+        chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+        assert whole.usage.completion_tokens == 24 and len(whole.choices[0].logprobs.tokens) == 24
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text == tok.decode(ref)
+        assert sum(len(c.choices[0].logprobs.tokens) for c in chunks if c.choices and c.choices[0].logprobs) == 24
+        assert chunks[-1].usage.completion_tokens == 24
+        assert len([c for c in chunks if c.choices]) < 24  # some chunks carried several tokens
+        text = tok.decode(ref)
+        stop = text[len(text) // 2:len(text) // 2 + 3]
+        cut = client.completions.create(**{**kw, "logprobs": None}, stop=[stop])
+        assert cut.choices[0].text == text[:text.index(stop)] and cut.choices[0].finish_reason == "stop"
+        assert cut.usage.completion_tokens == next(i + 1 for i in range(24) if stop in tok.decode(ref[:i + 1]))
+        metrics = httpx.get(served.url + "/metrics").text
+        assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="tiny-llama"}' in metrics
+        accepted = float(metrics.split('vllm:spec_decode_num_accepted_tokens_total{model_name="tiny-llama"} ')[1].split()[0])
+        assert accepted > 0
+    finally:
+        served.stop()
+
+
 @pytest.mark.slow
 def test_smollm_quoting_a_passage_accepts_ngram_drafts(smollm):
     """The real default model repeating a passage it was given: n-gram drafts are mostly accepted,

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-MAX_LOOKBACK = 8192  # tokens searched back from the end of a context (its cost per step: ~10 us at 8k)
+MAX_LOOKBACK = 8192  # tokens searched back from the end of a context (one search: ~15 us at 8k on a 2-core x86)
 
 
 def find_ngram_draft(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
