@@ -371,3 +371,26 @@ def test_smollm_quoting_a_passage_accepts_ngram_drafts(smollm):
     assert out.token_ids == want
     stats = engine.scheduler.spec_decoding_stats
     assert stats.acceptance_rate > 0.5 and engine.stats.num_steps < 0.6 * len(want), (stats, engine.stats.num_steps)
+
+
+@pytest.mark.slow
+def test_smollm_busy_quoting_engine_equals_mlx_lm(smollm):
+    """Four rewrites of given passages (scripts/bench/bench_spec.py's workload) arriving staggered into a
+    pool too small for all: n-gram drafts accepted, preemption, every answer mlx-lm's."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
+    from bench_spec import prompts_for
+
+    model, tok = smollm
+    prompts = prompts_for(tok, 4)
+    eos = tuple(tok.eos_token_ids)
+    engine = LLMEngine(model, tok, EngineConfig(num_blocks=20, max_num_batched_tokens=64,
+                                                speculative_config=spec(k=4)))
+    done = run_staggered(engine, prompts, SamplingParams(temperature=0.0, max_tokens=48), seed=0)
+    for i, p in enumerate(prompts):
+        assert done[str(i)] == solo_greedy(model, p, 48, eos), i
+    stats = engine.scheduler.spec_decoding_stats
+    assert stats.acceptance_rate > 0.5 and engine.scheduler.num_preemptions > 0, (stats, engine.scheduler.num_preemptions)
+    assert_no_leaks(engine)
