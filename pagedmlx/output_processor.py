@@ -34,12 +34,13 @@ class RequestState:
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         # the core finishes with "stop" on an EOS or stop token id only (stop strings are found here)
         new_ids, new_lps = out.new_token_ids, out.new_logprobs
+        self.token_ids.extend(new_ids)  # before the detokenizer, which may raise on one (then the request fails)
         if len(new_ids) > 1 and self.detokenizer.has_stop_strings:  # accepted drafts (speculative decoding)
             new_ids, new_text, stop = self._update_token_by_token(out)
+            del self.token_ids[len(self.token_ids) - len(out.new_token_ids) + len(new_ids):]
             new_lps = new_lps[:len(new_ids)] if new_lps else new_lps
         else:
             new_text, stop = self.detokenizer.update(new_ids, out.finished, out.finish_reason == "stop")
-        self.token_ids.extend(new_ids)
         if stop is not None:  # a stop string ends the request, whatever else ended it this step
             finish_reason, stop_reason = "stop", stop
         if new_lps and self.logprobs is not None:
