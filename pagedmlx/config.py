@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
+
+from pagedmlx.spec_decode.config import SpeculativeConfig
+
+__all__ = ["EngineConfig", "SpeculativeConfig"]
 
 
 @dataclass
@@ -55,8 +59,12 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: Optional[int] = None
+    # Speculative decoding (vLLM's speculative_config: a SpeculativeConfig, or its dict or JSON text;
+    # None: off). pagedmlx/spec_decode/.
+    speculative_config: Any = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
         if self.max_num_batched_tokens is None:
             import mlx.core as mx
 

@@ -64,6 +64,10 @@ class IncrementalDetokenizer:
         self._num_emitted = 0
         self._num_searched = 0  # text before this index holds no stop string
 
+    @property
+    def has_stop_strings(self) -> bool:
+        return bool(self._stops) and self._stream is not None
+
     def update(self, new_token_ids: Sequence[int], finished: bool,
                stop_terminated: bool = False) -> tuple[str, Optional[str]]:
         """Add tokens; return (text newly ready for the caller, the stop string matched or None).

@@ -53,6 +53,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     lora.add_argument("--max-cpu-loras", type=int, default=None,
                       help="adapters kept read in the engine (others are read again from their folders when "
                            "used; default: --max-loras)")
+    p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                   help="speculative decoding, as vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (also disable_by_batch_size, "
+                        "min_acceptance_rate; default: off)")
+
+
+def _speculative_config(text: str):
+    from pagedmlx.spec_decode.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.from_any(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def model_arg(args: argparse.Namespace) -> Optional[str]:
@@ -76,4 +89,5 @@ def engine_config(args: argparse.Namespace):
                         state_checkpoint_interval=args.state_checkpoint_interval,
                         max_state_checkpoints=args.max_state_checkpoints, enable_lora=args.enable_lora,
                         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                        max_cpu_loras=args.max_cpu_loras)
+                        max_cpu_loras=args.max_cpu_loras,
+                        speculative_config=args.speculative_config)

@@ -31,20 +31,38 @@ class RequestState:
         self.prompt_logprobs: Optional[list[TokenLogprob]] = None
 
     def update(self, out: EngineCoreOutput) -> EngineOutput:
-        self.token_ids.extend(out.new_token_ids)
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         # the core finishes with "stop" on an EOS or stop token id only (stop strings are found here)
-        new_text, stop = self.detokenizer.update(out.new_token_ids, out.finished, out.finish_reason == "stop")
+        new_ids, new_lps = out.new_token_ids, out.new_logprobs
+        self.token_ids.extend(new_ids)  # before the detokenizer, which may raise on one (then the request fails)
+        if len(new_ids) > 1 and self.detokenizer.has_stop_strings:  # accepted drafts (speculative decoding)
+            new_ids, new_text, stop = self._update_token_by_token(out)
+            del self.token_ids[len(self.token_ids) - len(out.new_token_ids) + len(new_ids):]
+            new_lps = new_lps[:len(new_ids)] if new_lps else new_lps
+        else:
+            new_text, stop = self.detokenizer.update(new_ids, out.finished, out.finish_reason == "stop")
         if stop is not None:  # a stop string ends the request, whatever else ended it this step
             finish_reason, stop_reason = "stop", stop
-        if out.new_logprobs and self.logprobs is not None:
-            self.logprobs.extend(out.new_logprobs)
+        if new_lps and self.logprobs is not None:
+            self.logprobs.extend(new_lps)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         return EngineOutput(self.request_id, self.prompt_token_ids, self.token_ids, self.detokenizer.text,
-                            out.new_token_ids, new_text, finish_reason is not None, finish_reason, stop_reason,
-                            self.logprobs, out.new_logprobs if self.logprobs is not None else None,
+                            new_ids, new_text, finish_reason is not None, finish_reason, stop_reason,
+                            self.logprobs, new_lps if self.logprobs is not None else None,
                             out.num_cached_tokens, out.error, self.prompt_logprobs)
+
+    def _update_token_by_token(self, out: EngineCoreOutput) -> tuple[list[int], str, Optional[str]]:
+        """Several tokens of one step, one at a time: a stop string ends the output at the token that
+        completes it, as it would a token a step (the tokens after it are dropped)."""
+        ids, text = out.new_token_ids, ""
+        for i, token in enumerate(ids):
+            last = i == len(ids) - 1
+            delta, stop = self.detokenizer.update([token], out.finished and last, out.finish_reason == "stop" and last)
+            text += delta
+            if stop is not None:
+                return ids[:i + 1], text, stop
+        return ids, text, None
 
     def failed(self, out: EngineCoreOutput, error: str) -> EngineOutput:
         return EngineOutput(self.request_id, self.prompt_token_ids, self.token_ids, self.detokenizer.text,

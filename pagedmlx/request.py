@@ -78,6 +78,9 @@ class Request:
         self.num_preemptions = 0
         self.block_hashes: list[BlockHash] = []
         self.structured_output_request: Any = None  # guided decoding: its grammar (structured_outputs/manager.py)
+        # Speculative decoding: draft tokens for the positions after its last token, proposed after the step
+        # that sampled it (spec_decode/drafter.py); the next schedule verifies or drops them.
+        self.spec_token_ids: list[int] = []
         # Unseeded requests get a random seed so that every row samples the same way.
         self.sampling_seed = (
             sampling_params.seed if sampling_params.seed is not None

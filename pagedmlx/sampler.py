@@ -15,11 +15,15 @@ Top-k/top-p cut by value: tokens tied with the last kept value are kept too.
 Randomness is a counter-based hash, noise[r, v] = hash(seed_r, step_r, v) with step_r the number
 of tokens request r has sampled so far: a seeded request draws the same tokens whatever else is in
 the batch, and MLX's global random state is never used.
+
+Speculative decoding: a request with k draft tokens has 1 + k rows, row j the target's distribution
+at its output position n + j (step n + j); every row samples as above. spec_decode/rejection_sampler.py
+says how the drafts are then accepted.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Optional, Sequence
 
 import mlx.core as mx
@@ -179,9 +183,10 @@ def _allowed(x: mx.array, top_k: list[int], top_p: list[float], min_p: list[floa
     return mx.where(x >= thresh, x, -mx.inf)
 
 
-def _sample_random(logits: mx.array, requests: Sequence[Request]) -> mx.array:
+def _sample_random(logits: mx.array, requests: Sequence[Request], offsets: Optional[Sequence[int]] = None) -> mx.array:
     """argmax(logits / T + Gumbel noise) over each row's allowed tokens. Greedy rows run with
-    neutral parameters (T = 1, no filters); the caller replaces their result by the plain argmax."""
+    neutral parameters (T = 1, no filters); the caller replaces their result by the plain argmax.
+    offsets: per row, how many tokens after the request's next one it samples (draft rows)."""
     V = logits.shape[1]
     params = [None if r.sampling_params.greedy else r.sampling_params for r in requests]
     temps = [p.temperature if p else 1.0 for p in params]
@@ -190,17 +195,36 @@ def _sample_random(logits: mx.array, requests: Sequence[Request]) -> mx.array:
         x = x / mx.array(temps, dtype=mx.float32)[:, None]
     x = _allowed(x, top_k=[p.top_k if p and 0 < p.top_k < V else V for p in params],
                  top_p=[p.top_p if p else 1.0 for p in params], min_p=[p.min_p if p else 0.0 for p in params])
-    noise = gumbel_noise([r.sampling_seed for r in requests], [r.num_output_tokens + r.num_output_placeholders for r in requests], V)
+    steps = [r.num_output_tokens + r.num_output_placeholders for r in requests]
+    if offsets is not None:
+        steps = [s + j for s, j in zip(steps, offsets)]
+    noise = gumbel_noise([r.sampling_seed for r in requests], steps, V)
     return mx.argmax(x + noise, axis=-1)
+
+
+def _draft_rows(requests: Sequence[Request], num_draft_tokens: Sequence[int], bitmask):
+    """Per row: its request and its offset after the request's next token; the bitmask's rows (guided
+    requests, which never draft) moved to their requests' rows."""
+    rows = [r for r, k in zip(requests, num_draft_tokens) for _ in range(k + 1)]
+    offsets = [j for k in num_draft_tokens for j in range(k + 1)]
+    if bitmask is not None:
+        first = np.cumsum([0, *(k + 1 for k in num_draft_tokens)])[:-1]
+        bitmask = replace(bitmask, rows=first[bitmask.rows].astype(np.int32))
+    return rows, offsets, bitmask
 
 
 class Sampler:
     """One call per step: sampled tokens (and logprobs) for rows with different parameters."""
 
-    def __call__(self, logits: mx.array, requests: Sequence[Request], grammar_bitmask=None) -> SamplerOutput:
-        """grammar_bitmask: the guided rows' masks (structured_outputs.manager.GrammarBitmask) or None."""
+    def __call__(self, logits: mx.array, requests: Sequence[Request], grammar_bitmask=None,
+                 num_draft_tokens: Optional[Sequence[int]] = None) -> SamplerOutput:
+        """grammar_bitmask: the guided rows' masks (structured_outputs.manager.GrammarBitmask) or None.
+        num_draft_tokens: per request, its draft tokens (speculative decoding): it has 1 + k rows."""
+        offsets = None
+        if num_draft_tokens and any(num_draft_tokens):
+            requests, offsets, grammar_bitmask = _draft_rows(requests, num_draft_tokens, grammar_bitmask)
         if logits.ndim != 2 or logits.shape[0] != len(requests):
-            raise ValueError(f"logits {logits.shape} do not match {len(requests)} requests")
+            raise ValueError(f"logits {logits.shape} do not match {len(requests)} rows")
         if not requests:
             return SamplerOutput(mx.zeros((0,), dtype=mx.int32))
         V = logits.shape[1]
@@ -212,7 +236,7 @@ class Sampler:
         if all(greedy):
             tokens = mx.argmax(logits, axis=-1)
         else:
-            tokens = _sample_random(logits, requests)
+            tokens = _sample_random(logits, requests, offsets)
             if any(greedy):
                 tokens = mx.where(mx.array(greedy), mx.argmax(logits, axis=-1), tokens)
         out = SamplerOutput(tokens.astype(mx.int32), num_logprobs=[p.logprobs for p in params])

@@ -11,12 +11,13 @@ import heapq
 import itertools
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence, Union
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.kv.manager import KVCacheManager, cdiv
 from pagedmlx.request import Request, RequestStatus
 from pagedmlx.scheduler_output import SchedulerOutput, build_scheduler_output
+from pagedmlx.spec_decode.metrics import SpecDecodingStats
 
 
 @dataclass
@@ -81,6 +82,8 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order (see _preemption_victim)
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        spec = config.speculative_config
+        self.spec_decoding_stats = SpecDecodingStats.new(spec.num_speculative_tokens) if spec is not None else None
 
     # ---- requests in and out ----------------------------------------------------------------
 
@@ -135,9 +138,13 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------
 
     def _num_new_tokens(self, request: Request, budget: int, num_computed: int, cap: int) -> int:
-        if request.num_output_placeholders and self._reaches_length(request, request.num_output_placeholders):
-            return 0  # its last token is still in flight and ends it: nothing more to compute
-        n = request.num_tokens_with_placeholders - num_computed
+        """Tokens to schedule for the request: its catch-up to num_tokens, and its draft tokens after
+        that (speculative decoding; never behind a token still in flight), within the cap and budget."""
+        if request.num_output_placeholders:
+            request.spec_token_ids = []  # proposed before a token it does not know yet
+            if self._reaches_length(request, request.num_output_placeholders):
+                return 0  # its last token is still in flight and ends it: nothing more to compute
+        n = request.num_tokens_with_placeholders + len(request.spec_token_ids) - num_computed
         if cap > 0:
             n = min(n, cap)
         return min(n, budget)
@@ -147,6 +154,7 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         scheduled_ids: set[str] = set()
         preempted: list[Request] = []
+        spec_decode_tokens: dict[str, list[int]] = {}  # speculative decoding: drafts verified this step
 
         # Running requests first: decodes, then unfinished prefill chunks.
         decodes = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
@@ -162,10 +170,16 @@ class Scheduler:
             n = self._num_new_tokens(req, budget, req.num_computed_tokens, cap)
             if n <= 0:
                 continue
+            # Drafts past the budget or the cap are cut; all of them go before anyone is preempted.
+            num_spec = max(0, n + req.num_computed_tokens - req.num_tokens_with_placeholders)
             while self.kv_cache_manager.allocate_slots(req, n) is None:
+                if num_spec:
+                    n, num_spec = n - num_spec, 0
+                    continue
                 victim = self._preemption_victim()  # may be one this step already scheduled
                 if victim.request_id in scheduled_ids:
                     budget += self._unschedule(victim, scheduled, scheduled_ids)
+                    spec_decode_tokens.pop(victim.request_id, None)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
@@ -174,6 +188,9 @@ class Scheduler:
                 scheduled.append((req, n))
                 scheduled_ids.add(req.request_id)
                 budget -= n
+                if num_spec:
+                    spec_decode_tokens[req.request_id] = req.spec_token_ids[:num_spec]
+                req.spec_token_ids = []  # verified now or dropped: the drafter proposes afresh after the step
 
         # Then waiting ones, in queue order, while there is budget, room and pages. Not after a
         # preemption: the pages just freed belong to the running requests.
@@ -213,7 +230,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         out = build_scheduler_output(
             scheduled, kv.get_block_ids, self.block_size, [r.request_id for r in preempted], self.finished_req_ids,
-            kv.get_state_slots if kv.state_manager is not None else None)
+            kv.get_state_slots if kv.state_manager is not None else None, spec_decode_tokens)
         self.finished_req_ids = set()
         for req, n in scheduled:
             req.num_computed_tokens += n
@@ -251,36 +268,60 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
 
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: list[int],
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: Sequence[Union[int, list[int]]],
                            requests: Optional[list[Request]] = None) -> list[RequestUpdate]:
-        """Append each sampled token to its request, check stops and free finished requests.
+        """Append each request's sampled token (or tokens: its accepted drafts and the token after
+        them, speculative decoding), check stops token by token and free finished requests. Rejected
+        drafts roll back: num_computed_tokens drops to the accepted tokens (their KV slots are
+        written again later; their blocks were never cached, as only blocks of known tokens are).
 
         With async scheduling a request may have been preempted since this step was scheduled: its
         token still counts (it recomputes from it); one that finished meanwhile drops it, and so does
         a new request that reuses its id (`requests`: the step's scheduled requests, in order)."""
         scheduled = dict(zip(output.req_ids, requests)) if requests is not None else None
+        drafts = dict(zip(output.sampled_req_ids, output.num_draft_tokens)) if output.num_draft_tokens else None
         updates = []
-        for rid, token in zip(output.sampled_req_ids, sampled_token_ids):
+        for rid, sampled in zip(output.sampled_req_ids, sampled_token_ids):
             req = self.requests.get(rid)
             if req is None or req.is_finished or (scheduled is not None and scheduled[rid] is not req):
                 continue  # aborted, already stopped, or its id now names another request
             req.num_output_placeholders = max(0, req.num_output_placeholders - 1)
-            req.append_output_token(token)
-            if req.structured_output_request is not None:  # guided decoding: the grammar takes the token
-                req.structured_output_request.accept(token)
-            finished = self._check_stop(req)
+            tokens = sampled if isinstance(sampled, list) else [sampled]
+            num_draft = drafts[rid] if drafts is not None else 0
+            if num_draft:
+                num_accepted = len(tokens) - 1
+                if req.status == RequestStatus.RUNNING:
+                    req.num_computed_tokens -= num_draft - num_accepted
+                self.spec_decoding_stats.observe_draft(num_draft, num_accepted)
+            new_ids, finished = [], False
+            for token in tokens:
+                req.append_output_token(token)
+                new_ids.append(token)
+                if req.structured_output_request is not None:  # guided decoding: the grammar takes the token
+                    req.structured_output_request.accept(token)
+                finished = self._check_stop(req)
+                if finished:
+                    break  # the tokens after a stop are dropped
             if finished:
                 if req in self.running:
                     self.running.remove(req)
                 else:
                     self.waiting.remove(req)
                 self._free(req)
-            updates.append(RequestUpdate(req, [token], finished))
+            updates.append(RequestUpdate(req, new_ids, finished))
         return updates
+
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Speculative decoding: the drafter's proposals for running requests, verified next step."""
+        for rid, drafts in draft_token_ids.items():
+            req = self.requests.get(rid)
+            if req is not None and req.status == RequestStatus.RUNNING:
+                req.spec_token_ids = drafts
 
     def _check_stop(self, req: Request) -> bool:
         params = req.sampling_params

@@ -50,12 +50,32 @@ class SchedulerOutput:
     prompt_logprob_starts: list[int] = field(default_factory=list)
     prompt_logprob_lens: list[int] = field(default_factory=list)
     prompt_logprob_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # (R,)
+    # Speculative decoding (vLLM's SpecDecodeMetadata): per sampled request, the draft tokens it verifies
+    # (empty: none this step). A request with k drafts samples 1 + k rows in logits_indices: its last
+    # token's row, then each draft's. draft_token_ids: all drafts, flat, in that order.
+    num_draft_tokens: list[int] = field(default_factory=list)
+    draft_token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)  # finished since the previous step
 
     @property
     def total_num_scheduled_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Rows of logits_indices that sample (the rest score prompt tokens)."""
+        return len(self.sampled_req_ids) + sum(self.num_draft_tokens)
+
+    @property
+    def scheduled_spec_decode_tokens(self) -> dict[str, list[int]]:
+        """vLLM's view: the draft tokens of each request that verifies some."""
+        out, at = {}, 0
+        for rid, k in zip(self.sampled_req_ids, self.num_draft_tokens):
+            if k:
+                out[rid] = self.draft_token_ids[at:at + k].tolist()
+                at += k
+        return out
 
     @property
     def num_reqs(self) -> int:
@@ -80,9 +100,11 @@ def build_scheduler_output(
     preempted_req_ids: list[str],
     finished_req_ids: set[str],
     get_state_slots: Optional[Callable[[Request], tuple[int, int, int, int]]] = None,
+    spec_decode_tokens: Optional[dict[str, list[int]]] = None,
 ) -> SchedulerOutput:
     """Flatten the step's (request, num_new_tokens) pairs, read before num_computed_tokens advances.
-    get_state_slots: for a model with recurrent state, whose state group is the last group."""
+    get_state_slots: for a model with recurrent state, whose state group is the last group.
+    spec_decode_tokens: the draft tokens scheduled per request id (its last num_new_tokens)."""
     if not scheduled:
         return SchedulerOutput.empty(finished_req_ids, preempted_req_ids)
     scheduled = sorted(scheduled, key=lambda rn: rn[1] != 1)  # stable: decodes first
@@ -91,6 +113,7 @@ def build_scheduler_output(
     logits_indices, sampled_req_ids = [], []
     placeholder_rows, placeholder_src = [], []
     prompt_rows, prompt_tokens, prompt_reqs = [], [], ([], [], [])
+    num_drafts, draft_ids = [], []
     row = 0
     for req, n in scheduled:
         start = req.num_computed_tokens
@@ -103,11 +126,14 @@ def build_scheduler_output(
         if get_state_slots is not None:
             state_slots.append(get_state_slots(req))
         known = req.num_tokens
+        drafts = spec_decode_tokens.get(req.request_id, ()) if spec_decode_tokens else ()
         if n == 1 and start < known:
             tokens.append(req.all_token_ids[start])
         else:
             tokens.extend(req.all_token_ids[start:min(end, known)])
-            if end > known:  # the last token was sampled by the step still in flight
+            if drafts:  # scheduled only after every known token (never behind a placeholder)
+                tokens.extend(drafts)
+            elif end > known:  # the last token was sampled by the step still in flight
                 tokens.append(0)
                 placeholder_rows.append(row + n - 1)
                 placeholder_src.append(req.placeholder_index)
@@ -118,9 +144,11 @@ def build_scheduler_output(
             for acc, value in zip(prompt_reqs, (req.request_id, start, last - start)):
                 acc.append(value)
         row += n
-        if end == req.num_tokens_with_placeholders:
-            logits_indices.append(row - 1)
+        if end == req.num_tokens_with_placeholders + len(drafts):
+            logits_indices.extend(range(row - 1 - len(drafts), row))
             sampled_req_ids.append(req.request_id)
+            num_drafts.append(len(drafts))
+            draft_ids.extend(drafts)
 
     counts_np = np.asarray(counts, np.int32)
     query_start_loc = np.zeros(len(counts) + 1, np.int32)
@@ -161,6 +189,8 @@ def build_scheduler_output(
         prompt_logprob_starts=prompt_reqs[1],
         prompt_logprob_lens=prompt_reqs[2],
         prompt_logprob_tokens=np.asarray(prompt_tokens, np.int32),
+        num_draft_tokens=num_drafts if draft_ids else [],
+        draft_token_ids=np.asarray(draft_ids, np.int32),
         preempted_req_ids=preempted_req_ids,
         finished_req_ids=finished_req_ids,
     )

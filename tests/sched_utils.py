@@ -38,14 +38,14 @@ def make_scheduler(num_blocks: int = 16, block_size: int = 4, max_num_batched_to
                    max_num_seqs: int = 16, long_prefill_token_threshold: int = 0,
                    max_model_len: int = 64, policy: str = "fcfs", caching: bool = True,
                    window: Optional[int] = None, state_interval: Optional[int] = None,
-                   state_checkpoints: int = 3) -> Scheduler:
+                   state_checkpoints: int = 3, speculative_config=None) -> Scheduler:
     """window: a second KV cache group of sliding-window layers beside the full-attention one.
     state_interval: a recurrent-state group (last) with checkpoints every so many tokens (0: none)."""
     config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,
                           long_prefill_token_threshold=long_prefill_token_threshold,
                           max_model_len=max_model_len, scheduling_policy=policy,
-                          enable_prefix_caching=caching)
+                          enable_prefix_caching=caching, speculative_config=speculative_config)
     groups = [KVCacheGroupSpec(FullAttentionSpec(), num_blocks)]
     if window is not None:
         groups.append(KVCacheGroupSpec(SlidingWindowSpec(window), num_blocks + 1))
@@ -215,7 +215,11 @@ def _check_group(sched: Scheduler, m) -> None:
         req = sched.requests[rid]
         assert req.status == RequestStatus.RUNNING, f"{req} holds pages"
         assert m.req_to_block_ids[rid] == [b.block_id for b in blocks]
-        assert len(blocks) == cdiv(req.num_computed_tokens, bs), f"{req} holds {len(blocks)} blocks"
+        # Speculative decoding: pages taken for drafts stay after a rejection (written again later).
+        spec = sched.config.speculative_config
+        max_drafts = spec.num_speculative_tokens if spec is not None else 0
+        assert cdiv(req.num_computed_tokens, bs) <= len(blocks) <= cdiv(req.num_computed_tokens + max_drafts, bs), \
+            f"{req} holds {len(blocks)} blocks"
         real = [b for b in blocks if b is not null]
         assert len({b.block_id for b in real}) == len(real)
         nulls = len(blocks) - len(real)

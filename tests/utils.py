@@ -117,6 +117,19 @@ def assert_samples_equal_alone(make_engine: Callable, prompts: list[list[int]], 
     assert_no_leaks(busy)
 
 
+# Chi-square critical values at p = 1e-4 by degrees of freedom: a correct sampler fails such a test once
+# in 10,000 runs.
+CHI2_P1E4 = {1: 15.14, 2: 18.42, 3: 21.11, 4: 23.51, 5: 25.74, 6: 27.86, 7: 29.88, 8: 31.83, 9: 33.72, 10: 35.56}
+
+
+def chi_square(observed, expected) -> float:
+    """Pearson's statistic of observed counts against expected counts (same total)."""
+    import numpy as np
+
+    observed, expected = np.asarray(observed, float), np.asarray(expected, float)
+    return float(((observed - expected) ** 2 / expected).sum())
+
+
 def wait_healthy(url: str, alive: Callable[[], bool] = lambda: True, timeout: float = 60.0,
                  why: Optional[Callable[[], str]] = None) -> None:
     """Poll url/health until it answers 200; fail if `alive()` turns false or time runs out."""

@@ -10,13 +10,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from pagedmlx.config import EngineConfig
+from pagedmlx.core.step import LaunchedStep, StepStats
 from pagedmlx.kv.manager import KVCacheManager
 from pagedmlx.lora.request import LoRARequest
 from pagedmlx.outputs import EngineCoreOutput, TokenLogprob
@@ -26,47 +26,14 @@ from pagedmlx.sampler import Sampler, SamplerOutput, to_host
 from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.scheduler import Scheduler
 from pagedmlx.scheduler_output import SchedulerOutput
+from pagedmlx.spec_decode.drafter import Drafter
+from pagedmlx.spec_decode.rejection_sampler import verify
 from pagedmlx.structured_outputs.manager import StructuredOutputManager
 
 logger = logging.getLogger("pagedmlx")
 
 DEFAULT_MAX_MODEL_LEN = 8192
-
-
-@dataclass
-class LaunchedStep:
-    """A step whose graph is built (and maybe running on the device) but not read back yet."""
-
-    so: SchedulerOutput
-    requests: list[Request]  # the scheduled requests themselves: an id may be reused once one ends
-    sampled: Any  # SamplerOutput, or None for a step of partial prefill chunks only
-    arrays: list  # what the device must compute
-    build_s: float
-    error: Optional[Exception] = None
-    prompt: Any = None  # SamplerOutput of the prompt rows that score prompt tokens (prompt_logprobs)
-    prompt_rows: Optional[list] = None  # ... read back
-
-
-@dataclass
-class StepStats:
-    """Where a step's time goes: host work around the forward pass versus the pass itself."""
-
-    num_steps: int = 0
-    schedule_s: float = 0.0
-    build_s: float = 0.0  # building the step's graph and dispatching it
-    wait_s: float = 0.0  # waiting for the device (the one host sync)
-    update_s: float = 0.0  # appending tokens, stop checks
-    num_tokens: int = 0
-    num_sampled: int = 0
-    num_overlapped: int = 0  # steps built while the previous one ran on the device
-
-    @property
-    def forward_s(self) -> float:
-        return self.build_s + self.wait_s
-
-    def host_fraction(self) -> float:
-        total = self.schedule_s + self.forward_s + self.update_s
-        return (self.schedule_s + self.update_s) / total if total else 0.0
+__all__ = ["DEFAULT_MAX_MODEL_LEN", "EngineCore", "LaunchedStep", "StepStats"]
 
 
 class EngineCore:
@@ -100,6 +67,20 @@ class EngineCore:
         self.async_scheduling = (self.config.async_scheduling if self.config.async_scheduling is not None
                                  else mx.default_device() == mx.gpu)
         self._warmed_up_in: Optional[int] = None  # the thread that ran warm_up
+        self.drafter = self._make_drafter()  # speculative decoding (None: off)
+
+    def _make_drafter(self) -> Optional[Drafter]:
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        if self.kv_cache_manager.state_manager is not None:
+            logger.warning("speculative decoding is off: this model has recurrent-state layers, whose state "
+                           "cannot roll back rejected drafts yet (issue 28)")
+            return None
+        logger.info("speculative decoding: %s, %d draft tokens (n-grams of %d-%d tokens), while at most %d "
+                    "requests run", spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min,
+                    spec.prompt_lookup_max, spec.disable_by_batch_size)
+        return Drafter(spec, self.max_model_len)
 
     def warm_up(self) -> None:
         """ModelRunner.warm_up, once per thread: MLX keeps CUDA's cuDNN graphs per thread, so the
@@ -272,12 +253,18 @@ class EngineCore:
 
     def _can_overlap(self) -> bool:
         """Overlap unless penalties need every earlier token on the host, or a guided request's
-        grammar needs its previous token before its next mask, or fewer requests run than
+        grammar needs its previous token before its next mask, or requests speculate (their drafts
+        follow the tokens the previous step accepted), or fewer requests run than
         config.async_min_batch (docs/benchmarks.md, runs 19-20, for why batch 1 overlaps too)."""
         running = self.scheduler.running
         return (self.async_scheduling and len(running) >= self.config.async_min_batch
+                and not self._speculating()
                 and not any(r.sampling_params.has_penalties or r.structured_output_request is not None
                             for r in running))
+
+    def _speculating(self) -> bool:
+        """Speculative decoding is configured and the batch is small enough for it (Drafter.active)."""
+        return self.drafter is not None and self.drafter.active(len(self.scheduler.running))
 
     def _build(self, so: SchedulerOutput) -> LaunchedStep:
         """Build the step's graph (lazily: nothing runs on the device yet)."""
@@ -286,12 +273,13 @@ class EngineCore:
         prev_sampled = self._inflight.sampled if self._inflight is not None else None
         prev = prev_sampled.sampled_token_ids if prev_sampled is not None else None
         logits = self.runner.forward(so, prev)
-        prompt = None
+        prompt, num_rows = None, so.num_sampled_rows
         if len(so.prompt_logprob_tokens):  # the rows after the sampled ones score prompt tokens
-            prompt = self._prompt_logprobs(logits[len(requests):], so)
+            prompt = self._prompt_logprobs(logits[num_rows:], so)
         if requests:
             bitmask = self.structured_output_manager.grammar_bitmask(requests)  # guided rows' masks, or None
-            sampled = self.sampler(logits[:len(requests)] if prompt is not None else logits, requests, bitmask)
+            sampled = self.sampler(logits[:num_rows] if prompt is not None else logits, requests, bitmask,
+                                   so.num_draft_tokens)
             for i, req in enumerate(requests):
                 req.num_output_placeholders += 1
                 req.placeholder_index = i
@@ -361,11 +349,29 @@ class EngineCore:
         t = time.perf_counter()
         if step.prompt_rows:
             self._record_prompt_logprobs(step)
+        token_ids = [r.token_id for r in rows]
+        if so.num_draft_tokens:  # speculative decoding: each request's accepted drafts and the token after them
+            token_ids, starts = verify(token_ids, so.num_draft_tokens, so.draft_token_ids)
+            rows = [rows[i:i + len(kept)] for i, kept in zip(starts, token_ids)]
+        else:
+            rows = [[r] for r in rows]
         by_id = dict(zip(so.sampled_req_ids, rows))
         outputs = [self._output(upd.request, upd.new_token_ids, upd.finished, by_id[upd.request.request_id])
-                   for upd in self.scheduler.update_from_output(so, [r.token_id for r in rows], step.requests)]
+                   for upd in self.scheduler.update_from_output(so, token_ids, step.requests)]
+        if self.drafter is not None:
+            self._propose(so, token_ids)
         self._record(so, time.perf_counter() - t)
         return outputs
+
+    def _propose(self, so: SchedulerOutput, token_ids: list) -> None:
+        """Speculative decoding, after a step's update: each verified draft's acceptance feeds the
+        drafter's per-request rule; then the drafts for the next step (while the batch is small)."""
+        for rid, k, kept in zip(so.sampled_req_ids, so.num_draft_tokens, token_ids):
+            req = self.scheduler.requests.get(rid)
+            if k and req is not None:
+                self.drafter.observe(req, k, len(kept) - 1)
+        if self._speculating():
+            self.scheduler.update_draft_token_ids(self.drafter.propose_draft_token_ids(self.scheduler.running))
 
     def _fail(self, so: SchedulerOutput, exc: Exception, requests: list[Request]) -> list[EngineCoreOutput]:
         logger.exception("step failed; finishing its %d requests with an error", so.num_reqs, exc_info=exc)
@@ -383,11 +389,12 @@ class EngineCore:
         s.num_tokens += so.total_num_scheduled_tokens
         s.num_sampled += len(so.sampled_req_ids)
 
-    def _output(self, req: Request, new_ids: list[int], finished: bool, sample: Any) -> EngineCoreOutput:
+    def _output(self, req: Request, new_ids: list[int], finished: bool, samples: list) -> EngineCoreOutput:
+        """samples: the SampledTokens of the request's rows, one per kept token (a stop may drop the last ones)."""
         rid = req.request_id
         new_lps = None
         if req.sampling_params.logprobs is not None:
-            new_lps = [TokenLogprob(sample.token_id, sample.logprob, sample.top_logprobs or [])]
+            new_lps = [TokenLogprob(s.token_id, s.logprob, s.top_logprobs or []) for s in samples[:len(new_ids)]]
         return EngineCoreOutput(rid, new_ids, req.status.finish_reason if finished else None, req.stop_reason,
                                 new_lps, max(req.num_cached_tokens, 0), self._prompt_lps.pop(rid, None))
 

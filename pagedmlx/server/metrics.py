@@ -9,7 +9,7 @@ scrape time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -47,6 +47,11 @@ class EngineSnapshot:
     state_checkpoints_saved: int = 0
     guided_requests: int = 0
     grammar_compiles: int = 0
+    # Speculative decoding (spec_decode/metrics.py's SpecDecodingStats; zeros when it is off)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
     @classmethod
     def take(cls, engine: EngineCore) -> "EngineSnapshot":
@@ -56,11 +61,14 @@ class EngineSnapshot:
                   for spec, m in zip(kv.kv_cache_config.kv_cache_groups, kv.managers)]
         s = engine.stats
         state, guided = kv.state_manager, engine.structured_output_manager
+        spec = engine.scheduler.spec_decoding_stats
+        spec_counts = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                       list(spec.num_accepted_tokens_per_pos)) if spec is not None else (0, 0, 0, [])
         return cls(len(engine.scheduler.running), len(engine.scheduler.waiting), kv.usage, groups,
                    kv.stats.queries, kv.stats.hits,
                    engine.scheduler.num_preemptions, s.num_steps, s.schedule_s, s.forward_s, s.update_s,
                    s.num_tokens, state.num_checkpoint_hits if state else 0, state.num_checkpoints_saved if state else 0,
-                   guided.num_requests, guided.num_compiles)
+                   guided.num_requests, guided.num_compiles, *spec_counts)
 
 
 class ServerMetrics:
@@ -111,8 +119,16 @@ class ServerMetrics:
                                        "Requests decoded under a grammar (structured outputs, forced tool calls)."),
             "grammar_compiles": counter("pagedmlx:grammar_compiles",
                                         "Grammars compiled (the others came from the cache)."),
+            # vLLM's spec-decode counters (acceptance rate: rate(accepted) / rate(draft_tokens))
+            "spec_decode_num_drafts": counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+            "spec_decode_num_draft_tokens": counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+            "spec_decode_num_accepted_tokens": counter("vllm:spec_decode_num_accepted_tokens",
+                                                       "Number of accepted tokens."),
         }
         self._seen = {name: 0.0 for name in self._engine_counters}
+        self.accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted tokens per draft position.", ["model_name", "position"], registry=r)
+        self._seen_per_pos: list[int] = []
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
@@ -154,6 +170,13 @@ class ServerMetrics:
             if total > self._seen[name]:
                 counter.inc(total - self._seen[name])
                 self._seen[name] = total
+        per_pos = snap.spec_decode_num_accepted_tokens_per_pos
+        self._seen_per_pos += [0] * (len(per_pos) - len(self._seen_per_pos))
+        for pos, total in enumerate(per_pos):
+            child = self.accepted_per_pos.labels(self._model, str(pos))  # every position shows, 0 included
+            if total > self._seen_per_pos[pos]:
+                child.inc(total - self._seen_per_pos[pos])
+                self._seen_per_pos[pos] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

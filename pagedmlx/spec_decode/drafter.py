@@ -1,0 +1,100 @@
+"""Drafter: after each step, the draft tokens of the running requests that speculate (vLLM's
+GPUModelRunner.propose_draft_token_ids over its drafter), and the adaptive rules of when not to.
+
+- The batch: no request speculates while more than `disable_by_batch_size` run. Verifying k drafts
+  costs k more query tokens of compute; at batch 1-4 a step is bound by reading the weights and they
+  come almost free, at a large batch the step is compute-bound and a rejected draft is pure cost.
+- A request: drafts accepted at less than `min_acceptance_rate` (a moving average of accepted /
+  drafted, per draft) stop for PAUSE_TOKENS output tokens, twice as long each time it happens again
+  (up to MAX_PAUSE_TOKENS); a request that starts quoting again later is drafted for again.
+- Not at all: guided requests (their grammar would have to accept each draft) and requests with
+  penalties (each draft row's penalties would count the drafts before it); one log line per reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from pagedmlx.request import Request
+from pagedmlx.spec_decode.config import SpeculativeConfig
+from pagedmlx.spec_decode.ngram_proposer import NgramProposer
+
+logger = logging.getLogger("pagedmlx")
+
+RATE_WEIGHT = 0.25  # each draft's weight in the moving average (from 1.0, seven drafts all rejected pause a request at 0.15)
+PAUSE_TOKENS = 16
+MAX_PAUSE_TOKENS = 1024
+
+
+@dataclass
+class _Acceptance:
+    rate: float = 1.0  # moving average of accepted / drafted
+    paused_until: int = 0  # the output length from which the request proposes again
+    pause: int = PAUSE_TOKENS
+
+
+class Drafter:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config = config
+        self.max_model_len = max_model_len
+        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                                      config.prompt_lookup_max)
+        self._acceptance: "weakref.WeakKeyDictionary[Request, _Acceptance]" = weakref.WeakKeyDictionary()
+        self._logged: set[str] = set()
+        self.num_paused = 0  # times a request stopped proposing for its low acceptance
+
+    def active(self, num_running: int) -> bool:
+        """Whether requests speculate at this batch size."""
+        return num_running <= self.config.disable_by_batch_size
+
+    def skip_reason(self, request: Request) -> Optional[str]:
+        if request.structured_output_request is not None:
+            return "guided decoding (its grammar would have to accept each draft)"
+        if request.sampling_params.has_penalties:
+            return "penalties (each draft row's penalties would have to count the drafts before it)"
+        return None
+
+    def speculates(self, request: Request) -> bool:
+        reason = self.skip_reason(request)
+        if reason is not None and reason not in self._logged:
+            self._logged.add(reason)
+            logger.info("speculative decoding: requests with %s do not speculate (request %s)", reason,
+                        request.request_id)
+        return reason is None
+
+    def propose_draft_token_ids(self, requests: Iterable[Request]) -> dict[str, list[int]]:
+        """Drafts for the requests that just sampled their last token (caught up: every token but it
+        computed), where they speculate; at most what max_tokens and max_model_len leave after the
+        token that the verification itself adds."""
+        drafts = {}
+        for req in requests:
+            if req.num_computed_tokens != req.num_tokens - 1 or req.num_output_placeholders or not self.speculates(req):
+                continue
+            state = self._acceptance.get(req)
+            if state is not None and req.num_output_tokens < state.paused_until:
+                continue
+            room = self.max_model_len - req.num_tokens - 1
+            max_tokens = req.sampling_params.max_tokens
+            if max_tokens is not None:
+                room = min(room, max_tokens - req.num_output_tokens - 1)
+            if room > 0:
+                draft = self.proposer.propose(req, room)
+                if draft:
+                    drafts[req.request_id] = draft
+        return drafts
+
+    def observe(self, request: Request, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """A verified draft of the request: update its acceptance rate, pause it when low."""
+        if not num_draft_tokens:
+            return
+        state = self._acceptance.setdefault(request, _Acceptance())
+        state.rate += RATE_WEIGHT * (num_accepted_tokens / num_draft_tokens - state.rate)
+        floor = self.config.min_acceptance_rate
+        if state.rate < floor:
+            state.paused_until = request.num_output_tokens + state.pause
+            state.pause = min(2 * state.pause, MAX_PAUSE_TOKENS)
+            state.rate = min(1.0, 2 * floor)  # after the pause, two or three bad drafts pause it again
+            self.num_paused += 1
