@@ -360,7 +360,7 @@ class EngineCore:
                    for upd in self.scheduler.update_from_output(so, token_ids, step.requests)]
         if self.drafter is not None:
             self._propose(so, token_ids)
-        self._record(so, time.perf_counter() - t)
+        self.stats.record(so, time.perf_counter() - t)
         return outputs
 
     def _propose(self, so: SchedulerOutput, token_ids: list) -> None:
@@ -381,13 +381,6 @@ class EngineCore:
                 req.num_output_placeholders = max(0, req.num_output_placeholders - 1)
         failed = self.scheduler.fail_step(so, requests)
         return [self._final_output(r, error=f"{type(exc).__name__}: {exc}") for r in failed]
-
-    def _record(self, so, update_s: float) -> None:
-        s = self.stats
-        s.num_steps += 1
-        s.update_s += update_s
-        s.num_tokens += so.total_num_scheduled_tokens
-        s.num_sampled += len(so.sampled_req_ids)
 
     def _output(self, req: Request, new_ids: list[int], finished: bool, samples: list) -> EngineCoreOutput:
         """samples: the SampledTokens of the request's rows, one per kept token (a stop may drop the last ones)."""

@@ -40,6 +40,13 @@ class StepStats:
     def forward_s(self) -> float:
         return self.build_s + self.wait_s
 
+    def record(self, so: SchedulerOutput, update_s: float) -> None:
+        """Count a step that completed."""
+        self.num_steps += 1
+        self.update_s += update_s
+        self.num_tokens += so.total_num_scheduled_tokens
+        self.num_sampled += len(so.sampled_req_ids)
+
     def host_fraction(self) -> float:
         total = self.schedule_s + self.forward_s + self.update_s
         return (self.schedule_s + self.update_s) / total if total else 0.0
