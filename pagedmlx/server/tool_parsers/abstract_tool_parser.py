@@ -165,9 +165,9 @@ class ToolParser:
 
     # ---- reading helpers ----------------------------------------------------------------------
 
-    def text_until(self, markers: tuple[str, ...], final: bool) -> Optional[str]:
-        """Content up to the first of `markers` (the cursor then stands on it; returned), or up to
-        what might be the start of one (None: wait for more)."""
+    def find_marker(self, markers: tuple[str, ...], final: bool) -> tuple[Optional[str], int]:
+        """The first of `markers` from the cursor and where it starts; with none found, (None, where the
+        settled text ends: before what might be the start of one, unless final)."""
         found, at = None, len(self.text)
         for marker in markers:
             i = self.text.find(marker, self.pos)
@@ -175,6 +175,12 @@ class ToolParser:
                 found, at = marker, i
         if found is None and not final:
             at -= partial_marker(self.text, self.pos, markers)
+        return found, at
+
+    def text_until(self, markers: tuple[str, ...], final: bool) -> Optional[str]:
+        """Content up to the first of `markers` (the cursor then stands on it; returned), or up to
+        what might be the start of one (None: wait for more)."""
+        found, at = self.find_marker(markers, final)
         self.content(self.text[self.pos:at])
         self.pos = at
         return found
@@ -184,6 +190,18 @@ class ToolParser:
         while self.pos < len(self.text) and self.text[self.pos] in WHITESPACE:
             self.pos += 1
         return self.pos < len(self.text)
+
+    def at_object(self, final: bool) -> bool:
+        """Past whitespace to a JSON object's "{" (True). False: more text is needed, or something
+        else stands there (then fail() has run)."""
+        if not self.skip_whitespace():
+            if final:
+                self.fail()
+            return False
+        if self.text[self.pos] != "{":
+            self.fail()
+            return False
+        return True
 
     def at_marker(self, marker: str, final: bool) -> Optional[bool]:
         """Whether the text at the cursor is `marker` (then consumed); None: cannot tell yet."""

@@ -27,12 +27,8 @@ class Hermes2ProToolParser(ToolParser):
                 self.pos += len(self.tool_call_start_token)
                 self.mode = "open"
             elif self.mode == "open":  # whitespace, then the call's JSON object
-                if not self.skip_whitespace():
-                    if final:
-                        self.fail()
+                if not self.at_object(final):
                     return
-                if self.text[self.pos] != "{":
-                    return self.fail()
                 self.mode = "call"
             elif self.mode == "call":
                 if not self.read_call(final):

@@ -28,12 +28,8 @@ class Llama3JsonToolParser(ToolParser):
                     return
                 self.call_start, self.mode = 0, "calls"
             elif self.mode == "calls":  # whitespace, then a call's JSON object
-                if not self.skip_whitespace():
-                    if final:
-                        self.fail()
+                if not self.at_object(final):
                     return
-                if self.text[self.pos] != "{":
-                    return self.fail()
                 self.mode = "call"
             elif self.mode == "call":
                 if not self.read_call(final, ("parameters", "arguments")):

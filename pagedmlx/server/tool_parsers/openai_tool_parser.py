@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pagedmlx.server.tool_parsers.abstract_tool_parser import ToolParser, partial_marker
+from pagedmlx.server.tool_parsers.abstract_tool_parser import ToolParser
 
 _CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
@@ -73,14 +73,7 @@ class OpenAIToolParser(ToolParser):
         return True
 
     def _body(self, final: bool) -> bool:
-        markers = _BODY_ENDS + _HEADER_STARTS
-        found, at = None, len(self.text)
-        for marker in markers:
-            i = self.text.find(marker, self.pos)
-            if i != -1 and i < at:
-                found, at = marker, i
-        if found is None and not final:
-            at -= partial_marker(self.text, self.pos, markers)
+        found, at = self.find_marker(_BODY_ENDS + _HEADER_STARTS, final)
         body = self.text[self.pos:at]
         if self.kind == "call":
             self.arguments(body)
