@@ -15,6 +15,13 @@ graph (export_to_dot), a count no noise touches.
 
   python scripts/bench/bench_host_step.py                              # the three presets
   python scripts/bench/bench_host_step.py --presets llama-8b --runs 5 --profile   # + cProfile of the step
+  python scripts/bench/bench_host_step.py --kernel-standins    # the CUDA path's graph (see below)
+
+--kernel-standins: the engine builds its steps as on CUDA (page-write and paged-decode kernels; the
+recurrent-state kernels stay off), each kernel call answered by a stand-in that returns zeros
+depending on its inputs: the host work of the CUDA path without a GPU (less MLX's own cost of a
+cuda_kernel call, which renders the kernel's source each call); the tokens are garbage. Its node
+count leaves the stand-ins' own extra nodes out (one per kernel output).
 """
 
 from __future__ import annotations
@@ -60,6 +67,31 @@ def tiny_model(preset: str):
     model = model_class(args_class.from_dict(cfg))
     mx.eval(model.parameters())
     return model
+
+
+class KernelStandIn:
+    """build.make_kernel's stand-in: each call's outputs are zeros that depend on its inputs."""
+
+    calls = 0
+
+    def __init__(self, backend, name, input_names, output_names, source, header):
+        self.name = name
+
+    def __call__(self, *, inputs, output_shapes, output_dtypes, **launch):
+        KernelStandIn.calls += len(output_shapes)
+        return [mx.depends(mx.zeros(shape, dtype), inputs) for shape, dtype in zip(output_shapes, output_dtypes)]
+
+
+def use_kernel_standins(engine) -> None:
+    """Make the engine's runner build its steps as on CUDA, with KernelStandIn for every kernel."""
+    from pagedmlx.kernels import build, decode_attention, page_write
+    from pagedmlx.kernels.dialect import CUDA
+    from pagedmlx.kernels.selector import KernelPlan
+
+    build.make_kernel = KernelStandIn
+    decode_attention._kernels.cache_clear()
+    page_write._write_kernel.cache_clear()
+    engine.runner.kernels = KernelPlan(CUDA, decode=True, page_write=True)
 
 
 def make_engine(model, prompt_len: int, gen_len: int):
@@ -142,9 +174,14 @@ def step_nodes(engine, model, prompt: list[int]) -> tuple[int, int]:
                                                                          ignore_eos=True))
     engine.step()
     so = core.scheduler.schedule()
-    token = mx.argmax(core.runner.forward(so), axis=-1)
+    calls, async_eval = KernelStandIn.calls, mx.async_eval
+    mx.async_eval = lambda *arrays: None  # the runner dispatches in-place steps itself: count them first
+    try:
+        token = mx.argmax(core.runner.forward(so), axis=-1)
+    finally:
+        mx.async_eval = async_eval
     pools = [a for a in core.runner.kv_pool.keys + core.runner.kv_pool.values if a is not None]
-    ours = graph_nodes(token, *pools)
+    ours = graph_nodes(token, *pools) - (KernelStandIn.calls - calls)
     engine.abort_request([so.req_ids[0]])
     while engine.has_unfinished_requests():
         engine.step()
@@ -164,14 +201,18 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=48)
     ap.add_argument("--profile", action="store_true", help="print the top of a cProfile of the engine's steps")
+    ap.add_argument("--kernel-standins", action="store_true", help="the engine's CUDA path, kernels stood in for")
     args = ap.parse_args()
     print(f"bench_host_step on {mx.default_device()}, {time.strftime('%Y-%m-%d %H:%M')}: batch 1, prompt "
-          f"{args.prompt_len}, {args.gen_len} tokens, median of {args.runs} interleaved runs, tiny widths")
+          f"{args.prompt_len}, {args.gen_len} tokens, median of {args.runs} interleaved runs, tiny widths"
+          f"{', CUDA path (kernel stand-ins)' if args.kernel_standins else ''}")
     print(f"{'preset':>16} {'layers':>6} | {'engine step µs':>14} {'dispatch':>8} {'nodes':>6} | "
           f"{'generate_step µs':>16} {'dispatch':>8} {'nodes':>6} | {'engine / mlx-lm':>15}")
     for preset in args.presets:
         model = tiny_model(preset)
         engine = make_engine(model, args.prompt_len, args.gen_len)
+        if args.kernel_standins:
+            use_kernel_standins(engine)
         prompt = make_prompts(1, args.prompt_len, 512, 9)[0]
         engine_host_us(engine, prompt[:16], 8)  # warm up both
         generate_step_host_us(model, prompt[:16], 8)
