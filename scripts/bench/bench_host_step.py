@@ -82,8 +82,9 @@ class KernelStandIn:
         return [mx.depends(mx.zeros(shape, dtype), inputs) for shape, dtype in zip(output_shapes, output_dtypes)]
 
 
-def use_kernel_standins(engine) -> None:
-    """Make the engine's runner build its steps as on CUDA, with KernelStandIn for every kernel."""
+def use_kernel_standins(engine, compile_decode: bool = False) -> None:
+    """Make the engine's runner build its steps as on CUDA, with KernelStandIn for every kernel;
+    compile_decode: its decode-only steps through mx.compile (EngineConfig.compile_decode)."""
     from pagedmlx.kernels import build, decode_attention, page_write
     from pagedmlx.kernels.dialect import CUDA
     from pagedmlx.kernels.selector import KernelPlan
@@ -92,6 +93,10 @@ def use_kernel_standins(engine) -> None:
     decode_attention._kernels.cache_clear()
     page_write._write_kernel.cache_clear()
     engine.runner.kernels = KernelPlan(CUDA, decode=True, page_write=True)
+    if compile_decode:
+        from pagedmlx.runner.compiled_step import CompiledDecode
+
+        engine.runner.compiled_decode = CompiledDecode(engine.runner)
 
 
 def make_engine(model, prompt_len: int, gen_len: int):
@@ -202,17 +207,19 @@ def main() -> None:
     ap.add_argument("--gen-len", type=int, default=48)
     ap.add_argument("--profile", action="store_true", help="print the top of a cProfile of the engine's steps")
     ap.add_argument("--kernel-standins", action="store_true", help="the engine's CUDA path, kernels stood in for")
+    ap.add_argument("--compile-decode", action="store_true", help="with --kernel-standins: decode steps compiled")
     args = ap.parse_args()
     print(f"bench_host_step on {mx.default_device()}, {time.strftime('%Y-%m-%d %H:%M')}: batch 1, prompt "
           f"{args.prompt_len}, {args.gen_len} tokens, median of {args.runs} interleaved runs, tiny widths"
-          f"{', CUDA path (kernel stand-ins)' if args.kernel_standins else ''}")
+          f"{', CUDA path (kernel stand-ins)' if args.kernel_standins else ''}"
+          f"{', decode steps compiled' if args.compile_decode else ''}")
     print(f"{'preset':>16} {'layers':>6} | {'engine step µs':>14} {'dispatch':>8} {'nodes':>6} | "
           f"{'generate_step µs':>16} {'dispatch':>8} {'nodes':>6} | {'engine / mlx-lm':>15}")
     for preset in args.presets:
         model = tiny_model(preset)
         engine = make_engine(model, args.prompt_len, args.gen_len)
         if args.kernel_standins:
-            use_kernel_standins(engine)
+            use_kernel_standins(engine, args.compile_decode)
         prompt = make_prompts(1, args.prompt_len, 512, 9)[0]
         engine_host_us(engine, prompt[:16], 8)  # warm up both
         generate_step_host_us(model, prompt[:16], 8)

@@ -1,17 +1,14 @@
-"""Study: what a compiled decode step (mx.compile of the paged forward per shape bucket, vLLM's CUDA graphs
-in spirit) would save the host at batch 1. Not wired into the engine: the CUDA path's graph (page-write
-and decode kernels, bench_host_step.KernelStandIn for each) is built once per step key and replayed.
+"""Study: what a compiled decode step (runner/compiled_step.py: mx.compile of the paged forward per
+step key, vLLM's CUDA graphs in spirit; EngineConfig.compile_decode) saves the host at batch 1, on the
+CUDA path's graph (page-write and decode kernels, bench_host_step.KernelStandIn for each).
 
 For one batch-1 decode step of each preset (layer structure at tiny widths, bench_host_step.tiny_model)
 it times, in the main thread's CPU time (fastest quartile of --iters calls):
   forward       ModelRunner.forward: metadata, caches, the model's Python, the kernels' launches
   compiled      the same step through mx.compile: metadata upload and one compiled call
   mlx-lm        the model's call on mlx-lm's own caches (generate_step's graph, without its sampling)
-Only where the pages are written in place (CUDA) can the step be compiled this way: elsewhere the
-scatter replaces the pool arrays, which a compiled graph cannot do; likewise recurrent-state layers
-need their in-place state kernels (not stood in for here: Qwen3.5 is not studied). A step's key is everything the
-trace froze: token and decode counts, index shapes (block tables grow a page at a time, so a real
-engine would pad them to buckets) and each group's KV splits.
+Recurrent-state layers compile only with their in-place state kernels, not stood in for here (Qwen3.5
+is not studied; bench_host_step.py --kernel-standins --compile-decode runs whole steps of it).
 
   python scripts/bench/study_compiled_step.py [--presets llama-8b gemma3-27b-16l] [--iters 40]
 
@@ -34,39 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scripts.bench.bench_host_step import make_engine, tiny_model, use_kernel_standins  # noqa: E402
 from scripts.bench.bench_offline import make_prompts  # noqa: E402
 
-
-class CompiledDecode:
-    """A decode-only step's forward, compiled once per key (see the module docstring)."""
-
-    def __init__(self, runner):
-        self.runner = runner
-        self.fns: dict = {}
-
-    def __call__(self, so) -> mx.array:
-        from pagedmlx.runner.attention_metadata import StepMetadata, _GroupBuilder, upload_indices
-
-        r = self.runner
-        assert so.num_decodes == so.total_num_scheduled_tokens, "decode-only steps"
-        host = dict(input_ids=so.input_ids, positions=so.positions, logits_indices=so.logits_indices)
-        builders = [_GroupBuilder(so, g, r.block_size, w, r.kernel_kv_heads[g], r.kernels.page_write,
-                                  r.kernels.backend, r.sdpa_quantum, r.prefill_heads[g]) for g, w in enumerate(r.windows)]
-        for g, b in enumerate(builders):
-            host.update({f"{g}.{k}": v for k, v in b.host.items()})
-        dev = upload_indices(host)
-        names = list(dev)
-        key = (tuple((n, dev[n].shape) for n in names), tuple(b.splits for b in builders))
-        fn = self.fns.get(key)
-        if fn is None:
-            def forward(*arrays: mx.array) -> mx.array:
-                d = dict(zip(names, arrays))
-                groups = [b.finish(d, f"{g}.", d["positions"]) for g, b in enumerate(builders)]
-                md = StepMetadata(d["input_ids"], d["logits_indices"], None, None, groups)
-                caches = r.make_caches(md, r.kv_pool)
-                if r._head is None:  # the runner runs the model whole (ModelRunner._split_head)
-                    return r.model(md.input_ids[:, None], cache=caches)[md.logits_indices][:, 0, :]
-                return r._head(r._body(md.input_ids[:, None], cache=caches)[md.logits_indices])[:, 0, :]
-            fn = self.fns[key] = mx.compile(forward)
-        return fn(*(dev[n] for n in names))
+from pagedmlx.runner.compiled_step import CompiledDecode  # noqa: E402
 
 
 def cpu_us(fn, iters: int) -> float:
@@ -106,6 +71,7 @@ def main() -> None:
         so = engine.scheduler.schedule()
         runner = engine.runner
         compiled = CompiledDecode(runner)
+        compiled_call = lambda: compiled(so, None)  # noqa: E731
         cache = make_prompt_cache(model)
         mx.eval(model(mx.array(prompt)[None], cache=cache))
         token = mx.array([[3]])
@@ -115,9 +81,9 @@ def main() -> None:
                 c.offset = len(prompt) if isinstance(getattr(c, "offset", None), int) else c.offset
             return model(token, cache=cache)
 
-        us = [cpu_us(lambda: runner.forward(so), args.iters), cpu_us(lambda: compiled(so), args.iters),
+        us = [cpu_us(lambda: runner.forward(so), args.iters), cpu_us(compiled_call, args.iters),
               cpu_us(mlx_lm_call, args.iters)]
-        diff = mx.abs(runner.forward(so) - compiled(so)).max().item()
+        diff = mx.abs(runner.forward(so) - compiled_call()).max().item()
         print(f"{preset:>16} | {us[0]:8.0f} {us[1]:8.0f} {us[2]:8.0f} | {diff:.1e}", flush=True)
 
 
