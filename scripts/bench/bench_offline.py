@@ -166,6 +166,8 @@ def main() -> None:
     ap.add_argument("--ab-async", action="store_true",
                     help="also run every batch in lockstep, right after the async run (same engine)")
     ap.add_argument("--roofline", action="store_true", help="measure the machine and print each step's ideal time")
+    ap.add_argument("--compile-decode", action="store_true", help="EngineConfig.compile_decode: decode steps "
+                                                                  "replayed through mx.compile (CUDA)")
     ap.add_argument("--skip-peer", action="store_true", help="run pagedmlx only (for sweeps of its own settings)")
     args = ap.parse_args()
 
@@ -191,12 +193,14 @@ def main() -> None:
     engine = LLMEngine(model, None, EngineConfig(
         block_size=args.block_size, num_blocks=num_blocks, max_num_seqs=max_b,
         max_num_batched_tokens=max(2048, args.prompt_len, args.prefill_len), long_prefill_token_threshold=0,
-        max_model_len=tokens_per_seq + 1, enable_prefix_caching=False, async_scheduling=False if args.no_async else (True if args.ab_async else None)))
+        max_model_len=tokens_per_seq + 1, enable_prefix_caching=False, async_scheduling=False if args.no_async else (True if args.ab_async else None),
+        compile_decode=args.compile_decode))
 
     console = Console()
     console.print(f"[bold]bench_offline[/] {name} on {mx.default_device()}, {platform.machine()}, "
                   f"prompt {args.prompt_len}, gen {args.gen_len}, {time.strftime('%Y-%m-%d')}, "
-                  f"{'async' if engine.async_scheduling else 'lockstep'} steps")
+                  f"{'async' if engine.async_scheduling else 'lockstep'} steps"
+                  f"{', compiled decode steps' if getattr(engine.runner, 'compiled_decode', None) else ''}")
     # Warm up both (compilation, allocator).
     run_pagedmlx(engine, make_prompts(2, 16, vocab, 0), 4)
     if not args.skip_peer:
