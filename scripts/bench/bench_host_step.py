@@ -17,8 +17,8 @@ graph (export_to_dot), a count no noise touches.
   python scripts/bench/bench_host_step.py --presets llama-8b --runs 5 --profile   # + cProfile of the step
   python scripts/bench/bench_host_step.py --kernel-standins    # the CUDA path's graph (see below)
 
---kernel-standins: the engine builds its steps as on CUDA (page-write and paged-decode kernels; the
-recurrent-state kernels stay off), each kernel call answered by a stand-in that returns zeros
+--kernel-standins: the engine builds its steps as on CUDA (page-write, paged-decode and recurrent-state
+kernels), each kernel call answered by a stand-in that returns zeros
 depending on its inputs: the host work of the CUDA path without a GPU (less MLX's own cost of a
 cuda_kernel call, which renders the kernel's source each call); the tokens are garbage. Its node
 count leaves the stand-ins' own extra nodes out (one per kernel output).
@@ -85,14 +85,19 @@ class KernelStandIn:
 def use_kernel_standins(engine, compile_decode: bool = False) -> None:
     """Make the engine's runner build its steps as on CUDA, with KernelStandIn for every kernel;
     compile_decode: its decode-only steps through mx.compile (EngineConfig.compile_decode)."""
-    from pagedmlx.kernels import build, decode_attention, page_write
+    from pagedmlx.kernels import build, decode_attention, page_write, recurrent_state
     from pagedmlx.kernels.dialect import CUDA
     from pagedmlx.kernels.selector import KernelPlan
 
     build.make_kernel = KernelStandIn
-    decode_attention._kernels.cache_clear()
-    page_write._write_kernel.cache_clear()
-    engine.runner.kernels = KernelPlan(CUDA, decode=True, page_write=True)
+    for cache in (decode_attention._kernels, page_write._write_kernel, recurrent_state._kernel):
+        cache.cache_clear()
+    runner = engine.runner
+    owners = [p.state.owner for p in runner.plan if p.state is not None]
+    runner.kernels = KernelPlan(CUDA, decode=True, page_write=True, state=bool(owners))
+    if owners:  # the recurrent-state kernels too, writing the state pool "in place"
+        recurrent_state.install_kernels(engine.model, owners)
+        runner.state_pool.in_place = True
     if compile_decode:
         from pagedmlx.runner.compiled_step import CompiledDecode
 
