@@ -17,7 +17,7 @@ compiled graph cannot hand back. Steps with prefill rows, LoRA rows or a recurre
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -25,9 +25,6 @@ import numpy as np
 from pagedmlx.runner.attention_metadata import StepMetadata, _GroupBuilder, upload_indices
 from pagedmlx.runner.state import StateMetadata
 from pagedmlx.scheduler_output import SchedulerOutput
-
-if TYPE_CHECKING:
-    from pagedmlx.runner.model import ModelRunner
 
 _STATE_FIELDS = ("decode_rows", "decode_read", "decode_write", "save_rows", "save_slots", "order")
 
@@ -40,7 +37,8 @@ def table_bucket(num_blocks: int) -> int:
 class CompiledDecode:
     """The runner's decode-only steps, compiled per key (see the module docstring)."""
 
-    def __init__(self, runner: "ModelRunner"):
+    def __init__(self, runner: Any):
+        """runner: the ModelRunner (not imported here: it imports this module)."""
         self.runner = runner
         self.fns: dict[tuple, Callable] = {}
 
