@@ -261,12 +261,24 @@ class ModelRunner:
 
     def _split_head(self) -> tuple[Optional[Callable], Optional[Callable]]:
         """Find the transformer body and LM head so that only sampled rows are projected to the
-        vocabulary. Models that do more between the two (logit scaling, soft-capping) are caught
+        vocabulary (Gemma's 262k-token head on every prefill row would cost more than the layers).
+        A multimodal wrapper's text model is split (Gemma 3 / 4 checkpoints load wrapped); final
+        logit soft-capping joins the head. Models that do anything else between the two are caught
         by the verification below and run whole."""
         m = self.model
+        text = getattr(m, "language_model", None)
+        if isinstance(text, nn.Module):
+            m = text
         body = getattr(m, "model", None)
         if not callable(body):
             return None, None
+        head = getattr(m, "lm_head", None)
+        if head is None and hasattr(body, "embed_tokens"):  # tied (or a guess the check refutes)
+            head = body.embed_tokens.as_linear
+        if head is None:
+            return None, None
+        cap = getattr(m, "final_logit_softcapping", None)
+        return body, (head if not cap else _soft_capped(head, cap))
         if getattr(m, "lm_head", None) is not None:
             return body, m.lm_head
         # Tied: some models say so on themselves (gemma3_text drops its lm_head when the weights have none).
@@ -338,17 +350,32 @@ class ModelRunner:
             return error_line(exc)
 
     def _verify_against_mlx_lm(self) -> None:
-        """Run a short busy schedule on scratch pages and compare with mlx-lm's own caches; fall back
-        to the whole model call if the split head disagrees, refuse the model if pages disagree."""
+        """Run a short busy schedule on scratch pages and compare with mlx-lm's own caches. A split head
+        that disagrees gives way to the whole model call before any kernel is blamed (a head that is not
+        plain would otherwise switch right kernels off); kernels that still disagree are switched off,
+        and the split tried again without them; a model whose pages still disagree is refused."""
         err = self._check()
-        if err is not None and self.kernels.enabled:  # the portable paths may be right
-            self.kernels = self.kernels.switch_off(f"the model's paged forward disagrees with mlx-lm ({err})")
-            err = self._check()
+        split = self._body, self._head
         if err is not None and self._head is not None:
             self._body = self._head = None
             err = self._check()
+        if err is not None and self.kernels.enabled:  # the portable paths may be right
+            self.kernels = self.kernels.switch_off(f"the model's paged forward disagrees with mlx-lm ({err})")
+            if split[1] is not None:
+                self._body, self._head = split
+            err = self._check()
+            if err is not None and self._head is not None:
+                self._body = self._head = None
+                err = self._check()
         if err is not None:
             raise UnsupportedModelError(
                 f"model type {model_type(self.model)!r} gives different logits on pages than with "
                 f"mlx-lm's own cache ({err}); refusing to serve wrong tokens")
+
+
+def _soft_capped(head: Callable, cap: float) -> Callable:
+    """The LM head followed by final logit soft-capping, as Gemma 2 / 3n / 4 apply it."""
+    def capped(h: mx.array) -> mx.array:
+        return mx.tanh(head(h) / cap) * cap
+    return capped
 

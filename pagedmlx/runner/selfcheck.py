@@ -58,10 +58,11 @@ class CheckedRunner(Protocol):
                 state_pool: Optional[StatePool] = None) -> mx.array: ...
 
 
-def check_paged_forward(runner: CheckedRunner) -> Optional[str]:
+def check_paged_forward(runner: CheckedRunner, errors: Optional[dict[str, float]] = None) -> Optional[str]:
     """A busy schedule on a scratch pool: chunked prefill across a window, a 1-token prompt and
     decodes. Returns None if every compared logit row matches mlx-lm within the dtype's tolerance
-    (relative to the logits' scale), else a description of the mismatch."""
+    (relative to the logits' scale), else a description of the mismatch. `errors`, if given, receives
+    each prompt's largest relative difference (scripts/gpu/check_families.py prints them)."""
     bs = runner.block_size
     window = max((w for w in runner.windows if w), default=0)
     tokens, steps = _schedule(bs, window, runner.vocab_size)
@@ -97,6 +98,8 @@ def check_paged_forward(runner: CheckedRunner) -> Optional[str]:
         chunks = [n for s in steps for r, n in s if r == rid]
         want = _mlx_lm_logits(runner.model, t, sorted(got[rid]), chunks)
         err, pos = _max_error(got[rid], want)
+        if errors is not None:
+            errors[rid] = err
         if not err <= tol:  # NaN included
             # mlx-lm against itself, in one chunk instead of these: how far this model's logits move
             # with the order of its own sums in this dtype. Pages may differ by as much, not more.
