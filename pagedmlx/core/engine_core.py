@@ -21,12 +21,12 @@ from pagedmlx.kv.manager import KVCacheManager
 from pagedmlx.lora.request import LoRARequest
 from pagedmlx.outputs import EngineCoreOutput, TokenLogprob
 from pagedmlx.request import Request, RequestStatus
-from pagedmlx.runner.model import ModelRunner, model_type
+from pagedmlx.runner.model import ModelRunner
 from pagedmlx.sampler import Sampler, SamplerOutput, to_host
 from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.scheduler import Scheduler
 from pagedmlx.scheduler_output import SchedulerOutput
-from pagedmlx.spec_decode.draft_model import DraftModelProposer, load_draft_model
+from pagedmlx.spec_decode.draft_model import make_draft_proposer
 from pagedmlx.spec_decode.drafter import Drafter
 from pagedmlx.spec_decode.rejection_sampler import verify
 from pagedmlx.structured_outputs.manager import StructuredOutputManager
@@ -45,7 +45,7 @@ class EngineCore:
         if self.config.dtype is not None:  # quantized weights keep their packed form
             model.set_dtype(getattr(mx, self.config.dtype))
         self.tokenizer = tokenizer
-        self.draft_proposer, self._draft_tokenizer = self._load_draft(verify_model)  # speculative_config draft_model
+        self.draft_proposer, self._draft_tokenizer = make_draft_proposer(self.config, verify_model)  # or None
         self.runner = self.make_runner(verify_model)
         self.lora_manager = getattr(self.runner, "lora_manager", None)  # batched LoRA (pagedmlx/lora/)
         if self.config.enable_lora and self.lora_manager is None:
@@ -79,25 +79,13 @@ class EngineCore:
             logger.warning("speculative decoding is off: this model has recurrent-state layers, whose state "
                            "cannot roll back rejected drafts yet (issue 28)")
             return None
-        if self.draft_proposer is not None:
+        if self.draft_proposer is not None:  # its own log line said what it is
             self.draft_proposer.bind(self.kv_cache_manager, self.vocab_size, self.tokenizer, self._draft_tokenizer)
-            logger.info("speculative decoding: a draft model (%s), %d draft tokens, while at most %d requests run",
-                        model_type(self.draft_proposer.runner.model), spec.num_speculative_tokens,
-                        spec.disable_by_batch_size)
-            return Drafter(spec, self.max_model_len, self.draft_proposer)
-        logger.info("speculative decoding: %s, %d draft tokens (n-grams of %d-%d tokens), while at most %d "
-                    "requests run", spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min,
-                    spec.prompt_lookup_max, spec.disable_by_batch_size)
-        return Drafter(spec, self.max_model_len)
-
-    def _load_draft(self, verify: bool) -> tuple[Optional[DraftModelProposer], Any]:
-        spec = self.config.speculative_config
-        if spec is None or spec.method != "draft_model":
-            return None, None
-        model, tokenizer = load_draft_model(spec.model, self.config.dtype)
-        if self.config.dtype is not None:
-            model.set_dtype(getattr(mx, self.config.dtype))
-        return DraftModelProposer(model, self.config, spec.num_speculative_tokens, verify), tokenizer
+        else:
+            logger.info("speculative decoding: %s, %d draft tokens (n-grams of %d-%d tokens), while at most %d "
+                        "requests run", spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min,
+                        spec.prompt_lookup_max, spec.disable_by_batch_size)
+        return Drafter(spec, self.max_model_len, self.draft_proposer)
 
     def warm_up(self) -> None:
         """ModelRunner.warm_up, once per thread: MLX keeps CUDA's cuDNN graphs per thread, so the
@@ -110,8 +98,7 @@ class EngineCore:
 
     def make_runner(self, verify: bool) -> ModelRunner:
         """Hook: tensor parallelism (pagedmlx.distributed.TPEngine) wraps the runner."""
-        draft_bytes = self.draft_proposer.bytes_per_block if self.draft_proposer is not None else 0
-        return ModelRunner(self.model, self.config, verify=verify, draft_block_bytes=draft_bytes)
+        return ModelRunner(self.model, self.config, verify, getattr(self.draft_proposer, "bytes_per_block", 0))
 
     @classmethod
     def from_config(cls, config: EngineConfig, tokenizer: Any = None) -> "EngineCore":

@@ -21,6 +21,7 @@ proposes k tokens per speculating request and step; the target verifies them in 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -36,6 +37,8 @@ from pagedmlx.runner.model import ModelRunner, UnsupportedModelError, model_type
 from pagedmlx.sampler import sample_draft_tokens
 from pagedmlx.scheduler_output import SchedulerOutput, _block_table
 
+logger = logging.getLogger("pagedmlx")
+
 
 @dataclass
 class _DraftState:
@@ -44,13 +47,24 @@ class _DraftState:
     num_preemptions: int
 
 
-def load_draft_model(model: Any, dtype: Optional[str]) -> tuple[nn.Module, Any]:
-    """The draft model (and its tokenizer, None if given as a model object)."""
-    if isinstance(model, nn.Module):
-        return model, None
-    from pagedmlx.loader import load_model
+def make_draft_proposer(config: EngineConfig, verify: bool = True) -> tuple[Optional["DraftModelProposer"], Any]:
+    """The proposer of speculative_config's draft model (None unless method is draft_model), and the
+    draft's tokenizer (None for a model object), loaded in config.dtype as the target."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None, None
+    model, tokenizer = spec.model, None
+    if not isinstance(model, nn.Module):
+        from pagedmlx.loader import load_model
 
-    return load_model(str(model), dtype=dtype)
+        model, tokenizer = load_model(str(model), dtype=config.dtype)
+    if config.dtype is not None:  # quantized weights keep their packed form
+        model.set_dtype(getattr(mx, config.dtype))
+    proposer = DraftModelProposer(model, config, spec.num_speculative_tokens, verify)
+    logger.info("speculative decoding: a draft model (%s, %d layers), %d draft tokens, while at most %d requests "
+                "run", model_type(model), len(proposer.runner.plan), spec.num_speculative_tokens,
+                spec.disable_by_batch_size)
+    return proposer, tokenizer
 
 
 class DraftModelProposer:
@@ -152,7 +166,7 @@ class DraftModelProposer:
         rows = [list(range(len(work)))]
         for j in range(1, len(steps)):
             rows.append([i for i in rows[-1] if work[i][2] > j])
-        for j, (toks, idx) in enumerate(zip(steps, rows)):
+        for toks, idx in zip(steps, rows):
             for i, t in zip(idx, toks.tolist()):
                 drafts[reqs[i].request_id].append(t)
         for req in reqs:
