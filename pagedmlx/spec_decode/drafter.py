@@ -103,3 +103,23 @@ class Drafter:
             state.pause = min(2 * state.pause, MAX_PAUSE_TOKENS)
             state.rate = min(1.0, 2 * floor)  # after the pause, two or three bad drafts pause it again
             self.num_paused += 1
+
+
+def make_drafter(config: Optional[SpeculativeConfig], max_model_len: int, kv_cache_manager, draft_proposer: Any = None,
+                 vocab_size: int = 0, tokenizers: tuple = (None, None)) -> Optional[Drafter]:
+    """The engine's Drafter; None where speculation is off (no config, or a target with recurrent state).
+    A draft model's proposer (spec_decode/draft_model.py) is bound to the target's pages here;
+    tokenizers: the target's and the draft's, compared."""
+    if config is None:
+        return None
+    if kv_cache_manager.state_manager is not None:
+        logger.warning("speculative decoding is off: this model has recurrent-state layers, whose state "
+                       "cannot roll back rejected drafts yet (issue 28)")
+        return None
+    if draft_proposer is not None:  # its own log line said what it is
+        draft_proposer.bind(kv_cache_manager, vocab_size, *tokenizers)
+    else:
+        logger.info("speculative decoding: %s, %d draft tokens (n-grams of %d-%d tokens), while at most %d "
+                    "requests run", config.method, config.num_speculative_tokens, config.prompt_lookup_min,
+                    config.prompt_lookup_max, config.disable_by_batch_size)
+    return Drafter(config, max_model_len, draft_proposer)
