@@ -42,8 +42,12 @@ def make_draft(target: nn.Module, how: str, dtype) -> nn.Module:
     params = target.parameters()
     if how.startswith("layers:"):
         n = int(how.split(":")[1])
-        args = type(args).from_dict({**vars(args), "num_hidden_layers": n})
+        cut = {"num_hidden_layers": n}
+        if getattr(args, "layer_types", None):  # mlx-lm fills it from num_hidden_layers: cut it too
+            cut["layer_types"] = list(args.layer_types[:n])
+        args = type(args).from_dict({**vars(args), **cut})
         params["model"]["layers"] = params["model"]["layers"][:n]
+        params["model"].pop("layer_types", None)  # a list attribute that parameters() reports too
     draft = type(target)(args)
     draft.update(params)  # the target's arrays, not copies
     if how in ("q4", "q8"):
