@@ -124,3 +124,23 @@ def test_the_draft_model_loads_from_a_name_and_through_llm():
     assert out[0].outputs[0].token_ids == solo_greedy(make_model("llama"), [1, 2, 3], 8)
     stats = llm.engine.core.scheduler.spec_decoding_stats
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0  # the same random weights
+
+
+def test_the_draft_catches_up_by_count_not_from_the_start():
+    """Each step the draft computes only what it has not: its catch-up after an accepted or rejected draft
+    is a token or two, so over a request it computes about its tokens plus k - 1 drafts a step."""
+    target = make_model("llama")
+    engine = engine_with(target, draft_model("llama", "first"), k=3, num_blocks=64)
+    runner = engine.draft_proposer.runner
+    forward, computed = runner.forward, []
+
+    def count(so, prev=None):
+        computed.append(so.total_num_scheduled_tokens)
+        return forward(so, prev)
+
+    runner.forward = count
+    prompt = list(range(3, 23))
+    engine.add_request("0", prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    assert run_to_completion(engine)["0"].token_ids == solo_greedy(target, prompt, 40)
+    drafts = engine.scheduler.spec_decoding_stats.num_drafts
+    assert sum(computed) <= len(prompt) + 40 + 2 * drafts, (sum(computed), drafts)
