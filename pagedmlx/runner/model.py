@@ -42,8 +42,11 @@ class Runner(Protocol):
 class ModelRunner:
     """Owns the model and its page pools; turns a SchedulerOutput into the logits of sampled rows."""
 
-    def __init__(self, model: nn.Module, config: EngineConfig, verify: bool = True):
+    def __init__(self, model: nn.Module, config: EngineConfig, verify: bool = True, draft_block_bytes: int = 0):
+        """draft_block_bytes: a draft model's bytes per block of the full-attention group
+        (spec_decode/draft_model.py), counted in the KV budget."""
         self.model = model
+        self.draft_block_bytes = draft_block_bytes
         self.block_size = config.block_size
         # Routed first: the plan's probe sees each layer's query heads and sinks through the dispatcher.
         routed = install_paged_attention(model)
@@ -230,7 +233,8 @@ class ModelRunner:
         caps = [None if not has_full or g.sliding_window is None else
                 sliding_pool_blocks(g.sliding_window, self.block_size, config.max_num_seqs,
                                     config.max_num_batched_tokens) for g in groups]
-        bpb = [self.group_bytes_per_block(g) for g in groups]
+        bpb = [self.group_bytes_per_block(g) + (self.draft_block_bytes if g.sliding_window is None else 0)
+               for g in groups]
 
         def sized(n: int) -> list[int]:
             return [n if cap is None else min(n + 1, cap) for cap in caps]
@@ -243,8 +247,8 @@ class ModelRunner:
                 mid = (lo + hi + 1) // 2
                 lo, hi = (mid, hi) if sum(c * b for c, b in zip(sized(mid), bpb)) <= budget else (lo, mid - 1)
             n = lo
-        for g, count, b in zip(groups, sized(n), bpb):
-            g.num_blocks, g.page_size_bytes = max(count, 2), b
+        for g, count in zip(groups, sized(n)):
+            g.num_blocks, g.page_size_bytes = max(count, 2), self.group_bytes_per_block(g)
         return KVCacheConfig(self.block_size, groups + ([state] if state is not None else []))
 
     def make_pool(self, kv_cache_config: KVCacheConfig) -> KVPool:
