@@ -14,8 +14,10 @@ from pagedmlx.kv.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
                               sliding_pool_blocks)
 from pagedmlx.kernels import build, decode_attention, prefill_attention, recurrent_state
 from pagedmlx.kernels.check import error_line
-from pagedmlx.kernels.selector import select_kernels
+from pagedmlx.kernels.selector import KernelPlan, select_kernels
+from pagedmlx.kv_cache_dtype import bytes_per_token, layer_quant
 from pagedmlx.runner.attention import KVPool, PagedLayerCache, install_paged_attention, warm_up_prefill
+from pagedmlx.runner.kv_quant import read_pages
 from pagedmlx.runner.attention_metadata import (WARM_UP_MAX_KEYS, StepMetadata, chunked_prefill_groups,
                                                 sdpa_shape_quantum)
 from pagedmlx.runner.plan import UnsupportedModelError, model_type, plan_layers
@@ -53,6 +55,9 @@ class ModelRunner:
             raise UnsupportedModelError(
                 f"model type {model_type(model)!r} does not call mlx-lm's scaled_dot_product_attention")
         self._body, self._head = self._split_head()
+        self.kv_cache_dtype = config.kv_cache_dtype
+        self.kv_quant = {i: q for i, p in enumerate(self.plan) if p.has_pages
+                         and (q := layer_quant(config.kv_cache_dtype, config.kv_cache_group_size, p.spec[1], p.spec[2]))}
         self.kv_cache_config = self._kv_cache_config(config)
         paged = [g for g in self.kv_cache_config.kv_cache_groups if not g.is_state]  # the state group is last
         self.windows = [g.sliding_window for g in paged]
@@ -67,6 +72,10 @@ class ModelRunner:
                                       sinks=tuple(sorted({p.sinks for p in attending})),
                                       state_layers=any(p.state is not None for p in self.plan),
                                       prefill=config.prefill_kernel is not False)
+        if self.kv_quant:  # no paged kernel reads quantized pages yet: the portable paths do
+            self.kernels = KernelPlan(self.kernels.backend, state=self.kernels.state, checks=self.kernels.checks,
+                                      reason=f"kv_cache_dtype {config.kv_cache_dtype}: the paged kernels read "
+                                             "16-bit pages only")
         self.sdpa_quantum = (config.sdpa_quantum if config.sdpa_quantum is not None
                              else sdpa_shape_quantum(build.gpu_backend()))
         if self.kernels.state:
@@ -130,7 +139,12 @@ class ModelRunner:
         return self.kv_cache_config.kv_cache_groups[0].num_blocks
 
     def group_bytes_per_block(self, group: KVCacheGroupSpec) -> int:
-        return sum(self.block_size * h * (dk + dv) * dt.size for h, dk, dv, dt in (self.plan[i].spec for i in group.layer_ids))
+        return self.block_size * sum(self.layer_bytes_per_token(i) for i in group.layer_ids)
+
+    def layer_bytes_per_token(self, i: int) -> int:
+        """One token's keys and values in layer i's pages (scales and biases included where quantized)."""
+        h, dk, dv, dt = self.plan[i].spec
+        return bytes_per_token(h, dk, dv, dt.size, self.kv_quant.get(i))
 
     @property
     def bytes_per_block(self) -> int:
@@ -211,7 +225,7 @@ class ModelRunner:
             if p.kind == "full":
                 kinds.setdefault((p.spec, p.n_heads, p.sinks), i)
         for (_, n_heads, sinks), i in kinds.items():
-            warm_up_prefill(n_heads, self.kv_pool.keys[i], self.kv_pool.values[i], sinks, groups)
+            warm_up_prefill(n_heads, *read_pages(self.kv_pool, i), sinks, groups)
         return len(groups) * len(kinds)
 
     def _kv_cache_config(self, config: EngineConfig) -> KVCacheConfig:
@@ -247,10 +261,11 @@ class ModelRunner:
             g.num_blocks, g.page_size_bytes = max(count, 2), b
         return KVCacheConfig(self.block_size, groups + ([state] if state is not None else []))
 
-    def make_pool(self, kv_cache_config: KVCacheConfig) -> KVPool:
+    def make_pool(self, kv_cache_config: KVCacheConfig, quantized: bool = True) -> KVPool:
+        """The pages of kv_cache_config's groups; quantized=False: in the model's dtype whatever kv_cache_dtype."""
         layers = [(i, (g.num_blocks, self.plan[i].spec)) for g in kv_cache_config.kv_cache_groups if not g.is_state
                   for i in g.layer_ids]
-        return KVPool(self.block_size, layers, len(self.plan))
+        return KVPool(self.block_size, layers, len(self.plan), self.kv_quant if quantized else None)
 
     def make_state_pool(self, kv_cache_config: KVCacheConfig) -> Optional[StatePool]:
         group = next((g for g in kv_cache_config.kv_cache_groups if g.is_state), None)
