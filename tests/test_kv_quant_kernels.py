@@ -91,3 +91,77 @@ def test_emulated_quantized_kernel_matches_the_gather_path(emulated, backend, dt
 def test_refusals():
     assert "whole words" in decode_attention_quant.refusal(128, 128, 8, 2, mx.float32, KVQuant(4, 64), CUDA)
     assert decode_attention_quant.refusal(128, 64, 8, 2, mx.bfloat16, KVQuant(8, 64), CUDA) is not None
+
+
+class WrongKernel(EmulatedKernel):
+    """Compiles and runs, but its output is off by 10%."""
+
+    def __call__(self, **call):
+        return [o * 1.1 if o.dtype != mx.int32 else o for o in super().__call__(**call)]
+
+
+@needs_compiler
+@pytest.mark.parametrize("factory", [EmulatedKernel, WrongKernel])
+def test_engine_on_quantized_pages_checks_the_kernel_then_serves_equal_tokens(monkeypatch, caplog, factory):
+    """The engine believes it runs on Metal: the quantized decode kernel is checked at load; passing, it serves
+    the decode rows, failing, it is switched off with one warning; tokens equal mlx-lm's QuantizedKVCache."""
+    import logging
+
+    from test_kv_quant import mlx_lm_quantized_greedy
+    from utils import make_model, run_to_completion
+
+    from pagedmlx.config import EngineConfig
+    from pagedmlx.engine import LLMEngine
+    from pagedmlx.runner.kernel_paths import kernel_path_lines
+    from pagedmlx.sampling_params import SamplingParams
+
+    monkeypatch.setattr(build, "gpu_backend", lambda: METAL)
+    monkeypatch.delenv("PAGEDMLX_METAL_KERNELS", raising=False)
+    calls = []
+    monkeypatch.setattr(build, "make_kernel", lambda *a: calls.append(a[1]) or factory(*a))
+    for f in (decode_attention_quant._kernels, decode_attention._kernels, decode_attention.supports):
+        f.cache_clear()
+    model = make_model("qwen3")  # float32, head_dim 32: 4 channels a lane, one int8 word
+    with caplog.at_level(logging.WARNING, logger="pagedmlx"):
+        engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=64, max_model_len=256,
+                                                     kv_cache_dtype="int8"))
+    plan = engine.runner.kernels
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.filename == "selector.py"]
+    [line] = kernel_path_lines(engine.runner)
+    if factory is EmulatedKernel:
+        assert plan.decode and not plan.page_write and not plan.prefill and not warnings
+        assert any(label.startswith("decode int8/32") and r == "passed" for label, r in plan.checks)
+        assert "decode paged decode kernel over int8 pages (group 32)" in line
+    else:
+        assert not plan.decode and "quantized decode kernel off" in warnings[0] and "max |difference|" in plan.reason
+        assert "decode gather + SDPA over int8 pages (group 32)" in line
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [7, 3], list(range(11, 30))]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, greedy)
+    before = len(EmulatedKernel.sources)
+    done = run_to_completion(engine)
+    for i, p in enumerate(prompts):
+        assert done[str(i)].token_ids == mlx_lm_quantized_greedy(model, p, 6, 8, 32), i
+    assert calls and (len(EmulatedKernel.sources) > before) == (factory is EmulatedKernel)  # decode rows ran it
+    for f in (decode_attention_quant._kernels, decode_attention._kernels, decode_attention.supports):
+        f.cache_clear()
+
+
+def test_quantized_kernel_is_checked_even_on_the_trusted_gpu(monkeypatch):
+    from pagedmlx.kernels import check, selector
+
+    monkeypatch.setattr(build, "gpu_backend", lambda: CUDA)
+    monkeypatch.setattr(selector, "device_name", lambda: "NVIDIA H200")
+    specs, heads = [(8, 128, 128, mx.bfloat16)], [32]
+    plan = selector.select_kernels(specs, heads, 16)
+    plan = selector.select_kernels(specs, heads, 16, quantized=True)
+    assert plan.decode and not plan.checks
+    layers = [(specs[0], 32, KVQuant(8, 128))]
+    monkeypatch.setattr(check, "check_decode_quantized", lambda *a: "max |difference| 1")
+    off = selector.select_quantized(plan, layers, 16, "int8")
+    assert not off.decode and not off.page_write and not off.prefill and "max |difference| 1" in off.reason
+    monkeypatch.setattr(check, "check_decode_quantized", lambda *a: None)
+    on = selector.select_quantized(plan, layers, 16, "int8")
+    assert on.decode and not on.page_write and not on.prefill and on.checks[-1] == ("decode int8/128 H=32 kv=8 D=128",
+                                                                                    "passed")

@@ -20,7 +20,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from pagedmlx.kernels import decode_attention, page_write, prefill_attention
+from pagedmlx.kernels import decode_attention, decode_attention_quant, page_write, prefill_attention
 from pagedmlx.kv_cache_dtype import KVQuant
 from pagedmlx.runner.attention_metadata import AttentionMetadata, PrefillGroup, page_rows
 from pagedmlx.runner.kv_quant import QuantizedPages, make_pages, read_pages, write_quantized
@@ -159,16 +159,31 @@ def paged_attention(queries: mx.array, k_pages: mx.array, v_pages: mx.array, md:
 
 def _decode_attention(q, k_pages, v_pages, md: AttentionMetadata, scale, written, sinks) -> mx.array:
     nd, H, D = md.num_decodes, q.shape[1], q.shape[3]
-    if md.use_decode_kernel and not isinstance(k_pages, QuantizedPages) and decode_attention.supports_layer(D, v_pages.shape[-1], H, k_pages.shape[1],
-                                                                k_pages.dtype, md.backend):
-        o = decode_attention.paged_decode(q.reshape(nd, H, D), k_pages, v_pages, md.decode_block_table,
-                                          md.decode_seq_lens, scale, md.decode_splits, md.decode_split_tokens, written,
-                                          window=md.window, sinks=sinks, backend=md.backend)
+    if md.use_decode_kernel and decode_kernel_takes(H, k_pages, v_pages, md.backend):
+        o = paged_decode(q.reshape(nd, H, D), k_pages, v_pages, md.decode_block_table, md.decode_seq_lens, scale,
+                         md.decode_splits, md.decode_split_tokens, written, window=md.window, sinks=sinks,
+                         backend=md.backend)
         return as_dtype(o[:, :, None, :], q.dtype)
     if md.decode_mask is None:  # this layer's shape is not one the kernel takes
         md.decode_mask = length_mask(md.decode_seq_lens, md.decode_block_table.shape[1] * k_pages.shape[2], md.window)
     o = gather_decode(q[:, :, 0, :], k_pages, v_pages, md.decode_block_table, scale, md.decode_mask, sinks, written)
     return as_dtype(o[:, :, None, :], q.dtype)
+
+
+def decode_kernel_takes(n_heads: int, k_pages, v_pages, backend: Optional[str]) -> bool:
+    """The paged decode kernel of these pages (16-bit, or quantized) takes this layer: the one per-call gate."""
+    _, n_kv, _, dk = k_pages.shape
+    dv = v_pages.shape[-1]
+    if isinstance(k_pages, QuantizedPages):
+        return decode_attention_quant.refusal(dk, dv, n_heads, n_kv, k_pages.dtype, k_pages.quant, backend) is None
+    return decode_attention.supports_layer(dk, dv, n_heads, n_kv, k_pages.dtype, backend)
+
+
+def paged_decode(q: mx.array, k_pages, v_pages, *args, **kwargs) -> mx.array:
+    """decode_attention.paged_decode, or its quantized kernel for QuantizedPages (same arguments)."""
+    if isinstance(k_pages, QuantizedPages):
+        return decode_attention_quant.paged_decode_quantized(q, k_pages, v_pages, *args, **kwargs)
+    return decode_attention.paged_decode(q, k_pages, v_pages, *args, **kwargs)
 
 
 def gather_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, block_table: mx.array, scale: float,

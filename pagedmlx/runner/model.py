@@ -12,11 +12,12 @@ import mlx.nn as nn
 from pagedmlx.config import EngineConfig
 from pagedmlx.kv.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec,
                               sliding_pool_blocks)
-from pagedmlx.kernels import build, decode_attention, prefill_attention, recurrent_state
+from pagedmlx.kernels import build, prefill_attention, recurrent_state
 from pagedmlx.kernels.check import error_line
-from pagedmlx.kernels.selector import KernelPlan, select_kernels
+from pagedmlx.kernels.selector import select_kernels, select_quantized
 from pagedmlx.kv_cache_dtype import bytes_per_token, layer_quant
-from pagedmlx.runner.attention import KVPool, PagedLayerCache, install_paged_attention, warm_up_prefill
+from pagedmlx.runner.attention import (KVPool, PagedLayerCache, decode_kernel_takes, install_paged_attention,
+                                       paged_decode, warm_up_prefill)
 from pagedmlx.runner.kv_quant import read_pages
 from pagedmlx.runner.attention_metadata import (WARM_UP_MAX_KEYS, StepMetadata, chunked_prefill_groups,
                                                 sdpa_shape_quantum)
@@ -71,11 +72,13 @@ class ModelRunner:
                                       windows=tuple(sorted(set(self.windows), key=str)),
                                       sinks=tuple(sorted({p.sinks for p in attending})),
                                       state_layers=any(p.state is not None for p in self.plan),
-                                      prefill=config.prefill_kernel is not False)
-        if self.kv_quant:  # no paged kernel reads quantized pages yet: the portable paths do
-            self.kernels = KernelPlan(self.kernels.backend, state=self.kernels.state, checks=self.kernels.checks,
-                                      reason=f"kv_cache_dtype {config.kv_cache_dtype}: the paged kernels read "
-                                             "16-bit pages only")
+                                      prefill=config.prefill_kernel is not False, quantized=bool(self.kv_quant))
+        if self.kv_quant:  # the quantized decode kernel where it takes the layers and passes its check
+            self.kernels = select_quantized(self.kernels, [(p.spec, p.n_heads, self.kv_quant[i]) for i, p in
+                                                           enumerate(self.plan) if i in self.kv_quant],
+                                            self.block_size, config.kv_cache_dtype,
+                                            windows=tuple(sorted(set(self.windows), key=str)),
+                                            sinks=tuple(sorted({p.sinks for p in attending})))
         self.sdpa_quantum = (config.sdpa_quantum if config.sdpa_quantum is not None
                              else sdpa_shape_quantum(build.gpu_backend()))
         if self.kernels.state:
@@ -195,13 +198,13 @@ class ModelRunner:
                 kinds.setdefault((self.plan[owner].spec, p.n_heads, self.windows[self.group_of[owner]], p.sinks), owner)
         runs = 0
         for ((n_kv, dk, dv, dt), h, window, sinks), layer in kinds.items():
-            k_pages, v_pages = self.kv_pool.keys[layer], self.kv_pool.values[layer]
+            k_pages, v_pages = read_pages(self.kv_pool, layer)
             bs = k_pages.shape[2]
             sink = mx.zeros((h,), mx.float32) if sinks else None
             outs = []
             for splits in (1, 2):
-                if self.kernels.decode and decode_attention.supports_layer(dk, dv, h, n_kv, dt, self.kernels.backend):
-                    outs.append(decode_attention.paged_decode(
+                if self.kernels.decode and decode_kernel_takes(h, k_pages, v_pages, self.kernels.backend):
+                    outs.append(paged_decode(
                         mx.zeros((1, h, dk), dt), k_pages, v_pages, mx.zeros((1, 2), mx.int32), mx.array([2 * bs]),
                         1.0, splits, mx.array([bs], mx.int32), window=window, sinks=sink, backend=self.kernels.backend))
                 if self.kernels.prefill and prefill_attention.supports_prefill(dk, dv, h, n_kv, dt):
