@@ -129,3 +129,26 @@ def test_cli_flag():
     assert (cfg.kv_cache_dtype, cfg.kv_cache_group_size) == ("int4", 32)
     with pytest.raises(SystemExit):
         p.parse_args(["--kv-cache-dtype", "fp8"])
+
+
+def test_reports_name_the_pages_and_their_bytes_per_token():
+    """The start-up line (and doctor), the inspector's snapshot and /metrics: bytes per token by layer kind."""
+    from pagedmlx.blocks.snapshot import kv_snapshot
+    from pagedmlx.core.info import kv_pool_line
+    from pagedmlx.server.metrics import EngineSnapshot, ServerMetrics
+
+    model = _hybrid("gemma3-tiny")  # 4 sliding layers and 2 full ones, 2 KV heads of 32, float32
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=64, max_model_len=256, kv_cache_dtype="int8"))
+    per_layer = 2 * 2 * (32 + 2 * 4)  # keys and values, 2 heads: 32 int8 values and a float32 scale and bias
+    line = kv_pool_line(engine)
+    assert f"int8 pages, {2 * per_layer:,} B/token" in line and f"int8 pages, {4 * per_layer:,} B/token" in line, line
+    groups = {g["name"]: g for g in kv_snapshot(engine)["groups"]}
+    assert groups["full"]["bytes_per_token"] == 2 * per_layer and groups["full"]["kv_cache_dtype"] == "int8"
+    metrics = ServerMetrics("m")
+    metrics.update(EngineSnapshot.take(engine))
+    text = metrics.render().decode()
+    lines = [x for x in text.splitlines() if x.startswith("pagedmlx:kv_cache_bytes_per_token{")]
+    assert len(lines) == 2 and all('kv_cache_dtype="int8"' in x for x in lines), lines
+    assert any('kv_cache_group="full"' in x and x.endswith(f" {2.0 * per_layer}") for x in lines), lines
+    auto = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=64, max_model_len=256))
+    assert f"float32 pages, {2 * 2 * 2 * 32 * 4:,} B/token" in kv_pool_line(auto)

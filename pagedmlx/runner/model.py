@@ -262,6 +262,8 @@ class ModelRunner:
             n = lo
         for g, count, b in zip(groups, sized(n), bpb):
             g.num_blocks, g.page_size_bytes = max(count, 2), b
+            g.kv_cache_dtype = (config.kv_cache_dtype if g.layer_ids[0] in self.kv_quant
+                                else str(self.plan[g.layer_ids[0]].spec[3]).split(".")[-1])
         return KVCacheConfig(self.block_size, groups + ([state] if state is not None else []))
 
     def make_pool(self, kv_cache_config: KVCacheConfig, quantized: bool = True) -> KVPool:
