@@ -152,3 +152,17 @@ def test_reports_name_the_pages_and_their_bytes_per_token():
     assert any('kv_cache_group="full"' in x and x.endswith(f" {2.0 * per_layer}") for x in lines), lines
     auto = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=64, max_model_len=256))
     assert f"float32 pages, {2 * 2 * 2 * 32 * 4:,} B/token" in kv_pool_line(auto)
+
+
+def test_doctor_table_names_the_quantized_pages():
+    import argparse
+
+    from rich.console import Console
+
+    from pagedmlx.doctor import kernel_paths_table
+
+    console = Console(width=400, record=True)
+    console.print(kernel_paths_table("random:qwen3-tiny", argparse.Namespace(block_size=16, dtype="float32",
+                                                                             kv_cache_dtype="int4"), mx.float32))
+    text = console.export_text()
+    assert "over int4 pages (group 32)" in text and f"full: {2 * 2 * 2 * (16 + 2 * 4):,} B/token of int4 pages" in text
