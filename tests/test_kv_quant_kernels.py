@@ -165,3 +165,34 @@ def test_quantized_kernel_is_checked_even_on_the_trusted_gpu(monkeypatch):
     on = selector.select_quantized(plan, layers, 16, "int8")
     assert on.decode and not on.page_write and not on.prefill and on.checks[-1] == ("decode int8/128 H=32 kv=8 D=128",
                                                                                     "passed")
+
+
+@pytest.mark.skipif(not __import__("nvcc_utils").have_nvcc(), reason="nvcc compiles the CUDA sources")
+def test_nvcc_compiles_the_quantized_decode_kernel_without_warnings_or_spills(monkeypatch):
+    """Llama-8B / Gemma-3-27B heads (bf16) and fp16 head_dim 64, int8 and int4, window and sinks, unsplit and split."""
+    import os
+
+    from nvcc_utils import RecordingCudaKernel, compile_sources
+
+    monkeypatch.setattr(build, "make_kernel", RecordingCudaKernel)
+    decode_attention_quant._kernels.cache_clear()
+    decode_attention._kernels.cache_clear()
+    RecordingCudaKernel.sources = []
+    one = mx.zeros((1,), mx.int32)
+    for dt, d, g, window, sinks in ((mx.bfloat16, 128, 4, 0, False), (mx.bfloat16, 128, 2, 1024, True),
+                                    (mx.float16, 64, 8, 0, False)):
+        for quant in (KVQuant(8, min(d, 128)), KVQuant(4, 64), KVQuant(4, 32)):
+            pages = [QuantizedPages(*mx.quantize(mx.zeros((2, 2, 16, d), dt), quant.group_size, quant.bits), quant)
+                     for _ in range(2)]
+            for splits in (1, 2):
+                RecordingCudaKernel.label = f"qdecode {dt} D={d} G={g} {quant} window={window} sinks={sinks} splits={splits}"
+                decode_attention_quant.paged_decode_quantized(
+                    mx.zeros((1, 2 * g, d), dt), *pages, mx.zeros((1, 2), mx.int32), one, 1.0, splits, one,
+                    window=window, sinks=mx.zeros((2 * g,)) if sinks else None, backend=CUDA)
+    sources = [(label, "#pragma nv_diag_suppress 177\n{}\n#pragma nv_diag_default 177".format(text)
+                if label.endswith("_split") else text) for label, text in RecordingCudaKernel.sources]
+    decode_attention_quant._kernels.cache_clear()
+    decode_attention._kernels.cache_clear()
+    failures, report = compile_sources(sources, os.environ.get("PAGEDMLX_NVCC_ARCH", "sm_90"))
+    print(report)
+    assert not failures, "\n".join(failures)

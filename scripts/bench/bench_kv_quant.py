@@ -3,8 +3,8 @@
 Quality (default; the real SmolLM2-135M-Instruct, float32 on the CPU unless --dtype): per kv_cache_dtype,
 the perplexity of a fixed text (prompt logprobs through the engine, 128-token prefill chunks so that later
 chunks read earlier ones from the pages), greedy agreement with the `auto` pages over --max-tokens
-generated tokens for a few chat prompts (tokens equal before the first difference, and position by
-position), and the pool's capacity in tokens for the same memory (this model, and in bf16).
+generated tokens for a few chat prompts (teacher-forced: along auto's answers, how often these pages'
+top-1 token is auto's; free-running: tokens equal before the first difference, and position by position), and the pool's capacity in tokens for the same memory (this model, and in bf16).
 
 Speed (--speed, for the GPU): decode steps of a random Llama-8B (bf16) at --batch sequences of --context
 tokens, pages filled at random (a step's cost does not depend on the values), auto vs int8 vs int4 pages,
@@ -79,24 +79,28 @@ def quality(args: argparse.Namespace) -> None:
         lps = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
         ppl = math.exp(-sum(lps) / len(lps))
         gens = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        ref = ref or (ppl, gens, llm.engine.runner.num_blocks)
+        # Teacher-forced: along auto's own greedy answers, how often these pages' top-1 is auto's next token.
+        forced = llm.generate([p + g for p, g in zip(prompts, ref[1])], SamplingParams(max_tokens=1, prompt_logprobs=1))
+        top1 = [d[t].rank == 1 for o, p in zip(forced, prompts)
+                for d, t in zip(o.prompt_logprobs[len(p):], o.prompt_token_ids[len(p):])]
         secs = time.perf_counter() - t
         runner = llm.engine.runner
-        ref = ref or (ppl, gens, runner.num_blocks)
         prefix = [next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), len(g)) for g, r in zip(gens, ref[1])]
         same = sum(a == b for g, r in zip(gens, ref[1]) for a, b in zip(g, r)) / sum(len(g) for g in gens)
         h, dk, dv, dt = runner.plan[0].spec
         q = layer_quant(dtype, group, dk, dv)
         bf16 = bytes_per_token(h, dk, dv, 2, None) / bytes_per_token(h, dk, dv, 2, q)
-        rows.append((dtype, ppl, ppl / ref[0] - 1, statistics.mean(prefix), min(prefix), same,
+        rows.append((dtype, ppl, ppl / ref[0] - 1, sum(top1) / len(top1), statistics.mean(prefix), min(prefix), same,
                      runner.num_blocks / ref[2], bf16, q.group_size if q else "-", secs))
     print(f"\n{args.model or 'SmolLM2-135M-Instruct'} ({dt}), perplexity of a {len(ids)}-token text; greedy "
           f"{args.max_tokens} tokens x {len(prompts)} chat prompts vs auto pages; capacity vs auto at "
           f"{args.kv_cache_gb} GB\n")
-    print("| kv_cache_dtype | group | perplexity | vs auto | equal prefix (mean / min) | equal positions | "
-          "tokens in same memory (this model's pages) | (bf16 model) | s |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for d, ppl, rel, mean_p, min_p, same, cap, bf16, g, secs in rows:
-        print(f"| {d} | {g} | {ppl:.3f} | {rel:+.2%} | {mean_p:.0f} / {min_p} | {same:.1%} | {cap:.2f}x | "
+    print("| kv_cache_dtype | group | perplexity | vs auto | top-1 = auto's (teacher-forced) | free-running: equal "
+          "prefix (mean / min) | equal positions | tokens in same memory (this model's pages) | (bf16 model) | s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for d, ppl, rel, top1, mean_p, min_p, same, cap, bf16, g, secs in rows:
+        print(f"| {d} | {g} | {ppl:.3f} | {rel:+.2%} | {top1:.1%} | {mean_p:.0f} / {min_p} | {same:.1%} | {cap:.2f}x | "
               f"{bf16:.2f}x | {secs:.0f} |")
 
 
