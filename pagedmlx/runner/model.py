@@ -56,7 +56,6 @@ class ModelRunner:
             raise UnsupportedModelError(
                 f"model type {model_type(model)!r} does not call mlx-lm's scaled_dot_product_attention")
         self._body, self._head = self._split_head()
-        self.kv_cache_dtype = config.kv_cache_dtype
         self.kv_quant = {i: q for i, p in enumerate(self.plan) if p.has_pages
                          and (q := layer_quant(config.kv_cache_dtype, config.kv_cache_group_size, p.spec[1], p.spec[2]))}
         self.kv_cache_config = self._kv_cache_config(config)

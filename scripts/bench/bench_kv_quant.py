@@ -128,7 +128,7 @@ def _step_ms(model, batch: int, ctx: int, bs: int, dtype: str, steps: int) -> tu
                 arrays[i] = mx.random.randint(0, 1 << 31, a.shape).astype(mx.uint32)
             else:
                 arrays[i] = (mx.random.normal(a.shape) * (0.02 if "scales" in side else 1.0)).astype(a.dtype)
-    mx.eval(pool.arrays)
+            mx.eval(arrays[i])  # one layer's temporaries at a time
     reqs = []
     for b in range(batch):
         r = Request(f"d{b}", [1] * ctx, SamplingParams(max_tokens=2))
