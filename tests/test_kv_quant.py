@@ -166,3 +166,19 @@ def test_doctor_table_names_the_quantized_pages():
                                                                              kv_cache_dtype="int4"), mx.float32))
     text = console.export_text()
     assert "over int4 pages (group 32)" in text and f"full: {2 * 2 * 2 * (16 + 2 * 4):,} B/token of int4 pages" in text
+
+
+def test_speculative_decoding_on_int4_pages_gives_the_same_tokens():
+    """Drafts verified as query tokens read the quantized pages as prefill rows do: greedy output unchanged."""
+    from utils import make_tokenizer
+
+    from pagedmlx import LLM
+
+    model, tok = make_model("qwen3"), make_tokenizer(ARCHS["qwen3"]["vocab_size"])
+    prompts = [[1, 2, 3, 4] * 9, [7, 8, 9] * 10]
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+    def run(**kw):
+        llm = LLM(model, tok, kv_cache_dtype="int4", num_blocks=64, max_model_len=256, **kw)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    assert run(speculative_config={"method": "ngram", "num_speculative_tokens": 3}) == run()
