@@ -75,6 +75,9 @@ class EngineConfig:
         if self.kv_cache_group_size is not None and self.kv_cache_group_size not in GROUP_SIZES:
             raise ValueError(f"kv_cache_group_size must be one of {', '.join(map(str, GROUP_SIZES))} (or None), "
                              f"got {self.kv_cache_group_size!r}")
+        if self.kv_cache_group_size is not None and self.kv_cache_dtype == "auto":
+            raise ValueError("kv_cache_group_size applies to quantized pages only (kv_cache_dtype int8 or int4), "
+                             "got kv_cache_dtype 'auto'")
         if self.max_num_batched_tokens is None:
             import mlx.core as mx
 

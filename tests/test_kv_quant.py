@@ -113,6 +113,8 @@ def test_bad_values_refused():
         assert repr(bad) in str(e.value)
     with pytest.raises(ValueError, match="kv_cache_group_size must be one of 32, 64, 128"):
         EngineConfig(kv_cache_dtype="int4", kv_cache_group_size=48)
+    with pytest.raises(ValueError, match="quantized pages only"):
+        EngineConfig(kv_cache_group_size=32)
     assert normalize_kv_cache_dtype("Q8") == "int8" and normalize_kv_cache_dtype(None) == "auto"
     with pytest.raises(ValueError, match="divides the head dims 16/16"):  # llama-tiny: head_dim 16
         LLMEngine(make_model("llama"), None, EngineConfig(num_blocks=16, kv_cache_dtype="int8"))
