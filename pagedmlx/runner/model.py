@@ -12,10 +12,13 @@ import mlx.nn as nn
 from pagedmlx.config import EngineConfig
 from pagedmlx.kv.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec,
                               sliding_pool_blocks)
-from pagedmlx.kernels import build, decode_attention, prefill_attention, recurrent_state
+from pagedmlx.kernels import build, prefill_attention, recurrent_state
 from pagedmlx.kernels.check import error_line
-from pagedmlx.kernels.selector import select_kernels
-from pagedmlx.runner.attention import KVPool, PagedLayerCache, install_paged_attention, warm_up_prefill
+from pagedmlx.kernels.selector import select_kernels, select_quantized
+from pagedmlx.kv_cache_dtype import bytes_per_token, layer_quant
+from pagedmlx.runner.attention import (KVPool, PagedLayerCache, decode_kernel_takes, install_paged_attention,
+                                       paged_decode, warm_up_prefill)
+from pagedmlx.runner.kv_quant import read_pages
 from pagedmlx.runner.attention_metadata import (WARM_UP_MAX_KEYS, StepMetadata, chunked_prefill_groups,
                                                 sdpa_shape_quantum)
 from pagedmlx.runner.plan import UnsupportedModelError, model_type, plan_layers
@@ -56,6 +59,8 @@ class ModelRunner:
             raise UnsupportedModelError(
                 f"model type {model_type(model)!r} does not call mlx-lm's scaled_dot_product_attention")
         self._body, self._head = self._split_head()
+        self.kv_quant = {i: q for i, p in enumerate(self.plan) if p.has_pages
+                         and (q := layer_quant(config.kv_cache_dtype, config.kv_cache_group_size, p.spec[1], p.spec[2]))}
         self.kv_cache_config = self._kv_cache_config(config)
         paged = [g for g in self.kv_cache_config.kv_cache_groups if not g.is_state]  # the state group is last
         self.windows = [g.sliding_window for g in paged]
@@ -69,7 +74,13 @@ class ModelRunner:
                                       windows=tuple(sorted(set(self.windows), key=str)),
                                       sinks=tuple(sorted({p.sinks for p in attending})),
                                       state_layers=any(p.state is not None for p in self.plan),
-                                      prefill=config.prefill_kernel is not False)
+                                      prefill=config.prefill_kernel is not False, quantized=bool(self.kv_quant))
+        if self.kv_quant:  # the quantized decode kernel where it takes the layers and passes its check
+            self.kernels = select_quantized(self.kernels, [(p.spec, p.n_heads, self.kv_quant[i]) for i, p in
+                                                           enumerate(self.plan) if i in self.kv_quant],
+                                            self.block_size, config.kv_cache_dtype,
+                                            windows=tuple(sorted(set(self.windows), key=str)),
+                                            sinks=tuple(sorted({p.sinks for p in attending})))
         self.sdpa_quantum = (config.sdpa_quantum if config.sdpa_quantum is not None
                              else sdpa_shape_quantum(build.gpu_backend()))
         if self.kernels.state:
@@ -133,7 +144,12 @@ class ModelRunner:
         return self.kv_cache_config.kv_cache_groups[0].num_blocks
 
     def group_bytes_per_block(self, group: KVCacheGroupSpec) -> int:
-        return sum(self.block_size * h * (dk + dv) * dt.size for h, dk, dv, dt in (self.plan[i].spec for i in group.layer_ids))
+        return self.block_size * sum(self.layer_bytes_per_token(i) for i in group.layer_ids)
+
+    def layer_bytes_per_token(self, i: int) -> int:
+        """One token's keys and values in layer i's pages (scales and biases included where quantized)."""
+        h, dk, dv, dt = self.plan[i].spec
+        return bytes_per_token(h, dk, dv, dt.size, self.kv_quant.get(i))
 
     @property
     def bytes_per_block(self) -> int:
@@ -184,13 +200,13 @@ class ModelRunner:
                 kinds.setdefault((self.plan[owner].spec, p.n_heads, self.windows[self.group_of[owner]], p.sinks), owner)
         runs = 0
         for ((n_kv, dk, dv, dt), h, window, sinks), layer in kinds.items():
-            k_pages, v_pages = self.kv_pool.keys[layer], self.kv_pool.values[layer]
+            k_pages, v_pages = read_pages(self.kv_pool, layer)
             bs = k_pages.shape[2]
             sink = mx.zeros((h,), mx.float32) if sinks else None
             outs = []
             for splits in (1, 2):
-                if self.kernels.decode and decode_attention.supports_layer(dk, dv, h, n_kv, dt, self.kernels.backend):
-                    outs.append(decode_attention.paged_decode(
+                if self.kernels.decode and decode_kernel_takes(h, k_pages, v_pages, self.kernels.backend):
+                    outs.append(paged_decode(
                         mx.zeros((1, h, dk), dt), k_pages, v_pages, mx.zeros((1, 2), mx.int32), mx.array([2 * bs]),
                         1.0, splits, mx.array([bs], mx.int32), window=window, sinks=sink, backend=self.kernels.backend))
                 if self.kernels.prefill and prefill_attention.supports_prefill(dk, dv, h, n_kv, dt):
@@ -214,7 +230,7 @@ class ModelRunner:
             if p.kind == "full":
                 kinds.setdefault((p.spec, p.n_heads, p.sinks), i)
         for (_, n_heads, sinks), i in kinds.items():
-            warm_up_prefill(n_heads, self.kv_pool.keys[i], self.kv_pool.values[i], sinks, groups)
+            warm_up_prefill(n_heads, *read_pages(self.kv_pool, i), sinks, groups)
         return len(groups) * len(kinds)
 
     def _kv_cache_config(self, config: EngineConfig) -> KVCacheConfig:
@@ -249,12 +265,15 @@ class ModelRunner:
             n = lo
         for g, count in zip(groups, sized(n)):
             g.num_blocks, g.page_size_bytes = max(count, 2), self.group_bytes_per_block(g)
+            g.kv_cache_dtype = (config.kv_cache_dtype if g.layer_ids[0] in self.kv_quant
+                                else str(self.plan[g.layer_ids[0]].spec[3]).split(".")[-1])
         return KVCacheConfig(self.block_size, groups + ([state] if state is not None else []))
 
-    def make_pool(self, kv_cache_config: KVCacheConfig) -> KVPool:
+    def make_pool(self, kv_cache_config: KVCacheConfig, quantized: bool = True) -> KVPool:
+        """The pages of kv_cache_config's groups; quantized=False: in the model's dtype whatever kv_cache_dtype."""
         layers = [(i, (g.num_blocks, self.plan[i].spec)) for g in kv_cache_config.kv_cache_groups if not g.is_state
                   for i in g.layer_ids]
-        return KVPool(self.block_size, layers, len(self.plan))
+        return KVPool(self.block_size, layers, len(self.plan), self.kv_quant if quantized else None)
 
     def make_state_pool(self, kv_cache_config: KVCacheConfig) -> Optional[StatePool]:
         group = next((g for g in kv_cache_config.kv_cache_groups if g.is_state), None)

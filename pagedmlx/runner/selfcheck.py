@@ -50,7 +50,7 @@ class CheckedRunner(Protocol):
     vocab_size: int
     kv_cache_config: KVCacheConfig
 
-    def make_pool(self, kv_cache_config: KVCacheConfig) -> KVPool: ...
+    def make_pool(self, kv_cache_config: KVCacheConfig, quantized: bool = True) -> KVPool: ...
 
     def make_state_pool(self, kv_cache_config: KVCacheConfig) -> Optional[StatePool]: ...
 
@@ -60,9 +60,11 @@ class CheckedRunner(Protocol):
 
 def check_paged_forward(runner: CheckedRunner, errors: Optional[dict[str, float]] = None) -> Optional[str]:
     """A busy schedule on a scratch pool: chunked prefill across a window, a 1-token prompt and
-    decodes. Returns None if every compared logit row matches mlx-lm within the dtype's tolerance
-    (relative to the logits' scale), else a description of the mismatch. `errors`, if given, receives
-    each prompt's largest relative difference (scripts/gpu/check_families.py prints them)."""
+    decodes. The scratch pages are in the model's dtype whatever kv_cache_dtype (quantized pages
+    differ from mlx-lm's own cache by design; tests/test_kv_quant.py checks them). Returns None if
+    every compared logit row matches mlx-lm within the dtype's tolerance (relative to the logits'
+    scale), else a description of the mismatch. `errors`, if given, receives each prompt's largest
+    relative difference (scripts/gpu/check_families.py prints them)."""
     bs = runner.block_size
     window = max((w for w in runner.windows if w), default=0)
     tokens, steps = _schedule(bs, window, runner.vocab_size)
@@ -71,7 +73,7 @@ def check_paged_forward(runner: CheckedRunner, errors: Optional[dict[str, float]
     num_blocks = sum(cdiv(len(t), bs) for t in tokens.values()) + 2
     config = KVCacheConfig(bs, [KVCacheGroupSpec(MambaSpec() if g.is_state else g.kv_cache_spec, num_blocks + 1,
                                                  g.layer_ids) for g in runner.kv_cache_config.kv_cache_groups])
-    manager, pool = KVCacheManager(config, enable_caching=False), runner.make_pool(config)
+    manager, pool = KVCacheManager(config, enable_caching=False), runner.make_pool(config, quantized=False)
     state_pool = runner.make_state_pool(config)
     got: dict[str, dict[int, mx.array]] = {k: {} for k in tokens}
     dtype = None
