@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from pagedmlx.kv_cache_dtype import GROUP_SIZES, normalize_kv_cache_dtype
 from pagedmlx.spec_decode.config import SpeculativeConfig
 
 __all__ = ["EngineConfig", "SpeculativeConfig"]
@@ -16,6 +17,11 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: Optional[int] = None  # None: sized from kv_cache_memory_gb
     kv_cache_memory_gb: float = 2.0
+    # What the KV pages hold (vLLM's option): "auto" (the model's dtype), "int8" or "int4" (affine, a scale and
+    # bias per kv_cache_group_size channels, as mlx-lm's QuantizedKVCache; docs/kv-quantization.md). Recurrent
+    # state stays in full precision. kv_cache_group_size None: 128 (or 64) for int8, 64 for int4.
+    kv_cache_dtype: str = "auto"
+    kv_cache_group_size: Optional[int] = None
     max_num_seqs: int = 256
     # A step's token budget. None: 8192 on GPU backends, 512 on the CPU (docs/benchmarks.md: fewer, larger
     # chunks won on an H200, chunks past 512 tokens lost on a 2-core CPU).
@@ -68,6 +74,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
+        self.kv_cache_dtype = normalize_kv_cache_dtype(self.kv_cache_dtype)
+        if self.kv_cache_group_size is not None and self.kv_cache_group_size not in GROUP_SIZES:
+            raise ValueError(f"kv_cache_group_size must be one of {', '.join(map(str, GROUP_SIZES))} (or None), "
+                             f"got {self.kv_cache_group_size!r}")
+        if self.kv_cache_group_size is not None and self.kv_cache_dtype == "auto":
+            raise ValueError("kv_cache_group_size applies to quantized pages only (kv_cache_dtype int8 or int4), "
+                             "got kv_cache_dtype 'auto'")
         if self.max_num_batched_tokens is None:
             import mlx.core as mx
 

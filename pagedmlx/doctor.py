@@ -33,6 +33,8 @@ def add_doctor_parser(sub: argparse._SubParsersAction) -> None:
                    help="a model whose layers' kernels to show (what `serve` takes: a folder, hub name, .gguf, "
                         "random:ARCH, preset:NAME in --dtype; repeat for several; default: the timing table's "
                         "random Llama, --dtype)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "int8", "int4"], default="auto",
+                   help="what the --model layers' pages hold (the kernels table; the checks cover int8 and int4 always)")
     p.add_argument("--no-timing", action="store_true", help="only the backend, the kernel checks and the layers' kernels")
 
 
@@ -61,6 +63,9 @@ def run_doctor(args: argparse.Namespace) -> int:
                                                      windows=(None, 100), sinks=(False, True)):
             ok &= passed
             checks.add_row(name, "[green]passed[/]" if passed else f"[red]failed[/]: {detail}")
+        for name, passed, detail in _quantized_checks(backend, h, kv, d, args.block_size):
+            ok &= passed
+            checks.add_row(name, "[green]passed[/]" if passed else f"[red]failed[/]: {detail}")
     console.print(checks)
     for name in args.model or [None]:
         console.print(kernel_paths_table(name, args, dtype))
@@ -68,6 +73,21 @@ def run_doctor(args: argparse.Namespace) -> int:
         return 0 if ok else 1
     console.print(_timing_table(args, dtype, backend is not None))
     return 0 if ok else 1
+
+
+def _quantized_checks(backend: str, h: int, kv: int, d: int, block_size: int):
+    """The quantized decode kernel (kv_cache_dtype int8 / int4 at their default groups) against the gather path."""
+    import mlx.core as mx
+
+    from pagedmlx.kernels import check
+    from pagedmlx.kv_cache_dtype import layer_quant
+
+    for dtype in ("int8", "int4"):
+        q = layer_quant(dtype, None, d, d)
+        for window, sinks in ((None, False), (100, True)):
+            name = f"decode {dtype}/{q.group_size} H={h} kv={kv} D={d} bfloat16" + (" window=100 sinks" if sinks else "")
+            yield (name, *check._guarded(check.check_decode_quantized, backend, h, kv, d, mx.bfloat16, q, block_size,
+                                         window, sinks))
 
 
 def kernel_paths_table(name, args: argparse.Namespace, dtype):
@@ -93,13 +113,17 @@ def kernel_paths_table(name, args: argparse.Namespace, dtype):
     table = Table("KV cache group", "kernels (a portable path's reason in parentheses)",
                   title=f"which kernel each layer runs: {escape(title)}")
     try:
-        runner = ModelRunner(model, EngineConfig(block_size=args.block_size, num_blocks=64))
+        runner = ModelRunner(model, EngineConfig(block_size=args.block_size, num_blocks=64,
+                                                 kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto")))
     except UnsupportedModelError as exc:
         table.add_row("-", f"[red]refused[/]: {escape(str(exc))}")
         return table
     for line in kernel_path_lines(runner):
         group, _, paths = line.partition(": ")
         table.add_row(escape(group), escape(paths))
+    bs = runner.kv_cache_config.block_size
+    table.add_row("pages", ", ".join(f"{g.name}: {g.page_size_bytes // bs:,} B/token of {g.kv_cache_dtype} pages"
+                                     for g in runner.kv_cache_config.kv_cache_groups if not g.is_state))
     return table
 
 

@@ -19,6 +19,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     pool = p.add_mutually_exclusive_group()
     pool.add_argument("--num-blocks", type=int, default=None, help="KV pool size in pages")
     pool.add_argument("--kv-cache-gb", type=float, default=2.0, help="KV pool size in GB (default 2)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "int4"],
+                   help="what KV pages hold: the model's dtype (auto) or affine int8 / int4 with a scale and bias "
+                        "per group of channels, as mlx-lm's quantized KV cache (default auto)")
+    p.add_argument("--kv-cache-group-size", type=int, default=None, choices=[32, 64, 128],
+                   help="channels per scale and bias of quantized pages (default: 128 or 64 for int8, 64 for int4)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step (default: 8192 on a GPU, 512 on the CPU)")
@@ -80,7 +85,9 @@ def engine_config(args: argparse.Namespace):
     from pagedmlx.config import EngineConfig
 
     return EngineConfig(model=model_arg(args), block_size=args.block_size, num_blocks=args.num_blocks,
-                        kv_cache_memory_gb=args.kv_cache_gb, max_num_seqs=args.max_num_seqs,
+                        kv_cache_memory_gb=args.kv_cache_gb,
+                        kv_cache_dtype=args.kv_cache_dtype, kv_cache_group_size=args.kv_cache_group_size,
+                        max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         long_prefill_token_threshold=args.long_prefill_token_threshold,
                         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,

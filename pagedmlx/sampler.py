@@ -213,6 +213,22 @@ def _draft_rows(requests: Sequence[Request], num_draft_tokens: Sequence[int], bi
     return rows, offsets, bitmask
 
 
+def sample_draft_tokens(logits: mx.array, requests: Sequence[Request], offset: int) -> mx.array:
+    """A draft model's token for each request's position `offset` tokens after its next one
+    (spec_decode/draft_model.py): sampled as the target's row for that position will be (its bias,
+    temperature, filters) and with the very Gumbel noise that row will draw, so that where the draft's
+    distribution is close to the target's, the two argmaxes coincide (a Gumbel-max coupling). Greedy
+    requests take the argmax. Requests that draft have no penalties or grammar (spec_decode/drafter.py)."""
+    logits = apply_bias_and_penalties(logits, requests)
+    greedy = [r.sampling_params.greedy for r in requests]
+    if all(greedy):
+        return mx.argmax(logits, axis=-1).astype(mx.int32)
+    tokens = _sample_random(logits, requests, [offset] * len(requests))
+    if any(greedy):
+        tokens = mx.where(mx.array(greedy), mx.argmax(logits, axis=-1), tokens)
+    return tokens.astype(mx.int32)
+
+
 class Sampler:
     """One call per step: sampled tokens (and logprobs) for rows with different parameters."""
 

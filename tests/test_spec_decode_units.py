@@ -75,7 +75,8 @@ def test_proposer_context_grows_with_the_request():
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, r"prompt_lookup_min \(4\) must be <="),
     ({"num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_max must be an integer >= 1"),
     ({"num_speculative_tokens": 2, "bogus": 1}, "unknown field 'bogus'"),
-    ({"num_speculative_tokens": 2, "model": "org/draft-model"}, "draft models are not supported yet"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model is required with method 'draft_model'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "org/draft"}, "needs method 'draft_model'"),
     ({"num_speculative_tokens": 2, "min_acceptance_rate": 2}, "min_acceptance_rate must be a number in"),
     ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size must be an integer >= 1"),
     ('{"method": "ngram", ', "speculative_config is not valid JSON"),
@@ -92,6 +93,8 @@ def test_config_defaults_json_cli_and_pickle():
     c = EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}')
     assert c.speculative_config == SpeculativeConfig("ngram", 4, 4, 4)
     assert EngineConfig(speculative_config={"model": "[ngram]", "num_speculative_tokens": 2}).speculative_config.method == "ngram"
+    draft = EngineConfig(speculative_config='{"model": "org/draft", "num_speculative_tokens": 4}').speculative_config
+    assert (draft.method, draft.model) == ("draft_model", "org/draft")  # vLLM's default method for a model
     assert pickle.loads(pickle.dumps(c)).speculative_config == c.speculative_config  # crosses to the core process
     from pagedmlx.engine_args import add_engine_args, engine_config
 

@@ -150,7 +150,9 @@ def kv_snapshot(engine: Any, top_shared: int = 10, block_text: bool = True) -> d
         states, held = block_states(pool, manager.held_blocks())
         group_held.append(held)
         groups.append(dict(_pool_summary(pool, states, spec.page_size_bytes), name=spec.name,
-                           window=spec.sliding_window, layers=len(spec.layer_ids), block_states=states))
+                           window=spec.sliding_window, layers=len(spec.layer_ids), block_states=states,
+                           kv_cache_dtype=spec.kv_cache_dtype,
+                           bytes_per_token=0 if spec.is_state else spec.page_size_bytes // kv.block_size))
         if spec.is_state:
             groups[-1]["state"] = _state_summary(manager)
     pool, manager, held, states = kv.block_pool, kv.managers[0], group_held[0], groups[0]["block_states"]

@@ -70,6 +70,13 @@ def _size(num_blocks: int, bytes_per_block: int) -> str:
     return f"{n / 1e3:.1f} kB"
 
 
+def _per_token(g: dict) -> str:
+    """", 69,632 B/token of int8 pages" (snapshots from before the field: nothing)."""
+    if not g.get("bytes_per_token"):
+        return ""
+    return f", {g['bytes_per_token']:,} B/token" + (f" of {g['kv_cache_dtype']} pages" if g.get("kv_cache_dtype") else "")
+
+
 def summary_panel(snap: dict) -> Panel:
     p, pc, s = snap["pool"], snap["prefix_cache"], snap["scheduler"]
     n, bpb = p["num_blocks"], p["bytes_per_block"]
@@ -82,7 +89,7 @@ def summary_panel(snap: dict) -> Panel:
         grid.add_row("state", state_text(groups[0]))
     else:
         grid.add_row("pool", f"{n} blocks × {p['block_size']} tokens = {_size(n, bpb)} "
-                             f"({_size(1, bpb)} per block){name}")
+                             f"({_size(1, bpb)} per block{_per_token(groups[0] if groups else {})}){name}")
         grid.add_row("in use", f"[{STYLES[IN_USE]}]{p['used']}[/] blocks ({p['usage']:.1%}, {_size(p['used'], bpb)}), "
                                f"[{STYLES[SHARED]}]{p['shared']}[/] of them shared")
         grid.add_row("cached", f"[{STYLES[CACHED]}]{p['cached_free']}[/] free blocks keep a reusable prefix "
@@ -93,7 +100,7 @@ def summary_panel(snap: dict) -> Panel:
             grid.add_row("state", state_text(g))
             continue
         grid.add_row(g["name"], f"{g['layers']} layers: {g['num_blocks']} blocks = "
-                                f"{_size(g['num_blocks'], g['bytes_per_block'])}; [{STYLES[IN_USE]}]{g['used']}[/] in "
+                                f"{_size(g['num_blocks'], g['bytes_per_block'])}{_per_token(g)}; [{STYLES[IN_USE]}]{g['used']}[/] in "
                                 f"use ({g['usage']:.1%}), [{STYLES[CACHED]}]{g['cached_free']}[/] cached, {g['free']} free")
     if pc["enabled"]:
         line = f"hit rate {pc['hit_rate']:.1%} ({pc['hits']} of {pc['queries']} prompt tokens)"

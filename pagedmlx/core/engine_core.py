@@ -26,7 +26,8 @@ from pagedmlx.sampler import Sampler, SamplerOutput, to_host
 from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.scheduler import Scheduler
 from pagedmlx.scheduler_output import SchedulerOutput
-from pagedmlx.spec_decode.drafter import Drafter
+from pagedmlx.spec_decode.draft_model import make_draft_proposer
+from pagedmlx.spec_decode.drafter import make_drafter
 from pagedmlx.spec_decode.rejection_sampler import verify
 from pagedmlx.structured_outputs.manager import StructuredOutputManager
 
@@ -44,6 +45,7 @@ class EngineCore:
         if self.config.dtype is not None:  # quantized weights keep their packed form
             model.set_dtype(getattr(mx, self.config.dtype))
         self.tokenizer = tokenizer
+        self.draft_proposer, self._draft_tokenizer = make_draft_proposer(self.config, verify_model)  # or None
         self.runner = self.make_runner(verify_model)
         self.lora_manager = getattr(self.runner, "lora_manager", None)  # batched LoRA (pagedmlx/lora/)
         if self.config.enable_lora and self.lora_manager is None:
@@ -67,20 +69,8 @@ class EngineCore:
         self.async_scheduling = (self.config.async_scheduling if self.config.async_scheduling is not None
                                  else mx.default_device() == mx.gpu)
         self._warmed_up_in: Optional[int] = None  # the thread that ran warm_up
-        self.drafter = self._make_drafter()  # speculative decoding (None: off)
-
-    def _make_drafter(self) -> Optional[Drafter]:
-        spec = self.config.speculative_config
-        if spec is None:
-            return None
-        if self.kv_cache_manager.state_manager is not None:
-            logger.warning("speculative decoding is off: this model has recurrent-state layers, whose state "
-                           "cannot roll back rejected drafts yet (issue 28)")
-            return None
-        logger.info("speculative decoding: %s, %d draft tokens (n-grams of %d-%d tokens), while at most %d "
-                    "requests run", spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min,
-                    spec.prompt_lookup_max, spec.disable_by_batch_size)
-        return Drafter(spec, self.max_model_len)
+        self.drafter = make_drafter(self.config.speculative_config, self.max_model_len, self.kv_cache_manager,
+                                    self.draft_proposer, self.vocab_size, (self.tokenizer, self._draft_tokenizer))
 
     def warm_up(self) -> None:
         """ModelRunner.warm_up, once per thread: MLX keeps CUDA's cuDNN graphs per thread, so the
@@ -90,10 +80,12 @@ class EngineCore:
         self._warmed_up_in = threading.get_ident()
         if hasattr(self.runner, "warm_up"):  # a tensor-parallel driver: not there (its ranks would build their own)
             self.runner.warm_up(self.config, self.max_model_len)
+        if self.drafter is not None and self.draft_proposer is not None:
+            self.draft_proposer.runner.warm_up(self.config, self.max_model_len)
 
     def make_runner(self, verify: bool) -> ModelRunner:
         """Hook: tensor parallelism (pagedmlx.distributed.TPEngine) wraps the runner."""
-        return ModelRunner(self.model, self.config, verify=verify)
+        return ModelRunner(self.model, self.config, verify, getattr(self.draft_proposer, "bytes_per_block", 0))
 
     @classmethod
     def from_config(cls, config: EngineConfig, tokenizer: Any = None) -> "EngineCore":

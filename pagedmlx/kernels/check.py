@@ -11,8 +11,10 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from pagedmlx.kernels import decode_attention, page_write, prefill_attention
+from pagedmlx.kernels import decode_attention, decode_attention_quant, page_write, prefill_attention
+from pagedmlx.kv_cache_dtype import KVQuant
 from pagedmlx.runner.attention import gather_decode
+from pagedmlx.runner.kv_quant import QuantizedPages
 from pagedmlx.runner.attention_metadata import Segment, prefill_tile_indices
 from pagedmlx.runner.masks import length_mask
 
@@ -100,6 +102,34 @@ def check_decode(backend: str, h: int, n_kv: int, d: int, dtype: mx.Dtype, bs: i
         got = decode_attention.paged_decode(q, k_pages, v_pages, table, seq_lens, scale, -(-span // tokens),
                                          mx.array([tokens], mx.int32), window=window, sinks=sink,
                                          init_value=float("nan"), backend=backend)
+        err = _compare(got, want, dtype)
+        if err:
+            return f"{err} ({splits} split{'s' if splits > 1 else ''})"
+    return None
+
+
+def check_decode_quantized(backend: str, h: int, n_kv: int, d: int, dtype: mx.Dtype, quant: KVQuant, bs: int,
+                           window: Optional[int] = None, sinks: bool = False, seed: int = 0) -> Optional[str]:
+    """check_decode for the quantized decode kernel: the same lengths and splits over int8 / int4 pages,
+    against the gather path over the same pages dequantized to float32."""
+    rng = np.random.default_rng(seed)
+    lens = np.array([1, bs, bs + 1, 3 * bs + 5, 8 * bs + 3], np.int32)
+    nb = -(-int(lens.max()) // bs)
+    pages = [QuantizedPages(*mx.quantize(x, group_size=quant.group_size, bits=quant.bits), quant)
+             for x in _random_pages(rng, len(lens) * nb + 2, n_kv, bs, d, dtype)]
+    full = [mx.dequantize(p.packed, p.scales.astype(mx.float32), p.biases.astype(mx.float32), quant.group_size,
+                          quant.bits) for p in pages]
+    table = mx.array(rng.permutation(len(lens) * nb + 2)[: len(lens) * nb].reshape(len(lens), nb).astype(np.int32))
+    seq_lens = mx.array(lens)
+    q = mx.array(rng.standard_normal((len(lens), h, d)).astype(np.float32)).astype(dtype)
+    sink = mx.array(rng.standard_normal(h).astype(np.float32) * 2) if sinks else None
+    want = gather_decode(q.astype(mx.float32), *full, table, d ** -0.5, length_mask(seq_lens, nb * bs, window), sink)
+    span = int(min(lens.max(), window or lens.max()))
+    for splits in (1, 3):
+        tokens = -(-span // splits)
+        got = decode_attention_quant.paged_decode_quantized(
+            q, *pages, table, seq_lens, d ** -0.5, -(-span // tokens), mx.array([tokens], mx.int32), window=window,
+            sinks=sink, init_value=float("nan"), backend=backend)
         err = _compare(got, want, dtype)
         if err:
             return f"{err} ({splits} split{'s' if splits > 1 else ''})"

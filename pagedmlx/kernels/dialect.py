@@ -47,6 +47,8 @@ TOKENS: dict[str, tuple[str, str]] = {
     "IMIN(": ("min(", "metal::min("),
     "IMAX(": ("max(", "metal::max("),
     "NEG_INF": ("__int_as_float(0xff800000)", "(-INFINITY)"),
+    "FLOAT_BITS(": ("__float_as_uint(", "as_type<uint>("),
+    "BITS_FLOAT(": ("__uint_as_float(", "as_type<float>("),
 }
 TOKEN_NAMES = tuple(t.rstrip("(") for t in TOKENS)
 

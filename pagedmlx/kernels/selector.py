@@ -22,8 +22,9 @@ from typing import Optional
 
 import mlx.core as mx
 
-from pagedmlx.kernels import build, check, decode_attention, prefill_attention
+from pagedmlx.kernels import build, check, decode_attention, decode_attention_quant, prefill_attention
 from pagedmlx.kernels.dialect import CUDA
+from pagedmlx.kv_cache_dtype import KVQuant
 
 logger = logging.getLogger("pagedmlx")
 
@@ -74,11 +75,12 @@ def device_name() -> str:
 
 def select_kernels(layer_specs: list[tuple[int, int, int, mx.Dtype]], query_heads: list[int], block_size: int,
                    windows: tuple[Optional[int], ...] = (None,), sinks: tuple[bool, ...] = (False,),
-                   state_layers: bool = False, prefill: bool = True) -> KernelPlan:
+                   state_layers: bool = False, prefill: bool = True, quantized: bool = False) -> KernelPlan:
     """The kernels this model may use here. layer_specs: (kv heads, Dk, Dv, dtype) per layer;
     windows / sinks: the windows and with / without sinks that the model's layers use, so that the
     check covers them (and only them); state_layers: the model has recurrent-state layers;
-    prefill: the paged prefill kernel may run (CUDA) for the layers it takes."""
+    prefill: the paged prefill kernel may run (CUDA) for the layers it takes; quantized: the pages are
+    quantized, so the 16-bit kernels are not checked (select_quantized then checks its own)."""
     backend = build.gpu_backend()
     if backend is None:
         return KernelPlan(None, reason="no GPU backend")
@@ -95,6 +97,8 @@ def select_kernels(layer_specs: list[tuple[int, int, int, mx.Dtype]], query_head
     if not plan.paged:
         return KernelPlan(backend, state=plan.state, reason="no layer shape the decode kernel takes")
     name = device_name()
+    if quantized:
+        return plan
     if any(gpu in name for gpu in TRUSTED_GPUS.get(backend, ())):
         plan.checks.append((f"{name}: checked by tests/test_gpu_kernels.py", "trusted"))
         return plan
@@ -112,3 +116,39 @@ def kernel_shapes(layer_specs: list[tuple[int, int, int, mx.Dtype]], query_heads
     shapes = {(h, n_kv, dk, dt) for (n_kv, dk, dv, dt), h in zip(layer_specs, query_heads)
               if h and decode_attention.supports_layer(dk, dv, h, n_kv, dt, backend)}
     return sorted(shapes, key=str)
+
+
+QuantShape = tuple[int, int, int, mx.Dtype, KVQuant]  # (query heads, kv heads, head_dim, scales' dtype, quant)
+
+
+def select_quantized(plan: KernelPlan, layers: list[tuple[tuple[int, int, int, mx.Dtype], int, KVQuant]],
+                     block_size: int, kv_cache_dtype: str, windows: tuple[Optional[int], ...] = (None,),
+                     sinks: tuple[bool, ...] = (False,)) -> KernelPlan:
+    """The plan for quantized pages, from the 16-bit plan of the same model: no page-write or prefill
+    kernel (they read 16-bit pages: MLX scatters, prefill rows gather and dequantize); the quantized decode
+    kernel (decode_attention_quant) for the layers it takes, checked here on every GPU (no GPU suite has
+    trusted it yet). layers: ((kv heads, Dk, Dv, dtype), query heads, quant) of each quantized layer."""
+    why_16 = f"kv_cache_dtype {kv_cache_dtype}: the {{}} kernel reads 16-bit pages"
+    off = KernelPlan(plan.backend, state=plan.state, checks=plan.checks, prefill_reason=why_16.format("prefill"))
+    if not plan.decode:
+        off.reason = plan.reason or "no layer shape the decode kernel takes"
+        return off
+    shapes = sorted({(h, n_kv, dk, dt, q) for (n_kv, dk, dv, dt), h, q in layers
+                     if decode_attention_quant.refusal(dk, dv, h, n_kv, dt, q, plan.backend) is None}, key=str)
+    if not shapes:
+        off.reason = "no layer shape the quantized decode kernel takes"
+        return off
+    checks = list(plan.checks)
+    for (h, n_kv, d, dt, q), window, with_sinks in [(x, w, s) for x in shapes for w in windows for s in sinks]:
+        label = f"decode int{q.bits}/{q.group_size} H={h} kv={n_kv} D={d}" + (f" window={window}" if window else "") + \
+            (" sinks" if with_sinks else "")
+        ok, detail = check._guarded(check.check_decode_quantized, plan.backend, h, n_kv, d, dt, q, block_size,
+                                    window, with_sinks)
+        checks.append((label, "passed" if ok else f"failed: {detail}"))
+        if not ok:
+            logger.warning("pagedmlx: %s quantized decode kernel off: %s: %s; decode attention gathers pages instead",
+                           plan.backend, label, detail)
+            off.checks, off.reason = checks, f"{label}: {detail}"
+            return off
+    return KernelPlan(plan.backend, decode=True, state=plan.state, checks=checks,
+                      prefill_reason=why_16.format("prefill"))

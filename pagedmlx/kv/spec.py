@@ -61,6 +61,7 @@ class KVCacheGroupSpec:
     num_blocks: int
     layer_ids: tuple[int, ...] = ()
     page_size_bytes: int = 0  # one block of every layer of the group (vLLM's page size), for reports
+    kv_cache_dtype: str = ""  # what its pages hold ("bfloat16", "int8", "int4", ...), for reports
 
     @property
     def sliding_window(self) -> Optional[int]:

@@ -20,8 +20,10 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from pagedmlx.kernels import decode_attention, page_write, prefill_attention
+from pagedmlx.kernels import decode_attention, decode_attention_quant, page_write, prefill_attention
+from pagedmlx.kv_cache_dtype import KVQuant
 from pagedmlx.runner.attention_metadata import AttentionMetadata, PrefillGroup, page_rows
+from pagedmlx.runner.kv_quant import QuantizedPages, make_pages, read_pages, write_quantized
 from pagedmlx.runner.masks import length_mask
 
 def as_dtype(x: mx.array, dtype: mx.Dtype) -> mx.array:
@@ -41,7 +43,10 @@ def _gather_kv(k_pages: mx.array, v_pages: mx.array, block_table: mx.array) -> t
     return _gather_rows(k_pages, rows, nb), _gather_rows(v_pages, rows, nb)
 
 
-def _gather_rows(pages: mx.array, rows: mx.array, nb: int) -> mx.array:
+def _gather_rows(pages, rows: mx.array, nb: int) -> mx.array:
+    """pages: an array, or QuantizedPages (gathered, then dequantized)."""
+    if isinstance(pages, QuantizedPages):
+        return pages.gather_rows(rows, nb)
     P, h, bs, d = pages.shape
     return pages.reshape(P * h, bs * d)[rows].reshape(rows.shape[0], h, nb * bs, d)
 
@@ -50,25 +55,43 @@ class KVPool:
     """Every layer's pages, by layer index: keys and values each [num_blocks, n_kv_heads,
     block_size, head_dim] in the number of blocks of the layer's group (head-major inside a page,
     so that gathered pages are already in attention's layout); None for a layer that owns none.
+    A quantized layer (quant[i] not None, kv_quant.py) holds packed values there, and its scales and
+    biases in k_scales / k_biases / v_scales / v_biases.
 
     The arrays live only in these lists: where MLX scatters the new K/V (no CUDA kernel), a second
     Python reference would turn each page write into a copy of the whole pool.
     """
 
     def __init__(self, block_size: int, layers: list[tuple[int, tuple[int, int, int, mx.Dtype]]],
-                 num_layers: int):
-        """layers: (number of blocks, (n_kv_heads, k_dim, v_dim, dtype)) of every layer that owns pages."""
+                 num_layers: int, quant: Optional[dict[int, KVQuant]] = None):
+        """layers: (number of blocks, (n_kv_heads, k_dim, v_dim, dtype)) of every layer that owns pages;
+        quant: the quantized layers' KVQuant."""
         self.block_size = block_size
+        self.quant: list[Optional[KVQuant]] = [(quant or {}).get(i) for i in range(num_layers)]
         self.keys: list[Optional[mx.array]] = [None] * num_layers
         self.values: list[Optional[mx.array]] = [None] * num_layers
+        self.k_scales: list[Optional[mx.array]] = [None] * num_layers
+        self.k_biases: list[Optional[mx.array]] = [None] * num_layers
+        self.v_scales: list[Optional[mx.array]] = [None] * num_layers
+        self.v_biases: list[Optional[mx.array]] = [None] * num_layers
         for i, (num_blocks, (h, dk, dv, dt)) in layers:
-            self.keys[i] = mx.zeros((num_blocks, h, block_size, dk), dt)
-            self.values[i] = mx.zeros((num_blocks, h, block_size, dv), dt)
-        mx.eval([a for a in self.keys + self.values if a is not None])
+            q = self.quant[i]
+            if q is None:
+                self.keys[i] = mx.zeros((num_blocks, h, block_size, dk), dt)
+                self.values[i] = mx.zeros((num_blocks, h, block_size, dv), dt)
+            else:
+                self.keys[i], self.k_scales[i], self.k_biases[i] = make_pages(num_blocks, h, block_size, dk, dt, q)
+                self.values[i], self.v_scales[i], self.v_biases[i] = make_pages(num_blocks, h, block_size, dv, dt, q)
+        mx.eval(self.arrays)
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return [a for side in (self.keys, self.values, self.k_scales, self.k_biases, self.v_scales, self.v_biases)
+                for a in side if a is not None]
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.keys + self.values if a is not None)
+        return sum(a.nbytes for a in self.arrays)
 
 
 class PagedLayerCache:
@@ -102,6 +125,9 @@ class PagedLayerCache:
         md, i = self.md, self.layer
         k_pages, v_pages = self.pool.keys, self.pool.values
         self._new = (keys, values)
+        if self.pool.quant[i] is not None:  # quantized pages: MLX scatters (no page-write kernel takes them)
+            write_quantized(self.pool, i, keys, values, md.write_blocks, md.write_offsets)
+            return keys, values
         if md.pages_in_place:
             self.written = page_write.reshape_and_cache(keys, values, k_pages[i], v_pages[i], md.slot_mapping,
                                                         md.backend)
@@ -115,8 +141,8 @@ class PagedLayerCache:
     def attention(self, queries: mx.array, scale: float, sinks: Optional[mx.array] = None) -> mx.array:
         """queries (T, n_heads, 1, D) -> (T, n_heads, 1, Dv), attending over pages."""
         written = self.source.written if self.source is not None else self.written
-        return paged_attention(queries, self.pool.keys[self.layer], self.pool.values[self.layer], self.md, scale,
-                               written, sinks)
+        k_pages, v_pages = read_pages(self.pool, self.layer)
+        return paged_attention(queries, k_pages, v_pages, self.md, scale, written, sinks)
 
 
 def paged_attention(queries: mx.array, k_pages: mx.array, v_pages: mx.array, md: AttentionMetadata,
@@ -134,11 +160,10 @@ def paged_attention(queries: mx.array, k_pages: mx.array, v_pages: mx.array, md:
 
 def _decode_attention(q, k_pages, v_pages, md: AttentionMetadata, scale, written, sinks) -> mx.array:
     nd, H, D = md.num_decodes, q.shape[1], q.shape[3]
-    if md.use_decode_kernel and decode_attention.supports_layer(D, v_pages.shape[-1], H, k_pages.shape[1],
-                                                                k_pages.dtype, md.backend):
-        o = decode_attention.paged_decode(q.reshape(nd, H, D), k_pages, v_pages, md.decode_block_table,
-                                          md.decode_seq_lens, scale, md.decode_splits, md.decode_split_tokens, written,
-                                          window=md.window, sinks=sinks, backend=md.backend)
+    if md.use_decode_kernel and decode_kernel_takes(H, k_pages, v_pages, md.backend):
+        o = paged_decode(q.reshape(nd, H, D), k_pages, v_pages, md.decode_block_table, md.decode_seq_lens, scale,
+                         md.decode_splits, md.decode_split_tokens, written, window=md.window, sinks=sinks,
+                         backend=md.backend)
         return as_dtype(o[:, :, None, :], q.dtype)
     if md.decode_mask is None:  # this layer's shape is not one the kernel takes
         md.decode_mask = length_mask(md.decode_seq_lens, md.decode_block_table.shape[1] * k_pages.shape[2], md.window)
@@ -150,6 +175,22 @@ def _decode_attention(q, k_pages, v_pages, md: AttentionMetadata, scale, written
     o = mx.fast.scaled_dot_product_attention(as_dtype(q, k.dtype), k, v, scale=scale, mask=md.decode_mask,
                                              sinks=_sinks(sinks, k.dtype))
     return as_dtype(o, q.dtype)
+
+
+def decode_kernel_takes(n_heads: int, k_pages, v_pages, backend: Optional[str]) -> bool:
+    """The paged decode kernel of these pages (16-bit, or quantized) takes this layer: the one per-call gate."""
+    _, n_kv, _, dk = k_pages.shape
+    dv = v_pages.shape[-1]
+    if isinstance(k_pages, QuantizedPages):
+        return decode_attention_quant.refusal(dk, dv, n_heads, n_kv, k_pages.dtype, k_pages.quant, backend) is None
+    return decode_attention.supports_layer(dk, dv, n_heads, n_kv, k_pages.dtype, backend)
+
+
+def paged_decode(q: mx.array, k_pages, v_pages, *args, **kwargs) -> mx.array:
+    """decode_attention.paged_decode, or its quantized kernel for QuantizedPages (same arguments)."""
+    if isinstance(k_pages, QuantizedPages):
+        return decode_attention_quant.paged_decode_quantized(q, k_pages, v_pages, *args, **kwargs)
+    return decode_attention.paged_decode(q, k_pages, v_pages, *args, **kwargs)
 
 
 def gather_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, block_table: mx.array, scale: float,
@@ -171,7 +212,7 @@ def _prefill_attention(q, k_pages, v_pages, md: AttentionMetadata, scale, writte
     """q: the prefill rows (Tp, H, 1, D); the prefill kernel over all segments where it runs, else
     one attention call per prefill group (attention_metadata)."""
     rows = q[:, :, 0, :]
-    if md.prefill_tiles is not None:
+    if md.prefill_tiles is not None and not isinstance(k_pages, QuantizedPages):
         t = md.prefill_tiles
         o = prefill_attention.paged_prefill(rows, k_pages, v_pages, t.block_table, t.segs, t.tiles, scale,
                                             t.splits, t.split_tokens, written, window=md.window, sinks=sinks)

@@ -11,8 +11,8 @@ sequence's length): a sequence meets a new key at 2, 4, 8, ... pages, and when i
 
 Only where every write is in place (the page-write kernel, and the state kernels for recurrent
 layers: CUDA) can a step be replayed: MLX's scatter gives each write a new pool array, which a
-compiled graph cannot hand back. Steps with prefill rows, LoRA rows or a recurrent segment (a
-1-token prompt) run as built. EngineConfig.compile_decode switches it on (off by default).
+compiled graph cannot hand back (quantized KV pages are scattered: not compiled). Steps with prefill
+rows, LoRA rows or a recurrent segment (a 1-token prompt) run as built. EngineConfig.compile_decode switches it on (off by default).
 """
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ class CompiledDecode:
     def takes(self, so: SchedulerOutput) -> bool:
         r = self.runner
         has_state = len(so.state_slots) > 0
-        return (r.pages_in_place and r.lora_manager is None and so.num_decodes == so.total_num_scheduled_tokens
+        quantized = any(q is not None for q in getattr(r.kv_pool, "quant", ()))  # MLX scatters quantized pages
+        return (r.pages_in_place and not quantized and r.lora_manager is None
+                and so.num_decodes == so.total_num_scheduled_tokens
                 and (not has_state or (r.kernels.state and bool((so.state_slots[:, 0] >= 0).all()))))
 
     def __call__(self, so: SchedulerOutput, prev_sampled: Optional[mx.array]) -> mx.array:

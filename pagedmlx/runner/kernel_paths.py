@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from pagedmlx.kernels import decode_attention, prefill_attention
+from pagedmlx.kernels import decode_attention, decode_attention_quant, prefill_attention
 from pagedmlx.kernels.dialect import CUDA
 
 PORTABLE = "gather + SDPA"  # pages gathered into a contiguous copy, then MLX's attention
@@ -47,7 +47,9 @@ def kernel_path_lines(runner: Any) -> list[str]:
             p = plan[i]
             shapes.setdefault((plan[p.source].spec if p.kind == "shared" else p.spec, p.n_heads), []).append(i)
         layers = _layers(sorted(ids)) + (f", KV shared by {_layers(shared)}" if shared else "")
-        paths = [*_decode_paths(kernels, shapes), _prefill_path(kernels, shapes, runner.prefill_heads[gi]),
+        quant = getattr(runner, "kv_quant", {})
+        quant = {**quant, **{i: quant[plan[i].source] for i in shared if plan[i].source in quant}}
+        paths = [*_decode_paths(kernels, shapes, quant), _prefill_path(kernels, shapes, runner.prefill_heads[gi]),
                  _write_path(kernels)]
         lines.append(f"{group.name} ({layers}): {_join(paths)}")
     state = next((g for g in runner.kv_cache_config.kv_cache_groups if g.is_state), None)
@@ -68,18 +70,23 @@ def _join(paths: list[tuple[str, Optional[str]]]) -> str:
     return "; ".join(path + (f" ({why})" if why else "") for path, why in paths)
 
 
-def _decode_paths(kernels: Any, shapes: dict) -> list[tuple[str, Optional[str]]]:
+def _decode_paths(kernels: Any, shapes: dict, quant: dict) -> list[tuple[str, Optional[str]]]:
+    """quant: the quantized layers' KVQuant, by layer (runner.kv_quant)."""
     paths = []
-    for (spec, h), _ in shapes.items():
+    for (spec, h), layers in shapes.items():
         n_kv, dk, dv, dt = spec
+        q = next((quant[i] for i in layers if i in quant), None)
         why = None if kernels.decode else kernels.reason
         if why is None and kernels.backend is not None:  # the gate each layer call passes (attention.py)
-            why = decode_attention.layer_refusal(dk, dv, h, n_kv, dt, kernels.backend)
+            why = (decode_attention.layer_refusal(dk, dv, h, n_kv, dt, kernels.backend) if q is None else
+                   decode_attention_quant.refusal(dk, dv, h, n_kv, dt, q, kernels.backend))
         if why is None and kernels.decode:
-            mma = decode_attention.uses_tensor_cores(dk, h // n_kv, dt, kernels.backend)
+            mma = q is None and decode_attention.uses_tensor_cores(dk, h // n_kv, dt, kernels.backend)
             path = "paged decode kernel" + (" on tensor cores" if mma else "")
         else:
             path, why = PORTABLE, why or "kernels off"
+        if q is not None:
+            path += f" over int{q.bits} pages (group {q.group_size})"
         paths.append((f"decode {path}" if len(shapes) == 1 else f"decode {_shape(spec, h)} {path}", why))
     return paths
 

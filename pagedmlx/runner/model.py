@@ -12,11 +12,14 @@ import mlx.nn as nn
 from pagedmlx.config import EngineConfig
 from pagedmlx.kv.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec,
                               sliding_pool_blocks)
-from pagedmlx.kernels import build, decode_attention, prefill_attention, recurrent_state
+from pagedmlx.kernels import build, prefill_attention, recurrent_state
 from pagedmlx.kernels.check import error_line
-from pagedmlx.kernels.selector import select_kernels
-from pagedmlx.runner.attention import KVPool, PagedLayerCache, install_paged_attention, warm_up_prefill
+from pagedmlx.kernels.selector import select_kernels, select_quantized
+from pagedmlx.kv_cache_dtype import bytes_per_token, layer_quant
+from pagedmlx.runner.attention import (KVPool, PagedLayerCache, decode_kernel_takes, install_paged_attention,
+                                       paged_decode, warm_up_prefill)
 from pagedmlx.runner.compiled_step import CompiledDecode
+from pagedmlx.runner.kv_quant import read_pages
 from pagedmlx.runner.attention_metadata import (WARM_UP_MAX_KEYS, StepMetadata, chunked_prefill_groups,
                                                 sdpa_shape_quantum)
 from pagedmlx.runner.plan import UnsupportedModelError, model_type, plan_layers
@@ -43,8 +46,11 @@ class Runner(Protocol):
 class ModelRunner:
     """Owns the model and its page pools; turns a SchedulerOutput into the logits of sampled rows."""
 
-    def __init__(self, model: nn.Module, config: EngineConfig, verify: bool = True):
+    def __init__(self, model: nn.Module, config: EngineConfig, verify: bool = True, draft_block_bytes: int = 0):
+        """draft_block_bytes: a draft model's bytes per block of the full-attention group
+        (spec_decode/draft_model.py), counted in the KV budget."""
         self.model = model
+        self.draft_block_bytes = draft_block_bytes
         self.block_size = config.block_size
         # Routed first: the plan's probe sees each layer's query heads and sinks through the dispatcher.
         routed = install_paged_attention(model)
@@ -54,6 +60,8 @@ class ModelRunner:
             raise UnsupportedModelError(
                 f"model type {model_type(model)!r} does not call mlx-lm's scaled_dot_product_attention")
         self._body, self._head = self._split_head()
+        self.kv_quant = {i: q for i, p in enumerate(self.plan) if p.has_pages
+                         and (q := layer_quant(config.kv_cache_dtype, config.kv_cache_group_size, p.spec[1], p.spec[2]))}
         self.kv_cache_config = self._kv_cache_config(config)
         paged = [g for g in self.kv_cache_config.kv_cache_groups if not g.is_state]  # the state group is last
         self.windows = [g.sliding_window for g in paged]
@@ -67,7 +75,13 @@ class ModelRunner:
                                       windows=tuple(sorted(set(self.windows), key=str)),
                                       sinks=tuple(sorted({p.sinks for p in attending})),
                                       state_layers=any(p.state is not None for p in self.plan),
-                                      prefill=config.prefill_kernel is not False)
+                                      prefill=config.prefill_kernel is not False, quantized=bool(self.kv_quant))
+        if self.kv_quant:  # the quantized decode kernel where it takes the layers and passes its check
+            self.kernels = select_quantized(self.kernels, [(p.spec, p.n_heads, self.kv_quant[i]) for i, p in
+                                                           enumerate(self.plan) if i in self.kv_quant],
+                                            self.block_size, config.kv_cache_dtype,
+                                            windows=tuple(sorted(set(self.windows), key=str)),
+                                            sinks=tuple(sorted({p.sinks for p in attending})))
         self.sdpa_quantum = (config.sdpa_quantum if config.sdpa_quantum is not None
                              else sdpa_shape_quantum(build.gpu_backend()))
         if self.kernels.state:
@@ -134,7 +148,12 @@ class ModelRunner:
         return self.kv_cache_config.kv_cache_groups[0].num_blocks
 
     def group_bytes_per_block(self, group: KVCacheGroupSpec) -> int:
-        return sum(self.block_size * h * (dk + dv) * dt.size for h, dk, dv, dt in (self.plan[i].spec for i in group.layer_ids))
+        return self.block_size * sum(self.layer_bytes_per_token(i) for i in group.layer_ids)
+
+    def layer_bytes_per_token(self, i: int) -> int:
+        """One token's keys and values in layer i's pages (scales and biases included where quantized)."""
+        h, dk, dv, dt = self.plan[i].spec
+        return bytes_per_token(h, dk, dv, dt.size, self.kv_quant.get(i))
 
     @property
     def bytes_per_block(self) -> int:
@@ -185,13 +204,13 @@ class ModelRunner:
                 kinds.setdefault((self.plan[owner].spec, p.n_heads, self.windows[self.group_of[owner]], p.sinks), owner)
         runs = 0
         for ((n_kv, dk, dv, dt), h, window, sinks), layer in kinds.items():
-            k_pages, v_pages = self.kv_pool.keys[layer], self.kv_pool.values[layer]
+            k_pages, v_pages = read_pages(self.kv_pool, layer)
             bs = k_pages.shape[2]
             sink = mx.zeros((h,), mx.float32) if sinks else None
             outs = []
             for splits in (1, 2):
-                if self.kernels.decode and decode_attention.supports_layer(dk, dv, h, n_kv, dt, self.kernels.backend):
-                    outs.append(decode_attention.paged_decode(
+                if self.kernels.decode and decode_kernel_takes(h, k_pages, v_pages, self.kernels.backend):
+                    outs.append(paged_decode(
                         mx.zeros((1, h, dk), dt), k_pages, v_pages, mx.zeros((1, 2), mx.int32), mx.array([2 * bs]),
                         1.0, splits, mx.array([bs], mx.int32), window=window, sinks=sink, backend=self.kernels.backend))
                 if self.kernels.prefill and prefill_attention.supports_prefill(dk, dv, h, n_kv, dt):
@@ -215,7 +234,7 @@ class ModelRunner:
             if p.kind == "full":
                 kinds.setdefault((p.spec, p.n_heads, p.sinks), i)
         for (_, n_heads, sinks), i in kinds.items():
-            warm_up_prefill(n_heads, self.kv_pool.keys[i], self.kv_pool.values[i], sinks, groups)
+            warm_up_prefill(n_heads, *read_pages(self.kv_pool, i), sinks, groups)
         return len(groups) * len(kinds)
 
     def _kv_cache_config(self, config: EngineConfig) -> KVCacheConfig:
@@ -234,7 +253,8 @@ class ModelRunner:
         caps = [None if not has_full or g.sliding_window is None else
                 sliding_pool_blocks(g.sliding_window, self.block_size, config.max_num_seqs,
                                     config.max_num_batched_tokens) for g in groups]
-        bpb = [self.group_bytes_per_block(g) for g in groups]
+        bpb = [self.group_bytes_per_block(g) + (self.draft_block_bytes if g.sliding_window is None else 0)
+               for g in groups]
 
         def sized(n: int) -> list[int]:
             return [n if cap is None else min(n + 1, cap) for cap in caps]
@@ -247,14 +267,17 @@ class ModelRunner:
                 mid = (lo + hi + 1) // 2
                 lo, hi = (mid, hi) if sum(c * b for c, b in zip(sized(mid), bpb)) <= budget else (lo, mid - 1)
             n = lo
-        for g, count, b in zip(groups, sized(n), bpb):
-            g.num_blocks, g.page_size_bytes = max(count, 2), b
+        for g, count in zip(groups, sized(n)):
+            g.num_blocks, g.page_size_bytes = max(count, 2), self.group_bytes_per_block(g)
+            g.kv_cache_dtype = (config.kv_cache_dtype if g.layer_ids[0] in self.kv_quant
+                                else str(self.plan[g.layer_ids[0]].spec[3]).split(".")[-1])
         return KVCacheConfig(self.block_size, groups + ([state] if state is not None else []))
 
-    def make_pool(self, kv_cache_config: KVCacheConfig) -> KVPool:
+    def make_pool(self, kv_cache_config: KVCacheConfig, quantized: bool = True) -> KVPool:
+        """The pages of kv_cache_config's groups; quantized=False: in the model's dtype whatever kv_cache_dtype."""
         layers = [(i, (g.num_blocks, self.plan[i].spec)) for g in kv_cache_config.kv_cache_groups if not g.is_state
                   for i in g.layer_ids]
-        return KVPool(self.block_size, layers, len(self.plan))
+        return KVPool(self.block_size, layers, len(self.plan), self.kv_quant if quantized else None)
 
     def make_state_pool(self, kv_cache_config: KVCacheConfig) -> Optional[StatePool]:
         group = next((g for g in kv_cache_config.kv_cache_groups if g.is_state), None)
@@ -265,12 +288,24 @@ class ModelRunner:
 
     def _split_head(self) -> tuple[Optional[Callable], Optional[Callable]]:
         """Find the transformer body and LM head so that only sampled rows are projected to the
-        vocabulary. Models that do more between the two (logit scaling, soft-capping) are caught
+        vocabulary (Gemma's 262k-token head on every prefill row would cost more than the layers).
+        A multimodal wrapper's text model is split (Gemma 3 / 4 checkpoints load wrapped); final
+        logit soft-capping joins the head. Models that do anything else between the two are caught
         by the verification below and run whole."""
         m = self.model
+        text = getattr(m, "language_model", None)
+        if isinstance(text, nn.Module):
+            m = text
         body = getattr(m, "model", None)
         if not callable(body):
             return None, None
+        head = getattr(m, "lm_head", None)
+        if head is None and hasattr(body, "embed_tokens"):  # tied (or a guess the check refutes)
+            head = body.embed_tokens.as_linear
+        if head is None:
+            return None, None
+        cap = getattr(m, "final_logit_softcapping", None)
+        return body, (head if not cap else _soft_capped(head, cap))
         if getattr(m, "lm_head", None) is not None:
             return body, m.lm_head
         # Tied: some models say so on themselves (gemma3_text drops its lm_head when the weights have none).
@@ -351,17 +386,32 @@ class ModelRunner:
             return error_line(exc)
 
     def _verify_against_mlx_lm(self) -> None:
-        """Run a short busy schedule on scratch pages and compare with mlx-lm's own caches; fall back
-        to the whole model call if the split head disagrees, refuse the model if pages disagree."""
+        """Run a short busy schedule on scratch pages and compare with mlx-lm's own caches. A split head
+        that disagrees gives way to the whole model call before any kernel is blamed (a head that is not
+        plain would otherwise switch right kernels off); kernels that still disagree are switched off,
+        and the split tried again without them; a model whose pages still disagree is refused."""
         err = self._check()
-        if err is not None and self.kernels.enabled:  # the portable paths may be right
-            self.kernels = self.kernels.switch_off(f"the model's paged forward disagrees with mlx-lm ({err})")
-            err = self._check()
+        split = self._body, self._head
         if err is not None and self._head is not None:
             self._body = self._head = None
             err = self._check()
+        if err is not None and self.kernels.enabled:  # the portable paths may be right
+            self.kernels = self.kernels.switch_off(f"the model's paged forward disagrees with mlx-lm ({err})")
+            if split[1] is not None:
+                self._body, self._head = split
+            err = self._check()
+            if err is not None and self._head is not None:
+                self._body = self._head = None
+                err = self._check()
         if err is not None:
             raise UnsupportedModelError(
                 f"model type {model_type(self.model)!r} gives different logits on pages than with "
                 f"mlx-lm's own cache ({err}); refusing to serve wrong tokens")
+
+
+def _soft_capped(head: Callable, cap: float) -> Callable:
+    """The LM head followed by final logit soft-capping, as Gemma 2 / 3n / 4 apply it."""
+    def capped(h: mx.array) -> mx.array:
+        return mx.tanh(head(h) / cap) * cap
+    return capped
 

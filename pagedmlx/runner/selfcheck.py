@@ -50,7 +50,7 @@ class CheckedRunner(Protocol):
     vocab_size: int
     kv_cache_config: KVCacheConfig
 
-    def make_pool(self, kv_cache_config: KVCacheConfig) -> KVPool: ...
+    def make_pool(self, kv_cache_config: KVCacheConfig, quantized: bool = True) -> KVPool: ...
 
     def make_state_pool(self, kv_cache_config: KVCacheConfig) -> Optional[StatePool]: ...
 
@@ -58,10 +58,13 @@ class CheckedRunner(Protocol):
                 state_pool: Optional[StatePool] = None) -> mx.array: ...
 
 
-def check_paged_forward(runner: CheckedRunner) -> Optional[str]:
+def check_paged_forward(runner: CheckedRunner, errors: Optional[dict[str, float]] = None) -> Optional[str]:
     """A busy schedule on a scratch pool: chunked prefill across a window, a 1-token prompt and
-    decodes. Returns None if every compared logit row matches mlx-lm within the dtype's tolerance
-    (relative to the logits' scale), else a description of the mismatch."""
+    decodes. The scratch pages are in the model's dtype whatever kv_cache_dtype (quantized pages
+    differ from mlx-lm's own cache by design; tests/test_kv_quant.py checks them). Returns None if
+    every compared logit row matches mlx-lm within the dtype's tolerance (relative to the logits'
+    scale), else a description of the mismatch. `errors`, if given, receives each prompt's largest
+    relative difference (scripts/gpu/check_families.py prints them)."""
     bs = runner.block_size
     window = max((w for w in runner.windows if w), default=0)
     tokens, steps = _schedule(bs, window, runner.vocab_size)
@@ -70,7 +73,7 @@ def check_paged_forward(runner: CheckedRunner) -> Optional[str]:
     num_blocks = sum(cdiv(len(t), bs) for t in tokens.values()) + 2
     config = KVCacheConfig(bs, [KVCacheGroupSpec(MambaSpec() if g.is_state else g.kv_cache_spec, num_blocks + 1,
                                                  g.layer_ids) for g in runner.kv_cache_config.kv_cache_groups])
-    manager, pool = KVCacheManager(config, enable_caching=False), runner.make_pool(config)
+    manager, pool = KVCacheManager(config, enable_caching=False), runner.make_pool(config, quantized=False)
     state_pool = runner.make_state_pool(config)
     got: dict[str, dict[int, mx.array]] = {k: {} for k in tokens}
     dtype = None
@@ -97,6 +100,8 @@ def check_paged_forward(runner: CheckedRunner) -> Optional[str]:
         chunks = [n for s in steps for r, n in s if r == rid]
         want = _mlx_lm_logits(runner.model, t, sorted(got[rid]), chunks)
         err, pos = _max_error(got[rid], want)
+        if errors is not None:
+            errors[rid] = err
         if not err <= tol:  # NaN included
             # mlx-lm against itself, in one chunk instead of these: how far this model's logits move
             # with the order of its own sums in this dtype. Pages may differ by as much, not more.

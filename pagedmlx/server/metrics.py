@@ -52,6 +52,8 @@ class EngineSnapshot:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # per KV cache group with pages: (name, what its pages hold, bytes of one token over the group's layers)
+    bytes_per_token: list[tuple[str, str, int]] = field(default_factory=list)
 
     @classmethod
     def take(cls, engine: EngineCore) -> "EngineSnapshot":
@@ -68,7 +70,9 @@ class EngineSnapshot:
                    kv.stats.queries, kv.stats.hits,
                    engine.scheduler.num_preemptions, s.num_steps, s.schedule_s, s.forward_s, s.update_s,
                    s.num_tokens, state.num_checkpoint_hits if state else 0, state.num_checkpoints_saved if state else 0,
-                   guided.num_requests, guided.num_compiles, *spec_counts)
+                   guided.num_requests, guided.num_compiles, *spec_counts,
+                   [(g.name, g.kv_cache_dtype, g.page_size_bytes // kv.kv_cache_config.block_size)
+                    for g in kv.kv_cache_config.kv_cache_groups if not g.is_state])
 
 
 class ServerMetrics:
@@ -99,6 +103,9 @@ class ServerMetrics:
         self.blocks_cached_free = Gauge("pagedmlx:kv_blocks_cached_free",
                                         "Free KV-cache blocks that still hold a reusable prefix.", group_labels,
                                         registry=r)
+        self.bytes_per_token = Gauge("pagedmlx:kv_cache_bytes_per_token",
+                                     "Bytes one token takes in the group's pages, over its layers (scales included).",
+                                     group_labels + ["kv_cache_dtype"], registry=r)
         self._engine_counters = {
             "prefix_queries": counter("vllm:prefix_cache_queries",
                                       "Prefix cache queries, in terms of number of queried tokens."),
@@ -165,6 +172,8 @@ class ServerMetrics:
             self.blocks_total.labels(self._model, name).set(total)
             self.blocks_free.labels(self._model, name).set(free)
             self.blocks_cached_free.labels(self._model, name).set(cached)
+        for name, dtype, per_token in snap.bytes_per_token:
+            self.bytes_per_token.labels(self._model, name, dtype).set(per_token)
         for name, counter in self._engine_counters.items():
             total = getattr(snap, name)
             if total > self._seen[name]:

@@ -4,6 +4,8 @@ request's pages, the sampler samples every row, and the engine keeps the drafts 
 
 - config.py: SpeculativeConfig (vLLM's `speculative_config` JSON), plain data
 - ngram_proposer.py: prompt lookup (vLLM's "ngram" method)
+- draft_model.py: DraftModelProposer (vLLM's "draft_model" method): a small model on its own pages,
+  addressed by the target's block ids
 - drafter.py: which requests speculate (eligibility, adaptive pauses, the batch-size off-switch)
 - metrics.py: SpecDecodingStats (vLLM's spec-decode counters)
 """

@@ -1,6 +1,6 @@
 """SpeculativeConfig: vLLM's `speculative_config` (`LLM(..., speculative_config={...})`,
 `pagedmlx serve --speculative-config '{...}'`). Plain data: EngineConfig crosses a process boundary
-pickled (core/proc.py)."""
+pickled (core/proc.py); only an in-process engine may take a loaded draft model object as `model`."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-METHODS = ("ngram",)
-_LATER = {"draft_model": "a draft model", "eagle": "EAGLE", "eagle3": "EAGLE-3", "mtp": "MTP heads",
+METHODS = ("ngram", "draft_model")
+_LATER = {"eagle": "EAGLE", "eagle3": "EAGLE-3", "mtp": "MTP heads",
           "medusa": "Medusa", "mlp_speculator": "an MLP speculator", "suffix": "suffix decoding"}
 
 
@@ -29,12 +29,19 @@ class SpeculativeConfig:
     # Adaptive, per request: one whose recent drafts are accepted at less than this rate (accepted / drafted,
     # a moving average) stops proposing for a while, twice as long each time it happens again.
     min_acceptance_rate: float = 0.15
+    # draft_model: the draft (an mlx-lm folder, hub name, .gguf or random:<arch>, as the target's `model`;
+    # or, in-process only, a loaded mlx-lm model). Same tokenizer as the target (spec_decode/draft_model.py).
+    model: Any = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             later = _LATER.get(self.method)
             raise ValueError(f"speculative_config.method {self.method!r} is not supported"
                              + (f" yet ({later}: issue 28)" if later else "") + f"; choose one of {', '.join(METHODS)}")
+        if self.method == "draft_model" and self.model is None:
+            raise ValueError("speculative_config.model is required with method 'draft_model' (the draft model's path)")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError(f"speculative_config.model {self.model!r} needs method 'draft_model' (ngram has no model)")
         k = self.num_speculative_tokens
         if k is None:
             raise ValueError("speculative_config.num_speculative_tokens is required (e.g. 4)")
@@ -74,14 +81,15 @@ class SpeculativeConfig:
 
 
 def _vllm_keys(d: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's dict: `model: "[ngram]"` (older vLLM) names the method; a draft model's name is refused."""
+    """vLLM's dict: `model: "[ngram]"` (older vLLM) names the method; another model without a method is
+    a draft model (vLLM's default for a model that is not EAGLE, MTP or an MLP speculator)."""
     d = dict(d)
-    model = d.pop("model", None)
-    if model is not None:
-        if str(model).strip("[]") != "ngram":
-            raise ValueError(f"speculative_config.model {model!r}: draft models are not supported yet (issue 28); "
-                             "use method 'ngram'")
+    model = d.get("model")
+    if isinstance(model, str) and model.strip("[]") == "ngram":
+        del d["model"]
         d.setdefault("method", "ngram")
+    elif model is not None:
+        d.setdefault("method", "draft_model")
     known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
     unknown = sorted(set(d) - known)
     if unknown:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from pagedmlx.request import Request
 from pagedmlx.spec_decode.config import SpeculativeConfig
@@ -37,11 +37,12 @@ class _Acceptance:
 
 
 class Drafter:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Any = None):
+        """proposer: the method's (a DraftModelProposer for draft_model); None: the n-gram proposer."""
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
-                                      config.prompt_lookup_max)
+        self.proposer = proposer or NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                                                  config.prompt_lookup_max)
         self._acceptance: "weakref.WeakKeyDictionary[Request, _Acceptance]" = weakref.WeakKeyDictionary()
         self._logged: set[str] = set()
         self.num_paused = 0  # times a request stopped proposing for its low acceptance
@@ -68,8 +69,8 @@ class Drafter:
     def propose_draft_token_ids(self, requests: Iterable[Request]) -> dict[str, list[int]]:
         """Drafts for the requests that just sampled their last token (caught up: every token but it
         computed), where they speculate; at most what max_tokens and max_model_len leave after the
-        token that the verification itself adds."""
-        drafts = {}
+        token that the verification itself adds. A proposer with propose_batch drafts for all at once."""
+        drafts, batch = {}, []
         for req in requests:
             if req.num_computed_tokens != req.num_tokens - 1 or req.num_output_placeholders or not self.speculates(req):
                 continue
@@ -80,10 +81,14 @@ class Drafter:
             max_tokens = req.sampling_params.max_tokens
             if max_tokens is not None:
                 room = min(room, max_tokens - req.num_output_tokens - 1)
-            if room > 0:
+            if room > 0 and hasattr(self.proposer, "propose_batch"):
+                batch.append((req, room))
+            elif room > 0:
                 draft = self.proposer.propose(req, room)
                 if draft:
                     drafts[req.request_id] = draft
+        if batch:
+            drafts.update(self.proposer.propose_batch(batch))
         return drafts
 
     def observe(self, request: Request, num_draft_tokens: int, num_accepted_tokens: int) -> None:
@@ -98,3 +103,23 @@ class Drafter:
             state.pause = min(2 * state.pause, MAX_PAUSE_TOKENS)
             state.rate = min(1.0, 2 * floor)  # after the pause, two or three bad drafts pause it again
             self.num_paused += 1
+
+
+def make_drafter(config: Optional[SpeculativeConfig], max_model_len: int, kv_cache_manager, draft_proposer: Any = None,
+                 vocab_size: int = 0, tokenizers: tuple = (None, None)) -> Optional[Drafter]:
+    """The engine's Drafter; None where speculation is off (no config, or a target with recurrent state).
+    A draft model's proposer (spec_decode/draft_model.py) is bound to the target's pages here;
+    tokenizers: the target's and the draft's, compared."""
+    if config is None:
+        return None
+    if kv_cache_manager.state_manager is not None:
+        logger.warning("speculative decoding is off: this model has recurrent-state layers, whose state "
+                       "cannot roll back rejected drafts yet (issue 28)")
+        return None
+    if draft_proposer is not None:  # its own log line said what it is
+        draft_proposer.bind(kv_cache_manager, vocab_size, *tokenizers)
+    else:
+        logger.info("speculative decoding: %s, %d draft tokens (n-grams of %d-%d tokens), while at most %d "
+                    "requests run", config.method, config.num_speculative_tokens, config.prompt_lookup_min,
+                    config.prompt_lookup_max, config.disable_by_batch_size)
+    return Drafter(config, max_model_len, draft_proposer)

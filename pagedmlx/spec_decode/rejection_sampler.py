@@ -1,5 +1,5 @@
 """Verifying draft tokens (vLLM's RejectionSampler, for drafts that are a single proposed token each,
-as the n-gram proposer's are).
+as the n-gram proposer's and the draft model's are).
 
 The sampler samples every row of a request with k drafts d_1..d_k: row j (j = 0..k) gives the target's
 token t_j for the position after the request's tokens and the drafts before it. Kept: t_0 .. t_a,
@@ -15,8 +15,13 @@ where a is the first j with t_j != d_{j+1} (a = k when all agree: t_k is the bon
   The kept tokens therefore follow the target distribution (Leviathan et al. 2023; Chen et al. 2023)
   and, since the noise depends only on (seed, position), a seeded request gives the very tokens it
   gives without speculation (the same coupling vLLM's recovered-token sampling reaches only in law).
-  A draft model with a full distribution q (issue 28, next) needs the general rule: accept with
-  min(1, p / q) drawn from its own uniform, recover from norm(max(0, p - q)).
+  A draft model (draft_model.py) proposes with a distribution q of its own, but as a point mass all
+  the same: its token is argmax(y_j + g_j), its own processed logits y_j with the very noise g_j that
+  the target's row j draws (sampler.sample_draft_tokens). The kept tokens are still the target's own
+  samples, so the law above holds whatever q is; q only decides how often the draft is accepted: with
+  the noise shared (a Gumbel-max coupling), always when q = p, and with probability at least
+  (1 - TV) / (1 + TV), TV the total variation between p and q, otherwise (the general rule, accept with
+  min(1, p / q) and recover from norm(max(0, p - q)), gets 1 - TV; it would give up seeded tokens).
 """
 
 from __future__ import annotations

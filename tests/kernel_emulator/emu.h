@@ -187,6 +187,7 @@ inline float exp(float x) { return std::exp(x); }
 template <class T> T simd_shuffle_xor(T v, unsigned short mask) { return emu::shuffle_xor(v, mask); }
 inline void threadgroup_barrier(mem_flags) { emu::barrier(); }
 }  // namespace metal
+template <class To, class From> To as_type(From x) { static_assert(sizeof(To) == sizeof(From)); To t; std::memcpy(&t, &x, sizeof(To)); return t; }
 using namespace metal;
 #endif
 
@@ -204,6 +205,8 @@ typedef _Float16 __half;
 struct Shape { int d[10]; int operator[](int i) const { return d[i]; } };
 inline float __expf(float x) { return std::exp(x); }
 inline float __int_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 template <class T> T __shfl_xor_sync(unsigned, T v, int mask) { return emu::shuffle_xor(v, mask); }
 inline void __syncthreads() { emu::barrier(); }
 template <class T> T __ldg(const T* p) { return *p; }

@@ -1,0 +1,77 @@
+"""Quantized KV pages (kv_cache_dtype int8 / int4): how a layer's pages hold values, scales and
+biases, how new keys and values are written into them, and how a read dequantizes what it gathered.
+
+A quantized layer's pages are three arrays per side, each [num_blocks, n_kv_heads, block_size, *]:
+the values packed into uint32 (head_dim * bits / 32 words), and a scale and a bias per group of
+channels in the model's dtype (head_dim / group_size each), as `mx.quantize` makes them and as
+mlx-lm's QuantizedKVCache keeps them. Like the 16-bit pages they live only in KVPool's lists.
+
+QuantizedPages is what attention reads in place of a 16-bit page array: it has the shape and dtype
+of the pages it stands for, and gathers rows of its three parts then dequantizes, so the portable
+gather paths run unchanged. No paged kernel reads it (the kernel plan is off for quantized pools).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+
+from pagedmlx.kv_cache_dtype import KVQuant
+
+
+class QuantizedPages:
+    """One side (keys or values) of a quantized layer's pages, for one step's reads."""
+
+    def __init__(self, packed: mx.array, scales: mx.array, biases: mx.array, quant: KVQuant):
+        self.packed, self.scales, self.biases, self.quant = packed, scales, biases, quant
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(num_blocks, n_kv_heads, block_size, head_dim): the shape of the pages it stands for."""
+        P, h, bs, _ = self.scales.shape
+        return (P, h, bs, self.scales.shape[-1] * self.quant.group_size)
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.scales.dtype
+
+    def gather_rows(self, rows: mx.array, nb: int) -> mx.array:
+        """Pages (P, h, bs, *) flattened to rows of (P * h, bs * *), the rows taken (as attention's
+        _gather_rows), then dequantized -> (B, h, nb * bs, head_dim) in the model's dtype."""
+        parts = [_take(a, rows, nb) for a in (self.packed, self.scales, self.biases)]
+        return mx.dequantize(*parts, group_size=self.quant.group_size, bits=self.quant.bits)
+
+
+def _take(pages: mx.array, rows: mx.array, nb: int) -> mx.array:
+    P, h, bs, d = pages.shape
+    return pages.reshape(P * h, bs * d)[rows].reshape(rows.shape[0], h, nb * bs, d)
+
+
+def make_pages(num_blocks: int, h: int, block_size: int, dim: int, dtype: mx.Dtype,
+               quant: KVQuant) -> tuple[mx.array, mx.array, mx.array]:
+    """Zeroed packed values, scales and biases for one side of one layer."""
+    groups = dim // quant.group_size
+    return (mx.zeros((num_blocks, h, block_size, quant.packed_dim(dim)), mx.uint32),
+            mx.zeros((num_blocks, h, block_size, groups), dtype), mx.zeros((num_blocks, h, block_size, groups), dtype))
+
+
+def write_quantized(pool, i: int, keys: mx.array, values: mx.array, blocks: mx.array, offsets: mx.array) -> None:
+    """Quantize the step's new keys and values (T, n_kv, 1, D) of layer i and scatter them into its
+    pages at (blocks, offsets), each part through the pool's own list (in place: no second reference)."""
+    quant = pool.quant[i]
+    for side, x in (("keys", keys), ("values", values)):
+        x = x[:, :, 0, :]
+        dtype = getattr(pool, f"{side[0]}_scales")[i].dtype
+        parts = mx.quantize(x if x.dtype == dtype else x.astype(dtype), group_size=quant.group_size, bits=quant.bits)
+        for name, part in zip((side, f"{side[0]}_scales", f"{side[0]}_biases"), parts):
+            getattr(pool, name)[i][blocks, :, offsets] = part
+
+
+def read_pages(pool, i: int) -> tuple:
+    """(keys, values) of layer i as attention reads them: arrays, or QuantizedPages."""
+    quant: Optional[KVQuant] = pool.quant[i]
+    if quant is None:
+        return pool.keys[i], pool.values[i]
+    return (QuantizedPages(pool.keys[i], pool.k_scales[i], pool.k_biases[i], quant),
+            QuantizedPages(pool.values[i], pool.v_scales[i], pool.v_biases[i], quant))

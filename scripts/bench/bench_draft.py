@@ -1,0 +1,155 @@
+"""Speculative decoding with a draft model at batch 1: pagedmlx with the draft (`speculative_config`
+method draft_model) against mlx-lm's own `speculative_generate_step` on the same (target, draft) pair,
+and both against plain decoding (pagedmlx without speculation, mlx-lm's `generate_step`). Prompts run
+one after another (batch 1); the four runs interleave `--rounds` times (order rotated each round); the
+table gives each one's median output tok/s and the ratios. Greedy: every run's tokens are compared with
+mlx-lm's generate_step (exact on the CPU in float32; on a GPU they may part after a near tie).
+
+The draft (`--draft`):
+  layers:N   the target's first N layers with its embeddings, final norm and head (weights shared)
+  q4, q8     the target's linear layers quantized to 4 / 8 bits (nn.quantize, group size 64), embeddings kept
+  PATH       any model the loader takes (same tokenizer)
+
+    python scripts/bench/bench_draft.py --draft layers:10 --k 3 --rounds 3                 # SmolLM2, CPU
+    python scripts/bench/bench_draft.py preset:llama-8b --draft q4 --dtype bfloat16 --k 4    # H200
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+from bench_spec import QUESTIONS, prompts_for  # noqa: E402
+
+from pagedmlx.llm import LLM  # noqa: E402
+from pagedmlx.loader import load_model  # noqa: E402
+from pagedmlx.sampling_params import SamplingParams  # noqa: E402
+
+
+def make_draft(target: nn.Module, how: str, dtype) -> nn.Module:
+    """A draft from the target: its first layers (`layers:N`) or a quantized copy (`q4`, `q8`); else a path."""
+    if not (how.startswith("layers:") or how in ("q4", "q8")):
+        return load_model(how, dtype=dtype)[0]
+    args = target.args
+    params = target.parameters()
+    if how.startswith("layers:"):
+        n = int(how.split(":")[1])
+        cut = {"num_hidden_layers": n}
+        if getattr(args, "layer_types", None):  # mlx-lm fills it from num_hidden_layers: cut it too
+            cut["layer_types"] = list(args.layer_types[:n])
+        args = type(args).from_dict({**vars(args), **cut})
+        params["model"]["layers"] = params["model"]["layers"][:n]
+        params["model"].pop("layer_types", None)  # a list attribute that parameters() reports too
+    draft = type(target)(args)
+    draft.update(params)  # the target's arrays, not copies
+    if how in ("q4", "q8"):
+        # the projections only: a quantized (tied) embedding as the LM head costs most of the agreement
+        nn.quantize(draft, group_size=64, bits=int(how[1]), class_predicate=lambda _, m: isinstance(m, nn.Linear))
+    mx.eval(draft.parameters())
+    return draft
+
+
+def mlx_lm_run(target, draft, prompts, max_tokens: int, k: int, eos: set[int]) -> tuple[float, list, float]:
+    """tok/s over the prompts one after another, the tokens, and (with a draft) its acceptance rate."""
+    from mlx_lm.generate import generate_step, speculative_generate_step
+
+    out, accepted, elapsed = [], 0, 0.0
+    for p in prompts:
+        t = time.perf_counter()
+        ids = []
+        if draft is None:
+            steps = ((tok, False) for tok, _ in generate_step(mx.array(p), target, max_tokens=max_tokens))
+        else:
+            steps = ((tok, fd) for tok, _, fd in speculative_generate_step(
+                mx.array(p), target, draft, num_draft_tokens=k, max_tokens=max_tokens))
+        for (tok, from_draft), _ in zip(steps, range(max_tokens)):
+            ids.append(int(tok))
+            accepted += bool(from_draft)
+            if ids[-1] in eos:
+                break
+        elapsed += time.perf_counter() - t
+        out.append(ids)
+    n = sum(map(len, out))
+    return n / elapsed, out, accepted / max(n, 1)
+
+
+def engine_run(llm: LLM, prompts, params) -> tuple[float, list]:
+    out, elapsed = [], 0.0
+    for p in prompts:
+        t = time.perf_counter()
+        o = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
+        elapsed += time.perf_counter() - t
+        out.append(o[0].outputs[0].token_ids)
+    return sum(map(len, out)) / elapsed, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", nargs="?", default=None, help="the target (default: the default model, SmolLM2-135M)")
+    ap.add_argument("--draft", default="layers:10")
+    ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens (mlx-lm's num_draft_tokens)")
+    ap.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: as loaded)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--workload", choices=["chat", "quote"], default="chat")
+    ap.add_argument("--kv-cache-gb", type=float, default=1.0)
+    args = ap.parse_args()
+    target, tok = load_model(args.model, dtype=args.dtype)
+    if args.dtype:
+        target.set_dtype(getattr(mx, args.dtype))
+    draft = make_draft(target, args.draft, args.dtype)
+    try:
+        prompts = prompts_for(tok, args.prompts, args.workload)[:args.prompts]
+    except Exception:  # noqa: BLE001 - a tokenizer without a chat template (random presets): the plain text
+        prompts = [tok.encode(QUESTIONS[i % len(QUESTIONS)]) for i in range(args.prompts)]
+    eos = set(tok.eos_token_ids)
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": args.k, "disable_by_batch_size": 1}
+    on = LLM(target, tok, speculative_config=spec, kv_cache_memory_gb=args.kv_cache_gb, max_num_seqs=4)
+    off = LLM(target, tok, kv_cache_memory_gb=args.kv_cache_gb, max_num_seqs=4)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    stats = on.engine.scheduler.spec_decoding_stats
+    runs = {
+        "pagedmlx + draft": lambda: engine_run(on, prompts, params),
+        "mlx-lm speculative_generate_step": lambda: mlx_lm_run(target, draft, prompts, args.max_tokens, args.k, eos)[:2],
+        "pagedmlx, no speculation": lambda: engine_run(off, prompts, params),
+        "mlx-lm generate_step": lambda: mlx_lm_run(target, None, prompts, args.max_tokens, args.k, eos)[:2],
+    }
+    for fn in runs.values():  # warm-up: kernels, shapes
+        fn()
+    mlx_acceptance = mlx_lm_run(target, draft, prompts[:1], 32, args.k, eos)[2]
+    before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+    tps: dict[str, list[float]] = {name: [] for name in runs}
+    ids: dict[str, list] = {}
+    names = list(runs)
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t, ids[name] = runs[name]()
+            tps[name].append(t)
+    drafts, drafted, accepted = (a - b for a, b in zip(
+        (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens), before))
+    ref = ids["mlx-lm generate_step"]
+    med = {name: statistics.median(v) for name, v in tps.items()}
+    print(f"target {args.model or 'default (SmolLM2-135M-Instruct)'} ({args.dtype or 'as loaded'}), draft {args.draft}, "
+          f"k {args.k}, {args.workload} workload, {len(prompts)} prompts one after another, {args.max_tokens} max new "
+          f"tokens, median of {args.rounds} interleaved rounds; {mx.default_device()}")
+    print(f"pagedmlx acceptance {accepted / max(drafted, 1):.2f} ({accepted}/{drafted} draft tokens, mean acceptance "
+          f"length {1 + accepted / max(drafts, 1):.2f}); mlx-lm: {mlx_acceptance:.2f} of its tokens from the draft")
+    print("| run | tok/s | vs mlx-lm speculative | vs mlx-lm generate_step | tokens == generate_step |")
+    print("|---|---:|---:|---:|---|")
+    for name in names:
+        same = sum(a == b for a, b in zip(ids[name], ref))
+        print(f"| {name} | {med[name]:.1f} | {med[name] / med['mlx-lm speculative_generate_step']:.2f}x | "
+              f"{med[name] / med['mlx-lm generate_step']:.2f}x | {same}/{len(ref)} prompts |")
+
+
+if __name__ == "__main__":
+    main()

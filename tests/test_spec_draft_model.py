@@ -1,0 +1,146 @@
+"""Speculative decoding with a draft model (spec_decode/draft_model.py): greedy output with a draft equals
+mlx-lm's solo generation token for token (busy engines, staggered arrivals, chunked prefill, preemption,
+prefix hits; plain and sliding-window targets), seeded sampling gives the tokens it gives without
+speculation, and the pair is checked at load.
+
+Drafts: the target's own weights (random_model with the same seed: every draft accepted), its first
+layer only (some accepted), or an unrelated random model (almost all rejected)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from test_spec_decode import GREEDY, busy_prompts
+from utils import assert_no_leaks, make_model, run_staggered, run_to_completion, solo_greedy
+
+from pagedmlx.config import EngineConfig
+from pagedmlx.engine import LLMEngine
+from pagedmlx.models.random_model import random_model
+from pagedmlx.runner.model import UnsupportedModelError
+from pagedmlx.sampling_params import SamplingParams
+
+ARCH = {"llama": "llama-tiny", "qwen3": "qwen3-tiny", "gemma3-tiny": "gemma3-tiny"}
+
+
+def draft_model(arch: str, kind: str):
+    """"same": the target's weights; "first": its first layer; "other": unrelated weights."""
+    model = random_model(ARCH.get(arch, arch), 7 if kind == "other" else 0)
+    if kind == "first":
+        model.model.layers = model.model.layers[:1]
+    return model
+
+
+def draft_spec(draft, k: int = 3, **kw) -> dict:
+    return {"method": "draft_model", "model": draft, "num_speculative_tokens": k, "disable_by_batch_size": 64,
+            "min_acceptance_rate": 0.0, **kw}
+
+
+def engine_with(target, draft, k: int = 3, **config) -> LLMEngine:
+    return LLMEngine(target, None, EngineConfig(block_size=4, speculative_config=draft_spec(draft, k), **config))
+
+
+@pytest.mark.parametrize("arch,kind", [("llama", "first"), ("llama", "same"), ("qwen3", "first"),
+                                       ("qwen3", "other"), ("gemma3-tiny", "llama")])
+def test_busy_engine_with_a_draft_model_equals_solo(arch, kind):
+    """Shared prefixes, prompts extending an earlier prompt by its answer (prefix hits on pages that
+    speculative steps filled), a pool small enough to preempt, chunked prefill."""
+    target = make_model(arch)
+    draft = random_model("llama-tiny", 0) if kind == "llama" else draft_model(arch, kind)
+    prompts = busy_prompts(arch, seed=11)
+    refs = {tuple(p): solo_greedy(target, p, GREEDY.max_tokens) for p in prompts}
+    engine = engine_with(target, draft, num_blocks=64, max_num_batched_tokens=48, long_prefill_token_threshold=16,
+                         max_num_seqs=16)
+    done = run_staggered(engine, prompts, GREEDY, seed=2)
+    for i, p in enumerate(prompts):
+        assert done[str(i)] == refs[tuple(p)], f"request {i} (prompt {len(p)} tokens)"
+    stats = engine.scheduler.spec_decoding_stats
+    assert stats.num_draft_tokens > 0
+    if kind == "same":
+        assert stats.num_accepted_tokens == stats.num_draft_tokens, stats
+    if kind == "first":
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    assert engine.scheduler.num_preemptions > 0 and engine.kv_cache_manager.stats.hits > 0
+    assert_no_leaks(engine)
+
+
+def test_the_target_draft_pair_shares_one_block_budget():
+    """Sized from kv_cache_memory_gb, the pool holds fewer blocks with a draft (both models' bytes per
+    block count), and the draft has a page per block of the target's."""
+    target = make_model("llama")
+    plain = LLMEngine(target, None, EngineConfig(block_size=4, kv_cache_memory_gb=0.01))
+    paired = engine_with(target, draft_model("llama", "same"), kv_cache_memory_gb=0.01)
+    n_plain, n_paired = plain.runner.num_blocks, paired.runner.num_blocks
+    assert n_paired < n_plain and abs(n_paired * 2 - n_plain) <= 2  # the draft is as large as the target here
+    assert paired.draft_proposer.runner.kv_pool.keys[0].shape[0] == n_paired
+
+
+def test_seeded_sampling_with_a_draft_model_keeps_its_tokens():
+    """Temperature 0.8, top_p 0.9: each seed's tokens equal its tokens without speculation; with the
+    target's own weights as the draft, the draft samples with the target row's noise and so every
+    draft is accepted."""
+    target = make_model("llama")
+    prompts = [[17, 42, 99, 7, 250], [3, 1, 4, 1, 5, 9, 2, 6]]
+    results, stats = [], {}
+    for kind in (None, "same", "first"):
+        spec = draft_spec(draft_model("llama", kind)) if kind else None
+        engine = LLMEngine(target, None, EngineConfig(block_size=4, num_blocks=128, speculative_config=spec))
+        for s in range(12):
+            engine.add_request(str(s), prompts[s % 2], SamplingParams(temperature=0.8, top_p=0.9, seed=s,
+                                                                      max_tokens=10, ignore_eos=True))
+        done = run_to_completion(engine)
+        results.append([done[str(s)].token_ids for s in range(12)])
+        stats[kind] = engine.scheduler.spec_decoding_stats
+        assert_no_leaks(engine)
+    assert results[0] == results[1] == results[2]
+    assert stats["same"].num_accepted_tokens == stats["same"].num_draft_tokens > 0
+    assert stats["first"].num_accepted_tokens < stats["first"].num_draft_tokens
+
+
+def test_a_draft_model_with_a_window_or_another_vocabulary_is_refused():
+    target = make_model("llama")
+    with pytest.raises(UnsupportedModelError, match="full-attention layers only"):
+        engine_with(target, random_model("gemma3-tiny", 0), num_blocks=32)
+    with pytest.raises(ValueError, match=r"vocabulary \(384 tokens\) is smaller"):
+        engine_with(target, random_model("llama-tiny-tied", 0), num_blocks=32)
+
+
+def test_a_recurrent_target_does_not_speculate_and_stays_exact(caplog):
+    target = make_model("qwen3_5-tiny")
+    prompt = [5, 6, 7, 8, 9, 10]
+    with caplog.at_level(logging.WARNING, logger="pagedmlx"):
+        engine = engine_with(target, draft_model("llama", "same"), num_blocks=32)
+    assert engine.drafter is None and "recurrent-state layers" in caplog.text
+    engine.add_request("0", prompt, GREEDY)
+    assert run_to_completion(engine)["0"].token_ids == solo_greedy(target, prompt, GREEDY.max_tokens)
+
+
+def test_the_draft_model_loads_from_a_name_and_through_llm():
+    from pagedmlx.llm import LLM
+
+    llm = LLM("random:llama-tiny", block_size=4, num_blocks=64,
+              speculative_config={"model": "random:llama-tiny", "num_speculative_tokens": 2})
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == solo_greedy(make_model("llama"), [1, 2, 3], 8)
+    stats = llm.engine.core.scheduler.spec_decoding_stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0  # the same random weights
+
+
+def test_the_draft_catches_up_by_count_not_from_the_start():
+    """Each step the draft computes only what it has not: its catch-up after an accepted or rejected draft
+    is a token or two, so over a request it computes about its tokens plus k - 1 drafts a step."""
+    target = make_model("llama")
+    engine = engine_with(target, draft_model("llama", "first"), k=3, num_blocks=64)
+    runner = engine.draft_proposer.runner
+    forward, computed = runner.forward, []
+
+    def count(so, prev=None):
+        computed.append(so.total_num_scheduled_tokens)
+        return forward(so, prev)
+
+    runner.forward = count
+    prompt = list(range(3, 23))
+    engine.add_request("0", prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    assert run_to_completion(engine)["0"].token_ids == solo_greedy(target, prompt, 40)
+    drafts = engine.scheduler.spec_decoding_stats.num_drafts
+    assert sum(computed) <= len(prompt) + 40 + 2 * drafts, (sum(computed), drafts)
