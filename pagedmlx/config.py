@@ -44,6 +44,9 @@ class EngineConfig:
     # CPU the host work competes with the forward pass for the cores: docs/benchmarks.md).
     async_scheduling: Optional[bool] = None
     async_min_batch: int = 1  # running requests from which steps overlap (1: every step)
+    # Decode-only steps traced once per shape key and replayed through mx.compile (vLLM's CUDA graphs in
+    # spirit: runner/compiled_step.py), where the pages are written in place (CUDA). Off by default.
+    compile_decode: bool = False
     # "auto": sampling defaults from the model's generation_config.json (as vLLM); "vllm": vLLM's own.
     generation_config: str = "auto"
     dtype: Optional[str] = None  # "float32" / "float16" / "bfloat16" for unquantized weights; None: as loaded

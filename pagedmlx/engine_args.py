@@ -35,6 +35,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="share KV pages of common prefixes between requests")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="build step N+1 while step N runs (default: on GPU backends)")
+    p.add_argument("--compile-decode", action="store_true",
+                   help="replay decode-only steps through mx.compile, traced once per shape (CUDA; default: off)")
     p.add_argument("--warm-up-attention", action=argparse.BooleanOptionalAction, default=None,
                    help="build the attention shapes of long prompts before serving (default: on CUDA)")
     p.add_argument("--prefill-kernel", action=argparse.BooleanOptionalAction, default=None,
@@ -90,7 +92,7 @@ def engine_config(args: argparse.Namespace):
                         long_prefill_token_threshold=args.long_prefill_token_threshold,
                         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
                         async_scheduling=args.async_scheduling, warm_up_attention=args.warm_up_attention,
-                        prefill_kernel=args.prefill_kernel,
+                        prefill_kernel=args.prefill_kernel, compile_decode=args.compile_decode,
                         generation_config=args.generation_config,
                         scheduling_policy=args.scheduling_policy, dtype=args.dtype,
                         state_checkpoint_interval=args.state_checkpoint_interval,

@@ -176,6 +176,24 @@ def num_splits(batch: int, n_kv_heads: int, max_seq_len: int, window: Optional[i
     return -(-span // tokens), tokens
 
 
+@functools.lru_cache(maxsize=None)
+def _launch(D: int, H: int, n_kv: int, bs: int, dtype: mx.Dtype, window: int, sinks: bool, backend: str,
+            s: Settings) -> tuple[list, int, int, bool]:
+    """(template, thread groups per sequence, threads, tensor cores) of a layer's decode launch: the
+    same every step, so made once (each layer call is host work of every step)."""
+    G = H // n_kv
+    # Fewer heads per group: fewer registers, more SIMD groups in flight; each reads K/V again (from L2).
+    hpb = s.heads_per_block if 0 < s.heads_per_block < G and G % s.heads_per_block == 0 else G
+    flags = [("WINDOW", window), ("SINKS", int(sinks))]
+    if uses_tensor_cores(D, G, dtype, backend, s):  # two 16-token stages of K and V per warp in 32 KB of shared memory
+        threads = 32 * max(1, min(4, 256 // D))
+        return [("T", dtype), ("D", D), ("G", G), ("BS", bs), ("THREADS", threads)] + flags, n_kv, threads, True
+    tpt, vec = kernel_layout(D, hpb, dtype, s.vectors)
+    template = [("T", dtype), ("D", D), ("G", hpb), ("R", G // hpb), ("BS", bs), ("THREADS", s.threads),
+                ("TPT", tpt), ("VEC", vec), ("U", s.unroll), ("PF", s.prefetch)] + flags
+    return template, H // hpb, s.threads, False
+
+
 def paged_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, block_table: mx.array,
                  seq_lens: mx.array, scale: float, splits: int, split_tokens: mx.array,
                  written: Optional[mx.array] = None, window: Optional[int] = None, sinks: Optional[mx.array] = None,
@@ -192,36 +210,23 @@ def paged_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, block_table:
     backend = backend or build.gpu_backend()
     s = settings or SETTINGS[backend]
     B, H, D = q.shape
-    n_kv, bs = k_pages.shape[1], k_pages.shape[2]
-    G = H // n_kv
-    # Fewer heads per group: fewer registers, more SIMD groups in flight; each reads K/V again (from L2).
-    hpb = s.heads_per_block if 0 < s.heads_per_block < G and G % s.heads_per_block == 0 else G
-    cast = (lambda x, dt: x if x.dtype == dt else x.astype(dt))
-    sink_input = build.device_constant(0.0, mx.float32) if sinks is None else cast(sinks, mx.float32)
-    inputs = [cast(q, k_pages.dtype), k_pages, v_pages, block_table, seq_lens, split_tokens,
+    dtype = k_pages.dtype
+    sink_input = (build.device_constant(0.0, mx.float32) if sinks is None
+                  else sinks if sinks.dtype == mx.float32 else sinks.astype(mx.float32))
+    inputs = [q if q.dtype == dtype else q.astype(dtype), k_pages, v_pages, block_table, seq_lens, split_tokens,
               build.device_constant(scale, mx.float32), sink_input,
               written if written is not None else build.device_constant(0, mx.int32)]
-    flags = [("WINDOW", int(window or 0)), ("SINKS", int(sinks is not None))]
-    use_mma = uses_tensor_cores(D, G, k_pages.dtype, backend, s)
-    if use_mma:  # two 16-token stages of K and V per warp in 32 KB of shared memory
-        threads = 32 * max(1, min(4, 256 // D))
-        template = [("T", k_pages.dtype), ("D", D), ("G", G), ("BS", bs), ("THREADS", threads)] + flags
-        blocks = n_kv
-    else:
-        threads = s.threads
-        tpt, vec = kernel_layout(D, hpb, k_pages.dtype, s.vectors)
-        template = [("T", k_pages.dtype), ("D", D), ("G", hpb), ("R", G // hpb), ("BS", bs), ("THREADS", threads),
-                    ("TPT", tpt), ("VEC", vec), ("U", s.unroll), ("PF", s.prefetch)] + flags
-        blocks = H // hpb
+    template, blocks, threads, use_mma = _launch(D, H, k_pages.shape[1], k_pages.shape[2], dtype, int(window or 0),
+                                                 sinks is not None, backend, s)
     single, split, merge = _kernels(backend, use_mma)
     if splits == 1:
         return single(inputs=inputs, template=template, grid=(blocks * threads, B, 1), threadgroup=(threads, 1, 1),
-                      output_shapes=[(B, H, D)], output_dtypes=[k_pages.dtype], init_value=init_value)[0]
+                      output_shapes=[(B, H, D)], output_dtypes=[dtype], init_value=init_value)[0]
     part_acc, part_m, part_l = split(
         inputs=inputs, template=template, grid=(blocks * threads, B, splits), threadgroup=(threads, 1, 1),
         output_shapes=[(splits, B, H, D), (splits, B, H), (splits, B, H)],
         output_dtypes=[mx.float32, mx.float32, mx.float32], init_value=init_value)
     return merge(inputs=[part_acc, part_m, part_l, sink_input],
-                 template=[("T", k_pages.dtype), ("D", D), ("SINKS", int(sinks is not None))],
+                 template=[("T", dtype), ("D", D), ("SINKS", int(sinks is not None))],
                  grid=(H * D, B, 1), threadgroup=(D, 1, 1), output_shapes=[(B, H, D)],
-                 output_dtypes=[k_pages.dtype], init_value=init_value)[0]
+                 output_dtypes=[dtype], init_value=init_value)[0]

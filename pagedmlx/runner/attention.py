@@ -133,8 +133,9 @@ class PagedLayerCache:
                                                         md.backend)
             return keys, values
         # (T, n_kv, 1, D) -> (T, n_kv, D), scattered into the pages (in place when nothing else holds them).
-        k_pages[i][md.write_blocks, :, md.write_offsets] = as_dtype(keys[:, :, 0, :], k_pages[i].dtype)
-        v_pages[i][md.write_blocks, :, md.write_offsets] = as_dtype(values[:, :, 0, :], v_pages[i].dtype)
+        index = md.write_index(k_pages[i].shape[1])
+        k_pages[i][index] = as_dtype(keys[:, :, 0, :], k_pages[i].dtype)
+        v_pages[i][index] = as_dtype(values[:, :, 0, :], v_pages[i].dtype)
         return keys, values
 
     def attention(self, queries: mx.array, scale: float, sinks: Optional[mx.array] = None) -> mx.array:
@@ -166,8 +167,14 @@ def _decode_attention(q, k_pages, v_pages, md: AttentionMetadata, scale, written
         return as_dtype(o[:, :, None, :], q.dtype)
     if md.decode_mask is None:  # this layer's shape is not one the kernel takes
         md.decode_mask = length_mask(md.decode_seq_lens, md.decode_block_table.shape[1] * k_pages.shape[2], md.window)
-    o = gather_decode(q[:, :, 0, :], k_pages, v_pages, md.decode_block_table, scale, md.decode_mask, sinks, written)
-    return as_dtype(o[:, :, None, :], q.dtype)
+    rows = md.decode_page_rows(k_pages.shape[1])
+    if written is not None:  # zero: orders this read after the layer's page write
+        rows = rows + written
+    nb = md.decode_block_table.shape[1]
+    k, v = _gather_rows(k_pages, rows, nb), _gather_rows(v_pages, rows, nb)
+    o = mx.fast.scaled_dot_product_attention(as_dtype(q, k.dtype), k, v, scale=scale, mask=md.decode_mask,
+                                             sinks=_sinks(sinks, k.dtype))
+    return as_dtype(o, q.dtype)
 
 
 def decode_kernel_takes(n_heads: int, k_pages, v_pages, backend: Optional[str]) -> bool:
@@ -188,8 +195,9 @@ def paged_decode(q: mx.array, k_pages, v_pages, *args, **kwargs) -> mx.array:
 
 def gather_decode(q: mx.array, k_pages: mx.array, v_pages: mx.array, block_table: mx.array, scale: float,
                   mask: mx.array, sinks: Optional[mx.array] = None, written: Optional[mx.array] = None) -> mx.array:
-    """The portable decode path, and the kernels' reference: gather each sequence's pages into a
-    contiguous copy, then SDPA (GQA native). q (B, H, D) -> (B, H, Dv) in the pages' dtype."""
+    """The portable decode path's math (_decode_attention runs it with the step's page rows), and the
+    kernels' reference: gather each sequence's pages into a contiguous copy, then SDPA (GQA native).
+    q (B, H, D) -> (B, H, Dv) in the pages' dtype."""
     table = block_table if written is None else block_table + written
     k, v = _gather_kv(k_pages, v_pages, table)
     return mx.fast.scaled_dot_product_attention(as_dtype(q, k.dtype)[:, :, None, :], k, v, scale=scale, mask=mask,

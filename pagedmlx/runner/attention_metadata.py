@@ -158,10 +158,29 @@ class AttentionMetadata:
     # Where each prefill row's output is among the groups' outputs, concatenated (None: already in
     # row order).
     prefill_order: Optional[mx.array] = None  # (Tp,)
+    _decode_rows: dict = field(default_factory=dict, repr=False)
+    _write_index: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_prefill_tokens(self) -> int:
         return self.num_tokens - self.num_decodes
+
+    def write_index(self, num_kv_heads: int) -> tuple[mx.array, mx.array, mx.array]:
+        """(page, head, slot) of every new token's row of each head, each (T, num_kv_heads): the scatter
+        path's page-write index, built once a step and shared by the group's layers (an index with a
+        slice in it costs each layer's write an arange, broadcasts and casts)."""
+        if num_kv_heads not in self._write_index:
+            shape = (self.num_tokens, num_kv_heads)
+            heads = mx.broadcast_to(mx.arange(num_kv_heads, dtype=mx.int32)[None, :], shape)
+            self._write_index[num_kv_heads] = (mx.broadcast_to(self.write_blocks[:, None], shape), heads,
+                                               mx.broadcast_to(self.write_offsets[:, None], shape))
+        return self._write_index[num_kv_heads]
+
+    def decode_page_rows(self, num_kv_heads: int) -> mx.array:
+        """page_rows of decode_block_table (gather path): built once a step, shared by the group's layers."""
+        if num_kv_heads not in self._decode_rows:
+            self._decode_rows[num_kv_heads] = page_rows(self.decode_block_table, num_kv_heads)
+        return self._decode_rows[num_kv_heads]
 
 
 @dataclass

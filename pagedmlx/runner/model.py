@@ -18,6 +18,7 @@ from pagedmlx.kernels.selector import select_kernels, select_quantized
 from pagedmlx.kv_cache_dtype import bytes_per_token, layer_quant
 from pagedmlx.runner.attention import (KVPool, PagedLayerCache, decode_kernel_takes, install_paged_attention,
                                        paged_decode, warm_up_prefill)
+from pagedmlx.runner.compiled_step import CompiledDecode
 from pagedmlx.runner.kv_quant import read_pages
 from pagedmlx.runner.attention_metadata import (WARM_UP_MAX_KEYS, StepMetadata, chunked_prefill_groups,
                                                 sdpa_shape_quantum)
@@ -87,11 +88,14 @@ class ModelRunner:
             recurrent_state.install_kernels(model, [p.state.owner for p in self.plan if p.state is not None])
         self.state_pool: Optional[StatePool] = None
         self.lora_manager = None  # after the check below: it runs the base model
+        self.compiled_decode: Optional[CompiledDecode] = None
         if verify:
             self._verify_against_mlx_lm()
         self.kv_pool = self.make_pool(self.kv_cache_config)
         self.state_pool = self.make_state_pool(self.kv_cache_config)
         self.lora_manager = self._make_lora_manager(config) if config.enable_lora else None
+        # Decode-only steps through mx.compile (runner/compiled_step.py), where pages are written in place.
+        self.compiled_decode = CompiledDecode(self) if config.compile_decode and self.pages_in_place else None
 
     def _make_lora_manager(self, config: EngineConfig):
         """Batched LoRA (pagedmlx/lora/): adapters on the layers that run token-major, as every row does."""
@@ -339,6 +343,14 @@ class ModelRunner:
         Lazy where MLX scatters the pages. Where kernels write them in place, the step is
         dispatched (mx.async_eval) before this returns: MLX sees no dependency between one step's
         page reads and the next step's writes, so steps must reach the device in order."""
+        if self.compiled_decode is not None and kv_pool is None and self.compiled_decode.takes(so):
+            try:
+                logits = self.compiled_decode(so, prev_sampled)
+                mx.async_eval(logits)
+                return logits
+            except Exception as exc:  # noqa: BLE001 - an optimisation: the step is built instead
+                logger.warning("compiled decode steps off: %s", error_line(exc))
+                self.compiled_decode = None
         lora = self.lora_manager.prepare_step(so.lora_int_ids, so.num_scheduled_tokens) if self.lora_manager else None
         md = StepMetadata.build(so, self.block_size, self.windows, self.kernel_kv_heads, self.kernels.page_write,
                                 self.kernels.backend, self.sdpa_quantum, self.prefill_heads,
@@ -349,21 +361,22 @@ class ModelRunner:
         if md.placeholder_rows is not None:
             inputs = mx.put_along_axis(inputs, md.placeholder_rows,
                                        prev_sampled[md.placeholder_src].astype(inputs.dtype), axis=0)
-        inputs = inputs[:, None]
         if lora is not None:  # each row's adapter slot, for the wrapped layers while the graph is built
             self.lora_manager.begin_step(lora, md.extra)
         try:
-            if self._head is not None:
-                h = self._body(inputs, cache=caches)
-                logits = self._head(h[md.logits_indices])[:, 0, :]
-            else:
-                logits = self.model(inputs, cache=caches)[md.logits_indices][:, 0, :]
+            logits = self.logits(inputs[:, None], caches, md.logits_indices)
         finally:
             if lora is not None:
                 self.lora_manager.end_step()
         if self.pages_in_place:
             mx.async_eval(logits)
         return logits
+
+    def logits(self, inputs: mx.array, caches: list, logits_indices: mx.array) -> mx.array:
+        """The model over inputs (T, 1) on `caches`; logits (S, V) of the rows logits_indices."""
+        if self._head is not None:
+            return self._head(self._body(inputs, cache=caches)[logits_indices])[:, 0, :]
+        return self.model(inputs, cache=caches)[logits_indices][:, 0, :]
 
     def _check(self) -> Optional[str]:
         """The load-time check; a kernel that fails to build or run counts as a disagreement."""

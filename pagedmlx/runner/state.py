@@ -182,7 +182,8 @@ class StateLayerCache:
     def _regroup(self, call: Callable, x: mx.array, rebuild: Callable) -> mx.array:
         md, outs, deps = self.md, [], []
         if md.num_decodes:
-            rows = x[:md.num_decodes] if md.decode_rows is None else x[md.decode_rows]
+            rows = (x if md.num_decodes == x.shape[0] else x[:md.num_decodes]) if md.decode_rows is None \
+                else x[md.decode_rows]
             out, states = self._call(call, rebuild, rows, self.pool.read(self.layer, md.decode_read))
             deps += self.pool.write(self.layer, md.decode_write, states)
             if md.save_rows is not None:

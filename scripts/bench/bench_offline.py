@@ -4,10 +4,13 @@ For each batch size B, both engines get B prompts of --prompt-len random tokens 
 --gen-len tokens each (greedy, EOS ignored). Reported per engine:
   decode tok/s  tokens per second over decode steps only (steady state, prefill excluded)
   e2e tok/s     all generated tokens over the whole wall time, prefill included
-and the ratio pagedmlx / mlx-lm of each. Each cell is the median of --repeats runs.
+and the ratio pagedmlx / mlx-lm of each. Each cell is the median of --repeats runs. At batch 1 each
+repeat also runs mlx-lm's generate_step (single stream) right after pagedmlx's run, and the last line
+compares the two (medians over the interleaved runs, and the median of the runs' ratios).
 
   python scripts/bench/bench_offline.py                        # random 8-layer 512-wide llama, float32
   python scripts/bench/bench_offline.py --preset llama-8b --dtype bfloat16 --batch-sizes 1 64 256
+  python scripts/bench/bench_offline.py --preset gemma3-27b-16l --dtype bfloat16 --batch-sizes 1 --repeats 5
   python scripts/bench/bench_offline.py --preset gemma3-27b-16l --dtype bfloat16 --batch-sizes 1 64   # sliding windows
   python scripts/bench/bench_offline.py --model path/to/mlx-model
   python scripts/bench/bench_offline.py --arch qwen3.5-27b-16l --dtype bfloat16 --batch-sizes 1 64 --prefill-len 2048
@@ -163,6 +166,8 @@ def main() -> None:
     ap.add_argument("--ab-async", action="store_true",
                     help="also run every batch in lockstep, right after the async run (same engine)")
     ap.add_argument("--roofline", action="store_true", help="measure the machine and print each step's ideal time")
+    ap.add_argument("--compile-decode", action="store_true", help="EngineConfig.compile_decode: decode steps "
+                                                                  "replayed through mx.compile (CUDA)")
     ap.add_argument("--skip-peer", action="store_true", help="run pagedmlx only (for sweeps of its own settings)")
     args = ap.parse_args()
 
@@ -188,12 +193,14 @@ def main() -> None:
     engine = LLMEngine(model, None, EngineConfig(
         block_size=args.block_size, num_blocks=num_blocks, max_num_seqs=max_b,
         max_num_batched_tokens=max(2048, args.prompt_len, args.prefill_len), long_prefill_token_threshold=0,
-        max_model_len=tokens_per_seq + 1, enable_prefix_caching=False, async_scheduling=False if args.no_async else (True if args.ab_async else None)))
+        max_model_len=tokens_per_seq + 1, enable_prefix_caching=False, async_scheduling=False if args.no_async else (True if args.ab_async else None),
+        compile_decode=args.compile_decode))
 
     console = Console()
     console.print(f"[bold]bench_offline[/] {name} on {mx.default_device()}, {platform.machine()}, "
                   f"prompt {args.prompt_len}, gen {args.gen_len}, {time.strftime('%Y-%m-%d')}, "
-                  f"{'async' if engine.async_scheduling else 'lockstep'} steps")
+                  f"{'async' if engine.async_scheduling else 'lockstep'} steps"
+                  f"{', compiled decode steps' if getattr(engine.runner, 'compiled_decode', None) else ''}")
     # Warm up both (compilation, allocator).
     run_pagedmlx(engine, make_prompts(2, 16, vocab, 0), 4)
     if not args.skip_peer:
@@ -202,9 +209,9 @@ def main() -> None:
     console.print(f"  MLX environment: {mlx_env or '(defaults)'}")
 
     single_stream = None
-    if 1 in args.batch_sizes and not args.skip_peer:
-        single_stream = run_generate_step(model, make_prompts(1, args.prompt_len, vocab, 9)[0], args.gen_len)
-        console.print(f"  mlx-lm generate_step single stream: {single_stream:.0f} tok/s")
+    if 1 in args.batch_sizes and not args.skip_peer:  # a warm-up; batch 1's runs below time it again
+        warm = run_generate_step(model, make_prompts(1, args.prompt_len, vocab, 9)[0], args.gen_len)
+        console.print(f"  mlx-lm generate_step single stream (warm-up run): {warm:.0f} tok/s")
     prefill = None
     if args.prefill_len:
         run_prefill(engine, model, make_prompts(1, 64, vocab, 7)[0])  # warm-up
@@ -219,11 +226,13 @@ def main() -> None:
 
     rows = []
     for b in args.batch_sizes:
-        ours, theirs, lockstep = [], [], []
+        ours, theirs, lockstep, single = [], [], [], []
         for r in range(args.repeats):
             prompts = make_prompts(b, args.prompt_len, vocab, seed=r)
             theirs.append(run_mlx_lm(model, prompts, args.gen_len) if not args.skip_peer else (float("nan"),) * 2)
             ours.append(run_pagedmlx(engine, prompts, args.gen_len))
+            if b == 1 and not args.skip_peer:  # interleaved with ours: generate_step, the single-stream peer
+                single.append(run_generate_step(model, prompts[0], args.gen_len))
             if args.ab_async:
                 engine.async_scheduling = False
                 lockstep.append(run_pagedmlx(engine, prompts, args.gen_len))
@@ -233,6 +242,10 @@ def main() -> None:
                    ours_e2e=med(ours, 1), mlx_e2e=med(theirs, 1), host_ms=ours[-1][2])
         if lockstep:
             row.update(lockstep_decode=med(lockstep, 0), lockstep_host_ms=lockstep[-1][2])
+        if single:
+            single_stream = statistics.median(single)
+            row.update(generate_step=single_stream, generate_step_runs=single,
+                       generate_step_ratio=statistics.median(o[0] / g for o, g in zip(ours, single)))
         if bw:
             nbytes, nflops, ideal = roofline_step(model, b, args.prompt_len + args.gen_len // 2, bw, flops)
             row.update(step_ms=1e3 * b / row["ours_decode"], ideal_ms=1e3 * ideal, step_gb=nbytes / 1e9,
@@ -253,7 +266,9 @@ def main() -> None:
     if single_stream:
         r1 = next(r for r in rows if r["batch"] == 1)
         console.print(f"batch 1: pagedmlx {r1['ours_decode']:.0f} tok/s vs mlx-lm generate_step "
-                      f"{single_stream:.0f} tok/s (ratio {r1['ours_decode'] / single_stream:.2f})")
+                      f"{single_stream:.0f} tok/s, medians of {args.repeats} interleaved runs (ratio of medians "
+                      f"{r1['ours_decode'] / single_stream:.2f}, median of the runs' ratios "
+                      f"{r1['generate_step_ratio']:.2f})")
     if bw:
         roof = Table(title="roofline (decode step, context = prompt + gen/2)")
         for col in ("batch", "GB read", "GFLOP", "ideal ms", "pagedmlx ms", "achieved"):

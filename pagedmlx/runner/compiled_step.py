@@ -1,0 +1,98 @@
+"""Compiled decode steps (vLLM's CUDA graphs, in spirit): a decode-only step's forward pass is traced
+once per key through mx.compile and replayed after that, so the model's Python (every layer's
+projections, norms, RoPE, the paged caches and the kernels' launches) runs once per key instead of
+once per step. At batch 1 that Python is most of the host's work per step
+(scripts/bench/study_compiled_step.py, docs/benchmarks.md).
+
+A key is what a trace freezes: the step's index arrays by name and shape, each group's KV splits,
+and the previous step's sampled-token array's shape (async scheduling). Block tables grow a page at
+a time, so the decode tables are padded to a power of two pages (the kernels read only up to each
+sequence's length): a sequence meets a new key at 2, 4, 8, ... pages, and when its splits change.
+
+Only where every write is in place (the page-write kernel, and the state kernels for recurrent
+layers: CUDA) can a step be replayed: MLX's scatter gives each write a new pool array, which a
+compiled graph cannot hand back (quantized KV pages are scattered: not compiled). Steps with prefill
+rows, LoRA rows or a recurrent segment (a 1-token prompt) run as built. EngineConfig.compile_decode switches it on (off by default).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from pagedmlx.runner.attention_metadata import StepMetadata, _GroupBuilder, upload_indices
+from pagedmlx.runner.state import StateMetadata
+from pagedmlx.scheduler_output import SchedulerOutput
+
+_STATE_FIELDS = ("decode_rows", "decode_read", "decode_write", "save_rows", "save_slots", "order")
+
+
+def table_bucket(num_blocks: int) -> int:
+    """Pages a decode block table is padded to: the next power of two."""
+    return 1 << max(num_blocks - 1, 0).bit_length()
+
+
+class CompiledDecode:
+    """The runner's decode-only steps, compiled per key (see the module docstring)."""
+
+    def __init__(self, runner: Any):
+        """runner: the ModelRunner (not imported here: it imports this module)."""
+        self.runner = runner
+        self.fns: dict[tuple, Callable] = {}
+
+    def takes(self, so: SchedulerOutput) -> bool:
+        r = self.runner
+        has_state = len(so.state_slots) > 0
+        quantized = any(q is not None for q in getattr(r.kv_pool, "quant", ()))  # MLX scatters quantized pages
+        return (r.pages_in_place and not quantized and r.lora_manager is None
+                and so.num_decodes == so.total_num_scheduled_tokens
+                and (not has_state or (r.kernels.state and bool((so.state_slots[:, 0] >= 0).all()))))
+
+    def __call__(self, so: SchedulerOutput, prev_sampled: Optional[mx.array]) -> mx.array:
+        r = self.runner
+        host = dict(input_ids=so.input_ids, positions=so.positions, logits_indices=so.logits_indices)
+        if len(so.placeholder_rows):
+            host.update(placeholder_rows=so.placeholder_rows, placeholder_src=so.placeholder_src)
+        builders = [_GroupBuilder(so, g, r.block_size, w, r.kernel_kv_heads[g], r.kernels.page_write,
+                                  r.kernels.backend, r.sdpa_quantum, r.prefill_heads[g])
+                    for g, w in enumerate(r.windows)]
+        for g, b in enumerate(builders):
+            if "decode_block_table" in b.host:
+                table = b.host["decode_block_table"]
+                b.host["decode_block_table"] = np.pad(table, ((0, 0), (0, table_bucket(table.shape[1]) - table.shape[1])))
+            host.update({f"{g}.{k}": v for k, v in b.host.items()})
+        dev = upload_indices(host)
+        state_md = StateMetadata.build(so) if len(so.state_slots) else None
+        state = {} if state_md is None else {f: getattr(state_md, f) for f in _STATE_FIELDS
+                                              if getattr(state_md, f) is not None}
+        arrays = {**dev, **{f"state.{k}": v for k, v in state.items()}}
+        if prev_sampled is not None and "placeholder_rows" in dev:
+            arrays["prev_sampled"] = prev_sampled
+        names = tuple(arrays)
+        key = (tuple((n, arrays[n].shape, arrays[n].dtype) for n in names), tuple(b.splits for b in builders),
+               state_md.num_decodes if state_md is not None else None)
+        fn = self.fns.get(key)
+        if fn is None:
+            fn = self.fns[key] = mx.compile(self._trace(names, builders, state_md is not None, so.num_decodes))
+        return fn(*(arrays[n] for n in names))
+
+    def _trace(self, names: tuple, builders: list, has_state: bool, num_decodes: int) -> Callable:
+        r = self.runner
+
+        def forward(*arrays: mx.array) -> mx.array:
+            d = dict(zip(names, arrays))
+            groups = [b.finish(d, f"{g}.", d["positions"]) for g, b in enumerate(builders)]
+            md = StepMetadata(d["input_ids"], d["logits_indices"], d.get("placeholder_rows"),
+                              d.get("placeholder_src"), groups)
+            state_md = (StateMetadata(num_decodes, **{k[6:]: v for k, v in d.items() if k.startswith("state.")})
+                        if has_state else None)
+            inputs = md.input_ids
+            if md.placeholder_rows is not None:
+                prev = d["prev_sampled"]
+                inputs = mx.put_along_axis(inputs, md.placeholder_rows, prev[md.placeholder_src].astype(inputs.dtype),
+                                           axis=0)
+            return r.logits(inputs[:, None], r.make_caches(md, r.kv_pool, state_md, r.state_pool), md.logits_indices)
+
+        return forward

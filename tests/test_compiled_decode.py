@@ -1,0 +1,93 @@
+"""Compiled decode steps (runner/compiled_step.py): a decode-only step replayed through mx.compile must
+give what the step built layer by layer gives. They run where pages are written in place (CUDA); on
+the CPU the runner builds its steps as on CUDA with a stand-in for every kernel (zeros that depend on
+the kernel's inputs: garbage tokens, but the same garbage both ways), which checks the trace itself:
+its inputs, its keys (batch sizes, block tables padded to a power of two pages, async placeholders).
+On a CUDA GPU (skipped elsewhere), the real kernels: compiled and built steps give the same tokens."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from utils import make_model, run_staggered, shared_prefix_prompts
+
+from pagedmlx.config import EngineConfig
+from pagedmlx.engine import LLMEngine
+from pagedmlx.kernels import build, decode_attention, page_write, recurrent_state
+from pagedmlx.kernels.dialect import CUDA
+from pagedmlx.kernels.selector import KernelPlan
+from pagedmlx.runner.compiled_step import CompiledDecode, table_bucket
+from pagedmlx.sampling_params import SamplingParams
+
+ON_CUDA = build.gpu_backend() == CUDA
+
+
+class StandIn:
+    def __init__(self, backend, name, input_names, output_names, source, header):
+        pass
+
+    def __call__(self, *, inputs, output_shapes, output_dtypes, **launch):
+        return [mx.depends(mx.zeros(s, dt), inputs) for s, dt in zip(output_shapes, output_dtypes)]
+
+
+@pytest.fixture
+def standins(monkeypatch):
+    monkeypatch.setattr(build, "make_kernel", StandIn)
+    caches = (decode_attention._kernels, page_write._write_kernel, recurrent_state._kernel)
+    for cache in caches:
+        cache.cache_clear()
+    yield
+    for cache in caches:
+        cache.cache_clear()
+
+
+def _engine(arch: str, compiled: bool, standins: bool) -> LLMEngine:
+    # A model of its own (seed 3): the stand-ins class-swap a state model's modules (install_kernels).
+    model = make_model(arch, seed=3 if standins else 0)
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=96, max_num_seqs=4,
+                                                 async_scheduling=True, compile_decode=compiled))
+    if standins:
+        runner = engine.runner
+        state = [p.state.owner for p in runner.plan if p.state is not None]
+        runner.kernels = KernelPlan(CUDA, decode=True, page_write=True, state=bool(state))
+        if state:  # the state kernels too, writing the state pool "in place"
+            recurrent_state.install_kernels(model, state)
+            runner.state_pool.in_place = True
+        runner.compiled_decode = CompiledDecode(runner) if compiled else None
+    return engine
+
+
+def test_table_bucket():
+    assert [table_bucket(n) for n in (1, 2, 3, 4, 5, 9, 16, 17)] == [1, 2, 4, 4, 8, 16, 16, 32]
+
+
+@pytest.mark.skipif(ON_CUDA, reason="the stand-ins are for a machine without the kernels")
+@pytest.mark.parametrize("arch", ["llama", "gemma3-tiny", "qwen3_5-tiny"])
+def test_compiled_steps_equal_built_steps_with_standins(standins, arch):
+    prompts = shared_prefix_prompts(5, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    built = run_staggered(_engine(arch, False, True), prompts, params, seed=1)
+    engine = _engine(arch, True, True)
+    compiled = run_staggered(engine, prompts, params, seed=1)
+    assert compiled == built
+    keys = engine.runner.compiled_decode.fns
+    assert len(keys) >= 3  # batch sizes and table buckets: several keys, each traced once
+    assert any(dict((n, s) for n, s, _ in k[0]).get("prev_sampled") is not None for k in keys)  # async placeholders
+
+
+def test_off_by_default_and_where_pages_are_scattered():
+    engine = LLMEngine(make_model("llama"), None, EngineConfig(block_size=4, num_blocks=32, compile_decode=True))
+    assert engine.runner.compiled_decode is None or engine.runner.pages_in_place
+    assert EngineConfig().compile_decode is False
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="a CUDA GPU runs the kernels")
+@pytest.mark.parametrize("arch", ["llama", "gemma3-tiny", "qwen3_5-tiny"])
+def test_compiled_steps_equal_built_steps_on_cuda(arch):
+    prompts = shared_prefix_prompts(5, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    built = run_staggered(_engine(arch, False, False), prompts, params, seed=1)
+    engine = _engine(arch, True, False)
+    assert engine.runner.compiled_decode is not None
+    assert run_staggered(engine, prompts, params, seed=1) == built
+    assert engine.runner.compiled_decode.fns
