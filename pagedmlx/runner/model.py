@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Optional, Protocol
+from typing import Optional, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,6 +19,7 @@ from pagedmlx.kv_cache_dtype import bytes_per_token, layer_quant
 from pagedmlx.runner.attention import (KVPool, PagedLayerCache, decode_kernel_takes, install_paged_attention,
                                        paged_decode, warm_up_prefill)
 from pagedmlx.runner.compiled_step import CompiledDecode
+from pagedmlx.runner.lm_head import split_lm_head
 from pagedmlx.runner.kv_quant import read_pages
 from pagedmlx.runner.attention_metadata import (WARM_UP_MAX_KEYS, StepMetadata, chunked_prefill_groups,
                                                 sdpa_shape_quantum)
@@ -59,7 +60,7 @@ class ModelRunner:
         if routed == 0 and any(p.has_pages for p in self.plan):
             raise UnsupportedModelError(
                 f"model type {model_type(model)!r} does not call mlx-lm's scaled_dot_product_attention")
-        self._body, self._head = self._split_head()
+        self._body, self._head = split_lm_head(model)
         self.kv_quant = {i: q for i, p in enumerate(self.plan) if p.has_pages
                          and (q := layer_quant(config.kv_cache_dtype, config.kv_cache_group_size, p.spec[1], p.spec[2]))}
         self.kv_cache_config = self._kv_cache_config(config)
@@ -286,36 +287,6 @@ class ModelRunner:
         return StatePool(group.num_blocks, [(i, self.plan[i].state) for i in group.layer_ids], len(self.plan),
                          in_place=self.kernels.state)
 
-    def _split_head(self) -> tuple[Optional[Callable], Optional[Callable]]:
-        """Find the transformer body and LM head so that only sampled rows are projected to the
-        vocabulary (Gemma's 262k-token head on every prefill row would cost more than the layers).
-        A multimodal wrapper's text model is split (Gemma 3 / 4 checkpoints load wrapped); final
-        logit soft-capping joins the head. Models that do anything else between the two are caught
-        by the verification below and run whole."""
-        m = self.model
-        text = getattr(m, "language_model", None)
-        if isinstance(text, nn.Module):
-            m = text
-        body = getattr(m, "model", None)
-        if not callable(body):
-            return None, None
-        head = getattr(m, "lm_head", None)
-        if head is None and hasattr(body, "embed_tokens"):  # tied (or a guess the check refutes)
-            head = body.embed_tokens.as_linear
-        if head is None:
-            return None, None
-        cap = getattr(m, "final_logit_softcapping", None)
-        return body, (head if not cap else _soft_capped(head, cap))
-        if getattr(m, "lm_head", None) is not None:
-            return body, m.lm_head
-        # Tied: some models say so on themselves (gemma3_text drops its lm_head when the weights have none).
-        tied = getattr(m, "tie_word_embeddings", None)
-        if tied is None:
-            tied = getattr(getattr(m, "args", None), "tie_word_embeddings", False)
-        if tied and hasattr(body, "embed_tokens"):
-            return body, body.embed_tokens.as_linear
-        return None, None
-
     def make_caches(self, md: StepMetadata, pool: KVPool, state_md: Optional[StateMetadata] = None,
                     state_pool: Optional[StatePool] = None) -> list:
         """One cache per planned layer; a shared layer's reads its source's pages; a state layer's
@@ -407,11 +378,3 @@ class ModelRunner:
             raise UnsupportedModelError(
                 f"model type {model_type(self.model)!r} gives different logits on pages than with "
                 f"mlx-lm's own cache ({err}); refusing to serve wrong tokens")
-
-
-def _soft_capped(head: Callable, cap: float) -> Callable:
-    """The LM head followed by final logit soft-capping, as Gemma 2 / 3n / 4 apply it."""
-    def capped(h: mx.array) -> mx.array:
-        return mx.tanh(head(h) / cap) * cap
-    return capped
-
