@@ -123,8 +123,10 @@ def main() -> None:
         "pagedmlx, no speculation": lambda: engine_run(off, prompts, params),
         "mlx-lm generate_step": lambda: mlx_lm_run(target, None, prompts, args.max_tokens, args.k, eos)[:2],
     }
-    for fn in runs.values():  # warm-up: kernels, shapes
+    for name, fn in runs.items():  # warm-up: kernels, shapes
+        t0 = time.perf_counter()
         fn()
+        print(f"warm-up {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     mlx_acceptance = mlx_lm_run(target, draft, prompts[:1], 32, args.k, eos)[2]
     before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
     tps: dict[str, list[float]] = {name: [] for name in runs}
@@ -134,6 +136,7 @@ def main() -> None:
         for name in names[r % len(names):] + names[:r % len(names)]:
             t, ids[name] = runs[name]()
             tps[name].append(t)
+            print(f"round {r + 1}/{args.rounds} {name}: {t:.1f} tok/s", file=sys.stderr, flush=True)
     drafts, drafted, accepted = (a - b for a, b in zip(
         (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens), before))
     ref = ids["mlx-lm generate_step"]

@@ -100,13 +100,16 @@ def main() -> None:
     ap.add_argument("--mlx-lm", action="store_true", help="also mlx-lm's generate_step at batch 1")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
     args = ap.parse_args()
+    t0 = time.perf_counter()
     model, tok = load_model(args.model)
+    print(f"loaded {args.model or 'the default model'} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     spec = json.loads(args.spec)
     spec.setdefault("disable_by_batch_size", max(args.batch))
     if args.rejected:  # every step drafts, unless --spec gives min_acceptance_rate (then the pauses show)
         spec.setdefault("min_acceptance_rate", 0.0)
     on = LLM(model, tok, speculative_config=spec, kv_cache_memory_gb=args.kv_cache_gb, max_num_seqs=max(args.batch))
     off = LLM(model, tok, kv_cache_memory_gb=args.kv_cache_gb, max_num_seqs=max(args.batch))
+    print(f"both engines ready at {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     if args.rejected:  # every draft wrong: k tokens that follow no n-gram (a token id past the text's)
         k = on.engine.drafter.config.num_speculative_tokens
         on.engine.drafter.proposer.propose = lambda req, room: [len(tok) - 1 - j for j in range(min(k, room))]
