@@ -144,3 +144,30 @@ def test_the_draft_catches_up_by_count_not_from_the_start():
     assert run_to_completion(engine)["0"].token_ids == solo_greedy(target, prompt, 40)
     drafts = engine.scheduler.spec_decoding_stats.num_drafts
     assert sum(computed) <= len(prompt) + 40 + 2 * drafts, (sum(computed), drafts)
+
+
+def test_a_long_catch_up_is_cut_to_the_step_budget():
+    """Long prompts (a request that arrives or resumes after preemption) catch the draft up in pieces of at
+    most max_num_batched_tokens a step, drafting nothing until the last; the tokens stay mlx-lm's."""
+    target = make_model("llama")
+    engine = engine_with(target, draft_model("llama", "same"), k=3, num_blocks=128, max_num_batched_tokens=24,
+                         long_prefill_token_threshold=12)
+    runner = engine.draft_proposer.runner
+    forward, firsts = runner.forward, []
+
+    def record(so, prev=None):
+        if prev is None:  # a step's first draft forward: the catch-ups
+            firsts.append(so.total_num_scheduled_tokens)
+        return forward(so, prev)
+
+    runner.forward = record
+    prompts = [list(range(3, 3 + n)) for n in (70, 5, 41)]
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    done = run_to_completion(engine)
+    for i, p in enumerate(prompts):
+        assert done[str(i)].token_ids == solo_greedy(target, p, 12), i
+    assert max(firsts) <= 24 and len(firsts) > len(prompts), firsts
+    stats = engine.scheduler.spec_decoding_stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+    assert_no_leaks(engine)

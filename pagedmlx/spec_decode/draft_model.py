@@ -10,7 +10,9 @@ proposes k tokens per speculating request and step; the target verifies them in 
   recomputed (rollback by count, as the target's). A preempted request starts over from position 0:
   a prefix hit shares the target's pages, not the proof that the draft's pages in them were written.
 - A step: one forward over every request's catch-up (its uncomputed tokens up to its last one: a
-  decode, or a prefill segment), which proposes each request's first draft; then k - 1 one-token
+  decode, or a prefill segment; at most max_num_batched_tokens of them a step, so that a long prompt's
+  catch-up takes several steps, drafting nothing until it ends, and never stalls the batch), which
+  proposes each request's first draft; then k - 1 one-token
   forwards, each batched over the requests still drafting, token-major as the runner's forward. Each
   proposed token feeds the next forward on the device (the runner's placeholder rows).
 - Tokens: sampler.sample_draft_tokens (greedy: argmax; sampled: the target row's own Gumbel noise).
@@ -80,6 +82,7 @@ class DraftModelProposer:
                 f"draft model type {model_type(model)!r} has {' and '.join(odd)} layers: a draft model must have "
                 "full-attention layers only (its pages follow the target's full-attention block ids)")
         self.block_size = config.block_size
+        self.max_catch_up = config.max_num_batched_tokens  # tokens a step's first draft forward may take
         self.manager = None  # the target's full-attention group manager (bind)
         self.vocab_size = self.runner.vocab_size
         self._state: "weakref.WeakKeyDictionary[Request, _DraftState]" = weakref.WeakKeyDictionary()
@@ -144,12 +147,12 @@ class DraftModelProposer:
             k = min(self.k, room)
             if k > 0 and self._reserve(req, req.num_tokens + k - 1):
                 work.append((req, self._valid(req), k))
+        work = self._within_budget(work)
         if not work:
             return {}
-        work.sort(key=lambda w: w[0].num_tokens - w[1] != 1)  # decodes first, as the runner wants
         reqs = [w[0] for w in work]
         starts = [w[1] for w in work]
-        counts = [r.num_tokens - s for r, s in zip(reqs, starts)]
+        counts = [w[3] for w in work]
         ids = np.fromiter((t for r, s in zip(reqs, starts) for t in r.all_token_ids[s:]), np.int32, sum(counts))
         steps = [self._sample(self._batch(reqs, starts, counts, ids), None, reqs, 0)]
         alive = list(range(len(work)))  # indices into work still drafting
@@ -169,10 +172,29 @@ class DraftModelProposer:
         for toks, idx in zip(steps, rows):
             for i, t in zip(idx, toks.tolist()):
                 drafts[reqs[i].request_id].append(t)
-        for req in reqs:
-            d = drafts[req.request_id]
-            self._state[req] = _DraftState(req.num_tokens, d[:-1], req.num_preemptions)
+        for req, start, k, count in work:
+            if k == 0:  # a catch-up cut short: its KV is good up to where it stopped, no drafts yet
+                del drafts[req.request_id]
+                self._state[req] = _DraftState(start + count, [], req.num_preemptions)
+            else:
+                self._state[req] = _DraftState(req.num_tokens, drafts[req.request_id][:-1], req.num_preemptions)
         return drafts
+
+    def _within_budget(self, work: list[tuple[Request, int, int]]) -> list[tuple[Request, int, int, int]]:
+        """(request, start, k, count) for the step's first forward: decodes first (as the runner wants),
+        then catch-ups, shortest first, while max_catch_up tokens last; the catch-up the budget cuts
+        computes what is left of it (k = 0: it drafts nothing this step) and the rest wait."""
+        out, budget = [], self.max_catch_up
+        for req, start, k in sorted(work, key=lambda w: w[0].num_tokens - w[1]):
+            need = req.num_tokens - start
+            if budget < min(need, 2):  # (a 1-token piece of a longer catch-up would pass for a decode)
+                break
+            if need > budget:
+                out.append((req, start, 0, budget))
+                break
+            out.append((req, start, k, need))
+            budget -= need
+        return out
 
     def _sample(self, so: SchedulerOutput, prev: Optional[mx.array], reqs: list[Request], offset: int) -> mx.array:
         logits = self.runner.forward(so, prev)[:, :self.vocab_size]
