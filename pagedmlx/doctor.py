@@ -151,11 +151,9 @@ def _paged_step_ms(model, batch: int, args: argparse.Namespace, kernels: bool) -
     import mlx.core as mx
 
     from pagedmlx.config import EngineConfig
-    from pagedmlx.request import Request
-    from pagedmlx.sampling_params import SamplingParams
     from pagedmlx.kernels.selector import KernelPlan
     from pagedmlx.runner.model import ModelRunner
-    from pagedmlx.scheduler_output import build_scheduler_output
+    from pagedmlx.scheduler_output import decode_only_output
 
     bs, ctx = args.block_size, args.context
     per_seq = -(-ctx // bs)
@@ -165,13 +163,7 @@ def _paged_step_ms(model, batch: int, args: argparse.Namespace, kernels: bool) -
         pool.keys[i] = mx.random.normal(pool.keys[i].shape).astype(pool.keys[i].dtype)
         pool.values[i] = mx.random.normal(pool.values[i].shape).astype(pool.values[i].dtype)
     mx.eval(pool.keys, pool.values)
-    reqs = []
-    for b in range(batch):
-        r = Request(f"d{b}", [1] * ctx, SamplingParams(max_tokens=2))
-        r.num_computed_tokens = ctx - 1
-        reqs.append(r)
-    tables = {r.request_id: (list(range(b * per_seq, (b + 1) * per_seq)),) for b, r in enumerate(reqs)}
-    so = build_scheduler_output([(r, 1) for r in reqs], tables.__getitem__, bs, [], set())
+    so = decode_only_output(batch, ctx, bs)
     times = []
     for plan in ([runner.kernels] if kernels else []) + [KernelPlan(runner.kernels.backend, reason="doctor")]:
         runner.kernels = plan

@@ -196,6 +196,20 @@ def build_scheduler_output(
     )
 
 
+def decode_only_output(batch: int, context: int, block_size: int) -> SchedulerOutput:
+    """A step of `batch` decode rows, each at `context` tokens over its own consecutive blocks (request b
+    on blocks b * ceil(context / block_size) onward): what `pagedmlx doctor` and the benchmarks time."""
+    from pagedmlx.sampling_params import SamplingParams
+
+    per_seq = -(-context // block_size)
+    reqs = []
+    for b in range(batch):
+        r = Request(f"d{b}", [1] * context, SamplingParams(max_tokens=2))
+        r.num_computed_tokens = context - 1
+        reqs.append(r)
+    tables = {r.request_id: (list(range(b * per_seq, (b + 1) * per_seq)),) for b, r in enumerate(reqs)}
+    return build_scheduler_output([(r, 1) for r in reqs], tables.__getitem__, block_size, [], set())
+
 def _lora_int_ids(requests: list[Request]) -> np.ndarray:
     ids = [r.lora_request.lora_int_id if r.lora_request is not None else 0 for r in requests]
     return np.asarray(ids, np.int32) if any(ids) else np.zeros(0, np.int32)

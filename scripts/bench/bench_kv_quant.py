@@ -109,11 +109,9 @@ def _step_ms(model, batch: int, ctx: int, bs: int, dtype: str, steps: int) -> tu
     import mlx.core as mx
 
     from pagedmlx.config import EngineConfig
-    from pagedmlx.request import Request
     from pagedmlx.runner.kernel_paths import kernel_path_lines
     from pagedmlx.runner.model import ModelRunner
-    from pagedmlx.sampling_params import SamplingParams
-    from pagedmlx.scheduler_output import build_scheduler_output
+    from pagedmlx.scheduler_output import decode_only_output
 
     per_seq = -(-ctx // bs)
     runner = ModelRunner(model, EngineConfig(block_size=bs, num_blocks=batch * per_seq + 1, kv_cache_dtype=dtype),
@@ -129,13 +127,7 @@ def _step_ms(model, batch: int, ctx: int, bs: int, dtype: str, steps: int) -> tu
             else:
                 arrays[i] = (mx.random.normal(a.shape) * (0.02 if "scales" in side else 1.0)).astype(a.dtype)
             mx.eval(arrays[i])  # one layer's temporaries at a time
-    reqs = []
-    for b in range(batch):
-        r = Request(f"d{b}", [1] * ctx, SamplingParams(max_tokens=2))
-        r.num_computed_tokens = ctx - 1
-        reqs.append(r)
-    tables = {r.request_id: (list(range(b * per_seq, (b + 1) * per_seq)),) for b, r in enumerate(reqs)}
-    so = build_scheduler_output([(r, 1) for r in reqs], tables.__getitem__, bs, [], set())
+    so = decode_only_output(batch, ctx, bs)
     samples = []
     for i in range(steps + 2):  # two warm-up steps (kernel builds)
         t = time.perf_counter()
