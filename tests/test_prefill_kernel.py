@@ -20,7 +20,7 @@ from pagedmlx.config import EngineConfig
 from pagedmlx.engine import LLMEngine
 from pagedmlx.kernels import build, prefill_attention
 from pagedmlx.kernels.dialect import CUDA
-from pagedmlx.runner.attention_metadata import Segment, prefill_tile_indices
+from pagedmlx.runner.prefill_indices import Segment, prefill_tile_indices
 from pagedmlx.kernels.check import check_prefill, prefill_reference, random_segments
 from pagedmlx.runner.model import ModelRunner
 from pagedmlx.sampling_params import SamplingParams

@@ -15,7 +15,7 @@ from pagedmlx.kernels import decode_attention, decode_attention_quant, page_writ
 from pagedmlx.kv_cache_dtype import KVQuant
 from pagedmlx.runner.attention import gather_decode
 from pagedmlx.runner.kv_quant import QuantizedPages
-from pagedmlx.runner.attention_metadata import Segment, prefill_tile_indices
+from pagedmlx.runner.prefill_indices import Segment, prefill_tile_indices
 from pagedmlx.runner.masks import length_mask
 
 TOLERANCE = {mx.float32: 2e-3, mx.float16: 2e-2, mx.bfloat16: 4e-2}

@@ -10,7 +10,7 @@ exactly their keys; short ones padded to the longest, under one mask."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional, Union
+from typing import Optional, Union
 
 import mlx.core as mx
 import numpy as np
@@ -19,6 +19,7 @@ from pagedmlx.kv.spec import cdiv
 from pagedmlx.kernels import decode_attention, prefill_attention
 from pagedmlx.kernels.dialect import CUDA
 from pagedmlx.runner.masks import causal_mask, length_mask
+from pagedmlx.runner.prefill_indices import Segment, group_indices, prefill_order, prefill_tile_indices
 from pagedmlx.scheduler_output import SchedulerOutput
 
 # Prefill segments with at most this many new tokens are attended together, padded to the longest
@@ -125,7 +126,7 @@ def chunked_prefill_groups(chunk: int, max_keys: int, quantum: int, block_size: 
         if shape not in shapes:
             shapes.add(shape)
             seg = Segment(0, chunk, first_pos, 0, shape[1] - back, np.zeros(cdiv(shape[1], block_size), np.int32))
-            host = _group_indices([(seg, front)], *shape, 1, block_size, 0)
+            host = group_indices([(seg, front)], *shape, 1, block_size, 0)
             groups.append(PrefillGroup(*shape, **{k: mx.array(v) for k, v in host.items() if k in _DEVICE_FIELDS}))
     return groups
 
@@ -294,12 +295,12 @@ class _GroupBuilder:
             plans.append((Lq, nb * bs, short, True))
         for i, (Lq, K, members, explicit) in enumerate(plans):
             P = len(members) if quantum <= 1 else 1 << (len(members) - 1).bit_length()
-            idx = _group_indices([(seg, front) for seg, front, _ in members], Lq, K, P, bs, nd)
+            idx = group_indices([(seg, front) for seg, front, _ in members], Lq, K, P, bs, nd)
             host.update({f"group{i}.{k}": v for k, v in idx.items() if explicit or k in _DEVICE_FIELDS})
             self.groups.append((Lq, K, explicit, tuple((front, back) for _, front, back in members)))
         order = [seg for _, _, members, _ in plans for seg, _, _ in members]
         if any(a.row > b.row for a, b in zip(order, order[1:])):
-            host["prefill_order"] = _prefill_order(order)
+            host["prefill_order"] = prefill_order(order)
 
     def _needs_band(self, seg: "Segment", back: int) -> bool:
         """A window that bites: some query (the padding's included) has keys before its window."""
@@ -330,62 +331,7 @@ class _GroupBuilder:
         return md
 
 
-class Segment(NamedTuple):
-    """One request's prefill chunk in a step (host side)."""
-
-    row: int  # its first row in the batch
-    n: int  # new tokens
-    first_pos: int  # position of the first
-    key_offset: int  # position of the first key it reads (0, or a page boundary before its window)
-    num_keys: int  # keys from key_offset to its last new token
-    pages: np.ndarray  # the pages holding them
-
-
 _DEVICE_FIELDS = ("block_table", "query_rows", "out_rows")
-
-
-def _group_indices(members: list[tuple[Segment, int]], Lq: int, K: int, P: int, block_size: int,
-                   nd: int) -> dict[str, np.ndarray]:
-    """A prefill group's host arrays: members (segment, front padding) fill its first segments, P
-    in all (added ones read page 0 and prefill row 0). A padding slot repeats its segment's first
-    or last query row; for explicit masks its position is the prefix position before the segment
-    (front) or the last query's (back), so that every slot sees at least one key."""
-    tables = np.zeros((P, cdiv(K, block_size)), np.int32)
-    rows = np.zeros((P, Lq), np.int32)
-    slots = np.arange(Lq)
-    query_pos = np.tile(slots, (P, 1)).astype(np.int32)
-    key_offset = np.zeros(P, np.int32)
-    out = []
-    for p, (seg, front) in enumerate(members):
-        tables[p, :len(seg.pages)] = seg.pages
-        rows[p] = seg.row - nd + np.clip(slots - front, 0, seg.n - 1)
-        query_pos[p] = seg.first_pos + np.minimum(slots - front, seg.n - 1)
-        key_offset[p] = seg.key_offset
-        out.append(p * Lq + front + np.arange(seg.n))
-    return dict(block_table=tables, query_rows=rows.reshape(-1), out_rows=np.concatenate(out),
-                query_pos=query_pos, key_offset=key_offset)
-
-
-def prefill_tile_indices(segments: list[Segment], nd: int, window: Optional[int], n_kv_heads: int,
-                         group: int) -> tuple[dict[str, np.ndarray], int]:
-    """The prefill kernel's host arrays (PrefillTiles' fields) and its number of splits. A tile's
-    keys run from its first token's first key (key_offset without a window) to its last token."""
-    table = np.zeros((len(segments), max(len(seg.pages) for seg in segments)), np.int32)
-    segs = np.zeros((len(segments), 4), np.int32)
-    tiles, keys = [], []
-    for i, seg in enumerate(segments):
-        table[i, :len(seg.pages)] = seg.pages
-        segs[i] = (seg.row - nd, seg.n, seg.first_pos, seg.key_offset)
-        tok0 = np.arange(0, seg.n, prefill_attention.PREFILL_TILE)
-        hi = seg.first_pos + np.minimum(seg.n, tok0 + prefill_attention.PREFILL_TILE)
-        lo = seg.key_offset if window is None else np.maximum(seg.key_offset, seg.first_pos + tok0 - window + 1)
-        tiles.append(np.stack([np.full_like(tok0, i), tok0], axis=1))
-        keys.append(hi - lo)
-    keys = np.concatenate(keys)
-    order = np.argsort(-keys, kind="stable")  # the longest tiles start first
-    splits, tokens = prefill_attention.prefill_splits(len(keys), n_kv_heads, group, int(keys.max()))
-    return dict(prefill_block_table=table, prefill_segs=segs, prefill_tiles=np.concatenate(tiles)[order],
-                prefill_split_tokens=np.array([tokens], np.int32)), splits
 
 
 def _window_tables(table: np.ndarray, seq_lens: np.ndarray, query_pos: np.ndarray, block_size: int,
@@ -399,13 +345,3 @@ def _window_tables(table: np.ndarray, seq_lens: np.ndarray, query_pos: np.ndarra
     cols = first_block[:, None] + np.arange(num_blocks)[None, :]
     cols = np.minimum(cols, table.shape[1] - 1)  # past the end: any page (masked off)
     return np.take_along_axis(table, cols, axis=1), seq_lens - first_block * block_size
-
-
-def _prefill_order(order: list[Segment]) -> np.ndarray:
-    """For each prefill row in batch order, its index among the groups' outputs, which hold the
-    segments in `order`."""
-    at, where = 0, {}
-    for seg in order:
-        where[seg.row] = (at, seg.n)
-        at += seg.n
-    return np.concatenate([np.arange(where[r][0], where[r][0] + where[r][1]) for r in sorted(where)])

@@ -1,7 +1,7 @@
 """CUDA source of paged prefill attention on tensor cores (sm_80+): every prefill segment of a step in
 one launch, causal, reading K/V straight from the pages through each segment's block table.
 
-Work is cut into tiles of 16 query tokens of one segment (attention_metadata.prefill_tiles). A
+Work is cut into tiles of 16 query tokens of one segment (prefill_indices.prefill_tile_indices). A
 thread block takes one tile for one KV head (and one split of its keys): one warp per query head of
 the KV head's group, so each warp holds 16 rows (16 tokens of one head) and K/V tiles, staged in
 shared memory by cp.async, are read once for the G heads. Per stage of KT keys a warp computes
