@@ -109,8 +109,11 @@ def test_a_recurrent_target_does_not_speculate_and_stays_exact(caplog):
     target = make_model("qwen3_5-tiny")
     prompt = [5, 6, 7, 8, 9, 10]
     with caplog.at_level(logging.WARNING, logger="pagedmlx"):
-        engine = engine_with(target, draft_model("llama", "same"), num_blocks=32)
+        engine = engine_with(target, draft_model("llama", "same"), kv_cache_memory_gb=0.05)
     assert engine.drafter is None and "recurrent-state layers" in caplog.text
+    # The draft is dropped, and its pages never took a share of the target's KV budget.
+    plain = LLMEngine(target, None, EngineConfig(block_size=4, kv_cache_memory_gb=0.05))
+    assert engine.draft_proposer is None and engine.runner.num_blocks == plain.runner.num_blocks
     engine.add_request("0", prompt, GREEDY)
     assert run_to_completion(engine)["0"].token_ids == solo_greedy(target, prompt, GREEDY.max_tokens)
 

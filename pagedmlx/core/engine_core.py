@@ -71,6 +71,8 @@ class EngineCore:
         self._warmed_up_in: Optional[int] = None  # the thread that ran warm_up
         self.drafter = make_drafter(self.config.speculative_config, self.max_model_len, self.kv_cache_manager,
                                     self.draft_proposer, self.vocab_size, (self.tokenizer, self._draft_tokenizer))
+        if self.drafter is None:
+            self.draft_proposer = None  # speculation is off for this target: the draft's weights go
 
     def warm_up(self) -> None:
         """ModelRunner.warm_up, once per thread: MLX keeps CUDA's cuDNN graphs per thread, so the

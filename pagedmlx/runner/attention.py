@@ -126,7 +126,7 @@ class PagedLayerCache:
         k_pages, v_pages = self.pool.keys, self.pool.values
         self._new = (keys, values)
         if self.pool.quant[i] is not None:  # quantized pages: MLX scatters (no page-write kernel takes them)
-            write_quantized(self.pool, i, keys, values, md.write_blocks, md.write_offsets)
+            write_quantized(self.pool, i, keys, values, md.write_index(keys.shape[1]))
             return keys, values
         if md.pages_in_place:
             self.written = page_write.reshape_and_cache(keys, values, k_pages[i], v_pages[i], md.slot_mapping,

@@ -56,16 +56,17 @@ def make_pages(num_blocks: int, h: int, block_size: int, dim: int, dtype: mx.Dty
             mx.zeros((num_blocks, h, block_size, groups), dtype), mx.zeros((num_blocks, h, block_size, groups), dtype))
 
 
-def write_quantized(pool, i: int, keys: mx.array, values: mx.array, blocks: mx.array, offsets: mx.array) -> None:
+def write_quantized(pool, i: int, keys: mx.array, values: mx.array, index: tuple) -> None:
     """Quantize the step's new keys and values (T, n_kv, 1, D) of layer i and scatter them into its
-    pages at (blocks, offsets), each part through the pool's own list (in place: no second reference)."""
+    pages at `index` (AttentionMetadata.write_index: page, head and slot, each (T, n_kv)), each part
+    through the pool's own list (in place: no second reference)."""
     quant = pool.quant[i]
     for side, x in (("keys", keys), ("values", values)):
         x = x[:, :, 0, :]
         dtype = getattr(pool, f"{side[0]}_scales")[i].dtype
         parts = mx.quantize(x if x.dtype == dtype else x.astype(dtype), group_size=quant.group_size, bits=quant.bits)
         for name, part in zip((side, f"{side[0]}_scales", f"{side[0]}_biases"), parts):
-            getattr(pool, name)[i][blocks, :, offsets] = part
+            getattr(pool, name)[i][index] = part
 
 
 def read_pages(pool, i: int) -> tuple:

@@ -254,13 +254,13 @@ class ModelRunner:
         caps = [None if not has_full or g.sliding_window is None else
                 sliding_pool_blocks(g.sliding_window, self.block_size, config.max_num_seqs,
                                     config.max_num_batched_tokens) for g in groups]
-        bpb = [self.group_bytes_per_block(g) + (self.draft_block_bytes if g.sliding_window is None else 0)
-               for g in groups]
+        state = state_group(self.plan, config)
+        draft = self.draft_block_bytes if state is None else 0  # recurrent targets do not speculate (drafter.py)
+        bpb = [self.group_bytes_per_block(g) + (draft if g.sliding_window is None else 0) for g in groups]
 
         def sized(n: int) -> list[int]:
             return [n if cap is None else min(n + 1, cap) for cap in caps]
 
-        state = state_group(self.plan, config)
         n = config.num_blocks
         if n is None:  # the most full-group blocks whose groups fit the memory budget (after the state slots)
             budget, lo, hi = pages_budget(config, state), 2, 1 << 40

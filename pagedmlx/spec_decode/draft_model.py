@@ -153,7 +153,7 @@ class DraftModelProposer:
         reqs = [w[0] for w in work]
         starts = [w[1] for w in work]
         counts = [w[3] for w in work]
-        ids = np.fromiter((t for r, s in zip(reqs, starts) for t in r.all_token_ids[s:]), np.int32, sum(counts))
+        ids = np.fromiter((t for r, s, c in zip(reqs, starts, counts) for t in r.all_token_ids[s:s + c]), np.int32, sum(counts))
         steps = [self._sample(self._batch(reqs, starts, counts, ids), None, reqs, 0)]
         alive = list(range(len(work)))  # indices into work still drafting
         for j in range(1, max(w[2] for w in work)):
