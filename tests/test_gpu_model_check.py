@@ -11,9 +11,9 @@ import pytest
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.kernels import build
-from pagedmlx.models.random_model import build_model
+from pagedmlx.models.random_model import RANDOM_ARCHS, build_model
 from pagedmlx.runner.model import ModelRunner
-from scripts.gpu.check_families import EXTRA, FAMILIES, RANDOM_ARCHS
+from scripts.gpu.check_families import EXTRA, FAMILIES
 
 pytestmark = pytest.mark.skipif(build.gpu_backend() is None, reason="a GPU runs the kernels")
 

@@ -24,7 +24,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -32,6 +31,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pagedmlx.bench.presets import PRESETS, random_model  # noqa: E402
+from scripts.bench.bench_offline import run_pagedmlx  # noqa: E402
 
 
 def write_adapters(model, folder: str, n: int, rank: int, keys, dtype) -> list:
@@ -60,23 +60,7 @@ def write_adapters(model, folder: str, n: int, rank: int, keys, dtype) -> list:
 
 def run(engine, prompts, gen_len: int, loras) -> tuple[float, float]:
     """(decode tok/s, end-to-end tok/s) of one batch; loras[i]: request i's adapter (None: base)."""
-    from pagedmlx.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
-    for i, (p, lora) in enumerate(zip(prompts, loras)):
-        engine.add_request(f"b{time.monotonic_ns()}-{i}", p, params, lora_request=lora)
-    decode_s, decode_tokens, generated = 0.0, 0, 0
-    start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        tokens, sampled = engine.stats.num_tokens, engine.stats.num_sampled
-        t = time.perf_counter()
-        engine.step()
-        dt = time.perf_counter() - t
-        new, got = engine.stats.num_tokens - tokens, engine.stats.num_sampled - sampled
-        generated += got
-        if new == got:  # a pure decode step
-            decode_s, decode_tokens = decode_s + dt, decode_tokens + got
-    return decode_tokens / decode_s, generated / (time.perf_counter() - start)
+    return run_pagedmlx(engine, prompts, gen_len, loras)[:2]
 
 
 def main() -> None:

@@ -57,12 +57,14 @@ def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[lis
     return [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
 
 
-def run_pagedmlx(engine, prompts, gen_len: int) -> tuple[float, float]:
+def run_pagedmlx(engine, prompts, gen_len: int, loras=None) -> tuple[float, float, dict]:
+    """(decode tok/s, end-to-end tok/s, host ms a step by phase) of one batch; loras[i]: request i's
+    LoRARequest (bench_lora.py; None: the base model)."""
     from pagedmlx.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
     for i, p in enumerate(prompts):
-        engine.add_request(f"b{time.monotonic_ns()}-{i}", p, params)
+        engine.add_request(f"b{time.monotonic_ns()}-{i}", p, params, lora_request=loras[i] if loras else None)
     decode_s, decode_tokens, generated = 0.0, 0, 0
     s0 = dataclasses.replace(engine.stats)
     start = time.perf_counter()
