@@ -3,16 +3,17 @@ add their own adapter's low-rank product, and PunicaWrapper (vLLM's punica wrapp
 per-row adapter slots that every such layer reads.
 
 A step's T tokens are T rows (token-major, DESIGN.md). Each wrapped layer keeps every resident
-adapter's A and B stacked by slot (slot 0 is zeros: rows without an adapter), and computes
+adapter's A and B stacked by slot (slot 0 is zeros: rows without an adapter). A step that uses the
+k slots `used` computes, for all rows at once,
 
-    base(x) + scale[slot] * ((x @ A[slot]) @ B[slot])
+    base(x) + scale[row] * (((x @ A[used]^T) * mask) @ B[used])
 
-for all rows at once with two mx.gather_mm calls that pick each row's slot (the BGMV idea; rows
-sorted by slot first for big steps on a GPU, where MLX runs sorted indices as segments: SGMV). No
-Python loop over rows or adapters, one extra pair of small matmuls per layer. Rows of slot 0 add
-exactly zero, so base rows give the base model's values; adapter rows give mlx-lm's LoRALinear's
-(and DoRALinear's) values, operation for operation. A layer that no row of the step targets runs
-its base layer alone."""
+with A[used] (k * R, in) and B[used] (k * R, out) the used slots' stacks side by side and mask (T, k * R)
+one where a column belongs to the row's own slot: two dense products as wide as the step's adapters
+(no per-row gather, which MLX's CUDA gather_mm runs slowly), no Python loop over rows or adapters.
+A row adds its own adapter's (x @ A) @ B, the other columns being exact zeros; rows without an
+adapter add exactly zero, so base rows give the base model's values; adapter rows give mlx-lm's
+LoRALinear's (and DoRALinear's) values. A layer that no row of the step targets runs its base layer alone."""
 
 from __future__ import annotations
 
@@ -32,14 +33,14 @@ class LoRAStep:
 
     num_rows: int
     indices: mx.array  # (T,) each row's slot; 0: no adapter
-    slots: frozenset  # host: the non-zero slots the rows use
+    used: mx.array  # (k,) the non-zero slots the rows use, ascending
+    used_columns: mx.array  # (k * max_rank,) the slot each column of the stacked products belongs to
+    slots: frozenset  # host: `used`
     dora_slots: frozenset  # host: those of them holding DoRA adapters
     slot_scales: mx.array  # (num_slots,) each slot's scale (0 for slot 0)
     slot_dora: Optional[mx.array] = None  # (num_slots,) bool, where a DoRA row is in the step
-    order: Optional[mx.array] = None  # (T,) rows sorted by slot (stable), or None: rows as they are
-    sorted_indices: Optional[mx.array] = None  # (T,) indices[order]
-    inverse: Optional[mx.array] = None  # (T,) where each row went in `order`
     _scales: dict = field(default_factory=dict, repr=False)
+    _masks: dict = field(default_factory=dict, repr=False)
     _dora_rows: Optional[mx.array] = field(default=None, repr=False)
 
     def row_scales(self, dtype: mx.Dtype) -> mx.array:
@@ -47,6 +48,12 @@ class LoRAStep:
         if dtype not in self._scales:
             self._scales[dtype] = self.slot_scales.astype(dtype)[self.indices][:, None]
         return self._scales[dtype]
+
+    def column_mask(self, dtype: mx.Dtype) -> mx.array:
+        """(T, k * max_rank): 1 where a column of the stacked products is the row's own slot's."""
+        if dtype not in self._masks:
+            self._masks[dtype] = (self.indices[:, None] == self.used_columns[None, :]).astype(dtype)
+        return self._masks[dtype]
 
     def dora_rows(self) -> mx.array:
         if self._dora_rows is None:
@@ -68,16 +75,12 @@ class PunicaWrapper:
         if rows != step.num_rows:
             raise RuntimeError(f"LoRA: a targeted layer ran on {rows} rows but the step has {step.num_rows}: this "
                                f"model does not run its layers token-major, which batched adapters need")
-        h = x.reshape(rows, 1, x.shape[-1])
-        idx, is_sorted = step.indices, False
-        if step.order is not None:
-            h, idx, is_sorted = h[step.order], step.sorted_indices, True
-        # (S, R, in) and (S, out, R) seen transposed: the layout MLX's CUDA gather_mv takes
-        a = mx.gather_mm(h, layer._lora_a_stacked.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=is_sorted)
-        z = mx.gather_mm(a, layer._lora_b_stacked.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=is_sorted)
-        if step.order is not None:
-            z = z[step.inverse]
-        z = z.reshape(rows, out_dims)
+        h = x.reshape(rows, x.shape[-1])
+        k_rank = step.used_columns.shape[0]
+        a_used = layer._lora_a_stacked[step.used].reshape(k_rank, -1)  # (k * R, in)
+        b_used = layer._lora_b_stacked[step.used].reshape(k_rank, -1)  # (k * R, out)
+        a = h @ a_used.T
+        z = (a * step.column_mask(a.dtype)) @ b_used
         lora = (step.row_scales(z.dtype) * z).astype(x.dtype).reshape(*lead, out_dims)  # mlx-lm's (scale * z)
         y = layer.base_layer(x)
         if step.dora_slots.isdisjoint(layer.dora_slots):
@@ -108,7 +111,7 @@ class LinearWithLoRA(nn.Module):
         self.max_rank = max_rank
         self.plain = isinstance(base_layer, nn.Linear) and "bias" not in base_layer
         self._lora_a_stacked = mx.zeros((num_slots, max_rank, self.input_size), dtype)
-        self._lora_b_stacked = mx.zeros((num_slots, self.output_size, max_rank), dtype)
+        self._lora_b_stacked = mx.zeros((num_slots, max_rank, self.output_size), dtype)
         self._norm_scale_stacked: Optional[mx.array] = None  # (num_slots, out), once a DoRA adapter lands
         self.lora_slots: frozenset = frozenset()  # host: slots holding a pair for this layer
         self.dora_slots: frozenset = frozenset()
@@ -128,7 +131,7 @@ class LinearWithLoRA(nn.Module):
         r, pad = weights.rank, self.max_rank - weights.rank
         dtype = self._lora_a_stacked.dtype
         self._lora_a_stacked[slot] = mx.pad(weights.lora_a.T.astype(dtype), [(0, pad), (0, 0)])
-        self._lora_b_stacked[slot] = mx.pad(weights.lora_b.T.astype(dtype), [(0, 0), (0, pad)])
+        self._lora_b_stacked[slot] = mx.pad(weights.lora_b.astype(dtype), [(0, pad), (0, 0)])
         self.lora_slots = self.lora_slots | {slot}
         out = [self._lora_a_stacked, self._lora_b_stacked]
         if weights.norm_scale is not None:

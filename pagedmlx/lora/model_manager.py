@@ -11,7 +11,6 @@ zeroed in every layer it filled."""
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -24,17 +23,12 @@ from pagedmlx.lora.layers import LinearWithLoRA, LoRAStep, PunicaWrapper
 from pagedmlx.lora.models import LoRAError, LoRAModel
 from pagedmlx.lora.request import LoRARequest
 
-# On a GPU, steps of at least this many rows sort them by slot, so that MLX's gather_mm runs each
-# adapter's rows as one segment (as mlx-lm's SwitchGLU does for experts; fewer rows: one gather-GEMV
-# launch for all); on the CPU it loops over rows either way. PAGEDMLX_LORA_SORT_MIN_ROWS=0: never.
-SORT_MIN_ROWS = int(os.environ.get("PAGEDMLX_LORA_SORT_MIN_ROWS", "64"))
-
 
 @dataclass
 class StepLoRA:
     """A step's adapter rows on the host, before the upload."""
 
-    host: dict[str, np.ndarray]  # lora_indices (T,), and lora_order, lora_sorted, lora_inverse where sorted
+    host: dict[str, np.ndarray]  # lora_indices (T,), lora_used (k,), lora_used_columns (k * max_rank,)
     slots: frozenset
     dora_slots: frozenset
 
@@ -48,7 +42,6 @@ class LoRAModelManager:
         self.capacity = max(max_cpu_loras or max_loras, max_loras)
         self.in_use = in_use
         self.punica = PunicaWrapper()
-        self.sort_min_rows = SORT_MIN_ROWS if mx.default_device() == mx.gpu else 0
         self.num_slots = max_loras + 1  # slot 0: rows without an adapter
         self._cache: OrderedDict[int, LoRAModel] = OrderedDict()  # host copies, least recently used first
         self._requests: dict[int, LoRARequest] = {}  # every adapter added and not removed: read again from its folder
@@ -121,19 +114,17 @@ class LoRAModelManager:
         slot_of = {lid: self._activate(lid, wanted) for lid in wanted}
         req_slots = np.array([slot_of.get(int(i), 0) for i in lora_int_ids], np.int32)
         rows = np.repeat(req_slots, num_scheduled_tokens)
-        host = {"lora_indices": rows}
-        if self.sort_min_rows and rows.size >= self.sort_min_rows and (np.diff(rows) < 0).any():
-            order = np.argsort(rows, kind="stable")
-            host.update(lora_order=order, lora_sorted=rows[order], lora_inverse=np.argsort(order))
         slots = frozenset(slot_of.values())
+        used = np.array(sorted(slots), np.int32)
+        host = {"lora_indices": rows, "lora_used": used, "lora_used_columns": np.repeat(used, self.max_lora_rank)}
         return StepLoRA(host, slots, frozenset(s for s in slots if self._slot_dora[s]))
 
     def begin_step(self, prepared: StepLoRA, dev: dict[str, mx.array]) -> None:
         """Point every wrapped layer at the step's uploaded rows (until end_step)."""
         self.punica.step = LoRAStep(
-            int(prepared.host["lora_indices"].size), dev["lora_indices"], prepared.slots, prepared.dora_slots,
-            self._slot_scales_dev, self._slot_dora_dev if prepared.dora_slots else None,
-            dev.get("lora_order"), dev.get("lora_sorted"), dev.get("lora_inverse"))
+            int(prepared.host["lora_indices"].size), dev["lora_indices"], dev["lora_used"], dev["lora_used_columns"],
+            prepared.slots, prepared.dora_slots, self._slot_scales_dev,
+            self._slot_dora_dev if prepared.dora_slots else None)
 
     def end_step(self) -> None:
         self.punica.step = None
