@@ -17,6 +17,7 @@ LoRALinear's (and DoRALinear's) values. A layer that no row of the step targets 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -75,16 +76,14 @@ class PunicaWrapper:
         if rows != step.num_rows:
             raise RuntimeError(f"LoRA: a targeted layer ran on {rows} rows but the step has {step.num_rows}: this "
                                f"model does not run its layers token-major, which batched adapters need")
-        h = x.reshape(rows, x.shape[-1])
-        k_rank = step.used_columns.shape[0]
-        a_used = layer._lora_a_stacked[step.used].reshape(k_rank, -1)  # (k * R, in)
-        b_used = layer._lora_b_stacked[step.used].reshape(k_rank, -1)  # (k * R, out)
-        a = h @ a_used.T
-        z = (a * step.column_mask(a.dtype)) @ b_used
-        lora = (step.row_scales(z.dtype) * z).astype(x.dtype).reshape(*lead, out_dims)  # mlx-lm's (scale * z)
+        a_used, b_used = layer.used_stacks(step)
+        a = x.reshape(rows, x.shape[-1]) @ a_used.T
+        z = ((a * step.column_mask(a.dtype)) @ b_used).reshape(*lead, out_dims)
+        scales = step.row_scales(z.dtype).reshape(*lead, 1)
         y = layer.base_layer(x)
         if step.dora_slots.isdisjoint(layer.dora_slots):
-            return y + lora
+            return _add_scaled(y, scales, z)
+        lora = (scales * z).astype(x.dtype)  # mlx-lm's (scale * z)
         # DoRA (mlx-lm's DoRALinear): (m / ||W + scale B^T A^T||) * (x W^T + scale z) + bias; the norm
         # factor is 1 in every other slot.
         norm_scale = layer._norm_scale_stacked[step.indices].astype(x.dtype).reshape(*lead, out_dims)
@@ -94,6 +93,12 @@ class PunicaWrapper:
         if "bias" in layer.base_layer:
             dora = dora + layer.base_layer.bias
         return mx.where(step.dora_rows().reshape(*lead, 1), dora, y + lora)
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _add_scaled(y: mx.array, scales: mx.array, z: mx.array) -> mx.array:
+    """mlx-lm's LoRALinear epilogue, y + (scale * z).astype(y.dtype), as one fused kernel."""
+    return y + (scales * z).astype(y.dtype)
 
 
 class LinearWithLoRA(nn.Module):
@@ -115,6 +120,7 @@ class LinearWithLoRA(nn.Module):
         self._norm_scale_stacked: Optional[mx.array] = None  # (num_slots, out), once a DoRA adapter lands
         self.lora_slots: frozenset = frozenset()  # host: slots holding a pair for this layer
         self.dora_slots: frozenset = frozenset()
+        self._used: tuple = ((), None, None)  # (slots, A, B) of the last step's used slots: most steps reuse them
 
     @property
     def weight(self) -> mx.array:  # code that reads a projection's weight (shapes, dtype) still finds it
@@ -126,9 +132,19 @@ class LinearWithLoRA(nn.Module):
             return self.base_layer(x)
         return self.punica.add_lora_linear(self, x)
 
+    def used_stacks(self, step: LoRAStep) -> tuple[mx.array, mx.array]:
+        """The step's used slots' A (k * R, in) and B (k * R, out), side by side in slot order."""
+        key = tuple(sorted(step.slots))
+        if self._used[0] != key:
+            k_rank = step.used_columns.shape[0]
+            self._used = (key, self._lora_a_stacked[step.used].reshape(k_rank, -1),
+                          self._lora_b_stacked[step.used].reshape(k_rank, -1))
+        return self._used[1], self._used[2]
+
     def set_lora(self, slot: int, weights: LoRALayerWeights) -> list[mx.array]:
         """Put an adapter's pair in `slot` (rank padded with zeros to max_rank); returns what to evaluate."""
         r, pad = weights.rank, self.max_rank - weights.rank
+        self._used = ((), None, None)
         dtype = self._lora_a_stacked.dtype
         self._lora_a_stacked[slot] = mx.pad(weights.lora_a.T.astype(dtype), [(0, pad), (0, 0)])
         self._lora_b_stacked[slot] = mx.pad(weights.lora_b.astype(dtype), [(0, pad), (0, 0)])
@@ -152,6 +168,7 @@ class LinearWithLoRA(nn.Module):
             return []
         self._lora_a_stacked[slot] = 0
         self._lora_b_stacked[slot] = 0
+        self._used = ((), None, None)
         self.lora_slots = self.lora_slots - {slot}
         out = [self._lora_a_stacked, self._lora_b_stacked]
         if slot in self.dora_slots:
