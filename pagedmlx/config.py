@@ -45,8 +45,9 @@ class EngineConfig:
     async_scheduling: Optional[bool] = None
     async_min_batch: int = 1  # running requests from which steps overlap (1: every step)
     # Decode-only steps traced once per shape key and replayed through mx.compile (vLLM's CUDA graphs in
-    # spirit: runner/compiled_step.py), where the pages are written in place (CUDA). Off by default.
-    compile_decode: bool = False
+    # spirit: runner/compiled_step.py), where the pages are written in place (CUDA). None: steps of at
+    # most compiled_step.AUTO_MAX_DECODES requests (where the host's Python is the step's cost); True: all.
+    compile_decode: Optional[bool] = None
     # "auto": sampling defaults from the model's generation_config.json (as vLLM); "vllm": vLLM's own.
     generation_config: str = "auto"
     dtype: Optional[str] = None  # "float32" / "float16" / "bfloat16" for unquantized weights; None: as loaded

@@ -35,8 +35,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="share KV pages of common prefixes between requests")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="build step N+1 while step N runs (default: on GPU backends)")
-    p.add_argument("--compile-decode", action="store_true",
-                   help="replay decode-only steps through mx.compile, traced once per shape (CUDA; default: off)")
+    p.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay decode-only steps through mx.compile, traced once per shape (CUDA only; "
+                        "default: steps of at most 8 requests)")
     p.add_argument("--warm-up-attention", action=argparse.BooleanOptionalAction, default=None,
                    help="build the attention shapes of long prompts before serving (default: on CUDA)")
     p.add_argument("--prefill-kernel", action=argparse.BooleanOptionalAction, default=None,

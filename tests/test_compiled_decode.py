@@ -7,6 +7,8 @@ On a CUDA GPU (skipped elsewhere), the real kernels: compiled and built steps gi
 
 from __future__ import annotations
 
+from typing import Optional
+
 import mlx.core as mx
 import pytest
 from utils import make_model, run_staggered, shared_prefix_prompts
@@ -16,7 +18,7 @@ from pagedmlx.engine import LLMEngine
 from pagedmlx.kernels import build, decode_attention, page_write, recurrent_state
 from pagedmlx.kernels.dialect import CUDA
 from pagedmlx.kernels.selector import KernelPlan
-from pagedmlx.runner.compiled_step import CompiledDecode, table_bucket
+from pagedmlx.runner.compiled_step import AUTO_MAX_DECODES, CompiledDecode, table_bucket
 from pagedmlx.sampling_params import SamplingParams
 
 ON_CUDA = build.gpu_backend() == CUDA
@@ -41,10 +43,10 @@ def standins(monkeypatch):
         cache.cache_clear()
 
 
-def _engine(arch: str, compiled: bool, standins: bool) -> LLMEngine:
+def _engine(arch: str, compiled: Optional[bool], standins: bool, max_num_seqs: int = 4) -> LLMEngine:
     # A model of its own (seed 3): the stand-ins class-swap a state model's modules (install_kernels).
     model = make_model(arch, seed=3 if standins else 0)
-    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=96, max_num_seqs=4,
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=96, max_num_seqs=max_num_seqs,
                                                  async_scheduling=True, compile_decode=compiled))
     if standins:
         runner = engine.runner
@@ -53,7 +55,8 @@ def _engine(arch: str, compiled: bool, standins: bool) -> LLMEngine:
         if state:  # the state kernels too, writing the state pool "in place"
             recurrent_state.install_kernels(model, state)
             runner.state_pool.in_place = True
-        runner.compiled_decode = CompiledDecode(runner) if compiled else None
+        runner.compiled_decode = (None if compiled is False else
+                                  CompiledDecode(runner, None if compiled else AUTO_MAX_DECODES))
     return engine
 
 
@@ -75,10 +78,17 @@ def test_compiled_steps_equal_built_steps_with_standins(standins, arch):
     assert any(dict((n, s) for n, s, _ in k[0]).get("prev_sampled") is not None for k in keys)  # async placeholders
 
 
-def test_off_by_default_and_where_pages_are_scattered():
-    engine = LLMEngine(make_model("llama"), None, EngineConfig(block_size=4, num_blocks=32, compile_decode=True))
-    assert engine.runner.compiled_decode is None or engine.runner.pages_in_place
-    assert EngineConfig().compile_decode is False
+def test_by_default_small_steps_where_pages_are_written_in_place(standins):
+    assert EngineConfig().compile_decode is None
+    scattered = LLMEngine(make_model("llama"), None, EngineConfig(block_size=4, num_blocks=32, compile_decode=True))
+    assert scattered.runner.compiled_decode is None or scattered.runner.pages_in_place
+    engine = _engine("llama", None, True, max_num_seqs=16)
+    prompts = shared_prefix_prompts(12, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    built = run_staggered(_engine("llama", False, True, max_num_seqs=16), prompts, params, seed=1)
+    assert run_staggered(engine, prompts, params, seed=1) == built
+    sizes = {dict((n, s) for n, s, _ in k[0])["input_ids"][0] for k in engine.runner.compiled_decode.fns}
+    assert sizes and max(sizes) <= AUTO_MAX_DECODES < engine.scheduler.config.max_num_seqs
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="a CUDA GPU runs the kernels")

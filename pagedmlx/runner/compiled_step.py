@@ -12,7 +12,9 @@ sequence's length): a sequence meets a new key at 2, 4, 8, ... pages, and when i
 Only where every write is in place (the page-write kernel, and the state kernels for recurrent
 layers: CUDA) can a step be replayed: MLX's scatter gives each write a new pool array, which a
 compiled graph cannot hand back (quantized KV pages are scattered: not compiled). Steps with prefill
-rows, LoRA rows or a recurrent segment (a 1-token prompt) run as built. EngineConfig.compile_decode switches it on (off by default).
+rows, LoRA rows or a recurrent segment (a 1-token prompt) run as built. By default
+(EngineConfig.compile_decode None) only steps of at most AUTO_MAX_DECODES requests are compiled: that
+is where the host's Python bounds the step, and it bounds the keys (each costs a trace) to a few.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pagedmlx.runner.attention_metadata import StepMetadata, _GroupBuilder, uplo
 from pagedmlx.runner.state import StateMetadata
 from pagedmlx.scheduler_output import SchedulerOutput
 
+AUTO_MAX_DECODES = 8
 _STATE_FIELDS = ("decode_rows", "decode_read", "decode_write", "save_rows", "save_slots", "order")
 
 
@@ -37,9 +40,11 @@ def table_bucket(num_blocks: int) -> int:
 class CompiledDecode:
     """The runner's decode-only steps, compiled per key (see the module docstring)."""
 
-    def __init__(self, runner: Any):
-        """runner: the ModelRunner (not imported here: it imports this module)."""
+    def __init__(self, runner: Any, max_decodes: Optional[int] = None):
+        """runner: the ModelRunner (not imported here: it imports this module); max_decodes: the largest
+        step compiled (None: any)."""
         self.runner = runner
+        self.max_decodes = max_decodes
         self.fns: dict[tuple, Callable] = {}
 
     def takes(self, so: SchedulerOutput) -> bool:
@@ -48,6 +53,7 @@ class CompiledDecode:
         quantized = any(q is not None for q in getattr(r.kv_pool, "quant", ()))  # MLX scatters quantized pages
         return (r.pages_in_place and not quantized and r.lora_manager is None
                 and so.num_decodes == so.total_num_scheduled_tokens
+                and (self.max_decodes is None or so.num_decodes <= self.max_decodes)
                 and (not has_state or (r.kernels.state and bool((so.state_slots[:, 0] >= 0).all()))))
 
     def __call__(self, so: SchedulerOutput, prev_sampled: Optional[mx.array]) -> mx.array:

@@ -18,7 +18,7 @@ from pagedmlx.kernels.selector import select_kernels, select_quantized
 from pagedmlx.kv_cache_dtype import bytes_per_token, layer_quant
 from pagedmlx.runner.attention import (KVPool, PagedLayerCache, decode_kernel_takes, install_paged_attention,
                                        paged_decode, warm_up_prefill)
-from pagedmlx.runner.compiled_step import CompiledDecode
+from pagedmlx.runner.compiled_step import AUTO_MAX_DECODES, CompiledDecode
 from pagedmlx.runner.lm_head import split_lm_head
 from pagedmlx.runner.kv_quant import read_pages
 from pagedmlx.runner.attention_metadata import (WARM_UP_MAX_KEYS, StepMetadata, chunked_prefill_groups,
@@ -96,7 +96,8 @@ class ModelRunner:
         self.state_pool = self.make_state_pool(self.kv_cache_config)
         self.lora_manager = self._make_lora_manager(config) if config.enable_lora else None
         # Decode-only steps through mx.compile (runner/compiled_step.py), where pages are written in place.
-        self.compiled_decode = CompiledDecode(self) if config.compile_decode and self.pages_in_place else None
+        self.compiled_decode = (CompiledDecode(self, None if config.compile_decode else AUTO_MAX_DECODES)
+                                if config.compile_decode is not False and self.pages_in_place else None)
 
     def _make_lora_manager(self, config: EngineConfig):
         """Batched LoRA (pagedmlx/lora/): adapters on the layers that run token-major, as every row does."""

@@ -168,8 +168,9 @@ def main() -> None:
     ap.add_argument("--ab-async", action="store_true",
                     help="also run every batch in lockstep, right after the async run (same engine)")
     ap.add_argument("--roofline", action="store_true", help="measure the machine and print each step's ideal time")
-    ap.add_argument("--compile-decode", action="store_true", help="EngineConfig.compile_decode: decode steps "
-                                                                  "replayed through mx.compile (CUDA)")
+    ap.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
+                    help="EngineConfig.compile_decode: decode steps replayed through mx.compile (CUDA; default: "
+                         "steps of at most 8 requests)")
     ap.add_argument("--skip-peer", action="store_true", help="run pagedmlx only (for sweeps of its own settings)")
     args = ap.parse_args()
 
