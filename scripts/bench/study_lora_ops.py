@@ -1,0 +1,92 @@
+"""What the batched-LoRA products cost on the device, op by op (issue 29: mixed adapters at batch 64 trail
+the base model on the H200). Llama-8B's seven projections a layer, --layers layers, --rows rows (one decode
+step at batch 64), --slots adapters of rank --rank side by side (layers.py's stacked form):
+
+  base      x @ W^T, the projection itself
+  shrink    x @ A_used^T                (rows, slots * rank)
+  mask      a * column mask
+  expand    (a * mask) @ B_used         (rows, out)
+  epilogue  y + (scale * z).astype      (fused by mx.compile in layers.py)
+  lora      all four above, as layers.py runs them after the base product
+
+Each row: wall ms per step (all layers' ops of that kind, one mx.eval; median of --runs) and µs per op.
+
+    python scripts/bench/study_lora_ops.py --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from pagedmlx.lora.layers import _add_scaled  # noqa: E402
+
+# Llama-8B: (in, out) of q, k, v, o, gate, up, down
+PROJECTIONS = [(4096, 4096), (4096, 1024), (4096, 1024), (4096, 4096), (4096, 14336), (4096, 14336), (14336, 4096)]
+
+
+def time_ms(fn, runs: int) -> float:
+    mx.eval(fn())
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--runs", type=int, default=20)
+    args = ap.parse_args()
+    dt = getattr(mx, args.dtype)
+    kr = args.slots * args.rank
+    mx.random.seed(0)
+    layers = []
+    for _ in range(args.layers):
+        for i, o in PROJECTIONS:
+            layers.append(dict(x=mx.random.normal((args.rows, i)).astype(dt), w=mx.random.normal((o, i)).astype(dt),
+                               a=mx.random.normal((kr, i)).astype(dt), b=mx.random.normal((kr, o)).astype(dt)))
+    slot = mx.arange(args.rows) % args.slots
+    mask = (slot[:, None] == (mx.arange(kr) // args.rank)[None, :]).astype(dt)
+    scales = mx.full((args.rows, 1), 2.0, dt)
+    for p in layers:  # the inputs of the later ops, computed once
+        p["y"] = p["x"] @ p["w"].T
+        p["s"] = p["x"] @ p["a"].T
+        p["z"] = (p["s"] * mask) @ p["b"]
+    mx.eval(layers, mask, scales)
+
+    def lora(p):
+        return _add_scaled(p["y"], scales, (((p["x"] @ p["a"].T) * mask) @ p["b"]))
+
+    cases = {"base": lambda: [p["x"] @ p["w"].T for p in layers],
+             "shrink": lambda: [p["x"] @ p["a"].T for p in layers],
+             "mask": lambda: [p["s"] * mask for p in layers],
+             "expand": lambda: [(p["s"] * mask) @ p["b"] for p in layers],
+             "epilogue": lambda: [_add_scaled(p["y"], scales, p["z"]) for p in layers],
+             "lora": lambda: [lora(p) for p in layers]}
+    print(f"study_lora_ops on {mx.default_device()}, {time.strftime('%Y-%m-%d %H:%M')}: {args.rows} rows, "
+          f"{args.layers} Llama-8B layers ({len(layers)} projections), {args.slots} slots of rank {args.rank}, "
+          f"{args.dtype}, median of {args.runs}")
+    print(f"{'case':>9} | {'ms a step':>9} | {'µs an op':>8} | {'vs base':>7}")
+    base = None
+    for name, fn in cases.items():
+        ms = time_ms(fn, args.runs)
+        base = base or ms
+        print(f"{name:>9} | {ms:9.2f} | {1e3 * ms / len(layers):8.1f} | {ms / base:6.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
