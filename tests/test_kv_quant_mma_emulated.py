@@ -90,3 +90,15 @@ def test_emulated_quantized_tensor_core_kernel_matches_the_gather_path(emulated_
             err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
             assert np.isfinite(err) and err <= tol, (w, with_sinks, splits, err)
     assert any("store_piece<T, D, QBITS>" in text for text in EmulatedKernel.sources[before:])
+
+
+@pytest.mark.parametrize("quant,window,sinks", [(KVQuant(8, 128), None, False), (KVQuant(4, 64), 100, True)])
+def test_the_load_time_check_passes_the_emulated_kernel_for_llama_8b_heads(emulated_mma, quant, window, sinks):
+    """check.check_decode_quantized (what select_quantized runs at load) on CUDA's default, the tensor-core
+    kernel, with Llama-8B's heads; and check.check_page_write_quantized reading through it."""
+    from pagedmlx.kernels import check, page_write
+
+    emulated_mma.setattr(page_write, "_quant_write_kernel", page_write._quant_write_kernel.__wrapped__)
+    assert decode_attention_quant.uses_tensor_cores(128, 4, mx.bfloat16, quant, CUDA)
+    assert check.check_decode_quantized(CUDA, 32, 8, 128, mx.bfloat16, quant, 16, window, sinks) is None
+    assert check.check_page_write_quantized(CUDA, 8, 8, 128, mx.bfloat16, quant, 16) is None

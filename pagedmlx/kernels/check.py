@@ -109,9 +109,11 @@ def check_decode(backend: str, h: int, n_kv: int, d: int, dtype: mx.Dtype, bs: i
 
 
 def check_decode_quantized(backend: str, h: int, n_kv: int, d: int, dtype: mx.Dtype, quant: KVQuant, bs: int,
-                           window: Optional[int] = None, sinks: bool = False, seed: int = 0) -> Optional[str]:
-    """check_decode for the quantized decode kernel: the same lengths and splits over int8 / int4 pages,
-    against the gather path over the same pages dequantized to float32."""
+                           window: Optional[int] = None, sinks: bool = False, seed: int = 0,
+                           settings: Optional[decode_attention.Settings] = None) -> Optional[str]:
+    """check_decode for the quantized decode kernel (on tensor cores where CUDA runs them, unless `settings`
+    say otherwise): the same lengths and splits over int8 / int4 pages, against the gather path over the same
+    pages dequantized to float32."""
     rng = np.random.default_rng(seed)
     lens = np.array([1, bs, bs + 1, 3 * bs + 5, 8 * bs + 3], np.int32)
     nb = -(-int(lens.max()) // bs)
@@ -129,7 +131,7 @@ def check_decode_quantized(backend: str, h: int, n_kv: int, d: int, dtype: mx.Dt
         tokens = -(-span // splits)
         got = decode_attention_quant.paged_decode_quantized(
             q, *pages, table, seq_lens, d ** -0.5, -(-span // tokens), mx.array([tokens], mx.int32), window=window,
-            sinks=sink, init_value=float("nan"), backend=backend)
+            sinks=sink, init_value=float("nan"), settings=settings, backend=backend)
         err = _compare(got, want, dtype)
         if err:
             return f"{err} ({splits} split{'s' if splits > 1 else ''})"
