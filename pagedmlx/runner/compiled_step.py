@@ -11,8 +11,8 @@ sequence's length): a sequence meets a new key at 2, 4, 8, ... pages, and when i
 
 Only where every write is in place (the page-write kernel, and the state kernels for recurrent
 layers: CUDA) can a step be replayed: MLX's scatter gives each write a new pool array, which a
-compiled graph cannot hand back. Quantized KV pages are written in place too where 16-bit ones are
-(page_write.reshape_and_cache_quantized), but no GPU run has traced them yet: not compiled. Steps with prefill
+compiled graph cannot hand back. Quantized KV pages are written in place where 16-bit ones are
+(page_write.reshape_and_cache_quantized: mx.quantize, then the copy), so they compile too. Steps with prefill
 rows, LoRA rows or a recurrent segment (a 1-token prompt) run as built. EngineConfig.compile_decode switches it on (off by default).
 """
 
@@ -46,8 +46,7 @@ class CompiledDecode:
     def takes(self, so: SchedulerOutput) -> bool:
         r = self.runner
         has_state = len(so.state_slots) > 0
-        quantized = any(q is not None for q in getattr(r.kv_pool, "quant", ()))  # not traced on a GPU yet
-        return (r.pages_in_place and not quantized and r.lora_manager is None
+        return (r.pages_in_place and r.lora_manager is None
                 and so.num_decodes == so.total_num_scheduled_tokens
                 and (not has_state or (r.kernels.state and bool((so.state_slots[:, 0] >= 0).all()))))
 
