@@ -27,10 +27,12 @@ __device__ inline void store_piece(T* tile, int row, int piece, uint4 raw, T sca
         unsigned h[4];
         #pragma unroll
         for (int e = 0; e < 4; ++e) {
+            // q as a float without I2F (a quarter-rate instruction): 2^23 + q has q in its low mantissa bits,
+            // and (2^23 + q) - 2^23 is q exactly.
             const int c0 = 8 * j + 2 * e, c1 = c0 + 1;
-            const float x0 = fmaf(static_cast<float>((w[c0 / PER] >> (QBITS * (c0 % PER))) & MASK), s, b);
-            const float x1 = fmaf(static_cast<float>((w[c1 / PER] >> (QBITS * (c1 % PER))) & MASK), s, b);
-            h[e] = pack2(x0, x1, T{});
+            const float q0 = __uint_as_float(((w[c0 / PER] >> (QBITS * (c0 % PER))) & MASK) | 0x4B000000u) - 8388608.f;
+            const float q1 = __uint_as_float(((w[c1 / PER] >> (QBITS * (c1 % PER))) & MASK) | 0x4B000000u) - 8388608.f;
+            h[e] = pack2(fmaf(q0, s, b), fmaf(q1, s, b), T{});
         }
         const int chunk = piece * CPP + j;
         *reinterpret_cast<uint4*>(tile + row * D + ((chunk ^ (row & 7)) * 8)) = make_uint4(h[0], h[1], h[2], h[3]);
@@ -67,36 +69,44 @@ _QLOAD = """    // A tile's rows as 16-byte pieces of packed words (PPR a row, N
     __shared__ __align__(128) T tiles[NW][2][16 * D];  // [warp][K, V][row * D + chunk * 8]
     uint4 k_raw[NP], v_raw[NP];
     T k_sb[NP][2], v_sb[NP][2];
-    auto fetch_piece = [&](int i, int tile) {
+    auto fetch_piece = [&](int i, int tile, uint4& kr, uint4& vr, T (&ks)[2], T (&vs)[2]) {
         const int c = lane + 32 * i, row = c / PPR, piece = c % PPR;
         const int tok = tile + row;
         if (tok < end) {
             const size_t r = ((size_t)table[tok / BS] * NKV + kvh) * BS + tok % BS;
-            k_raw[i] = __ldg(reinterpret_cast<const uint4*>(k_pages + r * WORDS) + piece);
-            v_raw[i] = __ldg(reinterpret_cast<const uint4*>(v_pages + r * WORDS) + piece);
+            kr = __ldg(reinterpret_cast<const uint4*>(k_pages + r * WORDS) + piece);
+            vr = __ldg(reinterpret_cast<const uint4*>(v_pages + r * WORDS) + piece);
             const size_t gi = r * GROUPS + piece * (128 / QBITS) / QGROUP;
-            k_sb[i][0] = k_scales[gi]; k_sb[i][1] = k_biases[gi];
-            v_sb[i][0] = v_scales[gi]; v_sb[i][1] = v_biases[gi];
+            ks[0] = k_scales[gi]; ks[1] = k_biases[gi];
+            vs[0] = v_scales[gi]; vs[1] = v_biases[gi];
         } else {
-            k_raw[i] = v_raw[i] = make_uint4(0u, 0u, 0u, 0u);
-            k_sb[i][0] = k_sb[i][1] = v_sb[i][0] = v_sb[i][1] = T{};
+            kr = vr = make_uint4(0u, 0u, 0u, 0u);
+            ks[0] = ks[1] = vs[0] = vs[1] = T{};
         }
     };
-    auto store_piece_i = [&](int i) {
+    auto store_piece_i = [&](int i, uint4 kr, uint4 vr, const T (&ks)[2], const T (&vs)[2]) {
         const int c = lane + 32 * i, row = c / PPR, piece = c % PPR;
-        store_piece<T, D, QBITS>(tiles[warp][0], row, piece, k_raw[i], k_sb[i][0], k_sb[i][1]);
-        store_piece<T, D, QBITS>(tiles[warp][1], row, piece, v_raw[i], v_sb[i][0], v_sb[i][1]);
+        store_piece<T, D, QBITS>(tiles[warp][0], row, piece, kr, ks[0], ks[1]);
+        store_piece<T, D, QBITS>(tiles[warp][1], row, piece, vr, vs[0], vs[1]);
     };
     auto fetch = [&](int tile) {
         #pragma unroll
-        for (int i = 0; i < NP; ++i) fetch_piece(i, tile);
+        for (int i = 0; i < NP; ++i) fetch_piece(i, tile, k_raw[i], v_raw[i], k_sb[i], v_sb[i]);
     };
-    // Without PREFETCH a piece is stored as soon as it is loaded: its registers are free again.
+    // Without PREFETCH a piece is stored as soon as it is loaded, one at a time (not unrolled: the compiler
+    // would hoist every piece's loads, holding all their registers next to the accumulators).
     auto store = [&](int tile) {
-        #pragma unroll
-        for (int i = 0; i < NP; ++i) {
-            if (!PREFETCH) fetch_piece(i, tile);
-            store_piece_i(i);
+        if (PREFETCH) {
+            #pragma unroll
+            for (int i = 0; i < NP; ++i) store_piece_i(i, k_raw[i], v_raw[i], k_sb[i], v_sb[i]);
+        } else {
+            #pragma unroll 1
+            for (int i = 0; i < NP; ++i) {
+                uint4 kr, vr;
+                T ks[2], vs[2];
+                fetch_piece(i, tile, kr, vr, ks, vs);
+                store_piece_i(i, kr, vr, ks, vs);
+            }
         }
     };
     constexpr int STEP = NW * 16;
