@@ -15,12 +15,27 @@ loop by exact text replacement, each of which must apply (as sources/decode_atte
 QUANT_MMA_HEADER = r"""
 // One 16-byte piece of a quantized row (channels 128 / QBITS * piece on) dequantized into the
 // swizzled tile: chunk c (8 channels) of row r at r * D + ((c ^ (r & 7)) * 8), as load() stores it.
+// A scale and a bias (16-bit floats) in one register: scale in the low half.
+template <typename T>
+__device__ inline unsigned pair_bits(T scale, T bias) {
+    unsigned short s, b;
+    memcpy(&s, &scale, 2);
+    memcpy(&b, &bias, 2);
+    return unsigned(s) | (unsigned(b) << 16);
+}
+template <typename T>
+__device__ inline float half_float(unsigned short bits) {
+    T x;
+    memcpy(&x, &bits, 2);
+    return static_cast<float>(x);
+}
+
 template <typename T, int D, int QBITS>
-__device__ inline void store_piece(T* tile, int row, int piece, uint4 raw, T scale, T bias) {
+__device__ inline void store_piece(T* tile, int row, int piece, uint4 raw, unsigned scale_bias) {
     constexpr int PER = 32 / QBITS;
     constexpr int CPP = 128 / QBITS / 8;  // 8-channel chunks per piece: 2 (int8), 4 (int4)
     constexpr unsigned MASK = (1u << QBITS) - 1u;
-    const float s = static_cast<float>(scale), b = static_cast<float>(bias);
+    const float s = half_float<T>(scale_bias & 0xFFFF), b = half_float<T>(scale_bias >> 16);
     const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
     #pragma unroll
     for (int j = 0; j < CPP; ++j) {
@@ -68,8 +83,8 @@ _QLOAD = """    // A tile's rows as 16-byte pieces of packed words (PPR a row, N
     constexpr bool PREFETCH = D <= 128;
     __shared__ __align__(128) T tiles[NW][2][16 * D];  // [warp][K, V][row * D + chunk * 8]
     uint4 k_raw[NP], v_raw[NP];
-    T k_sb[NP][2], v_sb[NP][2];
-    auto fetch_piece = [&](int i, int tile, uint4& kr, uint4& vr, T (&ks)[2], T (&vs)[2]) {
+    unsigned k_sb[NP], v_sb[NP];  // a piece's group's scale (low 16 bits) and bias (high)
+    auto fetch_piece = [&](int i, int tile, uint4& kr, uint4& vr, unsigned& ks, unsigned& vs) {
         const int c = lane + 32 * i, row = c / PPR, piece = c % PPR;
         const int tok = tile + row;
         if (tok < end) {
@@ -77,17 +92,17 @@ _QLOAD = """    // A tile's rows as 16-byte pieces of packed words (PPR a row, N
             kr = __ldg(reinterpret_cast<const uint4*>(k_pages + r * WORDS) + piece);
             vr = __ldg(reinterpret_cast<const uint4*>(v_pages + r * WORDS) + piece);
             const size_t gi = r * GROUPS + piece * (128 / QBITS) / QGROUP;
-            ks[0] = k_scales[gi]; ks[1] = k_biases[gi];
-            vs[0] = v_scales[gi]; vs[1] = v_biases[gi];
+            ks = pair_bits(k_scales[gi], k_biases[gi]);
+            vs = pair_bits(v_scales[gi], v_biases[gi]);
         } else {
             kr = vr = make_uint4(0u, 0u, 0u, 0u);
-            ks[0] = ks[1] = vs[0] = vs[1] = T{};
+            ks = vs = 0u;
         }
     };
-    auto store_piece_i = [&](int i, uint4 kr, uint4 vr, const T (&ks)[2], const T (&vs)[2]) {
+    auto store_piece_i = [&](int i, uint4 kr, uint4 vr, unsigned ks, unsigned vs) {
         const int c = lane + 32 * i, row = c / PPR, piece = c % PPR;
-        store_piece<T, D, QBITS>(tiles[warp][0], row, piece, kr, ks[0], ks[1]);
-        store_piece<T, D, QBITS>(tiles[warp][1], row, piece, vr, vs[0], vs[1]);
+        store_piece<T, D, QBITS>(tiles[warp][0], row, piece, kr, ks);
+        store_piece<T, D, QBITS>(tiles[warp][1], row, piece, vr, vs);
     };
     auto fetch = [&](int tile) {
         #pragma unroll
@@ -103,7 +118,7 @@ _QLOAD = """    // A tile's rows as 16-byte pieces of packed words (PPR a row, N
             #pragma unroll 1
             for (int i = 0; i < NP; ++i) {
                 uint4 kr, vr;
-                T ks[2], vs[2];
+                unsigned ks, vs;
                 fetch_piece(i, tile, kr, vr, ks, vs);
                 store_piece_i(i, kr, vr, ks, vs);
             }
