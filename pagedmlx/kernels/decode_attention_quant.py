@@ -81,6 +81,19 @@ def uses_tensor_cores(head_dim: int, group: int, dtype: mx.Dtype, quant: KVQuant
             and supports_mma(head_dim, group, dtype, quant))
 
 
+@functools.lru_cache(maxsize=None)
+def _launch(D: int, G: int, bs: int, dt: mx.Dtype, quant: KVQuant, window: int, sinks: bool, backend: str,
+            s: decode_attention.Settings) -> tuple[list, int, bool]:
+    """(template, threads, tensor cores) of a layer's launch: the same every step, so made once."""
+    flags = [("QBITS", quant.bits), ("QGROUP", quant.group_size), ("WINDOW", window), ("SINKS", int(sinks))]
+    if uses_tensor_cores(D, G, dt, quant, backend, s):  # the 16-bit tensor-core kernel's warps (decode_attention._launch)
+        threads = 32 * max(1, min(4, 256 // D))
+        return [("T", dt), ("D", D), ("G", G), ("BS", bs), ("THREADS", threads)] + flags, threads, True
+    tpt, vec = decode_attention.kernel_layout(D, G, dt, s.vectors)
+    return ([("T", dt), ("D", D), ("G", G), ("R", 1), ("BS", bs), ("THREADS", s.threads), ("TPT", tpt),
+             ("VEC", vec), ("U", s.unroll), ("PF", s.prefetch)] + flags, s.threads, False)
+
+
 def paged_decode_quantized(q: mx.array, k_pages, v_pages, block_table: mx.array, seq_lens: mx.array, scale: float,
                            splits: int, split_tokens: mx.array, written: Optional[mx.array] = None,
                            window: Optional[int] = None, sinks: Optional[mx.array] = None,
@@ -94,22 +107,13 @@ def paged_decode_quantized(q: mx.array, k_pages, v_pages, block_table: mx.array,
     B, H, D = q.shape
     _, n_kv, bs, _ = k_pages.shape
     dt, G = k_pages.dtype, H // n_kv
-    sink_input = build.device_constant(0.0, mx.float32) if sinks is None else sinks.astype(mx.float32)
+    sink_input = (build.device_constant(0.0, mx.float32) if sinks is None
+                  else sinks if sinks.dtype == mx.float32 else sinks.astype(mx.float32))
     inputs = [q if q.dtype == dt else q.astype(dt), k_pages.packed, v_pages.packed, k_pages.scales, k_pages.biases,
               v_pages.scales, v_pages.biases, block_table, seq_lens, split_tokens,
               build.device_constant(scale, mx.float32), sink_input,
               written if written is not None else build.device_constant(0, mx.int32)]
-    flags = [("QBITS", quant.bits), ("QGROUP", quant.group_size), ("WINDOW", int(window or 0)),
-             ("SINKS", int(sinks is not None))]
-    mma = uses_tensor_cores(D, G, dt, quant, backend, s)
-    if mma:  # the 16-bit tensor-core kernel's warps (decode_attention._launch)
-        threads = 32 * max(1, min(4, 256 // D))
-        template = [("T", dt), ("D", D), ("G", G), ("BS", bs), ("THREADS", threads)] + flags
-    else:
-        threads = s.threads
-        tpt, vec = decode_attention.kernel_layout(D, G, dt, s.vectors)
-        template = [("T", dt), ("D", D), ("G", G), ("R", 1), ("BS", bs), ("THREADS", threads), ("TPT", tpt),
-                    ("VEC", vec), ("U", s.unroll), ("PF", s.prefetch)] + flags
+    template, threads, mma = _launch(D, G, bs, dt, quant, int(window or 0), sinks is not None, backend, s)
     single, split = _kernels(backend, mma)
     grid = (n_kv * threads, B, splits)  # a thread group per (kv head, sequence, split): R = 1
     if splits == 1:
