@@ -88,6 +88,10 @@ def test_a_cuda_plan_over_quantized_pages_names_the_tensor_core_kernel_and_the_i
     monkeypatch.undo()
     runner.kernels = KernelPlan("metal", decode=True, prefill_reason="x")
     assert "decode paged decode kernel over int8 pages (group 128);" in kernel_path_lines(runner)[0]
+    runner.kernels = KernelPlan("cuda", decode=True, prefill_reason="x", page_write_reason="page write int8/128 "
+                                "kv=1 D=128: failed: the pages differ")
+    assert kernel_path_lines(runner)[0].endswith("page write MLX scatter (page write int8/128 kv=1 D=128: failed: the "
+                                                 "pages differ)")
 
 
 def test_a_layer_shape_the_decode_kernel_does_not_take_is_named():

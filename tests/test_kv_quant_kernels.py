@@ -212,6 +212,7 @@ def test_quantized_kernels_are_checked_even_on_the_trusted_gpu(monkeypatch, capl
         assert got.decode == (decode_err is None) and got.page_write == (write_err is None) and not got.prefill
         assert len(caplog.records) == (decode_err is not None) + (write_err is not None)
         assert ("page write int8/128 kv=8 D=128", "passed" if write_err is None else f"failed: {write_err}") in got.checks
+        assert (got.page_write_reason is None) == (write_err is None)
         if decode_err is None:
             assert got.checks[-1] == ("decode int8/128 H=32 kv=8 D=128", "passed")
         else:

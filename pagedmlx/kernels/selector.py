@@ -46,6 +46,7 @@ class KernelPlan:
     checks: list[tuple[str, str]] = field(default_factory=list)  # (check, "passed" | "trusted" | "failed: ...")
     reason: Optional[str] = None  # why the paged kernels are off
     prefill_reason: Optional[str] = None  # why the prefill kernel is off while the others run
+    page_write_reason: Optional[str] = None  # why the page write is not in place while the others run
 
     @property
     def paged(self) -> bool:
@@ -133,8 +134,10 @@ def select_quantized(plan: KernelPlan, layers: list[tuple[tuple[int, int, int, m
     why_16 = f"kv_cache_dtype {kv_cache_dtype}: the {{}} kernel reads 16-bit pages"
     checks = list(plan.checks)
     page_write = plan.page_write and _page_write_passes(plan.backend, layers, block_size, checks)
+    write_why = next((f"{label}: {r}" for label, r in checks if label.startswith("page write int") and r != "passed"),
+                     None)
     off = KernelPlan(plan.backend, page_write=page_write, state=plan.state, checks=checks,
-                     prefill_reason=why_16.format("prefill"))
+                     prefill_reason=why_16.format("prefill"), page_write_reason=write_why)
     if not plan.decode:
         off.reason = plan.reason or "no layer shape the decode kernel takes"
         return off
@@ -155,7 +158,7 @@ def select_quantized(plan: KernelPlan, layers: list[tuple[tuple[int, int, int, m
             off.reason = f"{label}: {detail}"
             return off
     return KernelPlan(plan.backend, decode=True, page_write=page_write, state=plan.state, checks=checks,
-                      prefill_reason=why_16.format("prefill"))
+                      prefill_reason=why_16.format("prefill"), page_write_reason=write_why)
 
 
 def _page_write_passes(backend: str, layers: list[tuple[tuple[int, int, int, mx.Dtype], int, KVQuant]],

@@ -112,6 +112,8 @@ def _prefill_path(kernels: Any, shapes: dict, heads: Optional[tuple[int, int]]) 
 def _write_path(kernels: Any) -> tuple[str, Optional[str]]:
     if kernels.page_write:
         return "page write kernel, in place", None
+    if getattr(kernels, "page_write_reason", None):  # its load-time check failed
+        return "page write MLX scatter", kernels.page_write_reason
     if kernels.reason is None and kernels.backend is not None:
         return "page write MLX scatter", f"not in place on {kernels.backend} yet"
     return "page write MLX scatter", kernels.reason or "kernels off"
