@@ -75,8 +75,17 @@ def compile_sources(sources: list[tuple[str, str]], arch: str = "sm_90") -> tupl
     failures = []
     # ptxas -v: per entry function "Compiling entry function '_ZN5case3...'", then its properties.
     for entry in re.split(r"ptxas info\s*: Compiling entry function ", r.stderr)[1:]:
-        case = re.search(r"case(\d+)", entry)
+        case = _case(entry)
         spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", entry)
-        if case and spill and (int(spill.group(1)) or int(spill.group(2))):
-            failures.append(f"{sources[int(case.group(1))][0]}: {spill.group(0)}")
+        if case is not None and spill and (int(spill.group(1)) or int(spill.group(2))):
+            failures.append(f"{sources[case][0]}: {spill.group(0)}")
     return failures, r.stderr
+
+
+def _case(entry: str) -> "int | None":
+    """The case number of a mangled entry name: _ZN6case263mlx... is namespace case26 (its name's length, 6,
+    comes first; the digits after it belong to the next name's length)."""
+    m = re.search(r"_ZN(\d+)case(\d+)", entry)
+    if not m:
+        return None
+    return int(m.group(2)[:int(m.group(1)) - len("case")])

@@ -15,7 +15,7 @@ from utils import make_model, run_staggered, shared_prefix_prompts
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine import LLMEngine
-from pagedmlx.kernels import build, decode_attention, page_write, recurrent_state
+from pagedmlx.kernels import build, decode_attention, decode_attention_quant, page_write, recurrent_state
 from pagedmlx.kernels.dialect import CUDA
 from pagedmlx.kernels.selector import KernelPlan
 from pagedmlx.runner.compiled_step import AUTO_MAX_DECODES, CompiledDecode, table_bucket
@@ -35,7 +35,8 @@ class StandIn:
 @pytest.fixture
 def standins(monkeypatch):
     monkeypatch.setattr(build, "make_kernel", StandIn)
-    caches = (decode_attention._kernels, page_write._write_kernel, recurrent_state._kernel)
+    caches = (decode_attention._kernels, decode_attention_quant._kernels, page_write._write_kernel,
+              page_write._quant_write_kernel, recurrent_state._kernel)
     for cache in caches:
         cache.cache_clear()
     yield
@@ -43,11 +44,13 @@ def standins(monkeypatch):
         cache.cache_clear()
 
 
-def _engine(arch: str, compiled: Optional[bool], standins: bool, max_num_seqs: int = 4) -> LLMEngine:
+def _engine(arch: str, compiled: Optional[bool], standins: bool, kv_cache_dtype: str = "auto",
+            max_num_seqs: int = 4) -> LLMEngine:
     # A model of its own (seed 3): the stand-ins class-swap a state model's modules (install_kernels).
     model = make_model(arch, seed=3 if standins else 0)
     engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=96, max_num_seqs=max_num_seqs,
-                                                 async_scheduling=True, compile_decode=compiled))
+                                                 async_scheduling=True, compile_decode=compiled,
+                                                 kv_cache_dtype=kv_cache_dtype))
     if standins:
         runner = engine.runner
         state = [p.state.owner for p in runner.plan if p.state is not None]
@@ -64,13 +67,22 @@ def test_table_bucket():
     assert [table_bucket(n) for n in (1, 2, 3, 4, 5, 9, 16, 17)] == [1, 2, 4, 4, 8, 16, 16, 32]
 
 
-@pytest.mark.skipif(ON_CUDA, reason="the stand-ins are for a machine without the kernels")
-@pytest.mark.parametrize("arch", ["llama", "gemma3-tiny", "qwen3_5-tiny"])
-def test_compiled_steps_equal_built_steps_with_standins(standins, arch):
+# quantized pages (head_dim 32: qwen3's test model): written in place too, so compiled as well
+ARCHS = [("llama", "auto"), ("gemma3-tiny", "auto"), ("qwen3_5-tiny", "auto"), ("qwen3", "int8"), ("qwen3", "int4")]
+
+
+def _prompts(kv_cache_dtype: str) -> list[list[int]]:
     prompts = shared_prefix_prompts(5, seed=5)
+    return prompts if kv_cache_dtype == "auto" else [[t % 448 for t in p] for p in prompts]  # qwen3's vocabulary
+
+
+@pytest.mark.skipif(ON_CUDA, reason="the stand-ins are for a machine without the kernels")
+@pytest.mark.parametrize("arch,kv_cache_dtype", ARCHS)
+def test_compiled_steps_equal_built_steps_with_standins(standins, arch, kv_cache_dtype):
+    prompts = _prompts(kv_cache_dtype)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    built = run_staggered(_engine(arch, False, True), prompts, params, seed=1)
-    engine = _engine(arch, True, True)
+    built = run_staggered(_engine(arch, False, True, kv_cache_dtype), prompts, params, seed=1)
+    engine = _engine(arch, True, True, kv_cache_dtype)
     compiled = run_staggered(engine, prompts, params, seed=1)
     assert compiled == built
     keys = engine.runner.compiled_decode.fns
@@ -92,12 +104,12 @@ def test_by_default_small_steps_where_pages_are_written_in_place(standins):
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="a CUDA GPU runs the kernels")
-@pytest.mark.parametrize("arch", ["llama", "gemma3-tiny", "qwen3_5-tiny"])
-def test_compiled_steps_equal_built_steps_on_cuda(arch):
-    prompts = shared_prefix_prompts(5, seed=5)
+@pytest.mark.parametrize("arch,kv_cache_dtype", ARCHS)
+def test_compiled_steps_equal_built_steps_on_cuda(arch, kv_cache_dtype):
+    prompts = _prompts(kv_cache_dtype)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    built = run_staggered(_engine(arch, False, False), prompts, params, seed=1)
-    engine = _engine(arch, True, False)
+    built = run_staggered(_engine(arch, False, False, kv_cache_dtype), prompts, params, seed=1)
+    engine = _engine(arch, True, False, kv_cache_dtype)
     assert engine.runner.compiled_decode is not None
     assert run_staggered(engine, prompts, params, seed=1) == built
     assert engine.runner.compiled_decode.fns

@@ -1,6 +1,7 @@
 """nvcc compiles every CUDA kernel the engine builds, through the engine's own launch code, for the
 template values it uses (model dtypes, head shapes, windows, sinks, split or not): the recurrent-state
-kernels, paged prefill, paged decode (tensor cores and lanes) and the page write. No GPU needed, only
+kernels, paged prefill, paged decode (tensor cores and lanes, 16-bit and quantized pages) and the page writes.
+No GPU needed, only
 nvcc (tests/nvcc_utils.py); skipped without it. PAGEDMLX_NVCC_ARCH picks the target (default sm_90,
 the H200); `pytest -s` prints ptxas's registers and spills per kernel."""
 
@@ -12,7 +13,9 @@ import mlx.core as mx
 import pytest
 from nvcc_utils import RecordingCudaKernel, compile_sources, have_nvcc
 
-from pagedmlx.kernels import build, decode_attention, page_write, prefill_attention, recurrent_state
+from pagedmlx.kernels import build, decode_attention, decode_attention_quant, page_write, prefill_attention, recurrent_state
+from pagedmlx.kv_cache_dtype import KVQuant
+from pagedmlx.runner.kv_quant import QuantizedPages
 
 pytestmark = pytest.mark.skipif(not have_nvcc(), reason="nvcc compiles the CUDA sources")
 DTYPES = (mx.float32, mx.bfloat16, mx.float16)
@@ -69,11 +72,37 @@ def attention_cases():
                                      mx.zeros((3,), mx.int32), backend="cuda")
 
 
+def quantized_cases():
+    """Quantized pages: decode on tensor cores (every head_dim it takes, int8 / int4 at each group size, window
+    and sinks, unsplit and split) and on lanes; the quantized page write."""
+    one = mx.zeros((1,), mx.int32)
+    lanes = decode_attention.SETTINGS["cuda"].__class__(**{**decode_attention.SETTINGS["cuda"].__dict__, "mma": 0})
+    for dt, d, g, window, sinks in ((mx.bfloat16, 128, 4, 0, False), (mx.bfloat16, 128, 7, 100, True),
+                                    (mx.bfloat16, 256, 2, 1024, True), (mx.float16, 64, 8, 0, False)):
+        for quant in (KVQuant(8, min(d, 128)), KVQuant(8, 64), KVQuant(4, 64), KVQuant(4, 32)):
+            pages = [QuantizedPages(*mx.quantize(mx.zeros((2, 2, 16, d), dt), quant.group_size, quant.bits), quant)
+                     for _ in range(2)]
+            for settings in (None, lanes):
+                assert decode_attention_quant.uses_tensor_cores(d, g, dt, quant, "cuda", settings) == (settings is None)
+                for splits in (1, 2):
+                    RecordingCudaKernel.label = (f"decode {dt} D={d} G={g} {quant} window={window} sinks={sinks} "
+                                                 f"mma={settings is None} splits={splits}")
+                    decode_attention_quant.paged_decode_quantized(
+                        mx.zeros((1, 2 * g, d), dt), *pages, mx.zeros((1, 2), mx.int32), one, 1.0, splits, one,
+                        window=window, sinks=mx.zeros((2 * g,)) if sinks else None, settings=settings, backend="cuda")
+    for dt in (mx.bfloat16, mx.float16, mx.float32):
+        for quant in (KVQuant(8, 128), KVQuant(4, 32)):
+            RecordingCudaKernel.label = f"page write {dt} {quant}"
+            new = [mx.quantize(mx.zeros((3, 2, 128), dt), quant.group_size, quant.bits) for _ in range(2)]
+            pages = [mx.quantize(mx.zeros((2, 2, 16, 128), dt), quant.group_size, quant.bits) for _ in range(2)]
+            page_write.reshape_and_cache_quantized(*new, *pages, mx.zeros((3,), mx.int32), backend="cuda")
+
+
 @pytest.fixture
 def recorded(monkeypatch):
     monkeypatch.setattr(build, "make_kernel", RecordingCudaKernel)
-    cached = (decode_attention._kernels, page_write._write_kernel, prefill_attention._prefill_kernels,
-              recurrent_state._kernel)
+    cached = (decode_attention._kernels, decode_attention_quant._kernels, page_write._write_kernel,
+              page_write._quant_write_kernel, prefill_attention._prefill_kernels, recurrent_state._kernel)
     for fn in cached:
         fn.cache_clear()
     RecordingCudaKernel.sources = []
@@ -87,7 +116,7 @@ def recorded(monkeypatch):
 UNUSED_SINKS = "#pragma nv_diag_suppress 177\n{}\n#pragma nv_diag_default 177"
 
 
-@pytest.mark.parametrize("cases", [state_cases, attention_cases])
+@pytest.mark.parametrize("cases", [state_cases, attention_cases, quantized_cases])
 def test_every_cuda_kernel_compiles_without_warnings_or_spills(recorded, cases):
     cases()
     assert len({text for _, text in recorded}) > 10

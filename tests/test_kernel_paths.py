@@ -72,6 +72,28 @@ def test_a_cuda_plan_names_each_kernel_and_each_shape_it_does_not_take():
     assert "prefill gather + SDPA (--no-prefill-kernel)" in kernel_path_lines(runner)[0]
 
 
+def test_a_cuda_plan_over_quantized_pages_names_the_tensor_core_kernel_and_the_in_place_write(monkeypatch):
+    """What bench_kv_quant.py --speed prints as its decode path: tensor cores where CUDA's 16-bit kernel runs
+    them, the lanes kernel where PAGEDMLX_DECODE_MMA=0 (or on Metal)."""
+    from pagedmlx.kernels import decode_attention
+
+    runner = ModelRunner(llama_bf16(), EngineConfig(block_size=16, num_blocks=8, kv_cache_dtype="int8"), verify=False)
+    runner.kernels = KernelPlan("cuda", decode=True, page_write=True, prefill_reason="x")
+    assert kernel_path_lines(runner)[0].startswith(
+        "full (layers 0-1): decode paged decode kernel over int8 pages (group 128) on tensor cores; prefill gather + "
+        "SDPA (x); page write kernel, in place")
+    lanes = decode_attention.SETTINGS["cuda"].__class__(**{**decode_attention.SETTINGS["cuda"].__dict__, "mma": 0})
+    monkeypatch.setitem(decode_attention.SETTINGS, "cuda", lanes)
+    assert "decode paged decode kernel over int8 pages (group 128);" in kernel_path_lines(runner)[0]
+    monkeypatch.undo()
+    runner.kernels = KernelPlan("metal", decode=True, prefill_reason="x")
+    assert "decode paged decode kernel over int8 pages (group 128);" in kernel_path_lines(runner)[0]
+    runner.kernels = KernelPlan("cuda", decode=True, prefill_reason="x", page_write_reason="page write int8/128 "
+                                "kv=1 D=128: failed: the pages differ")
+    assert kernel_path_lines(runner)[0].endswith("page write MLX scatter (page write int8/128 kv=1 D=128: failed: the "
+                                                 "pages differ)")
+
+
 def test_a_layer_shape_the_decode_kernel_does_not_take_is_named():
     runner = ModelRunner(llama_bf16(head_dim=8, heads=4, kv_heads=2), EngineConfig(block_size=16, num_blocks=8),
                          verify=False)

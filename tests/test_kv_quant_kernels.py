@@ -1,7 +1,9 @@
 """The quantized decode kernel (kernels/decode_attention_quant.py) without a GPU: its CUDA and Metal
 sources run on the CPU (tests/kernel_emulator) and match the portable path over the same quantized
 pages (gather, dequantize, SDPA), windows, sinks and splits included; its text is the 16-bit loop's
-with every replacement applied."""
+with every replacement applied. The tensor-core kernel's PTX does not run here: its text, selection and
+(tests/test_mma_fragments.py) its tile addressing are tested, and nvcc compiles it (tests/test_cuda_sources.py).
+The quantized page write runs in the emulator against a scatter, and in an engine against mlx-lm."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ from kernel_emulator import EmulatedKernel, have_compiler
 from pagedmlx.kernels import build, decode_attention, decode_attention_quant
 from pagedmlx.kernels.dialect import CUDA, METAL, foreign_names, leftover_tokens
 from pagedmlx.kernels.sources import decode_attention as src
+from pagedmlx.kernels.sources import decode_attention_mma_cuda as mma_src
 from pagedmlx.kernels.sources import decode_attention_quant as qsrc
+from pagedmlx.kernels.sources import decode_attention_quant_mma_cuda as qmma_src
 from pagedmlx.kv_cache_dtype import KVQuant
 from pagedmlx.runner.attention import gather_decode
 from pagedmlx.runner.kv_quant import QuantizedPages
@@ -34,6 +38,42 @@ def test_sources_render_for_both_backends():
 def test_a_loop_the_replacements_do_not_fit_is_refused():
     with pytest.raises(ValueError, match="must follow it"):
         qsrc.quantized_accumulate(src.ACCUMULATE.replace("uint4 kraw[U][NV]", "uint4 kraw[NV][U]"))
+    with pytest.raises(ValueError, match="must follow it"):
+        qmma_src.quantized_accumulate_mma(mma_src.ACCUMULATE_MMA.replace("cp_async_wait_1();", "cp_async_wait_0();"))
+
+
+def test_tensor_core_source_loads_quantized_tiles_and_no_16_bit_ones():
+    body, header = decode_attention_quant.quant_decode_sources(CUDA, mma=True)["single"]
+    assert "store_piece<T, D, QBITS>" in body and "fetch(tile + STEP)" in body and "mma16816(" in body
+    assert "cp_async16(" not in body and "cp.async.wait_all" not in body and "tiles[warp][stage]" not in body
+    assert not leftover_tokens(header + body)
+    with pytest.raises(ValueError, match="CUDA only"):
+        decode_attention_quant.quant_decode_sources(METAL, mma=True)
+
+
+LANES = decode_attention.SETTINGS[CUDA].__class__(**{**decode_attention.SETTINGS[CUDA].__dict__, "mma": 0})
+
+
+@pytest.mark.parametrize("shape", [(32, 8, 128), (32, 16, 128), (28, 4, 128), (8, 1, 64), (4, 2, 256)])
+@pytest.mark.parametrize("quant", [KVQuant(8, 128), KVQuant(8, 64), KVQuant(4, 64), KVQuant(4, 32)])
+def test_cuda_picks_tensor_cores_where_the_16_bit_kernel_does(shape, quant):
+    h, n_kv, d = shape
+    if d % quant.group_size:
+        return
+    for dt in (mx.bfloat16, mx.float16):
+        assert decode_attention_quant.uses_tensor_cores(d, h // n_kv, dt, quant, CUDA)
+        assert decode_attention.uses_tensor_cores(d, h // n_kv, dt, CUDA)
+        assert decode_attention_quant.refusal(d, d, h, n_kv, dt, quant, CUDA) is None
+        assert not decode_attention_quant.uses_tensor_cores(d, h // n_kv, dt, quant, METAL)
+        assert not decode_attention_quant.uses_tensor_cores(d, h // n_kv, dt, quant, CUDA, LANES)
+    assert not decode_attention_quant.uses_tensor_cores(d, h // n_kv, mx.float32, quant, CUDA)
+
+
+def test_tensor_cores_refuse_what_the_16_bit_kernel_refuses():
+    q = KVQuant(8, 32)
+    assert not decode_attention_quant.uses_tensor_cores(96, 4, mx.bfloat16, q, CUDA)  # head_dim 96
+    assert not decode_attention_quant.uses_tensor_cores(128, 16, mx.bfloat16, q, CUDA)  # 16 query heads a kv head
+    assert not decode_attention_quant.supports_mma(128, 4, mx.bfloat16, KVQuant(2, 32))
 
 
 def quantized_case(rng, dtype, D, H, KV, lens, quant: KVQuant, bs=16):
@@ -72,6 +112,7 @@ def test_emulated_quantized_kernel_matches_the_gather_path(emulated, backend, dt
                                                            bits, group):
     quant = KVQuant(bits, group)
     assert decode_attention_quant.refusal(D, D, H, KV, dtype, quant, backend) is None
+    assert not decode_attention_quant.uses_tensor_cores(D, H // KV, dtype, quant, backend, LANES)
     rng = np.random.default_rng(3)
     q, k, v, table, seq_lens, sinks = quantized_case(rng, dtype, D, H, KV, lens, quant)
     tol = {mx.float16: 5e-3, mx.bfloat16: 3e-2}[dtype]
@@ -81,9 +122,9 @@ def test_emulated_quantized_kernel_matches_the_gather_path(emulated, backend, dt
         span = min(max(lens), w or max(lens))
         for splits in (1, 3):
             tokens = -(-span // splits)
-            got = decode_attention_quant.paged_decode_quantized(
+            got = decode_attention_quant.paged_decode_quantized(  # CUDA: the lanes kernel (no PTX here)
                 q, k, v, table, seq_lens, D ** -0.5, -(-span // tokens), mx.array([tokens], mx.int32), window=w,
-                sinks=s, init_value=float("nan"), backend=backend)
+                sinks=s, init_value=float("nan"), settings=LANES if backend == CUDA else None, backend=backend)
             err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
             assert np.isfinite(err) and err <= tol, (w, with_sinks, splits, err)
 
@@ -148,51 +189,108 @@ def test_engine_on_quantized_pages_checks_the_kernel_then_serves_equal_tokens(mo
         f.cache_clear()
 
 
-def test_quantized_kernel_is_checked_even_on_the_trusted_gpu(monkeypatch):
+def test_quantized_kernels_are_checked_even_on_the_trusted_gpu(monkeypatch, caplog):
+    """On the H200 (16-bit kernels trusted) the quantized decode kernel and the quantized page write are
+    still checked at load; each failure switches off only its own kernel, with one warning."""
+    import logging
+
     from pagedmlx.kernels import check, selector
 
     monkeypatch.setattr(build, "gpu_backend", lambda: CUDA)
     monkeypatch.setattr(selector, "device_name", lambda: "NVIDIA H200")
     specs, heads = [(8, 128, 128, mx.bfloat16)], [32]
-    plan = selector.select_kernels(specs, heads, 16)
     plan = selector.select_kernels(specs, heads, 16, quantized=True)
-    assert plan.decode and not plan.checks
+    assert plan.decode and plan.page_write and not plan.checks
     layers = [(specs[0], 32, KVQuant(8, 128))]
-    monkeypatch.setattr(check, "check_decode_quantized", lambda *a: "max |difference| 1")
-    off = selector.select_quantized(plan, layers, 16, "int8")
-    assert not off.decode and not off.page_write and not off.prefill and "max |difference| 1" in off.reason
-    monkeypatch.setattr(check, "check_decode_quantized", lambda *a: None)
-    on = selector.select_quantized(plan, layers, 16, "int8")
-    assert on.decode and not on.page_write and not on.prefill and on.checks[-1] == ("decode int8/128 H=32 kv=8 D=128",
-                                                                                    "passed")
+    for decode_err, write_err in ((None, None), ("max |difference| 1", None), (None, "the pages differ"),
+                                  ("max |difference| 1", "the pages differ")):
+        monkeypatch.setattr(check, "check_decode_quantized", lambda *a, e=decode_err: e)
+        monkeypatch.setattr(check, "check_page_write_quantized", lambda *a, e=write_err: e)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="pagedmlx"):
+            got = selector.select_quantized(plan, layers, 16, "int8")
+        assert got.decode == (decode_err is None) and got.page_write == (write_err is None) and not got.prefill
+        assert len(caplog.records) == (decode_err is not None) + (write_err is not None)
+        assert ("page write int8/128 kv=8 D=128", "passed" if write_err is None else f"failed: {write_err}") in got.checks
+        assert (got.page_write_reason is None) == (write_err is None)
+        if decode_err is None:
+            assert got.checks[-1] == ("decode int8/128 H=32 kv=8 D=128", "passed")
+        else:
+            assert decode_err in got.reason
 
 
-@pytest.mark.skipif(not __import__("nvcc_utils").have_nvcc(), reason="nvcc compiles the CUDA sources")
-def test_nvcc_compiles_the_quantized_decode_kernel_without_warnings_or_spills(monkeypatch):
-    """Llama-8B / Gemma-3-27B heads (bf16) and fp16 head_dim 64, int8 and int4, window and sinks, unsplit and split."""
-    import os
+class SkippedWrite(EmulatedKernel):
+    """The quantized page write does nothing (returns `written` without running)."""
 
-    from nvcc_utils import RecordingCudaKernel, compile_sources
+    def __call__(self, **call):
+        if "reshape_and_cache_quant" in self.name:
+            return [mx.zeros((4,), mx.int32)]
+        return super().__call__(**call)
 
-    monkeypatch.setattr(build, "make_kernel", RecordingCudaKernel)
-    decode_attention_quant._kernels.cache_clear()
-    decode_attention._kernels.cache_clear()
-    RecordingCudaKernel.sources = []
-    one = mx.zeros((1,), mx.int32)
-    for dt, d, g, window, sinks in ((mx.bfloat16, 128, 4, 0, False), (mx.bfloat16, 128, 2, 1024, True),
-                                    (mx.float16, 64, 8, 0, False)):
-        for quant in (KVQuant(8, min(d, 128)), KVQuant(4, 64), KVQuant(4, 32)):
-            pages = [QuantizedPages(*mx.quantize(mx.zeros((2, 2, 16, d), dt), quant.group_size, quant.bits), quant)
-                     for _ in range(2)]
-            for splits in (1, 2):
-                RecordingCudaKernel.label = f"qdecode {dt} D={d} G={g} {quant} window={window} sinks={sinks} splits={splits}"
-                decode_attention_quant.paged_decode_quantized(
-                    mx.zeros((1, 2 * g, d), dt), *pages, mx.zeros((1, 2), mx.int32), one, 1.0, splits, one,
-                    window=window, sinks=mx.zeros((2 * g,)) if sinks else None, backend=CUDA)
-    sources = [(label, "#pragma nv_diag_suppress 177\n{}\n#pragma nv_diag_default 177".format(text)
-                if label.endswith("_split") else text) for label, text in RecordingCudaKernel.sources]
-    decode_attention_quant._kernels.cache_clear()
-    decode_attention._kernels.cache_clear()
-    failures, report = compile_sources(sources, os.environ.get("PAGEDMLX_NVCC_ARCH", "sm_90"))
-    print(report)
-    assert not failures, "\n".join(failures)
+
+@needs_compiler
+@pytest.mark.parametrize("backend,dtype,d,quant", [(METAL, mx.bfloat16, 128, KVQuant(8, 128)),
+                                                   (METAL, mx.float16, 64, KVQuant(4, 32)),
+                                                   (CUDA, mx.float16, 32, KVQuant(8, 32)),
+                                                   (CUDA, mx.float32, 32, KVQuant(4, 32))])
+def test_emulated_quantized_page_write_passes_its_check_and_a_skipped_one_fails(monkeypatch, backend, dtype, d, quant):
+    """check.check_page_write_quantized: the parts land bit for bit where a scatter puts them (a negative slot
+    skipped), and a read in the same graph sees them; a write that does not happen fails it."""
+    from pagedmlx.kernels import check, page_write
+
+    for factory, ok in ((EmulatedKernel, True), (SkippedWrite, False)):
+        monkeypatch.setattr(build, "make_kernel", factory)
+        for f in (decode_attention_quant._kernels, decode_attention._kernels, page_write._quant_write_kernel):
+            f.cache_clear()
+        err = check.check_page_write_quantized(backend, 2, 2, d, dtype, quant, 8)
+        assert (err is None) == ok, err
+        if not ok:
+            assert "differ from a scatter" in err
+    for f in (decode_attention_quant._kernels, decode_attention._kernels, page_write._quant_write_kernel):
+        f.cache_clear()
+
+
+@needs_compiler
+@pytest.mark.parametrize("kv_cache_dtype,bits", [("int8", 8), ("int4", 4)])
+def test_engine_writes_quantized_pages_in_place_and_serves_equal_tokens(monkeypatch, kv_cache_dtype, bits):
+    """Pages in place (as on CUDA; here Metal's sources in the emulator, steps overlapping as async scheduling
+    does): the quantized page write is checked at load and runs every step, every reader waits on its
+    `written`; each request's tokens equal mlx-lm's QuantizedKVCache for its prompt alone."""
+    from test_kv_quant import mlx_lm_quantized_greedy
+    from utils import make_model, run_to_completion
+
+    from pagedmlx.config import EngineConfig
+    from pagedmlx.engine import LLMEngine
+    from pagedmlx.kernels import page_write, selector
+    from pagedmlx.runner.kernel_paths import kernel_path_lines
+    from pagedmlx.sampling_params import SamplingParams
+
+    monkeypatch.setattr(build, "gpu_backend", lambda: METAL)
+    monkeypatch.setattr(selector, "PAGES_IN_PLACE", {METAL: True})
+    monkeypatch.delenv("PAGEDMLX_METAL_KERNELS", raising=False)
+    names = []
+    monkeypatch.setattr(build, "make_kernel", lambda *a: names.append(a[1]) or EmulatedKernel(*a))
+    caches = (decode_attention_quant._kernels, decode_attention._kernels, decode_attention.supports,
+              page_write._quant_write_kernel, page_write._write_kernel)
+    for f in caches:
+        f.cache_clear()
+    model = make_model("qwen3")
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=64, max_model_len=256,
+                                                 kv_cache_dtype=kv_cache_dtype))
+    plan = engine.runner.kernels
+    # int4 of float32 head_dim 32: 4 channels a lane fill no word, so decode rows gather (reading after `written`)
+    assert plan.decode == (bits == 8) and plan.page_write and engine.runner.pages_in_place
+    assert any(label.startswith(f"page write int{bits}/32") and r == "passed" for label, r in plan.checks)
+    assert "page write kernel, in place" in kernel_path_lines(engine.runner)[0]
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [7, 3], list(range(11, 30))]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, greedy)
+    before = len(EmulatedKernel.sources)
+    done = run_to_completion(engine)
+    for i, p in enumerate(prompts):
+        assert done[str(i)].token_ids == mlx_lm_quantized_greedy(model, p, 6, bits, 32), i
+    assert any("reshape_and_cache_quant" in n for n in names)
+    assert any("k_q[src * KW + d]" in text for text in EmulatedKernel.sources[before:])  # the write ran in the steps
+    for f in caches:
+        f.cache_clear()

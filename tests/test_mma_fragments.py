@@ -165,3 +165,47 @@ def test_decode_fragments_give_qk_and_pv(D, G):
 def test_prefill_fragments_give_qk_and_pv_for_all_16_rows(D):
     """The prefill kernel's stage: Q K^T and P V for all 16 rows of a warp, P from S's accumulators."""
     assert max(check_prefill(D)) < 1e-9
+
+
+def _store_quantized(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, D: int, bits: int,
+                     group: int) -> np.ndarray:
+    """A tile of 16 quantized rows as the quantized tensor-core kernel stores it
+    (sources/decode_attention_quant_mma_cuda.py: fetch_piece, then store_piece), lane by lane, in float32
+    (the kernel's fmaf before its rounding to T). packed (16, D * bits / 32) uint32; scales, biases (16, D / group)."""
+    words, groups = D * bits // 32, D // group
+    ppr = words // 4
+    n_pieces, per, cpp, mask = 16 * ppr // 32, 32 // bits, 128 // bits // 8, (1 << bits) - 1
+    assert packed.shape == (16, words) and scales.shape == (16, groups)
+    flat, sflat, bflat = packed.reshape(-1), scales.reshape(-1), biases.reshape(-1)
+    sm = np.full(16 * D, np.nan)
+    for lane in range(32):
+        for i in range(n_pieces):
+            c = lane + 32 * i
+            row, piece = c // ppr, c % ppr
+            raw = flat[row * words + 4 * piece:row * words + 4 * piece + 4]  # uint4 at word 4 * piece
+            gi = row * groups + piece * (128 // bits) // group
+            s, b = np.float32(sflat[gi]), np.float32(bflat[gi])
+            for j in range(cpp):
+                vals = []
+                for e in range(8):
+                    ch = 8 * j + e
+                    q = (int(raw[ch // per]) >> (bits * (ch % per))) & mask
+                    vals.append(np.float32(q) * s + b)
+                chunk = piece * cpp + j
+                dst = row * D + ((chunk ^ (row & 7)) * 8)
+                sm[dst:dst + 8] = vals
+    return sm
+
+
+@pytest.mark.parametrize("D,bits,group", [(64, 4, 32), (64, 8, 64), (128, 8, 128), (128, 8, 64), (128, 4, 64),
+                                          (128, 4, 32), (256, 8, 128), (256, 4, 64)])
+def test_quantized_tile_store_dequantizes_into_the_tile_ldmatrix_reads(D, bits, group):
+    """The quantized kernel's pieces, groups and swizzle leave the tile load() leaves for the same rows
+    dequantized (mx.dequantize), so the fragment addressing tested above reads them as it reads 16-bit tiles."""
+    import mlx.core as mx
+
+    x = mx.array(np.random.default_rng(2).standard_normal((16, D)).astype(np.float32))
+    packed, scales, biases = mx.quantize(x, group_size=group, bits=bits)
+    want = _store(np.array(mx.dequantize(packed, scales, biases, group_size=group, bits=bits)), D)
+    got = _store_quantized(np.array(packed), np.array(scales), np.array(biases), D, bits, group)
+    assert np.abs(got - want).max() < 1e-5

@@ -189,9 +189,9 @@ def test_emulated_page_write_lands_in_place_and_skips_negative_slots(kernels, ba
     v = mx.array(rng.standard_normal((4, 2, 8, 32)).astype(np.float32)).astype(mx.bfloat16)
     mx.eval(k, v)
     want_k, want_v = np.array(k.astype(mx.float32)), np.array(v.astype(mx.float32))
-    slots = np.array([5, -1, 31, 8], np.int32)
-    keys = mx.array(rng.standard_normal((4, 2, 1, 32)).astype(np.float32)).astype(mx.bfloat16)
-    values = mx.array(rng.standard_normal((4, 2, 1, 32)).astype(np.float32)).astype(mx.bfloat16)
+    slots = np.array([5, -1, 31, 8, 17], np.int32)  # 5 x 2 x 32 threads: a partial group of 64 at the grid's edge
+    keys = mx.array(rng.standard_normal((5, 2, 1, 32)).astype(np.float32)).astype(mx.bfloat16)
+    values = mx.array(rng.standard_normal((5, 2, 1, 32)).astype(np.float32)).astype(mx.bfloat16)
     written = page_write.reshape_and_cache(keys, values, k, v, mx.array(slots), backend=backend)
     assert written.tolist() == [0]
     for i, s in enumerate(slots):

@@ -109,9 +109,11 @@ def check_decode(backend: str, h: int, n_kv: int, d: int, dtype: mx.Dtype, bs: i
 
 
 def check_decode_quantized(backend: str, h: int, n_kv: int, d: int, dtype: mx.Dtype, quant: KVQuant, bs: int,
-                           window: Optional[int] = None, sinks: bool = False, seed: int = 0) -> Optional[str]:
-    """check_decode for the quantized decode kernel: the same lengths and splits over int8 / int4 pages,
-    against the gather path over the same pages dequantized to float32."""
+                           window: Optional[int] = None, sinks: bool = False, seed: int = 0,
+                           settings: Optional[decode_attention.Settings] = None) -> Optional[str]:
+    """check_decode for the quantized decode kernel (on tensor cores where CUDA runs them, unless `settings`
+    say otherwise): the same lengths and splits over int8 / int4 pages, against the gather path over the same
+    pages dequantized to float32."""
     rng = np.random.default_rng(seed)
     lens = np.array([1, bs, bs + 1, 3 * bs + 5, 8 * bs + 3], np.int32)
     nb = -(-int(lens.max()) // bs)
@@ -129,7 +131,7 @@ def check_decode_quantized(backend: str, h: int, n_kv: int, d: int, dtype: mx.Dt
         tokens = -(-span // splits)
         got = decode_attention_quant.paged_decode_quantized(
             q, *pages, table, seq_lens, d ** -0.5, -(-span // tokens), mx.array([tokens], mx.int32), window=window,
-            sinks=sink, init_value=float("nan"), backend=backend)
+            sinks=sink, init_value=float("nan"), settings=settings, backend=backend)
         err = _compare(got, want, dtype)
         if err:
             return f"{err} ({splits} split{'s' if splits > 1 else ''})"
@@ -165,6 +167,53 @@ def check_page_write(backend: str, h: int, n_kv: int, d: int, dtype: mx.Dtype, b
     want = gather_decode(q.astype(mx.float32), mx.array(want_k), mx.array(want_v), table, d ** -0.5,
                          length_mask(seq_lens, 2 * bs))
     err = _compare(got, want, dtype)
+    return None if err is None else f"a read in the same graph missed the write ({err})"
+
+
+def _raw(a: mx.array) -> np.ndarray:
+    """An array's bits (numpy has no bfloat16): uint32 words, or the scales' 16 / 32 bits as unsigned ints."""
+    return np.array(a if a.dtype == mx.uint32 else a.view({2: mx.uint16, 4: mx.uint32}[a.dtype.size]))
+
+
+def check_page_write_quantized(backend: str, h: int, n_kv: int, d: int, dtype: mx.Dtype, quant: KVQuant, bs: int,
+                               seed: int = 0) -> Optional[str]:
+    """The quantized page write (page_write.reshape_and_cache_quantized) against a numpy scatter of the same
+    mx.quantize parts (bit for bit, skipped slots included), and a decode read of the pages in the same graph,
+    ordered by `written`, that must see the new rows (the quantized decode kernel where it takes the shape,
+    else the gather path)."""
+    rng = np.random.default_rng(seed)
+    num_blocks, B = 6, 3
+    pages = [mx.quantize(x, group_size=quant.group_size, bits=quant.bits)
+             for x in _random_pages(rng, num_blocks, n_kv, bs, d, dtype)]
+    mx.eval(pages)
+    want = [[_raw(a) for a in side] for side in pages]
+    table = mx.array(rng.permutation(num_blocks)[: 2 * B].reshape(B, 2).astype(np.int32))
+    lens = np.array([1, bs + 1, 2 * bs], np.int32)
+    slots = np.array([int(table[b, (n - 1) // bs].item()) * bs + (n - 1) % bs for b, n in enumerate(lens)] + [-1],
+                     np.int32)
+    new = [mx.quantize(mx.array(rng.standard_normal((B + 1, n_kv, d)).astype(np.float32) * 3).astype(dtype),
+                       group_size=quant.group_size, bits=quant.bits) for _ in range(2)]
+    for side, parts in zip(want, new):
+        for page, part in zip(side, parts):
+            for i, s in enumerate(slots[:B]):
+                page[s // bs, :, s % bs] = _raw(part)[i]
+    written = page_write.reshape_and_cache_quantized(*new, *pages, mx.array(slots), backend=backend)
+    q = mx.array(rng.standard_normal((B, h, d)).astype(np.float32)).astype(dtype)
+    seq_lens = mx.array(lens)
+    read = [QuantizedPages(*side, quant) for side in pages]
+    if decode_attention_quant.refusal(d, d, h, n_kv, dtype, quant, backend) is None:
+        got = decode_attention_quant.paged_decode_quantized(q, *read, table, seq_lens, d ** -0.5, 1,
+                                                            mx.array([2 * bs], mx.int32), written,
+                                                            init_value=float("nan"), backend=backend)
+    else:  # the gather path's read, ordered by `written` the same way
+        got = gather_decode(q, *read, table, d ** -0.5, length_mask(seq_lens, 2 * bs), written=written)
+    mx.eval(got)
+    if not all(np.array_equal(_raw(a), w) for side, wside in zip(pages, want) for a, w in zip(side, wside)):
+        return "the pages differ from a scatter of the same quantized rows"
+    full = [mx.dequantize(mx.array(w[0]), mx.array(w[1]).view(dtype).astype(mx.float32),
+                          mx.array(w[2]).view(dtype).astype(mx.float32), quant.group_size, quant.bits) for w in want]
+    err = _compare(got, gather_decode(q.astype(mx.float32), *full, table, d ** -0.5, length_mask(seq_lens, 2 * bs)),
+                   dtype)
     return None if err is None else f"a read in the same graph missed the write ({err})"
 
 

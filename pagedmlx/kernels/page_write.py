@@ -8,6 +8,9 @@ step N+1 can be dispatched while step N runs. Its small `written` output is an i
 reader of that layer's pages in the step: MLX orders kernels by the buffers they share (CUDA
 graphs; Metal's barriers between dependent dispatches), so this keeps a read after the write.
 Where it runs is selector.PAGES_IN_PLACE (CUDA); elsewhere MLX's scatter writes the pages.
+
+Quantized layers (runner/kv_quant.py) quantize the step's rows with mx.quantize (the values mlx-lm's
+QuantizedKVCache holds) and reshape_and_cache_quantized copies the six parts into their pages the same way.
 """
 
 from __future__ import annotations
@@ -30,6 +33,29 @@ def write_source(backend: str) -> str:
 def _write_kernel(backend: str):
     return build.make_kernel(backend, "pagedmlx_reshape_and_cache",
                              ["keys", "values", "slot_mapping", "k_pages", "v_pages"], ["written"], write_source(backend), "")
+
+
+@functools.lru_cache(maxsize=None)
+def _quant_write_kernel(backend: str):
+    return build.make_kernel(backend, "pagedmlx_reshape_and_cache_quant",
+                             ["k_q", "k_s", "k_b", "v_q", "v_s", "v_b", "slot_mapping", "k_pages", "k_scales", "k_biases",
+                              "v_pages", "v_scales", "v_biases"], ["written"],
+                             render(src.RESHAPE_AND_CACHE_QUANT, backend), "")
+
+
+def reshape_and_cache_quantized(keys: tuple[mx.array, mx.array, mx.array], values: tuple[mx.array, mx.array, mx.array],
+                                k_pages: tuple[mx.array, mx.array, mx.array], v_pages: tuple[mx.array, mx.array, mx.array],
+                                slot_mapping: mx.array, backend: Optional[str] = None) -> mx.array:
+    """reshape_and_cache for quantized pages: keys / values are mx.quantize's (packed (T, n_kv, W) uint32,
+    scales, biases (T, n_kv, G)) of the step's rows; k_pages / v_pages the layer's (packed, scales, biases)
+    pages, written in place at slot_mapping. Returns `written`, as reshape_and_cache does."""
+    T, n_kv, kw = keys[0].shape
+    template = [("S", k_pages[1].dtype), ("NKV", n_kv), ("KW", kw), ("KG", keys[1].shape[2]), ("VW", values[0].shape[2]),
+                ("VG", values[1].shape[2]), ("BS", k_pages[0].shape[2])]
+    return _quant_write_kernel(backend or build.gpu_backend())(
+        inputs=[*keys, *values, slot_mapping, *k_pages, *v_pages], template=template,
+        grid=(max(T * n_kv * max(kw, values[0].shape[2]), 1), 1, 1), threadgroup=(256, 1, 1),
+        output_shapes=[(4,)], output_dtypes=[mx.int32])[0][:1]
 
 
 def reshape_and_cache(keys: mx.array, values: mx.array, k_pages: mx.array, v_pages: mx.array,

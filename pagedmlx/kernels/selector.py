@@ -46,6 +46,7 @@ class KernelPlan:
     checks: list[tuple[str, str]] = field(default_factory=list)  # (check, "passed" | "trusted" | "failed: ...")
     reason: Optional[str] = None  # why the paged kernels are off
     prefill_reason: Optional[str] = None  # why the prefill kernel is off while the others run
+    page_write_reason: Optional[str] = None  # why the page write is not in place while the others run
 
     @property
     def paged(self) -> bool:
@@ -124,12 +125,19 @@ QuantShape = tuple[int, int, int, mx.Dtype, KVQuant]  # (query heads, kv heads, 
 def select_quantized(plan: KernelPlan, layers: list[tuple[tuple[int, int, int, mx.Dtype], int, KVQuant]],
                      block_size: int, kv_cache_dtype: str, windows: tuple[Optional[int], ...] = (None,),
                      sinks: tuple[bool, ...] = (False,)) -> KernelPlan:
-    """The plan for quantized pages, from the 16-bit plan of the same model: no page-write or prefill
-    kernel (they read 16-bit pages: MLX scatters, prefill rows gather and dequantize); the quantized decode
-    kernel (decode_attention_quant) for the layers it takes, checked here on every GPU (no GPU suite has
-    trusted it yet). layers: ((kv heads, Dk, Dv, dtype), query heads, quant) of each quantized layer."""
+    """The plan for quantized pages, from the 16-bit plan of the same model: no prefill kernel (it reads
+    16-bit pages: prefill rows gather and dequantize); the quantized page write in place where the 16-bit
+    one runs (page_write.reshape_and_cache_quantized); the quantized decode kernel (decode_attention_quant,
+    on tensor cores where CUDA's 16-bit kernel is) for the layers it takes. Both are checked here on every
+    GPU (no GPU suite has trusted them yet). layers: ((kv heads, Dk, Dv, dtype), query heads, quant) of
+    each quantized layer."""
     why_16 = f"kv_cache_dtype {kv_cache_dtype}: the {{}} kernel reads 16-bit pages"
-    off = KernelPlan(plan.backend, state=plan.state, checks=plan.checks, prefill_reason=why_16.format("prefill"))
+    checks = list(plan.checks)
+    page_write = plan.page_write and _page_write_passes(plan.backend, layers, block_size, checks)
+    write_why = next((f"{label}: {r}" for label, r in checks if label.startswith("page write int") and r != "passed"),
+                     None)
+    off = KernelPlan(plan.backend, page_write=page_write, state=plan.state, checks=checks,
+                     prefill_reason=why_16.format("prefill"), page_write_reason=write_why)
     if not plan.decode:
         off.reason = plan.reason or "no layer shape the decode kernel takes"
         return off
@@ -138,7 +146,6 @@ def select_quantized(plan: KernelPlan, layers: list[tuple[tuple[int, int, int, m
     if not shapes:
         off.reason = "no layer shape the quantized decode kernel takes"
         return off
-    checks = list(plan.checks)
     for (h, n_kv, d, dt, q), window, with_sinks in [(x, w, s) for x in shapes for w in windows for s in sinks]:
         label = f"decode int{q.bits}/{q.group_size} H={h} kv={n_kv} D={d}" + (f" window={window}" if window else "") + \
             (" sinks" if with_sinks else "")
@@ -148,7 +155,22 @@ def select_quantized(plan: KernelPlan, layers: list[tuple[tuple[int, int, int, m
         if not ok:
             logger.warning("pagedmlx: %s quantized decode kernel off: %s: %s; decode attention gathers pages instead",
                            plan.backend, label, detail)
-            off.checks, off.reason = checks, f"{label}: {detail}"
+            off.reason = f"{label}: {detail}"
             return off
-    return KernelPlan(plan.backend, decode=True, state=plan.state, checks=checks,
-                      prefill_reason=why_16.format("prefill"))
+    return KernelPlan(plan.backend, decode=True, page_write=page_write, state=plan.state, checks=checks,
+                      prefill_reason=why_16.format("prefill"), page_write_reason=write_why)
+
+
+def _page_write_passes(backend: str, layers: list[tuple[tuple[int, int, int, mx.Dtype], int, KVQuant]],
+                       block_size: int, checks: list[tuple[str, str]]) -> bool:
+    """check.check_page_write_quantized for each (kv heads, head_dim, dtype, quant) of the layers; the first
+    failure switches the in-place write off (MLX scatters the quantized rows instead) with one warning."""
+    for n_kv, d, dt, q in sorted({(n_kv, dk, dt, q) for (n_kv, dk, dv, dt), _, q in layers}, key=str):
+        label = f"page write int{q.bits}/{q.group_size} kv={n_kv} D={d}"
+        ok, detail = check._guarded(check.check_page_write_quantized, backend, n_kv, n_kv, d, dt, q, block_size)
+        checks.append((label, "passed" if ok else f"failed: {detail}"))
+        if not ok:
+            logger.warning("pagedmlx: %s quantized page write off: %s: %s; MLX scatters the pages instead",
+                           backend, label, detail)
+            return False
+    return True

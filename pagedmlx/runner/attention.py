@@ -23,7 +23,7 @@ import mlx.nn as nn
 from pagedmlx.kernels import decode_attention, decode_attention_quant, page_write, prefill_attention
 from pagedmlx.kv_cache_dtype import KVQuant
 from pagedmlx.runner.attention_metadata import AttentionMetadata, PrefillGroup, page_rows
-from pagedmlx.runner.kv_quant import QuantizedPages, make_pages, read_pages, write_quantized
+from pagedmlx.runner.kv_quant import QuantizedPages, make_pages, read_pages, write_quantized, write_quantized_in_place
 from pagedmlx.runner.masks import length_mask
 
 def as_dtype(x: mx.array, dtype: mx.Dtype) -> mx.array:
@@ -125,8 +125,11 @@ class PagedLayerCache:
         md, i = self.md, self.layer
         k_pages, v_pages = self.pool.keys, self.pool.values
         self._new = (keys, values)
-        if self.pool.quant[i] is not None:  # quantized pages: MLX scatters (no page-write kernel takes them)
-            write_quantized(self.pool, i, keys, values, md.write_index(keys.shape[1]))
+        if self.pool.quant[i] is not None:
+            if md.pages_in_place:
+                self.written = write_quantized_in_place(self.pool, i, keys, values, md.slot_mapping, md.backend)
+            else:
+                write_quantized(self.pool, i, keys, values, md.write_index(keys.shape[1]))
             return keys, values
         if md.pages_in_place:
             self.written = page_write.reshape_and_cache(keys, values, k_pages[i], v_pages[i], md.slot_mapping,

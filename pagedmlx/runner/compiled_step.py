@@ -11,8 +11,9 @@ sequence's length): a sequence meets a new key at 2, 4, 8, ... pages, and when i
 
 Only where every write is in place (the page-write kernel, and the state kernels for recurrent
 layers: CUDA) can a step be replayed: MLX's scatter gives each write a new pool array, which a
-compiled graph cannot hand back (quantized KV pages are scattered: not compiled). Steps with prefill
-rows, LoRA rows or a recurrent segment (a 1-token prompt) run as built. By default
+compiled graph cannot hand back. Quantized KV pages are written in place where 16-bit ones are
+(page_write.reshape_and_cache_quantized: mx.quantize, then the copy), so they compile too. Steps with
+prefill rows, LoRA rows or a recurrent segment (a 1-token prompt) run as built. By default
 (EngineConfig.compile_decode None) only steps of at most AUTO_MAX_DECODES requests are compiled: that
 is where the host's Python bounds the step, and it bounds the keys (each costs a trace) to a few.
 """
@@ -50,8 +51,7 @@ class CompiledDecode:
     def takes(self, so: SchedulerOutput) -> bool:
         r = self.runner
         has_state = len(so.state_slots) > 0
-        quantized = any(q is not None for q in getattr(r.kv_pool, "quant", ()))  # MLX scatters quantized pages
-        return (r.pages_in_place and not quantized and r.lora_manager is None
+        return (r.kernels.page_write and r.lora_manager is None
                 and so.num_decodes == so.total_num_scheduled_tokens
                 and (self.max_decodes is None or so.num_decodes <= self.max_decodes)
                 and (not has_state or (r.kernels.state and bool((so.state_slots[:, 0] >= 0).all()))))

@@ -80,13 +80,17 @@ def _decode_paths(kernels: Any, shapes: dict, quant: dict) -> list[tuple[str, Op
         if why is None and kernels.backend is not None:  # the gate each layer call passes (attention.py)
             why = (decode_attention.layer_refusal(dk, dv, h, n_kv, dt, kernels.backend) if q is None else
                    decode_attention_quant.refusal(dk, dv, h, n_kv, dt, q, kernels.backend))
+        mma = False
         if why is None and kernels.decode:
-            mma = q is None and decode_attention.uses_tensor_cores(dk, h // n_kv, dt, kernels.backend)
-            path = "paged decode kernel" + (" on tensor cores" if mma else "")
+            mma = (decode_attention.uses_tensor_cores(dk, h // n_kv, dt, kernels.backend) if q is None else
+                   decode_attention_quant.uses_tensor_cores(dk, h // n_kv, dt, q, kernels.backend))
+            path = "paged decode kernel"
         else:
             path, why = PORTABLE, why or "kernels off"
         if q is not None:
             path += f" over int{q.bits} pages (group {q.group_size})"
+        if mma:
+            path += " on tensor cores"
         paths.append((f"decode {path}" if len(shapes) == 1 else f"decode {_shape(spec, h)} {path}", why))
     return paths
 
@@ -108,6 +112,8 @@ def _prefill_path(kernels: Any, shapes: dict, heads: Optional[tuple[int, int]]) 
 def _write_path(kernels: Any) -> tuple[str, Optional[str]]:
     if kernels.page_write:
         return "page write kernel, in place", None
+    if getattr(kernels, "page_write_reason", None):  # its load-time check failed
+        return "page write MLX scatter", kernels.page_write_reason
     if kernels.reason is None and kernels.backend is not None:
         return "page write MLX scatter", f"not in place on {kernels.backend} yet"
     return "page write MLX scatter", kernels.reason or "kernels off"

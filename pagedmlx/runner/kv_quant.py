@@ -8,7 +8,9 @@ mlx-lm's QuantizedKVCache keeps them. Like the 16-bit pages they live only in KV
 
 QuantizedPages is what attention reads in place of a 16-bit page array: it has the shape and dtype
 of the pages it stands for, and gathers rows of its three parts then dequantizes, so the portable
-gather paths run unchanged. No paged kernel reads it (the kernel plan is off for quantized pools).
+gather paths run unchanged, and the quantized decode kernels (kernels/decode_attention_quant.py) read
+its parts. Where pages are written in place (CUDA) the page-write kernel copies the quantized rows into
+them (write_quantized_in_place); elsewhere MLX scatters them (write_quantized).
 """
 
 from __future__ import annotations
@@ -56,17 +58,38 @@ def make_pages(num_blocks: int, h: int, block_size: int, dim: int, dtype: mx.Dty
             mx.zeros((num_blocks, h, block_size, groups), dtype), mx.zeros((num_blocks, h, block_size, groups), dtype))
 
 
+def quantize_rows(pool, i: int, keys: mx.array, values: mx.array) -> list[tuple[mx.array, mx.array, mx.array]]:
+    """mx.quantize of the step's new keys and values (T, n_kv, 1, D) of layer i, in its scales' dtype:
+    [(packed, scales, biases) of the keys, of the values], each (T, n_kv, *)."""
+    quant = pool.quant[i]
+    out = []
+    for side, x in (("k", keys), ("v", values)):
+        x = x[:, :, 0, :]
+        dtype = getattr(pool, f"{side}_scales")[i].dtype
+        out.append(tuple(mx.quantize(x if x.dtype == dtype else x.astype(dtype), group_size=quant.group_size,
+                                     bits=quant.bits)))
+    return out
+
+
 def write_quantized(pool, i: int, keys: mx.array, values: mx.array, index: tuple) -> None:
     """Quantize the step's new keys and values (T, n_kv, 1, D) of layer i and scatter them into its
     pages at `index` (AttentionMetadata.write_index: page, head and slot, each (T, n_kv)), each part
     through the pool's own list (in place: no second reference)."""
-    quant = pool.quant[i]
-    for side, x in (("keys", keys), ("values", values)):
-        x = x[:, :, 0, :]
-        dtype = getattr(pool, f"{side[0]}_scales")[i].dtype
-        parts = mx.quantize(x if x.dtype == dtype else x.astype(dtype), group_size=quant.group_size, bits=quant.bits)
+    for side, parts in zip(("keys", "values"), quantize_rows(pool, i, keys, values)):
         for name, part in zip((side, f"{side[0]}_scales", f"{side[0]}_biases"), parts):
             getattr(pool, name)[i][index] = part
+
+
+def write_quantized_in_place(pool, i: int, keys: mx.array, values: mx.array, slot_mapping: mx.array,
+                             backend: Optional[str]) -> mx.array:
+    """write_quantized through the page-write kernel (kernels/page_write.py), in place at slot_mapping;
+    returns its `written`, which every reader of layer i's pages takes as an input."""
+    from pagedmlx.kernels import page_write
+
+    k_parts, v_parts = quantize_rows(pool, i, keys, values)
+    return page_write.reshape_and_cache_quantized(
+        k_parts, v_parts, (pool.keys[i], pool.k_scales[i], pool.k_biases[i]),
+        (pool.values[i], pool.v_scales[i], pool.v_biases[i]), slot_mapping, backend)
 
 
 def read_pages(pool, i: int) -> tuple:

@@ -97,7 +97,7 @@ class ModelRunner:
         self.lora_manager = self._make_lora_manager(config) if config.enable_lora else None
         # Decode-only steps through mx.compile (runner/compiled_step.py), where pages are written in place.
         self.compiled_decode = (CompiledDecode(self, None if config.compile_decode else AUTO_MAX_DECODES)
-                                if config.compile_decode is not False and self.pages_in_place else None)
+                                if config.compile_decode is not False and self.kernels.page_write else None)
 
     def _make_lora_manager(self, config: EngineConfig):
         """Batched LoRA (pagedmlx/lora/): adapters on the layers that run token-major, as every row does."""

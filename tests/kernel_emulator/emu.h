@@ -18,7 +18,7 @@ struct Dim3 { unsigned x, y, z; };
 enum State { RUN, WAIT_SIMD, WAIT_GROUP, DONE };
 struct Lane { State state; bool started; jmp_buf jb; ucontext_t uc; };
 struct Ctx {
-  Dim3 grid{}, tg{}, groups{}, group{};
+  Dim3 grid{}, tg{}, groups{}, group{}, full_tg{};  // tg: this group's threads (a partial group at the edge has fewer)
   unsigned n = 0, cur = 0;
   std::vector<Lane> lanes;
   std::vector<char> stacks;
@@ -47,8 +47,8 @@ inline Dim3 tid3() { return {C().cur % C().tg.x, (C().cur / C().tg.x) % C().tg.y
 inline Dim3 group3() { return C().group; }
 inline Dim3 groups3() { return C().groups; }
 inline Dim3 tg3() { return C().tg; }
-inline Dim3 pos3() {
-  Dim3 t = tid3(), g = C().group, s = C().tg;
+inline Dim3 pos3() {  // a partial group at the grid's edge starts where a whole one would
+  Dim3 t = tid3(), g = C().group, s = C().full_tg;
   return {g.x * s.x + t.x, g.y * s.y + t.y, g.z * s.z + t.z};
 }
 
@@ -129,6 +129,7 @@ inline int run_group(unsigned n) {
 inline int launch(const unsigned* grid, const unsigned* tg, bool partial_groups, std::function<void()> body) {
   Ctx& c = C();
   c.grid = {grid[0], grid[1], grid[2]};
+  c.full_tg = {tg[0], tg[1], tg[2]};
   c.groups = {(grid[0] + tg[0] - 1) / tg[0], (grid[1] + tg[1] - 1) / tg[1], (grid[2] + tg[2] - 1) / tg[2]};
   c.body = std::move(body);
   for (unsigned z = 0; z < c.groups.z; ++z)

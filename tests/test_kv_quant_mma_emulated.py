@@ -1,0 +1,104 @@
+"""The tensor-core decode kernels on the CPU: their CUDA source with the PTX helpers emulated
+(tests/kernel_emulator/mma.py: ldmatrix and mma.sync in PTX's fragment layouts, cp.async as plain copies).
+The 16-bit kernel (run on the H200 by the GPU suite) matching the gather path shows the emulation right; the
+quantized pages' kernel (kernels/sources/decode_attention_quant_mma_cuda.py) is then held to the gather path
+over the same quantized pages, windows, sinks and splits included. What only the GPU shows: the real PTX,
+nvcc's code (tests/test_cuda_sources.py compiles it) and speed."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from kernel_emulator import EmulatedKernel, have_compiler
+from kernel_emulator.mma import EMU_MMA_HEADER, WAIT_ALL
+from test_kv_quant_kernels import quantized_case
+
+from pagedmlx.kernels import build, decode_attention, decode_attention_quant
+from pagedmlx.kernels.dialect import CUDA
+from pagedmlx.kernels.sources import decode_attention_mma_cuda as mma_src
+from pagedmlx.kv_cache_dtype import KVQuant
+from pagedmlx.runner.attention import gather_decode
+from pagedmlx.runner.masks import length_mask
+
+pytestmark = pytest.mark.skipif(not have_compiler(), reason="g++ runs the emulated kernels")
+
+
+@pytest.fixture
+def emulated_mma(monkeypatch):
+    monkeypatch.setattr(build, "make_kernel", EmulatedKernel)
+    monkeypatch.setattr(mma_src, "MMA_HEADER", EMU_MMA_HEADER)
+    for f in (decode_attention._kernels, decode_attention_quant._kernels):
+        f.cache_clear()
+    yield monkeypatch
+    for f in (decode_attention._kernels, decode_attention_quant._kernels):
+        f.cache_clear()
+
+
+def _splits(lens, window, splits):
+    span = int(min(max(lens), window or max(lens)))
+    tokens = -(-span // splits)
+    return -(-span // tokens), mx.array([tokens], mx.int32)
+
+
+@pytest.mark.parametrize("D,H,KV", [(128, 8, 2), (64, 8, 1)])
+def test_emulated_16_bit_tensor_core_kernel_matches_the_gather_path(emulated_mma, D, H, KV):
+    emulated_mma.setattr(mma_src, "ACCUMULATE_MMA", mma_src.ACCUMULATE_MMA.replace(WAIT_ALL, "cp_async_wait_all();"))
+    rng = np.random.default_rng(5)
+    lens, bs = [1, 17, 45], 16
+    nb = -(-max(lens) // bs)
+    k = mx.array(rng.standard_normal((len(lens) * nb + 1, KV, bs, D)).astype(np.float32)).astype(mx.bfloat16)
+    v = mx.array(rng.standard_normal((len(lens) * nb + 1, KV, bs, D)).astype(np.float32)).astype(mx.bfloat16)
+    table = mx.array(rng.permutation(len(lens) * nb)[: len(lens) * nb].reshape(len(lens), nb).astype(np.int32))
+    q = mx.array(rng.standard_normal((len(lens), H, D)).astype(np.float32)).astype(mx.bfloat16)
+    seq_lens = mx.array(np.array(lens, np.int32))
+    assert decode_attention.uses_tensor_cores(D, H // KV, mx.bfloat16, CUDA)
+    want = gather_decode(q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32), table, D ** -0.5,
+                         length_mask(seq_lens, nb * bs))
+    for splits in (1, 2):
+        n, tokens = _splits(lens, None, splits)
+        got = decode_attention.paged_decode(q, k, v, table, seq_lens, D ** -0.5, n, tokens, init_value=float("nan"),
+                                            backend=CUDA)
+        err = mx.abs(got.astype(mx.float32) - want).max().item()
+        assert np.isfinite(err) and err < 3e-2, (splits, err)
+
+
+# (dtype, D, query heads, kv heads, lengths, window, bits, group size): Llama-8B's and GQA-7's groups of heads
+# (one or two kv heads: each runs alone), head_dim 64 in fp16; lengths across tiles, blocks and splits.
+CASES = [(mx.bfloat16, 128, 8, 2, [1, 17, 70], 30, 8, 128), (mx.bfloat16, 128, 7, 1, [33, 5], 20, 4, 64),
+         (mx.bfloat16, 128, 4, 1, [40], 16, 8, 64), (mx.float16, 64, 8, 1, [9, 50], 7, 4, 32),
+         (mx.float16, 64, 2, 2, [64], 40, 8, 64)]
+
+
+@pytest.mark.parametrize("dtype,D,H,KV,lens,window,bits,group", CASES)
+def test_emulated_quantized_tensor_core_kernel_matches_the_gather_path(emulated_mma, dtype, D, H, KV, lens, window,
+                                                                       bits, group):
+    quant = KVQuant(bits, group)
+    assert decode_attention_quant.uses_tensor_cores(D, H // KV, dtype, quant, CUDA)
+    rng = np.random.default_rng(7)
+    q, k, v, table, seq_lens, sinks = quantized_case(rng, dtype, D, H, KV, lens, quant)
+    tol = {mx.float16: 5e-3, mx.bfloat16: 3e-2}[dtype]
+    before = len(EmulatedKernel.sources)
+    for w, with_sinks in [(None, False), (window, True)]:
+        s = sinks if with_sinks else None
+        want = gather_decode(q, k, v, table, D ** -0.5, length_mask(seq_lens, table.shape[1] * 16, w), s)
+        for splits in (1, 3):
+            n, tokens = _splits(lens, w, splits)
+            got = decode_attention_quant.paged_decode_quantized(q, k, v, table, seq_lens, D ** -0.5, n, tokens,
+                                                                window=w, sinks=s, init_value=float("nan"),
+                                                                backend=CUDA)
+            err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+            assert np.isfinite(err) and err <= tol, (w, with_sinks, splits, err)
+    assert any("store_piece<T, D, QBITS>" in text for text in EmulatedKernel.sources[before:])
+
+
+@pytest.mark.parametrize("quant,window,sinks", [(KVQuant(8, 128), None, False), (KVQuant(4, 64), 100, True)])
+def test_the_load_time_check_passes_the_emulated_kernel_for_llama_8b_heads(emulated_mma, quant, window, sinks):
+    """check.check_decode_quantized (what select_quantized runs at load) on CUDA's default, the tensor-core
+    kernel, with Llama-8B's heads; and check.check_page_write_quantized reading through it."""
+    from pagedmlx.kernels import check, page_write
+
+    emulated_mma.setattr(page_write, "_quant_write_kernel", page_write._quant_write_kernel.__wrapped__)
+    assert decode_attention_quant.uses_tensor_cores(128, 4, mx.bfloat16, quant, CUDA)
+    assert check.check_decode_quantized(CUDA, 32, 8, 128, mx.bfloat16, quant, 16, window, sinks) is None
+    assert check.check_page_write_quantized(CUDA, 8, 8, 128, mx.bfloat16, quant, 16) is None
