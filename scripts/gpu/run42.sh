@@ -19,7 +19,8 @@ run() {  # name, seconds, command...
 }
 case "${PART:-quant}" in
   quant)
-    run pytest_kv_quant 150 python3 -m pytest -q -rf -p no:cacheprovider tests/test_gpu_kv_quant.py
+    TAIL=6 run pytest_kv_quant 150 python3 -m pytest -q -rf -x -p no:cacheprovider tests/test_gpu_kv_quant.py \
+      -k "default or page_write"
     run kv_quant_speed 300 python3 scripts/bench/bench_kv_quant.py --speed --preset llama-8b --batch 64 256 \
       --context 2048 --steps 12;;
   host)
