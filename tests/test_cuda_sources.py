@@ -1,6 +1,7 @@
 """nvcc compiles every CUDA kernel the engine builds, through the engine's own launch code, for the
 template values it uses (model dtypes, head shapes, windows, sinks, split or not): the recurrent-state
-kernels, paged prefill, paged decode (tensor cores and lanes, 16-bit and quantized pages) and the page writes.
+kernels, paged prefill, paged decode (tensor cores and lanes, 16-bit and quantized pages), the page writes
+and batched LoRA.
 No GPU needed, only
 nvcc (tests/nvcc_utils.py); skipped without it. PAGEDMLX_NVCC_ARCH picks the target (default sm_90,
 the H200); `pytest -s` prints ptxas's registers and spills per kernel."""
@@ -13,7 +14,8 @@ import mlx.core as mx
 import pytest
 from nvcc_utils import RecordingCudaKernel, compile_sources, have_nvcc
 
-from pagedmlx.kernels import build, decode_attention, decode_attention_quant, page_write, prefill_attention, recurrent_state
+from pagedmlx.kernels import (build, decode_attention, decode_attention_quant, lora, page_write, prefill_attention,
+                              recurrent_state)
 from pagedmlx.kv_cache_dtype import KVQuant
 from pagedmlx.runner.kv_quant import QuantizedPages
 
@@ -70,6 +72,10 @@ def attention_cases():
         pages = mx.zeros((2, 2, 16, 128), dt)
         page_write.reshape_and_cache(mx.zeros((3, 2, 1, 128), dt), mx.zeros((3, 2, 1, 128), dt), pages, pages,
                                      mx.zeros((3,), mx.int32), backend="cuda")
+        for in_dims, out_dims, rank in ((4096, 14336, 16), (14336, 4096, 64)):  # Llama-8B's gate / down
+            RecordingCudaKernel.label = f"lora {dt} {in_dims}->{out_dims} R={rank}"
+            lora.add_lora(mx.zeros((3, in_dims), dt), mx.zeros((3, out_dims), dt), mx.zeros((5, rank, in_dims), dt),
+                          mx.zeros((5, rank, out_dims), dt), mx.zeros((3,), mx.int32), mx.zeros((5,)), backend="cuda")
 
 
 def quantized_cases():
@@ -102,7 +108,7 @@ def quantized_cases():
 def recorded(monkeypatch):
     monkeypatch.setattr(build, "make_kernel", RecordingCudaKernel)
     cached = (decode_attention._kernels, decode_attention_quant._kernels, page_write._write_kernel,
-              page_write._quant_write_kernel, prefill_attention._prefill_kernels, recurrent_state._kernel)
+              page_write._quant_write_kernel, prefill_attention._prefill_kernels, recurrent_state._kernel, lora._kernel)
     for fn in cached:
         fn.cache_clear()
     RecordingCudaKernel.sources = []

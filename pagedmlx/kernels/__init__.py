@@ -8,6 +8,8 @@
     page_write.py           the page write: every layer that owns pages     CUDA (*)      page_write.py
     recurrent_state.py      gated delta rule, short convolution, state      CUDA          recurrent_state_cuda.py
                             write: recurrent-state layers
+    lora.py                 batched LoRA (shrink + expand + add, each row   CUDA, Metal   lora.py
+                            its own adapter): LoRA-targeted linear layers
 
     (*) built and checked for Metal too, not used there yet: MLX's scatter writes the pages.
 

@@ -22,7 +22,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from pagedmlx.kernels import build, check, decode_attention, decode_attention_quant, prefill_attention
+from pagedmlx.kernels import build, check, decode_attention, decode_attention_quant, lora, prefill_attention
 from pagedmlx.kernels.dialect import CUDA
 from pagedmlx.kv_cache_dtype import KVQuant
 
@@ -109,6 +109,23 @@ def select_kernels(layer_specs: list[tuple[int, int, int, mx.Dtype]], query_head
         if not ok:
             return plan.switch_off(f"{label}: {detail}", keep_state=True)
     return plan
+
+
+def select_lora_kernel(plan: KernelPlan) -> Optional[str]:
+    """The backend where batched LoRA runs kernels/lora.py's kernel (after its check, each load), None
+    where it runs MLX's products (no GPU, kernels off by the environment, or a failed check)."""
+    if plan.backend is None or plan.reason is not None and plan.reason.endswith("_KERNELS=0"):
+        return None
+    for dtype in (mx.float32, mx.bfloat16):
+        try:
+            err = lora.check_add_lora(plan.backend, dtype)
+        except Exception as exc:  # the kernel failed to build or run
+            err = f"did not compile or run ({check.error_line(exc)})"
+        if err is not None:
+            logger.warning("pagedmlx: the batched LoRA kernel is off (%s): %s; MLX's products run the adapters",
+                           dtype, err)
+            return None
+    return plan.backend
 
 
 def kernel_shapes(layer_specs: list[tuple[int, int, int, mx.Dtype]], query_heads: list[int],

@@ -13,7 +13,10 @@ one where a column belongs to the row's own slot: two dense products as wide as 
 (no per-row gather, which MLX's CUDA gather_mm runs slowly), no Python loop over rows or adapters.
 A row adds its own adapter's (x @ A) @ B, the other columns being exact zeros; rows without an
 adapter add exactly zero, so base rows give the base model's values; adapter rows give mlx-lm's
-LoRALinear's (and DoRALinear's) values. A layer that no row of the step targets runs its base layer alone."""
+LoRALinear's (and DoRALinear's) values. A layer that no row of the step targets runs its base layer alone.
+
+On a GPU whose load-time check passed (kernels/lora.py), LoRA layers of the step (not DoRA) run one
+kernel instead of those products: each tiny product is a launch that costs more than the product."""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from pagedmlx.kernels import lora as lora_kernel
 from pagedmlx.lora.models import LoRALayerWeights, dense_weight, linear_dims
 
 
@@ -66,8 +70,9 @@ class PunicaWrapper:
     """The step's LoRAStep, shared by every LinearWithLoRA; None outside a step the runner runs, so
     that the model called any other way (mlx-lm's own generate, the load-time check) is the base."""
 
-    def __init__(self) -> None:
+    def __init__(self, kernel_backend: Optional[str] = None) -> None:
         self.step: Optional[LoRAStep] = None
+        self.kernel_backend = kernel_backend  # kernels/lora.py's add_lora runs LoRA (not DoRA) rows here
 
     def add_lora_linear(self, layer: "LinearWithLoRA", x: mx.array) -> mx.array:
         step = self.step
@@ -76,12 +81,17 @@ class PunicaWrapper:
         if rows != step.num_rows:
             raise RuntimeError(f"LoRA: a targeted layer ran on {rows} rows but the step has {step.num_rows}: this "
                                f"model does not run its layers token-major, which batched adapters need")
+        plain_lora = step.dora_slots.isdisjoint(layer.dora_slots)
+        if plain_lora and self.kernel_backend is not None:
+            y = layer.base_layer(x).reshape(rows, out_dims)
+            return lora_kernel.add_lora(x.reshape(rows, x.shape[-1]), y, layer._lora_a_stacked, layer._lora_b_stacked,
+                                        step.indices, step.slot_scales, self.kernel_backend).reshape(*lead, out_dims)
         a_used, b_used = layer.used_stacks(step)
         a = x.reshape(rows, x.shape[-1]) @ a_used.T
         z = ((a * step.column_mask(a.dtype)) @ b_used).reshape(*lead, out_dims)
         scales = step.row_scales(z.dtype).reshape(*lead, 1)
         y = layer.base_layer(x)
-        if step.dora_slots.isdisjoint(layer.dora_slots):
+        if plain_lora:
             return _add_scaled(y, scales, z)
         lora = (scales * z).astype(x.dtype)  # mlx-lm's (scale * z)
         # DoRA (mlx-lm's DoRALinear): (m / ||W + scale B^T A^T||) * (x W^T + scale z) + bias; the norm

@@ -14,7 +14,7 @@ from pagedmlx.kv.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
                               sliding_pool_blocks)
 from pagedmlx.kernels import build, prefill_attention, recurrent_state
 from pagedmlx.kernels.check import error_line
-from pagedmlx.kernels.selector import select_kernels, select_quantized
+from pagedmlx.kernels.selector import select_kernels, select_lora_kernel, select_quantized
 from pagedmlx.kv_cache_dtype import bytes_per_token, layer_quant
 from pagedmlx.runner.attention import (KVPool, PagedLayerCache, decode_kernel_takes, install_paged_attention,
                                        paged_decode, warm_up_prefill)
@@ -106,7 +106,8 @@ class ModelRunner:
         if any(p.state is not None for p in self.plan):
             raise UnsupportedModelError(f"enable_lora: model type {model_type(self.model)!r} has recurrent-state "
                                         "layers, whose rows are regrouped by request; LoRA is not served there yet")
-        return LoRAModelManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+        return LoRAModelManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
+                                kernel_backend=select_lora_kernel(self.kernels))
 
     @property
     def pages_in_place(self) -> bool:

@@ -7,7 +7,8 @@ step at batch 64), --slots adapters of rank --rank side by side (layers.py's sta
   mask      a * column mask
   expand    (a * mask) @ B_used         (rows, out)
   epilogue  y + (scale * z).astype      (fused by mx.compile in layers.py)
-  lora      all four above, as layers.py runs them after the base product
+  lora      all four above, as layers.py runs them after the base product on the CPU
+  kernel    kernels/lora.py's one kernel for all four (a GPU only), as layers.py runs it there
 
 Each row: wall ms per step (all layers' ops of that kind, one mx.eval; median of --runs) and µs per op.
 
@@ -26,6 +27,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from pagedmlx.kernels import build, lora as lora_kernel  # noqa: E402
 from pagedmlx.lora.layers import _add_scaled  # noqa: E402
 
 # Llama-8B: (in, out) of q, k, v, o, gate, up, down
@@ -66,7 +68,12 @@ def main() -> None:
         p["y"] = p["x"] @ p["w"].T
         p["s"] = p["x"] @ p["a"].T
         p["z"] = (p["s"] * mask) @ p["b"]
-    mx.eval(layers, mask, scales)
+        if build.gpu_backend() is not None:  # the kernel's stacks: slot 0 empty, then the adapters
+            p["a3"] = mx.concatenate([mx.zeros((args.rank, i), dt), p["a"]]).reshape(args.slots + 1, args.rank, i)
+            p["b3"] = mx.concatenate([mx.zeros((args.rank, o), dt), p["b"]]).reshape(args.slots + 1, args.rank, o)
+    indices = (slot + 1).astype(mx.int32)
+    slot_scales = mx.array([0.0] + [2.0] * args.slots)
+    mx.eval(layers, mask, scales, indices, slot_scales)
 
     def lora(p):
         return _add_scaled(p["y"], scales, (((p["x"] @ p["a"].T) * mask) @ p["b"]))
@@ -77,6 +84,9 @@ def main() -> None:
              "expand": lambda: [(p["s"] * mask) @ p["b"] for p in layers],
              "epilogue": lambda: [_add_scaled(p["y"], scales, p["z"]) for p in layers],
              "lora": lambda: [lora(p) for p in layers]}
+    if build.gpu_backend() is not None:
+        cases["kernel"] = lambda: [lora_kernel.add_lora(p["x"], p["y"], p["a3"], p["b3"], indices, slot_scales)
+                                   for p in layers]
     print(f"study_lora_ops on {mx.default_device()}, {time.strftime('%Y-%m-%d %H:%M')}: {args.rows} rows, "
           f"{args.layers} Llama-8B layers ({len(layers)} projections), {args.slots} slots of rank {args.rank}, "
           f"{args.dtype}, median of {args.runs}")

@@ -1,0 +1,84 @@
+"""The batched LoRA kernel (kernels/lora.py, one source for CUDA and Metal) run on the CPU in the
+kernel emulator: its load-time check passes, the check fails kernels that are wrong in the ways a
+kernel goes wrong, and a busy engine whose LoRA rows run through it gives every request mlx-lm's own
+tokens with its adapter (greedy, float32)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from kernel_emulator import EmulatedKernel, have_compiler
+from lora_utils import ADAPTER_SPECS, References, fresh, make_adapter
+from test_lora import GREEDY, lora_engine, run_staggered
+from utils import ARCHS, assert_no_leaks, make_prompts
+
+from pagedmlx.kernels import build, lora
+from pagedmlx.kernels.dialect import CUDA, METAL, foreign_names, leftover_tokens
+from pagedmlx.kernels.sources import lora as lora_source
+from pagedmlx.lora.request import LoRARequest
+
+pytestmark = pytest.mark.skipif(not have_compiler(), reason="g++ runs the emulated kernels")
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    monkeypatch.setattr(build, "make_kernel", EmulatedKernel)
+    lora._kernel.cache_clear()
+    yield
+    lora._kernel.cache_clear()
+
+
+@pytest.mark.parametrize("backend", [METAL, CUDA])
+def test_the_source_renders_for_each_backend_and_names_nothing_of_the_other(backend):
+    text = lora.add_lora_source(backend)
+    assert not leftover_tokens(text) and not foreign_names(text, backend)
+
+
+@pytest.mark.parametrize("backend", [METAL, CUDA])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_emulated_kernel_passes_its_check(emulated, backend, dtype):
+    assert lora.check_add_lora(backend, dtype) is None
+
+
+@pytest.mark.parametrize("mutant", [
+    ("scale * static_cast", "static_cast"),  # the adapter's scale forgotten
+    ("j * 256", "j * 128"),  # a thread's columns overlap the next thread's: some never written
+    ("indices[t]", "indices[GROUP_X]"),  # a row takes another row's adapter
+    ("r += 8", "r += 16"),  # half the ranks never computed (a[r] of shared memory left unset)
+    ("(size_t)r * OUT", "(size_t)r"),  # B read along the wrong axis
+])
+def test_the_check_fails_a_wrong_kernel(emulated, monkeypatch, mutant):
+    assert mutant[0] in lora_source.ADD_LORA
+    monkeypatch.setattr(lora_source, "ADD_LORA", lora_source.ADD_LORA.replace(*mutant))
+    assert lora.check_add_lora(METAL, mx.float32) is not None
+
+
+def test_busy_engine_on_the_kernel_equals_mlx_lm_alone(emulated, monkeypatch, tmp_path):
+    """Rows of three adapters and of the base model in the same steps, through chunked prefill."""
+    base = fresh()
+    adapters = [LoRARequest(f"a{i}", i + 1, make_adapter(str(tmp_path / f"a{i}"), base, **spec))
+                for i, spec in enumerate(ADAPTER_SPECS) if not spec.get("dora")][:3]
+    refs = References(base)
+    prompts = make_prompts(12, ARCHS["llama"]["vocab_size"], seed=11)
+    loras = [None if i % 4 == 3 else adapters[i % len(adapters)] for i in range(len(prompts))]
+    engine = lora_engine(max_loras=3)
+    engine.runner.lora_manager.punica.kernel_backend = CUDA
+    calls, real = [], lora.add_lora
+    monkeypatch.setattr(lora, "add_lora", lambda *a, **k: calls.append(1) or real(*a, **k))
+    done = run_staggered(engine, prompts, loras, GREEDY, seed=5)
+    assert calls  # the adapters' rows ran through the kernel
+    for i, (p, adapter) in enumerate(zip(prompts, loras)):
+        assert done[str(i)] == refs(adapter.lora_path if adapter else None, p, GREEDY.max_tokens), f"request {i}"
+    assert_no_leaks(engine)
+
+
+def test_the_selector_runs_the_kernel_only_where_its_check_passes(emulated, monkeypatch, caplog):
+    from pagedmlx.kernels.selector import KernelPlan, select_lora_kernel
+
+    assert select_lora_kernel(KernelPlan(None, reason="no GPU backend")) is None
+    assert select_lora_kernel(KernelPlan(CUDA, reason="PAGEDMLX_CUDA_KERNELS=0")) is None
+    assert select_lora_kernel(KernelPlan(CUDA)) == CUDA
+    monkeypatch.setattr(lora_source, "ADD_LORA", lora_source.ADD_LORA.replace("scale * static_cast", "static_cast"))
+    lora._kernel.cache_clear()
+    assert select_lora_kernel(KernelPlan(CUDA)) is None
+    assert "batched LoRA kernel is off" in caplog.text and "max relative difference" in caplog.text
