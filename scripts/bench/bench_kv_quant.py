@@ -18,6 +18,7 @@ median step time and its ratio to auto; then, for the KV memory that auto pages 
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import statistics
 import sys
@@ -135,7 +136,8 @@ def _step_ms(model, batch: int, ctx: int, bs: int, dtype: str, steps: int) -> tu
         if i >= 2:
             samples.append(time.perf_counter() - t)
     path = kernel_path_lines(runner)[0].split(": ", 1)[1].split(";")[0]
-    del runner, pool
+    del runner, pool, so
+    gc.collect()  # the runner's cycles (its compiled step) hold the pools until collected
     mx.clear_cache()
     return 1e3 * statistics.median(samples), path
 
