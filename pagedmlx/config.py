@@ -46,7 +46,8 @@ class EngineConfig:
     async_min_batch: int = 1  # running requests from which steps overlap (1: every step)
     # Decode-only steps traced once per shape key and replayed through mx.compile (vLLM's CUDA graphs in
     # spirit: runner/compiled_step.py), where the pages are written in place (CUDA). None: steps of at
-    # most compiled_step.AUTO_MAX_DECODES requests (where the host's Python is the step's cost); True: all.
+    # most compiled_step.AUTO_MAX_DECODES requests at once (where the host's Python is the step's cost),
+    # larger ones once their key has come HOT_STEPS times (a steady batch); True: every step at once.
     compile_decode: Optional[bool] = None
     # "auto": sampling defaults from the model's generation_config.json (as vLLM); "vllm": vLLM's own.
     generation_config: str = "auto"

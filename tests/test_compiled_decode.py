@@ -18,7 +18,7 @@ from pagedmlx.engine import LLMEngine
 from pagedmlx.kernels import build, decode_attention, decode_attention_quant, page_write, recurrent_state
 from pagedmlx.kernels.dialect import CUDA
 from pagedmlx.kernels.selector import KernelPlan
-from pagedmlx.runner.compiled_step import AUTO_MAX_DECODES, CompiledDecode, table_bucket
+from pagedmlx.runner.compiled_step import AUTO_MAX_DECODES, HOT_STEPS, CompiledDecode, table_bucket
 from pagedmlx.sampling_params import SamplingParams
 
 ON_CUDA = build.gpu_backend() == CUDA
@@ -100,7 +100,42 @@ def test_by_default_small_steps_where_pages_are_written_in_place(standins):
     built = run_staggered(_engine("llama", False, True, max_num_seqs=16), prompts, params, seed=1)
     assert run_staggered(engine, prompts, params, seed=1) == built
     sizes = {dict((n, s) for n, s, _ in k[0])["input_ids"][0] for k in engine.runner.compiled_decode.fns}
-    assert sizes and max(sizes) <= AUTO_MAX_DECODES < engine.scheduler.config.max_num_seqs
+    assert sizes and min(sizes) <= AUTO_MAX_DECODES < engine.scheduler.config.max_num_seqs
+
+
+def test_by_default_a_larger_step_is_compiled_once_its_key_is_hot(standins):
+    """A steady batch of 12 (> AUTO_MAX_DECODES) decodes: each key's first HOT_STEPS - 1 steps are built,
+    the next ones replay its trace; the tokens are the built engine's."""
+    engine = _engine("llama", None, True, max_num_seqs=16)
+    compiled = engine.runner.compiled_decode
+    results, real = [], compiled.__call__
+
+    class Spy(CompiledDecode):  # (a dunder is looked up on the class: the instance's class is swapped)
+        def __call__(self, so, prev):
+            out = real(so, prev)
+            results.append((so.num_decodes, out is not None))
+            return out
+
+    compiled.__class__ = Spy
+    prompts = [p[:9] for p in shared_prefix_prompts(12, seed=6)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def run(e: LLMEngine) -> dict[str, list[int]]:
+        for i, p in enumerate(prompts):
+            e.add_request(str(i), p, params)
+        done = {}
+        while e.has_unfinished_requests():
+            done.update({o.request_id: o.token_ids for o in e.step() if o.finished})
+        return done
+
+    assert run(engine) == run(_engine("llama", False, True, max_num_seqs=16))
+    steady = [hit for n, hit in results if n == 12]
+    rows = lambda key: dict((n, s) for n, s, _ in key[0])["input_ids"][0]  # noqa: E731
+    traces = sum(rows(k) == 12 for k in compiled.fns)
+    cold = {k: n for k, n in compiled.seen.items() if rows(k) == 12}  # keys whose steps ended before they were hot
+    # each key (a new one when the tables reach a new bucket of pages) built until it is hot, then replayed
+    assert traces >= 1 and steady.count(False) == (HOT_STEPS - 1) * traces + sum(cold.values())
+    assert steady.count(True) > len(steady) / 2 and len(cold) <= 1
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="a CUDA GPU runs the kernels")

@@ -14,12 +14,16 @@ layers: CUDA) can a step be replayed: MLX's scatter gives each write a new pool 
 compiled graph cannot hand back. Quantized KV pages are written in place where 16-bit ones are
 (page_write.reshape_and_cache_quantized: mx.quantize, then the copy), so they compile too. Steps with
 prefill rows, LoRA rows or a recurrent segment (a 1-token prompt) run as built. By default
-(EngineConfig.compile_decode None) only steps of at most AUTO_MAX_DECODES requests are compiled: that
-is where the host's Python bounds the step, and it bounds the keys (each costs a trace) to a few.
+(EngineConfig.compile_decode None) steps of at most AUTO_MAX_DECODES requests are compiled at once:
+there the host's Python bounds the step, and such keys are few. A larger step is compiled once its
+key has come HOT_STEPS times (a steady batch: its size and table bucket unchanged), so that a batch
+whose size changes every step never pays a trace per step; at most MAX_TRACES traces are kept, the
+least recently used dropped first.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
@@ -30,6 +34,8 @@ from pagedmlx.runner.state import StateMetadata
 from pagedmlx.scheduler_output import SchedulerOutput
 
 AUTO_MAX_DECODES = 8
+HOT_STEPS = 3
+MAX_TRACES = 16
 _STATE_FIELDS = ("decode_rows", "decode_read", "decode_write", "save_rows", "save_slots", "order")
 
 
@@ -43,20 +49,21 @@ class CompiledDecode:
 
     def __init__(self, runner: Any, max_decodes: Optional[int] = None):
         """runner: the ModelRunner (not imported here: it imports this module); max_decodes: the largest
-        step compiled (None: any)."""
+        step compiled at its first step (None: any); larger ones wait for HOT_STEPS steps of their key."""
         self.runner = runner
         self.max_decodes = max_decodes
-        self.fns: dict[tuple, Callable] = {}
+        self.fns: OrderedDict[tuple, Callable] = OrderedDict()
+        self.seen: dict[tuple, int] = {}  # steps of each larger key not compiled yet
 
     def takes(self, so: SchedulerOutput) -> bool:
         r = self.runner
         has_state = len(so.state_slots) > 0
         return (r.kernels.page_write and r.lora_manager is None
                 and so.num_decodes == so.total_num_scheduled_tokens
-                and (self.max_decodes is None or so.num_decodes <= self.max_decodes)
                 and (not has_state or (r.kernels.state and bool((so.state_slots[:, 0] >= 0).all()))))
 
-    def __call__(self, so: SchedulerOutput, prev_sampled: Optional[mx.array]) -> mx.array:
+    def __call__(self, so: SchedulerOutput, prev_sampled: Optional[mx.array]) -> Optional[mx.array]:
+        """The step's logits through its key's trace; None where the key is not hot yet (build the step)."""
         r = self.runner
         host = dict(input_ids=so.input_ids, positions=so.positions, logits_indices=so.logits_indices)
         if len(so.placeholder_rows):
@@ -81,7 +88,17 @@ class CompiledDecode:
                state_md.num_decodes if state_md is not None else None)
         fn = self.fns.get(key)
         if fn is None:
+            if self.max_decodes is not None and so.num_decodes > self.max_decodes:
+                if len(self.seen) > 4 * MAX_TRACES:
+                    self.seen.clear()
+                self.seen[key] = self.seen.get(key, 0) + 1
+                if self.seen[key] < HOT_STEPS:
+                    return None
+                del self.seen[key]
             fn = self.fns[key] = mx.compile(self._trace(names, builders, state_md is not None, so.num_decodes))
+            while len(self.fns) > MAX_TRACES:
+                self.fns.popitem(last=False)
+        self.fns.move_to_end(key)
         return fn(*(arrays[n] for n in names))
 
     def _trace(self, names: tuple, builders: list, has_state: bool, num_decodes: int) -> Callable:

@@ -319,8 +319,9 @@ class ModelRunner:
         if self.compiled_decode is not None and kv_pool is None and self.compiled_decode.takes(so):
             try:
                 logits = self.compiled_decode(so, prev_sampled)
-                mx.async_eval(logits)
-                return logits
+                if logits is not None:
+                    mx.async_eval(logits)
+                    return logits
             except Exception as exc:  # noqa: BLE001 - an optimisation: the step is built instead
                 logger.warning("compiled decode steps off: %s", error_line(exc))
                 self.compiled_decode = None
