@@ -9,6 +9,13 @@ last full block of the prompt (so that the next turn of a conversation finds its
 whose chunk reaches one saves the state there, its last one if it crosses several (the runner splits
 that prefill segment's call at the position, so chunks need not end there: no step is added).
 
+Speculative decoding (MambaSpec.num_speculative_blocks = 1): a running request holds a second block,
+its spare slot. A step that verifies drafts reads the state from the slot and writes it to the spare
+(a ping-pong: the state before the step stays intact, so nothing is copied). If every draft is
+accepted the two swap; otherwise the slot still holds the state at the step's start, and the
+scheduler recomputes the step's tokens that were accepted from there (rollback_drafts). Checkpoints
+a verifying step saves lie at or before its last known token, never in its drafts.
+
 The blocks a step reads or writes besides the slot (the checkpoint it resumes from, the one it saves)
 stay held by the request until its next allocation or its end. So no other request of the same step
 can take them, and a saved checkpoint joins the prefix cache only after the step that writes it was
@@ -50,12 +57,16 @@ class StateManager(SingleTypeKVCacheManager):
     def __init__(self, spec: MambaSpec, num_blocks: int, block_size: int, enable_caching: bool):
         super().__init__(spec, num_blocks, block_size, enable_caching)
         self.checkpoint_interval = spec.checkpoint_interval if enable_caching else 0
-        self.num_running_slots = num_blocks - spec.max_checkpoints
+        self.num_running_slots = num_blocks - spec.max_checkpoints  # spare slots included
+        self.blocks_per_request = 1 + spec.num_speculative_blocks
+        self.verifying: set[str] = set()  # requests whose scheduled step writes its state to their spare slot
         self.step_blocks: dict[str, list[StepBlock]] = {}
         # Checkpoints each live request saved: uncached again if the step that wrote one failed.
         self.saved: dict[str, list[StepBlock]] = {}
         self.num_checkpoints_saved = 0
         self.num_checkpoint_hits = 0
+        self.num_rollbacks = 0  # verifying steps with a rejected draft, whose accepted tokens are computed again
+        self.num_recomputed_tokens = 0
 
     # ---- where checkpoints go ----------------------------------------------------------------
 
@@ -99,11 +110,12 @@ class StateManager(SingleTypeKVCacheManager):
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
                                    new_computed_blocks: Sequence[Optional[KVCacheBlock]]) -> int:
         revived = bool(new_computed_blocks) and new_computed_blocks[-1].ref_cnt == 0
-        return int(request_id not in self.req_to_blocks) + int(revived)
+        return self.blocks_per_request * int(request_id not in self.req_to_blocks) + int(revived)
 
     def allocate(self, request_id: str, num_tokens: int,
                  new_computed_blocks: Sequence[Optional[KVCacheBlock]]) -> list[KVCacheBlock]:
-        """A slot for a request that has none; hold the checkpoint it resumes from for its first step."""
+        """A slot (and a spare, with speculation) for a request that has none; hold the checkpoint it
+        resumes from for its first step."""
         if new_computed_blocks:
             checkpoint = new_computed_blocks[-1]
             self.block_pool.touch([checkpoint])  # before taking new blocks: it may be the next to evict
@@ -112,9 +124,9 @@ class StateManager(SingleTypeKVCacheManager):
             self.num_checkpoint_hits += 1
         if request_id in self.req_to_blocks:
             return []
-        new = self.block_pool.get_new_blocks(1)
+        new = self.block_pool.get_new_blocks(self.blocks_per_request)
         self.req_to_blocks[request_id] = list(new)
-        self.req_to_block_ids[request_id] = [new[0].block_id]
+        self.req_to_block_ids[request_id] = [b.block_id for b in new]
         return new
 
     def cache_blocks(self, request_id: str, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
@@ -128,7 +140,7 @@ class StateManager(SingleTypeKVCacheManager):
         num_tokens = self.checkpoint_in(request, start, end)
         if num_tokens is None:
             return
-        slots_to_come = max(self.num_running_slots - len(self.req_to_blocks), 0)
+        slots_to_come = max(self.num_running_slots - self.blocks_per_request * len(self.req_to_blocks), 0)
         if self.block_pool.get_num_free_blocks() < slots_to_come + 2:  # one for this, one for a revived hit
             return
         block = self.block_pool.get_new_blocks(1)[0]
@@ -137,17 +149,40 @@ class StateManager(SingleTypeKVCacheManager):
 
     def state_slots(self, request: Request) -> tuple[int, int, int, int]:
         """This step's (slot the state is read from, -1: none, it starts at position 0; slot it is
-        written to; checkpoint slot it is also saved to, or -1; how many of the step's tokens that
-        checkpoint covers). Read before num_computed_tokens advances."""
+        written to: the spare if the step verifies drafts; checkpoint slot it is also saved to, or -1;
+        how many of the step's tokens that checkpoint covers). Read before num_computed_tokens advances."""
         rid = request.request_id
-        slot = self.req_to_block_ids[rid][0]
+        ids = self.req_to_block_ids[rid]
+        slot, write = ids[0], ids[-1] if rid in self.verifying else ids[0]
         read, save, save_len = (slot if request.num_computed_tokens > 0 else -1), -1, 0
         for sb in self.step_blocks.get(rid, ()):
             if not sb.saves:
                 read = sb.block.block_id
             elif sb.hashes is not None:
                 save, save_len = sb.block.block_id, sb.num_tokens - request.num_computed_tokens
-        return read, slot, save, save_len
+        return read, write, save, save_len
+
+    # ---- speculative decoding ------------------------------------------------------------------
+
+    def schedule_drafts(self, request_id: str, num_draft_tokens: int) -> None:
+        """The request's step just scheduled verifies num_draft_tokens drafts (0: none): its state
+        goes to the spare slot, so that the state before the step survives a rejection."""
+        if num_draft_tokens and self.blocks_per_request > 1:
+            self.verifying.add(request_id)
+        else:
+            self.verifying.discard(request_id)
+
+    def finish_drafts(self, request_id: str, all_accepted: bool) -> bool:
+        """After a verifying step: if every draft was accepted, the spare slot (the state after all of
+        the step's tokens) becomes the request's slot. Returns whether the state must be recomputed
+        from the step's start (some draft was rejected: its slot holds the state there)."""
+        if request_id not in self.verifying:
+            return False
+        self.verifying.discard(request_id)
+        if all_accepted:
+            self.req_to_blocks[request_id].reverse()
+            self.req_to_block_ids[request_id].reverse()
+        return not all_accepted
 
     def uncache_from(self, request_id: str, num_valid_tokens: int) -> None:
         """Checkpoints past num_valid_tokens were never written (the step failed or was taken back)."""
@@ -159,6 +194,7 @@ class StateManager(SingleTypeKVCacheManager):
                 self.block_pool.uncache_block(sb.block)
 
     def free(self, request_id: str) -> None:
+        self.verifying.discard(request_id)
         self._release(request_id)
         self.saved.pop(request_id, None)
         super().free(request_id)

@@ -38,7 +38,8 @@ from pagedmlx.scheduler_output import SchedulerOutput
 
 
 def state_group(plan: list[LayerPlan], config: EngineConfig) -> Optional[KVCacheGroupSpec]:
-    """The recurrent-state KV cache group: a slot per running request (max_num_seqs) and the
+    """The recurrent-state KV cache group: a slot per running request (max_num_seqs; two with
+    speculative decoding: the second takes a verifying step's state, see MambaSpec) and the
     checkpoints (none without prefix caching); page_size_bytes: one slot of every state layer."""
     layers = tuple(i for i, p in enumerate(plan) if p.state is not None)
     if not layers:
@@ -47,8 +48,9 @@ def state_group(plan: list[LayerPlan], config: EngineConfig) -> Optional[KVCache
     interval = interval if config.enable_prefix_caching else 0
     checkpoints = 0 if not interval else (config.max_num_seqs if config.max_state_checkpoints is None
                                           else config.max_state_checkpoints)
-    return KVCacheGroupSpec(MambaSpec(interval, checkpoints), config.max_num_seqs + checkpoints, layers,
-                            sum(plan[i].state.nbytes for i in layers))
+    spare = int(config.speculative_config is not None)
+    return KVCacheGroupSpec(MambaSpec(interval, checkpoints, spare), config.max_num_seqs * (1 + spare) + checkpoints,
+                            layers, sum(plan[i].state.nbytes for i in layers))
 
 
 def pages_budget(config: EngineConfig, state: Optional[KVCacheGroupSpec]) -> int:
@@ -58,9 +60,10 @@ def pages_budget(config: EngineConfig, state: Optional[KVCacheGroupSpec]) -> int
         return budget
     state_bytes = state.num_blocks * state.page_size_bytes
     if state_bytes >= budget:
+        running = state.num_blocks - state.kv_cache_spec.max_checkpoints
         raise ValueError(
-            f"{state.num_blocks} recurrent-state slots ({config.max_num_seqs} running + "
-            f"{state.num_blocks - config.max_num_seqs} checkpoints) of {state.page_size_bytes / 2**20:.1f} MiB take "
+            f"{state.num_blocks} recurrent-state slots ({running} running + "
+            f"{state.kv_cache_spec.max_checkpoints} checkpoints) of {state.page_size_bytes / 2**20:.1f} MiB take "
             f"{state_bytes / 1e9:.2f} GB, more than kv_cache_memory_gb={config.kv_cache_memory_gb}: raise it, or "
             f"lower max_num_seqs or max_state_checkpoints")
     return budget - state_bytes
