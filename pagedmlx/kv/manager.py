@@ -167,9 +167,9 @@ class KVCacheManager:
         self._cache_full_blocks(request, min(total_tokens, request.num_tokens))
         if self.state_manager is not None:
             self.state_manager.schedule_drafts(rid, num_draft_tokens)
-            if self.enable_caching:  # never a checkpoint of a draft's state
+            if self.enable_caching:
                 start = request.num_computed_tokens + num_new_computed_tokens
-                self.state_manager.save_checkpoint(request, start, total_tokens - num_draft_tokens)
+                self.state_manager.save_checkpoint(request, start, total_tokens)
         return new
 
     def rollback_drafts(self, request: Request, num_draft_tokens: int, num_accepted_tokens: int,
@@ -181,7 +181,8 @@ class KVCacheManager:
         accepted tokens again; all accepted, the state the step wrote becomes the request's."""
         computed = request.num_computed_tokens - (num_draft_tokens - num_accepted_tokens)
         state = self.state_manager
-        if state is None or not state.finish_drafts(request.request_id, num_accepted_tokens == num_draft_tokens):
+        if state is None or not state.finish_drafts(request.request_id, num_accepted_tokens == num_draft_tokens,
+                                                    computed):
             return computed
         state.num_rollbacks += 1
         state.num_recomputed_tokens += computed - step_start

@@ -13,8 +13,9 @@ Speculative decoding (MambaSpec.num_speculative_blocks = 1): a running request h
 its spare slot. A step that verifies drafts reads the state from the slot and writes it to the spare
 (a ping-pong: the state before the step stays intact, so nothing is copied). If every draft is
 accepted the two swap; otherwise the slot still holds the state at the step's start, and the
-scheduler recomputes the step's tokens that were accepted from there (rollback_drafts). Checkpoints
-a verifying step saves lie at or before its last known token, never in its drafts.
+scheduler recomputes the step's tokens that were accepted from there (rollback_drafts). A checkpoint
+position inside a step's drafts is saved as any other, but cached only if the drafts up to it are
+accepted (its key is the hash of the tokens, known once they are; a rejection uncaches it).
 
 The blocks a step reads or writes besides the slot (the checkpoint it resumes from, the one it saves)
 stay held by the request until its next allocation or its end. So no other request of the same step
@@ -172,16 +173,19 @@ class StateManager(SingleTypeKVCacheManager):
         else:
             self.verifying.discard(request_id)
 
-    def finish_drafts(self, request_id: str, all_accepted: bool) -> bool:
+    def finish_drafts(self, request_id: str, all_accepted: bool, num_valid_tokens: int) -> bool:
         """After a verifying step: if every draft was accepted, the spare slot (the state after all of
-        the step's tokens) becomes the request's slot. Returns whether the state must be recomputed
-        from the step's start (some draft was rejected: its slot holds the state there)."""
+        the step's tokens) becomes the request's slot. Otherwise a checkpoint the step saved past its
+        num_valid_tokens (in a rejected draft) is never cached. Returns whether the state must be
+        recomputed from the step's start (some draft was rejected: its slot holds the state there)."""
         if request_id not in self.verifying:
             return False
         self.verifying.discard(request_id)
         if all_accepted:
             self.req_to_blocks[request_id].reverse()
             self.req_to_block_ids[request_id].reverse()
+        else:
+            self.uncache_from(request_id, num_valid_tokens)
         return not all_accepted
 
     def uncache_from(self, request_id: str, num_valid_tokens: int) -> None:

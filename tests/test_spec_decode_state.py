@@ -1,0 +1,300 @@
+"""Speculative decoding on targets with recurrent-state layers (issue 28): a step that verifies drafts
+writes each state to the request's spare slot; all accepted, the slots swap; a rejection keeps the
+state from before the step and the next step computes the accepted tokens again (kv/state_manager.py).
+Greedy output equals mlx-lm's solo generation, and the engine's without speculation, token for token:
+busy engines of every recurrent arch, drafts always wrong, always right and partly right, the n-gram
+proposer, a draft model, preemption, checkpoint hits over several turns, steps that overlap (async
+scheduling) between speculating ones, seeded sampling. Tiny random float32 models, pages of 4 tokens.
+
+Random-weight models seldom repeat themselves, so drafts that are partly accepted come from an oracle
+(mlx-lm's answer, partly spoiled: test_spec_decode.Oracle), from the n-gram proposer on a model whose
+output head favours 8 tokens (its output repeats), or from a draft made of the target's own attention
+layers on a target whose recurrent layers are quiet (their output scaled down; they still decide
+tokens: without rollback that test fails)."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import mlx.core as mx
+import pytest
+from test_spec_decode import Oracle, spec
+from test_state_layers import BS, INTERVAL, STATE_ARCHS, expected_hit, has_pages, state_engine
+from utils import assert_no_leaks, make_model, run_staggered, run_to_completion, shared_prefix_prompts, solo_greedy
+
+from pagedmlx.core.info import kv_pool_line
+from pagedmlx.engine import LLMEngine
+from pagedmlx.kv.state_manager import StateManager
+from pagedmlx.models.random_model import random_model
+from pagedmlx.runner.model import UnsupportedModelError
+from pagedmlx.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+VOCAB = 512  # every recurrent tiny arch's
+
+
+def spec_engine(model, propose=None, k: int = 4, **config) -> LLMEngine:
+    """test_state_layers' engine (chunked prefill with decodes, a pool small enough to preempt, a
+    checkpoint every 8 tokens) with speculation at any batch size; propose: the n-gram proposer's stand-in."""
+    config.setdefault("speculative_config", spec(k, disable_by_batch_size=64, min_acceptance_rate=0.0))
+    engine = state_engine(model, **config)
+    if propose is not None:
+        engine.drafter.proposer.propose = propose
+    return engine
+
+
+def plain_engine_tokens(model, prompts, params, **config) -> dict[str, list[int]]:
+    """The same staggered run without speculation."""
+    return run_staggered(state_engine(model, **config), prompts, params, seed=2)
+
+
+def rolled_back(engine) -> int:
+    return engine.kv_cache_manager.state_manager.num_rollbacks
+
+
+@functools.lru_cache(maxsize=None)
+def few_token_model(n: int = 8):
+    """qwen3_5-tiny whose output head favours tokens 0..n-1 (their rows scaled up, the rest down): its
+    greedy output repeats itself, so the n-gram proposer's drafts are sometimes right."""
+    model = random_model("qwen3_5-tiny", 0)
+    head = model.language_model.lm_head
+    head.weight = head.weight * mx.where(mx.arange(head.weight.shape[0])[:, None] < n, 3.0, 0.01)
+    mx.eval(model.parameters())
+    return model
+
+
+@functools.lru_cache(maxsize=None)
+def quiet_target(scale: float = 0.003):
+    """qwen3_5-tiny whose Gated DeltaNet layers (their attention output and MLP) are scaled down: close
+    enough to its attention layers alone for a draft of those to be right at times."""
+    model = random_model("qwen3_5-tiny", 0)
+    for layer in model.language_model.model.layers:
+        if layer.is_linear:
+            layer.linear_attn.out_proj.weight = layer.linear_attn.out_proj.weight * scale
+            layer.mlp.down_proj.weight = layer.mlp.down_proj.weight * scale
+    mx.eval(model.parameters())
+    return model
+
+
+def attention_only_draft():
+    """qwen3_5-tiny's full-attention layers only (the same weights): a plain-attention model."""
+    model = random_model("qwen3_5-tiny", 0)
+    text = model.language_model.model
+    text.layers = [layer for layer in text.layers if not layer.is_linear]
+    text.ssm_idx, text.fa_idx = None, 0
+    return model
+
+
+def draft_spec(draft, k: int = 3) -> dict:
+    return {"method": "draft_model", "model": draft, "num_speculative_tokens": k, "disable_by_batch_size": 64,
+            "min_acceptance_rate": 0.0}
+
+
+@pytest.mark.parametrize("arch", STATE_ARCHS)
+def test_busy_engine_with_drafts_equals_solo(arch):
+    """Staggered arrivals, shared prefixes (checkpoint hits), chunked prefill beside verifying steps,
+    preemption; drafts partly right: every verifying step either swaps slots or rolls back."""
+    model = make_model(arch)
+    prompts = shared_prefix_prompts(16, seed=5)
+    refs = {tuple(p): solo_greedy(model, p, GREEDY.max_tokens) for p in prompts}
+    engine = spec_engine(model, Oracle(refs, VOCAB))
+    done = run_staggered(engine, prompts, GREEDY, seed=2)
+    for i, p in enumerate(prompts):
+        assert done[str(i)] == refs[tuple(p)], f"request {i} ({len(p)} tokens)"
+    stats = engine.scheduler.spec_decoding_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    assert 0 < rolled_back(engine) < stats.num_drafts
+    if has_pages(engine):  # mamba2 holds slots only: nothing to preempt, no pages to hit
+        assert engine.scheduler.num_preemptions > 0 and engine.kv_cache_manager.stats.hits > 0
+    assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("right", [False, True])
+def test_drafts_always_wrong_or_always_right_equal_no_speculation(right):
+    """Four drafts a step, all wrong (every step rolls back) or all right (none does; slots swap), for
+    several requests at once: each one's tokens equal mlx-lm's and the engine's without speculation."""
+    model = make_model("qwen3_5-tiny")
+    prompts = shared_prefix_prompts(6, seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    refs = {tuple(p): solo_greedy(model, p, 20) for p in prompts}
+
+    def propose(req, room):
+        draft = refs[tuple(req.prompt_token_ids)][req.num_output_tokens:][:min(4, room)]
+        return draft if right else [(t + 1) % VOCAB for t in draft]
+
+    engine = spec_engine(model, propose, num_blocks=200)
+    done = run_staggered(engine, prompts, params, seed=2)
+    plain = plain_engine_tokens(model, prompts, params, num_blocks=200)
+    for i, p in enumerate(prompts):
+        assert done[str(i)] == refs[tuple(p)] == plain[str(i)], i
+    stats = engine.scheduler.spec_decoding_stats
+    assert stats.num_drafts > len(prompts)
+    if right:
+        assert stats.num_accepted_tokens == stats.num_draft_tokens and rolled_back(engine) == 0
+        assert engine.stats.num_steps < sum(map(len, refs.values())) / 2
+    else:
+        assert stats.num_accepted_tokens == 0 and rolled_back(engine) == stats.num_drafts
+    assert_no_leaks(engine)
+
+
+def test_ngram_drafts_are_partly_accepted_and_exact():
+    """Prompts that repeat themselves and a model whose output repeats: the n-gram proposer's drafts are
+    accepted at some positions and rejected at others; output equals mlx-lm's and no speculation's."""
+    model = few_token_model()
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, 500) for _ in range(rng.randint(3, 9))] * rng.randint(2, 4) for _ in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    engine = spec_engine(model, num_blocks=200, speculative_config=spec(prompt_lookup_min=1, disable_by_batch_size=64,
+                                                                        min_acceptance_rate=0.0))
+    done = run_staggered(engine, prompts, params, seed=1)
+    plain = plain_engine_tokens(model, prompts, params, num_blocks=200)
+    for i, p in enumerate(prompts):
+        assert done[str(i)] == solo_greedy(model, p, 40) == plain[str(i)], i
+    stats = engine.scheduler.spec_decoding_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    assert stats.num_accepted_tokens_per_pos[1] > 0  # some steps accepted two drafts and rolled back the third
+    assert rolled_back(engine) > 0
+    assert_no_leaks(engine)
+
+
+def test_a_draft_model_on_a_hybrid_target_equals_solo():
+    """A plain-attention draft (its pages in the target's full-attention group) on a Gated DeltaNet
+    target: some drafts accepted, some rejected; preemption and checkpoint hits; exact."""
+    target = quiet_target()
+    prompts = shared_prefix_prompts(12, seed=5)
+    refs = {tuple(p): solo_greedy(target, p, GREEDY.max_tokens) for p in prompts}
+    engine = spec_engine(target, speculative_config=draft_spec(attention_only_draft()))
+    assert engine.draft_proposer.manager is engine.kv_cache_manager.managers[0]
+    done = run_staggered(engine, prompts, GREEDY, seed=2)
+    for i, p in enumerate(prompts):
+        assert done[str(i)] == refs[tuple(p)], f"request {i} ({len(p)} tokens)"
+    stats = engine.scheduler.spec_decoding_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    assert rolled_back(engine) > 0
+    assert engine.scheduler.num_preemptions > 0 and engine.kv_cache_manager.stats.hits > 0
+    assert_no_leaks(engine)
+
+
+def test_drafts_that_need_state_of_their_own_are_refused():
+    """A draft with recurrent layers, or a draft model on a target without full-attention layers (a
+    state-only model: no pages for the draft's), is refused naming the reason."""
+    with pytest.raises(UnsupportedModelError, match="full-attention layers only"):
+        spec_engine(make_model("llama"), speculative_config=draft_spec(random_model("qwen3_5-tiny", 1)))
+    with pytest.raises(UnsupportedModelError, match="needs a target with full-attention layers"):
+        spec_engine(make_model("mamba2-tiny"), speculative_config=draft_spec(random_model("llama-tiny", 0)))
+
+
+@pytest.mark.parametrize("overlap", [None, True])
+def test_multi_turn_with_drafts_resumes_from_checkpoints(overlap):
+    """Three conversations, three turns: each turn resumes from the checkpoint the previous turns left,
+    and equals mlx-lm, while drafts are partly rejected (a checkpoint of a draft's state would give the
+    next turn other tokens). overlap: async scheduling, whose steps do not overlap while requests speculate."""
+    model = make_model("qwen3_5-tiny")
+    rng = random.Random(4)
+    history = {c: [rng.randrange(1, 500) for _ in range(rng.randint(5, 30))] for c in range(3)}
+    refs: dict = {}
+    oracle = Oracle(refs, VOCAB, wrong=0.4)
+    engine = spec_engine(model, oracle, num_blocks=400, async_scheduling=overlap)
+    saved = {c: set() for c in history}
+    for turn in range(3):
+        refs.update({tuple(p): solo_greedy(model, p, GREEDY.max_tokens) for p in history.values()})
+        for c, prompt in history.items():
+            engine.add_request(f"{c}.{turn}", prompt, GREEDY)
+        done = run_to_completion(engine)
+        for c, prompt in history.items():
+            out = done[f"{c}.{turn}"]
+            assert out.token_ids == refs[tuple(prompt)], f"conversation {c}, turn {turn}"
+            if turn:
+                assert out.num_cached_tokens == expected_hit(saved[c], len(prompt) - 1) > 0
+            computed = len(prompt) + len(out.token_ids) - 1
+            last_full = (len(prompt) - 1) // BS * BS
+            saved[c] |= set(range(INTERVAL, computed + 1, INTERVAL)) | ({last_full} - {0})
+            history[c] = prompt + out.token_ids + [rng.randrange(1, 500) for _ in range(rng.randint(1, 12))]
+    assert rolled_back(engine) > 0 and engine.kv_cache_manager.state_manager.num_checkpoint_hits > 0
+    assert_no_leaks(engine)
+
+
+def test_preempted_speculating_request_resumes_from_its_checkpoint():
+    """test_state_layers' preemption case with drafts: the newest request is preempted (its spare slot
+    freed with its slot) and resumes from the last checkpoint its cached pages cover."""
+    model = make_model("qwen3_5-tiny")
+    rng = random.Random(8)
+    prompts = {"old": [rng.randrange(1, 500) for _ in range(30)], "new": [rng.randrange(1, 500) for _ in range(40)]}
+    lengths = {"old": 40, "new": 16}
+    refs = {tuple(p): solo_greedy(model, p, lengths[rid]) for rid, p in prompts.items()}
+    engine = spec_engine(model, Oracle(refs, VOCAB), num_blocks=24, long_prefill_token_threshold=INTERVAL)
+    engine.add_request("old", prompts["old"], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    engine.step()
+    engine.add_request("new", prompts["new"], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    done = run_to_completion(engine)
+    assert engine.scheduler.num_preemptions > 0 and engine.kv_cache_manager.stats.preempted_hits > 0
+    for rid, p in prompts.items():
+        assert done[rid].token_ids == refs[tuple(p)], rid
+    assert engine.scheduler.spec_decoding_stats.num_drafts > 0 and rolled_back(engine) > 0
+    assert_no_leaks(engine)
+
+
+def test_overlapped_and_speculating_steps_alternate_exactly():
+    """disable_by_batch_size 3, async scheduling: while more run, steps overlap (a state written by
+    step N is read by step N+1 before N is read back); as requests finish the rest speculate."""
+    model = make_model("qwen3_5-tiny")
+    prompts = shared_prefix_prompts(8, seed=4)
+    lengths = [4 + 3 * i for i in range(len(prompts))]
+    refs = {tuple(p): solo_greedy(model, p, n) for p, n in zip(prompts, lengths)}
+    engine = spec_engine(model, Oracle(refs, VOCAB, wrong=0.3), num_blocks=200, async_scheduling=True,
+                         speculative_config=spec(4, disable_by_batch_size=3, min_acceptance_rate=0.0))
+    for i, (p, n) in enumerate(zip(prompts, lengths)):
+        engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    done = run_to_completion(engine)
+    assert [done[str(i)].token_ids for i in range(len(prompts))] == [refs[tuple(p)] for p in prompts]
+    assert engine.stats.num_overlapped > 0 and rolled_back(engine) > 0
+    assert_no_leaks(engine)
+
+
+def test_seeded_samples_with_drafts_equal_those_without():
+    """Temperature 0.8, top_k 2, seeded: drafts from the greedy answers, partly accepted; each seed's
+    tokens equal its tokens without speculation."""
+    model = make_model("qwen3_5-tiny")
+    prompts = shared_prefix_prompts(6, seed=9)
+    refs = {tuple(p): solo_greedy(model, p, 12) for p in prompts}
+    outs = []
+    for speculate in (False, True):
+        engine = (spec_engine(model, Oracle(refs, VOCAB, wrong=0.0), num_blocks=200) if speculate
+                  else state_engine(model, num_blocks=200))
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(temperature=0.8, top_k=2, seed=i, max_tokens=12,
+                                                                   ignore_eos=True))
+        outs.append({rid: o.token_ids for rid, o in run_to_completion(engine).items()})
+    assert outs[0] == outs[1]
+    stats = engine.scheduler.spec_decoding_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens and rolled_back(engine) > 0
+
+
+def test_the_state_pool_holds_a_spare_slot_per_running_request():
+    """Pool size and admission count the spare slots; a verifying step writes its request's spare slot,
+    the slots swap when every draft is accepted, and stay when one is rejected (the step rolls back)."""
+    engine = spec_engine(make_model("qwen3_5-tiny"), num_blocks=60)
+    state: StateManager = engine.kv_cache_manager.state_manager
+    assert state.block_pool.num_blocks == 2 * 12 + 12 and state.blocks_per_request == 2
+    assert "(12 running + 12 spare + 12 checkpoints)" in kv_pool_line(engine.core)
+    assert engine.kv_cache_manager.num_blocks_needed(30, 64)[-1][0] == 2
+    prompt = list(range(10, 20))
+    engine.add_request("a", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    engine.step()  # the prompt
+    req = engine.scheduler.requests["a"]
+    slot, spare = state.req_to_block_ids["a"]
+    ref = solo_greedy(make_model("qwen3_5-tiny"), prompt, 8)
+    kv = engine.kv_cache_manager
+    for right, expect in ((True, (spare, slot)), (False, (spare, slot))):
+        n = req.num_output_tokens
+        draft = ref[n:n + 2] if right else [(ref[n] + 1) % VOCAB, ref[n + 1]]
+        engine.scheduler.update_draft_token_ids({"a": draft})
+        so = engine.scheduler.schedule()
+        read, write, _, _ = so.state_slots[0].tolist()
+        assert (read, write) == (state.req_to_block_ids["a"][0], state.req_to_block_ids["a"][1])
+        start = req.num_computed_tokens - 3
+        engine.scheduler.update_from_output(so, [ref[n:n + 3] if right else [ref[n]]])
+        assert tuple(state.req_to_block_ids["a"]) == expect
+        assert req.num_computed_tokens == (start + 3 if right else start)
+        assert kv.state_manager.verifying == set()
