@@ -28,6 +28,7 @@ from pagedmlx.engine import LLMEngine
 from pagedmlx.kv.state_manager import StateManager
 from pagedmlx.models.random_model import random_model
 from pagedmlx.runner.model import UnsupportedModelError
+from pagedmlx.runner.state import StateMetadata
 from pagedmlx.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
@@ -92,19 +93,29 @@ def draft_spec(draft, k: int = 3) -> dict:
 
 
 @pytest.mark.parametrize("arch", STATE_ARCHS)
-def test_busy_engine_with_drafts_equals_solo(arch):
+def test_busy_engine_with_drafts_equals_solo(arch, monkeypatch):
     """Staggered arrivals, shared prefixes (checkpoint hits), chunked prefill beside verifying steps,
-    preemption; drafts partly right: every verifying step either swaps slots or rolls back."""
+    preemption; drafts partly right: every verifying step either swaps slots or rolls back. Chunks of
+    one length (verifying steps) run in the state layers as one batch (runner/state.py's StateBatch)."""
     model = make_model(arch)
     prompts = shared_prefix_prompts(16, seed=5)
     refs = {tuple(p): solo_greedy(model, p, GREEDY.max_tokens) for p in prompts}
     engine = spec_engine(model, Oracle(refs, VOCAB))
+    batched = []
+    build = StateMetadata.build.__func__
+
+    def count(cls, so):
+        md = build(cls, so)
+        batched.append(len(md.batches))
+        return md
+
+    monkeypatch.setattr(StateMetadata, "build", classmethod(count))
     done = run_staggered(engine, prompts, GREEDY, seed=2)
     for i, p in enumerate(prompts):
         assert done[str(i)] == refs[tuple(p)], f"request {i} ({len(p)} tokens)"
     stats = engine.scheduler.spec_decoding_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
-    assert 0 < rolled_back(engine) < stats.num_drafts
+    assert 0 < rolled_back(engine) < stats.num_drafts and any(batched)
     if has_pages(engine):  # mamba2 holds slots only: nothing to preempt, no pages to hit
         assert engine.scheduler.num_preemptions > 0 and engine.kv_cache_manager.stats.hits > 0
     assert_no_leaks(engine)
