@@ -13,6 +13,7 @@ batch: the ratio is the step's cost of k extra query tokens, which the adaptive 
     python scripts/bench/bench_spec.py --batch 1 4 --rounds 5          # the default model (SmolLM2)
     python scripts/bench/bench_spec.py --workload chat --batch 1 4          # answers that quote nothing
     python scripts/bench/bench_spec.py --rejected --batch 1 4 16 64
+    python scripts/bench/bench_spec.py preset:qwen3.5-small --dtype float32 --rejected   # recurrent state's rollback
 """
 
 from __future__ import annotations
@@ -101,9 +102,10 @@ def main() -> None:
     ap.add_argument("--rejected", action="store_true", help="measure the cost of k rejected drafts a step instead")
     ap.add_argument("--mlx-lm", action="store_true", help="also mlx-lm's generate_step at batch 1")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
+    ap.add_argument("--dtype", default=None, help="the model's dtype (a preset: model is bfloat16 by default)")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    model, tok = load_model(args.model)
+    model, tok = load_model(args.model, dtype=args.dtype)
     print(f"loaded {args.model or 'the default model'} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     spec = json.loads(args.spec)
     spec.setdefault("disable_by_batch_size", max(args.batch))
