@@ -282,30 +282,52 @@ def test_seeded_samples_with_drafts_equal_those_without():
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens and rolled_back(engine) > 0
 
 
-def test_the_state_pool_holds_a_spare_slot_per_running_request():
-    """Pool size and admission count the spare slots; a verifying step writes its request's spare slot,
-    the slots swap when every draft is accepted, and stay when one is rejected (the step rolls back)."""
-    engine = spec_engine(make_model("qwen3_5-tiny"), num_blocks=60)
+def test_a_verifying_step_writes_a_spare_slot_that_replaces_the_slot_if_all_drafts_are_accepted():
+    """The pool keeps a spare for each request that may speculate at once; a verifying step takes one
+    and writes its request's state there; all drafts accepted, the spare becomes the slot, else the
+    slot stays (the step rolls back to its start); either way the other block goes back."""
+    model = make_model("qwen3_5-tiny")
+    engine = spec_engine(model, num_blocks=60, speculative_config=spec(disable_by_batch_size=5))
     state: StateManager = engine.kv_cache_manager.state_manager
-    assert state.block_pool.num_blocks == 2 * 12 + 12 and state.blocks_per_request == 2
-    assert "(12 running + 12 spare + 12 checkpoints)" in kv_pool_line(engine.core)
-    assert engine.kv_cache_manager.num_blocks_needed(30, 64)[-1][0] == 2
+    assert state.block_pool.num_blocks == 12 + 5 + 12 and state.max_spares == 5
+    assert "(12 running + 5 spare + 12 checkpoints)" in kv_pool_line(engine.core)
     prompt = list(range(10, 20))
     engine.add_request("a", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     engine.step()  # the prompt
-    req = engine.scheduler.requests["a"]
-    slot, spare = state.req_to_block_ids["a"]
-    ref = solo_greedy(make_model("qwen3_5-tiny"), prompt, 8)
-    kv = engine.kv_cache_manager
-    for right, expect in ((True, (spare, slot)), (False, (spare, slot))):
-        n = req.num_output_tokens
-        draft = ref[n:n + 2] if right else [(ref[n] + 1) % VOCAB, ref[n + 1]]
-        engine.scheduler.update_draft_token_ids({"a": draft})
+    req, ref = engine.scheduler.requests["a"], solo_greedy(model, prompt, 8)
+    for right in (True, False):
+        n, (slot,) = req.num_output_tokens, state.req_to_block_ids["a"]
+        engine.scheduler.update_draft_token_ids({"a": ref[n:n + 2] if right else [(ref[n] + 1) % VOCAB, ref[n + 1]]})
         so = engine.scheduler.schedule()
-        read, write, _, _ = so.state_slots[0].tolist()
-        assert (read, write) == (state.req_to_block_ids["a"][0], state.req_to_block_ids["a"][1])
+        spare = state.spares["a"].block_id
+        assert so.state_slots[0, :2].tolist() == [slot, spare]
         start = req.num_computed_tokens - 3
         engine.scheduler.update_from_output(so, [ref[n:n + 3] if right else [ref[n]]])
-        assert tuple(state.req_to_block_ids["a"]) == expect
+        assert state.req_to_block_ids["a"] == [spare if right else slot] and not state.spares
         assert req.num_computed_tokens == (start + 3 if right else start)
-        assert kv.state_manager.verifying == set()
+        assert state.block_pool.blocks[slot if right else spare].ref_cnt == 0
+
+
+def test_drafts_wait_for_a_spare_slot():
+    """Spares for one request only (fewer than speculate here): the others' drafts are dropped in a step
+    whose spare is taken; output stays exact."""
+    model = make_model("qwen3_5-tiny")
+    prompts = shared_prefix_prompts(4, seed=6)
+    refs = {tuple(p): solo_greedy(model, p, GREEDY.max_tokens) for p in prompts}
+    engine = spec_engine(model, Oracle(refs, VOCAB, wrong=0.2), num_blocks=200)
+    state = engine.kv_cache_manager.state_manager
+    state.max_spares = 1
+    verifying = []
+    forward = engine.runner.forward
+
+    def watch(so, prev=None):
+        verifying.append(sum(1 for k in so.num_draft_tokens if k))
+        return forward(so, prev)
+
+    engine.runner.forward = watch
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, GREEDY)
+    done = run_to_completion(engine)
+    assert [done[str(i)].token_ids for i in range(len(prompts))] == [refs[tuple(p)] for p in prompts]
+    assert max(verifying) == 1 and engine.scheduler.spec_decoding_stats.num_drafts > len(prompts)
+    assert_no_leaks(engine)

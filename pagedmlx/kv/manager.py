@@ -156,6 +156,11 @@ class KVCacheManager:
         for manager in self.managers:
             manager.remove_skipped_blocks(rid, request.num_computed_tokens)
         needs = [m.get_num_blocks_to_allocate(rid, total_tokens, h) for m, h in zip(self.managers, hits)]
+        if self.state_manager is not None:  # a step that verifies drafts takes a spare state slot
+            spare = self.state_manager.num_spares_needed(rid, num_draft_tokens)
+            if spare is None:
+                return None
+            needs[-1] += spare
         if any(n > m.block_pool.get_num_free_blocks() for m, n in zip(self.managers, needs)):
             return None
         if not any(needs) and not any(hits) and rid in self.managers[0].req_to_blocks:

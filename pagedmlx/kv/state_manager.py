@@ -9,11 +9,13 @@ last full block of the prompt (so that the next turn of a conversation finds its
 whose chunk reaches one saves the state there, its last one if it crosses several (the runner splits
 that prefill segment's call at the position, so chunks need not end there: no step is added).
 
-Speculative decoding (MambaSpec.num_speculative_blocks = 1): a running request holds a second block,
-its spare slot. A step that verifies drafts reads the state from the slot and writes it to the spare
-(a ping-pong: the state before the step stays intact, so nothing is copied). If every draft is
-accepted the two swap; otherwise the slot still holds the state at the step's start, and the
-scheduler recomputes the step's tokens that were accepted from there (rollback_drafts). A checkpoint
+Speculative decoding (MambaSpec.num_speculative_blocks = 1): a request whose step verifies drafts
+takes a second block for that step, its spare slot, and the step reads the state from the slot and
+writes it to the spare (the state before the step stays intact, so nothing is copied). If every
+draft is accepted the spare becomes the request's slot; otherwise the slot still holds the state at
+the step's start, and the scheduler recomputes the step's tokens that were accepted from there
+(rollback_drafts). Either way the other block goes back to the pool. The pool keeps blocks for
+max_speculating spares; a step that finds none left verifies no drafts. A checkpoint
 position inside a step's drafts is saved as any other, but cached only if the drafts up to it are
 accepted (its key is the hash of the tokens, known once they are; a rejection uncaches it).
 
@@ -59,8 +61,8 @@ class StateManager(SingleTypeKVCacheManager):
         super().__init__(spec, num_blocks, block_size, enable_caching)
         self.checkpoint_interval = spec.checkpoint_interval if enable_caching else 0
         self.num_running_slots = num_blocks - spec.max_checkpoints  # spare slots included
-        self.blocks_per_request = 1 + spec.num_speculative_blocks
-        self.verifying: set[str] = set()  # requests whose scheduled step writes its state to their spare slot
+        self.max_spares = spec.max_speculating * spec.num_speculative_blocks
+        self.spares: dict[str, KVCacheBlock] = {}  # the spare slot of each request whose step verifies drafts
         self.step_blocks: dict[str, list[StepBlock]] = {}
         # Checkpoints each live request saved: uncached again if the step that wrote one failed.
         self.saved: dict[str, list[StepBlock]] = {}
@@ -111,12 +113,11 @@ class StateManager(SingleTypeKVCacheManager):
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
                                    new_computed_blocks: Sequence[Optional[KVCacheBlock]]) -> int:
         revived = bool(new_computed_blocks) and new_computed_blocks[-1].ref_cnt == 0
-        return self.blocks_per_request * int(request_id not in self.req_to_blocks) + int(revived)
+        return int(request_id not in self.req_to_blocks) + int(revived)
 
     def allocate(self, request_id: str, num_tokens: int,
                  new_computed_blocks: Sequence[Optional[KVCacheBlock]]) -> list[KVCacheBlock]:
-        """A slot (and a spare, with speculation) for a request that has none; hold the checkpoint it
-        resumes from for its first step."""
+        """A slot for a request that has none; hold the checkpoint it resumes from for its first step."""
         if new_computed_blocks:
             checkpoint = new_computed_blocks[-1]
             self.block_pool.touch([checkpoint])  # before taking new blocks: it may be the next to evict
@@ -125,9 +126,9 @@ class StateManager(SingleTypeKVCacheManager):
             self.num_checkpoint_hits += 1
         if request_id in self.req_to_blocks:
             return []
-        new = self.block_pool.get_new_blocks(self.blocks_per_request)
+        new = self.block_pool.get_new_blocks(1)
         self.req_to_blocks[request_id] = list(new)
-        self.req_to_block_ids[request_id] = [b.block_id for b in new]
+        self.req_to_block_ids[request_id] = [new[0].block_id]
         return new
 
     def cache_blocks(self, request_id: str, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
@@ -141,7 +142,7 @@ class StateManager(SingleTypeKVCacheManager):
         num_tokens = self.checkpoint_in(request, start, end)
         if num_tokens is None:
             return
-        slots_to_come = max(self.num_running_slots - self.blocks_per_request * len(self.req_to_blocks), 0)
+        slots_to_come = max(self.num_running_slots - len(self.req_to_blocks) - len(self.spares), 0)
         if self.block_pool.get_num_free_blocks() < slots_to_come + 2:  # one for this, one for a revived hit
             return
         block = self.block_pool.get_new_blocks(1)[0]
@@ -153,8 +154,9 @@ class StateManager(SingleTypeKVCacheManager):
         written to: the spare if the step verifies drafts; checkpoint slot it is also saved to, or -1;
         how many of the step's tokens that checkpoint covers). Read before num_computed_tokens advances."""
         rid = request.request_id
-        ids = self.req_to_block_ids[rid]
-        slot, write = ids[0], ids[-1] if rid in self.verifying else ids[0]
+        slot = self.req_to_block_ids[rid][0]
+        spare = self.spares.get(rid)
+        write = spare.block_id if spare is not None else slot
         read, save, save_len = (slot if request.num_computed_tokens > 0 else -1), -1, 0
         for sb in self.step_blocks.get(rid, ()):
             if not sb.saves:
@@ -165,28 +167,44 @@ class StateManager(SingleTypeKVCacheManager):
 
     # ---- speculative decoding ------------------------------------------------------------------
 
+    def num_spares_needed(self, request_id: str, num_draft_tokens: int) -> int:
+        """Blocks the request's step takes for a spare slot (1 if it verifies drafts and holds none);
+        None when it would verify drafts but every spare the pool keeps is taken."""
+        if not num_draft_tokens or request_id in self.spares:
+            return 0
+        return 1 if len(self.spares) < self.max_spares else None
+
     def schedule_drafts(self, request_id: str, num_draft_tokens: int) -> None:
-        """The request's step just scheduled verifies num_draft_tokens drafts (0: none): its state
-        goes to the spare slot, so that the state before the step survives a rejection."""
-        if num_draft_tokens and self.blocks_per_request > 1:
-            self.verifying.add(request_id)
-        else:
-            self.verifying.discard(request_id)
+        """The request's step just scheduled verifies num_draft_tokens drafts (0: none): it takes a spare
+        slot for its state, so that the state before the step survives a rejection (num_spares_needed
+        said there is one)."""
+        if num_draft_tokens and request_id not in self.spares:
+            self.spares[request_id] = self.block_pool.get_new_blocks(1)[0]
+        elif not num_draft_tokens:
+            self._free_spare(request_id)
 
     def finish_drafts(self, request_id: str, all_accepted: bool, num_valid_tokens: int) -> bool:
         """After a verifying step: if every draft was accepted, the spare slot (the state after all of
         the step's tokens) becomes the request's slot. Otherwise a checkpoint the step saved past its
-        num_valid_tokens (in a rejected draft) is never cached. Returns whether the state must be
-        recomputed from the step's start (some draft was rejected: its slot holds the state there)."""
-        if request_id not in self.verifying:
+        num_valid_tokens (in a rejected draft) is never cached. The other block goes back. Returns whether
+        the state must be recomputed from the step's start (a draft was rejected: its slot holds the
+        state there)."""
+        spare = self.spares.pop(request_id, None)
+        if spare is None:
             return False
-        self.verifying.discard(request_id)
         if all_accepted:
-            self.req_to_blocks[request_id].reverse()
-            self.req_to_block_ids[request_id].reverse()
+            blocks = self.req_to_blocks[request_id]
+            blocks[0], spare = spare, blocks[0]
+            self.req_to_block_ids[request_id][0] = blocks[0].block_id
         else:
             self.uncache_from(request_id, num_valid_tokens)
+        self.block_pool.free_blocks([spare])
         return not all_accepted
+
+    def _free_spare(self, request_id: str) -> None:
+        spare = self.spares.pop(request_id, None)
+        if spare is not None:
+            self.block_pool.free_blocks([spare])
 
     def uncache_from(self, request_id: str, num_valid_tokens: int) -> None:
         """Checkpoints past num_valid_tokens were never written (the step failed or was taken back)."""
@@ -198,7 +216,7 @@ class StateManager(SingleTypeKVCacheManager):
                 self.block_pool.uncache_block(sb.block)
 
     def free(self, request_id: str) -> None:
-        self.verifying.discard(request_id)
+        self._free_spare(request_id)
         self._release(request_id)
         self.saved.pop(request_id, None)
         super().free(request_id)
@@ -215,4 +233,5 @@ class StateManager(SingleTypeKVCacheManager):
             self.block_pool.free_blocks([sb.block])
 
     def held_blocks(self) -> list[list[KVCacheBlock]]:
-        return [*self.req_to_blocks.values(), *([sb.block for sb in sbs] for sbs in self.step_blocks.values())]
+        return [*self.req_to_blocks.values(), *([sb.block for sb in sbs] for sbs in self.step_blocks.values()),
+                *([b] for b in self.spares.values())]

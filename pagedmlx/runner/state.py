@@ -39,9 +39,10 @@ from pagedmlx.scheduler_output import SchedulerOutput
 
 
 def state_group(plan: list[LayerPlan], config: EngineConfig) -> Optional[KVCacheGroupSpec]:
-    """The recurrent-state KV cache group: a slot per running request (max_num_seqs; two with
-    speculative decoding: the second takes a verifying step's state, see MambaSpec) and the
-    checkpoints (none without prefix caching); page_size_bytes: one slot of every state layer."""
+    """The recurrent-state KV cache group: a slot per running request (max_num_seqs), with speculative
+    decoding a spare for each request that may speculate at once (a verifying step's state, see
+    MambaSpec), and the checkpoints (none without prefix caching); page_size_bytes: one slot of every
+    state layer."""
     layers = tuple(i for i, p in enumerate(plan) if p.state is not None)
     if not layers:
         return None
@@ -49,9 +50,11 @@ def state_group(plan: list[LayerPlan], config: EngineConfig) -> Optional[KVCache
     interval = interval if config.enable_prefix_caching else 0
     checkpoints = 0 if not interval else (config.max_num_seqs if config.max_state_checkpoints is None
                                           else config.max_state_checkpoints)
-    spare = int(config.speculative_config is not None)
-    return KVCacheGroupSpec(MambaSpec(interval, checkpoints, spare), config.max_num_seqs * (1 + spare) + checkpoints,
-                            layers, sum(plan[i].state.nbytes for i in layers))
+    spec = config.speculative_config
+    speculating = 0 if spec is None else min(config.max_num_seqs, spec.disable_by_batch_size)
+    return KVCacheGroupSpec(MambaSpec(interval, checkpoints, int(spec is not None), speculating),
+                            config.max_num_seqs + speculating + checkpoints, layers,
+                            sum(plan[i].state.nbytes for i in layers))
 
 
 def pages_budget(config: EngineConfig, state: Optional[KVCacheGroupSpec]) -> int:

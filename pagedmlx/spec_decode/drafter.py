@@ -113,7 +113,7 @@ def make_drafter(config: Optional[SpeculativeConfig], max_model_len: int, kv_cac
     if config is None:
         return None
     state = kv_cache_manager.state_manager
-    if state is not None and state.blocks_per_request < 2:
+    if state is not None and not state.max_spares:
         logger.warning("speculative decoding is off: this model has recurrent-state layers and its state pool "
                        "has no spare slot per request to roll rejected drafts back with")
         return None
