@@ -64,10 +64,11 @@ def pages_budget(config: EngineConfig, state: Optional[KVCacheGroupSpec]) -> int
         return budget
     state_bytes = state.num_blocks * state.page_size_bytes
     if state_bytes >= budget:
-        running = state.num_blocks - state.kv_cache_spec.max_checkpoints
+        spec = state.kv_cache_spec
+        spare = f"{spec.max_speculating * spec.num_speculative_blocks} spare + " if spec.num_speculative_blocks else ""
         raise ValueError(
-            f"{state.num_blocks} recurrent-state slots ({running} running + "
-            f"{state.kv_cache_spec.max_checkpoints} checkpoints) of {state.page_size_bytes / 2**20:.1f} MiB take "
+            f"{state.num_blocks} recurrent-state slots ({config.max_num_seqs} running + {spare}"
+            f"{spec.max_checkpoints} checkpoints) of {state.page_size_bytes / 2**20:.1f} MiB take "
             f"{state_bytes / 1e9:.2f} GB, more than kv_cache_memory_gb={config.kv_cache_memory_gb}: raise it, or "
             f"lower max_num_seqs or max_state_checkpoints")
     return budget - state_bytes
