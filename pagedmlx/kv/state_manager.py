@@ -167,7 +167,7 @@ class StateManager(SingleTypeKVCacheManager):
 
     # ---- speculative decoding ------------------------------------------------------------------
 
-    def num_spares_needed(self, request_id: str, num_draft_tokens: int) -> int:
+    def num_spares_needed(self, request_id: str, num_draft_tokens: int) -> Optional[int]:
         """Blocks the request's step takes for a spare slot (1 if it verifies drafts and holds none);
         None when it would verify drafts but every spare the pool keeps is taken."""
         if not num_draft_tokens or request_id in self.spares:
