@@ -19,6 +19,7 @@ import random
 
 import mlx.core as mx
 import pytest
+from sched_utils import FakeModel, check_invariants, make_request, make_scheduler
 from test_spec_decode import Oracle, spec
 from test_state_layers import BS, INTERVAL, STATE_ARCHS, expected_hit, has_pages, state_engine
 from utils import assert_no_leaks, make_model, run_staggered, run_to_completion, shared_prefix_prompts, solo_greedy
@@ -30,6 +31,7 @@ from pagedmlx.models.random_model import random_model
 from pagedmlx.runner.model import UnsupportedModelError
 from pagedmlx.runner.state import StateMetadata
 from pagedmlx.sampling_params import SamplingParams
+from pagedmlx.spec_decode.drafter import Drafter
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
 VOCAB = 512  # every recurrent tiny arch's
@@ -331,3 +333,60 @@ def test_drafts_wait_for_a_spare_slot():
     assert [done[str(i)].token_ids for i in range(len(prompts))] == [refs[tuple(p)] for p in prompts]
     assert max(verifying) == 1 and engine.scheduler.spec_decoding_stats.num_drafts > len(prompts)
     assert_no_leaks(engine)
+
+
+class VerifyingFakeModel(FakeModel):
+    """sched_utils' fake model (each state slot holds the tokens it consumed, drafts included), which
+    accepts a random number of each request's drafts; random drafts are proposed after each step."""
+
+    def __init__(self, sched, seed: int):
+        super().__init__(sched, seed=seed)
+        self.drafter = Drafter(sched.config.speculative_config, sched.max_model_len, proposer=self)
+        self.finished: list[list[int]] = []  # each finished request's tokens
+
+    def propose(self, req, room: int) -> list[int]:
+        return [self.rng.randrange(1, self.vocab) for _ in range(min(self.rng.randint(0, 3), room))]
+
+    def sample(self, out):
+        drafts = out.scheduled_spec_decode_tokens
+        return [drafts[rid][:self.rng.randint(0, len(drafts[rid]))] + [self.rng.randrange(1, self.vocab)]
+                if rid in drafts else self.rng.randrange(1, self.vocab) for rid in out.sampled_req_ids]
+
+    def step(self, tokens=None):
+        out, updates = super().step(tokens)
+        self.finished += [list(u.request.all_token_ids) for u in updates if u.finished]
+        self.sched.update_draft_token_ids(self.drafter.propose_draft_token_ids(self.sched.running))
+        return out, updates
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_every_state_read_is_the_requests_own_prefix_with_random_drafts(seed):
+    """Scheduler and managers alone (sched_utils.FakeModel): shared prefixes, chunked prefill, small
+    pools (preemption), a checkpoint every block; drafts of 0-3 random tokens, a random number of them
+    accepted; later turns extend a finished request by more tokens (they resume from checkpoints its
+    verifying steps saved). Every state a step reads (slot or checkpoint) holds exactly the request's
+    tokens before it, no slot is written by two requests, and the page accounting holds after every step."""
+    rng = random.Random(seed)
+    sched = make_scheduler(num_blocks=rng.choice([14, 20, 64]), max_num_seqs=4, max_num_batched_tokens=16,
+                           long_prefill_token_threshold=8, max_model_len=80, state_interval=4,
+                           speculative_config=spec(3, disable_by_batch_size=4, min_acceptance_rate=0.0))
+    model = VerifyingFakeModel(sched, seed)
+    shared = [rng.randrange(1, 50) for _ in range(20)]
+    pending = [shared[:rng.randint(0, 20)] + [rng.randrange(1, 50) for _ in range(rng.randint(1, 12))]
+               for _ in range(10)]
+    turns = 10
+    for n in range(2000):
+        if model.finished and turns and rng.random() < 0.3:
+            turns -= 1
+            history = model.finished.pop(rng.randrange(len(model.finished)))
+            pending.append(history[:36] + [rng.randrange(1, 50) for _ in range(rng.randint(1, 4))])
+        if pending and rng.random() < 0.3:
+            sched.add_request(make_request(f"{n}", pending.pop(), max_tokens=rng.randint(1, 15)))
+        if not pending and not sched.has_unfinished_requests() and not (model.finished and turns):
+            break
+        model.step()
+        check_invariants(sched)
+    assert not pending and not sched.has_unfinished_requests()
+    state, stats = sched.kv_cache_manager.state_manager, sched.spec_decoding_stats
+    assert 0 < state.num_rollbacks < stats.num_drafts and stats.num_accepted_tokens > 0
+    assert state.num_checkpoint_hits > 0
