@@ -172,7 +172,7 @@ class Scheduler:
                 continue
             # Drafts past the budget or the cap are cut; all of them go before anyone is preempted.
             num_spec = max(0, n + req.num_computed_tokens - req.num_tokens_with_placeholders)
-            while self.kv_cache_manager.allocate_slots(req, n) is None:
+            while self.kv_cache_manager.allocate_slots(req, n, num_draft_tokens=num_spec) is None:
                 if num_spec:
                     n, num_spec = n - num_spec, 0
                     continue
@@ -278,13 +278,16 @@ class Scheduler:
         """Append each request's sampled token (or tokens: its accepted drafts and the token after
         them, speculative decoding), check stops token by token and free finished requests. Rejected
         drafts roll back: num_computed_tokens drops to the accepted tokens (their KV slots are
-        written again later; their blocks were never cached, as only blocks of known tokens are).
+        written again later; their blocks were never cached, as only blocks of known tokens are), or,
+        for a model with recurrent state, to the step's start (KVCacheManager.rollback_drafts).
 
         With async scheduling a request may have been preempted since this step was scheduled: its
         token still counts (it recomputes from it); one that finished meanwhile drops it, and so does
         a new request that reuses its id (`requests`: the step's scheduled requests, in order)."""
         scheduled = dict(zip(output.req_ids, requests)) if requests is not None else None
         drafts = dict(zip(output.sampled_req_ids, output.num_draft_tokens)) if output.num_draft_tokens else None
+        starts = (dict(zip(output.req_ids, (output.seq_lens - output.num_scheduled_tokens).tolist()))
+                  if drafts is not None else None)
         updates = []
         for rid, sampled in zip(output.sampled_req_ids, sampled_token_ids):
             req = self.requests.get(rid)
@@ -296,7 +299,8 @@ class Scheduler:
             if num_draft:
                 num_accepted = len(tokens) - 1
                 if req.status == RequestStatus.RUNNING:
-                    req.num_computed_tokens -= num_draft - num_accepted
+                    req.num_computed_tokens = self.kv_cache_manager.rollback_drafts(req, num_draft, num_accepted,
+                                                                                    starts[rid])
                 self.spec_decoding_stats.observe_draft(num_draft, num_accepted)
             new_ids, finished = [], False
             for token in tokens:

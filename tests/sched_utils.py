@@ -11,7 +11,8 @@ all show up as a mismatch here.
 With a recurrent-state group, the fake state of a slot is the token sequence it has consumed: a step
 checks that each request reads exactly its own prefix (nothing at position 0; a checkpoint of exactly
 the prefix it skipped after a hit), and that no slot one request reads or writes in a step is written
-by another request in that step.
+by another request in that step. A step's draft tokens (speculative decoding) are fed and consumed
+like the others: a state or checkpoint that kept a rejected draft is read back as a foreign prefix.
 """
 
 from __future__ import annotations
@@ -49,8 +50,11 @@ def make_scheduler(num_blocks: int = 16, block_size: int = 4, max_num_batched_to
     groups = [KVCacheGroupSpec(FullAttentionSpec(), num_blocks)]
     if window is not None:
         groups.append(KVCacheGroupSpec(SlidingWindowSpec(window), num_blocks + 1))
-    if state_interval is not None:
-        groups.append(KVCacheGroupSpec(MambaSpec(state_interval, state_checkpoints), max_num_seqs + state_checkpoints))
+    if state_interval is not None:  # with speculative decoding, spare slots as runner/state.py's state_group keeps
+        spec = config.speculative_config
+        spares = 0 if spec is None else min(max_num_seqs, spec.disable_by_batch_size)
+        groups.append(KVCacheGroupSpec(MambaSpec(state_interval, state_checkpoints, int(spec is not None), spares),
+                                       max_num_seqs + spares + state_checkpoints))
     manager = KVCacheManager(KVCacheConfig(block_size, groups), enable_caching=caching)
     return Scheduler(config, manager, max_model_len)
 
@@ -83,6 +87,7 @@ class FakeModel:
         bs = self.sched.block_size
         if out.is_empty:
             return
+        drafts = out.scheduled_spec_decode_tokens
         for g, (kv, window) in enumerate(zip(self.kv, self.windows)):
             slots = out.slot_mapping[g]
             assert len(set(slots.tolist())) == len(slots), "two tokens write one slot"
@@ -92,12 +97,13 @@ class FakeModel:
                 lo, hi = out.query_start_loc[i], out.query_start_loc[i + 1]
                 seq_len = int(out.seq_lens[i])
                 assert hi - lo == out.num_scheduled_tokens[i]
+                tokens = req.all_token_ids + drafts.get(rid, [])
                 assert out.positions[lo:hi].tolist() == list(range(seq_len - (hi - lo), seq_len))
-                assert out.input_ids[lo:hi].tolist() == req.all_token_ids[seq_len - (hi - lo):seq_len]
+                assert out.input_ids[lo:hi].tolist() == tokens[seq_len - (hi - lo):seq_len]
                 first = 0 if window is None else max(0, seq_len - (hi - lo) - window + 1)
                 pos = np.arange(first, seq_len)
                 read = out.block_table[g, i, pos // bs] * bs + pos % bs
-                assert kv[read].tolist() == req.all_token_ids[first:seq_len], f"{rid} reads foreign KV (group {g})"
+                assert kv[read].tolist() == tokens[first:seq_len], f"{rid} reads foreign KV (group {g})"
         if self.sched.kv_cache_manager.state_manager is not None:
             self._run_states(out)
 
@@ -107,12 +113,17 @@ class FakeModel:
         readers: dict[int, set[str]] = {}
         writers: dict[int, str] = {}
         writes = []
+        spares = self.sched.kv_cache_manager.state_manager.spares
+        drafts = out.scheduled_spec_decode_tokens
         for i, rid in enumerate(out.req_ids):
             req = self.sched.requests[rid]
             read, write, save, save_len = (int(x) for x in out.state_slots[i])
             lo, hi = out.query_start_loc[i], out.query_start_loc[i + 1]
-            start, end = int(out.seq_lens[i]) - (hi - lo), int(out.seq_lens[i])
-            assert write == out.block_table[-1, i, 0] and (out.slot_mapping[-1, lo:hi] == write).all()
+            start = int(out.seq_lens[i]) - (hi - lo)
+            slot = out.block_table[-1, i, 0]
+            assert (out.slot_mapping[-1, lo:hi] == slot).all()
+            # a step that verifies drafts writes the spare slot, any other the request's slot
+            assert write == (spares[rid].block_id if rid in drafts else slot) and (rid in drafts) == (rid in spares)
             assert (read < 0) == (start == 0), f"{rid} at {start} reads slot {read}"
             got = () if read < 0 else self.states.get(read)
             assert got == tuple(req.all_token_ids[:start]), f"{rid} resumes at {start} from a foreign state"
@@ -120,9 +131,10 @@ class FakeModel:
             for slot in {write, save} - {-1}:
                 assert writers.setdefault(slot, rid) == rid, f"slot {slot}: {rid} and {writers[slot]} write it"
             assert save < 0 or 0 < save_len <= hi - lo
-            writes.append((write, tuple(req.all_token_ids[:end])))
+            fed = tuple(out.input_ids[lo:hi].tolist())  # the drafts too
+            writes.append((write, got + fed))
             if save >= 0:
-                writes.append((save, tuple(req.all_token_ids[:start + save_len])))
+                writes.append((save, got + fed[:save_len]))
         for slot, rid in writers.items():  # several may resume from one checkpoint, none from a slot another writes
             assert readers.get(slot, {rid}) == {rid}, f"slot {slot}: {rid} writes what {readers[slot]} read"
         for slot, state in writes:
@@ -179,7 +191,8 @@ def _check_free_queue(pool) -> None:
 
 def _check_state_group(sched: Scheduler, m) -> None:
     """Each running request holds one slot (never cached); every other reference is a checkpoint block
-    its last step reads or saves; a slot is no checkpoint and no two requests share one."""
+    its last step reads or saves, or the spare slot of its step that verifies drafts (between steps:
+    none); a slot is no checkpoint and no two requests share one."""
     pool = m.block_pool
     _check_free_queue(pool)
     refs: dict[int, int] = {}
@@ -188,6 +201,7 @@ def _check_state_group(sched: Scheduler, m) -> None:
         assert m.req_to_block_ids[rid] == [blocks[0].block_id] and blocks[0].block_hash is None
         refs[blocks[0].block_id] = refs.get(blocks[0].block_id, 0) + 1
     assert all(n == 1 for n in refs.values()), "two requests share a state slot"
+    assert not m.spares, "a spare slot outlived its step"
     for rid, step_blocks in m.step_blocks.items():
         assert rid in m.req_to_blocks
         for sb in step_blocks:
@@ -215,9 +229,11 @@ def _check_group(sched: Scheduler, m) -> None:
         req = sched.requests[rid]
         assert req.status == RequestStatus.RUNNING, f"{req} holds pages"
         assert m.req_to_block_ids[rid] == [b.block_id for b in blocks]
-        # Speculative decoding: pages taken for drafts stay after a rejection (written again later).
+        # Speculative decoding: pages taken for drafts stay after a rejection (written again later; with
+        # recurrent state, from the rejected step's first token on).
         spec = sched.config.speculative_config
-        max_drafts = spec.num_speculative_tokens if spec is not None else 0
+        max_drafts = 0 if spec is None else spec.num_speculative_tokens + (sched.kv_cache_manager.state_manager
+                                                                           is not None)
         assert cdiv(req.num_computed_tokens, bs) <= len(blocks) <= cdiv(req.num_computed_tokens + max_drafts, bs), \
             f"{req} holds {len(blocks)} blocks"
         real = [b for b in blocks if b is not null]

@@ -105,17 +105,19 @@ def test_a_draft_model_with_a_window_or_another_vocabulary_is_refused():
         engine_with(target, random_model("llama-tiny-tied", 0), num_blocks=32)
 
 
-def test_a_recurrent_target_does_not_speculate_and_stays_exact(caplog):
+def test_a_recurrent_target_speculates_with_a_draft_and_stays_exact(caplog):
+    """A plain-attention draft on a hybrid target (more in test_spec_decode_state.py): its pages take a
+    share of the target's KV budget, and the output stays mlx-lm's."""
     target = make_model("qwen3_5-tiny")
     prompt = [5, 6, 7, 8, 9, 10]
-    with caplog.at_level(logging.WARNING, logger="pagedmlx"):
+    with caplog.at_level(logging.INFO, logger="pagedmlx"):
         engine = engine_with(target, draft_model("llama", "same"), kv_cache_memory_gb=0.05)
-    assert engine.drafter is None and "recurrent-state layers" in caplog.text
-    # The draft is dropped, and its pages never took a share of the target's KV budget.
+    assert engine.drafter is not None and "recurrent-state layers" in caplog.text
     plain = LLMEngine(target, None, EngineConfig(block_size=4, kv_cache_memory_gb=0.05))
-    assert engine.draft_proposer is None and engine.runner.num_blocks == plain.runner.num_blocks
+    assert engine.runner.num_blocks < plain.runner.num_blocks
     engine.add_request("0", prompt, GREEDY)
     assert run_to_completion(engine)["0"].token_ids == solo_greedy(target, prompt, GREEDY.max_tokens)
+    assert engine.scheduler.spec_decoding_stats.num_draft_tokens > 0
 
 
 def test_the_draft_model_loads_from_a_name_and_through_llm():

@@ -46,6 +46,12 @@ PRESETS.update({
         num_key_value_heads=2, linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8,
         decoder_sparse_step=1, moe_intermediate_size=512, shared_expert_intermediate_size=512, norm_topk_prob=True)),
     "qwen3.5-tiny": RANDOM_ARCHS["qwen3_5-tiny"],  # pagedmlx's random:qwen3_5-tiny, for a run on the CPU
+    # "small"'s widths in Qwen3.5's shape (8 layers: 2 full attention, 6 Gated DeltaNet), for CPU runs
+    # of what the recurrent state costs (speculative decoding's rollback: scripts/bench/bench_spec.py).
+    "qwen3.5-small": dict(model_type="qwen3_5", text_config=dict(
+        _QWEN35, model_type="qwen3_5_text", num_hidden_layers=8, hidden_size=512, intermediate_size=1408,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
+        linear_key_head_dim=64, linear_value_head_dim=64, vocab_size=32000, max_position_embeddings=65536)),
 })
 # Qwen3.6-35B-A3B: mlx-lm has no class of its own for it (0.32: its checkpoints run as qwen3_5_moe), so
 # the Qwen3.5-35B-A3B preset is its shape too, under its name as well.

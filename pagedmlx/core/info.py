@@ -57,11 +57,15 @@ def kv_pool_line(engine: Any) -> str:
 
 
 def state_pool_text(group: Any, max_num_seqs: int) -> str:
-    """The recurrent-state slots: "128 slots (64 running + 64 checkpoints) x 147.0 MiB = 19.73 GB"."""
+    """The recurrent-state slots: "128 slots (64 running + 64 checkpoints) x 147.0 MiB = 19.73 GB" (with
+    speculative decoding, "+ 8 spare" too: the slots verifying steps write, MambaSpec)."""
     page = group.page_size_bytes
     size = f"{page / 2**20:.1f} MiB" if page >= 2**20 / 10 else f"{page / 2**10:.1f} KiB"
-    return (f"{group.num_blocks} slots ({max_num_seqs} running + {group.num_blocks - max_num_seqs} checkpoints) x "
-            f"{size} = {group.num_blocks * page / 1e9:.2f} GB")
+    spec = group.kv_cache_spec
+    spare = spec.max_speculating * spec.num_speculative_blocks
+    spare_text = f" + {spare} spare" if spare else ""
+    return (f"{group.num_blocks} slots ({max_num_seqs} running{spare_text} + "
+            f"{group.num_blocks - max_num_seqs - spare} checkpoints) x {size} = {group.num_blocks * page / 1e9:.2f} GB")
 
 
 def defaults_line(generation_defaults: dict[str, Any], model: Any) -> str:

@@ -141,11 +141,12 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: Optional[KVCacheBlocks] = None,
+        num_draft_tokens: int = 0,
     ) -> Optional[KVCacheBlocks]:
         """Pages in every group for `num_new_tokens` more tokens after the request's computed (and
-        newly found cached) tokens. All or nothing: None, with nothing changed (but pages behind a
-        sliding window, which no later token reads, freed), if a group cannot hold them.
-        Returns the newly allocated blocks of each group."""
+        newly found cached) tokens, the last num_draft_tokens of them drafts that the step verifies.
+        All or nothing: None, with nothing changed (but pages behind a sliding window, which no later
+        token reads, freed), if a group cannot hold them. Returns the newly allocated blocks of each group."""
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be > 0, got {num_new_tokens}")
         rid = request.request_id
@@ -155,6 +156,11 @@ class KVCacheManager:
         for manager in self.managers:
             manager.remove_skipped_blocks(rid, request.num_computed_tokens)
         needs = [m.get_num_blocks_to_allocate(rid, total_tokens, h) for m, h in zip(self.managers, hits)]
+        if self.state_manager is not None:  # a step that verifies drafts takes a spare state slot
+            spare = self.state_manager.num_spares_needed(rid, num_draft_tokens)
+            if spare is None:
+                return None
+            needs[-1] += spare
         if any(n > m.block_pool.get_num_free_blocks() for m, n in zip(self.managers, needs)):
             return None
         if not any(needs) and not any(hits) and rid in self.managers[0].req_to_blocks:
@@ -164,10 +170,28 @@ class KVCacheManager:
         # Cache the blocks that this step fills, so that later requests of the same step share them:
         # within each layer every new K/V is written before any page is read.
         self._cache_full_blocks(request, min(total_tokens, request.num_tokens))
-        if self.state_manager is not None and self.enable_caching:
-            start = request.num_computed_tokens + num_new_computed_tokens
-            self.state_manager.save_checkpoint(request, start, total_tokens)
+        if self.state_manager is not None:
+            self.state_manager.schedule_drafts(rid, num_draft_tokens)
+            if self.enable_caching:
+                start = request.num_computed_tokens + num_new_computed_tokens
+                self.state_manager.save_checkpoint(request, start, total_tokens)
         return new
+
+    def rollback_drafts(self, request: Request, num_draft_tokens: int, num_accepted_tokens: int,
+                        step_start: int) -> int:
+        """The request's num_computed_tokens after its step (from step_start) verified num_draft_tokens
+        drafts and accepted num_accepted_tokens. Paged KV drops the rejected positions (their slots are
+        written again later). Recurrent state has absorbed every draft: on a rejection the step's start
+        (its state slot still holds the state there, StateManager), so that the next step feeds the
+        accepted tokens again; all accepted, the state the step wrote becomes the request's."""
+        computed = request.num_computed_tokens - (num_draft_tokens - num_accepted_tokens)
+        state = self.state_manager
+        if state is None or not state.finish_drafts(request.request_id, num_accepted_tokens == num_draft_tokens,
+                                                    computed):
+            return computed
+        state.num_rollbacks += 1
+        state.num_recomputed_tokens += computed - step_start
+        return step_start
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         if not self.enable_caching:

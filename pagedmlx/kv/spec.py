@@ -41,13 +41,19 @@ class MambaSpec:
     under that block's hash: a prefix hit resumes from one (and only from one). They are taken every
     `checkpoint_interval` tokens (a multiple of the block size; 0: none, so no prefix hits) and at the
     last full block of each prompt. The pool has `max_checkpoints` slots beyond the running ones;
-    checkpoints keep every slot no request holds, least recently used evicted first."""
+    checkpoints keep every slot no request holds, least recently used evicted first.
+    With speculative decoding a request whose step verifies drafts also holds `num_speculative_blocks`
+    (1) spare slot, for that step: the step writes the state there, and it becomes the request's slot
+    only if every draft is accepted (kv/state_manager.py). The pool has spares for `max_speculating`
+    requests at once (the most that speculate: SpeculativeConfig.disable_by_batch_size)."""
 
     checkpoint_interval: int = 0
     max_checkpoints: int = 0
+    num_speculative_blocks: int = 0
+    max_speculating: int = 0
 
     def max_blocks_held(self, num_tokens: int, block_size: int, max_chunk: int) -> int:
-        return 1
+        return 1 + self.num_speculative_blocks
 
 
 KVCacheSpec = Union[FullAttentionSpec, SlidingWindowSpec, MambaSpec]

@@ -9,6 +9,16 @@ last full block of the prompt (so that the next turn of a conversation finds its
 whose chunk reaches one saves the state there, its last one if it crosses several (the runner splits
 that prefill segment's call at the position, so chunks need not end there: no step is added).
 
+Speculative decoding (MambaSpec.num_speculative_blocks = 1): a request whose step verifies drafts
+takes a second block for that step, its spare slot, and the step reads the state from the slot and
+writes it to the spare (the state before the step stays intact, so nothing is copied). If every
+draft is accepted the spare becomes the request's slot; otherwise the slot still holds the state at
+the step's start, and the scheduler recomputes the step's tokens that were accepted from there
+(rollback_drafts). Either way the other block goes back to the pool. The pool keeps blocks for
+max_speculating spares; a step that finds none left verifies no drafts. A checkpoint
+position inside a step's drafts is saved as any other, but cached only if the drafts up to it are
+accepted (its key is the hash of the tokens, known once they are; a rejection uncaches it).
+
 The blocks a step reads or writes besides the slot (the checkpoint it resumes from, the one it saves)
 stay held by the request until its next allocation or its end. So no other request of the same step
 can take them, and a saved checkpoint joins the prefix cache only after the step that writes it was
@@ -50,12 +60,16 @@ class StateManager(SingleTypeKVCacheManager):
     def __init__(self, spec: MambaSpec, num_blocks: int, block_size: int, enable_caching: bool):
         super().__init__(spec, num_blocks, block_size, enable_caching)
         self.checkpoint_interval = spec.checkpoint_interval if enable_caching else 0
-        self.num_running_slots = num_blocks - spec.max_checkpoints
+        self.num_running_slots = num_blocks - spec.max_checkpoints  # spare slots included
+        self.max_spares = spec.max_speculating * spec.num_speculative_blocks
+        self.spares: dict[str, KVCacheBlock] = {}  # the spare slot of each request whose step verifies drafts
         self.step_blocks: dict[str, list[StepBlock]] = {}
         # Checkpoints each live request saved: uncached again if the step that wrote one failed.
         self.saved: dict[str, list[StepBlock]] = {}
         self.num_checkpoints_saved = 0
         self.num_checkpoint_hits = 0
+        self.num_rollbacks = 0  # verifying steps with a rejected draft, whose accepted tokens are computed again
+        self.num_recomputed_tokens = 0
 
     # ---- where checkpoints go ----------------------------------------------------------------
 
@@ -128,7 +142,7 @@ class StateManager(SingleTypeKVCacheManager):
         num_tokens = self.checkpoint_in(request, start, end)
         if num_tokens is None:
             return
-        slots_to_come = max(self.num_running_slots - len(self.req_to_blocks), 0)
+        slots_to_come = max(self.num_running_slots - len(self.req_to_blocks) - len(self.spares), 0)
         if self.block_pool.get_num_free_blocks() < slots_to_come + 2:  # one for this, one for a revived hit
             return
         block = self.block_pool.get_new_blocks(1)[0]
@@ -137,17 +151,60 @@ class StateManager(SingleTypeKVCacheManager):
 
     def state_slots(self, request: Request) -> tuple[int, int, int, int]:
         """This step's (slot the state is read from, -1: none, it starts at position 0; slot it is
-        written to; checkpoint slot it is also saved to, or -1; how many of the step's tokens that
-        checkpoint covers). Read before num_computed_tokens advances."""
+        written to: the spare if the step verifies drafts; checkpoint slot it is also saved to, or -1;
+        how many of the step's tokens that checkpoint covers). Read before num_computed_tokens advances."""
         rid = request.request_id
         slot = self.req_to_block_ids[rid][0]
+        spare = self.spares.get(rid)
+        write = spare.block_id if spare is not None else slot
         read, save, save_len = (slot if request.num_computed_tokens > 0 else -1), -1, 0
         for sb in self.step_blocks.get(rid, ()):
             if not sb.saves:
                 read = sb.block.block_id
             elif sb.hashes is not None:
                 save, save_len = sb.block.block_id, sb.num_tokens - request.num_computed_tokens
-        return read, slot, save, save_len
+        return read, write, save, save_len
+
+    # ---- speculative decoding ------------------------------------------------------------------
+
+    def num_spares_needed(self, request_id: str, num_draft_tokens: int) -> Optional[int]:
+        """Blocks the request's step takes for a spare slot (1 if it verifies drafts and holds none);
+        None when it would verify drafts but every spare the pool keeps is taken."""
+        if not num_draft_tokens or request_id in self.spares:
+            return 0
+        return 1 if len(self.spares) < self.max_spares else None
+
+    def schedule_drafts(self, request_id: str, num_draft_tokens: int) -> None:
+        """The request's step just scheduled verifies num_draft_tokens drafts (0: none): it takes a spare
+        slot for its state, so that the state before the step survives a rejection (num_spares_needed
+        said there is one)."""
+        if num_draft_tokens and request_id not in self.spares:
+            self.spares[request_id] = self.block_pool.get_new_blocks(1)[0]
+        elif not num_draft_tokens:
+            self._free_spare(request_id)
+
+    def finish_drafts(self, request_id: str, all_accepted: bool, num_valid_tokens: int) -> bool:
+        """After a verifying step: if every draft was accepted, the spare slot (the state after all of
+        the step's tokens) becomes the request's slot. Otherwise a checkpoint the step saved past its
+        num_valid_tokens (in a rejected draft) is never cached. The other block goes back. Returns whether
+        the state must be recomputed from the step's start (a draft was rejected: its slot holds the
+        state there)."""
+        spare = self.spares.pop(request_id, None)
+        if spare is None:
+            return False
+        if all_accepted:
+            blocks = self.req_to_blocks[request_id]
+            blocks[0], spare = spare, blocks[0]
+            self.req_to_block_ids[request_id][0] = blocks[0].block_id
+        else:
+            self.uncache_from(request_id, num_valid_tokens)
+        self.block_pool.free_blocks([spare])
+        return not all_accepted
+
+    def _free_spare(self, request_id: str) -> None:
+        spare = self.spares.pop(request_id, None)
+        if spare is not None:
+            self.block_pool.free_blocks([spare])
 
     def uncache_from(self, request_id: str, num_valid_tokens: int) -> None:
         """Checkpoints past num_valid_tokens were never written (the step failed or was taken back)."""
@@ -159,6 +216,7 @@ class StateManager(SingleTypeKVCacheManager):
                 self.block_pool.uncache_block(sb.block)
 
     def free(self, request_id: str) -> None:
+        self._free_spare(request_id)
         self._release(request_id)
         self.saved.pop(request_id, None)
         super().free(request_id)
@@ -175,4 +233,5 @@ class StateManager(SingleTypeKVCacheManager):
             self.block_pool.free_blocks([sb.block])
 
     def held_blocks(self) -> list[list[KVCacheBlock]]:
-        return [*self.req_to_blocks.values(), *([sb.block for sb in sbs] for sbs in self.step_blocks.values())]
+        return [*self.req_to_blocks.values(), *([sb.block for sb in sbs] for sbs in self.step_blocks.values()),
+                *([b] for b in self.spares.values())]

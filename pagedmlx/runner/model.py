@@ -257,7 +257,7 @@ class ModelRunner:
                 sliding_pool_blocks(g.sliding_window, self.block_size, config.max_num_seqs,
                                     config.max_num_batched_tokens) for g in groups]
         state = state_group(self.plan, config)
-        draft = self.draft_block_bytes if state is None else 0  # recurrent targets do not speculate (drafter.py)
+        draft = self.draft_block_bytes
         bpb = [self.group_bytes_per_block(g) + (draft if g.sliding_window is None else 0) for g in groups]
 
         def sized(n: int) -> list[int]:

@@ -6,7 +6,8 @@ Gated DeltaNet, a Mamba2 mixer, a short convolution) is class-swapped (its param
 to run its stock code per group of rows:
 - the decode rows of all requests together, as one (nd, 1) batch, their states gathered by slot;
 - each prefill segment alone, as (1, L), from its request's state (None at position 0, exactly as
-  mlx-lm's generate_step starts a prompt).
+  mlx-lm's generate_step starts a prompt); segments of one length that continue a state (steps that
+  verify drafts, and their recomputation) together, as one (n, L) batch.
 The outputs go back in row order and the new states to their slots (and to a checkpoint slot where
 the step saves one).
 
@@ -38,8 +39,10 @@ from pagedmlx.scheduler_output import SchedulerOutput
 
 
 def state_group(plan: list[LayerPlan], config: EngineConfig) -> Optional[KVCacheGroupSpec]:
-    """The recurrent-state KV cache group: a slot per running request (max_num_seqs) and the
-    checkpoints (none without prefix caching); page_size_bytes: one slot of every state layer."""
+    """The recurrent-state KV cache group: a slot per running request (max_num_seqs), with speculative
+    decoding a spare for each request that may speculate at once (a verifying step's state, see
+    MambaSpec), and the checkpoints (none without prefix caching); page_size_bytes: one slot of every
+    state layer."""
     layers = tuple(i for i, p in enumerate(plan) if p.state is not None)
     if not layers:
         return None
@@ -47,7 +50,10 @@ def state_group(plan: list[LayerPlan], config: EngineConfig) -> Optional[KVCache
     interval = interval if config.enable_prefix_caching else 0
     checkpoints = 0 if not interval else (config.max_num_seqs if config.max_state_checkpoints is None
                                           else config.max_state_checkpoints)
-    return KVCacheGroupSpec(MambaSpec(interval, checkpoints), config.max_num_seqs + checkpoints, layers,
+    spec = config.speculative_config
+    speculating = 0 if spec is None else min(config.max_num_seqs, spec.disable_by_batch_size)
+    return KVCacheGroupSpec(MambaSpec(interval, checkpoints, int(spec is not None), speculating),
+                            config.max_num_seqs + speculating + checkpoints, layers,
                             sum(plan[i].state.nbytes for i in layers))
 
 
@@ -58,9 +64,11 @@ def pages_budget(config: EngineConfig, state: Optional[KVCacheGroupSpec]) -> int
         return budget
     state_bytes = state.num_blocks * state.page_size_bytes
     if state_bytes >= budget:
+        spec = state.kv_cache_spec
+        spare = f"{spec.max_speculating * spec.num_speculative_blocks} spare + " if spec.num_speculative_blocks else ""
         raise ValueError(
-            f"{state.num_blocks} recurrent-state slots ({config.max_num_seqs} running + "
-            f"{state.num_blocks - config.max_num_seqs} checkpoints) of {state.page_size_bytes / 2**20:.1f} MiB take "
+            f"{state.num_blocks} recurrent-state slots ({config.max_num_seqs} running + {spare}"
+            f"{spec.max_checkpoints} checkpoints) of {state.page_size_bytes / 2**20:.1f} MiB take "
             f"{state_bytes / 1e9:.2f} GB, more than kv_cache_memory_gb={config.kv_cache_memory_gb}: raise it, or "
             f"lower max_num_seqs or max_state_checkpoints")
     return budget - state_bytes
@@ -118,6 +126,20 @@ class StateSegment:
 
 
 @dataclass
+class StateBatch:
+    """Chunks of one length L > 1 of n requests that continue a state and save no checkpoint inside
+    (steps that verify drafts, and their recomputation after a rejection): one (n, L) call."""
+
+    size: int  # n
+    num_rows: int  # L
+    rows: Optional[mx.array] = None  # (n * L,) their rows, request by request
+    read: Optional[mx.array] = None  # (n,)
+    write: Optional[mx.array] = None  # (n,)
+    save_rows: Optional[mx.array] = None  # requests (in the batch of n) that also save a checkpoint at the end
+    save_slots: Optional[mx.array] = None
+
+
+@dataclass
 class StateMetadata:
     """A step's grouping of rows for the state layers, built once on the host and shared by them."""
 
@@ -128,7 +150,8 @@ class StateMetadata:
     save_rows: Optional[mx.array] = None  # decode rows (in the batch of nd) that also save a checkpoint
     save_slots: Optional[mx.array] = None
     segments: list[StateSegment] = field(default_factory=list)
-    order: Optional[mx.array] = None  # (T,) each row's place among the outputs [decodes..., segments...]
+    batches: list[StateBatch] = field(default_factory=list)
+    order: Optional[mx.array] = None  # (T,) each row's place among the outputs [decodes..., batches..., segments...]
 
     @classmethod
     def build(cls, so: SchedulerOutput) -> "StateMetadata":
@@ -137,7 +160,10 @@ class StateMetadata:
         decode = np.flatnonzero(continues)  # decode requests' rows are their indices
         rest = np.concatenate([np.flatnonzero(~continues), np.arange(nd, so.num_reqs)])
         segments = [StateSegment(int(qsl[i]), int(qsl[i + 1] - qsl[i]), *slots[i].tolist()) for i in rest]
-        rows = np.concatenate([decode, *(np.arange(s.row_start, s.row_start + s.num_rows) for s in segments)])
+        batched, segments = _batch_segments(segments)
+        batch_rows = [np.concatenate([np.arange(s.row_start, s.row_start + s.num_rows) for s in b]) for b in batched]
+        rows = np.concatenate([decode, *batch_rows,
+                               *(np.arange(s.row_start, s.row_start + s.num_rows) for s in segments)])
         host = {}
         if len(decode):
             host.update(decode_read=slots[decode, 0], decode_write=slots[decode, 1])
@@ -148,17 +174,40 @@ class StateMetadata:
                 host["decode_rows"] = decode
         if (rows != np.arange(len(rows))).any():
             host["order"] = np.argsort(rows)
+        for i, (group, group_rows) in enumerate(zip(batched, batch_rows)):
+            host.update({f"batch{i}.rows": group_rows, f"batch{i}.read": np.array([s.read for s in group]),
+                         f"batch{i}.write": np.array([s.write for s in group])})
+            saving = [j for j, s in enumerate(group) if s.save >= 0]
+            if saving:
+                host.update({f"batch{i}.save_rows": np.array(saving),
+                             f"batch{i}.save_slots": np.array([group[j].save for j in saving])})
         for i, seg in enumerate(segments):  # uploaded with the rest: an array made per write is an upload each
             host[f"write{i}"] = np.array([seg.write])
             if seg.save >= 0:
                 host[f"save{i}"] = np.array([seg.save])
-        md = cls(len(decode), segments=segments)
-        dev = upload_indices(host)  # every request is a decode or a segment: never empty
+        batches = [StateBatch(len(group), group[0].num_rows) for group in batched]
+        md = cls(len(decode), segments=segments, batches=batches)
+        dev = upload_indices(host)  # every request is a decode, in a batch or a segment: never empty
         for i, seg in enumerate(segments):
             seg.write_slots, seg.save_slots = dev.pop(f"write{i}"), dev.pop(f"save{i}", None)
+        for i, batch in enumerate(batches):
+            for name in ("rows", "read", "write", "save_rows", "save_slots"):
+                setattr(batch, name, dev.pop(f"batch{i}.{name}", None))
         for name, value in dev.items():
             setattr(md, name, value)
         return md
+
+
+def _batch_segments(segments: list[StateSegment]) -> tuple[list[list[StateSegment]], list[StateSegment]]:
+    """(groups of two or more chunks of one length that can run as one batch, the other segments):
+    chunks that continue a state (not from position 0) and save no checkpoint before their end."""
+    by_len: dict[int, list[StateSegment]] = {}
+    for seg in segments:
+        if seg.read >= 0 and (seg.save < 0 or seg.save_len == seg.num_rows):
+            by_len.setdefault(seg.num_rows, []).append(seg)
+    groups = [group for group in by_len.values() if len(group) > 1]
+    grouped = {id(seg) for group in groups for seg in group}
+    return groups, [seg for seg in segments if id(seg) not in grouped]
 
 
 class StateLayerCache:
@@ -189,6 +238,13 @@ class StateLayerCache:
             if md.save_rows is not None:
                 deps += self.pool.write(self.layer, md.save_slots, [s[md.save_rows] for s in states])
             outs.append(out)
+        for b in md.batches:
+            rows = x[b.rows].reshape(b.size, b.num_rows, -1)
+            out, states = self._call(call, rebuild, rows, self.pool.read(self.layer, b.read))
+            deps += self.pool.write(self.layer, b.write, states)
+            if b.save_rows is not None:
+                deps += self.pool.write(self.layer, b.save_slots, [s[b.save_rows] for s in states])
+            outs.append(out.reshape(b.size * b.num_rows, 1, -1))
         for seg in md.segments:
             rows = x[seg.row_start:seg.row_start + seg.num_rows].reshape(1, seg.num_rows, -1)
             states = self.pool.read(self.layer, seg.read) if seg.read >= 0 else [None] * self.num_arrays

@@ -107,15 +107,19 @@ class Drafter:
 
 def make_drafter(config: Optional[SpeculativeConfig], max_model_len: int, kv_cache_manager, draft_proposer: Any = None,
                  vocab_size: int = 0, tokenizers: tuple = (None, None)) -> Optional[Drafter]:
-    """The engine's Drafter; None where speculation is off (no config, or a target with recurrent state).
-    A draft model's proposer (spec_decode/draft_model.py) is bound to the target's pages here;
-    tokenizers: the target's and the draft's, compared."""
+    """The engine's Drafter; None where speculation is off (no config, or a recurrent-state target whose
+    pool has no spare slots to roll back with). A draft model's proposer (spec_decode/draft_model.py) is
+    bound to the target's pages here; tokenizers: the target's and the draft's, compared."""
     if config is None:
         return None
-    if kv_cache_manager.state_manager is not None:
-        logger.warning("speculative decoding is off: this model has recurrent-state layers, whose state "
-                       "cannot roll back rejected drafts yet (issue 28)")
+    state = kv_cache_manager.state_manager
+    if state is not None and not state.max_spares:
+        logger.warning("speculative decoding is off: this model has recurrent-state layers and its state pool "
+                       "has no spare slot per request to roll rejected drafts back with")
         return None
+    if state is not None:
+        logger.info("speculative decoding on recurrent-state layers: a verifying step writes each state to a "
+                    "spare slot, and a rejection recomputes the accepted tokens from the state before it")
     if draft_proposer is not None:  # its own log line said what it is
         draft_proposer.bind(kv_cache_manager, vocab_size, *tokenizers)
     else:

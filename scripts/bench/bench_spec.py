@@ -21,6 +21,7 @@ every step: an upper bound for a workload whose drafts apply everywhere.
     python scripts/bench/bench_spec.py --workload chat --batch 1 4          # answers that quote nothing
     python scripts/bench/bench_spec.py --rejected --batch 1 4 16 64
     python scripts/bench/bench_spec.py preset:llama-8b --oracle 0.07 --batch 1 64 --mlx-lm    # H200
+    python scripts/bench/bench_spec.py preset:qwen3.5-small --dtype float32 --rejected   # recurrent state's rollback
 """
 
 from __future__ import annotations
@@ -124,9 +125,9 @@ def main() -> None:
     ap.add_argument("--rejected", action="store_true", help="measure the cost of k rejected drafts a step instead")
     ap.add_argument("--oracle", type=float, default=None, metavar="P",
                     help="draft the plain answer, each token wrong with probability P (random-weight models)")
-    ap.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: as loaded)")
     ap.add_argument("--mlx-lm", action="store_true", help="also mlx-lm's generate_step at batch 1")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
+    ap.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: as loaded; a preset: bfloat16)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     model, tok = load_model(args.model, dtype=args.dtype)
