@@ -47,7 +47,8 @@ class EngineConfig:
     # Decode-only steps traced once per shape key and replayed through mx.compile (vLLM's CUDA graphs in
     # spirit: runner/compiled_step.py), where the pages are written in place (CUDA). None: steps of at
     # most compiled_step.AUTO_MAX_DECODES requests at once (where the host's Python is the step's cost),
-    # larger ones once their key has come HOT_STEPS times (a steady batch); True: every step at once.
+    # larger ones once their key has come HOT_STEPS times (a steady batch; not for recurrent-state models);
+    # True: every step at once.
     compile_decode: Optional[bool] = None
     # "auto": sampling defaults from the model's generation_config.json (as vLLM); "vllm": vLLM's own.
     generation_config: str = "auto"

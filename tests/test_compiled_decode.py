@@ -136,6 +136,7 @@ def test_by_default_a_larger_step_is_compiled_once_its_key_is_hot(standins):
     # each key (a new one when the tables reach a new bucket of pages) built until it is hot, then replayed
     assert traces >= 1 and steady.count(False) == (HOT_STEPS - 1) * traces + sum(cold.values())
     assert steady.count(True) > len(steady) / 2 and len(cold) <= 1
+    assert not _engine("qwen3_5-tiny", None, True).runner.compiled_decode.larger  # state models: small steps only
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="a CUDA GPU runs the kernels")

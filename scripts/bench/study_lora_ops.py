@@ -69,8 +69,9 @@ def main() -> None:
         p["s"] = p["x"] @ p["a"].T
         p["z"] = (p["s"] * mask) @ p["b"]
         if build.gpu_backend() is not None:  # the kernel's stacks: slot 0 empty, then the adapters
-            p["a3"] = mx.concatenate([mx.zeros((args.rank, i), dt), p["a"]]).reshape(args.slots + 1, args.rank, i)
-            p["b3"] = mx.concatenate([mx.zeros((args.rank, o), dt), p["b"]]).reshape(args.slots + 1, args.rank, o)
+            (o, i), r = p["w"].shape, args.rank
+            p["a3"] = mx.concatenate([mx.zeros((r, i), dt), p["a"]]).reshape(args.slots + 1, r, i)
+            p["b3"] = mx.concatenate([mx.zeros((r, o), dt), p["b"]]).reshape(args.slots + 1, r, o)
     indices = (slot + 1).astype(mx.int32)
     slot_scales = mx.array([0.0] + [2.0] * args.slots)
     mx.eval(layers, mask, scales, indices, slot_scales)
