@@ -44,7 +44,8 @@ def test_emulated_kernel_passes_its_check(emulated, backend, dtype):
     ("scale * static_cast", "static_cast"),  # the adapter's scale forgotten
     ("j * 256", "j * 128"),  # a thread's columns overlap the next thread's: some never written
     ("indices[t]", "indices[GROUP_X]"),  # a row takes another row's adapter
-    ("r += 8", "r += 16"),  # half the ranks never computed (a[r] of shared memory left unset)
+    ("part[w * 16 + THREAD_IN_GROUP]", "part[THREAD_IN_GROUP]"),  # one warp's sums taken for the whole row's
+    ("r0 += 16", "r0 += 32"),  # ranks 16-19 never computed (left unset in shared memory)
     ("(size_t)r * OUT", "(size_t)r"),  # B read along the wrong axis
 ])
 def test_the_check_fails_a_wrong_kernel(emulated, monkeypatch, mutant):

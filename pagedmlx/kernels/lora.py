@@ -53,7 +53,7 @@ def check_add_lora(backend: str, dtype: mx.Dtype = mx.bfloat16, seed: int = 0) -
     adapters and of none, ranks padded with zeros, an output width that is no multiple of the tile.
     None if it agrees within the dtype's tolerance, else what differs."""
     rng = np.random.default_rng(seed)
-    rows, in_dims, out_dims, slots, rank = 9, 200, 1300, 4, 12  # rank > 8 warps; two tiles, the last partial
+    rows, in_dims, out_dims, slots, rank = 9, 600, 1300, 4, 20  # ranks in two chunks, rows and tiles partial
     x = rng.standard_normal((rows, in_dims)) / 4
     y = rng.standard_normal((rows, out_dims))
     a = rng.standard_normal((slots, rank, in_dims)) / 8
