@@ -149,3 +149,32 @@ def test_compiled_steps_equal_built_steps_on_cuda(arch, kv_cache_dtype):
     assert engine.runner.compiled_decode is not None
     assert run_staggered(engine, prompts, params, seed=1) == built
     assert engine.runner.compiled_decode.fns
+
+
+def test_steps_without_adapter_rows_compile_on_a_lora_engine(standins, tmp_path):
+    """A LoRA engine's steps whose rows all run the base model are compiled; steps with adapter rows
+    are built (each row's adapter is the step's, not a trace's): the tokens are the built engine's."""
+    from lora_utils import fresh, make_adapter
+
+    from pagedmlx.lora.request import LoRARequest
+
+    base = fresh()
+    adapter = LoRARequest("a", 1, make_adapter(str(tmp_path / "a"), base, rank=4, scale=10.0, seed=1))
+
+    def run(compiled: Optional[bool]) -> tuple[dict[str, list[int]], LLMEngine]:
+        engine = LLMEngine(base(), None, EngineConfig(block_size=4, num_blocks=96, max_num_seqs=4, enable_lora=True,
+                                                      max_loras=1, max_lora_rank=4, compile_decode=compiled))
+        runner = engine.runner
+        runner.kernels = KernelPlan(CUDA, decode=True, page_write=True)
+        runner.compiled_decode = None if compiled is False else CompiledDecode(runner, AUTO_MAX_DECODES)
+        for i, p in enumerate(shared_prefix_prompts(4, seed=2)):  # the adapter's requests end first
+            engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=4 if i % 2 else 16,
+                                                         ignore_eos=True), lora_request=adapter if i % 2 else None)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        return done, engine
+
+    built, _ = run(False)
+    done, engine = run(None)
+    assert done == built and engine.runner.compiled_decode.fns

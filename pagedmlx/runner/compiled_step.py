@@ -13,7 +13,7 @@ Only where every write is in place (the page-write kernel, and the state kernels
 layers: CUDA) can a step be replayed: MLX's scatter gives each write a new pool array, which a
 compiled graph cannot hand back. Quantized KV pages are written in place where 16-bit ones are
 (page_write.reshape_and_cache_quantized: mx.quantize, then the copy), so they compile too. Steps with
-prefill rows, LoRA rows or a recurrent segment (a 1-token prompt) run as built. By default
+prefill rows, adapter rows (LoRA) or a recurrent segment (a 1-token prompt) run as built. By default
 (EngineConfig.compile_decode None) steps of at most AUTO_MAX_DECODES requests are compiled at once:
 there the host's Python bounds the step, and such keys are few. A larger step is compiled once its
 key has come HOT_STEPS times (a steady batch: its size and table bucket unchanged), so that a batch
@@ -61,7 +61,7 @@ class CompiledDecode:
     def takes(self, so: SchedulerOutput) -> bool:
         r = self.runner
         has_state = len(so.state_slots) > 0
-        return (r.kernels.page_write and r.lora_manager is None
+        return (r.kernels.page_write and (r.lora_manager is None or not so.lora_int_ids.any())
                 and so.num_decodes == so.total_num_scheduled_tokens
                 and (self.larger or self.max_decodes is None or so.num_decodes <= self.max_decodes)
                 and (not has_state or (r.kernels.state and bool((so.state_slots[:, 0] >= 0).all()))))
