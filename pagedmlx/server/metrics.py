@@ -54,6 +54,10 @@ class EngineSnapshot:
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     # per KV cache group with pages: (name, what its pages hold, bytes of one token over the group's layers)
     bytes_per_token: list[tuple[str, str, int]] = field(default_factory=list)
+    # Speculation on recurrent-state models: steps whose drafts were partly rejected, and the tokens
+    # recomputed after them (their state is restored to before the step: docs/state-layers.md)
+    state_rollbacks: int = 0
+    state_recomputed_tokens: int = 0
 
     @classmethod
     def take(cls, engine: EngineCore) -> "EngineSnapshot":
@@ -66,13 +70,16 @@ class EngineSnapshot:
         spec = engine.scheduler.spec_decoding_stats
         spec_counts = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
                        list(spec.num_accepted_tokens_per_pos)) if spec is not None else (0, 0, 0, [])
-        return cls(len(engine.scheduler.running), len(engine.scheduler.waiting), kv.usage, groups,
+        snap = cls(len(engine.scheduler.running), len(engine.scheduler.waiting), kv.usage, groups,
                    kv.stats.queries, kv.stats.hits,
                    engine.scheduler.num_preemptions, s.num_steps, s.schedule_s, s.forward_s, s.update_s,
                    s.num_tokens, state.num_checkpoint_hits if state else 0, state.num_checkpoints_saved if state else 0,
                    guided.num_requests, guided.num_compiles, *spec_counts,
                    [(g.name, g.kv_cache_dtype, g.page_size_bytes // kv.kv_cache_config.block_size)
                     for g in kv.kv_cache_config.kv_cache_groups if not g.is_state])
+        if state is not None:
+            snap.state_rollbacks, snap.state_recomputed_tokens = state.num_rollbacks, state.num_recomputed_tokens
+        return snap
 
 
 class ServerMetrics:
@@ -131,6 +138,11 @@ class ServerMetrics:
             "spec_decode_num_draft_tokens": counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
             "spec_decode_num_accepted_tokens": counter("vllm:spec_decode_num_accepted_tokens",
                                                        "Number of accepted tokens."),
+            "state_rollbacks": counter("pagedmlx:spec_decode_state_rollbacks",
+                                       "Verifying steps of recurrent-state requests whose drafts were partly "
+                                       "rejected (state restored to before the step)."),
+            "state_recomputed_tokens": counter("pagedmlx:spec_decode_state_recomputed_tokens",
+                                               "Accepted tokens computed again after such a rollback."),
         }
         self._seen = {name: 0.0 for name in self._engine_counters}
         self.accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
