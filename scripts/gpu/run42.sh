@@ -8,15 +8,7 @@
 #   PART=spec   n-gram at Llama-8B shape with drafts from the plain answer at SmolLM2's measured acceptance
 #               (batch 1 against generate_step; batch 64 at the default off-switch), a q8 draft model
 #               against mlx-lm's speculative_generate_step on the same pair
-set -u
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-run() {  # name, seconds, command...
-  local name=$1 secs=$2; shift 2
-  local t=$SECONDS
-  timeout "$secs" "$@" 2>&1 | grep -v Warning > "$OUT/$name.txt"
-  echo "== $name (rc ${PIPESTATUS[0]}, $((SECONDS - t)) s)"; tail -${TAIL:-14} "$OUT/$name.txt"
-}
+source "$(dirname "$0")/lib.sh"
 case "${PART:-quant}" in
   quant)
     TAIL=6 run pytest_kv_quant 150 python3 -m pytest -q -rf -x -p no:cacheprovider tests/test_gpu_kv_quant.py \

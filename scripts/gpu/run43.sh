@@ -8,15 +8,7 @@
 #   lora_64    4 mixed adapters at batch 64 against the base model (bench_lora.py)
 #   pytest_*   test_lora (the kernel's engine against mlx-lm, float32) and test_spec_decode_state on CUDA
 #   kv_256     quantized pages at batch 256 and the batch that fits in bf16's memory
-set -u
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-run() {  # name, seconds, command...
-  local name=$1 secs=$2; shift 2
-  local t=$SECONDS
-  timeout "$secs" "$@" 2>&1 | grep -v Warning > "$OUT/$name.txt"
-  echo "== $name (rc ${PIPESTATUS[0]}, $((SECONDS - t)) s)"; tail -${TAIL:-14} "$OUT/$name.txt"
-}
+source "$(dirname "$0")/lib.sh"
 for p in qwen3.5-27b-16l llama-8b; do
   peer=$([ "$p" = llama-8b ] && echo --skip-peer)
   TAIL=3 run "offline_$p" 150 python3 scripts/bench/bench_offline.py --preset "$p" --dtype bfloat16 --batch-sizes 256 \
