@@ -151,30 +151,38 @@ def test_compiled_steps_equal_built_steps_on_cuda(arch, kv_cache_dtype):
     assert engine.runner.compiled_decode.fns
 
 
-def test_steps_without_adapter_rows_compile_on_a_lora_engine(standins, tmp_path):
-    """A LoRA engine's steps whose rows all run the base model are compiled; steps with adapter rows
-    are built (each row's adapter is the step's, not a trace's): the tokens are the built engine's."""
+def test_lora_steps_compile_and_new_adapter_weights_make_new_traces(standins, tmp_path):
+    """A LoRA engine's decode steps compile, adapter rows included: a key holds the step's slots and the
+    adapters' generation, so a slot that takes another adapter's weights gets a new trace (a replay of
+    the old one would add the old adapter). Three adapters through two slots, staggered, with base rows:
+    the tokens are the built engine's."""
     from lora_utils import fresh, make_adapter
 
     from pagedmlx.lora.request import LoRARequest
 
     base = fresh()
-    adapter = LoRARequest("a", 1, make_adapter(str(tmp_path / "a"), base, rank=4, scale=10.0, seed=1))
+    adapters = [LoRARequest(f"a{i}", i + 1, make_adapter(str(tmp_path / f"a{i}"), base, rank=4, scale=10.0, seed=i))
+                for i in range(3)]
+    prompts = shared_prefix_prompts(9, seed=2)
+    loras = [adapters[i % 3] if i % 4 != 3 else None for i in range(len(prompts))]
 
     def run(compiled: Optional[bool]) -> tuple[dict[str, list[int]], LLMEngine]:
         engine = LLMEngine(base(), None, EngineConfig(block_size=4, num_blocks=96, max_num_seqs=4, enable_lora=True,
-                                                      max_loras=1, max_lora_rank=4, compile_decode=compiled))
+                                                      max_loras=2, max_lora_rank=4, compile_decode=compiled))
         runner = engine.runner
         runner.kernels = KernelPlan(CUDA, decode=True, page_write=True)
         runner.compiled_decode = None if compiled is False else CompiledDecode(runner, AUTO_MAX_DECODES)
-        for i, p in enumerate(shared_prefix_prompts(4, seed=2)):  # the adapter's requests end first
-            engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=4 if i % 2 else 16,
-                                                         ignore_eos=True), lora_request=adapter if i % 2 else None)
-        done = {}
-        while engine.has_unfinished_requests():
+        pending, done = list(enumerate(zip(prompts, loras))), {}
+        while pending or engine.has_unfinished_requests():
+            if pending and len(engine.scheduler.running) < 3:
+                i, (p, lora) = pending.pop(0)
+                engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=6 + i % 5, ignore_eos=True),
+                                   lora_request=lora)
             done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
         return done, engine
 
     built, _ = run(False)
     done, engine = run(None)
-    assert done == built and engine.runner.compiled_decode.fns
+    assert done == built
+    lora_keys = [k[-1] for k in engine.runner.compiled_decode.fns if k[-1] is not None]
+    assert lora_keys and len({generation for _, _, generation in lora_keys}) >= 2

@@ -44,6 +44,7 @@ class LoRAStep:
     dora_slots: frozenset  # host: those of them holding DoRA adapters
     slot_scales: mx.array  # (num_slots,) each slot's scale (0 for slot 0)
     slot_dora: Optional[mx.array] = None  # (num_slots,) bool, where a DoRA row is in the step
+    traced: bool = False  # built inside mx.compile's trace (compiled_step.py): nothing may be kept past it
     _scales: dict = field(default_factory=dict, repr=False)
     _masks: dict = field(default_factory=dict, repr=False)
     _dora_rows: Optional[mx.array] = field(default=None, repr=False)
@@ -145,11 +146,13 @@ class LinearWithLoRA(nn.Module):
     def used_stacks(self, step: LoRAStep) -> tuple[mx.array, mx.array]:
         """The step's used slots' A (k * R, in) and B (k * R, out), side by side in slot order."""
         key = tuple(sorted(step.slots))
-        if self._used[0] != key:
-            k_rank = step.used_columns.shape[0]
-            self._used = (key, self._lora_a_stacked[step.used].reshape(k_rank, -1),
-                          self._lora_b_stacked[step.used].reshape(k_rank, -1))
-        return self._used[1], self._used[2]
+        if self._used[0] == key:
+            return self._used[1], self._used[2]
+        k_rank = step.used_columns.shape[0]
+        used = (key, self._lora_a_stacked[step.used].reshape(k_rank, -1), self._lora_b_stacked[step.used].reshape(k_rank, -1))
+        if not step.traced:  # a trace's arrays are placeholders
+            self._used = used
+        return used[1], used[2]
 
     def set_lora(self, slot: int, weights: LoRALayerWeights) -> list[mx.array]:
         """Put an adapter's pair in `slot` (rank padded with zeros to max_rank); returns what to evaluate."""

@@ -54,6 +54,7 @@ class LoRAModelManager:
         self._slot_dora = np.zeros(self.num_slots, bool)
         self._slot_scales_dev = mx.array(self._slot_scales)
         self._slot_dora_dev = mx.array(self._slot_dora)
+        self.generation = 0  # changes whenever a slot's weights do: a compiled step's trace holds them
         self.layers: dict[str, LinearWithLoRA] = {}  # wrapped so far, by path
 
     # ---- adapters in and out ------------------------------------------------------------------
@@ -120,12 +121,21 @@ class LoRAModelManager:
         host = {"lora_indices": rows, "lora_used": used, "lora_used_columns": np.repeat(used, self.max_lora_rank)}
         return StepLoRA(host, slots, frozenset(s for s in slots if self._slot_dora[s]))
 
-    def begin_step(self, prepared: StepLoRA, dev: dict[str, mx.array]) -> None:
-        """Point every wrapped layer at the step's uploaded rows (until end_step)."""
+    def slot_arrays(self, prepared: StepLoRA) -> dict[str, mx.array]:
+        """The slots' scales (and DoRA flags, where the step has DoRA rows) on the device: a compiled
+        step's inputs, beside the rows' (begin_step)."""
+        out = {"lora_slot_scales": self._slot_scales_dev}
+        if prepared.dora_slots:
+            out["lora_slot_dora"] = self._slot_dora_dev
+        return out
+
+    def begin_step(self, prepared: StepLoRA, dev: dict[str, mx.array], traced: bool = False) -> None:
+        """Point every wrapped layer at the step's uploaded rows (until end_step); traced: inside a
+        compiled step's trace, whose dev also holds slot_arrays' (so a replay reads them anew)."""
+        dev = {**self.slot_arrays(prepared), **dev}
         self.punica.step = LoRAStep(
             int(prepared.host["lora_indices"].size), dev["lora_indices"], dev["lora_used"], dev["lora_used_columns"],
-            prepared.slots, prepared.dora_slots, self._slot_scales_dev,
-            self._slot_dora_dev if prepared.dora_slots else None)
+            prepared.slots, prepared.dora_slots, dev["lora_slot_scales"], dev.get("lora_slot_dora"), traced=traced)
 
     def end_step(self) -> None:
         self.punica.step = None
@@ -166,6 +176,7 @@ class LoRAModelManager:
         mx.eval(pending)
 
     def _set_slot_info(self, slot: int, scale: float, dora: bool) -> None:
+        self.generation += 1
         self._slot_scales[slot], self._slot_dora[slot] = scale, dora
         self._slot_scales_dev, self._slot_dora_dev = mx.array(self._slot_scales), mx.array(self._slot_dora)
 

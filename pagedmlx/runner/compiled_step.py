@@ -13,7 +13,8 @@ Only where every write is in place (the page-write kernel, and the state kernels
 layers: CUDA) can a step be replayed: MLX's scatter gives each write a new pool array, which a
 compiled graph cannot hand back. Quantized KV pages are written in place where 16-bit ones are
 (page_write.reshape_and_cache_quantized: mx.quantize, then the copy), so they compile too. Steps with
-prefill rows, adapter rows (LoRA) or a recurrent segment (a 1-token prompt) run as built. By default
+prefill rows or a recurrent segment (a 1-token prompt) run as built. A step with adapter rows (LoRA)
+is a key by its slots and the adapters' generation (a slot's new weights: a new trace). By default
 (EngineConfig.compile_decode None) steps of at most AUTO_MAX_DECODES requests are compiled at once:
 there the host's Python bounds the step, and such keys are few. A larger step is compiled once its
 key has come HOT_STEPS times (a steady batch: its size and table bucket unchanged), so that a batch
@@ -61,7 +62,7 @@ class CompiledDecode:
     def takes(self, so: SchedulerOutput) -> bool:
         r = self.runner
         has_state = len(so.state_slots) > 0
-        return (r.kernels.page_write and (r.lora_manager is None or not so.lora_int_ids.any())
+        return (r.kernels.page_write
                 and so.num_decodes == so.total_num_scheduled_tokens
                 and (self.larger or self.max_decodes is None or so.num_decodes <= self.max_decodes)
                 and (not has_state or (r.kernels.state and bool((so.state_slots[:, 0] >= 0).all()))))
@@ -80,16 +81,21 @@ class CompiledDecode:
                 table = b.host["decode_block_table"]
                 b.host["decode_block_table"] = np.pad(table, ((0, 0), (0, table_bucket(table.shape[1]) - table.shape[1])))
             host.update({f"{g}.{k}": v for k, v in b.host.items()})
+        lora = r.lora_manager.prepare_step(so.lora_int_ids, so.num_scheduled_tokens) if r.lora_manager else None
+        if lora is not None:
+            host.update(lora.host)
         dev = upload_indices(host)
         state_md = StateMetadata.build(so) if len(so.state_slots) else None
         state = {} if state_md is None else {f: getattr(state_md, f) for f in _STATE_FIELDS
                                               if getattr(state_md, f) is not None}
-        arrays = {**dev, **{f"state.{k}": v for k, v in state.items()}}
+        arrays = {**dev, **{f"state.{k}": v for k, v in state.items()},
+                  **(r.lora_manager.slot_arrays(lora) if lora is not None else {})}
         if prev_sampled is not None and "placeholder_rows" in dev:
             arrays["prev_sampled"] = prev_sampled
         names = tuple(arrays)
         key = (tuple((n, arrays[n].shape, arrays[n].dtype) for n in names), tuple(b.splits for b in builders),
-               state_md.num_decodes if state_md is not None else None)
+               state_md.num_decodes if state_md is not None else None,
+               (lora.slots, lora.dora_slots, r.lora_manager.generation) if lora is not None else None)
         fn = self.fns.get(key)
         if fn is None:
             if self.max_decodes is not None and so.num_decodes > self.max_decodes:
@@ -99,13 +105,13 @@ class CompiledDecode:
                 if self.seen[key] < HOT_STEPS:
                     return None
                 del self.seen[key]
-            fn = self.fns[key] = mx.compile(self._trace(names, builders, state_md is not None, so.num_decodes))
+            fn = self.fns[key] = mx.compile(self._trace(names, builders, state_md is not None, so.num_decodes, lora))
             while len(self.fns) > MAX_TRACES:
                 self.fns.popitem(last=False)
         self.fns.move_to_end(key)
         return fn(*(arrays[n] for n in names))
 
-    def _trace(self, names: tuple, builders: list, has_state: bool, num_decodes: int) -> Callable:
+    def _trace(self, names: tuple, builders: list, has_state: bool, num_decodes: int, lora: Any = None) -> Callable:
         r = self.runner
 
         def forward(*arrays: mx.array) -> mx.array:
@@ -120,6 +126,13 @@ class CompiledDecode:
                 prev = d["prev_sampled"]
                 inputs = mx.put_along_axis(inputs, md.placeholder_rows, prev[md.placeholder_src].astype(inputs.dtype),
                                            axis=0)
-            return r.logits(inputs[:, None], r.make_caches(md, r.kv_pool, state_md, r.state_pool), md.logits_indices)
+            caches = r.make_caches(md, r.kv_pool, state_md, r.state_pool)
+            if lora is None:
+                return r.logits(inputs[:, None], caches, md.logits_indices)
+            r.lora_manager.begin_step(lora, d, traced=True)
+            try:
+                return r.logits(inputs[:, None], caches, md.logits_indices)
+            finally:
+                r.lora_manager.end_step()
 
         return forward
