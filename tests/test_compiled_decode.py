@@ -111,8 +111,8 @@ def test_by_default_a_larger_step_is_compiled_once_its_key_is_hot(standins):
     results, real = [], compiled.__call__
 
     class Spy(CompiledDecode):  # (a dunder is looked up on the class: the instance's class is swapped)
-        def __call__(self, so, prev):
-            out = real(so, prev)
+        def __call__(self, so, prev, lora=None):
+            out = real(so, prev, lora)
             results.append((so.num_decodes, out is not None))
             return out
 

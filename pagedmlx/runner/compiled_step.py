@@ -67,8 +67,9 @@ class CompiledDecode:
                 and (self.larger or self.max_decodes is None or so.num_decodes <= self.max_decodes)
                 and (not has_state or (r.kernels.state and bool((so.state_slots[:, 0] >= 0).all()))))
 
-    def __call__(self, so: SchedulerOutput, prev_sampled: Optional[mx.array]) -> Optional[mx.array]:
-        """The step's logits through its key's trace; None where the key is not hot yet (build the step)."""
+    def __call__(self, so: SchedulerOutput, prev_sampled: Optional[mx.array], lora: Any = None) -> Optional[mx.array]:
+        """The step's logits through its key's trace; None where the key is not hot yet (build the step).
+        lora: the step's adapter rows (LoRAModelManager.prepare_step), None without."""
         r = self.runner
         host = dict(input_ids=so.input_ids, positions=so.positions, logits_indices=so.logits_indices)
         if len(so.placeholder_rows):
@@ -81,7 +82,6 @@ class CompiledDecode:
                 table = b.host["decode_block_table"]
                 b.host["decode_block_table"] = np.pad(table, ((0, 0), (0, table_bucket(table.shape[1]) - table.shape[1])))
             host.update({f"{g}.{k}": v for k, v in b.host.items()})
-        lora = r.lora_manager.prepare_step(so.lora_int_ids, so.num_scheduled_tokens) if r.lora_manager else None
         if lora is not None:
             host.update(lora.host)
         dev = upload_indices(host)

@@ -316,16 +316,16 @@ class ModelRunner:
         Lazy where MLX scatters the pages. Where kernels write them in place, the step is
         dispatched (mx.async_eval) before this returns: MLX sees no dependency between one step's
         page reads and the next step's writes, so steps must reach the device in order."""
+        lora = self.lora_manager.prepare_step(so.lora_int_ids, so.num_scheduled_tokens) if self.lora_manager else None
         if self.compiled_decode is not None and kv_pool is None and self.compiled_decode.takes(so):
             try:
-                logits = self.compiled_decode(so, prev_sampled)
+                logits = self.compiled_decode(so, prev_sampled, lora)
                 if logits is not None:
                     mx.async_eval(logits)
                     return logits
             except Exception as exc:  # noqa: BLE001 - an optimisation: the step is built instead
                 logger.warning("compiled decode steps off: %s", error_line(exc))
                 self.compiled_decode = None
-        lora = self.lora_manager.prepare_step(so.lora_int_ids, so.num_scheduled_tokens) if self.lora_manager else None
         md = StepMetadata.build(so, self.block_size, self.windows, self.kernel_kv_heads, self.kernels.page_write,
                                 self.kernels.backend, self.sdpa_quantum, self.prefill_heads,
                                 lora.host if lora is not None else None)
