@@ -49,6 +49,13 @@ def test_on_the_cpu_every_layer_of_every_family_runs_the_portable_path(arch):
     assert CoreInfo.of(e.core).kernel_lines == ON_THE_CPU[arch]  # what the server prints at start
 
 
+def test_a_lora_engine_says_what_runs_its_adapters():
+    e = engine("llama", enable_lora=True, max_loras=2, max_lora_rank=8)
+    assert kernel_path_lines(e.runner)[-1] == "LoRA adapters: MLX's stacked products (no GPU backend)"
+    e.runner.lora_manager.punica.kernel_backend = "cuda"
+    assert kernel_path_lines(e.runner)[-1] == "LoRA adapters: batched LoRA kernel on cuda (DoRA rows: MLX's products)"
+
+
 def llama_bf16(head_dim: int = 128, heads: int = 4, kv_heads: int = 1):
     model = build_model(dict(model_type="llama", hidden_size=heads * head_dim, num_hidden_layers=2,
                              intermediate_size=64, num_attention_heads=heads, num_key_value_heads=kv_heads,

@@ -76,10 +76,11 @@ def test_busy_engine_on_the_kernel_equals_mlx_lm_alone(emulated, monkeypatch, tm
 def test_the_selector_runs_the_kernel_only_where_its_check_passes(emulated, monkeypatch, caplog):
     from pagedmlx.kernels.selector import KernelPlan, select_lora_kernel
 
-    assert select_lora_kernel(KernelPlan(None, reason="no GPU backend")) is None
-    assert select_lora_kernel(KernelPlan(CUDA, reason="PAGEDMLX_CUDA_KERNELS=0")) is None
-    assert select_lora_kernel(KernelPlan(CUDA)) == CUDA
+    assert select_lora_kernel(KernelPlan(None, reason="no GPU backend")) == (None, "no GPU backend")
+    assert select_lora_kernel(KernelPlan(CUDA, reason="PAGEDMLX_CUDA_KERNELS=0")) == (None, "PAGEDMLX_CUDA_KERNELS=0")
+    assert select_lora_kernel(KernelPlan(CUDA)) == (CUDA, None)
     monkeypatch.setattr(lora_source, "ADD_LORA", lora_source.ADD_LORA.replace("scale * static_cast", "static_cast"))
     lora._kernel.cache_clear()
-    assert select_lora_kernel(KernelPlan(CUDA)) is None
-    assert "batched LoRA kernel is off" in caplog.text and "max relative difference" in caplog.text
+    backend, why = select_lora_kernel(KernelPlan(CUDA))
+    assert backend is None and why.startswith("its load-time check failed in float32: max relative difference")
+    assert "batched LoRA kernel is off" in caplog.text

@@ -111,21 +111,22 @@ def select_kernels(layer_specs: list[tuple[int, int, int, mx.Dtype]], query_head
     return plan
 
 
-def select_lora_kernel(plan: KernelPlan) -> Optional[str]:
-    """The backend where batched LoRA runs kernels/lora.py's kernel (after its check, each load), None
-    where it runs MLX's products (no GPU, kernels off by the environment, or a failed check)."""
+def select_lora_kernel(plan: KernelPlan) -> tuple[Optional[str], Optional[str]]:
+    """(the backend where batched LoRA runs kernels/lora.py's kernel, after its check at each load; None
+    where MLX's products run the adapters, and then why: no GPU, kernels off by the environment, or a
+    failed check)."""
     if plan.backend is None or plan.reason is not None and plan.reason.endswith("_KERNELS=0"):
-        return None
+        return None, plan.reason or "no GPU backend"
     for dtype in (mx.float32, mx.bfloat16):
         try:
             err = lora.check_add_lora(plan.backend, dtype)
         except Exception as exc:  # the kernel failed to build or run
             err = f"did not compile or run ({check.error_line(exc)})"
         if err is not None:
-            logger.warning("pagedmlx: the batched LoRA kernel is off (%s): %s; MLX's products run the adapters",
-                           dtype, err)
-            return None
-    return plan.backend
+            why = f"its load-time check failed in {str(dtype).split('.')[-1]}: {err}"
+            logger.warning("pagedmlx: the batched LoRA kernel is off (%s); MLX's products run the adapters", why)
+            return None, why
+    return plan.backend, None
 
 
 def kernel_shapes(layer_specs: list[tuple[int, int, int, mx.Dtype]], query_heads: list[int],

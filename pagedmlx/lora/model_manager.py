@@ -43,6 +43,7 @@ class LoRAModelManager:
         self.capacity = max(max_cpu_loras or max_loras, max_loras)
         self.in_use = in_use
         self.punica = PunicaWrapper(kernel_backend)
+        self.kernel_reason: Optional[str] = None  # why the kernel does not run (kernel_backend None)
         self.num_slots = max_loras + 1  # slot 0: rows without an adapter
         self._cache: OrderedDict[int, LoRAModel] = OrderedDict()  # host copies, least recently used first
         self._requests: dict[int, LoRARequest] = {}  # every adapter added and not removed: read again from its folder

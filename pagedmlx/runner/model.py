@@ -106,8 +106,11 @@ class ModelRunner:
         if any(p.state is not None for p in self.plan):
             raise UnsupportedModelError(f"enable_lora: model type {model_type(self.model)!r} has recurrent-state "
                                         "layers, whose rows are regrouped by request; LoRA is not served there yet")
-        return LoRAModelManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
-                                kernel_backend=select_lora_kernel(self.kernels))
+        backend, why = select_lora_kernel(self.kernels)
+        manager = LoRAModelManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
+                                   kernel_backend=backend)
+        manager.kernel_reason = why
+        return manager
 
     @property
     def pages_in_place(self) -> bool:
