@@ -14,7 +14,8 @@ layers: CUDA) can a step be replayed: MLX's scatter gives each write a new pool 
 compiled graph cannot hand back. Quantized KV pages are written in place where 16-bit ones are
 (page_write.reshape_and_cache_quantized: mx.quantize, then the copy), so they compile too. Steps with
 prefill rows or a recurrent segment (a 1-token prompt) run as built. A step with adapter rows (LoRA)
-is a key by its slots and the adapters' generation (a slot's new weights: a new trace). By default
+is a key by its slots and the adapters' generation (a slot's new weights: a new trace), compiled only
+once hot (below), so that adapters taking turns in the slots never cost a trace a step. By default
 (EngineConfig.compile_decode None) steps of at most AUTO_MAX_DECODES requests are compiled at once:
 there the host's Python bounds the step, and such keys are few. A larger step is compiled once its
 key has come HOT_STEPS times (a steady batch: its size and table bucket unchanged), so that a batch
@@ -98,7 +99,7 @@ class CompiledDecode:
                (lora.slots, lora.dora_slots, r.lora_manager.generation) if lora is not None else None)
         fn = self.fns.get(key)
         if fn is None:
-            if self.max_decodes is not None and so.num_decodes > self.max_decodes:
+            if lora is not None or self.max_decodes is not None and so.num_decodes > self.max_decodes:
                 if len(self.seen) > 4 * MAX_TRACES:
                     self.seen.clear()
                 self.seen[key] = self.seen.get(key, 0) + 1
