@@ -35,15 +35,17 @@ class StepLoRA:
 
 class LoRAModelManager:
     def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int, max_cpu_loras: Optional[int] = None,
-                 in_use: Callable[[], set[int]] = set, kernel_backend: Optional[str] = None):
+                 in_use: Callable[[], set[int]] = set, kernel_backend: Optional[str] = None,
+                 kernel_reason: Optional[str] = None):
         """in_use: the adapter ids unfinished requests hold (the engine core's); kernel_backend: where
-        kernels/lora.py runs the LoRA rows (selector.select_lora_kernel), None: MLX's products."""
+        kernels/lora.py runs the LoRA rows (selector.select_lora_kernel), None: MLX's products, for
+        kernel_reason."""
         self.model = model
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.capacity = max(max_cpu_loras or max_loras, max_loras)
         self.in_use = in_use
         self.punica = PunicaWrapper(kernel_backend)
-        self.kernel_reason: Optional[str] = None  # why the kernel does not run (kernel_backend None)
+        self.kernel_reason = kernel_reason
         self.num_slots = max_loras + 1  # slot 0: rows without an adapter
         self._cache: OrderedDict[int, LoRAModel] = OrderedDict()  # host copies, least recently used first
         self._requests: dict[int, LoRARequest] = {}  # every adapter added and not removed: read again from its folder

@@ -107,10 +107,8 @@ class ModelRunner:
             raise UnsupportedModelError(f"enable_lora: model type {model_type(self.model)!r} has recurrent-state "
                                         "layers, whose rows are regrouped by request; LoRA is not served there yet")
         backend, why = select_lora_kernel(self.kernels)
-        manager = LoRAModelManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
-                                   kernel_backend=backend)
-        manager.kernel_reason = why
-        return manager
+        return LoRAModelManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
+                                kernel_backend=backend, kernel_reason=why)
 
     @property
     def pages_in_place(self) -> bool:
