@@ -111,6 +111,7 @@ class RequestOutputBuilder:
         self.lora_request = lora_request
         self.latest: dict[int, EngineOutput] = {}
         self.outputs: dict[int, CompletionOutput] = {}
+        self._token_ids: dict[int, list[int]] = {}  # from the deltas: an output read late keeps its own step's
         self._logprobs: dict[int, list[dict[int, Logprob]]] = {}
         self._cumulative: dict[int, float] = {}
         self.prompt_logprobs: Optional[list] = None
@@ -121,13 +122,20 @@ class RequestOutputBuilder:
         """Take sample `index`'s latest output; the request's RequestOutput so far (cumulative)."""
         self.latest[index] = out
         logprobs = cumulative = None
+        # Until it finishes, an output's token_ids / logprobs are the request's growing lists (EngineOutput):
+        # a consumer that lags behind the engine would read later steps' tokens in them, so the deltas count.
+        token_ids = self._token_ids.setdefault(index, [])
+        if out.finished:
+            token_ids[:] = out.token_ids
+        else:
+            token_ids.extend(out.new_token_ids)
         if out.logprobs is not None:
             logprobs = self._logprobs.setdefault(index, [])
-            new = out.logprobs[len(logprobs):]
+            new = out.logprobs[len(logprobs):] if out.finished else out.new_logprobs or []
             logprobs.extend(self._vllm_logprobs(lp) for lp in new)
             cumulative = self._cumulative[index] = self._cumulative.get(index, 0.0) + sum(lp.logprob for lp in new)
             logprobs = list(logprobs)
-        self.outputs[index] = CompletionOutput(index, out.text, list(out.token_ids), cumulative, logprobs,
+        self.outputs[index] = CompletionOutput(index, out.text, list(token_ids), cumulative, logprobs,
                                                out.finish_reason, out.stop_reason)
         if self.prompt_logprobs is None and out.prompt_logprobs is not None:
             self.prompt_logprobs = [None] + [self._vllm_logprobs(lp) for lp in out.prompt_logprobs]

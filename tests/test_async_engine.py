@@ -12,6 +12,7 @@ from utils import assert_no_leaks, make_model, solo_greedy
 from pagedmlx.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError, TooManyRequestsError
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine import LLMEngine
+from pagedmlx.outputs import EngineOutput, RequestOutputBuilder
 from pagedmlx.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -181,3 +182,18 @@ def test_idle_engine_thread_sleeps():
     assert len(checks) <= 2, len(checks)  # woken by nothing: no polling
     ae.shutdown()
     assert not ae.client.thread.is_alive()
+
+
+def test_an_output_read_late_holds_its_own_steps_tokens():
+    """EngineOutput.token_ids is the request's growing list until it finishes: a consumer that lags
+    behind the engine must still see each step's RequestOutput as it was (tokens and text agreeing)."""
+    ids: list[int] = []
+    outs = []
+    for t in (5, 6, 7):  # three steps before the consumer reads any
+        ids.append(t)
+        outs.append(EngineOutput("r", [1], ids, "x" * len(ids), [t], "x", finished=t == 7,
+                                 finish_reason="length" if t == 7 else None))
+    builder = RequestOutputBuilder("r", None, 1)
+    got = [builder.add(0, out).outputs[0] for out in outs]
+    assert [o.token_ids for o in got] == [[5], [5, 6], [5, 6, 7]]
+    assert [len(o.text) for o in got] == [1, 2, 3]
