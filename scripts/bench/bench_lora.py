@@ -106,7 +106,10 @@ def main() -> None:
         rng = random.Random(batch)
         prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(batch)]
         mixed_loras = [adapters[i % len(adapters)] for i in range(batch)]
-        run(lora_engine, prompts[:2], 4, mixed_loras[:2])  # warm-up: adapters into their slots
+        # warm-up at the measured batch: adapters into their slots, kernels JIT-compiled and each case's decode
+        # step hot enough to be compiled (its trace would otherwise land in the first measured run)
+        for engine, loras in ((base_engine, [None] * batch), (lora_engine, [None] * batch), (lora_engine, mixed_loras)):
+            run(engine, prompts, 8, loras)
         cells = {"base": [], "base+lora": [], "mixed": []}
         for _ in range(args.repeats):  # interleaved, so that drift hits all three alike
             cells["base"].append(run(base_engine, prompts, args.gen_len, [None] * batch))
