@@ -42,7 +42,7 @@ def test_emulated_kernel_passes_its_check(emulated, backend, dtype):
 
 @pytest.mark.parametrize("mutant", [
     ("scale * static_cast", "static_cast"),  # the adapter's scale forgotten
-    ("j * 256", "j * 128"),  # a thread's columns overlap the next thread's: some never written
+    ("o += 256 * VOUT", "o += 512 * VOUT"),  # every other stride of a tile never written
     ("indices[t]", "indices[GROUP_X]"),  # a row takes another row's adapter
     ("part[w * 16 + THREAD_IN_GROUP]", "part[THREAD_IN_GROUP]"),  # one warp's sums taken for the whole row's
     ("r0 += 16", "r0 += 32"),  # ranks 16-19 never computed (left unset in shared memory)

@@ -20,8 +20,13 @@ from pagedmlx.kernels.dialect import render
 from pagedmlx.kernels.sources import lora as src
 
 THREADS = 256  # a group's (sources/lora.py)
-COLS = 4  # output columns a thread: a tile of THREADS * COLS columns a group, so each row's shrink is
-# recomputed OUT / 1024 times (4 for a 4096-wide projection) and a step is about one wave of groups
+GROUPS = 128  # groups a launch aims at (about one a streaming multiprocessor of an H100 / H200)
+
+
+def tiles_for(rows: int, out_dims: int) -> int:
+    """Groups a row (tiles of its output columns). Each recomputes the row's shrink, R * IN reads of A
+    from L2, so a row takes as few as keep ~GROUPS groups busy: 2 at 64 rows, 1 from 128, OUT / 256 at 1."""
+    return max(1, min(-(-out_dims // THREADS), -(-GROUPS // rows)))
 
 
 def add_lora_source(backend: str) -> str:
@@ -31,26 +36,33 @@ def add_lora_source(backend: str) -> str:
 @functools.lru_cache(maxsize=None)
 def _kernel(backend: str):
     return build.make_kernel(backend, "pagedmlx_add_lora", ["x", "y", "lora_a", "lora_b", "indices", "scales"],
-                             ["out"], add_lora_source(backend), "")
+                             ["out"], add_lora_source(backend), render(src.HEADER, backend))
 
 
 def add_lora(x: mx.array, y: mx.array, lora_a: mx.array, lora_b: mx.array, indices: mx.array, scales: mx.array,
-             backend: Optional[str] = None) -> mx.array:
+             backend: Optional[str] = None, tiles: Optional[int] = None) -> mx.array:
     """y + scales[s] * ((x @ lora_a[s].T) @ lora_b[s]) for each row with slot s = indices[row] (y where s is 0).
     x (T, IN), y (T, OUT) in the activations' dtype; lora_a (S, R, IN), lora_b (S, R, OUT); indices (T,)
-    int32; scales (S,) float32."""
+    int32; scales (S,) float32. tiles: groups a row (default tiles_for's)."""
     rows, in_dims = x.shape
     out_dims = y.shape[1]
-    template = [("T", x.dtype), ("IN", in_dims), ("OUT", out_dims), ("R", lora_a.shape[1]), ("COLS", COLS)]
+    vec = 16 // x.dtype.size  # elements a 16-byte load; a width that is no multiple is read one at a time
+    vin, vout = (vec if n % vec == 0 else 1 for n in (in_dims, out_dims))
+    tiles = tiles or tiles_for(rows, out_dims)
+    step = THREADS * vout
+    chunk = -(-out_dims // (tiles * step)) * step  # output columns a group
+    template = [("T", x.dtype), ("IN", in_dims), ("OUT", out_dims), ("R", lora_a.shape[1]), ("VIN", vin),
+                ("VOUT", vout), ("CHUNK", chunk)]
     return _kernel(backend or build.gpu_backend())(
         inputs=[x, y, lora_a, lora_b, indices, scales], template=template,
-        grid=(-(-out_dims // (THREADS * COLS)) * THREADS, rows, 1), threadgroup=(THREADS, 1, 1),
+        grid=(-(-out_dims // chunk) * THREADS, rows, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(rows, out_dims)], output_dtypes=[y.dtype])[0]
 
 
 def check_add_lora(backend: str, dtype: mx.Dtype = mx.bfloat16, seed: int = 0) -> Optional[str]:
     """The kernel against the same products in float64 (numpy) on a random case: rows of three
-    adapters and of none, ranks padded with zeros, an output width that is no multiple of the tile.
+    adapters and of none, ranks padded with zeros, an output width that is no multiple of the tile, at
+    three tilings.
     None if it agrees within the dtype's tolerance, else what differs."""
     rng = np.random.default_rng(seed)
     rows, in_dims, out_dims, slots, rank = 9, 600, 1300, 4, 20  # ranks in two chunks, rows and tiles partial
@@ -63,10 +75,13 @@ def check_add_lora(backend: str, dtype: mx.Dtype = mx.bfloat16, seed: int = 0) -
     scales = np.array([0, 2.0, 0.5, 1.25], np.float32)
     want = y + scales[idx, None] * np.einsum("tr,tro->to", np.einsum("ti,tri->tr", x, a[idx]), b[idx])
     args = [mx.array(v.astype(np.float32)).astype(dtype) for v in (x, y, a, b)]
-    got = add_lora(*args, mx.array(idx), mx.array(scales), backend=backend)
-    got = np.array(got.astype(mx.float32))
-    if not np.array_equal(got[idx == 0], np.array(args[1].astype(mx.float32))[idx == 0]):
-        return "rows without an adapter differ from the base output"
-    tol = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 4e-2}[dtype]
-    err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-6))
-    return None if np.isfinite(err) and err <= tol else f"max relative difference {err:.2e} > {tol:.0e}"
+    for tiles in sorted({1, 2, tiles_for(rows, out_dims)}):  # tiles of 1300, 768 and 256 columns (bf16)
+        got = add_lora(*args, mx.array(idx), mx.array(scales), backend=backend, tiles=tiles)
+        got = np.array(got.astype(mx.float32))
+        if not np.array_equal(got[idx == 0], np.array(args[1].astype(mx.float32))[idx == 0]):
+            return f"rows without an adapter differ from the base output ({tiles} groups a row)"
+        tol = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 4e-2}[dtype]
+        err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-6))
+        if not (np.isfinite(err) and err <= tol):
+            return f"max relative difference {err:.2e} > {tol:.0e} ({tiles} groups a row)"
+    return None

@@ -9,6 +9,7 @@ step at batch 64), --slots adapters of rank --rank side by side (layers.py's sta
   epilogue  y + (scale * z).astype      (fused by mx.compile in layers.py)
   lora      all four above, as layers.py runs them after the base product on the CPU
   kernel    kernels/lora.py's one kernel for all four (a GPU only), as layers.py runs it there
+  kernel tN the same with N groups a row (tiles of its output columns; each recomputes the row's shrink)
 
 Each row: wall ms per step (all layers' ops of that kind, one mx.eval; median of --runs) and µs per op.
 
@@ -18,6 +19,7 @@ Each row: wall ms per step (all layers' ops of that kind, one mx.eval; median of
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -86,8 +88,10 @@ def main() -> None:
              "epilogue": lambda: [_add_scaled(p["y"], scales, p["z"]) for p in layers],
              "lora": lambda: [lora(p) for p in layers]}
     if build.gpu_backend() is not None:
-        cases["kernel"] = lambda: [lora_kernel.add_lora(p["x"], p["y"], p["a3"], p["b3"], indices, slot_scales)
-                                   for p in layers]
+        for tiles in (None, 1, 2, 4, 8):  # None: lora.tiles_for's choice, as layers.py runs it
+            cases["kernel" if tiles is None else f"kernel t{tiles}"] = functools.partial(
+                lambda t: [lora_kernel.add_lora(p["x"], p["y"], p["a3"], p["b3"], indices, slot_scales, tiles=t)
+                           for p in layers], tiles)
     print(f"study_lora_ops on {mx.default_device()}, {time.strftime('%Y-%m-%d %H:%M')}: {args.rows} rows, "
           f"{args.layers} Llama-8B layers ({len(layers)} projections), {args.slots} slots of rank {args.rank}, "
           f"{args.dtype}, median of {args.runs}")

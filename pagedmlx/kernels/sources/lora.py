@@ -1,25 +1,41 @@
 """Batched LoRA (vLLM's punica BGMV shrink and expand, fused) in the portable dialect (kernels/dialect.py);
 kernels/lora.py renders, builds and launches it."""
 
+HEADER = """
+// V elements of type T at p, as floats: one 16-byte load where V elements fill one (the host passes
+// V = 1 for a width that would misalign rows), else V loads.
+template <typename T, int V, typename P>
+FUNC void load_elems(THREAD float (&f)[V], P p) {
+    if (V * (int)sizeof(T) == 16) {
+        const uint4 raw = LOAD16(reinterpret_cast<const DEVICE uint4*>(p));
+        auto e = reinterpret_cast<THREAD const T*>(&raw);
+        #pragma unroll
+        for (int k = 0; k < V; ++k) f[k] = static_cast<float>(e[k]);
+    } else {
+        #pragma unroll
+        for (int k = 0; k < V; ++k) f[k] = static_cast<float>(p[k]);
+    }
+}
+"""
+
 ADD_LORA = """
-    // One group of 256 threads per (row, tile of 256 * COLS output columns). The row's slot s picks
-    // its adapter; slot 0 (no adapter) copies the base output. Shrink: a[r] = x . A[s, r] for r < R
-    // (recomputed by each tile of the row: R * IN multiply-adds, read from cache), rounded to the
-    // activations' type as mlx-lm's x @ lora_a is. Expand and add, COLS
-    // columns a thread 256 apart: out = y + scale[s] * (a @ B[s]), rounded step by step as mlx-lm's
-    // LoRALinear.
+    // One group of 256 threads per (row, tile of CHUNK output columns). The row's slot s picks its
+    // adapter; slot 0 (no adapter) copies the base output. Reads are VIN / VOUT elements a load (16
+    // bytes where the widths allow), so that a thread has 16 such loads in flight: at 2 bytes a load
+    // this kernel was bound by the latency of L2, not its bandwidth.
     const int t = GROUP_Y;
-    const int o0 = GROUP_X * (256 * COLS) + THREAD_IN_GROUP;
+    const int lo = GROUP_X * CHUNK;
+    const int hi = IMIN(OUT, lo + CHUNK);
     const int s = indices[t];
     auto yr = y + (size_t)t * OUT;
     auto outr = out + (size_t)t * OUT;
     if (s == 0) {
-        for (int j = 0; j < COLS && o0 + j * 256 < OUT; ++j) outr[o0 + j * 256] = yr[o0 + j * 256];
+        for (int o = lo + THREAD_IN_GROUP; o < hi; o += 256) outr[o] = yr[o];
         return;  // the whole group: s is the row's
     }
-    // Shrink, 16 ranks at a time: each thread takes every 256th element of the row for all 16 ranks
-    // (16 independent loads an element in flight, not one dependent chain a warp), then the sums are
-    // reduced over each warp's lanes and the 8 warps.
+    // Shrink, 16 ranks at a time: a[r] = x . A[s, r] (recomputed by each tile of the row, from L2),
+    // rounded to the activations' type as mlx-lm's x @ lora_a is. Each thread takes VIN elements of
+    // every 256 * VIN for all 16 ranks, then the sums are reduced over each warp's lanes and the 8 warps.
     SHARED float part[8 * 16];
     SHARED float a_sh[R];
     auto xr = x + (size_t)t * IN;
@@ -28,11 +44,18 @@ ADD_LORA = """
         float acc[16];
         #pragma unroll
         for (int j = 0; j < 16; ++j) acc[j] = 0.0f;
-        for (int i = THREAD_IN_GROUP; i < IN; i += 256) {
-            const float xv = static_cast<float>(xr[i]);
+        for (int i = THREAD_IN_GROUP * VIN; i < IN; i += 256 * VIN) {
+            float xv[VIN];
+            load_elems<T, VIN>(xv, xr + i);
             #pragma unroll
-            for (int j = 0; j < 16; ++j)
-                if (r0 + j < R) acc[j] += xv * static_cast<float>(as[(size_t)(r0 + j) * IN + i]);
+            for (int j = 0; j < 16; ++j) {
+                if (r0 + j < R) {
+                    float av[VIN];
+                    load_elems<T, VIN>(av, as + (size_t)(r0 + j) * IN + i);
+                    #pragma unroll
+                    for (int k = 0; k < VIN; ++k) acc[j] += xv[k] * av[k];
+                }
+            }
         }
         #pragma unroll
         for (int j = 0; j < 16; ++j)
@@ -49,13 +72,27 @@ ADD_LORA = """
         }
         BARRIER();
     }
+    // Expand and add, VOUT columns a thread every 256 * VOUT: out = y + scale[s] * (a @ B[s]), rounded
+    // step by step as mlx-lm's LoRALinear.
     const float scale = scales[s];
     auto br = lora_b + (size_t)s * R * OUT;
-    for (int j = 0; j < COLS && o0 + j * 256 < OUT; ++j) {
-        const int o = o0 + j * 256;
-        float z = 0.0f;
-        for (int r = 0; r < R; ++r) z += a_sh[r] * static_cast<float>(br[(size_t)r * OUT + o]);
-        const float w = static_cast<float>(static_cast<T>(scale * static_cast<float>(static_cast<T>(z))));
-        outr[o] = static_cast<T>(static_cast<float>(yr[o]) + w);
+    for (int o = lo + THREAD_IN_GROUP * VOUT; o < hi; o += 256 * VOUT) {
+        float z[VOUT];
+        #pragma unroll
+        for (int k = 0; k < VOUT; ++k) z[k] = 0.0f;
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float bv[VOUT];
+            load_elems<T, VOUT>(bv, br + (size_t)r * OUT + o);
+            #pragma unroll
+            for (int k = 0; k < VOUT; ++k) z[k] += a_sh[r] * bv[k];
+        }
+        float yv[VOUT];
+        load_elems<T, VOUT>(yv, yr + o);
+        #pragma unroll
+        for (int k = 0; k < VOUT; ++k) {
+            const float w = static_cast<float>(static_cast<T>(scale * static_cast<float>(static_cast<T>(z[k]))));
+            outr[o + k] = static_cast<T>(yv[k] + w);
+        }
     }
 """
