@@ -45,12 +45,12 @@ def standins(monkeypatch):
 
 
 def _engine(arch: str, compiled: Optional[bool], standins: bool, kv_cache_dtype: str = "auto",
-            max_num_seqs: int = 4) -> LLMEngine:
+            max_num_seqs: int = 4, **config) -> LLMEngine:
     # A model of its own (seed 3): the stand-ins class-swap a state model's modules (install_kernels).
     model = make_model(arch, seed=3 if standins else 0)
     engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=96, max_num_seqs=max_num_seqs,
                                                  async_scheduling=True, compile_decode=compiled,
-                                                 kv_cache_dtype=kv_cache_dtype))
+                                                 kv_cache_dtype=kv_cache_dtype, **config))
     if standins:
         runner = engine.runner
         state = [p.state.owner for p in runner.plan if p.state is not None]
@@ -186,3 +186,32 @@ def test_lora_steps_compile_and_new_adapter_weights_make_new_traces(standins, tm
     assert done == built
     lora_keys = [k[-1] for k in engine.runner.compiled_decode.fns if k[-1] is not None]
     assert lora_keys and len({generation for _, _, generation in lora_keys}) >= 2
+
+
+def test_verifying_steps_run_as_decode_rows_and_compile(standins):
+    """Speculative steps (each request's last token and 3 drafts) run every token as a decode row
+    where the decode kernel runs, so they replay a trace too; the tokens are the built engine's."""
+    config = dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 64,
+                                      "min_acceptance_rate": 0.0})
+
+    def run(compiled: Optional[bool]) -> tuple[dict, list]:
+        engine = _engine("llama", compiled, True, **config)
+        engine.drafter.proposer.propose = lambda req, room: [5, 6, 7][:room]
+        steps = []
+        if compiled is not False:
+            cd, real = engine.runner.compiled_decode, engine.runner.compiled_decode.__call__
+
+            class Spy(CompiledDecode):
+                def __call__(self, so, prev, lora=None):
+                    out = real(so, prev, lora)
+                    steps.append((so.total_num_scheduled_tokens > so.num_reqs, out is not None))
+                    return out
+
+            cd.__class__ = Spy
+        return run_staggered(engine, shared_prefix_prompts(4, seed=7), params, seed=1), steps
+
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    built, _ = run(False)
+    compiled, steps = run(True)
+    assert compiled == built
+    assert any(verify and replayed for verify, replayed in steps)

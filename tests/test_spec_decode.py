@@ -22,6 +22,8 @@ from utils import (ARCHS, CHI2_P1E4, assert_no_leaks, chi_square, make_model, ru
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine import LLMEngine
+from pagedmlx.runner import attention, attention_metadata
+from pagedmlx.runner.model import ModelRunner
 from pagedmlx.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
@@ -68,14 +70,30 @@ def busy_prompts(model_name: str, seed: int) -> list[list[int]]:
     return prompts
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3-tiny"])
-def test_busy_engine_with_drafts_equals_solo(arch):
+def as_decode_rows(monkeypatch) -> list:
+    """Steps built as where the decode kernel runs (short segments' tokens as decode rows), each row
+    gathering its pages as a layer the kernel does not take would; returns decode_token_rows' answers."""
+    monkeypatch.setattr(ModelRunner, "kernel_kv_heads", property(lambda runner: [1] * len(runner.windows)))
+    monkeypatch.setattr(attention, "decode_kernel_takes", lambda *a: False)
+    rows_steps, real = [], attention_metadata.decode_token_rows
+    monkeypatch.setattr(attention_metadata, "decode_token_rows", lambda so: rows_steps.append(real(so)) or rows_steps[-1])
+    return rows_steps
+
+
+@pytest.mark.parametrize("arch,decode_rows", [("llama", False), ("qwen3", False), ("gemma3-tiny", False),
+                                               ("llama", True), ("gemma3-tiny", True)])
+def test_busy_engine_with_drafts_equals_solo(arch, decode_rows, monkeypatch):
+    """decode_rows: as where the decode kernel runs, verifying steps run each token as a decode row
+    (attention_metadata.decode_token_rows); here the rows gather their pages, as a layer the kernel
+    does not take would."""
     model = make_model(arch)
     prompts = busy_prompts(arch, seed=11)
     refs = {tuple(p): solo_greedy(model, p, GREEDY.max_tokens) for p in prompts}
     engine = engine_with(model, Oracle(refs, VOCAB[arch]), num_blocks=64, max_num_batched_tokens=48,
                          long_prefill_token_threshold=16, max_num_seqs=16)
+    rows_steps = as_decode_rows(monkeypatch) if decode_rows else []
     done = run_staggered(engine, prompts, GREEDY, seed=2)
+    assert not decode_rows or any(r is not None for r in rows_steps)  # some steps ran their tokens as rows
     for i, p in enumerate(prompts):
         assert done[str(i)] == refs[tuple(p)], f"request {i} (prompt {len(p)} tokens)"
     stats = engine.scheduler.spec_decoding_stats

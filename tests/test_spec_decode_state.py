@@ -20,7 +20,7 @@ import random
 import mlx.core as mx
 import pytest
 from sched_utils import FakeModel, check_invariants, make_request, make_scheduler
-from test_spec_decode import Oracle, spec
+from test_spec_decode import Oracle, as_decode_rows, spec
 from test_state_layers import BS, INTERVAL, STATE_ARCHS, expected_hit, has_pages, state_engine
 from utils import assert_no_leaks, make_model, run_staggered, run_to_completion, shared_prefix_prompts, solo_greedy
 
@@ -94,15 +94,18 @@ def draft_spec(draft, k: int = 3) -> dict:
             "min_acceptance_rate": 0.0}
 
 
-@pytest.mark.parametrize("arch", STATE_ARCHS)
-def test_busy_engine_with_drafts_equals_solo(arch, monkeypatch):
+@pytest.mark.parametrize("arch,decode_rows", [(a, False) for a in STATE_ARCHS] + [("qwen3_5-tiny", True)])
+def test_busy_engine_with_drafts_equals_solo(arch, decode_rows, monkeypatch):
     """Staggered arrivals, shared prefixes (checkpoint hits), chunked prefill beside verifying steps,
     preemption; drafts partly right: every verifying step either swaps slots or rolls back. Chunks of
-    one length (verifying steps) run in the state layers as one batch (runner/state.py's StateBatch)."""
+    one length (verifying steps) run in the state layers as one batch (runner/state.py's StateBatch).
+    decode_rows: the attention layers take short segments' tokens as decode rows (test_spec_decode's
+    as_decode_rows) while the state layers take them as segments."""
     model = make_model(arch)
     prompts = shared_prefix_prompts(16, seed=5)
     refs = {tuple(p): solo_greedy(model, p, GREEDY.max_tokens) for p in prompts}
     engine = spec_engine(model, Oracle(refs, VOCAB))
+    rows_steps = as_decode_rows(monkeypatch) if decode_rows else []
     batched = []
     build = StateMetadata.build.__func__
 
@@ -113,6 +116,7 @@ def test_busy_engine_with_drafts_equals_solo(arch, monkeypatch):
 
     monkeypatch.setattr(StateMetadata, "build", classmethod(count))
     done = run_staggered(engine, prompts, GREEDY, seed=2)
+    assert not decode_rows or any(r is not None for r in rows_steps)
     for i, p in enumerate(prompts):
         assert done[str(i)] == refs[tuple(p)], f"request {i} ({len(p)} tokens)"
     stats = engine.scheduler.spec_decoding_stats

@@ -27,6 +27,23 @@ from pagedmlx.scheduler_output import SchedulerOutput
 # causal attention over their own keys, which never builds an (L x keys) mask.
 PADDED_MAX_QUERY = 32
 
+# Where the paged decode kernel runs, a step whose prefill segments have at most this many tokens each
+# (a speculative step's verifying 1 + k, short prompts) runs every token as a decode row: its request's
+# block-table row, keys up to its own position. The kernel reads pages in place, so the extra rows cost
+# reads of their context only; the step is then decode-only, which compiled steps (compiled_step.py)
+# replay. Elsewhere decode rows gather their pages, once a row: segments stay prefill.
+DECODE_ROWS_MAX_QUERY = 16
+
+
+def decode_token_rows(so: SchedulerOutput) -> Optional[np.ndarray]:
+    """Each token's request, where the step has prefill segments and none has more than
+    DECODE_ROWS_MAX_QUERY tokens; None otherwise."""
+    T, nd, qsl = so.total_num_scheduled_tokens, so.num_decodes, so.query_start_loc
+    if T == nd or int(np.diff(qsl[nd:]).max()) > DECODE_ROWS_MAX_QUERY:
+        return None
+    return np.repeat(np.arange(so.num_reqs, dtype=np.int32), np.diff(qsl))
+
+
 # MLX's CUDA attention builds a cuDNN graph for every new (queries, keys) shape: about 48 ms on an
 # H200 (scripts/bench/bench_sdpa_shapes.py), paid again whenever a prompt's length is new. There,
 # each attention call is padded to a multiple of this many queries and keys, so that a server sees
@@ -229,10 +246,12 @@ class _GroupBuilder:
 
     def __init__(self, so: SchedulerOutput, group: int, block_size: int, window: Optional[int], kernel_heads: int,
                  in_place: bool, backend: Optional[str], quantum: int, prefill_heads: Optional[tuple[int, int]]):
-        self.T, self.nd, self.bs, self.window = so.total_num_scheduled_tokens, so.num_decodes, block_size, window
+        rows = decode_token_rows(so) if kernel_heads > 0 else None  # every token a decode row
+        self.T, self.bs, self.window = so.total_num_scheduled_tokens, block_size, window
+        self.nd = so.num_decodes if rows is None else self.T
         self.backend, self.quantum, self.prefill_heads = backend, quantum, prefill_heads
         self.prefill_splits = 0  # the prefill kernel's splits; 0: prefill groups
-        self.in_place, self.use_kernel = in_place, kernel_heads > 0 and so.num_decodes > 0
+        self.in_place, self.use_kernel = in_place, kernel_heads > 0 and self.nd > 0
         table, slots = so.block_table[group], so.slot_mapping[group]
         host: dict[str, np.ndarray] = {}
         if self.in_place:
@@ -241,8 +260,11 @@ class _GroupBuilder:
             host.update(write_blocks=slots // block_size, write_offsets=slots % block_size)
         self.splits = 1
         if self.nd:
-            decode_table, decode_lens = _window_tables(table[:self.nd], so.seq_lens[:self.nd],
-                                                       so.seq_lens[:self.nd] - 1, block_size, window)
+            if rows is None:
+                rows, query_pos = np.arange(self.nd), so.seq_lens[:self.nd] - 1
+            else:
+                query_pos = so.positions
+            decode_table, decode_lens = _window_tables(table[rows], query_pos + 1, query_pos, block_size, window)
             host.update(decode_block_table=decode_table, decode_seq_lens=decode_lens)
             if self.use_kernel:
                 self.splits, tokens = decode_attention.num_splits(self.nd, kernel_heads, int(decode_lens.max()),

@@ -11,7 +11,9 @@ sequence's length): a sequence meets a new key at 2, 4, 8, ... pages, and when i
 
 Only where every write is in place (the page-write kernel, and the state kernels for recurrent
 layers: CUDA) can a step be replayed: MLX's scatter gives each write a new pool array, which a
-compiled graph cannot hand back. Quantized KV pages are written in place where 16-bit ones are
+compiled graph cannot hand back. A step of short segments (speculative decoding's verifying 1 + k
+tokens) whose tokens all run as decode rows (attention_metadata.decode_token_rows) is decode-only
+here too, on models without recurrent state. Quantized KV pages are written in place where 16-bit ones are
 (page_write.reshape_and_cache_quantized: mx.quantize, then the copy), so they compile too. Steps with
 prefill rows or a recurrent segment (a 1-token prompt) run as built. A step with adapter rows (LoRA)
 is a key by its slots and the adapters' generation (a slot's new weights: a new trace), compiled only
@@ -20,9 +22,9 @@ once hot (below), so that adapters taking turns in the slots never cost a trace 
 there the host's Python bounds the step, and such keys are few. A larger step is compiled once its
 key has come HOT_STEPS times (a steady batch: its size and table bucket unchanged), so that a batch
 whose size changes every step never pays a trace per step; at most MAX_TRACES traces are kept, the
-least recently used dropped first. Not for models with recurrent-state layers: on the H200 (run 43)
-Llama-8B's 256-request steps ran 1.35x faster compiled, but the Qwen3.5 shape's run did not finish
-in its time limit beside its peer, so nothing there shows that its larger traces pay.
+least recently used dropped first. Not for models with recurrent-state layers: on the H200 Llama-8B's
+256-request steps ran 1.35x faster compiled (run 43), the Qwen3.5 shape's 1.02x (run 44: the model's
+Python is not what bounds its step), not worth a trace per key.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 import numpy as np
 
-from pagedmlx.runner.attention_metadata import StepMetadata, _GroupBuilder, upload_indices
+from pagedmlx.runner.attention_metadata import StepMetadata, _GroupBuilder, decode_token_rows, upload_indices
 from pagedmlx.runner.state import StateMetadata
 from pagedmlx.scheduler_output import SchedulerOutput
 
@@ -63,9 +65,10 @@ class CompiledDecode:
     def takes(self, so: SchedulerOutput) -> bool:
         r = self.runner
         has_state = len(so.state_slots) > 0
+        decode_only = so.num_decodes == so.total_num_scheduled_tokens
         return (r.kernels.page_write
-                and so.num_decodes == so.total_num_scheduled_tokens
-                and (self.larger or self.max_decodes is None or so.num_decodes <= self.max_decodes)
+                and (decode_only or not has_state and all(r.kernel_kv_heads) and decode_token_rows(so) is not None)
+                and (self.larger or self.max_decodes is None or so.num_reqs <= self.max_decodes)
                 and (not has_state or (r.kernels.state and bool((so.state_slots[:, 0] >= 0).all()))))
 
     def __call__(self, so: SchedulerOutput, prev_sampled: Optional[mx.array], lora: Any = None) -> Optional[mx.array]:
@@ -99,7 +102,7 @@ class CompiledDecode:
                (lora.slots, lora.dora_slots, r.lora_manager.generation) if lora is not None else None)
         fn = self.fns.get(key)
         if fn is None:
-            if lora is not None or self.max_decodes is not None and so.num_decodes > self.max_decodes:
+            if lora is not None or self.max_decodes is not None and so.num_reqs > self.max_decodes:
                 if len(self.seen) > 4 * MAX_TRACES:
                     self.seen.clear()
                 self.seen[key] = self.seen.get(key, 0) + 1

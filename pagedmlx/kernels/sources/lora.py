@@ -77,7 +77,8 @@ ADD_LORA = """
     const float scale = scales[s];
     auto br = lora_b + (size_t)s * R * OUT;
     for (int o = lo + THREAD_IN_GROUP * VOUT; o < hi; o += 256 * VOUT) {
-        float z[VOUT];
+        float yv[VOUT], z[VOUT];
+        load_elems<T, VOUT>(yv, yr + o);  // issued with B's loads (after the stores it would wait for them)
         #pragma unroll
         for (int k = 0; k < VOUT; ++k) z[k] = 0.0f;
         #pragma unroll
@@ -87,8 +88,6 @@ ADD_LORA = """
             #pragma unroll
             for (int k = 0; k < VOUT; ++k) z[k] += a_sh[r] * bv[k];
         }
-        float yv[VOUT];
-        load_elems<T, VOUT>(yv, yr + o);
         #pragma unroll
         for (int k = 0; k < VOUT; ++k) {
             const float w = static_cast<float>(static_cast<T>(scale * static_cast<float>(static_cast<T>(z[k]))));
