@@ -15,6 +15,7 @@ from utils import ARCHS, assert_no_leaks, make_prompts
 from pagedmlx.kernels import build, lora
 from pagedmlx.kernels.dialect import CUDA, METAL, foreign_names, leftover_tokens
 from pagedmlx.kernels.sources import lora as lora_source
+from pagedmlx.lora.layers import LinearWithLoRA
 from pagedmlx.lora.request import LoRARequest
 
 pytestmark = pytest.mark.skipif(not have_compiler(), reason="g++ runs the emulated kernels")
@@ -54,8 +55,14 @@ def test_the_check_fails_a_wrong_kernel(emulated, monkeypatch, mutant):
     assert lora.check_add_lora(METAL, mx.float32) is not None
 
 
-def test_busy_engine_on_the_kernel_equals_mlx_lm_alone(emulated, monkeypatch, tmp_path):
-    """Rows of three adapters and of the base model in the same steps, through chunked prefill."""
+@pytest.mark.parametrize("max_rows", [None, 6])
+def test_busy_engine_on_the_kernel_equals_mlx_lm_alone(emulated, monkeypatch, tmp_path, max_rows):
+    """Rows of three adapters and of the base model in the same steps, through chunked prefill.
+    max_rows: steps of more rows run MLX's stacked products instead (lora.MAX_ROWS), the rest the kernel."""
+    stacked, real_stacks = [], LinearWithLoRA.used_stacks
+    if max_rows is not None:
+        monkeypatch.setattr(lora, "MAX_ROWS", max_rows)
+        monkeypatch.setattr(LinearWithLoRA, "used_stacks", lambda self, step: stacked.append(1) or real_stacks(self, step))
     base = fresh()
     adapters = [LoRARequest(f"a{i}", i + 1, make_adapter(str(tmp_path / f"a{i}"), base, **spec))
                 for i, spec in enumerate(ADAPTER_SPECS) if not spec.get("dora")][:3]
@@ -68,6 +75,7 @@ def test_busy_engine_on_the_kernel_equals_mlx_lm_alone(emulated, monkeypatch, tm
     monkeypatch.setattr(lora, "add_lora", lambda *a, **k: calls.append(1) or real(*a, **k))
     done = run_staggered(engine, prompts, loras, GREEDY, seed=5)
     assert calls  # the adapters' rows ran through the kernel
+    assert bool(stacked) == (max_rows is not None)  # and the longer steps' through MLX's products
     for i, (p, adapter) in enumerate(zip(prompts, loras)):
         assert done[str(i)] == refs(adapter.lora_path if adapter else None, p, GREEDY.max_tokens), f"request {i}"
     assert_no_leaks(engine)

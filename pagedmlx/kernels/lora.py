@@ -21,6 +21,10 @@ from pagedmlx.kernels.sources import lora as src
 
 THREADS = 256  # a group's (sources/lora.py)
 GROUPS = 128  # groups a launch aims at (about one a streaming multiprocessor of an H100 / H200)
+# Rows a launch takes: each row reads its adapter's A and B (R * (IN + OUT) values, from L2) once per
+# tile, so the kernel's traffic grows with the rows while the stacked products' (lora/layers.py: two
+# small GEMMs, a mask and a scaled add) barely do. Decode steps fit; long prefill steps take MLX's products.
+MAX_ROWS = 512
 
 
 def tiles_for(rows: int, out_dims: int) -> int:

@@ -73,7 +73,7 @@ class PunicaWrapper:
 
     def __init__(self, kernel_backend: Optional[str] = None) -> None:
         self.step: Optional[LoRAStep] = None
-        self.kernel_backend = kernel_backend  # kernels/lora.py's add_lora runs LoRA (not DoRA) rows here
+        self.kernel_backend = kernel_backend  # kernels/lora.py's add_lora runs LoRA (not DoRA) steps here
 
     def add_lora_linear(self, layer: "LinearWithLoRA", x: mx.array) -> mx.array:
         step = self.step
@@ -83,7 +83,7 @@ class PunicaWrapper:
             raise RuntimeError(f"LoRA: a targeted layer ran on {rows} rows but the step has {step.num_rows}: this "
                                f"model does not run its layers token-major, which batched adapters need")
         plain_lora = step.dora_slots.isdisjoint(layer.dora_slots)
-        if plain_lora and self.kernel_backend is not None:
+        if plain_lora and self.kernel_backend is not None and rows <= lora_kernel.MAX_ROWS:
             y = layer.base_layer(x).reshape(rows, out_dims)
             return lora_kernel.add_lora(x.reshape(rows, x.shape[-1]), y, layer._lora_a_stacked, layer._lora_b_stacked,
                                         step.indices, step.slot_scales, self.kernel_backend).reshape(*lead, out_dims)
