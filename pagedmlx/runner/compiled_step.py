@@ -13,7 +13,8 @@ Only where every write is in place (the page-write kernel, and the state kernels
 layers: CUDA) can a step be replayed: MLX's scatter gives each write a new pool array, which a
 compiled graph cannot hand back. A step of short segments (speculative decoding's verifying 1 + k
 tokens) whose tokens all run as decode rows (attention_metadata.decode_token_rows) is decode-only
-here too, on models without recurrent state. Quantized KV pages are written in place where 16-bit ones are
+here too, on models without recurrent state, and compiled once hot (a short prompt's step is a key
+of its own that seldom comes again). Quantized KV pages are written in place where 16-bit ones are
 (page_write.reshape_and_cache_quantized: mx.quantize, then the copy), so they compile too. Steps with
 prefill rows or a recurrent segment (a 1-token prompt) run as built. A step with adapter rows (LoRA)
 is a key by its slots and the adapters' generation (a slot's new weights: a new trace), compiled only
@@ -102,7 +103,8 @@ class CompiledDecode:
                (lora.slots, lora.dora_slots, r.lora_manager.generation) if lora is not None else None)
         fn = self.fns.get(key)
         if fn is None:
-            if lora is not None or self.max_decodes is not None and so.num_reqs > self.max_decodes:
+            rows_of_segments = so.num_decodes < so.total_num_scheduled_tokens  # a one-off prompt's length: no trace
+            if lora is not None or rows_of_segments or self.max_decodes is not None and so.num_reqs > self.max_decodes:
                 if len(self.seen) > 4 * MAX_TRACES:
                     self.seen.clear()
                 self.seen[key] = self.seen.get(key, 0) + 1
