@@ -10,6 +10,7 @@ step at batch 64), --slots adapters of rank --rank side by side (layers.py's sta
   lora      all four above, as layers.py runs them after the base product on the CPU
   kernel    kernels/lora.py's one kernel for all four (a GPU only), as layers.py runs it there
   kernel tN the same with N groups a row (tiles of its output columns; each recomputes the row's shrink)
+  kernel 0  the kernel with every row on slot 0 (no adapter): its launch and the copy of y, the floor
 
 Each row: wall ms per step (all layers' ops of that kind, one mx.eval; median of --runs) and µs per op.
 
@@ -88,6 +89,9 @@ def main() -> None:
              "epilogue": lambda: [_add_scaled(p["y"], scales, p["z"]) for p in layers],
              "lora": lambda: [lora(p) for p in layers]}
     if build.gpu_backend() is not None:
+        no_rows = mx.zeros_like(indices)  # every row slot 0: the launch and the copy of y, no products
+        cases["kernel 0"] = lambda: [lora_kernel.add_lora(p["x"], p["y"], p["a3"], p["b3"], no_rows, slot_scales)
+                                     for p in layers]
         for tiles in (None, 1, 2, 4, 8):  # None: lora.tiles_for's choice, as layers.py runs it
             cases["kernel" if tiles is None else f"kernel t{tiles}"] = functools.partial(
                 lambda t: [lora_kernel.add_lora(p["x"], p["y"], p["a3"], p["b3"], indices, slot_scales, tiles=t)
