@@ -11,6 +11,7 @@ from utils import make_model
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine import LLMEngine
 from pagedmlx.kernels import build, decode_attention
+from pagedmlx.runner import attention_metadata
 from pagedmlx.runner.attention_metadata import StepMetadata
 from pagedmlx.sampling_params import SamplingParams
 
@@ -128,3 +129,24 @@ def test_the_plan_sees_each_layers_query_heads_in_a_fresh_process(monkeypatch):
         monkeypatch.setattr(qwen3, "scaled_dot_product_attention", original)
     runner = ModelRunner(make_model("qwen3"), EngineConfig(block_size=4, num_blocks=16))
     assert [p.n_heads for p in runner.plan] == [4, 4] and not any(p.sinks for p in runner.plan)
+
+
+def test_short_segments_run_as_decode_rows_where_the_kernel_runs(monkeypatch):
+    """A decode and a 5-token prompt: with the decode kernel (KV heads > 0) each of the step's 6 tokens
+    is a decode row on its request's pages with keys up to its own position; without it, or past the
+    extra-reads bound, the prompt stays a prefill segment."""
+    engine = LLMEngine(make_model("llama"), None, EngineConfig(block_size=4, num_blocks=32))
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0))
+    engine.step()
+    engine.add_request("b", [4, 5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0))
+    so = engine.scheduler.schedule()
+    assert so.num_decodes == 1 and so.total_num_scheduled_tokens == 6
+    md = StepMetadata.build(so, 4, [None], [1]).groups[0]
+    assert md.num_decodes == 6 and md.num_prefill_tokens == 0
+    assert md.decode_seq_lens.tolist() == [4, 1, 2, 3, 4, 5]
+    table = md.decode_block_table.tolist()
+    assert table[0][:1] == so.block_table[0, 0, :1].tolist() and all(row == table[1] for row in table[2:])
+    assert table[1][:2] == so.block_table[0, 1, :2].tolist()
+    assert StepMetadata.build(so, 4, [None], [0]).groups[0].num_decodes == 1  # no kernel: the gather path
+    monkeypatch.setattr(attention_metadata, "DECODE_ROWS_MAX_EXTRA_KEYS", 4 * 5 - 1)  # b reads 4 x 5 keys more
+    assert StepMetadata.build(so, 4, [None], [1]).groups[0].num_decodes == 1

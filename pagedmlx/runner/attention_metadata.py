@@ -29,17 +29,24 @@ PADDED_MAX_QUERY = 32
 
 # Where the paged decode kernel runs, a step whose prefill segments have at most this many tokens each
 # (a speculative step's verifying 1 + k, short prompts) runs every token as a decode row: its request's
-# block-table row, keys up to its own position. The kernel reads pages in place, so the extra rows cost
-# reads of their context only; the step is then decode-only, which compiled steps (compiled_step.py)
-# replay. Elsewhere decode rows gather their pages, once a row: segments stay prefill.
+# block-table row, keys up to its own position. The step is then decode-only, which compiled steps
+# (compiled_step.py) replay. Each row reads its own keys, so a segment of n tokens reads its context
+# n times where the prefill path reads it once: rows only while those extra reads stay under
+# DECODE_ROWS_MAX_EXTRA_KEYS keys (Llama-8B: 128 KiB a key over its layers, 4 GiB at the bound, a
+# quarter of its weights). Elsewhere decode rows gather their pages, once a row: segments stay prefill.
 DECODE_ROWS_MAX_QUERY = 16
+DECODE_ROWS_MAX_EXTRA_KEYS = 32768
 
 
 def decode_token_rows(so: SchedulerOutput) -> Optional[np.ndarray]:
-    """Each token's request, where the step has prefill segments and none has more than
-    DECODE_ROWS_MAX_QUERY tokens; None otherwise."""
+    """Each token's request, where the step has prefill segments, none has more than
+    DECODE_ROWS_MAX_QUERY tokens and their extra key reads stay within DECODE_ROWS_MAX_EXTRA_KEYS;
+    None otherwise."""
     T, nd, qsl = so.total_num_scheduled_tokens, so.num_decodes, so.query_start_loc
-    if T == nd or int(np.diff(qsl[nd:]).max()) > DECODE_ROWS_MAX_QUERY:
+    if T == nd:
+        return None
+    n = np.diff(qsl[nd:])
+    if int(n.max()) > DECODE_ROWS_MAX_QUERY or int(((n - 1) * so.seq_lens[nd:]).sum()) > DECODE_ROWS_MAX_EXTRA_KEYS:
         return None
     return np.repeat(np.arange(so.num_reqs, dtype=np.int32), np.diff(qsl))
 
