@@ -5,9 +5,12 @@
 #                pair against mlx-lm's speculative_generate_step (issue 28's 1.3x; run 42: 1.03x), the
 #                oracle n-gram case at batch 1 and 64 (run 42: 2.05x generate_step, 1.07x), then the tests
 #                of speculation and compiled steps on the real kernels
-#   PART=lora    mixed adapters at 64 against the base (issue 29's 0.8x; run 46: 0.69x) and the op study
+#   PART=lora    mixed adapters at 64 against the base (issue 29's 0.8x; run 46: 0.69x; since then y's loads
+#                issued with B's, prefill steps of > 512 rows on MLX's products) and the op study, whose
+#                'kernel 0' (no adapter rows) tells launch and dispatch from the products: if it is near the
+#                kernel's ~15 us, one launch for the projections that share an input (q/k/v, gate/up) is next
 source "$(dirname "$0")/lib.sh"
-SUITE="env MLX_ENABLE_TF32=0 python3 -m pytest -q -rf -p no:cacheprovider"
+SUITE="env MLX_ENABLE_TF32=0 python3 -m pytest -o addopts= -q -rf -p no:cacheprovider"  # (addopts has -q too: -qq prints no summary)
 case "${PART:-spec}" in
   spec)
     TAIL=8 run spec_draft 200 python3 scripts/bench/bench_draft.py preset:llama-8b --dtype bfloat16 --draft q8 --k 4 \
