@@ -83,7 +83,9 @@ def test_1mib_prompts_leave_health_answering(served, monkeypatch):
     chats = [("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": text}]})] * 2
     statuses, slowest = asyncio.run(_health_while(served.url, chats))
     assert statuses == [400] * 2
-    assert slowest < 0.5, slowest
+    # On the event loop /health waited for a whole templating and tokenizing (>= 1.6 s); in the pool it
+    # waits at most for one call that holds the GIL (0.62 s seen on this 2-core machine in a full run).
+    assert slowest < 1.0, slowest
     r = httpx.post(served.url + "/v1/completions", json={"model": MODEL, "prompt": text[:20_000]})
     assert r.status_code == 400 and error_of(r)["code"] == "context_length_exceeded" and tokenizer.encoded == 1
 
