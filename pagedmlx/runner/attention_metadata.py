@@ -268,10 +268,10 @@ class _GroupBuilder:
         self.splits = 1
         if self.nd:
             if rows is None:
-                rows, query_pos = np.arange(self.nd), so.seq_lens[:self.nd] - 1
+                rows_table, query_pos = table[:self.nd], so.seq_lens[:self.nd] - 1
             else:
-                query_pos = so.positions
-            decode_table, decode_lens = _window_tables(table[rows], query_pos + 1, query_pos, block_size, window)
+                rows_table, query_pos = table[rows], so.positions
+            decode_table, decode_lens = _window_tables(rows_table, query_pos + 1, query_pos, block_size, window)
             host.update(decode_block_table=decode_table, decode_seq_lens=decode_lens)
             if self.use_kernel:
                 self.splits, tokens = decode_attention.num_splits(self.nd, kernel_heads, int(decode_lens.max()),
