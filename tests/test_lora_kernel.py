@@ -30,8 +30,9 @@ def emulated(monkeypatch):
 
 
 @pytest.mark.parametrize("backend", [METAL, CUDA])
-def test_the_source_renders_for_each_backend_and_names_nothing_of_the_other(backend):
-    text = lora.add_lora_source(backend)
+@pytest.mark.parametrize("siblings", [1, 2, 3])
+def test_the_source_renders_for_each_backend_and_names_nothing_of_the_other(backend, siblings):
+    text = lora.add_lora_source(backend, siblings)
     assert not leftover_tokens(text) and not foreign_names(text, backend)
 
 
@@ -55,6 +56,17 @@ def test_the_check_fails_a_wrong_kernel(emulated, monkeypatch, mutant):
     assert lora.check_add_lora(METAL, mx.float32) is not None
 
 
+@pytest.mark.parametrize("mutant", [
+    ("(GROUP_X >= START2)", "(GROUP_X > START2)"),  # the third projection's first tile computed as the second's
+    ("(m == 1 ? lora_b1", "(m == 1 ? lora_b0"),  # a sibling expanded with another projection's B
+])
+def test_the_check_fails_a_wrong_choice_of_sibling(emulated, monkeypatch, mutant):
+    real = lora.lora_prelude
+    assert mutant[0] in real(3)
+    monkeypatch.setattr(lora, "lora_prelude", lambda n: real(n).replace(*mutant))
+    assert lora.check_add_lora(CUDA, mx.float32) is not None
+
+
 @pytest.mark.parametrize("max_rows", [None, 6])
 def test_busy_engine_on_the_kernel_equals_mlx_lm_alone(emulated, monkeypatch, tmp_path, max_rows):
     """Rows of three adapters and of the base model in the same steps, through chunked prefill.
@@ -71,10 +83,11 @@ def test_busy_engine_on_the_kernel_equals_mlx_lm_alone(emulated, monkeypatch, tm
     loras = [None if i % 4 == 3 else adapters[i % len(adapters)] for i in range(len(prompts))]
     engine = lora_engine(max_loras=3)
     engine.runner.lora_manager.punica.kernel_backend = CUDA
-    calls, real = [], lora.add_lora
-    monkeypatch.setattr(lora, "add_lora", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls, real = [], lora.add_lora_siblings
+    monkeypatch.setattr(lora, "add_lora_siblings", lambda x, ys, *a, **k: calls.append(len(ys)) or real(x, ys, *a, **k))
     done = run_staggered(engine, prompts, loras, GREEDY, seed=5)
-    assert calls  # the adapters' rows ran through the kernel
+    assert set(calls) == {1, 2, 3}  # the adapters' rows ran through the kernel, siblings (q/k/v, gate/up) in one launch
+    assert engine.runner.lora_manager.punica.share_launches
     assert bool(stacked) == (max_rows is not None)  # and the longer steps' through MLX's products
     for i, (p, adapter) in enumerate(zip(prompts, loras)):
         assert done[str(i)] == refs(adapter.lora_path if adapter else None, p, GREEDY.max_tokens), f"request {i}"
@@ -92,3 +105,43 @@ def test_the_selector_runs_the_kernel_only_where_its_check_passes(emulated, monk
     backend, why = select_lora_kernel(KernelPlan(CUDA))
     assert backend is None and why.startswith("its load-time check failed in float32: max relative difference")
     assert "batched LoRA kernel is off" in caplog.text
+
+
+def test_siblings_share_a_launch_only_when_called_on_the_same_input(emulated, caplog):
+    """Three layers called on one input in the learning step; later steps compute the second and third in
+    the first's launch. Called on another input than the kept output's, a sibling computes its own output
+    and the sharing stops (a warning says so): the values are each layer's own either way."""
+    import mlx.nn as nn
+    import numpy as np
+
+    from pagedmlx.lora.layers import LinearWithLoRA, LoRAStep, PunicaWrapper
+    from pagedmlx.lora.models import LoRALayerWeights
+
+    mx.random.seed(0)
+    punica = PunicaWrapper(CUDA)
+    layers = [LinearWithLoRA(nn.Linear(32, out, bias=False), punica, 2, 4, mx.float32) for out in (32, 16, 24)]
+    for i, layer in enumerate(layers):
+        layer.set_lora(1, LoRALayerWeights(f"l{i}", mx.random.normal((32, 4)), mx.random.normal((4, layer.output_size))))
+    indices = mx.array([1, 0, 1], mx.int32)
+    step = lambda: LoRAStep(3, indices, mx.array([1], mx.int32), mx.array([1] * 4, mx.int32),  # noqa: E731
+                            frozenset({1}), frozenset(), mx.array([0.0, 2.0]))
+    x, other = mx.random.normal((3, 1, 32)), mx.random.normal((3, 1, 32))
+
+    def want(layer, v):  # mlx-lm's LoRALinear for slot-1 rows, the base layer for the others
+        a, b = layer._lora_a_stacked[1], layer._lora_b_stacked[1]
+        lora = 2.0 * ((v @ a.T) @ b)
+        return layer.base_layer(v) + lora * (indices == 1).astype(mx.float32).reshape(3, 1, 1)
+
+    calls, real = [], lora.add_lora_siblings
+    lora.add_lora_siblings = lambda x, ys, *a, **k: calls.append(len(ys)) or real(x, ys, *a, **k)
+    try:
+        for inputs in ([x, x, x], [x, x, x], [x, other, x]):
+            punica.begin_step(step())
+            got = [layer(v) for layer, v in zip(layers, inputs)]
+            punica.end_step()
+            for layer, v, g in zip(layers, inputs, got):
+                np.testing.assert_allclose(np.array(g), np.array(want(layer, v)), rtol=1e-4, atol=1e-4)
+    finally:
+        lora.add_lora_siblings = real
+    assert calls == [1, 1, 1, 3, 3, 1]  # learning step: one launch a layer; then one for all three
+    assert not punica.share_launches and "sibling projections run one launch each" in caplog.text

@@ -16,11 +16,18 @@ adapter add exactly zero, so base rows give the base model's values; adapter row
 LoRALinear's (and DoRALinear's) values. A layer that no row of the step targets runs its base layer alone.
 
 On a GPU whose load-time check passed (kernels/lora.py), LoRA layers of the step (not DoRA) run one
-kernel instead of those products: each tiny product is a launch that costs more than the product."""
+kernel instead of those products: each tiny product is a launch that costs more than the product.
+There, wrapped layers that the model calls one after the other on the same input (q/k/v, gate/up:
+siblings) share one launch. Which layers are siblings is learned from the first step with adapter
+rows (the model's own calls, so no model family is named here); in later steps the first sibling
+called computes the later ones' outputs too and keeps them for their calls. A sibling's output is
+taken only when it is called with that same input array in that same step: a plan that does not
+hold any more costs a wasted product, never a wrong value, and switches the sharing off."""
 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -30,6 +37,8 @@ import mlx.nn as nn
 
 from pagedmlx.kernels import lora as lora_kernel
 from pagedmlx.lora.models import LoRALayerWeights, dense_weight, linear_dims
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -74,6 +83,41 @@ class PunicaWrapper:
     def __init__(self, kernel_backend: Optional[str] = None) -> None:
         self.step: Optional[LoRAStep] = None
         self.kernel_backend = kernel_backend  # kernels/lora.py's add_lora runs LoRA (not DoRA) steps here
+        # Siblings (module docstring): each layer's later siblings, learned from one step's calls
+        self.siblings: Optional[dict[int, tuple]] = None  # id(layer) -> its later siblings; None: learn next step
+        self.share_launches = True
+        self._calls: list[tuple[mx.array, list]] = []  # the learning step's: (input, layers called on it)
+        self._kept: dict[int, tuple[mx.array, mx.array]] = {}  # id(sibling) -> (its input, its output)
+
+    def begin_step(self, step: LoRAStep) -> None:
+        self.step = step
+
+    def end_step(self) -> None:
+        """After the step's forward pass: learn the siblings, or check the plan held (outputs kept for
+        siblings that were never called on their input: stop sharing)."""
+        self.step = None
+        if self.siblings is None and self._calls:
+            self.siblings = {id(layer): tuple(layers[i + 1:]) for _, layers in self._calls
+                             for i, layer in enumerate(layers) if len(layers) > 1}
+        if self._kept:
+            self._stop_sharing(f"{len(self._kept)} sibling outputs computed in one launch were never asked for")
+        self._calls, self._kept = [], {}
+
+    def _stop_sharing(self, why: str) -> None:
+        if self.share_launches:
+            self.share_launches = False
+            logger.warning("LoRA: %s; sibling projections run one launch each from now on", why)
+
+    def forget_siblings(self) -> None:
+        """A layer was wrapped: learn the siblings again."""
+        self.siblings = None
+
+    def note_call(self, layer: "LinearWithLoRA", x: mx.array) -> None:
+        """In the learning step, every wrapped layer's call in order (with adapter rows or not)."""
+        if self._calls and self._calls[-1][0] is x:
+            self._calls[-1][1].append(layer)
+        else:
+            self._calls.append((x, [layer]))
 
     def add_lora_linear(self, layer: "LinearWithLoRA", x: mx.array) -> mx.array:
         step = self.step
@@ -82,17 +126,28 @@ class PunicaWrapper:
         if rows != step.num_rows:
             raise RuntimeError(f"LoRA: a targeted layer ran on {rows} rows but the step has {step.num_rows}: this "
                                f"model does not run its layers token-major, which batched adapters need")
-        plain_lora = step.dora_slots.isdisjoint(layer.dora_slots)
-        if plain_lora and self.kernel_backend is not None and rows <= lora_kernel.MAX_ROWS:
-            y = layer.base_layer(x).reshape(rows, out_dims)
-            return lora_kernel.add_lora(x.reshape(rows, x.shape[-1]), y, layer._lora_a_stacked, layer._lora_b_stacked,
-                                        step.indices, step.slot_scales, self.kernel_backend).reshape(*lead, out_dims)
+        kept = self._kept.pop(id(layer), None)
+        if kept is not None:
+            if kept[0] is x:
+                return kept[1]
+            self._stop_sharing("a sibling was called on another input than the one its output was computed on")
+        if self._on_kernel(layer, rows):
+            later = [s for s in (self.siblings or {}).get(id(layer), ()) if self.share_launches and self._on_kernel(s, rows)]
+            x2 = x.reshape(rows, x.shape[-1])
+            layers = [layer, *later]
+            outs = lora_kernel.add_lora_siblings(
+                x2, [m.base_layer(x).reshape(rows, m.output_size) for m in layers],
+                [m._lora_a_stacked for m in layers], [m._lora_b_stacked for m in layers],
+                step.indices, step.slot_scales, self.kernel_backend)
+            outs = [o.reshape(*lead, m.output_size) for m, o in zip(layers, outs)]
+            self._kept.update((id(m), (x, o)) for m, o in zip(later, outs[1:]))
+            return outs[0]
         a_used, b_used = layer.used_stacks(step)
         a = x.reshape(rows, x.shape[-1]) @ a_used.T
         z = ((a * step.column_mask(a.dtype)) @ b_used).reshape(*lead, out_dims)
         scales = step.row_scales(z.dtype).reshape(*lead, 1)
         y = layer.base_layer(x)
-        if plain_lora:
+        if step.dora_slots.isdisjoint(layer.dora_slots):
             return _add_scaled(y, scales, z)
         lora = (scales * z).astype(x.dtype)  # mlx-lm's (scale * z)
         # DoRA (mlx-lm's DoRALinear): (m / ||W + scale B^T A^T||) * (x W^T + scale z) + bias; the norm
@@ -104,6 +159,12 @@ class PunicaWrapper:
         if "bias" in layer.base_layer:
             dora = dora + layer.base_layer.bias
         return mx.where(step.dora_rows().reshape(*lead, 1), dora, y + lora)
+
+    def _on_kernel(self, layer: "LinearWithLoRA", rows: int) -> bool:
+        """Whether the layer's rows of this step run the kernel: it has adapter rows, none of them DoRA."""
+        step = self.step
+        return (self.kernel_backend is not None and rows <= lora_kernel.MAX_ROWS
+                and not step.slots.isdisjoint(layer.lora_slots) and step.dora_slots.isdisjoint(layer.dora_slots))
 
 
 @functools.partial(mx.compile, shapeless=True)
@@ -139,6 +200,8 @@ class LinearWithLoRA(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         step = self.punica.step
+        if step is not None and self.punica.siblings is None:
+            self.punica.note_call(self, x)
         if step is None or step.slots.isdisjoint(self.lora_slots):
             return self.base_layer(x)
         return self.punica.add_lora_linear(self, x)

@@ -136,12 +136,12 @@ class LoRAModelManager:
         """Point every wrapped layer at the step's uploaded rows (until end_step); traced: inside a
         compiled step's trace, whose dev also holds slot_arrays' (so a replay reads them anew)."""
         dev = {**self.slot_arrays(prepared), **dev}
-        self.punica.step = LoRAStep(
+        self.punica.begin_step(LoRAStep(
             int(prepared.host["lora_indices"].size), dev["lora_indices"], dev["lora_used"], dev["lora_used_columns"],
-            prepared.slots, prepared.dora_slots, dev["lora_slot_scales"], dev.get("lora_slot_dora"), traced=traced)
+            prepared.slots, prepared.dora_slots, dev["lora_slot_scales"], dev.get("lora_slot_dora"), traced=traced))
 
     def end_step(self) -> None:
-        self.punica.step = None
+        self.punica.end_step()
 
     def _activate(self, lora_id: int, step_ids: set[int]) -> int:
         slot = self._slot_of.get(lora_id)
@@ -198,4 +198,5 @@ class LoRAModelManager:
         else:
             setattr(parent, last, layer)
         self.layers[path] = layer
+        self.punica.forget_siblings()
         return layer

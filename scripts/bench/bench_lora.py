@@ -122,6 +122,15 @@ def main() -> None:
         rows.append(row)
         print(f"{batch:>5} | {med['base'][0]:>9.1f} {med['base+lora'][0]:>9.1f} {med['mixed'][0]:>9.1f}       | "
               f"{row['ratio_decode']:>9.2f}x | {med['base'][1]:>9.1f} {med['mixed'][1]:>9.1f} {row['ratio_e2e']:>5.2f}x")
+    punica = lora_engine.runner.lora_manager.punica
+    print(f"LoRA rows: {'kernels/lora.py on ' + punica.kernel_backend if punica.kernel_backend else 'MLX products'}"
+          f"{', sibling projections in one launch' if punica.kernel_backend and punica.share_launches else ''}")
+    for label, engine in (("base", base_engine), ("lora", lora_engine)):  # replayed steps skip the Python
+        compiled = engine.runner.compiled_decode
+        keys = list(compiled.fns) if compiled is not None else []
+        print(f"{label} engine: {len(keys)} compiled decode traces kept"
+              f"{'' if compiled is not None else ' (compiled decode steps off)'}, "
+              f"{sum(k[-1] is not None for k in keys)} of them with adapter rows")
     if args.json:
         meta = dict(model=name, device=str(mx.default_device()), machine=platform.machine(), rank=args.rank,
                     num_adapters=args.num_adapters, keys=args.keys, prompt_len=args.prompt_len, gen_len=args.gen_len,

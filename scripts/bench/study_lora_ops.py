@@ -11,8 +11,12 @@ step at batch 64), --slots adapters of rank --rank side by side (layers.py's sta
   kernel    kernels/lora.py's one kernel for all four (a GPU only), as layers.py runs it there
   kernel tN the same with N groups a row (tiles of its output columns; each recomputes the row's shrink)
   kernel 0  the kernel with every row on slot 0 (no adapter): its launch and the copy of y, the floor
+  siblings  the kernel with q/k/v in one launch and gate/up in one (add_lora_siblings, as layers.py runs
+            projections of one input): four launches a layer instead of seven
 
 Each row: wall ms per step (all layers' ops of that kind, one mx.eval; median of --runs) and µs per op.
+With --compile each case runs as one mx.compile'd function (its Python traced once, as the engine's compiled
+decode steps replay it): what is left is the device's time, launches included, not the host's.
 
     python scripts/bench/study_lora_ops.py --dtype bfloat16
 """
@@ -55,6 +59,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--compile", action="store_true", help="each case traced once by mx.compile, then replayed")
     args = ap.parse_args()
     dt = getattr(mx, args.dtype)
     kr = args.slots * args.rank
@@ -92,16 +97,23 @@ def main() -> None:
         no_rows = mx.zeros_like(indices)  # every row slot 0: the launch and the copy of y, no products
         cases["kernel 0"] = lambda: [lora_kernel.add_lora(p["x"], p["y"], p["a3"], p["b3"], no_rows, slot_scales)
                                      for p in layers]
+        sib = [layers[i:i + 7] for i in range(0, len(layers), 7)]
+        cases["siblings"] = lambda: [o for layer in sib for group in (layer[:3], layer[3:4], layer[4:6], layer[6:])
+                                     for o in lora_kernel.add_lora_siblings(
+                                         group[0]["x"], [p["y"] for p in group], [p["a3"] for p in group],
+                                         [p["b3"] for p in group], indices, slot_scales)]
         for tiles in (None, 1, 2, 4, 8):  # None: lora.tiles_for's choice, as layers.py runs it
             cases["kernel" if tiles is None else f"kernel t{tiles}"] = functools.partial(
                 lambda t: [lora_kernel.add_lora(p["x"], p["y"], p["a3"], p["b3"], indices, slot_scales, tiles=t)
                            for p in layers], tiles)
     print(f"study_lora_ops on {mx.default_device()}, {time.strftime('%Y-%m-%d %H:%M')}: {args.rows} rows, "
           f"{args.layers} Llama-8B layers ({len(layers)} projections), {args.slots} slots of rank {args.rank}, "
-          f"{args.dtype}, median of {args.runs}")
+          f"{args.dtype}, median of {args.runs}{', compiled' if args.compile else ''}")
     print(f"{'case':>9} | {'ms a step':>9} | {'µs an op':>8} | {'vs base':>7}")
     base = None
     for name, fn in cases.items():
+        if args.compile:
+            fn = functools.partial(mx.compile(lambda _, f=fn: f()), mx.array(0))
         ms = time_ms(fn, args.runs)
         base = base or ms
         print(f"{name:>9} | {ms:9.2f} | {1e3 * ms / len(layers):8.1f} | {ms / base:6.2f}x", flush=True)

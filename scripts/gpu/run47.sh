@@ -24,4 +24,8 @@ case "${PART:-spec}" in
     TAIL=3 run lora_64 200 python3 scripts/bench/bench_lora.py --preset llama-8b --dtype bfloat16 --batch-sizes 64 \
       --repeats 3 --json "$OUT/lora_64.json"
     TAIL=12 run lora_ops 120 python3 scripts/bench/study_lora_ops.py;;
+  lora_device)  # (run 47's lora part found 'kernel 0' = 'kernel', ~14 us an op: the host's Python or the device's?)
+    TAIL=12 run lora_ops_compiled 150 python3 scripts/bench/study_lora_ops.py --compile
+    TAIL=5 run lora_64 200 python3 scripts/bench/bench_lora.py --preset llama-8b --dtype bfloat16 --batch-sizes 64 \
+      --repeats 3 --json "$OUT/lora_64.json";;
 esac

@@ -1,5 +1,6 @@
 """Batched LoRA (vLLM's punica BGMV shrink and expand, fused) in the portable dialect (kernels/dialect.py);
-kernels/lora.py renders, builds and launches it."""
+kernels/lora.py renders it after a prelude for the number of sibling projections a launch takes, builds
+and launches it."""
 
 HEADER = """
 // V elements of type T at p, as floats: one 16-byte load where V elements fill one (the host passes
@@ -19,12 +20,14 @@ FUNC void load_elems(THREAD float (&f)[V], P p) {
 """
 
 ADD_LORA = """
-    // One group of 256 threads per (row, tile of CHUNK output columns). The row's slot s picks its
-    // adapter; slot 0 (no adapter) copies the base output. Reads are VIN / VOUT elements a load (16
-    // bytes where the widths allow), so that a thread has 16 such loads in flight: at 2 bytes a load
-    // this kernel was bound by the latency of L2, not its bandwidth.
+    // One group of 256 threads per (row, tile of CHUNK output columns of one projection). The prelude
+    // (kernels/lora.py: lora_prelude) picks the projection `m` of the group's tile among the launch's
+    // siblings (projections of one input: q/k/v, gate/up) and names its y, out, lora_a, lora_b, OUT,
+    // CHUNK and tile. The row's slot s picks its adapter; slot 0 (no adapter) copies the base output.
+    // Reads are VIN / VOUT elements a load (16 bytes where the widths allow), so that a thread has 16
+    // such loads in flight: at 2 bytes a load this kernel was bound by the latency of L2, not its bandwidth.
     const int t = GROUP_Y;
-    const int lo = GROUP_X * CHUNK;
+    const int lo = tile * CHUNK;
     const int hi = IMIN(OUT, lo + CHUNK);
     const int s = indices[t];
     auto yr = y + (size_t)t * OUT;
