@@ -8,8 +8,9 @@ greedy, EOS ignored), each cell the median of --repeats:
   mixed      the LoRA engine, request i on adapter i % num_adapters: every step's rows mix them all
 Reported: decode tok/s (decode steps only) and end-to-end tok/s, and mixed / base.
 
-The adapters are random (A and B ~ N(0, 0.01)), of rank --rank on the --keys of every layer (default:
-every linear layer, mlx_lm.lora's own default), written in mlx-lm's format to a temporary folder.
+The adapters are random (A and B ~ N(0, 0.01)), of rank --rank on the --keys (default: every linear layer,
+as mlx_lm.lora) of the last --num-layers layers (default: all; mlx_lm.lora's defaults are rank 8 on the last
+16), written in mlx-lm's format to a temporary folder; the engine's max_lora_rank is --rank.
 
   python scripts/bench/bench_lora.py                                   # random 8-layer 512-wide llama, float32
   python scripts/bench/bench_lora.py --preset llama-8b --dtype bfloat16 --batch-sizes 8 32 64 256
@@ -34,12 +35,13 @@ from pagedmlx.bench.presets import PRESETS, random_model  # noqa: E402
 from scripts.bench.bench_offline import run_pagedmlx  # noqa: E402
 
 
-def write_adapters(model, folder: str, n: int, rank: int, keys, dtype) -> list:
-    """n random adapters for `model`'s targets, saved as mlx_lm.lora saves them."""
+def write_adapters(model, folder: str, n: int, rank: int, keys, dtype, num_layers: int = -1) -> list:
+    """n random adapters for `model`'s targets (the last num_layers layers; -1: all), saved as mlx_lm.lora
+    saves them."""
     from pagedmlx.lora.models import linear_dims, target_modules
     from pagedmlx.lora.request import LoRARequest
 
-    targets = target_modules(model, -1, keys)
+    targets = target_modules(model, num_layers, keys)
     out = []
     for i in range(n):
         mx.random.seed(100 + i)
@@ -53,7 +55,7 @@ def write_adapters(model, folder: str, n: int, rank: int, keys, dtype) -> list:
         mx.save_safetensors(os.path.join(path, "adapters.safetensors"), weights)
         params = {"rank": rank, "scale": 2.0, "dropout": 0.0, **({"keys": keys} if keys else {})}
         with open(os.path.join(path, "adapter_config.json"), "w") as f:
-            json.dump({"fine_tune_type": "lora", "num_layers": -1, "lora_parameters": params}, f)
+            json.dump({"fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": params}, f)
         out.append(LoRARequest(f"adapter{i}", i + 1, path))
     return out
 
@@ -73,7 +75,11 @@ def main() -> None:
     ap.add_argument("--num-adapters", type=int, default=4)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--keys", nargs="+", default=None, help="targeted modules of each layer (default: every linear)")
+    ap.add_argument("--num-layers", type=int, default=-1,
+                    help="adapters on the last N layers (-1: all; mlx_lm.lora's default is 16, with --rank 8)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--separate-launches", action="store_true",
+                    help="one LoRA kernel launch a projection (no sibling sharing: what it saves)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args()
@@ -90,12 +96,14 @@ def main() -> None:
     lora_model = random_model(args.preset, dtype)
     lora_engine = LLMEngine(lora_model, None, EngineConfig(**common, enable_lora=True, max_loras=args.num_adapters,
                                                            max_lora_rank=args.rank))
+    lora_engine.runner.lora_manager.punica.share_launches = not args.separate_launches
     folder = tempfile.mkdtemp(prefix="bench_lora_")
-    adapters = write_adapters(lora_model, folder, args.num_adapters, args.rank, args.keys, dtype)
+    adapters = write_adapters(lora_model, folder, args.num_adapters, args.rank, args.keys, dtype, args.num_layers)
     vocab = lora_engine.runner.vocab_size
     name = f"random {PRESETS[args.preset]['model_type']} '{args.preset}' ({args.dtype})"
     print(f"{name} on {mx.default_device()}; {args.num_adapters} adapters of rank {args.rank} on "
-          f"{'keys ' + ' '.join(args.keys) if args.keys else 'every linear layer'}; prompt {args.prompt_len}, "
+          f"{'keys ' + ' '.join(args.keys) if args.keys else 'every linear layer'} of "
+          f"{'every layer' if args.num_layers < 0 else f'the last {args.num_layers} layers'}; prompt {args.prompt_len}, "
           f"gen {args.gen_len}, median of {args.repeats}")
     import random
 
@@ -133,7 +141,7 @@ def main() -> None:
               f"{sum(k[-1] is not None for k in keys)} of them with adapter rows")
     if args.json:
         meta = dict(model=name, device=str(mx.default_device()), machine=platform.machine(), rank=args.rank,
-                    num_adapters=args.num_adapters, keys=args.keys, prompt_len=args.prompt_len, gen_len=args.gen_len,
+                    num_adapters=args.num_adapters, keys=args.keys, num_layers=args.num_layers, prompt_len=args.prompt_len, gen_len=args.gen_len,
                     repeats=args.repeats)
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
