@@ -10,6 +10,13 @@ The draft (`--draft`):
   q4, q8     the target's linear layers quantized to 4 / 8 bits (nn.quantize, group size 64), embeddings kept
   PATH       any model the loader takes (same tokenizer)
 
+--target-tail-scale S (with --draft layers:N) scales the output projections (o_proj, down_proj) of the
+target's layers past the first N by S. At 0 those layers add exactly nothing to the residual stream while
+the target still reads all their weights, so the N-layer draft agrees with the target on (nearly) every
+token: a pair with random weights whose acceptance is high and whose draft is cheap, which measures the
+speculation machinery itself (a q8 copy of a random model is rejected too often to pay: run 47). A small S
+lowers the acceptance.
+
     python scripts/bench/bench_draft.py --draft layers:10 --k 3 --rounds 3                 # SmolLM2, CPU
     python scripts/bench/bench_draft.py preset:llama-8b --draft q4 --dtype bfloat16 --k 4    # H200
 """
@@ -57,6 +64,20 @@ def make_draft(target: nn.Module, how: str, dtype) -> nn.Module:
     return draft
 
 
+def scale_tail(target: nn.Module, first: int, scale: float) -> None:
+    """Multiply the output projections (o_proj, down_proj) of the target's layers from `first` on by scale."""
+    layers = target.layers
+    found = 0
+    for layer in layers[first:]:
+        for path, module in layer.named_modules():
+            if path.split(".")[-1] in ("o_proj", "down_proj") and "weight" in module:
+                module.weight = module.weight * scale
+                found += 1
+    if found < 2 * (len(layers) - first):
+        raise SystemExit(f"--target-tail-scale: found {found} o_proj / down_proj weights in {len(layers) - first} layers")
+    mx.eval(target.parameters())
+
+
 def mlx_lm_run(target, draft, prompts, max_tokens: int, k: int, eos: set[int]) -> tuple[float, list, float]:
     """tok/s over the prompts one after another, the tokens, and (with a draft) its acceptance rate."""
     from mlx_lm.generate import generate_step, speculative_generate_step
@@ -102,10 +123,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workload", choices=["chat", "quote"], default="chat")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
+    ap.add_argument("--target-tail-scale", type=float, default=None,
+                    help="with --draft layers:N: scale the target's later layers' output projections (0: draft exact)")
     args = ap.parse_args()
     target, tok = load_model(args.model, dtype=args.dtype)
     if args.dtype:
         target.set_dtype(getattr(mx, args.dtype))
+    if args.target_tail_scale is not None:
+        if not args.draft.startswith("layers:"):
+            ap.error("--target-tail-scale needs --draft layers:N")
+        scale_tail(target, int(args.draft.split(":")[1]), args.target_tail_scale)
     draft = make_draft(target, args.draft, args.dtype)
     try:
         prompts = prompts_for(tok, args.prompts, args.workload)[:args.prompts]
@@ -141,7 +168,8 @@ def main() -> None:
         (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens), before))
     ref = ids["mlx-lm generate_step"]
     med = {name: statistics.median(v) for name, v in tps.items()}
-    print(f"target {args.model or 'default (SmolLM2-135M-Instruct)'} ({args.dtype or 'as loaded'}), draft {args.draft}, "
+    tail = "" if args.target_tail_scale is None else f" (later layers' output projections x {args.target_tail_scale:g})"
+    print(f"target {args.model or 'default (SmolLM2-135M-Instruct)'}{tail} ({args.dtype or 'as loaded'}), draft {args.draft}, "
           f"k {args.k}, {args.workload} workload, {len(prompts)} prompts one after another, {args.max_tokens} max new "
           f"tokens, median of {args.rounds} interleaved rounds; {mx.default_device()}")
     print(f"pagedmlx acceptance {accepted / max(drafted, 1):.2f} ({accepted}/{drafted} draft tokens, mean acceptance "
