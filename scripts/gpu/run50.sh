@@ -8,14 +8,14 @@
 #   PART=tests   the GPU tests run 47-48's calls had no time left for: draft-model speculation, compiled
 #                steps (verifying steps as decode rows), and tests/test_lora.py (sibling launches on the real kernel)
 source "$(dirname "$0")/lib.sh"
-SUITE="env MLX_ENABLE_TF32=0 python3 -m pytest -o addopts= -q -rf -p no:cacheprovider -k 'not smollm'"
+SUITE=(env MLX_ENABLE_TF32=0 python3 -m pytest -o addopts= -q -rf -p no:cacheprovider -k "not smollm")
 D="python3 scripts/bench/bench_draft.py preset:llama-8b --dtype bfloat16 --draft layers:4 --k 4 --rounds 3 --prompts 2 --max-tokens 96 --kv-cache-gb 4"
 case "${PART:-draft}" in
   draft)
     TAIL=9 run draft_exact 260 $D --target-tail-scale 0
     TAIL=9 run draft_tail002 260 $D --target-tail-scale 0.02;;
   tests)
-    TAIL=4 run pytest_draft 200 $SUITE tests/test_spec_draft_model.py
-    TAIL=4 run pytest_compiled 150 $SUITE tests/test_compiled_decode.py
-    TAIL=4 run pytest_lora 220 $SUITE tests/test_lora.py;;
+    TAIL=4 run pytest_draft 200 "${SUITE[@]}" tests/test_spec_draft_model.py
+    TAIL=4 run pytest_compiled 150 "${SUITE[@]}" tests/test_compiled_decode.py
+    TAIL=4 run pytest_lora 220 "${SUITE[@]}" tests/test_lora.py;;
 esac
