@@ -145,3 +145,38 @@ def test_siblings_share_a_launch_only_when_called_on_the_same_input(emulated, ca
         lora.add_lora_siblings = real
     assert calls == [1, 1, 1, 3, 3, 1]  # learning step: one launch a layer; then one for all three
     assert not punica.share_launches and "sibling projections run one launch each" in caplog.text
+
+
+
+def test_a_step_that_raises_neither_teaches_siblings_nor_stops_sharing(emulated, tmp_path):
+    """LoRAModelManager.step: a forward pass that raises after the first of three siblings' calls."""
+    import numpy as np
+
+    from pagedmlx.lora.model_manager import StepLoRA
+
+    engine = lora_engine(max_loras=1)
+    manager = engine.runner.lora_manager
+    manager.punica.kernel_backend = CUDA
+    base = fresh()
+    manager.add_adapter(LoRARequest("a", 1, make_adapter(str(tmp_path / "a"), base, rank=4, scale=2.0, seed=1)))
+    prepared = manager.prepare_step(np.array([1]), [1])  # one request on adapter 1, one row
+    assert isinstance(prepared, StepLoRA)
+    attn = engine.runner.model.layers[-1].self_attn
+    x = mx.random.normal((1, 1, attn.q_proj.input_size))
+    dev = {k: mx.array(v) for k, v in prepared.host.items()}
+
+    def broken_step():
+        with manager.step(prepared, dev):
+            attn.q_proj(x)
+            raise RuntimeError("the forward pass failed")
+
+    for _ in range(2):
+        with pytest.raises(RuntimeError):
+            broken_step()
+    assert manager.punica.siblings is None  # nothing learned from a step that failed
+    with manager.step(prepared, dev):
+        [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]
+    assert manager.punica.siblings[id(attn.q_proj)] == (attn.k_proj, attn.v_proj)
+    with pytest.raises(RuntimeError):
+        broken_step()  # q's launch kept k's and v's outputs, never asked for: the step failed, not the plan
+    assert manager.punica.share_launches

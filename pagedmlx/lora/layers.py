@@ -92,10 +92,14 @@ class PunicaWrapper:
     def begin_step(self, step: LoRAStep) -> None:
         self.step = step
 
-    def end_step(self) -> None:
+    def end_step(self, completed: bool = True) -> None:
         """After the step's forward pass: learn the siblings, or check the plan held (outputs kept for
-        siblings that were never called on their input: stop sharing)."""
+        siblings that were never called on their input: stop sharing). A step that raised (completed
+        False) teaches and proves nothing."""
         self.step = None
+        if not completed:
+            self._calls, self._kept = [], {}
+            return
         if self.siblings is None and self._calls:
             self.siblings = {id(layer): tuple(layers[i + 1:]) for _, layers in self._calls
                              for i, layer in enumerate(layers) if len(layers) > 1}

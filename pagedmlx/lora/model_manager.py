@@ -11,9 +11,10 @@ zeroed in every layer it filled."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -126,22 +127,26 @@ class LoRAModelManager:
 
     def slot_arrays(self, prepared: StepLoRA) -> dict[str, mx.array]:
         """The slots' scales (and DoRA flags, where the step has DoRA rows) on the device: a compiled
-        step's inputs, beside the rows' (begin_step)."""
+        step's inputs, beside the rows' (step)."""
         out = {"lora_slot_scales": self._slot_scales_dev}
         if prepared.dora_slots:
             out["lora_slot_dora"] = self._slot_dora_dev
         return out
 
-    def begin_step(self, prepared: StepLoRA, dev: dict[str, mx.array], traced: bool = False) -> None:
-        """Point every wrapped layer at the step's uploaded rows (until end_step); traced: inside a
-        compiled step's trace, whose dev also holds slot_arrays' (so a replay reads them anew)."""
+    @contextlib.contextmanager
+    def step(self, prepared: StepLoRA, dev: dict[str, mx.array], traced: bool = False) -> Iterator[None]:
+        """Every wrapped layer points at the step's uploaded rows while the step's graph is built; traced:
+        inside a compiled step's trace, whose dev also holds slot_arrays' (so a replay reads them anew)."""
         dev = {**self.slot_arrays(prepared), **dev}
         self.punica.begin_step(LoRAStep(
             int(prepared.host["lora_indices"].size), dev["lora_indices"], dev["lora_used"], dev["lora_used_columns"],
             prepared.slots, prepared.dora_slots, dev["lora_slot_scales"], dev.get("lora_slot_dora"), traced=traced))
-
-    def end_step(self) -> None:
-        self.punica.end_step()
+        completed = False
+        try:
+            yield
+            completed = True
+        finally:
+            self.punica.end_step(completed)
 
     def _activate(self, lora_id: int, step_ids: set[int]) -> int:
         slot = self._slot_of.get(lora_id)

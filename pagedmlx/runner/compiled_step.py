@@ -135,10 +135,7 @@ class CompiledDecode:
             caches = r.make_caches(md, r.kv_pool, state_md, r.state_pool)
             if lora is None:
                 return r.logits(inputs[:, None], caches, md.logits_indices)
-            r.lora_manager.begin_step(lora, d, traced=True)
-            try:
+            with r.lora_manager.step(lora, d, traced=True):
                 return r.logits(inputs[:, None], caches, md.logits_indices)
-            finally:
-                r.lora_manager.end_step()
 
         return forward

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import time
 from typing import Optional, Protocol
@@ -336,13 +338,9 @@ class ModelRunner:
         if md.placeholder_rows is not None:
             inputs = mx.put_along_axis(inputs, md.placeholder_rows,
                                        prev_sampled[md.placeholder_src].astype(inputs.dtype), axis=0)
-        if lora is not None:  # each row's adapter slot, for the wrapped layers while the graph is built
-            self.lora_manager.begin_step(lora, md.extra)
-        try:
+        # each row's adapter slot, for the wrapped layers while the graph is built
+        with self.lora_manager.step(lora, md.extra) if lora is not None else contextlib.nullcontext():
             logits = self.logits(inputs[:, None], caches, md.logits_indices)
-        finally:
-            if lora is not None:
-                self.lora_manager.end_step()
         if self.pages_in_place:
             mx.async_eval(logits)
         return logits
