@@ -76,6 +76,11 @@ def attention_cases():
             RecordingCudaKernel.label = f"lora {dt} {in_dims}->{out_dims} R={rank}"
             lora.add_lora(mx.zeros((3, in_dims), dt), mx.zeros((3, out_dims), dt), mx.zeros((5, rank, in_dims), dt),
                           mx.zeros((5, rank, out_dims), dt), mx.zeros((3,), mx.int32), mx.zeros((5,)), backend="cuda")
+        RecordingCudaKernel.label = f"lora {dt} siblings q/k/v 4096->4096/1024/1024 R=16"
+        outs = (4096, 1024, 1024)
+        lora.add_lora_siblings(mx.zeros((3, 4096), dt), [mx.zeros((3, o), dt) for o in outs],
+                               [mx.zeros((5, 16, 4096), dt) for _ in outs], [mx.zeros((5, 16, o), dt) for o in outs],
+                               mx.zeros((3,), mx.int32), mx.zeros((5,)), backend="cuda")
 
 
 def quantized_cases():

@@ -48,11 +48,10 @@ def lora_prelude(n: int) -> str:
             expr = f"(m == {m} ? {name}{m} : {expr})"
         return expr
 
-    m = " + ".join(f"(GROUP_X >= START{k})" for k in range(1, n)) or "0"
-    starts = "0" if n == 1 else pick("START").replace("START0", "0")
-    return (f"    const int m = {m};\n"
-            f"    const int OUT = {pick('OUT')};\n    const int CHUNK = {pick('CHUNK')};\n"
-            f"    const int tile = GROUP_X - {starts};\n"
+    which = " + ".join(f"(GROUP_X >= START{k})" for k in range(1, n))
+    return ((f"    const int m = {which};\n" if n > 1 else "")
+            + f"    const int OUT = {pick('OUT')};\n    const int CHUNK = {pick('CHUNK')};\n"
+            f"    const int tile = GROUP_X - {pick('START').replace('START0', '0')};\n"
             + "".join(f"    auto {a} = {pick(a)};\n" for a in ("y", "out", "lora_a", "lora_b")))
 
 
