@@ -8,9 +8,9 @@ column mask, the scaled add); on the H200 those took 58 us a Llama-8B projection
 is launch-bound. Where it runs is decided at load (check_add_lora against the stacked path).
 
 Projections of one input (q/k/v, gate/up: siblings, lora/layers.py) run as one launch of add_lora_siblings:
-each group takes a tile of one of them. On the H200 each launch cost about 9 us of the device's time
-whatever it computed (run 47: 'kernel 0' in study_lora_ops.py --compile), so launches, not products, set
-what adapters add to a step."""
+each group takes a tile of one of them. On the H200 a launch cost about 9 us (MLX's dispatch and the
+launch) whatever it computed (run 47: 'kernel 0' in study_lora_ops.py --compile), so launches, not
+products, set what adapters add to a step (docs/benchmarks.md, runs 47-49)."""
 
 from __future__ import annotations
 
