@@ -11,6 +11,8 @@ step at batch 64), --slots adapters of rank --rank side by side (layers.py's sta
   kernel    kernels/lora.py's one kernel for all four (a GPU only), as layers.py runs it there
   kernel tN the same with N groups a row (tiles of its output columns; each recomputes the row's shrink)
   kernel 0  the kernel with every row on slot 0 (no adapter): its launch and the copy of y, the floor
+  empty     a custom kernel of one group that writes one value (a GPU only): what MLX's dispatch of any
+            custom kernel and its launch cost, beside 'mask' (one of MLX's own ops)
   siblings  the kernel with q/k/v in one launch and gate/up in one (add_lora_siblings, as layers.py runs
             projections of one input): four launches a layer instead of seven
 
@@ -35,6 +37,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pagedmlx.kernels import build, lora as lora_kernel  # noqa: E402
+from pagedmlx.kernels.dialect import render  # noqa: E402
 from pagedmlx.lora.layers import _add_scaled  # noqa: E402
 
 # Llama-8B: (in, out) of q, k, v, o, gate, up, down
@@ -94,6 +97,10 @@ def main() -> None:
              "epilogue": lambda: [_add_scaled(p["y"], scales, p["z"]) for p in layers],
              "lora": lambda: [lora(p) for p in layers]}
     if build.gpu_backend() is not None:
+        empty = build.make_kernel(build.gpu_backend(), "pagedmlx_study_empty", ["x"], ["out"],
+                                  render("    if (THREAD_IN_GROUP == 0) out[0] = x[0];", build.gpu_backend()), "")
+        cases["empty"] = lambda: [empty(inputs=[p["x"]], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+                                        output_shapes=[(1,)], output_dtypes=[p["x"].dtype])[0] for p in layers]
         no_rows = mx.zeros_like(indices)  # every row slot 0: the launch and the copy of y, no products
         cases["kernel 0"] = lambda: [lora_kernel.add_lora(p["x"], p["y"], p["a3"], p["b3"], no_rows, slot_scales)
                                      for p in layers]
