@@ -152,16 +152,18 @@ def _bad(value: Any):
 def _tp_engine(model: Any, tokenizer: Any, size: int, timeout: float, config: dict) -> LLMEngine:
     """Rank 0's engine over a tensor-parallel group; the other ranks never return from here."""
     from pagedmlx.loader import load_model
-    from pagedmlx.tp.engine import build_engine, run_worker
+    from pagedmlx.tp.engine import build_engine, run_worker, unsupported
     from pagedmlx.tp.group import join_group
 
-    group = join_group(size if size > 1 else None)
     by_name = not isinstance(model, nn.Module)
     name = model if by_name else None
+    engine_config = EngineConfig(model=name, **config)
+    if unsupported(engine_config):
+        raise ValueError(unsupported(engine_config))
+    group = join_group(size if size > 1 else None)
     if by_name:
         model, loaded_tokenizer = load_model(name, lazy=True, dtype=config.get("dtype"))
         tokenizer = tokenizer or loaded_tokenizer
-    engine_config = EngineConfig(model=name, **config)
     if group is None:
         engine = LLMEngine(model, tokenizer, engine_config)
     elif group.rank() > 0:

@@ -24,7 +24,7 @@ import time
 import httpx
 import numpy as np
 import pytest
-from utils import ARCHS, make_model, make_prompts, run_staggered, run_to_completion, wait_healthy
+from utils import ARCHS, make_model, make_prompts, make_tokenizer, run_staggered, run_to_completion, wait_healthy
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine import LLMEngine
@@ -188,3 +188,14 @@ def test_models_that_cannot_be_split_are_refused_by_name():
 
     with pytest.raises(UnsupportedModelError, match=r"'mamba' cannot be split across 3 ranks: .* no shard\(\) method"):
         shard_model(NoShard(), three)
+
+
+def test_lora_adapters_with_tensor_parallelism_are_refused_before_any_rank_starts():
+    from pagedmlx.llm import LLM
+
+    with pytest.raises(ValueError, match="enable_lora: LoRA adapters are not served with tensor parallelism"):
+        LLM(make_model("llama"), make_tokenizer(), tp=2, enable_lora=True)
+    proc = subprocess.run([sys.executable, "-m", "pagedmlx.cli", "serve", "random:llama", "--tp", "2", "--enable-lora"],
+                          capture_output=True, text=True, timeout=120, cwd=os.path.dirname(HERE))
+    said = " ".join(proc.stderr.split())  # rich wraps long lines
+    assert proc.returncode == 2 and "LoRA adapters are not served with tensor parallelism" in said, proc.stderr

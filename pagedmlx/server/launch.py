@@ -101,6 +101,12 @@ def run_serve(args: argparse.Namespace) -> int:
     config = engine_config(args)
     launcher = launched_backend()
     distributed = bool(args.tp) or launcher is not None
+    if distributed:
+        from pagedmlx.tp.engine import unsupported
+
+        if unsupported(config):
+            console.print(f"[red]pagedmlx serve:[/] {unsupported(config)}")
+            return 2
     if distributed and (not args.engine_process or launcher == "mpi" or (launcher and launched_rank() != 0)):
         return _serve_in_thread_or_worker(args, config, console)  # ranks > 0 serve rank 0's steps there
     try:

@@ -86,6 +86,15 @@ def announce(runner: ModelRunner, group: mx.distributed.Group) -> list[str]:
     return lines
 
 
+def unsupported(config: EngineConfig) -> Optional[str]:
+    """Why tensor parallelism cannot run this configuration yet (None: it can), said before any rank starts."""
+    if config.enable_lora:
+        return ("enable_lora: LoRA adapters are not served with tensor parallelism yet (the ranks' projections are "
+                "mlx-lm's sharded layers, which its adapters do not target, and adapters load on rank 0 only); "
+                "serve them on one rank")
+    return None
+
+
 def build_runner(model: nn.Module, config: EngineConfig, verify: bool = True) -> ModelRunner:
     """The same runner on every rank (its load-time check runs the sharded model: in step)."""
     return ModelRunner(model, config, verify=verify)
@@ -130,6 +139,8 @@ class TPEngine(EngineCore):
 def build_engine(model: nn.Module, tokenizer: Any, config: EngineConfig, group: mx.distributed.Group,
                  timeout: float = DEFAULT_TIMEOUT) -> TPEngine:
     """Rank 0: shard the model and build the engine (the other ranks call run_worker)."""
+    if unsupported(config):
+        raise UnsupportedModelError(unsupported(config))
     shard_model(model, group)
     engine = TPEngine(model, tokenizer, config, group, timeout)
     if local_ranks() is not None:
@@ -154,6 +165,8 @@ def run_worker(model: nn.Module, config: EngineConfig, group: mx.distributed.Gro
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's: it drains, then stops the ranks
     try:
+        if unsupported(config):
+            raise UnsupportedModelError(unsupported(config))
         shard_model(model, group)
         runner = build_runner(model, config)
         announce(runner, group)
