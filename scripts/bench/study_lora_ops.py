@@ -99,8 +99,9 @@ def main() -> None:
     if build.gpu_backend() is not None:
         empty = build.make_kernel(build.gpu_backend(), "pagedmlx_study_empty", ["x"], ["out"],
                                   render("    if (THREAD_IN_GROUP == 0) out[0] = x[0];", build.gpu_backend()), "")
-        cases["empty"] = lambda: [empty(inputs=[p["x"]], grid=(32, 1, 1), threadgroup=(32, 1, 1),
-                                        output_shapes=[(1,)], output_dtypes=[p["x"].dtype])[0] for p in layers]
+        cases["empty"] = lambda: [empty(inputs=[p["x"]], template=[("T", p["x"].dtype)], grid=(32, 1, 1),
+                                        threadgroup=(32, 1, 1), output_shapes=[(1,)], output_dtypes=[p["x"].dtype])[0]
+                                  for p in layers]
         no_rows = mx.zeros_like(indices)  # every row slot 0: the launch and the copy of y, no products
         cases["kernel 0"] = lambda: [lora_kernel.add_lora(p["x"], p["y"], p["a3"], p["b3"], no_rows, slot_scales)
                                      for p in layers]
