@@ -158,8 +158,9 @@ def _tp_engine(model: Any, tokenizer: Any, size: int, timeout: float, config: di
     by_name = not isinstance(model, nn.Module)
     name = model if by_name else None
     engine_config = EngineConfig(model=name, **config)
-    if unsupported(engine_config):
-        raise ValueError(unsupported(engine_config))
+    why = unsupported(engine_config)
+    if why:
+        raise ValueError(why)
     group = join_group(size if size > 1 else None)
     if by_name:
         model, loaded_tokenizer = load_model(name, lazy=True, dtype=config.get("dtype"))

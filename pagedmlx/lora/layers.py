@@ -137,10 +137,9 @@ class PunicaWrapper:
             self._stop_sharing("a sibling was called on another input than the one its output was computed on")
         if self._on_kernel(layer, rows):
             later = [s for s in (self.siblings or {}).get(id(layer), ()) if self.share_launches and self._on_kernel(s, rows)]
-            x2 = x.reshape(rows, x.shape[-1])
             layers = [layer, *later]
             outs = lora_kernel.add_lora_siblings(
-                x2, [m.base_layer(x).reshape(rows, m.output_size) for m in layers],
+                x.reshape(rows, x.shape[-1]), [m.base_layer(x).reshape(rows, m.output_size) for m in layers],
                 [m._lora_a_stacked for m in layers], [m._lora_b_stacked for m in layers],
                 step.indices, step.slot_scales, self.kernel_backend)
             outs = [o.reshape(*lead, m.output_size) for m, o in zip(layers, outs)]

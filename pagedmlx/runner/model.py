@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-
 import logging
 import time
 from typing import Optional, Protocol

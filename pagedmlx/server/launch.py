@@ -104,8 +104,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if distributed:
         from pagedmlx.tp.engine import unsupported
 
-        if unsupported(config):
-            console.print(f"[red]pagedmlx serve:[/] {unsupported(config)}")
+        why = unsupported(config)
+        if why:
+            console.print(f"[red]pagedmlx serve:[/] {why}")
             return 2
     if distributed and (not args.engine_process or launcher == "mpi" or (launcher and launched_rank() != 0)):
         return _serve_in_thread_or_worker(args, config, console)  # ranks > 0 serve rank 0's steps there

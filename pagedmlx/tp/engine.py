@@ -139,8 +139,9 @@ class TPEngine(EngineCore):
 def build_engine(model: nn.Module, tokenizer: Any, config: EngineConfig, group: mx.distributed.Group,
                  timeout: float = DEFAULT_TIMEOUT) -> TPEngine:
     """Rank 0: shard the model and build the engine (the other ranks call run_worker)."""
-    if unsupported(config):
-        raise UnsupportedModelError(unsupported(config))
+    why = unsupported(config)
+    if why:
+        raise UnsupportedModelError(why)
     shard_model(model, group)
     engine = TPEngine(model, tokenizer, config, group, timeout)
     if local_ranks() is not None:
@@ -165,8 +166,9 @@ def run_worker(model: nn.Module, config: EngineConfig, group: mx.distributed.Gro
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's: it drains, then stops the ranks
     try:
-        if unsupported(config):
-            raise UnsupportedModelError(unsupported(config))
+        why = unsupported(config)
+        if why:
+            raise UnsupportedModelError(why)
         shard_model(model, group)
         runner = build_runner(model, config)
         announce(runner, group)
