@@ -78,8 +78,8 @@ def scale_tail(target: nn.Module, first: int, scale: float) -> None:
     mx.eval(target.parameters())
 
 
-def mlx_lm_run(target, draft, prompts, max_tokens: int, k: int, eos: set[int]) -> tuple[float, list, float]:
-    """tok/s over the prompts one after another, the tokens, and (with a draft) its acceptance rate."""
+def mlx_lm_run(target, draft, prompts, max_tokens: int, k: int, eos: set[int]) -> tuple[float, list, int]:
+    """tok/s over the prompts one after another, the tokens, and (with a draft) how many came from it."""
     from mlx_lm.generate import generate_step, speculative_generate_step
 
     out, accepted, elapsed = [], 0, 0.0
@@ -98,8 +98,7 @@ def mlx_lm_run(target, draft, prompts, max_tokens: int, k: int, eos: set[int]) -
                 break
         elapsed += time.perf_counter() - t
         out.append(ids)
-    n = sum(map(len, out))
-    return n / elapsed, out, accepted / max(n, 1)
+    return sum(map(len, out)) / elapsed, out, accepted
 
 
 def engine_run(llm: LLM, prompts, params) -> tuple[float, list]:
@@ -110,6 +109,25 @@ def engine_run(llm: LLM, prompts, params) -> tuple[float, list]:
         elapsed += time.perf_counter() - t
         out.append(o[0].outputs[0].token_ids)
     return sum(map(len, out)) / elapsed, out
+
+
+def profile_runs(runs: dict, top: int) -> None:
+    """One more pass of each run under cProfile: its `top` functions by own time (host time per call: what
+    each engine's Python and MLX's dispatch cost a token, and how long each waits for the device)."""
+    import cProfile
+    import io
+    import pstats
+
+    for name, fn in runs.items():
+        prof = cProfile.Profile()
+        prof.enable()
+        _, out, _ = fn()
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+        lines = [ln for ln in buf.getvalue().splitlines() if ln.strip()][3:]
+        print(f"\nprofile of {name} ({sum(map(len, out))} tokens), by own time:")
+        print("\n".join(lines))
 
 
 def main() -> None:
@@ -125,6 +143,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
     ap.add_argument("--target-tail-scale", type=float, default=None,
                     help="with --draft layers:N: scale the target's later layers' output projections (0: draft exact)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after the rounds, profile one more pass of each speculative run: its N costliest functions")
     args = ap.parse_args()
     target, tok = load_model(args.model, dtype=args.dtype)
     if args.dtype:
@@ -144,25 +164,33 @@ def main() -> None:
     off = LLM(target, tok, kv_cache_memory_gb=args.kv_cache_gb, max_num_seqs=4)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     stats = on.engine.scheduler.spec_decoding_stats
-    runs = {
-        "pagedmlx + draft": lambda: engine_run(on, prompts, params),
-        "mlx-lm speculative_generate_step": lambda: mlx_lm_run(target, draft, prompts, args.max_tokens, args.k, eos)[:2],
-        "pagedmlx, no speculation": lambda: engine_run(off, prompts, params),
-        "mlx-lm generate_step": lambda: mlx_lm_run(target, None, prompts, args.max_tokens, args.k, eos)[:2],
+
+    def ours_with_draft():
+        before = stats.num_accepted_tokens
+        t, out = engine_run(on, prompts, params)
+        return t, out, stats.num_accepted_tokens - before
+
+    runs = {  # each: (tok/s, tokens, how many tokens came from the draft or None)
+        "pagedmlx + draft": ours_with_draft,
+        "mlx-lm speculative_generate_step": lambda: mlx_lm_run(target, draft, prompts, args.max_tokens, args.k, eos),
+        "pagedmlx, no speculation": lambda: (*engine_run(off, prompts, params), None),
+        "mlx-lm generate_step": lambda: (*mlx_lm_run(target, None, prompts, args.max_tokens, args.k, eos)[:2], None),
     }
     for name, fn in runs.items():  # warm-up: kernels, shapes
         t0 = time.perf_counter()
         fn()
         print(f"warm-up {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    mlx_acceptance = mlx_lm_run(target, draft, prompts[:1], 32, args.k, eos)[2]
     before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
     tps: dict[str, list[float]] = {name: [] for name in runs}
     ids: dict[str, list] = {}
+    from_draft = {name: [0, 0] for name in runs}  # tokens from the draft, tokens
     names = list(runs)
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            t, ids[name] = runs[name]()
+            t, ids[name], n = runs[name]()
             tps[name].append(t)
+            from_draft[name][0] += n or 0
+            from_draft[name][1] += sum(map(len, ids[name]))
             print(f"round {r + 1}/{args.rounds} {name}: {t:.1f} tok/s", file=sys.stderr, flush=True)
     drafts, drafted, accepted = (a - b for a, b in zip(
         (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens), before))
@@ -172,14 +200,18 @@ def main() -> None:
     print(f"target {args.model or 'default (SmolLM2-135M-Instruct)'}{tail} ({args.dtype or 'as loaded'}), draft {args.draft}, "
           f"k {args.k}, {args.workload} workload, {len(prompts)} prompts one after another, {args.max_tokens} max new "
           f"tokens, median of {args.rounds} interleaved rounds; {mx.default_device()}")
+    share = {name: a / max(n, 1) for name, (a, n) in from_draft.items()}
     print(f"pagedmlx acceptance {accepted / max(drafted, 1):.2f} ({accepted}/{drafted} draft tokens, mean acceptance "
-          f"length {1 + accepted / max(drafts, 1):.2f}); mlx-lm: {mlx_acceptance:.2f} of its tokens from the draft")
+          f"length {1 + accepted / max(drafts, 1):.2f}); tokens from the draft: pagedmlx {share['pagedmlx + draft']:.2f}, "
+          f"mlx-lm {share['mlx-lm speculative_generate_step']:.2f} (a different text gives a different share)")
     print("| run | tok/s | vs mlx-lm speculative | vs mlx-lm generate_step | tokens == generate_step |")
     print("|---|---:|---:|---:|---|")
     for name in names:
         same = sum(a == b for a, b in zip(ids[name], ref))
         print(f"| {name} | {med[name]:.1f} | {med[name] / med['mlx-lm speculative_generate_step']:.2f}x | "
               f"{med[name] / med['mlx-lm generate_step']:.2f}x | {same}/{len(ref)} prompts |")
+    if args.profile:
+        profile_runs({name: runs[name] for name in names if "draft" in name or "speculative" in name}, args.profile)
 
 
 if __name__ == "__main__":

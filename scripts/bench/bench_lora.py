@@ -6,7 +6,8 @@ greedy, EOS ignored), each cell the median of --repeats:
   base       an engine without LoRA (its own copy of the model)
   base+lora  the LoRA engine, every request on the base model (what serving adapters costs the rest)
   mixed      the LoRA engine, request i on adapter i % num_adapters: every step's rows mix them all
-Reported: decode tok/s (decode steps only) and end-to-end tok/s, and mixed / base.
+Reported: decode tok/s (decode steps only) and end-to-end tok/s, each the median of the repeats, and
+mixed / base as the median over the repeats of each mixed run against the base run just before it.
 
 The adapters are random (A and B ~ N(0, 0.01)), of rank --rank on the --keys (default: every linear layer,
 as mlx_lm.lora) of the last --num-layers layers (default: all; mlx_lm.lora's defaults are rank 8 on the last
@@ -124,12 +125,17 @@ def main() -> None:
             cells["base+lora"].append(run(lora_engine, prompts, args.gen_len, [None] * batch))
             cells["mixed"].append(run(lora_engine, prompts, args.gen_len, mixed_loras))
         med = {k: (statistics.median(d for d, _ in v), statistics.median(e for _, e in v)) for k, v in cells.items()}
+        # each repeat's mixed run against the base run just before it, then the median of those ratios: drift
+        # between repeats (these machines wander by 2x within a call) cancels out of each pair
+        paired = [statistics.median(m[i] / b[i] for (m, b) in zip(cells["mixed"], cells["base"])) for i in (0, 1)]
         row = dict(batch=batch, **{f"{k}_decode_tok_s": v[0] for k, v in med.items()},
                    **{f"{k}_e2e_tok_s": v[1] for k, v in med.items()},
-                   ratio_decode=med["mixed"][0] / med["base"][0], ratio_e2e=med["mixed"][1] / med["base"][1])
+                   ratio_decode=paired[0], ratio_e2e=paired[1],
+                   ratios_decode=[m[0] / b[0] for m, b in zip(cells["mixed"], cells["base"])])
         rows.append(row)
         print(f"{batch:>5} | {med['base'][0]:>9.1f} {med['base+lora'][0]:>9.1f} {med['mixed'][0]:>9.1f}       | "
               f"{row['ratio_decode']:>9.2f}x | {med['base'][1]:>9.1f} {med['mixed'][1]:>9.1f} {row['ratio_e2e']:>5.2f}x")
+        print(f"      each repeat's mixed / base: {' '.join(f'{r:.2f}x' for r in row['ratios_decode'])}")
     punica = lora_engine.runner.lora_manager.punica
     print(f"LoRA rows: {'kernels/lora.py on ' + punica.kernel_backend if punica.kernel_backend else 'MLX products'}"
           f"{', sibling projections in one launch' if punica.kernel_backend and punica.share_launches else ''}")
