@@ -55,6 +55,11 @@ class SchedulerOutput:
     # token's row, then each draft's. draft_token_ids: all drafts, flat, in that order.
     num_draft_tokens: list[int] = field(default_factory=list)
     draft_token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    # Drafts still on the device (a draft model's: spec_decode/draft_model.DeviceDrafts): the flat array
+    # their rows take their inputs from (as placeholder rows, in place of the previous step's tokens), and
+    # where each of draft_token_ids is in it; draft_token_ids holds zeros until resolve_drafts().
+    device_drafts: Optional[object] = None
+    draft_src: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)  # finished since the previous step
 
@@ -66,6 +71,21 @@ class SchedulerOutput:
     def num_sampled_rows(self) -> int:
         """Rows of logits_indices that sample (the rest score prompt tokens)."""
         return len(self.sampled_req_ids) + sum(self.num_draft_tokens)
+
+    def resolve_drafts(self) -> None:
+        """Read device drafts back into draft_token_ids (once the step that verifies them is computed)."""
+        if self.device_drafts is not None:
+            self.draft_token_ids = np.asarray(self.device_drafts)[self.draft_src].astype(np.int32)
+            self.device_drafts = None
+
+    def inline_drafts(self) -> None:
+        """Read device drafts back now (a wait) and put them in input_ids, for a runner that needs every
+        input token on the host (tensor parallelism)."""
+        if self.device_drafts is not None:
+            rows = self.placeholder_rows
+            self.resolve_drafts()
+            self.input_ids[rows] = self.draft_token_ids
+            self.placeholder_rows = self.placeholder_src = self.draft_src = np.zeros(0, np.int32)
 
     @property
     def scheduled_spec_decode_tokens(self) -> dict[str, list[int]]:
@@ -113,7 +133,7 @@ def build_scheduler_output(
     logits_indices, sampled_req_ids = [], []
     placeholder_rows, placeholder_src = [], []
     prompt_rows, prompt_tokens, prompt_reqs = [], [], ([], [], [])
-    num_drafts, draft_ids = [], []
+    num_drafts, draft_ids, draft_src, device_drafts = [], [], [], None
     row = 0
     for req, n in scheduled:
         start = req.num_computed_tokens
@@ -133,6 +153,15 @@ def build_scheduler_output(
             tokens.extend(req.all_token_ids[start:min(end, known)])
             if drafts:  # scheduled only after every known token (never behind a placeholder)
                 tokens.extend(drafts)
+                src = getattr(drafts, "src", None)  # drafts still on the device: placeholder rows
+                if src is not None:
+                    if device_drafts is not None and device_drafts is not drafts.tokens:
+                        raise RuntimeError("a step's device drafts come from two proposals")
+                    device_drafts = drafts.tokens
+                    first = row + n - len(drafts)
+                    placeholder_rows.extend(range(first, first + len(drafts)))
+                    placeholder_src.extend(src)
+                    draft_src.extend(src)
             elif end > known:  # the last token was sampled by the step still in flight
                 tokens.append(0)
                 placeholder_rows.append(row + n - 1)
@@ -150,6 +179,8 @@ def build_scheduler_output(
             num_drafts.append(len(drafts))
             draft_ids.extend(drafts)
 
+    if device_drafts is not None and len(placeholder_src) != len(draft_src):
+        raise RuntimeError("a step with device drafts has tokens in flight too (speculating steps never overlap)")
     counts_np = np.asarray(counts, np.int32)
     query_start_loc = np.zeros(len(counts) + 1, np.int32)
     np.cumsum(counts_np, out=query_start_loc[1:])
@@ -191,6 +222,8 @@ def build_scheduler_output(
         prompt_logprob_tokens=np.asarray(prompt_tokens, np.int32),
         num_draft_tokens=num_drafts if draft_ids else [],
         draft_token_ids=np.asarray(draft_ids, np.int32),
+        device_drafts=device_drafts,
+        draft_src=np.asarray(draft_src, np.int32),
         preempted_req_ids=preempted_req_ids,
         finished_req_ids=finished_req_ids,
     )

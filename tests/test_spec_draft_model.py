@@ -8,8 +8,10 @@ layer only (some accepted), or an unrelated random model (almost all rejected)."
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
+import numpy as np
 import pytest
 from test_spec_decode import GREEDY, busy_prompts
 from utils import assert_no_leaks, make_model, run_staggered, run_to_completion, solo_greedy
@@ -176,3 +178,38 @@ def test_a_long_catch_up_is_cut_to_the_step_budget():
     stats = engine.scheduler.spec_decoding_stats
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
     assert_no_leaks(engine)
+
+
+def test_drafts_stay_on_the_device_until_the_verifying_step_is_read_back():
+    """The target's verifying step takes a draft model's drafts as placeholder rows from the proposer's
+    array (no host sync between the draft forwards and the step); the engine reads them back with the
+    step's tokens, and they are what the draft proposed. inline_drafts (tensor parallelism: every input
+    on the host) puts the same values into input_ids. The tokens stay mlx-lm's."""
+    target = make_model("llama")
+    engine = engine_with(target, draft_model("llama", "first"), k=3, num_blocks=64)
+    forward, seen = engine.runner.forward, []
+
+    def record(so, prev=None):
+        if so.num_draft_tokens:
+            assert so.device_drafts is not None and prev is so.device_drafts
+            rows = so.placeholder_rows.tolist()
+            first = [r for r in range(so.total_num_scheduled_tokens) if r not in rows]
+            assert len(rows) == sum(so.num_draft_tokens) and (so.input_ids[rows] == 0).all(), rows
+            inlined = _with_own_input_ids(so)
+            inlined.inline_drafts()
+            drafts = np.asarray(prev)[so.placeholder_src]
+            assert (inlined.input_ids[rows] == drafts).all() and not len(inlined.placeholder_rows)
+            assert (inlined.input_ids[first] == so.input_ids[first]).all()
+            seen.append(drafts.tolist())
+        return forward(so, prev)
+
+    engine.runner.forward = record
+    prompt = list(range(3, 23))
+    engine.add_request("0", prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    assert run_to_completion(engine)["0"].token_ids == solo_greedy(target, prompt, 24)
+    assert len(seen) == engine.scheduler.spec_decoding_stats.num_drafts > 2
+
+
+def _with_own_input_ids(so):
+    """A copy whose arrays can be changed without touching the step's."""
+    return dataclasses.replace(so, input_ids=so.input_ids.copy())

@@ -266,6 +266,8 @@ class EngineCore:
         requests = [self.scheduler.requests[rid] for rid in so.sampled_req_ids]
         prev_sampled = self._inflight.sampled if self._inflight is not None else None
         prev = prev_sampled.sampled_token_ids if prev_sampled is not None else None
+        if so.device_drafts is not None:  # a draft model's drafts, still on the device (never with a step in flight)
+            prev = so.device_drafts
         logits = self.runner.forward(so, prev)
         prompt, num_rows = None, so.num_sampled_rows
         if len(so.prompt_logprob_tokens):  # the rows after the sampled ones score prompt tokens
@@ -345,6 +347,7 @@ class EngineCore:
             self._record_prompt_logprobs(step)
         token_ids = [r.token_id for r in rows]
         if so.num_draft_tokens:  # speculative decoding: each request's accepted drafts and the token after them
+            so.resolve_drafts()
             token_ids, starts = verify(token_ids, so.num_draft_tokens, so.draft_token_ids)
             rows = [rows[i:i + len(kept)] for i, kept in zip(starts, token_ids)]
         else:

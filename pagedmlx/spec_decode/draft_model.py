@@ -16,6 +16,9 @@ proposes k tokens per speculating request and step; the target verifies them in 
   forwards, each batched over the requests still drafting, token-major as the runner's forward. Each
   proposed token feeds the next forward on the device (the runner's placeholder rows).
 - Tokens: sampler.sample_draft_tokens (greedy: argmax; sampled: the target row's own Gumbel noise).
+  They stay on the device (DeviceDrafts): the target's verifying step takes them as placeholder inputs
+  and is dispatched behind the draft's forwards, so a round (k draft forwards, one verifying step)
+  has one host sync, the verifying step's; the engine reads the drafts back with its tokens.
 - Refused: draft models with sliding-window or recurrent-state layers (their pages would need their
   own windows and state slots), and targets without a full-attention group.
 """
@@ -45,8 +48,27 @@ logger = logging.getLogger("pagedmlx")
 @dataclass
 class _DraftState:
     base: int  # the request's num_tokens when it last proposed: the draft's KV before it is valid
-    written: list[int]  # the drafts whose KV was written at positions base, base + 1, ...
+    written: Sequence[int]  # the drafts whose KV was written at positions base, base + 1, ...
     num_preemptions: int
+
+
+class DeviceDrafts(list):
+    """One request's drafts while they are still on the device: k zeros standing in for them (a list,
+    so that the scheduler counts and slices them as host drafts), and `src`, where each one is in
+    `tokens`, the flat (N,) int32 array of one propose_batch. `values()` reads them back once the
+    array is computed (after the step that verifies them has been read back: no wait then)."""
+
+    def __init__(self, tokens: mx.array, src: Sequence[int]):
+        super().__init__([0] * len(src))
+        self.tokens, self.src = tokens, list(src)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return DeviceDrafts(self.tokens, self.src[index])
+        return super().__getitem__(index)
+
+    def values(self) -> list[int]:
+        return np.asarray(self.tokens)[self.src].tolist() if self.src else []
 
 
 def make_draft_proposer(config: EngineConfig, verify: bool = True) -> tuple[Optional["DraftModelProposer"], Any]:
@@ -121,7 +143,8 @@ class DraftModelProposer:
             return 0
         tokens = req.all_token_ids
         n = st.base
-        for d in st.written:
+        written = st.written.values() if isinstance(st.written, DeviceDrafts) else st.written
+        for d in written:
             if n >= len(tokens) or tokens[n] != d:
                 break
             n += 1
@@ -141,7 +164,8 @@ class DraftModelProposer:
         return True
 
     def propose_batch(self, items: Sequence[tuple[Request, int]]) -> dict[str, list[int]]:
-        """Drafts of at most min(k, room) tokens for each (request, room)."""
+        """Drafts of at most min(k, room) tokens for each (request, room), as DeviceDrafts: dispatched,
+        not waited for."""
         work = []
         for req, room in items:
             k = min(self.k, room)
@@ -164,19 +188,21 @@ class DraftModelProposer:
             so = self._batch(sub, [r.num_tokens + j - 1 for r in sub], [1] * len(sub), np.zeros(len(sub), np.int32),
                              placeholder_src=src)
             steps.append(self._sample(so, steps[-1], sub, j))
-        mx.eval(steps)
-        drafts: dict[str, list[int]] = {r.request_id: [] for r in reqs}
-        rows = [list(range(len(work)))]
-        for j in range(1, len(steps)):
-            rows.append([i for i in rows[-1] if work[i][2] > j])
-        for toks, idx in zip(steps, rows):
-            for i, t in zip(idx, toks.tolist()):
-                drafts[reqs[i].request_id].append(t)
-        for req, start, k, count in work:
+        flat = mx.concatenate(steps) if len(steps) > 1 else steps[0]
+        (mx.async_eval if self.runner.pages_in_place else mx.eval)(flat)
+        src: dict[int, list[int]] = {i: [] for i in range(len(work))}  # each request's drafts' places in flat
+        rows, at = list(range(len(work))), 0
+        for j in range(len(steps)):
+            rows = [i for i in rows if work[i][2] > j] if j else rows
+            for pos, i in enumerate(rows):
+                src[i].append(at + pos)
+            at += len(rows)
+        drafts: dict[str, list[int]] = {}
+        for i, (req, start, k, count) in enumerate(work):
             if k == 0:  # a catch-up cut short: its KV is good up to where it stopped, no drafts yet
-                del drafts[req.request_id]
                 self._state[req] = _DraftState(start + count, [], req.num_preemptions)
             else:
+                drafts[req.request_id] = DeviceDrafts(flat, src[i])
                 self._state[req] = _DraftState(req.num_tokens, drafts[req.request_id][:-1], req.num_preemptions)
         return drafts
 

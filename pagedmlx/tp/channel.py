@@ -45,6 +45,8 @@ def _field_layout() -> list[tuple[str, str]]:
              "set[str]": "nameset"}
     layout = []
     for f in dataclasses.fields(SchedulerOutput):
+        if f.name == "device_drafts":  # rank 0's device array: TPDriver.forward inlines the drafts first
+            continue
         t = str(f.type).replace(" ", "")
         if t not in kinds:
             raise TypeError(f"tensor parallelism cannot send SchedulerOutput.{f.name} of type {t}")

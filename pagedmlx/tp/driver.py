@@ -97,6 +97,7 @@ class TPDriver:
             listener(lost)
 
     def forward(self, so: SchedulerOutput, prev_sampled: Optional[mx.array] = None) -> mx.array:
+        so.inline_drafts()  # a draft model's drafts, on rank 0's device: the other ranks get them as tokens
         if len(so.placeholder_rows):  # TPEngine steps in lockstep: every input token is on the host
             raise RuntimeError("tensor parallel steps need every input token on the host")
         return self._submit(STEP, so).result()
