@@ -259,3 +259,36 @@ def test_a_stop_string_inside_a_steps_tokens_ends_the_output_at_its_token():
     [out], to_abort = proc.process([EngineCoreOutput("r", ids, None, None)])
     assert out.finished and out.finish_reason == "stop" and out.stop_reason == "two" and to_abort == ["r"]
     assert out.token_ids == ids[:cut + 1] and out.text == tok.decode(ids[:cut + 1]).split("two")[0]
+
+
+def test_a_draft_model_drafts_fewer_tokens_where_they_are_rejected():
+    """best_num_drafts: all k near certain acceptance, fewer as acceptance falls, the more so the dearer a
+    draft token; the Drafter asks a costed proposer for that many per request, from the request's own
+    accepted and rejected drafts, and asks a free one (n-gram) for all k whatever its acceptance."""
+    from pagedmlx.spec_decode.drafter import Drafter, best_num_drafts
+
+    assert [best_num_drafts(a, 0.25, 4) for a in (1.0, 0.95, 0.7, 0.5, 0.0)] == [4, 4, 2, 1, 1]
+    assert best_num_drafts(0.9, 0.05, 8) > best_num_drafts(0.9, 0.25, 8) > best_num_drafts(0.9, 1.0, 8)
+    assert best_num_drafts(0.5, 0.0, 6) == 6  # free drafts: the more the better
+
+    class Recorder:
+        def __init__(self):
+            self.rooms = []
+
+        def propose_batch(self, items):
+            self.rooms.append([room for _, room in items])
+            return {}
+
+    config = SpeculativeConfig(method="draft_model", model="random:llama-tiny", num_speculative_tokens=4,
+                               min_acceptance_rate=0.0)
+    for cost, expect in ((0.25, [4, 1]), (0.0, [4, 4])):
+        proposer = Recorder()
+        drafter = Drafter(config, 1000, proposer, cost_ratio=cost)
+        req = make_request("r", list(range(10)), max_tokens=100)
+        req.num_computed_tokens = req.num_tokens - 1
+        drafter.propose_draft_token_ids([req])  # no history yet: all k
+        for _ in range(6):  # half of each draft's first token rejected
+            drafter.observe(req, 4, 0)
+            drafter.observe(req, 4, 1)
+        drafter.propose_draft_token_ids([req])
+        assert [min(rooms[0], 4) for rooms in proposer.rooms] == expect, cost  # the proposer drafts min(k, room)

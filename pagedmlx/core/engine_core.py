@@ -21,7 +21,7 @@ from pagedmlx.kv.manager import KVCacheManager
 from pagedmlx.lora.request import LoRARequest
 from pagedmlx.outputs import EngineCoreOutput, TokenLogprob
 from pagedmlx.request import Request, RequestStatus
-from pagedmlx.runner.model import ModelRunner
+from pagedmlx.runner.model import ModelRunner, weights_nbytes
 from pagedmlx.sampler import Sampler, SamplerOutput, to_host
 from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.scheduler import Scheduler
@@ -70,7 +70,8 @@ class EngineCore:
                                  else mx.default_device() == mx.gpu)
         self._warmed_up_in: Optional[int] = None  # the thread that ran warm_up
         self.drafter = make_drafter(self.config.speculative_config, self.max_model_len, self.kv_cache_manager,
-                                    self.draft_proposer, self.vocab_size, (self.tokenizer, self._draft_tokenizer))
+                                    self.draft_proposer, self.vocab_size, (self.tokenizer, self._draft_tokenizer),
+                                    weights_nbytes(self.model) if self.draft_proposer is not None else 0)
         if self.drafter is None:
             self.draft_proposer = None  # speculation is off for this target: the draft's weights go
 

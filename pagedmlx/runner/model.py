@@ -9,6 +9,7 @@ from typing import Optional, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.kv.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec,
@@ -32,7 +33,12 @@ from pagedmlx.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger("pagedmlx")
 
-__all__ = ["ModelRunner", "Runner", "UnsupportedModelError", "model_type"]
+__all__ = ["ModelRunner", "Runner", "UnsupportedModelError", "model_type", "weights_nbytes"]
+
+
+def weights_nbytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters (about what a step reads at batch 1)."""
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
 class Runner(Protocol):

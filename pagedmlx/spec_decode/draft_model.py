@@ -38,7 +38,7 @@ import numpy as np
 from pagedmlx.config import EngineConfig
 from pagedmlx.kv.spec import FullAttentionSpec
 from pagedmlx.request import Request
-from pagedmlx.runner.model import ModelRunner, UnsupportedModelError, model_type
+from pagedmlx.runner.model import ModelRunner, UnsupportedModelError, model_type, weights_nbytes
 from pagedmlx.sampler import sample_draft_tokens
 from pagedmlx.scheduler_output import SchedulerOutput, _block_table
 
@@ -103,6 +103,7 @@ class DraftModelProposer:
             raise UnsupportedModelError(
                 f"draft model type {model_type(model)!r} has {' and '.join(odd)} layers: a draft model must have "
                 "full-attention layers only (its pages follow the target's full-attention block ids)")
+        self.weight_bytes = weights_nbytes(model)  # a draft token's cost against the target's (Drafter)
         self.block_size = config.block_size
         self.max_catch_up = config.max_num_batched_tokens  # tokens a step's first draft forward may take
         self.manager = None  # the target's full-attention group manager (bind)

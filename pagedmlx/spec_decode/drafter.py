@@ -7,6 +7,12 @@ GPUModelRunner.propose_draft_token_ids over its drafter), and the adaptive rules
 - A request: drafts accepted at less than `min_acceptance_rate` (a moving average of accepted /
   drafted, per draft) stop for PAUSE_TOKENS output tokens, twice as long each time it happens again
   (up to MAX_PAUSE_TOKENS); a request that starts quoting again later is drafted for again.
+- How many (a draft model): each draft token costs a forward of the draft, about `cost_ratio` of a
+  target step (their weights' bytes). Per request, k is the count of at most num_speculative_tokens
+  that gives the most tokens per unit of cost, (1 - a^(k+1)) / (1 - a) / (1 + k * cost_ratio), where
+  a is the request's estimated chance that a draft token is accepted (a moving estimate of accepted
+  tokens over accepted tokens plus rejections). Near a = 1 that is all k; at a = 0.5 with a draft a
+  quarter of the target, 1 or 2. The n-gram proposer costs nothing a token (cost_ratio 0): always k.
 - Not at all: guided requests (their grammar would have to accept each draft) and requests with
   penalties (each draft row's penalties would count the drafts before it); one log line per reason.
 """
@@ -34,12 +40,32 @@ class _Acceptance:
     rate: float = 1.0  # moving average of accepted / drafted
     paused_until: int = 0  # the output length from which the request proposes again
     pause: int = PAUSE_TOKENS
+    accepted: float = 0.0  # moving sums (weight RATE_WEIGHT) of accepted draft tokens and of rejections
+    rejected: float = 0.0
+
+    @property
+    def token_rate(self) -> float:
+        """The chance that one draft token is accepted, given the one before it was (1.0 before any draft)."""
+        seen = self.accepted + self.rejected
+        return self.accepted / seen if seen else 1.0
+
+
+def best_num_drafts(token_rate: float, cost_ratio: float, k_max: int) -> int:
+    """The k <= k_max with the most expected tokens a round per unit of the round's cost (module docstring)."""
+    a = min(max(token_rate, 0.0), 0.999)
+
+    def gain(k: int) -> float:
+        return (1 - a ** (k + 1)) / (1 - a) / (1 + k * cost_ratio)
+
+    return max(range(1, k_max + 1), key=gain)
 
 
 class Drafter:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Any = None):
-        """proposer: the method's (a DraftModelProposer for draft_model); None: the n-gram proposer."""
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Any = None, cost_ratio: float = 0.0):
+        """proposer: the method's (a DraftModelProposer for draft_model); None: the n-gram proposer.
+        cost_ratio: a draft token's cost in target steps (0: free, always num_speculative_tokens)."""
         self.config = config
+        self.cost_ratio = cost_ratio
         self.max_model_len = max_model_len
         self.proposer = proposer or NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                                   config.prompt_lookup_max)
@@ -81,6 +107,8 @@ class Drafter:
             max_tokens = req.sampling_params.max_tokens
             if max_tokens is not None:
                 room = min(room, max_tokens - req.num_output_tokens - 1)
+            if self.cost_ratio and state is not None:
+                room = min(room, best_num_drafts(state.token_rate, self.cost_ratio, self.config.num_speculative_tokens))
             if room > 0 and hasattr(self.proposer, "propose_batch"):
                 batch.append((req, room))
             elif room > 0:
@@ -97,6 +125,9 @@ class Drafter:
             return
         state = self._acceptance.setdefault(request, _Acceptance())
         state.rate += RATE_WEIGHT * (num_accepted_tokens / num_draft_tokens - state.rate)
+        keep = 1 - RATE_WEIGHT
+        state.accepted = keep * state.accepted + num_accepted_tokens
+        state.rejected = keep * state.rejected + (num_accepted_tokens < num_draft_tokens)
         floor = self.config.min_acceptance_rate
         if state.rate < floor:
             state.paused_until = request.num_output_tokens + state.pause
@@ -106,10 +137,11 @@ class Drafter:
 
 
 def make_drafter(config: Optional[SpeculativeConfig], max_model_len: int, kv_cache_manager, draft_proposer: Any = None,
-                 vocab_size: int = 0, tokenizers: tuple = (None, None)) -> Optional[Drafter]:
+                 vocab_size: int = 0, tokenizers: tuple = (None, None), target_bytes: int = 0) -> Optional[Drafter]:
     """The engine's Drafter; None where speculation is off (no config, or a recurrent-state target whose
     pool has no spare slots to roll back with). A draft model's proposer (spec_decode/draft_model.py) is
-    bound to the target's pages here; tokenizers: the target's and the draft's, compared."""
+    bound to the target's pages here; tokenizers: the target's and the draft's, compared; target_bytes:
+    the target's weights, against which a draft token's cost is counted."""
     if config is None:
         return None
     state = kv_cache_manager.state_manager
@@ -126,4 +158,8 @@ def make_drafter(config: Optional[SpeculativeConfig], max_model_len: int, kv_cac
         logger.info("speculative decoding: %s, %d draft tokens (n-grams of %d-%d tokens), while at most %d "
                     "requests run", config.method, config.num_speculative_tokens, config.prompt_lookup_min,
                     config.prompt_lookup_max, config.disable_by_batch_size)
-    return Drafter(config, max_model_len, draft_proposer)
+    cost = draft_proposer.weight_bytes / target_bytes if draft_proposer is not None and target_bytes else 0.0
+    if cost:
+        logger.info("speculative decoding: a draft token costs about %.2f of a target step (the weights' bytes); "
+                    "each request drafts the k up to %d that pays at its acceptance", cost, config.num_speculative_tokens)
+    return Drafter(config, max_model_len, draft_proposer, cost)

@@ -25,12 +25,11 @@ from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.core.engine_core import EngineCore
 from pagedmlx.platform import backend_name, hard_exit
-from pagedmlx.runner.model import ModelRunner, UnsupportedModelError, model_type
+from pagedmlx.runner.model import ModelRunner, UnsupportedModelError, model_type, weights_nbytes
 from pagedmlx.tp.channel import RankLostError
 from pagedmlx.tp.driver import TPDriver, serve_worker
 from pagedmlx.tp.group import launched_backend, local_ranks
@@ -62,10 +61,6 @@ def shard_model(model: nn.Module, group: mx.distributed.Group) -> nn.Module:
         raise UnsupportedModelError(f"model type {kind!r} cannot be split across {n} ranks: {e}") from e
     mx.eval(model.parameters())
     return model
-
-
-def weights_nbytes(model: nn.Module) -> int:
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
 _DEVICES = ("CPU", "Metal", "CUDA", "GPU")
