@@ -17,6 +17,9 @@ token: a pair with random weights whose acceptance is high and whose draft is ch
 speculation machinery itself (a q8 copy of a random model is rejected too often to pay: run 47). A small S
 lowers the acceptance.
 
+--profile N profiles one more pass of each speculative run after the rounds and prints its N costliest
+functions by own time (where a round's host time goes; run 51).
+
     python scripts/bench/bench_draft.py --draft layers:10 --k 3 --rounds 3                 # SmolLM2, CPU
     python scripts/bench/bench_draft.py preset:llama-8b --draft q4 --dtype bfloat16 --k 4    # H200
 """

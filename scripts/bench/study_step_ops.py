@@ -3,11 +3,14 @@ backend each primitive that launches a kernel costs the host ~8-10 us to dispatc
 --compile, 'empty' and 'mask'), about the device time of a decode step's whole kernel at batch 1, so at
 batch 1 a step's launches, not its weight bytes, can bound it.
 
-For --preset (random weights) it builds one request's decode step three ways and counts the primitives of
+For --preset (random weights) it builds one request's decode step both ways and counts the primitives of
 each graph (mx.export_to_dot), split into views (no kernel: reshapes, slices, broadcasts, transposes...)
 and the rest (kernels, copies):
   mlx-lm      the model's call on mlx-lm's own KV cache, then the argmax (generate_step's step, greedy)
-  pagedmlx    the engine's decode step as dispatched (compiled where the device writes pages in place)
+  pagedmlx    the engine's decode step as dispatched (compiled where the device writes pages in place),
+              the forward and the sampler
+
+Run 51 (H200, Llama-8B, bf16): mlx-lm 548 ops that launch, pagedmlx 521 (docs/benchmarks.md, runs 50-52).
 
   python scripts/bench/study_step_ops.py --preset llama-8b --dtype bfloat16     # H200
   python scripts/bench/study_step_ops.py                                        # CPU: fast ops decompose
