@@ -192,9 +192,10 @@ class DraftModelProposer:
         flat = mx.concatenate(steps) if len(steps) > 1 else steps[0]
         (mx.async_eval if self.runner.pages_in_place else mx.eval)(flat)
         src: dict[int, list[int]] = {i: [] for i in range(len(work))}  # each request's drafts' places in flat
-        rows, at = list(range(len(work))), 0
+        rows, at = list(range(len(work))), 0  # the requests in forward j: all, then those drafting past j
         for j in range(len(steps)):
-            rows = [i for i in rows if work[i][2] > j] if j else rows
+            if j:
+                rows = [i for i in rows if work[i][2] > j]
             for pos, i in enumerate(rows):
                 src[i].append(at + pos)
             at += len(rows)
