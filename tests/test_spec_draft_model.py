@@ -213,3 +213,28 @@ def test_drafts_stay_on_the_device_until_the_verifying_step_is_read_back():
 def _with_own_input_ids(so):
     """A copy whose arrays can be changed without touching the step's."""
     return dataclasses.replace(so, input_ids=so.input_ids.copy())
+
+
+def test_a_request_aborted_while_its_drafts_wait_on_the_device_leaves_nothing_behind():
+    """Abort a speculating request between the step that proposed its drafts (still on the device) and the
+    step that would verify them: its pages are freed, the others' tokens stay mlx-lm's, nothing leaks."""
+    target = make_model("llama")
+    engine = engine_with(target, draft_model("llama", "first"), k=3, num_blocks=64)
+    prompts = {str(i): list(range(3 + i, 23 + i)) for i in range(3)}
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    done, aborted = {}, False
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        pending = engine.scheduler.requests.get("1")
+        if not aborted and pending is not None and pending.spec_token_ids:
+            assert hasattr(pending.spec_token_ids, "src")  # drafts not read back yet
+            engine.abort_request(["1"])
+            aborted = True
+    assert aborted
+    assert "1" not in done or done["1"].finish_reason == "abort"
+    for rid in ("0", "2"):
+        assert done[rid].token_ids == solo_greedy(target, prompts[rid], 20), rid
+    assert_no_leaks(engine)
