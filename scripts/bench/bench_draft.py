@@ -1,7 +1,8 @@
-"""Speculative decoding with a draft model at batch 1: pagedmlx with the draft (`speculative_config`
-method draft_model) against mlx-lm's own `speculative_generate_step` on the same (target, draft) pair,
-and both against plain decoding (pagedmlx without speculation, mlx-lm's `generate_step`). Prompts run
-one after another (batch 1); the four runs interleave `--rounds` times (order rotated each round); the
+"""Speculative decoding with a draft model: pagedmlx with the draft (`speculative_config` method
+draft_model) against mlx-lm's own `speculative_generate_step` on the same (target, draft) pair, and both
+against plain decoding (pagedmlx without speculation, mlx-lm's `generate_step`). Prompts run one after
+another (batch 1), or in pagedmlx `--batch` at a time (mlx-lm's speculative generation takes one request:
+its server turns batching off when given a draft model); the four runs interleave `--rounds` times (order rotated each round); the
 table gives each one's median output tok/s and the ratios. Greedy: every run's tokens are compared with
 mlx-lm's generate_step (exact on the CPU in float32; on a GPU they may part after a near tie).
 
@@ -104,13 +105,14 @@ def mlx_lm_run(target, draft, prompts, max_tokens: int, k: int, eos: set[int]) -
     return sum(map(len, out)) / elapsed, out, accepted
 
 
-def engine_run(llm: LLM, prompts, params) -> tuple[float, list]:
+def engine_run(llm: LLM, prompts, params, batch: int = 1) -> tuple[float, list]:
+    """tok/s over the prompts, `batch` of them at a time, and their tokens."""
     out, elapsed = [], 0.0
-    for p in prompts:
+    for i in range(0, len(prompts), batch):
         t = time.perf_counter()
-        o = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
+        o = llm.generate([{"prompt_token_ids": p} for p in prompts[i:i + batch]], params, use_tqdm=False)
         elapsed += time.perf_counter() - t
-        out.append(o[0].outputs[0].token_ids)
+        out += [r.outputs[0].token_ids for r in o]
     return sum(map(len, out)) / elapsed, out
 
 
@@ -146,6 +148,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
     ap.add_argument("--target-tail-scale", type=float, default=None,
                     help="with --draft layers:N: scale the target's later layers' output projections (0: draft exact)")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="pagedmlx runs this many prompts at once (mlx-lm's speculative and generate_step run one "
+                         "at a time: they do not batch, and mlx_lm.server turns batching off with a draft model)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after the rounds, profile one more pass of each speculative run: its N costliest functions")
     args = ap.parse_args()
@@ -162,21 +167,23 @@ def main() -> None:
     except Exception:  # noqa: BLE001 - a tokenizer without a chat template (random presets): the plain text
         prompts = [tok.encode(QUESTIONS[i % len(QUESTIONS)]) for i in range(args.prompts)]
     eos = set(tok.eos_token_ids)
-    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": args.k, "disable_by_batch_size": 1}
-    on = LLM(target, tok, speculative_config=spec, kv_cache_memory_gb=args.kv_cache_gb, max_num_seqs=4)
-    off = LLM(target, tok, kv_cache_memory_gb=args.kv_cache_gb, max_num_seqs=4)
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": args.k,
+            "disable_by_batch_size": args.batch}
+    seqs = max(4, args.batch)
+    on = LLM(target, tok, speculative_config=spec, kv_cache_memory_gb=args.kv_cache_gb, max_num_seqs=seqs)
+    off = LLM(target, tok, kv_cache_memory_gb=args.kv_cache_gb, max_num_seqs=seqs)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     stats = on.engine.scheduler.spec_decoding_stats
 
     def ours_with_draft():
         before = stats.num_accepted_tokens
-        t, out = engine_run(on, prompts, params)
+        t, out = engine_run(on, prompts, params, args.batch)
         return t, out, stats.num_accepted_tokens - before
 
     runs = {  # each: (tok/s, tokens, how many tokens came from the draft or None)
         "pagedmlx + draft": ours_with_draft,
         "mlx-lm speculative_generate_step": lambda: mlx_lm_run(target, draft, prompts, args.max_tokens, args.k, eos),
-        "pagedmlx, no speculation": lambda: (*engine_run(off, prompts, params), None),
+        "pagedmlx, no speculation": lambda: (*engine_run(off, prompts, params, args.batch), None),
         "mlx-lm generate_step": lambda: (*mlx_lm_run(target, None, prompts, args.max_tokens, args.k, eos)[:2], None),
     }
     for name, fn in runs.items():  # warm-up: kernels, shapes
@@ -201,7 +208,8 @@ def main() -> None:
     med = {name: statistics.median(v) for name, v in tps.items()}
     tail = "" if args.target_tail_scale is None else f" (later layers' output projections x {args.target_tail_scale:g})"
     print(f"target {args.model or 'default (SmolLM2-135M-Instruct)'}{tail} ({args.dtype or 'as loaded'}), draft {args.draft}, "
-          f"k {args.k}, {args.workload} workload, {len(prompts)} prompts one after another, {args.max_tokens} max new "
+          f"k {args.k}, {args.workload} workload, {len(prompts)} prompts ({args.batch} at a time in pagedmlx, one at a time in "
+          f"mlx-lm), {args.max_tokens} max new "
           f"tokens, median of {args.rounds} interleaved rounds; {mx.default_device()}")
     share = {name: a / max(n, 1) for name, (a, n) in from_draft.items()}
     print(f"pagedmlx acceptance {accepted / max(drafted, 1):.2f} ({accepted}/{drafted} draft tokens, mean acceptance "
