@@ -25,6 +25,28 @@ inline float half_bits(unsigned bits, __nv_bfloat16) { __nv_bfloat16 h; h.bits =
 inline float half_bits(unsigned bits, __half) { uint16_t b = uint16_t(bits); __half h; std::memcpy(&h, &b, 2); return float(h); }
 }  // namespace emu_mma
 
+// The 16-bit pair intrinsics the quantized tile loads use; a pair's fma rounds its float fma to T.
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    const uint64_t bytes = uint64_t(x) | (uint64_t(y) << 32);
+    unsigned out = 0;
+    for (int i = 0; i < 4; ++i) out |= unsigned((bytes >> (8 * ((s >> (4 * i)) & 7))) & 0xFF) << (8 * i);
+    return out;
+}
+template <class T> struct pair16 { T x, y; };
+typedef pair16<__nv_bfloat16> __nv_bfloat162;
+typedef pair16<__half> __half2;
+inline __nv_bfloat16 __float2bfloat16(float f) { return __nv_bfloat16(f); }
+inline __half __float2half(float f) { return __half(f); }
+inline float __bfloat162float(__nv_bfloat16 h) { return float(h); }
+inline __nv_bfloat162 __halves2bfloat162(__nv_bfloat16 a, __nv_bfloat16 b) { return {a, b}; }
+inline __half2 __halves2half2(__half a, __half b) { return {a, b}; }
+template <class T> pair16<T> __hsub2(pair16<T> a, pair16<T> b) {
+    return {T(float(a.x) - float(b.x)), T(float(a.y) - float(b.y))};
+}
+template <class T> pair16<T> __hfma2(pair16<T> a, pair16<T> b, pair16<T> c) {
+    return {T(std::fma(float(a.x), float(b.x), float(c.x))), T(std::fma(float(a.y), float(b.y), float(c.y)))};
+}
+
 inline unsigned pack2(float a, float b, __nv_bfloat16) {
     return unsigned(__nv_bfloat16(a).bits) | (unsigned(__nv_bfloat16(b).bits) << 16);
 }

@@ -1,8 +1,9 @@
 """CUDA source of the paged-decode loop on tensor cores over quantized pages (kv_cache_dtype int8 / int4,
 sm_80+): decode_attention_mma_cuda.ACCUMULATE_MMA with its K/V tile loads replaced. Same tiling, online
 softmax and per-warp partials; a tile's rows are read from the packed uint32 pages and their groups'
-scales and biases, dequantized in fp32 (q * scale + bias, rounded to T as mx.dequantize's output is) and
-stored into the same swizzled shared-memory tile that ldmatrix reads. Plain loads, not cp.async: for
+scales and biases, dequantized (q * scale + bias in the model's dtype, as mx.dequantize's output is; int4,
+and int8 in fp16, two channels an instruction from magic-number bit patterns) and stored into the same
+swizzled shared-memory tile that ldmatrix reads. Plain loads, not cp.async: for
 D <= 128 the next tile's packed words are loaded into registers before this tile's math (a
 register-staged pipeline, one shared-memory stage); D = 256 loads each tile where it is used (its
 accumulators leave no registers for a second tile).
@@ -13,8 +14,6 @@ loop by exact text replacement, each of which must apply (as sources/decode_atte
 """
 
 QUANT_MMA_HEADER = r"""
-// One 16-byte piece of a quantized row (channels 128 / QBITS * piece on) dequantized into the
-// swizzled tile: chunk c (8 channels) of row r at r * D + ((c ^ (r & 7)) * 8), as load() stores it.
 // A scale and a bias (16-bit floats) in one register: scale in the low half.
 template <typename T>
 __device__ inline unsigned pair_bits(T scale, T bias) {
@@ -23,31 +22,71 @@ __device__ inline unsigned pair_bits(T scale, T bias) {
     memcpy(&b, &bias, 2);
     return unsigned(s) | (unsigned(b) << 16);
 }
+// Two adjacent channels (c, c + 1) dequantized into one register of T pairs (c in the low half).
+// 4-bit and (fp16) 8-bit values become T pairs by bit pattern: a magic constant M (128 in bf16, 1024 in
+// fp16) with the value in its low mantissa bits is exactly M + q, and (M + q) - M = q; then q * s + b in
+// T pairs, one rounding (the fp32 fma and its rounding to T, which bf16 8-bit keeps, may differ in the
+// last bit). A pair of bytes spread into the two halves by one byte permute.
+__device__ inline unsigned t2_fma_q(unsigned mq, unsigned s2, unsigned b2, __nv_bfloat16) {
+    const __nv_bfloat162 m = __halves2bfloat162(__float2bfloat16(128.f), __float2bfloat16(128.f));
+    __nv_bfloat162 x = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&mq), m);
+    x = __hfma2(x, *reinterpret_cast<__nv_bfloat162*>(&s2), *reinterpret_cast<__nv_bfloat162*>(&b2));
+    return *reinterpret_cast<unsigned*>(&x);
+}
+__device__ inline unsigned t2_fma_q(unsigned mq, unsigned s2, unsigned b2, __half) {
+    const __half2 m = __halves2half2(__float2half(1024.f), __float2half(1024.f));
+    __half2 x = __hsub2(*reinterpret_cast<__half2*>(&mq), m);
+    x = __hfma2(x, *reinterpret_cast<__half2*>(&s2), *reinterpret_cast<__half2*>(&b2));
+    return *reinterpret_cast<unsigned*>(&x);
+}
+__device__ inline unsigned magic2(__nv_bfloat16) { return 0x43004300u; }
+__device__ inline unsigned magic2(__half) { return 0x64006400u; }
+
+// 4-bit: channels c, c + 1 are byte c / 2 of word w (low nibble, high nibble); hi = w >> 4 holds the high
+// nibble in the same byte's low bits.
 template <typename T>
-__device__ inline float half_float(unsigned short bits) {
-    T x;
-    memcpy(&x, &bits, 2);
-    return static_cast<float>(x);
+__device__ inline unsigned pair_int4(unsigned w, unsigned hi, int byte, unsigned s2, unsigned b2) {
+    const unsigned spread = __byte_perm(w, hi, byte | ((4 + byte) << 8));
+    return t2_fma_q((spread & 0x000F000Fu) | magic2(T{}), s2, b2, T{});
+}
+// 8-bit in fp16: bytes c, c + 1 of w under the 0x64 high bytes.
+__device__ inline unsigned pair_int8(unsigned w, int byte, unsigned s2, unsigned b2, unsigned, __half) {
+    return t2_fma_q(__byte_perm(w, 0x64646464u, byte | (4 << 4) | ((byte + 1) << 8) | (4 << 12)), s2, b2, __half{});
+}
+// 8-bit in bf16 (8 significant bits hold 0..255 but no magic does): each byte under 2^23's exponent
+// bytes as an fp32 2^23 + q, less 2^23, then the fp32 fma, rounded to bf16.
+__device__ inline unsigned pair_int8(unsigned w, int byte, unsigned, unsigned, unsigned sb, __nv_bfloat16) {
+    float s, b;
+    {
+        const unsigned short sbits = sb & 0xFFFF, bbits = sb >> 16;
+        __nv_bfloat16 sv, bv;
+        memcpy(&sv, &sbits, 2);
+        memcpy(&bv, &bbits, 2);
+        s = __bfloat162float(sv);
+        b = __bfloat162float(bv);
+    }
+    const float q0 = __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7650 + byte)) - 8388608.f;
+    const float q1 = __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7650 + byte + 1)) - 8388608.f;
+    return pack2(fmaf(q0, s, b), fmaf(q1, s, b), __nv_bfloat16{});
 }
 
+// One 16-byte piece of a quantized row (channels 128 / QBITS * piece on) dequantized into the
+// swizzled tile: chunk c (8 channels) of row r at r * D + ((c ^ (r & 7)) * 8), as load() stores it.
 template <typename T, int D, int QBITS>
 __device__ inline void store_piece(T* tile, int row, int piece, uint4 raw, unsigned scale_bias) {
     constexpr int PER = 32 / QBITS;
     constexpr int CPP = 128 / QBITS / 8;  // 8-channel chunks per piece: 2 (int8), 4 (int4)
-    constexpr unsigned MASK = (1u << QBITS) - 1u;
-    const float s = half_float<T>(scale_bias & 0xFFFF), b = half_float<T>(scale_bias >> 16);
+    const unsigned s2 = __byte_perm(scale_bias, 0u, 0x1010), b2 = __byte_perm(scale_bias, 0u, 0x3232);
     const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
     #pragma unroll
     for (int j = 0; j < CPP; ++j) {
         unsigned h[4];
         #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            // q as a float without I2F (a quarter-rate instruction): 2^23 + q has q in its low mantissa bits,
-            // and (2^23 + q) - 2^23 is q exactly.
-            const int c0 = 8 * j + 2 * e, c1 = c0 + 1;
-            const float q0 = __uint_as_float(((w[c0 / PER] >> (QBITS * (c0 % PER))) & MASK) | 0x4B000000u) - 8388608.f;
-            const float q1 = __uint_as_float(((w[c1 / PER] >> (QBITS * (c1 % PER))) & MASK) | 0x4B000000u) - 8388608.f;
-            h[e] = pack2(fmaf(q0, s, b), fmaf(q1, s, b), T{});
+            const int c = 8 * j + 2 * e;
+            const unsigned word = w[c / PER];
+            h[e] = QBITS == 4 ? pair_int4<T>(word, word >> 4, (c % PER) / 2, s2, b2)
+                              : pair_int8(word, c % PER, s2, b2, scale_bias, T{});
         }
         const int chunk = piece * CPP + j;
         *reinterpret_cast<uint4*>(tile + row * D + ((chunk ^ (row & 7)) * 8)) = make_uint4(h[0], h[1], h[2], h[3]);
