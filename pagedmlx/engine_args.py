@@ -38,6 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="replay decode-only steps through mx.compile, traced once per shape (CUDA only; "
                         "default: steps of at most 8 requests)")
+    p.add_argument("--merge-projections", action=argparse.BooleanOptionalAction, default=None,
+                   help="q/k/v and gate/up each as one matmul over concatenated weights (default: on GPU "
+                        "backends, off with --enable-lora)")
     p.add_argument("--warm-up-attention", action=argparse.BooleanOptionalAction, default=None,
                    help="build the attention shapes of long prompts before serving (default: on CUDA)")
     p.add_argument("--prefill-kernel", action=argparse.BooleanOptionalAction, default=None,
@@ -94,6 +97,7 @@ def engine_config(args: argparse.Namespace):
                         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
                         async_scheduling=args.async_scheduling, warm_up_attention=args.warm_up_attention,
                         prefill_kernel=args.prefill_kernel, compile_decode=args.compile_decode,
+                        merge_projections=args.merge_projections,
                         generation_config=args.generation_config,
                         scheduling_policy=args.scheduling_policy, dtype=args.dtype,
                         state_checkpoint_interval=args.state_checkpoint_interval,

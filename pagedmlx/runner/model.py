@@ -22,6 +22,7 @@ from pagedmlx.runner.attention import (KVPool, PagedLayerCache, decode_kernel_ta
                                        paged_decode, warm_up_prefill)
 from pagedmlx.runner.compiled_step import AUTO_MAX_DECODES, CompiledDecode
 from pagedmlx.runner.lm_head import split_lm_head
+from pagedmlx.runner.merged_linear import merge_projections, merged_products
 from pagedmlx.runner.kv_quant import read_pages
 from pagedmlx.runner.attention_metadata import (WARM_UP_MAX_KEYS, StepMetadata, chunked_prefill_groups,
                                                 sdpa_shape_quantum)
@@ -34,6 +35,13 @@ from pagedmlx.scheduler_output import SchedulerOutput
 logger = logging.getLogger("pagedmlx")
 
 __all__ = ["ModelRunner", "Runner", "UnsupportedModelError", "model_type", "weights_nbytes"]
+
+
+def _merges_projections(config: EngineConfig) -> bool:
+    """EngineConfig.merge_projections: None on GPU backends; never with LoRA."""
+    if config.enable_lora:
+        return False
+    return config.merge_projections if config.merge_projections is not None else mx.default_device() == mx.gpu
 
 
 def weights_nbytes(model: nn.Module) -> int:
@@ -60,6 +68,9 @@ class ModelRunner:
         self.model = model
         self.draft_block_bytes = draft_block_bytes
         self.block_size = config.block_size
+        self.merged_groups = merge_projections(model) if _merges_projections(config) else 0
+        if self.merged_groups:
+            logger.info("merged %d q/k/v and gate/up projection groups (runner/merged_linear.py)", self.merged_groups)
         # Routed first: the plan's probe sees each layer's query heads and sinks through the dispatcher.
         routed = install_paged_attention(model)
         self.plan, self.vocab_size = plan_layers(model)  # refuses the layers it cannot page, by name
@@ -352,9 +363,10 @@ class ModelRunner:
 
     def logits(self, inputs: mx.array, caches: list, logits_indices: mx.array) -> mx.array:
         """The model over inputs (T, 1) on `caches`; logits (S, V) of the rows logits_indices."""
-        if self._head is not None:
-            return self._head(self._body(inputs, cache=caches)[logits_indices])[:, 0, :]
-        return self.model(inputs, cache=caches)[logits_indices][:, 0, :]
+        with merged_products():
+            if self._head is not None:
+                return self._head(self._body(inputs, cache=caches)[logits_indices])[:, 0, :]
+            return self.model(inputs, cache=caches)[logits_indices][:, 0, :]
 
     def _check(self) -> Optional[str]:
         """The load-time check; a kernel that fails to build or run counts as a disagreement."""

@@ -151,6 +151,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1,
                     help="pagedmlx runs this many prompts at once (mlx-lm's speculative and generate_step run one "
                          "at a time: they do not batch, and mlx_lm.server turns batching off with a draft model)")
+    ap.add_argument("--merge-projections", action=argparse.BooleanOptionalAction, default=None,
+                    help="EngineConfig.merge_projections (default: on GPU backends); mlx-lm's runs keep the "
+                         "separate modules either way")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after the rounds, profile one more pass of each speculative run: its N costliest functions")
     args = ap.parse_args()
@@ -170,8 +173,10 @@ def main() -> None:
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": args.k,
             "disable_by_batch_size": args.batch}
     seqs = max(4, args.batch)
-    on = LLM(target, tok, speculative_config=spec, kv_cache_memory_gb=args.kv_cache_gb, max_num_seqs=seqs)
-    off = LLM(target, tok, kv_cache_memory_gb=args.kv_cache_gb, max_num_seqs=seqs)
+    on = LLM(target, tok, speculative_config=spec, kv_cache_memory_gb=args.kv_cache_gb, max_num_seqs=seqs,
+             merge_projections=args.merge_projections)
+    off = LLM(target, tok, kv_cache_memory_gb=args.kv_cache_gb, max_num_seqs=seqs,
+              merge_projections=args.merge_projections)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     stats = on.engine.scheduler.spec_decoding_stats
 

@@ -171,6 +171,9 @@ def main() -> None:
     ap.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
                     help="EngineConfig.compile_decode: decode steps replayed through mx.compile (CUDA; default: "
                          "steps of at most 8 requests)")
+    ap.add_argument("--merge-projections", action=argparse.BooleanOptionalAction, default=None,
+                    help="EngineConfig.merge_projections: q/k/v and gate/up one matmul each (default: on GPU "
+                         "backends); mlx-lm's runs keep the separate modules either way")
     ap.add_argument("--skip-peer", action="store_true", help="run pagedmlx only (for sweeps of its own settings)")
     args = ap.parse_args()
 
@@ -197,13 +200,14 @@ def main() -> None:
         block_size=args.block_size, num_blocks=num_blocks, max_num_seqs=max_b,
         max_num_batched_tokens=max(2048, args.prompt_len, args.prefill_len), long_prefill_token_threshold=0,
         max_model_len=tokens_per_seq + 1, enable_prefix_caching=False, async_scheduling=False if args.no_async else (True if args.ab_async else None),
-        compile_decode=args.compile_decode))
+        compile_decode=args.compile_decode, merge_projections=args.merge_projections))
 
     console = Console()
     console.print(f"[bold]bench_offline[/] {name} on {mx.default_device()}, {platform.machine()}, "
                   f"prompt {args.prompt_len}, gen {args.gen_len}, {time.strftime('%Y-%m-%d')}, "
                   f"{'async' if engine.async_scheduling else 'lockstep'} steps"
-                  f"{', compiled decode steps' if getattr(engine.runner, 'compiled_decode', None) else ''}")
+                  f"{', compiled decode steps' if getattr(engine.runner, 'compiled_decode', None) else ''}"
+                  f"{', projections merged' if getattr(engine.runner, 'merged_groups', 0) else ''}")
     # Warm up both (compilation, allocator).
     run_pagedmlx(engine, make_prompts(2, 16, vocab, 0), 4)
     if not args.skip_peer:

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from pagedmlx.bench.presets import PRESETS, random_model  # noqa: E402
 
 VIEWS = {"Reshape", "Squeeze", "ExpandDims", "Broadcast", "Transpose", "Slice", "Flatten", "Unflatten",
-         "AsStrided", "StopGradient", "Depends"}
+         "AsStrided", "StopGradient", "Depends", "Split"}
 
 
 def primitives(*arrays: mx.array) -> collections.Counter:
@@ -54,14 +54,15 @@ def mlx_lm_step(model) -> collections.Counter:
     return primitives(mx.argmax(model(mx.array([[17]]), cache=cache)[:, -1], axis=-1))
 
 
-def engine_step(model, steps: int) -> collections.Counter:
+def engine_step(model, steps: int, merge=None) -> collections.Counter:
     """The graph of the `steps`-th decode step of one request."""
     import pagedmlx.core.engine_core as engine_core
     from pagedmlx.config import EngineConfig
     from pagedmlx.engine import LLMEngine
     from pagedmlx.sampling_params import SamplingParams
 
-    engine = LLMEngine(model, None, EngineConfig(block_size=16, num_blocks=64, max_num_seqs=4, max_model_len=512))
+    engine = LLMEngine(model, None, EngineConfig(block_size=16, num_blocks=64, max_num_seqs=4, max_model_len=512,
+                                                 merge_projections=merge))
     # Where pages are written in place the runner dispatches the forward itself (mx.async_eval) before the
     # engine dispatches the sampler: count each graph handed to MLX, and run it to the end (so that the next
     # count stops at its outputs), then file them under the step that _dispatch closes.
@@ -97,11 +98,13 @@ def main() -> None:
     ap.add_argument("--preset", default="small", choices=PRESETS)
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--steps", type=int, default=8, help="decode steps before the one counted (traces warm)")
+    ap.add_argument("--merge-projections", action=argparse.BooleanOptionalAction, default=None,
+                    help="EngineConfig.merge_projections for pagedmlx (default: on GPU backends)")
     args = ap.parse_args()
     dtype = getattr(mx, args.dtype)
     model = random_model(args.preset, dtype)
     layers = len(model.layers)
-    counts = {"mlx-lm": mlx_lm_step(model), "pagedmlx": engine_step(model, args.steps)}
+    counts = {"mlx-lm": mlx_lm_step(model), "pagedmlx": engine_step(model, args.steps, args.merge_projections)}
     print(f"one decode step at batch 1, random '{args.preset}' ({args.dtype}, {layers} layers) on {mx.default_device()}")
     print(f"{'':>9} | {'primitives':>10} | {'views':>6} | {'others':>6} | {'others a layer':>14}")
     for name, c in counts.items():

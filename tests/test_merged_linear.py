@@ -1,0 +1,118 @@
+"""Merged q/k/v and gate/up projections (runner/merged_linear.py): inside the runner's forward the merged
+model computes what the separate modules did, outside it exactly that; only the groups the model calls
+on one input merge; the engine serving it gives mlx-lm's tokens."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from utils import make_prompts, run_staggered, solo_greedy
+
+from pagedmlx.config import EngineConfig
+from pagedmlx.engine import LLMEngine
+from pagedmlx.models.random_model import RANDOM_ARCHS, random_model
+from pagedmlx.runner.merged_linear import MergedLinear, MergedPart, merge_projections, merged_products
+from pagedmlx.runner.model import weights_nbytes
+from pagedmlx.sampling_params import SamplingParams
+
+
+def _logits(model, tokens: list[int]) -> mx.array:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return model(mx.array([tokens]), cache=make_prompt_cache(model)).astype(mx.float32)
+
+
+def _layers(model) -> list[nn.Module]:
+    inner = getattr(model, "language_model", model)
+    return getattr(inner, "model", inner).layers
+
+
+@pytest.mark.parametrize("arch", ["llama-tiny", "qwen3-tiny", "gemma3-tiny", "olmo3-tiny", "gemma4-e-tiny",
+                                  "qwen3_5-tiny"])
+def test_merged_model_computes_what_the_separate_modules_did(arch):
+    model = random_model(arch, 0)
+    tokens = list(range(3, 40))
+    want = _logits(model, tokens)
+    nbytes = weights_nbytes(model)
+    merged = merge_projections(model)
+    assert merged > 0
+    assert weights_nbytes(model) == nbytes  # the merged weights counted once
+    assert mx.array_equal(_logits(model, tokens), want)  # outside the runner's forward: mlx-lm's own products
+    with merged_products():
+        got = _logits(model, tokens)
+    assert mx.abs(got - want).max().item() <= 1e-4 * max(1.0, mx.abs(want).max().item())
+    assert merge_projections(model) == 0  # nothing left to merge
+
+
+def test_every_llama_layer_merges_both_groups():
+    model = random_model("llama-tiny", 0)
+    assert merge_projections(model) == 2 * len(_layers(model))
+    for layer in _layers(model):
+        assert isinstance(layer.self_attn.q_proj, MergedLinear)
+        assert isinstance(layer.self_attn.k_proj, MergedPart) and isinstance(layer.self_attn.v_proj, MergedPart)
+        assert isinstance(layer.mlp.gate_proj, MergedLinear) and isinstance(layer.mlp.up_proj, MergedPart)
+
+
+def test_shared_kv_layers_keep_their_query_projection_alone():
+    """Gemma-4 "E" models' last layers read another layer's keys and values: they call q_proj only, so
+    their q/k/v are not merged (merging would compute keys and values nobody reads)."""
+    model = random_model("gemma4-e-tiny", 0)
+    merge_projections(model)
+    shared = RANDOM_ARCHS["gemma4-e-tiny"]["num_kv_shared_layers"]
+    layers = _layers(model)
+    for layer in layers[-shared:]:
+        assert type(layer.self_attn.q_proj) is nn.Linear
+    assert isinstance(layers[0].self_attn.q_proj, MergedLinear)
+
+
+def test_quantized_projections_merge():
+    model = random_model("llama-tiny", 0)
+    nn.quantize(model, group_size=32, bits=4)
+    tokens = list(range(5, 30))
+    want = _logits(model, tokens)
+    assert merge_projections(model) == 2 * len(_layers(model))
+    assert isinstance(_layers(model)[0].self_attn.q_proj.linear, nn.QuantizedLinear)
+    assert mx.array_equal(_logits(model, tokens), want)
+    with merged_products():
+        got = _logits(model, tokens)
+    assert mx.abs(got - want).max().item() <= 1e-4 * max(1.0, mx.abs(want).max().item())
+
+
+def test_a_part_called_on_another_input_gets_that_inputs_product():
+    linears = [nn.Linear(8, n, bias=True) for n in (8, 4, 4)]
+    parent = nn.Module()
+    for name, lin in zip(("q_proj", "k_proj", "v_proj"), linears):
+        parent[name] = lin
+    x, y = mx.random.normal((1, 3, 8)), mx.random.normal((1, 3, 8))
+    want = [lin(y) for lin in linears]
+    from pagedmlx.runner.merged_linear import _merge_group
+
+    assert _merge_group(parent, ("q_proj", "k_proj", "v_proj"), linears)
+    with merged_products():
+        assert mx.allclose(parent.q_proj(x), linears[0](x), atol=1e-5)
+        assert parent.q_proj._input is x
+        for name, w in zip(("k_proj", "v_proj", "q_proj"), want[1:] + want[:1]):  # y, out of the usual order
+            assert mx.allclose(parent[name](y), w, atol=1e-5)
+        assert parent.q_proj._input is None  # every part of y taken: no activation kept
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_engine_with_merged_projections_gives_mlx_lm_tokens(arch):
+    from utils import ARCHS, make_model
+
+    reference = make_model(arch)  # mlx-lm's, separate modules
+    model = random_model({"llama": "llama-tiny", "qwen3": "qwen3-tiny"}[arch], 0)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = make_prompts(16, ARCHS[arch]["vocab_size"], seed=5)
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=160, max_num_batched_tokens=96,
+                                                 max_num_seqs=8, merge_projections=True))
+    assert engine.runner.merged_groups == 2 * len(_layers(model))
+    done = run_staggered(engine, prompts, params, seed=1)
+    for i, p in enumerate(prompts):
+        assert done[str(i)] == solo_greedy(reference, p, params.max_tokens), f"request {i}"
+
+
+def test_merge_projections_with_lora_is_refused():
+    with pytest.raises(ValueError, match="merge_projections=True cannot be served with enable_lora=True"):
+        EngineConfig(merge_projections=True, enable_lora=True)
