@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Run 54 (2026-12-04, sixteenth session), one PART a call after staging (../shared/gpu/README.md); logs under $OUT:
+#   PART=kv      the quantized tensor-core decode with its cheaper dequantization (int4 and fp16 int8 from
+#                magic bit patterns, two channels an instruction; bf16 int8 by byte permute): nvcc compiles the
+#                sources, the GPU tests, then decode steps at 64 and 256 against bf16 pages (run 42/43's command)
+#   PART=merge   merged q/k/v and gate/up projections (runner/merged_linear.py, on by default on the GPU): a
+#                step's ops, batch 1 and 64 against mlx-lm merged and not, and the busy == solo tests merged
+#   PART=draft   run 53's draft pairs (now merged) against mlx-lm's speculative; the adaptive k at tail 0.02
+source "$(dirname "$0")/lib.sh"
+SUITE=(env MLX_ENABLE_TF32=0 python3 -m pytest -o addopts= -q -rf -p no:cacheprovider -k "not smollm")
+KV="python3 scripts/bench/bench_kv_quant.py --speed --preset llama-8b --context 2048"
+OFF="python3 scripts/bench/bench_offline.py --preset llama-8b --dtype bfloat16 --prompt-len 128 --gen-len 128"
+D="python3 scripts/bench/bench_draft.py preset:llama-8b --dtype bfloat16 --draft layers:4 --k 4 --rounds 3 --max-tokens 96 --kv-cache-gb 4 --prompts 2"
+case "${PART:-kv}" in
+  kv)
+    TAIL=4 run cuda_sources 150 "${SUITE[@]}" tests/test_cuda_sources.py
+    TAIL=4 run pytest_kv_quant 150 "${SUITE[@]}" -x tests/test_gpu_kv_quant.py -k "default or page_write"
+    TAIL=8 run kv_64 150 $KV --batch 64 --steps 12
+    TAIL=8 run kv_256 150 $KV --batch 256 --steps 6;;
+  merge)
+    TAIL=12 run ops_merged 100 python3 scripts/bench/study_step_ops.py --preset llama-8b --dtype bfloat16
+    TAIL=10 run offline_merged 150 $OFF --batch-sizes 1 64 --repeats 3 --json "$OUT/offline_merged.json"
+    TAIL=10 run offline_separate 150 $OFF --batch-sizes 1 64 --repeats 3 --no-merge-projections --json "$OUT/offline_separate.json"
+    TAIL=4 run pytest_merged 150 "${SUITE[@]}" tests/test_merged_linear.py tests/test_batched_equals_solo.py tests/test_compiled_decode.py;;
+  draft)
+    TAIL=9 run draft_exact 170 $D --target-tail-scale 0
+    TAIL=9 run draft_tail002 150 $D --target-tail-scale 0.02
+    TAIL=9 run draft_exact_separate 170 $D --target-tail-scale 0 --no-merge-projections;;
+esac
