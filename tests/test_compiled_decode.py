@@ -45,9 +45,9 @@ def standins(monkeypatch):
 
 
 def _engine(arch: str, compiled: Optional[bool], standins: bool, kv_cache_dtype: str = "auto",
-            max_num_seqs: int = 4, **config) -> LLMEngine:
+            max_num_seqs: int = 4, model=None, **config) -> LLMEngine:
     # A model of its own (seed 3): the stand-ins class-swap a state model's modules (install_kernels).
-    model = make_model(arch, seed=3 if standins else 0)
+    model = model if model is not None else make_model(arch, seed=3 if standins else 0)
     engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=96, max_num_seqs=max_num_seqs,
                                                  async_scheduling=True, compile_decode=compiled,
                                                  kv_cache_dtype=kv_cache_dtype, **config))
@@ -137,6 +137,24 @@ def test_by_default_a_larger_step_is_compiled_once_its_key_is_hot(standins):
     assert traces >= 1 and steady.count(False) == (HOT_STEPS - 1) * traces + sum(cold.values())
     assert steady.count(True) > len(steady) / 2 and len(cold) <= 1
     assert not _engine("qwen3_5-tiny", None, True).runner.compiled_decode.larger  # state models: small steps only
+
+
+@pytest.mark.skipif(ON_CUDA, reason="the stand-ins are for a machine without the kernels")
+def test_compiled_steps_with_merged_projections_equal_built_ones(standins):
+    """Merged q/k/v and gate/up (runner/merged_linear.py, a GPU's default) traced and replayed: a merged
+    module keeps its input's product only while the trace builds, and the replayed steps equal the built."""
+    from pagedmlx.models.random_model import random_model
+
+    prompts = _prompts("auto")
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    model = random_model("llama-tiny", 3)
+    built = run_staggered(_engine("llama", False, True, model=model, merge_projections=True), prompts, params, seed=1)
+    engine = _engine("llama", True, True, model=model, merge_projections=True)
+    assert engine.runner.merges and engine.runner.compiled_decode is not None
+    assert run_staggered(engine, prompts, params, seed=1) == built
+    assert engine.runner.compiled_decode.fns
+    layer = model.model.layers[0]
+    assert layer.self_attn.q_proj._input is None and layer.mlp.gate_proj._input is None
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="a CUDA GPU runs the kernels")

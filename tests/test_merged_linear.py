@@ -116,3 +116,18 @@ def test_engine_with_merged_projections_gives_mlx_lm_tokens(arch):
 def test_merge_projections_with_lora_is_refused():
     with pytest.raises(ValueError, match="merge_projections=True cannot be served with enable_lora=True"):
         EngineConfig(merge_projections=True, enable_lora=True)
+
+
+def test_a_runner_that_does_not_merge_computes_separately_on_a_merged_model():
+    from utils import ARCHS, make_model
+
+    reference = make_model("llama")
+    model = random_model("llama-tiny", 0)
+    merge_projections(model)  # as an earlier engine on the same model object would
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = make_prompts(6, ARCHS["llama"]["vocab_size"], seed=2)
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=96, merge_projections=False))
+    assert not engine.runner.merges
+    done = run_staggered(engine, prompts, params, seed=1)
+    for i, p in enumerate(prompts):
+        assert done[str(i)] == solo_greedy(reference, p, params.max_tokens), f"request {i}"

@@ -68,7 +68,8 @@ class ModelRunner:
         self.model = model
         self.draft_block_bytes = draft_block_bytes
         self.block_size = config.block_size
-        self.merged_groups = merge_projections(model) if _merges_projections(config) else 0
+        self.merges = _merges_projections(config)  # a model merged by an earlier runner computes separately here
+        self.merged_groups = merge_projections(model) if self.merges else 0
         if self.merged_groups:
             logger.info("merged %d q/k/v and gate/up projection groups (runner/merged_linear.py)", self.merged_groups)
         # Routed first: the plan's probe sees each layer's query heads and sinks through the dispatcher.
@@ -363,7 +364,7 @@ class ModelRunner:
 
     def logits(self, inputs: mx.array, caches: list, logits_indices: mx.array) -> mx.array:
         """The model over inputs (T, 1) on `caches`; logits (S, V) of the rows logits_indices."""
-        with merged_products():
+        with merged_products() if self.merges else contextlib.nullcontext():
             if self._head is not None:
                 return self._head(self._body(inputs, cache=caches)[logits_indices])[:, 0, :]
             return self.model(inputs, cache=caches)[logits_indices][:, 0, :]
