@@ -45,6 +45,18 @@ def test_merged_model_computes_what_the_separate_modules_did(arch):
     assert merge_projections(model) == 0  # nothing left to merge
 
 
+def test_linear_attention_input_projections_merge():
+    """Qwen3.5's Gated DeltaNet layers apply four projections to one input (qkv, z, b, a): one product."""
+    model = random_model("qwen3_5-tiny", 0)
+    merge_projections(model)
+    layers = _layers(model)
+    gdn = [layer.linear_attn for layer in layers if hasattr(layer, "linear_attn")]
+    assert gdn
+    for attn in gdn:
+        parts = [attn[n] for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")]
+        assert sum(isinstance(p, MergedLinear) for p in parts) == 1 and sum(isinstance(p, MergedPart) for p in parts) == 3
+
+
 def test_every_llama_layer_merges_both_groups():
     model = random_model("llama-tiny", 0)
     assert merge_projections(model) == 2 * len(_layers(model))
@@ -97,20 +109,26 @@ def test_a_part_called_on_another_input_gets_that_inputs_product():
         assert parent.q_proj._input is None  # every part of y taken: no activation kept
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_engine_with_merged_projections_gives_mlx_lm_tokens(arch):
-    from utils import ARCHS, make_model
+@pytest.mark.parametrize("arch", ["llama-tiny", "qwen3-tiny", "gemma4-e-tiny", "qwen3_5-tiny"])
+def test_engine_with_merged_projections_gives_mlx_lm_tokens(arch, monkeypatch):
+    """Plain, shared-KV (Gemma-4 "E") and recurrent-state (Qwen3.5: its layers' rows regrouped by request)
+    models, merged, busy: each request's tokens are mlx-lm's alone, on the same model object."""
+    from pagedmlx.runner import merged_linear
 
-    reference = make_model(arch)  # mlx-lm's, separate modules
-    model = random_model({"llama": "llama-tiny", "qwen3": "qwen3-tiny"}[arch], 0)
+    merged_calls = []
+    part = merged_linear.MergedLinear.part
+    monkeypatch.setattr(merged_linear.MergedLinear, "part",
+                        lambda self, x, i: merged_calls.append(merged_linear._active.on) or part(self, x, i))
+    model = random_model(arch, 0)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    prompts = make_prompts(16, ARCHS[arch]["vocab_size"], seed=5)
-    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=160, max_num_batched_tokens=96,
-                                                 max_num_seqs=8, merge_projections=True))
-    assert engine.runner.merged_groups == 2 * len(_layers(model))
+    prompts = [[t % 448 for t in p] for p in make_prompts(12, 448, seed=5)]  # the smallest vocabulary (qwen3)
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=256, max_num_batched_tokens=96,
+                                                 max_num_seqs=6, merge_projections=True))
+    assert engine.runner.merged_groups > 0
     done = run_staggered(engine, prompts, params, seed=1)
+    assert True in merged_calls  # the engine's forward passes took the merged products
     for i, p in enumerate(prompts):
-        assert done[str(i)] == solo_greedy(reference, p, params.max_tokens), f"request {i}"
+        assert done[str(i)] == solo_greedy(model, p, params.max_tokens), f"request {i}"
 
 
 def test_merge_projections_with_lora_is_refused():

@@ -1,5 +1,6 @@
 """Merged projections (vLLM's QKVParallelLinear and MergedColumnParallelLinear) for stock mlx-lm models:
-q/k/v, and gate/up, each one product over their concatenated weights instead of two or three.
+the projections a module applies to one input (q/k/v, gate/up, a linear-attention layer's four input
+projections) as one product over their concatenated weights.
 
 On a GPU a batch-1 decode step is bound by the host's dispatch of its kernels, not by its weights' bytes
 (docs/benchmarks.md, run 51: ~9 us a launch on CUDA, 521 launches a Llama-8B step); merging takes three
@@ -10,11 +11,12 @@ places (MergedPart), which the model calls next with the same input. It does so 
 merged weights (views: the very values and shapes it had), so mlx-lm's own generation on the same model
 object, the load-time check's reference included, computes exactly what it did before the merge.
 
-A group is merged only where a probe forward pass shows the model calling each of its modules once with
-the very same input array (so not Gemma-4's shared-KV layers, which call q_proj alone), where the modules
-are plain nn.Linear or nn.QuantizedLinear of one format (not tensor parallelism's sharded layers), and
-where the merged product, checked on a random input at merge time, matches the separate ones within the
-dtype's tolerance. A part called with another input computes its own rows of the merged weights.
+Groups are found, not named: the siblings in one module that a probe (a three-token prefill, then a
+decode) shows called on the very same input arrays, call for call (so not Gemma-4's shared-KV layers,
+which call q_proj alone), that are plain nn.Linear or nn.QuantizedLinear of one format and input width
+(not tensor parallelism's sharded layers). A group merges where the merged product, checked on a random
+input at merge time, matches the separate ones within the dtype's tolerance. A part called on another
+input than its group's last one gets the whole product of that input (right, if slower).
 """
 
 from __future__ import annotations
@@ -30,15 +32,18 @@ from mlx_lm.models.cache import make_prompt_cache
 
 logger = logging.getLogger("pagedmlx")
 
-GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _TOLERANCE = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 2e-2}
-_active = threading.local()
+class _Active(threading.local):
+    on = False  # inside merged_products(), in this thread
+
+
+_active = _Active()
 
 
 @contextlib.contextmanager
 def merged_products() -> Iterator[None]:
     """Merged groups compute one product for all their parts (in this thread) while inside."""
-    before = getattr(_active, "on", False)
+    before = _active.on
     _active.on = True
     try:
         yield
@@ -108,7 +113,7 @@ class MergedLinear(nn.Module):
         return self.part(x, 0)
 
     def part(self, x: mx.array, i: int) -> mx.array:
-        if not getattr(_active, "on", False):
+        if not _active.on:
             return self._separate[i](x)
         if self._input is not x:  # a new input (or a call the probe did not see): the whole product anew
             object.__setattr__(self, "_input", x)
@@ -134,51 +139,60 @@ class MergedPart(nn.Module):
         return self._owner.part(x, self._index)
 
 
-def _probe_calls(model: nn.Module, candidates: dict[tuple[str, int], list[nn.Module]]) -> dict:
-    """One token through the model on mlx-lm's own caches; per candidate module, the inputs it was called
-    with (their ids, in order)."""
-    seen: dict[int, list[int]] = {id(m): [] for mods in candidates.values() for m in mods}
+def _probe_calls(model: nn.Module, modules: list[nn.Module]) -> dict[int, list[mx.array]]:
+    """Three tokens, then one more, through the model on mlx-lm's own caches (a prefill and a decode);
+    per module (by id), the inputs it was called with, in order."""
+    seen: dict[int, list[mx.array]] = {id(m): [] for m in modules}
     originals = {}
-    for mods in candidates.values():
-        for m in mods:
-            cls = type(m)
-            if cls not in originals:
-                originals[cls] = cls.__call__
+    for cls in {type(m) for m in modules}:
+        originals[cls] = cls.__call__
 
-                def record(self, x, *args, _call=originals[cls], **kwargs):
-                    if id(self) in seen:
-                        seen[id(self)].append(id(x))
-                    return _call(self, x, *args, **kwargs)
-                cls.__call__ = record
+        def record(self, x, *args, _call=originals[cls], **kwargs):
+            if id(self) in seen:
+                seen[id(self)].append(x)
+            return _call(self, x, *args, **kwargs)
+        cls.__call__ = record
     try:
-        mx.eval(model(mx.array([[1]]), cache=make_prompt_cache(model)))
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.array([[1, 2, 3]]), cache=cache))
+        mx.eval(model(mx.array([[4]]), cache=cache))
     finally:
         for cls, call in originals.items():
             cls.__call__ = call
     return seen
 
 
+def _sibling_groups(model: nn.Module) -> list[tuple[nn.Module, list[str]]]:
+    """Per parent module, its plain projections of one format and input width that the probe saw called
+    on the very same inputs, call for call: (parent, their names), two names or more."""
+    parents = []
+    for _, parent in model.named_modules():
+        kids = {name: m for name, m in parent.items() if isinstance(m, nn.Module) and _linear_kind(m) is not None}
+        if len(kids) >= 2:
+            parents.append((parent, kids))
+    if not parents:
+        return []
+    seen = _probe_calls(model, [m for _, kids in parents for m in kids.values()])
+    groups = []
+    for parent, kids in parents:
+        left = [n for n in kids if seen[id(kids[n])]]
+        while left:
+            first, calls = left[0], seen[id(kids[left[0]])]
+            same = [n for n in left if _linear_kind(kids[n]) == _linear_kind(kids[first])
+                    and len(seen[id(kids[n])]) == len(calls)
+                    and all(a is b for a, b in zip(seen[id(kids[n])], calls))]
+            if len(same) >= 2:
+                groups.append((parent, same))
+            left = [n for n in left if n not in same]
+    return groups
+
+
 def merge_projections(model: nn.Module) -> int:
-    """Merge every q/k/v and gate/up group the model calls on one input (module docstring); returns how
-    many groups were merged."""
-    candidates: dict[tuple[str, int], list[nn.Module]] = {}
-    for path, module in model.named_modules():
-        for g, names in enumerate(GROUPS):
-            mods = [module.get(n) for n in names]
-            if all(isinstance(m, nn.Module) for m in mods):
-                kinds = {_linear_kind(m) for m in mods}
-                if len(kinds) == 1 and None not in kinds:
-                    candidates[(path, g)] = mods
-    if not candidates:
-        return 0
-    seen = _probe_calls(model, candidates)
-    modules = dict(model.named_modules())
+    """Merge, in every module, the projections the model calls on one input (module docstring: q/k/v,
+    gate/up, a linear-attention layer's input projections); returns how many groups were merged."""
     merged = 0
-    for (path, g), mods in candidates.items():
-        calls = [seen[id(m)] for m in mods]
-        if not all(len(c) == 1 for c in calls) or len({c[0] for c in calls}) != 1:
-            continue
-        if _merge_group(modules[path], GROUPS[g], mods):
+    for parent, names in _sibling_groups(model):
+        if _merge_group(parent, tuple(names), [parent[n] for n in names]):
             merged += 1
     return merged
 
