@@ -125,6 +125,10 @@ def test_engine_with_merged_projections_gives_mlx_lm_tokens(arch, monkeypatch):
     engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=256, max_num_batched_tokens=96,
                                                  max_num_seqs=6, merge_projections=True))
     assert engine.runner.merged_groups > 0
+    from pagedmlx.runner.kernel_paths import kernel_path_lines
+
+    assert f"projections: {engine.runner.merged_groups} groups each one matmul" in "\n".join(
+        kernel_path_lines(engine.runner))
     done = run_staggered(engine, prompts, params, seed=1)
     assert True in merged_calls  # the engine's forward passes took the merged products
     for i, p in enumerate(prompts):

@@ -55,6 +55,8 @@ def kernel_path_lines(runner: Any) -> list[str]:
     state = next((g for g in runner.kv_cache_config.kv_cache_groups if g.is_state), None)
     if state is not None:
         lines.append(f"{state.name} ({_layers(list(state.layer_ids))}): {_join([_state_path(kernels)])}")
+    if getattr(runner, "merges", False):
+        lines.append(f"projections: {runner.merged_groups} groups each one matmul (runner/merged_linear.py)")
     lora = getattr(runner, "lora_manager", None)
     if lora is not None:
         lines.append("LoRA adapters: " + (f"batched LoRA kernel on {lora.punica.kernel_backend} (DoRA rows: MLX's "
