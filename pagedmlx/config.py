@@ -53,7 +53,8 @@ class EngineConfig:
     # q/k/v and gate/up each as one product over their concatenated weights (runner/merged_linear.py:
     # vLLM's merged layers; three kernel launches a layer fewer). None: on GPU backends, where a small
     # step is bound by kernel dispatch (on the CPU, BLAS picks kernels by shape, so merged products may
-    # differ from mlx-lm's in the last bit); never with enable_lora (adapters target the separate modules).
+    # differ from mlx-lm's in the last bit), not with enable_lora (the LoRA kernel takes each base product
+    # whole, so a merged part would be copied first); True merges there too (adapters add to the parts).
     merge_projections: Optional[bool] = None
     # "auto": sampling defaults from the model's generation_config.json (as vLLM); "vllm": vLLM's own.
     generation_config: str = "auto"
@@ -119,9 +120,6 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
-        if self.merge_projections and self.enable_lora:
-            raise ValueError("merge_projections=True cannot be served with enable_lora=True: adapters target the "
-                             "separate q/k/v and gate/up modules (leave merge_projections None or False)")
         if self.dtype not in (None, "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         if self.generation_config not in ("auto", "vllm"):

@@ -71,20 +71,24 @@ def run_staggered(engine: LLMEngine, prompts, loras, params, seed: int) -> dict[
     return done
 
 
-@pytest.mark.parametrize("max_loras,max_cpu_loras,overlap", [(4, None, False), (2, 2, True)])
+@pytest.mark.parametrize("max_loras,max_cpu_loras,overlap,merged", [(4, None, False, False), (2, 2, True, False),
+                                                                     (4, None, False, True)])
 def test_busy_engine_of_four_adapters_and_the_base_equals_mlx_lm_alone(adapters, refs, max_loras, max_cpu_loras,
-                                                                       overlap):
+                                                                       overlap, merged):
     """64 staggered requests, a quarter of the adapter ones on each adapter and every seventh on the
     base, through chunked prefill, shared prefixes and preemption. With 2 slots (and 2 adapters kept
     on the host, the others read again from their folders) the others wait their turn: a step
-    never holds more adapters than slots; there, steps also overlap (async scheduling)."""
+    never holds more adapters than slots; there, steps also overlap (async scheduling). merged: the
+    base's projections merged (runner/merged_linear.py, a GPU's default), the adapters on their parts."""
     prompts = make_prompts(64, ARCHS["llama"]["vocab_size"], seed=7)
     # Every third prompt extends one of three shared prefixes: those run with the prefix's adapter,
     # so that requests of one adapter find each other's pages.
     prefixes = sorted({tuple(p[:40]) for p in prompts[::3]})
     loras = [None if i % 7 == 6 else adapters[prefixes.index(tuple(p[:40])) if i % 3 == 0 else i % 4]
              for i, p in enumerate(prompts)]
-    engine = lora_engine(max_loras=max_loras, max_cpu_loras=max_cpu_loras, async_scheduling=overlap)
+    engine = lora_engine(max_loras=max_loras, max_cpu_loras=max_cpu_loras, async_scheduling=overlap,
+                         merge_projections=merged)
+    assert (engine.runner.merged_groups > 0) == merged
     steps = spy_steps(engine)
     done = run_staggered(engine, prompts, loras, GREEDY, seed=3)
 
@@ -139,11 +143,18 @@ def _quantized_llama() -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("base_name", ["4-bit llama", "qwen2 with biases"])
-def test_lora_and_dora_on_quantized_and_biased_layers_equal_mlx_lm(tmp_path, base_name):
+def keys_paths(model: nn.Module, keys: list[str]) -> list[str]:
+    """The paths of every layer's modules named by keys."""
+    return [f"model.layers.{i}.{k}" for i in range(len(model.model.layers)) for k in keys]
+
+
+@pytest.mark.parametrize("base_name,merged", [("4-bit llama", False), ("qwen2 with biases", False),
+                                              ("4-bit llama", True), ("qwen2 with biases", True)])
+def test_lora_and_dora_on_quantized_and_biased_layers_equal_mlx_lm(tmp_path, base_name, merged):
     """Where DoRA's product is not the base layer's (a QuantizedLinear, which mlx-lm's DoRALinear
     dequantizes; a Linear with a bias, which it adds after the norm), DoRA rows take their own and
-    LoRA and base rows in the same step still get theirs."""
+    LoRA and base rows in the same step still get theirs. merged: the base's q/k/v and gate/up merged
+    (runner/merged_linear.py, a GPU's default), the adapters on their parts."""
     base = _quantized_llama if base_name == "4-bit llama" else (lambda: build_model(QWEN2_BIASED, 0))
     keys = ["self_attn.q_proj", "self_attn.v_proj", "mlp.up_proj"]
     loras = [LoRARequest(name, i + 1, make_adapter(str(tmp_path / name), base, rank=4, scale=6.0, seed=i + 5,
@@ -152,8 +163,10 @@ def test_lora_and_dora_on_quantized_and_biased_layers_equal_mlx_lm(tmp_path, bas
     refs = References(base)
     prompts = make_prompts(12, 500, seed=2)
     assign = [loras[0], loras[1], None] * 4
-    engine = lora_engine(base(), max_loras=2)
+    engine = lora_engine(base(), max_loras=2, merge_projections=merged)
+    assert (engine.runner.merged_groups > 0) == merged
     done = run_staggered(engine, prompts, assign, GREEDY, seed=1)
+    assert set(engine.runner.lora_manager.layers) == set(keys_paths(engine.runner.model, keys))
     for i, (p, lora) in enumerate(zip(prompts, assign)):
         assert done[str(i)] == refs(lora.lora_path if lora else None, p, GREEDY.max_tokens), (i, lora)
     assert_no_leaks(engine)

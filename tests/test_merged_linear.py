@@ -135,10 +135,6 @@ def test_engine_with_merged_projections_gives_mlx_lm_tokens(arch, monkeypatch):
         assert done[str(i)] == solo_greedy(model, p, params.max_tokens), f"request {i}"
 
 
-def test_merge_projections_with_lora_is_refused():
-    with pytest.raises(ValueError, match="merge_projections=True cannot be served with enable_lora=True"):
-        EngineConfig(merge_projections=True, enable_lora=True)
-
 
 def test_a_runner_that_does_not_merge_computes_separately_on_a_merged_model():
     from utils import ARCHS, make_model
@@ -153,3 +149,12 @@ def test_a_runner_that_does_not_merge_computes_separately_on_a_merged_model():
     done = run_staggered(engine, prompts, params, seed=1)
     for i, p in enumerate(prompts):
         assert done[str(i)] == solo_greedy(reference, p, params.max_tokens), f"request {i}"
+
+
+def test_lora_engines_keep_separate_projections_unless_asked():
+    assert not EngineConfig(enable_lora=True).merge_projections
+    from pagedmlx.runner.model import _merges_projections
+
+    assert not _merges_projections(EngineConfig(enable_lora=True))
+    assert _merges_projections(EngineConfig(enable_lora=True, merge_projections=True))
+    assert not _merges_projections(EngineConfig(merge_projections=False))

@@ -37,6 +37,7 @@ import mlx.nn as nn
 
 from pagedmlx.kernels import lora as lora_kernel
 from pagedmlx.lora.models import LoRALayerWeights, dense_weight, linear_dims
+from pagedmlx.runner.merged_linear import separate
 
 logger = logging.getLogger(__name__)
 
@@ -158,9 +159,10 @@ class PunicaWrapper:
         norm_scale = layer._norm_scale_stacked[step.indices].astype(x.dtype).reshape(*lead, out_dims)
         if layer.plain:  # x W^T is base(x): one product serves every row
             return norm_scale * (y + lora)
-        dora = norm_scale * (x @ dense_weight(layer.base_layer).T + lora)
-        if "bias" in layer.base_layer:
-            dora = dora + layer.base_layer.bias
+        base = separate(layer.base_layer)
+        dora = norm_scale * (x @ dense_weight(base).T + lora)
+        if "bias" in base:
+            dora = dora + base.bias
         return mx.where(step.dora_rows().reshape(*lead, 1), dora, y + lora)
 
     def _on_kernel(self, layer: "LinearWithLoRA", rows: int) -> bool:
@@ -185,11 +187,12 @@ class LinearWithLoRA(nn.Module):
     def __init__(self, base_layer: nn.Module, punica: PunicaWrapper, num_slots: int, max_rank: int,
                  dtype: mx.Dtype):
         super().__init__()
-        self.base_layer = base_layer
+        self.base_layer = base_layer  # called for the base product (merged, where runner/merged_linear.py merged it)
         self.punica = punica
-        self.input_size, self.output_size = linear_dims(base_layer)
+        weights = separate(base_layer)  # the projection's own weights
+        self.input_size, self.output_size = linear_dims(weights)
         self.max_rank = max_rank
-        self.plain = isinstance(base_layer, nn.Linear) and "bias" not in base_layer
+        self.plain = isinstance(weights, nn.Linear) and "bias" not in weights
         self._lora_a_stacked = mx.zeros((num_slots, max_rank, self.input_size), dtype)
         self._lora_b_stacked = mx.zeros((num_slots, max_rank, self.output_size), dtype)
         self._norm_scale_stacked: Optional[mx.array] = None  # (num_slots, out), once a DoRA adapter lands
@@ -199,7 +202,7 @@ class LinearWithLoRA(nn.Module):
 
     @property
     def weight(self) -> mx.array:  # code that reads a projection's weight (shapes, dtype) still finds it
-        return self.base_layer.weight
+        return separate(self.base_layer).weight
 
     def __call__(self, x: mx.array) -> mx.array:
         step = self.punica.step

@@ -23,6 +23,7 @@ import numpy as np
 from pagedmlx.lora.layers import LinearWithLoRA, LoRAStep, PunicaWrapper
 from pagedmlx.lora.models import LoRAError, LoRAModel
 from pagedmlx.lora.request import LoRARequest
+from pagedmlx.runner.merged_linear import separate
 
 
 @dataclass
@@ -195,7 +196,8 @@ class LoRAModelManager:
         for part in parents:
             parent = parent[int(part)] if isinstance(parent, list) else parent[part]
         base = parent[int(last)] if isinstance(parent, list) else parent[last]
-        base_dtype = base.scales.dtype if isinstance(base, nn.QuantizedLinear) else base.weight.dtype
+        weights = separate(base)  # a merged projection's own rows (runner/merged_linear.py)
+        base_dtype = weights.scales.dtype if isinstance(weights, nn.QuantizedLinear) else weights.weight.dtype
         layer = LinearWithLoRA(base, self.punica, self.num_slots, self.max_lora_rank,
                                mx.result_type(adapter_dtype, base_dtype))
         if isinstance(parent, list):

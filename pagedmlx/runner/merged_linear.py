@@ -139,6 +139,16 @@ class MergedPart(nn.Module):
         return self._owner.part(x, self._index)
 
 
+def separate(module: nn.Module) -> nn.Module:
+    """The plain Linear / QuantizedLinear a merged module stands for (its own rows of the merged weights,
+    as views), for code that reads a projection's weights (LoRA); any other module as it is."""
+    if isinstance(module, MergedLinear):
+        return module._separate[0]
+    if isinstance(module, MergedPart):
+        return module._owner._separate[module._index]
+    return module
+
+
 def _probe_calls(model: nn.Module, modules: list[nn.Module]) -> dict[int, list[mx.array]]:
     """Three tokens, then one more, through the model on mlx-lm's own caches (a prefill and a decode);
     per module (by id), the inputs it was called with, in order."""
