@@ -82,6 +82,9 @@ def main() -> None:
     ap.add_argument("--separate-launches", action="store_true",
                     help="one LoRA kernel launch a projection (no sibling sharing: what it saves)")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--merge-projections", action=argparse.BooleanOptionalAction, default=None,
+                    help="EngineConfig.merge_projections for both engines (default: the base engine merges on GPU "
+                         "backends, the LoRA engine does not)")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args()
 
@@ -92,20 +95,22 @@ def main() -> None:
     largest = max(args.batch_sizes)
     per_seq = -(-(args.prompt_len + args.gen_len) // args.block_size) + 1
     common = dict(block_size=args.block_size, num_blocks=largest * per_seq + 16, max_num_seqs=largest,
-                  max_model_len=args.prompt_len + args.gen_len + args.block_size)
+                  max_model_len=args.prompt_len + args.gen_len + args.block_size,
+                  merge_projections=args.merge_projections)
     base_engine = LLMEngine(random_model(args.preset, dtype), None, EngineConfig(**common))
     lora_model = random_model(args.preset, dtype)
+    folder = tempfile.mkdtemp(prefix="bench_lora_")  # adapters made on the model's separate modules
+    adapters = write_adapters(lora_model, folder, args.num_adapters, args.rank, args.keys, dtype, args.num_layers)
     lora_engine = LLMEngine(lora_model, None, EngineConfig(**common, enable_lora=True, max_loras=args.num_adapters,
                                                            max_lora_rank=args.rank))
     lora_engine.runner.lora_manager.punica.share_launches = not args.separate_launches
-    folder = tempfile.mkdtemp(prefix="bench_lora_")
-    adapters = write_adapters(lora_model, folder, args.num_adapters, args.rank, args.keys, dtype, args.num_layers)
     vocab = lora_engine.runner.vocab_size
     name = f"random {PRESETS[args.preset]['model_type']} '{args.preset}' ({args.dtype})"
     print(f"{name} on {mx.default_device()}; {args.num_adapters} adapters of rank {args.rank} on "
           f"{'keys ' + ' '.join(args.keys) if args.keys else 'every linear layer'} of "
           f"{'every layer' if args.num_layers < 0 else f'the last {args.num_layers} layers'}; prompt {args.prompt_len}, "
-          f"gen {args.gen_len}, median of {args.repeats}")
+          f"gen {args.gen_len}, median of {args.repeats}; projections merged: base engine "
+          f"{bool(base_engine.runner.merged_groups)}, LoRA engine {bool(lora_engine.runner.merged_groups)}")
     import random
 
     rows = []
