@@ -53,8 +53,8 @@ class EngineConfig:
     # q/k/v and gate/up each as one product over their concatenated weights (runner/merged_linear.py:
     # vLLM's merged layers; three kernel launches a layer fewer). None: on GPU backends, where a small
     # step is bound by kernel dispatch (on the CPU, BLAS picks kernels by shape, so merged products may
-    # differ from mlx-lm's in the last bit), not with enable_lora (the LoRA kernel takes each base product
-    # whole, so a merged part would be copied first); True merges there too (adapters add to the parts).
+    # differ from mlx-lm's in the last bit). LoRA adapters add their rows to a merged module's part (the
+    # LoRA kernel reads it in place from the group's product).
     merge_projections: Optional[bool] = None
     # "auto": sampling defaults from the model's generation_config.json (as vLLM); "vllm": vLLM's own.
     generation_config: str = "auto"

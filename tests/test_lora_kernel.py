@@ -67,10 +67,11 @@ def test_the_check_fails_a_wrong_choice_of_sibling(emulated, monkeypatch, mutant
     assert lora.check_add_lora(CUDA, mx.float32) is not None
 
 
-@pytest.mark.parametrize("max_rows", [None, 6])
-def test_busy_engine_on_the_kernel_equals_mlx_lm_alone(emulated, monkeypatch, tmp_path, max_rows):
+@pytest.mark.parametrize("max_rows,merged", [(None, False), (6, False), (None, True)])
+def test_busy_engine_on_the_kernel_equals_mlx_lm_alone(emulated, monkeypatch, tmp_path, max_rows, merged):
     """Rows of three adapters and of the base model in the same steps, through chunked prefill.
-    max_rows: steps of more rows run MLX's stacked products instead (lora.MAX_ROWS), the rest the kernel."""
+    max_rows: steps of more rows run MLX's stacked products instead (lora.MAX_ROWS), the rest the kernel.
+    merged: the base's projections merged (runner/merged_linear.py), the kernel reading each part in place."""
     stacked, real_stacks = [], LinearWithLoRA.used_stacks
     if max_rows is not None:
         monkeypatch.setattr(lora, "MAX_ROWS", max_rows)
@@ -81,12 +82,19 @@ def test_busy_engine_on_the_kernel_equals_mlx_lm_alone(emulated, monkeypatch, tm
     refs = References(base)
     prompts = make_prompts(12, ARCHS["llama"]["vocab_size"], seed=11)
     loras = [None if i % 4 == 3 else adapters[i % len(adapters)] for i in range(len(prompts))]
-    engine = lora_engine(max_loras=3)
+    engine = lora_engine(max_loras=3, merge_projections=merged)
     engine.runner.lora_manager.punica.kernel_backend = CUDA
-    calls, real = [], lora.add_lora_siblings
-    monkeypatch.setattr(lora, "add_lora_siblings", lambda x, ys, *a, **k: calls.append(len(ys)) or real(x, ys, *a, **k))
+    calls, in_place, real = [], [], lora.add_lora_siblings
+
+    def spy(x, ys, *a, **k):
+        calls.append(len(ys))
+        in_place.append(any(k.get("y_parts") or []))
+        return real(x, ys, *a, **k)
+
+    monkeypatch.setattr(lora, "add_lora_siblings", spy)
     done = run_staggered(engine, prompts, loras, GREEDY, seed=5)
     assert set(calls) == {1, 2, 3}  # the adapters' rows ran through the kernel, siblings (q/k/v, gate/up) in one launch
+    assert any(in_place) == merged  # merged parts read in place from their group's product
     assert engine.runner.lora_manager.punica.share_launches
     assert bool(stacked) == (max_rows is not None)  # and the longer steps' through MLX's products
     for i, (p, adapter) in enumerate(zip(prompts, loras)):

@@ -151,10 +151,11 @@ def test_a_runner_that_does_not_merge_computes_separately_on_a_merged_model():
         assert done[str(i)] == solo_greedy(reference, p, params.max_tokens), f"request {i}"
 
 
-def test_lora_engines_keep_separate_projections_unless_asked():
-    assert not EngineConfig(enable_lora=True).merge_projections
+def test_merge_projections_defaults_to_the_gpu_backends():
     from pagedmlx.runner.model import _merges_projections
 
-    assert not _merges_projections(EngineConfig(enable_lora=True))
-    assert _merges_projections(EngineConfig(enable_lora=True, merge_projections=True))
+    on_gpu = mx.default_device() == mx.gpu
+    assert _merges_projections(EngineConfig()) == on_gpu
+    assert _merges_projections(EngineConfig(enable_lora=True)) == on_gpu
+    assert _merges_projections(EngineConfig(merge_projections=True))
     assert not _merges_projections(EngineConfig(merge_projections=False))

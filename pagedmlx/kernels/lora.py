@@ -50,8 +50,8 @@ def lora_prelude(n: int) -> str:
 
     which = " + ".join(f"(GROUP_X >= START{k})" for k in range(1, n))
     return ((f"    const int m = {which};\n" if n > 1 else "")
-            + f"    const int OUT = {pick('OUT')};\n    const int CHUNK = {pick('CHUNK')};\n"
-            f"    const int tile = GROUP_X - {pick('START').replace('START0', '0')};\n"
+            + "".join(f"    const int {c} = {pick(c)};\n" for c in ("OUT", "CHUNK", "YS", "YOFF"))
+            + f"    const int tile = GROUP_X - {pick('START').replace('START0', '0')};\n"
             + "".join(f"    auto {a} = {pick(a)};\n" for a in ("y", "out", "lora_a", "lora_b")))
 
 
@@ -75,20 +75,25 @@ def add_lora(x: mx.array, y: mx.array, lora_a: mx.array, lora_b: mx.array, indic
 
 
 def add_lora_siblings(x: mx.array, ys: list, lora_as: list, lora_bs: list, indices: mx.array, scales: mx.array,
-                      backend: Optional[str] = None, tiles: Optional[int] = None) -> list:
+                      backend: Optional[str] = None, tiles: Optional[int] = None,
+                      y_parts: Optional[list] = None) -> list:
     """add_lora for projections of the same x in one launch: [add_lora(x, ys[m], lora_as[m], lora_bs[m], ...)],
-    each output as add_lora's alone (same arithmetic). The stacks share their slots and rank."""
+    each output as add_lora's alone (same arithmetic). The stacks share their slots and rank. y_parts[m]:
+    (first column, width) of projection m's base output in ys[m], a merged product (runner/merged_linear.py)
+    read in place; None (or y_parts None): all of ys[m]."""
     rows, in_dims = x.shape
-    outs = [y.shape[1] for y in ys]
+    parts = [p or (0, y.shape[1]) for p, y in zip(y_parts or [None] * len(ys), ys)]
+    outs = [w for _, w in parts]
     vec = 16 // x.dtype.size  # elements a 16-byte load; a width that is no multiple is read one at a time
     vin = vec if in_dims % vec == 0 else 1
-    vout = vec if all(o % vec == 0 for o in outs) else 1
+    vout = vec if all(n % vec == 0 for (off, w), y in zip(parts, ys) for n in (off, w, y.shape[1])) else 1
     step = THREADS * vout
     template = [("T", x.dtype), ("IN", in_dims), ("R", lora_as[0].shape[1]), ("VIN", vin), ("VOUT", vout)]
     groups = 0  # along x: every projection's tiles, one after the other
     for m, out_dims in enumerate(outs):
         chunk = -(-out_dims // ((tiles or tiles_for(rows, out_dims)) * step)) * step  # output columns a group
-        template += [(f"OUT{m}", out_dims), (f"CHUNK{m}", chunk)] + ([(f"START{m}", groups)] if m else [])
+        template += [(f"OUT{m}", out_dims), (f"CHUNK{m}", chunk), (f"YS{m}", ys[m].shape[1]),
+                     (f"YOFF{m}", parts[m][0])] + ([(f"START{m}", groups)] if m else [])
         groups += -(-out_dims // chunk)
     return _kernel(backend or build.gpu_backend(), len(ys))(
         inputs=[x, *ys, *lora_as, *lora_bs, indices, scales], template=template,
@@ -100,24 +105,31 @@ def check_add_lora(backend: str, dtype: mx.Dtype = mx.bfloat16, seed: int = 0) -
     """The kernel against the same products in float64 (numpy) on random cases: rows of three adapters and
     of none, ranks padded with zeros, output widths that are no multiple of the tile; one projection at
     three tilings, then three siblings of different widths in one launch (widths that take 16-byte loads
-    and widths that do not). None if every output agrees within the dtype's tolerance, else what differs."""
+    and widths that do not), then siblings read in place as parts of one merged product. None if every output agrees within the dtype's tolerance, else what differs."""
     rng = np.random.default_rng(seed)
     rows, in_dims, slots, rank = 9, 600, 4, 20  # ranks in two chunks, rows and tiles partial
     idx = np.array([0, 1, 2, 3, 1, 0, 3, 3, 2], np.int32)
     scales = np.array([0, 2.0, 0.5, 1.25], np.float32)
     x = rng.standard_normal((rows, in_dims)) / 4
-    cases = [((1300,), tiles) for tiles in sorted({1, 2, tiles_for(rows, 1300)})]  # tiles of 1300, 768, 256 (bf16)
-    cases += [((1300, 520, 264), None), ((1024, 256, 520), 1)]
-    for outs, tiles in cases:
+    cases = [((1300,), tiles, False) for tiles in sorted({1, 2, tiles_for(rows, 1300)})]  # tiles of 1300, 768, 256
+    cases += [((1300, 520, 264), None, False), ((1024, 256, 520), 1, False)]
+    cases += [((1024, 256, 256), None, True), ((1300, 520, 264), 1, True)]  # parts of one merged product, in place
+    for outs, tiles, merged in cases:
         ys = [rng.standard_normal((rows, o)) for o in outs]
+        starts = np.cumsum([0, *outs[:-1]]).tolist()
         a = [rng.standard_normal((slots, rank, in_dims)) / 8 for _ in outs]
         b = [rng.standard_normal((slots, rank, o)) / 2 for o in outs]
         for am, bm in zip(a, b):
             am[0], bm[0], am[2, 5:], bm[2, 5:] = 0, 0, 0, 0  # slot 0 empty; slot 2 of rank 5
         args = [[mx.array(v.astype(np.float32)).astype(dtype) for v in vs] for vs in ([x], ys, a, b)]
-        got = add_lora_siblings(args[0][0], *args[1:], mx.array(idx), mx.array(scales), backend=backend, tiles=tiles)
+        inputs, parts = args[1], None
+        if merged:
+            inputs, parts = [mx.concatenate(args[1], axis=1)] * len(outs), list(zip(starts, outs))
+        got = add_lora_siblings(args[0][0], inputs, *args[2:], mx.array(idx), mx.array(scales), backend=backend,
+                                tiles=tiles, y_parts=parts)
         for m, (y, am, bm, out) in enumerate(zip(args[1], a, b, got)):
-            where = f"({len(outs)} projections, the {m}th {outs[m]} wide, {tiles or 'default'} groups a row)"
+            where = (f"({len(outs)} projections{', parts of one product' if merged else ''}, the {m}th {outs[m]} "
+                     f"wide, {tiles or 'default'} groups a row)")
             want = ys[m] + scales[idx, None] * np.einsum("tr,tro->to", np.einsum("ti,tri->tr", x, am[idx]), bm[idx])
             out = np.array(out.astype(mx.float32))
             if not np.array_equal(out[idx == 0], np.array(y.astype(mx.float32))[idx == 0]):

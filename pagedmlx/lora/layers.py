@@ -37,7 +37,7 @@ import mlx.nn as nn
 
 from pagedmlx.kernels import lora as lora_kernel
 from pagedmlx.lora.models import LoRALayerWeights, dense_weight, linear_dims
-from pagedmlx.runner.merged_linear import separate
+from pagedmlx.runner.merged_linear import part_in_whole, separate
 
 logger = logging.getLogger(__name__)
 
@@ -139,10 +139,16 @@ class PunicaWrapper:
         if self._on_kernel(layer, rows):
             later = [s for s in (self.siblings or {}).get(id(layer), ()) if self.share_launches and self._on_kernel(s, rows)]
             layers = [layer, *later]
+            ys, parts = [], []
+            for m in layers:  # a merged projection's part is read in place from its group's product
+                whole = part_in_whole(m.base_layer, x)
+                ys.append(m.base_layer(x).reshape(rows, m.output_size) if whole is None
+                          else whole[0].reshape(rows, whole[1]))
+                parts.append(None if whole is None else (whole[2], m.output_size))
             outs = lora_kernel.add_lora_siblings(
-                x.reshape(rows, x.shape[-1]), [m.base_layer(x).reshape(rows, m.output_size) for m in layers],
-                [m._lora_a_stacked for m in layers], [m._lora_b_stacked for m in layers],
-                step.indices, step.slot_scales, self.kernel_backend)
+                x.reshape(rows, x.shape[-1]), ys, [m._lora_a_stacked for m in layers],
+                [m._lora_b_stacked for m in layers], step.indices, step.slot_scales, self.kernel_backend,
+                y_parts=parts)
             outs = [o.reshape(*lead, m.output_size) for m, o in zip(layers, outs)]
             self._kept.update((id(m), (x, o)) for m, o in zip(later, outs[1:]))
             return outs[0]

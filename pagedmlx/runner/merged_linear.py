@@ -106,6 +106,7 @@ class MergedLinear(nn.Module):
 
     def _forget(self) -> None:
         object.__setattr__(self, "_input", None)
+        object.__setattr__(self, "_whole", None)
         object.__setattr__(self, "_parts", None)
         object.__setattr__(self, "_left", 0)
 
@@ -115,11 +116,21 @@ class MergedLinear(nn.Module):
     def part(self, x: mx.array, i: int) -> mx.array:
         if not _active.on:
             return self._separate[i](x)
+        return self._take(x, i)[1]
+
+    def part_in_whole(self, x: mx.array, i: int) -> tuple[mx.array, int, int]:
+        """Inside merged_products(): part(x, i) as (the whole product, its width, the part's first column)."""
+        whole, _ = self._take(x, i)
+        return whole, self._bounds[-1], self._bounds[i]
+
+    def _take(self, x: mx.array, i: int) -> tuple[mx.array, mx.array]:
         if self._input is not x:  # a new input (or a call the probe did not see): the whole product anew
+            whole = self.linear(x)
             object.__setattr__(self, "_input", x)
-            object.__setattr__(self, "_parts", mx.split(self.linear(x), self._bounds[1:-1], axis=-1))
+            object.__setattr__(self, "_whole", whole)
+            object.__setattr__(self, "_parts", mx.split(whole, self._bounds[1:-1], axis=-1))
             object.__setattr__(self, "_left", len(self._bounds) - 1)
-        out = self._parts[i]
+        out = self._whole, self._parts[i]
         object.__setattr__(self, "_left", self._left - 1)
         if self._left <= 0:  # every part taken: hold no activations between steps
             self._forget()
@@ -147,6 +158,19 @@ def separate(module: nn.Module) -> nn.Module:
     if isinstance(module, MergedPart):
         return module._owner._separate[module._index]
     return module
+
+
+def part_in_whole(module: nn.Module, x: mx.array) -> Optional[tuple[mx.array, int, int]]:
+    """module(x) for a merged module inside merged_products(), as (the group's whole product of x, its width,
+    the part's first column), so that a kernel reads the part in place (the LoRA kernel); None for any other
+    module, or outside merged_products() (call the module)."""
+    if not _active.on:
+        return None
+    if isinstance(module, MergedLinear):
+        return module.part_in_whole(x, 0)
+    if isinstance(module, MergedPart):
+        return module._owner.part_in_whole(x, module._index)
+    return None
 
 
 def _probe_calls(model: nn.Module, modules: list[nn.Module]) -> dict[int, list[mx.array]]:

@@ -38,10 +38,7 @@ __all__ = ["ModelRunner", "Runner", "UnsupportedModelError", "model_type", "weig
 
 
 def _merges_projections(config: EngineConfig) -> bool:
-    """EngineConfig.merge_projections: None on GPU backends, without LoRA (the LoRA kernel takes each base
-    product whole: a merged part, a column slice, would be copied first)."""
-    if config.merge_projections is None and config.enable_lora:
-        return False
+    """EngineConfig.merge_projections: None on GPU backends."""
     return config.merge_projections if config.merge_projections is not None else mx.default_device() == mx.gpu
 
 

@@ -83,8 +83,7 @@ def main() -> None:
                     help="one LoRA kernel launch a projection (no sibling sharing: what it saves)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--merge-projections", action=argparse.BooleanOptionalAction, default=None,
-                    help="EngineConfig.merge_projections for both engines (default: the base engine merges on GPU "
-                         "backends, the LoRA engine does not)")
+                    help="EngineConfig.merge_projections for both engines (default: merged on GPU backends)")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args()
 

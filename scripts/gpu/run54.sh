@@ -6,8 +6,9 @@
 #   PART=merge   merged q/k/v and gate/up projections (runner/merged_linear.py, on by default on the GPU): a
 #                step's ops, batch 1 and 64 against mlx-lm merged and not, and the busy == solo tests merged
 #   PART=draft   run 53's draft pairs (now merged) against mlx-lm's speculative; the adaptive k at tail 0.02
-#   PART=lora    bench_lora at 64, mlx_lm.lora's default adapters (rank 8, last 16 layers): the base engine merged
-#                (the default), both merged, neither (as run 52); then tests/test_lora.py on the GPU
+#   PART=lora    bench_lora at 64, mlx_lm.lora's default adapters (rank 8, last 16 layers): both engines merged
+#                (the default; the LoRA kernel reads merged parts in place), neither (as run 52), the rank-16
+#                adapters on every layer merged; then tests/test_lora.py on the GPU
 source "$(dirname "$0")/lib.sh"
 SUITE=(env MLX_ENABLE_TF32=0 python3 -m pytest -o addopts= -q -rf -p no:cacheprovider -k "not smollm")
 KV="python3 scripts/bench/bench_kv_quant.py --speed --preset llama-8b --context 2048"
@@ -30,8 +31,8 @@ case "${PART:-kv}" in
     TAIL=9 run draft_tail002 150 $D --target-tail-scale 0.02
     TAIL=9 run draft_exact_separate 170 $D --target-tail-scale 0 --no-merge-projections;;
   lora)
-    TAIL=5 run lora_64_base_merged 150 $B --json "$OUT/lora_64_base_merged.json"
-    TAIL=5 run lora_64_both_merged 150 $B --merge-projections --json "$OUT/lora_64_both_merged.json"
+    TAIL=5 run lora_64_merged 150 $B --json "$OUT/lora_64_merged.json"
     TAIL=5 run lora_64_separate 150 $B --no-merge-projections --json "$OUT/lora_64_separate.json"
+    TAIL=5 run lora_64_r16_all_merged 150 $B --rank 16 --num-layers -1 --json "$OUT/lora_64_r16_all_merged.json"
     TAIL=4 run pytest_lora 150 "${SUITE[@]}" tests/test_lora.py;;
 esac

@@ -23,14 +23,14 @@ ADD_LORA = """
     // One group of 256 threads per (row, tile of CHUNK output columns of one projection). The prelude
     // (kernels/lora.py: lora_prelude) picks the projection `m` of the group's tile among the launch's
     // siblings (projections of one input: q/k/v, gate/up) and names its y, out, lora_a, lora_b, OUT,
-    // CHUNK and tile. The row's slot s picks its adapter; slot 0 (no adapter) copies the base output.
+    // CHUNK, tile, and y's row width YS and first column YOFF (OUT and 0 unless y is a merged product). The row's slot s picks its adapter; slot 0 (no adapter) copies the base output.
     // Reads are VIN / VOUT elements a load (16 bytes where the widths allow), so that a thread has 16
     // such loads in flight: at 2 bytes a load this kernel was bound by the latency of L2, not its bandwidth.
     const int t = GROUP_Y;
     const int lo = tile * CHUNK;
     const int hi = IMIN(OUT, lo + CHUNK);
     const int s = indices[t];
-    auto yr = y + (size_t)t * OUT;
+    auto yr = y + (size_t)t * YS + YOFF;  // the base output: its own array, or a part of a merged product
     auto outr = out + (size_t)t * OUT;
     if (s == 0) {
         for (int o = lo + THREAD_IN_GROUP; o < hi; o += 256) outr[o] = yr[o];
