@@ -159,3 +159,16 @@ def test_merge_projections_defaults_to_the_gpu_backends():
     assert _merges_projections(EngineConfig(enable_lora=True)) == on_gpu
     assert _merges_projections(EngineConfig(merge_projections=True))
     assert not _merges_projections(EngineConfig(merge_projections=False))
+
+
+def test_a_model_the_probe_cannot_run_keeps_its_projections(monkeypatch, caplog):
+    from pagedmlx.runner import merged_linear
+
+    def fail(*args):
+        raise RuntimeError("no cache for this model")
+
+    monkeypatch.setattr(merged_linear, "make_prompt_cache", fail)
+    model = random_model("llama-tiny", 0)
+    assert merge_projections(model) == 0
+    assert type(_layers(model)[0].self_attn.q_proj) is nn.Linear
+    assert "projections kept separate" in caplog.text

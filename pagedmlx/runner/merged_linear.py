@@ -206,7 +206,11 @@ def _sibling_groups(model: nn.Module) -> list[tuple[nn.Module, list[str]]]:
             parents.append((parent, kids))
     if not parents:
         return []
-    seen = _probe_calls(model, [m for _, kids in parents for m in kids.values()])
+    try:
+        seen = _probe_calls(model, [m for _, kids in parents for m in kids.values()])
+    except Exception as exc:  # noqa: BLE001 - an optimisation: a model the probe cannot run keeps its modules
+        logger.warning("merge_projections: the probe pass failed (%s); projections kept separate", exc)
+        return []
     groups = []
     for parent, kids in parents:
         left = [n for n in kids if seen[id(kids[n])]]
