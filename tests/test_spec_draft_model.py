@@ -42,17 +42,21 @@ def engine_with(target, draft, k: int = 3, **config) -> LLMEngine:
     return LLMEngine(target, None, EngineConfig(block_size=4, speculative_config=draft_spec(draft, k), **config))
 
 
-@pytest.mark.parametrize("arch,kind", [("llama", "first"), ("llama", "same"), ("qwen3", "first"),
-                                       ("qwen3", "other"), ("gemma3-tiny", "llama")])
-def test_busy_engine_with_a_draft_model_equals_solo(arch, kind):
+@pytest.mark.parametrize("arch,kind,merged", [("llama", "first", False), ("llama", "same", False),
+                                              ("qwen3", "first", False), ("qwen3", "other", False),
+                                              ("gemma3-tiny", "llama", False), ("llama", "same", True),
+                                              ("qwen3", "first", True)])
+def test_busy_engine_with_a_draft_model_equals_solo(arch, kind, merged):
     """Shared prefixes, prompts extending an earlier prompt by its answer (prefix hits on pages that
-    speculative steps filled), a pool small enough to preempt, chunked prefill."""
-    target = make_model(arch)
+    speculative steps filled), a pool small enough to preempt, chunked prefill. merged: target and draft
+    with their projections merged (runner/merged_linear.py, a GPU's default)."""
+    target = random_model(ARCH[arch], 0) if merged else make_model(arch)  # merging changes the model object
     draft = random_model("llama-tiny", 0) if kind == "llama" else draft_model(arch, kind)
     prompts = busy_prompts(arch, seed=11)
     refs = {tuple(p): solo_greedy(target, p, GREEDY.max_tokens) for p in prompts}
     engine = engine_with(target, draft, num_blocks=64, max_num_batched_tokens=48, long_prefill_token_threshold=16,
-                         max_num_seqs=16)
+                         max_num_seqs=16, merge_projections=merged)
+    assert (engine.runner.merged_groups > 0) == merged and engine.draft_proposer.runner.merges == merged
     done = run_staggered(engine, prompts, GREEDY, seed=2)
     for i, p in enumerate(prompts):
         assert done[str(i)] == refs[tuple(p)], f"request {i} (prompt {len(p)} tokens)"
