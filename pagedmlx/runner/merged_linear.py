@@ -33,6 +33,8 @@ from mlx_lm.models.cache import make_prompt_cache
 logger = logging.getLogger("pagedmlx")
 
 _TOLERANCE = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 2e-2}
+
+
 class _Active(threading.local):
     on = False  # inside merged_products(), in this thread
 
@@ -61,33 +63,29 @@ def _linear_kind(m: nn.Module) -> Optional[tuple]:
     return None
 
 
+def _like(linear: nn.Module, arrays: dict[str, mx.array]) -> nn.Module:
+    """A module of `linear`'s class and quantization over these arrays (weight, scales, biases, bias)."""
+    module = nn.Linear.__new__(type(linear))
+    nn.Module.__init__(module)
+    for key, value in arrays.items():
+        module[key] = value
+    for attr in ("group_size", "bits", "mode"):
+        if hasattr(linear, attr):
+            setattr(module, attr, getattr(linear, attr))
+    if isinstance(module, nn.QuantizedLinear):
+        module.freeze()
+    return module
+
+
 def _concatenate(mods: list[nn.Module]) -> nn.Module:
     """One module of the same class whose output is the parts' outputs side by side."""
-    first = mods[0]
-    merged = nn.Linear.__new__(type(first))
-    nn.Module.__init__(merged)
-    for key, value in first.items():
-        if isinstance(value, mx.array):
-            merged[key] = mx.concatenate([m[key] for m in mods], axis=0)
-    for attr in ("group_size", "bits", "mode"):
-        if hasattr(first, attr):
-            setattr(merged, attr, getattr(first, attr))
-    if isinstance(merged, nn.QuantizedLinear):
-        merged.freeze()
-    return merged
+    keys = [k for k, v in mods[0].items() if isinstance(v, mx.array)]
+    return _like(mods[0], {k: mx.concatenate([m[k] for m in mods], axis=0) for k in keys})
 
 
 def _rows(linear: nn.Module, start: int, stop: int) -> nn.Module:
     """A module over the merged weights' output rows [start, stop): views, no copy."""
-    part = nn.Linear.__new__(type(linear))
-    nn.Module.__init__(part)
-    for key, value in linear.items():
-        if isinstance(value, mx.array):
-            part[key] = value[start:stop]
-    for attr in ("group_size", "bits", "mode"):
-        if hasattr(linear, attr):
-            setattr(part, attr, getattr(linear, attr))
-    return part
+    return _like(linear, {k: v[start:stop] for k, v in linear.items() if isinstance(v, mx.array)})
 
 
 class MergedLinear(nn.Module):
