@@ -57,6 +57,21 @@ def test_linear_attention_input_projections_merge():
         assert sum(isinstance(p, MergedLinear) for p in parts) == 1 and sum(isinstance(p, MergedPart) for p in parts) == 3
 
 
+def test_attention_inputs_merge_for_single_rows_and_the_mlp_for_any():
+    """A part of a merged product over several rows is a column slice, not row-contiguous: MLX's CUDA RoPE
+    and custom kernels would copy q, k and v, so q/k/v take the merged product for one row only; gate/up
+    (read by the activation, elementwise) for any."""
+    model = random_model("llama-tiny", 0)
+    merge_projections(model)
+    layer = _layers(model)[0]
+    width = layer.self_attn.q_proj.linear.weight.shape[1]
+    one, many = mx.zeros((1, 1, width)), mx.zeros((3, 1, width))
+    with merged_products():
+        assert layer.self_attn.q_proj.merges(one) and not layer.self_attn.q_proj.merges(many)
+        assert layer.mlp.gate_proj.merges(one) and layer.mlp.gate_proj.merges(many)
+    assert not layer.mlp.gate_proj.merges(one)  # outside the runner's forward: mlx-lm's own products
+
+
 def test_every_llama_layer_merges_both_groups():
     model = random_model("llama-tiny", 0)
     assert merge_projections(model) == 2 * len(_layers(model))
@@ -96,7 +111,7 @@ def test_a_part_called_on_another_input_gets_that_inputs_product():
     parent = nn.Module()
     for name, lin in zip(("q_proj", "k_proj", "v_proj"), linears):
         parent[name] = lin
-    x, y = mx.random.normal((1, 3, 8)), mx.random.normal((1, 3, 8))
+    x, y = mx.random.normal((1, 1, 8)), mx.random.normal((1, 1, 8))  # q/k/v merge for single rows
     want = [lin(y) for lin in linears]
     from pagedmlx.runner.merged_linear import _merge_group
 
@@ -172,3 +187,27 @@ def test_a_model_the_probe_cannot_run_keeps_its_projections(monkeypatch, caplog)
     assert merge_projections(model) == 0
     assert type(_layers(model)[0].self_attn.q_proj) is nn.Linear
     assert "projections kept separate" in caplog.text
+
+
+def test_a_single_stream_decodes_through_merged_attention_inputs(monkeypatch):
+    """Batch-1 decode steps (one row) take q/k/v's merged product; the tokens stay mlx-lm's."""
+    from pagedmlx.runner import merged_linear
+
+    model = random_model("llama-tiny", 0)
+    taken = []
+    take = merged_linear.MergedLinear._take
+    monkeypatch.setattr(merged_linear.MergedLinear, "_take",
+                        lambda self, x, i: taken.append((self._any_rows, x.size == x.shape[-1])) or take(self, x, i))
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=64, merge_projections=True))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompt = list(range(5, 29))
+    engine.add_request("solo", prompt, params)
+    done = {o.request_id: o.token_ids for o in iter_outputs(engine) if o.finished}
+    assert (False, True) in taken  # q/k/v, merged, on single rows
+    assert (False, False) not in taken  # ... and never on several
+    assert done["solo"] == solo_greedy(model, prompt, params.max_tokens)
+
+
+def iter_outputs(engine):
+    while engine.has_unfinished_requests():
+        yield from engine.step()

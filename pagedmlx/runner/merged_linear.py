@@ -4,7 +4,7 @@ projections) as one product over their concatenated weights.
 
 On a GPU a batch-1 decode step is bound by the host's dispatch of its kernels, not by its weights' bytes
 (docs/benchmarks.md, run 51: ~9 us a launch on CUDA, 521 launches a Llama-8B step); merging takes three
-launches a layer away. The model's code is left as it is: the group's first module becomes a MergedLinear
+launches a layer away (see ANY_ROWS for when). The model's code is left as it is: the group's first module becomes a MergedLinear
 that computes every part's output and keeps the others for the modules that take the other parts'
 places (MergedPart), which the model calls next with the same input. It does so only inside
 `merged_products()` (the runner's forward pass); outside it each module multiplies by its own rows of the
@@ -33,6 +33,13 @@ from mlx_lm.models.cache import make_prompt_cache
 logger = logging.getLogger("pagedmlx")
 
 _TOLERANCE = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 2e-2}
+# A part of a merged product is a column slice: over several rows (tokens) it is not row-contiguous, and
+# where its reader needs that, MLX copies it first. MLX's CUDA RoPE copies non-contiguous 4-D inputs (the
+# runner's queries and keys are (T, heads, 1, head_dim)) and custom kernels copy their inputs (the page
+# write's values): merged q/k/v over T > 1 rows would cost three copies to save two products. Groups whose
+# parts feed elementwise ops only (gate/up into the MLP's activation) merge for any rows; every other group
+# for single-row steps (batch-1 decodes, draft forwards), where each part is row-contiguous.
+ANY_ROWS = ({"gate_proj", "up_proj"}, {"w1", "w3"})
 
 
 class _Active(threading.local):
@@ -92,9 +99,11 @@ class MergedLinear(nn.Module):
     """Takes the place of a group's first module: owns the merged weights (`linear`) and returns part 0;
     keeps the other parts of its last input's product until their MergedPart modules take them."""
 
-    def __init__(self, linear: nn.Module, sizes: list[int]):
+    def __init__(self, linear: nn.Module, sizes: list[int], any_rows: bool = False):
+        """any_rows: merged for inputs of any number of rows; else for single-row inputs only (ANY_ROWS)."""
         super().__init__()
         self.linear = linear
+        object.__setattr__(self, "_any_rows", any_rows)
         bounds = [0]
         for n in sizes:
             bounds.append(bounds[-1] + n)
@@ -111,13 +120,20 @@ class MergedLinear(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         return self.part(x, 0)
 
+    def merges(self, x: mx.array) -> bool:
+        """Whether a call on x takes the merged product (inside merged_products(), rows permitting)."""
+        return _active.on and (self._any_rows or x.size == x.shape[-1])
+
     def part(self, x: mx.array, i: int) -> mx.array:
-        if not _active.on:
+        if not self.merges(x):
             return self._separate[i](x)
         return self._take(x, i)[1]
 
-    def part_in_whole(self, x: mx.array, i: int) -> tuple[mx.array, int, int]:
-        """Inside merged_products(): part(x, i) as (the whole product, its width, the part's first column)."""
+    def part_in_whole(self, x: mx.array, i: int) -> Optional[tuple[mx.array, int, int]]:
+        """part(x, i) as (the whole product, its width, the part's first column); None where x takes no
+        merged product (call part)."""
+        if not self.merges(x):
+            return None
         whole, _ = self._take(x, i)
         return whole, self._bounds[-1], self._bounds[i]
 
@@ -161,9 +177,7 @@ def separate(module: nn.Module) -> nn.Module:
 def part_in_whole(module: nn.Module, x: mx.array) -> Optional[tuple[mx.array, int, int]]:
     """module(x) for a merged module inside merged_products(), as (the group's whole product of x, its width,
     the part's first column), so that a kernel reads the part in place (the LoRA kernel); None for any other
-    module, or outside merged_products() (call the module)."""
-    if not _active.on:
-        return None
+    module, or where the call takes no merged product (call the module)."""
     if isinstance(module, MergedLinear):
         return module.part_in_whole(x, 0)
     if isinstance(module, MergedPart):
@@ -250,7 +264,7 @@ def _merge_group(parent: nn.Module, names: tuple[str, ...], mods: list[nn.Module
             logger.warning("merge_projections: %s do not merge within %g; kept separate", "/".join(names), tol)
             return False
     mx.eval(linear.parameters())
-    owner = MergedLinear(linear, sizes)
+    owner = MergedLinear(linear, sizes, any_rows=set(names) in ANY_ROWS)
     parent[names[0]] = owner
     for i, name in enumerate(names[1:], start=1):
         parent[name] = MergedPart(owner, i)
