@@ -50,11 +50,11 @@ class EngineConfig:
     # larger ones once their key has come HOT_STEPS times (a steady batch; not for recurrent-state models);
     # True: every step at once.
     compile_decode: Optional[bool] = None
-    # q/k/v and gate/up each as one product over their concatenated weights (runner/merged_linear.py:
-    # vLLM's merged layers; three kernel launches a layer fewer). None: on GPU backends, where a small
-    # step is bound by kernel dispatch (on the CPU, BLAS picks kernels by shape, so merged products may
-    # differ from mlx-lm's in the last bit). LoRA adapters add their rows to a merged module's part (the
-    # LoRA kernel reads it in place from the group's product).
+    # The projections a layer applies to one input (q/k/v, gate/up, ...) as one product over their
+    # concatenated weights (runner/merged_linear.py: vLLM's merged layers; gate/up on every step, the others
+    # on single-row steps). None: on GPU backends, where a small step is bound by kernel dispatch (on the
+    # CPU, BLAS picks kernels by shape, so merged products may differ from mlx-lm's in the last bit). LoRA
+    # adapters add their rows to a merged module's part (the LoRA kernel reads it in place).
     merge_projections: Optional[bool] = None
     # "auto": sampling defaults from the model's generation_config.json (as vLLM); "vllm": vLLM's own.
     generation_config: str = "auto"

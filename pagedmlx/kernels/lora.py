@@ -105,7 +105,8 @@ def check_add_lora(backend: str, dtype: mx.Dtype = mx.bfloat16, seed: int = 0) -
     """The kernel against the same products in float64 (numpy) on random cases: rows of three adapters and
     of none, ranks padded with zeros, output widths that are no multiple of the tile; one projection at
     three tilings, then three siblings of different widths in one launch (widths that take 16-byte loads
-    and widths that do not), then siblings read in place as parts of one merged product. None if every output agrees within the dtype's tolerance, else what differs."""
+    and widths that do not), then siblings read in place as parts of one merged product. None if every output
+    agrees within the dtype's tolerance, else what differs."""
     rng = np.random.default_rng(seed)
     rows, in_dims, slots, rank = 9, 600, 4, 20  # ranks in two chunks, rows and tiles partial
     idx = np.array([0, 1, 2, 3, 1, 0, 3, 3, 2], np.int32)

@@ -66,10 +66,10 @@ class ModelRunner:
         self.model = model
         self.draft_block_bytes = draft_block_bytes
         self.block_size = config.block_size
-        self.merges = _merges_projections(config)  # a model merged by an earlier runner computes separately here
+        self.merges = _merges_projections(config)  # False: separate products, even where another runner merged
         self.merged_groups = merge_projections(model) if self.merges else 0
         if self.merged_groups:
-            logger.info("merged %d q/k/v and gate/up projection groups (runner/merged_linear.py)", self.merged_groups)
+            logger.info("merged %d projection groups (runner/merged_linear.py)", self.merged_groups)
         # Routed first: the plan's probe sees each layer's query heads and sinks through the dispatcher.
         routed = install_paged_attention(model)
         self.plan, self.vocab_size = plan_layers(model)  # refuses the layers it cannot page, by name
