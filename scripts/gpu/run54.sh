@@ -23,9 +23,9 @@ case "${PART:-kv}" in
     TAIL=8 run kv_256 150 $KV --batch 256 --steps 6;;
   merge)
     TAIL=12 run ops_merged 100 python3 scripts/bench/study_step_ops.py --preset llama-8b --dtype bfloat16
-    TAIL=10 run offline_merged 150 $OFF --batch-sizes 1 64 --repeats 3 --json "$OUT/offline_merged.json"
-    TAIL=10 run offline_separate 150 $OFF --batch-sizes 1 64 --repeats 3 --no-merge-projections --json "$OUT/offline_separate.json"
-    TAIL=4 run pytest_merged 150 "${SUITE[@]}" tests/test_merged_linear.py tests/test_batched_equals_solo.py tests/test_compiled_decode.py;;
+    TAIL=10 run offline_merged 200 $OFF --batch-sizes 1 64 --repeats 3 --json "$OUT/offline_merged.json"
+    TAIL=10 run offline_separate 200 $OFF --batch-sizes 1 64 --repeats 3 --no-merge-projections --json "$OUT/offline_separate.json"
+    TAIL=4 run pytest_merged 250 "${SUITE[@]}" tests/test_merged_linear.py tests/test_batched_equals_solo.py tests/test_compiled_decode.py;;
   draft)
     TAIL=9 run draft_exact 170 $D --target-tail-scale 0
     TAIL=9 run draft_tail002 150 $D --target-tail-scale 0.02
