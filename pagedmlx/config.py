@@ -51,8 +51,8 @@ class EngineConfig:
     # True: every step at once.
     compile_decode: Optional[bool] = None
     # The projections a layer applies to one input (q/k/v, gate/up, ...) as one product over their
-    # concatenated weights (runner/merged_linear.py: vLLM's merged layers; gate/up on every step, the others
-    # on single-row steps). None: on GPU backends, where a small step is bound by kernel dispatch (on the
+    # concatenated weights (runner/merged_linear.py: vLLM's merged layers; gate/up and Gated DeltaNet's inputs
+    # on every step, the others on single-row steps). None: on GPU backends, where a small step is bound by kernel dispatch (on the
     # CPU, BLAS picks kernels by shape, so merged products may differ from mlx-lm's in the last bit). LoRA
     # adapters add their rows to a merged module's part (the LoRA kernel reads it in place).
     merge_projections: Optional[bool] = None

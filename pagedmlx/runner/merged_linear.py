@@ -37,9 +37,11 @@ _TOLERANCE = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 2e-2}
 # where its reader needs that, MLX copies it first. MLX's CUDA RoPE copies non-contiguous 4-D inputs (the
 # runner's queries and keys are (T, heads, 1, head_dim)) and custom kernels copy their inputs (the page
 # write's values): merged q/k/v over T > 1 rows would cost three copies to save two products. Groups whose
-# parts feed elementwise ops only (gate/up into the MLP's activation) merge for any rows; every other group
-# for single-row steps (batch-1 decodes, draft forwards), where each part is row-contiguous.
-ANY_ROWS = ({"gate_proj", "up_proj"}, {"w1", "w3"})
+# parts feed elementwise ops or a concatenation only (gate/up into the MLP's activation; Qwen3.5's Gated
+# DeltaNet inputs: qkv into the convolution's concatenate, z, b and a into elementwise gates) merge for any
+# rows; every other group for single-row steps (batch-1 decodes, draft forwards), where each part is
+# row-contiguous.
+ANY_ROWS = ({"gate_proj", "up_proj"}, {"w1", "w3"}, {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"})
 
 
 class _Active(threading.local):
