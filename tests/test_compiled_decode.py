@@ -36,7 +36,7 @@ class StandIn:
 def standins(monkeypatch):
     monkeypatch.setattr(build, "make_kernel", StandIn)
     caches = (decode_attention._kernels, decode_attention_quant._kernels, page_write._write_kernel,
-              page_write._quant_write_kernel, recurrent_state._kernel)
+              page_write._quant_write_kernel, page_write._quantizing_write_kernel, recurrent_state._kernel)
     for cache in caches:
         cache.cache_clear()
     yield
@@ -55,6 +55,7 @@ def _engine(arch: str, compiled: Optional[bool], standins: bool, kv_cache_dtype:
         runner = engine.runner
         state = [p.state.owner for p in runner.plan if p.state is not None]
         runner.kernels = KernelPlan(CUDA, decode=True, page_write=True, state=bool(state))
+        runner.kv_pool.quantize_in_write = kv_cache_dtype == "int8"  # int8: the write quantizes; int4: mx.quantize first
         if state:  # the state kernels too, writing the state pool "in place"
             recurrent_state.install_kernels(model, state)
             runner.state_pool.in_place = True

@@ -107,13 +107,16 @@ def quantized_cases():
             new = [mx.quantize(mx.zeros((3, 2, 128), dt), quant.group_size, quant.bits) for _ in range(2)]
             pages = [mx.quantize(mx.zeros((2, 2, 16, 128), dt), quant.group_size, quant.bits) for _ in range(2)]
             page_write.reshape_and_cache_quantized(*new, *pages, mx.zeros((3,), mx.int32), backend="cuda")
+            RecordingCudaKernel.label = f"quantizing page write {dt} {quant}"
+            rows = mx.zeros((3, 2, 1, 128), dt)
+            page_write.reshape_and_cache_quantizing(rows, rows, *pages, mx.zeros((3,), mx.int32), quant, backend="cuda")
 
 
 @pytest.fixture
 def recorded(monkeypatch):
     monkeypatch.setattr(build, "make_kernel", RecordingCudaKernel)
     cached = (decode_attention._kernels, decode_attention_quant._kernels, page_write._write_kernel,
-              page_write._quant_write_kernel, prefill_attention._prefill_kernels, recurrent_state._kernel, lora._kernel)
+              page_write._quant_write_kernel, page_write._quantizing_write_kernel, prefill_attention._prefill_kernels, recurrent_state._kernel, lora._kernel)
     for fn in cached:
         fn.cache_clear()
     RecordingCudaKernel.sources = []

@@ -1,6 +1,7 @@
 """The quantized decode kernels and the quantized page write on a real GPU (skipped elsewhere): check.py's
 quantized checks (decode rows across block and split boundaries, unsplit and split, windows and sinks; the
-in-place write against a scatter, read in the same graph) for the head shapes of the models the issue names,
+in-place write against a scatter, read in the same graph; the write that quantizes the rows itself against
+mx.quantize on the device, bit for bit) for the head shapes of the models the issue names,
 int8 and int4 at their default group sizes and at mlx-lm's 64. On CUDA both decode kernels: the tensor-core
 one (the default where the 16-bit kernel runs on tensor cores) and the lanes one. (The CPU runs the same
 sources in the emulator: tests/test_kv_quant_kernels.py, tests/test_kv_quant_mma_emulated.py.)"""
@@ -48,3 +49,5 @@ def test_quantized_page_write_lands_in_place_and_is_read_in_the_same_graph(shape
         pytest.skip("group larger than the head")
     for bs in (16, 32):
         assert check.check_page_write_quantized(BACKEND, n_kv, n_kv, d, dt, quant, bs) is None
+        for seed in range(3):  # the quantizing write: its parts are mx.quantize's here, bit for bit
+            assert check.check_page_write_quantized(BACKEND, n_kv, n_kv, d, dt, quant, bs, seed, quantizing=True) is None

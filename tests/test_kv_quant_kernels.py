@@ -190,8 +190,9 @@ def test_engine_on_quantized_pages_checks_the_kernel_then_serves_equal_tokens(mo
 
 
 def test_quantized_kernels_are_checked_even_on_the_trusted_gpu(monkeypatch, caplog):
-    """On the H200 (16-bit kernels trusted) the quantized decode kernel and the quantized page write are
-    still checked at load; each failure switches off only its own kernel, with one warning."""
+    """On the H200 (16-bit kernels trusted) the quantized decode kernel, the quantized page write and the write
+    that quantizes itself are still checked at load; each failure switches off only its own kernel, with one
+    warning (the quantizing write's: mx.quantize runs before the in-place copy)."""
     import logging
 
     from pagedmlx.kernels import check, selector
@@ -202,17 +203,26 @@ def test_quantized_kernels_are_checked_even_on_the_trusted_gpu(monkeypatch, capl
     plan = selector.select_kernels(specs, heads, 16, quantized=True)
     assert plan.decode and plan.page_write and not plan.checks
     layers = [(specs[0], 32, KVQuant(8, 128))]
-    for decode_err, write_err in ((None, None), ("max |difference| 1", None), (None, "the pages differ"),
-                                  ("max |difference| 1", "the pages differ")):
+    for decode_err, write_err, quant_err in ((None, None, None), ("max |difference| 1", None, None),
+                                             (None, "the pages differ", None), (None, None, "the scales differ"),
+                                             ("max |difference| 1", "the pages differ", None)):
         monkeypatch.setattr(check, "check_decode_quantized", lambda *a, e=decode_err: e)
-        monkeypatch.setattr(check, "check_page_write_quantized", lambda *a, e=write_err: e)
+        monkeypatch.setattr(check, "check_page_write_quantized",
+                            lambda *a, e=write_err, qe=quant_err, quantizing=False: qe if quantizing else e)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="pagedmlx"):
             got = selector.select_quantized(plan, layers, 16, "int8")
         assert got.decode == (decode_err is None) and got.page_write == (write_err is None) and not got.prefill
-        assert len(caplog.records) == (decode_err is not None) + (write_err is not None)
+        assert got.quantize_in_write == (write_err is None and quant_err is None)
+        assert len(caplog.records) == (decode_err is not None) + (write_err is not None) + (quant_err is not None)
         assert ("page write int8/128 kv=8 D=128", "passed" if write_err is None else f"failed: {write_err}") in got.checks
         assert (got.page_write_reason is None) == (write_err is None)
+        if write_err is None:
+            assert ("quantizing page write int8/128 kv=8 D=128",
+                    "passed" if quant_err is None else f"failed: {quant_err}") in got.checks
+        assert (got.quantizing_reason is None) == (quant_err is None)
+        if quant_err:
+            assert "mx.quantize runs before the page write" in caplog.records[-1].getMessage()
         if decode_err is None:
             assert got.checks[-1] == ("decode int8/128 H=32 kv=8 D=128", "passed")
         else:
@@ -252,36 +262,56 @@ def test_emulated_quantized_page_write_passes_its_check_and_a_skipped_one_fails(
 
 @needs_compiler
 @pytest.mark.parametrize("kv_cache_dtype,bits", [("int8", 8), ("int4", 4)])
-def test_engine_writes_quantized_pages_in_place_and_serves_equal_tokens(monkeypatch, kv_cache_dtype, bits):
+@pytest.mark.parametrize("gpu_quantizer", [True, False])
+def test_engine_writes_quantized_pages_in_place_and_serves_equal_tokens(monkeypatch, caplog, kv_cache_dtype, bits,
+                                                                        gpu_quantizer):
     """Pages in place (as on CUDA; here Metal's sources in the emulator, steps overlapping as async scheduling
-    does): the quantized page write is checked at load and runs every step, every reader waits on its
-    `written`; each request's tokens equal mlx-lm's QuantizedKVCache for its prompt alone."""
+    does): the quantized page writes are checked at load and one runs every step, every reader waits on its
+    `written`; each request's tokens equal mlx-lm's QuantizedKVCache for its prompt alone.
+    gpu_quantizer: the load-time check's mx.quantize computes as MLX's GPU one does (tests/kv_quant_reference.py),
+    so the write that quantizes the rows itself passes it and runs. Otherwise it meets this CPU's mx.quantize,
+    which differs (rounding, a negative group's max): it is switched off with a warning, mx.quantize runs first."""
+    import logging
+
+    from kv_quant_reference import gpu_quantize
     from test_kv_quant import mlx_lm_quantized_greedy
     from utils import make_model, run_to_completion
 
     from pagedmlx.config import EngineConfig
     from pagedmlx.engine import LLMEngine
-    from pagedmlx.kernels import page_write, selector
+    from pagedmlx.kernels import check, page_write, selector
     from pagedmlx.runner.kernel_paths import kernel_path_lines
     from pagedmlx.sampling_params import SamplingParams
 
     monkeypatch.setattr(build, "gpu_backend", lambda: METAL)
     monkeypatch.setattr(selector, "PAGES_IN_PLACE", {METAL: True})
     monkeypatch.delenv("PAGEDMLX_METAL_KERNELS", raising=False)
+    if gpu_quantizer:
+        checked = check.check_page_write_quantized
+        monkeypatch.setattr(check, "check_page_write_quantized", lambda *a, **k: checked(
+            *a, **k, quantize=lambda x: gpu_quantize(x, a[5].group_size, a[5].bits)))
     names = []
     monkeypatch.setattr(build, "make_kernel", lambda *a: names.append(a[1]) or EmulatedKernel(*a))
     caches = (decode_attention_quant._kernels, decode_attention._kernels, decode_attention.supports,
-              page_write._quant_write_kernel, page_write._write_kernel)
+              page_write._quant_write_kernel, page_write._write_kernel, page_write._quantizing_write_kernel)
     for f in caches:
         f.cache_clear()
     model = make_model("qwen3")
-    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=64, max_model_len=256,
-                                                 kv_cache_dtype=kv_cache_dtype))
+    with caplog.at_level(logging.WARNING, logger="pagedmlx"):
+        engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=64, max_model_len=256,
+                                                     kv_cache_dtype=kv_cache_dtype))
     plan = engine.runner.kernels
     # int4 of float32 head_dim 32: 4 channels a lane fill no word, so decode rows gather (reading after `written`)
     assert plan.decode == (bits == 8) and plan.page_write and engine.runner.pages_in_place
+    assert plan.quantize_in_write == gpu_quantizer and engine.runner.kv_pool.quantize_in_write == gpu_quantizer
     assert any(label.startswith(f"page write int{bits}/32") and r == "passed" for label, r in plan.checks)
-    assert "page write kernel, in place" in kernel_path_lines(engine.runner)[0]
+    warnings = [r.getMessage() for r in caplog.records if r.filename == "selector.py"]
+    line = kernel_path_lines(engine.runner)[0]
+    if gpu_quantizer:
+        assert not warnings and "page write kernel, in place, quantizing the rows" in line
+    else:
+        assert "quantizing page write off" in warnings[0] and "differ from a scatter" in plan.quantizing_reason
+        assert "page write kernel, in place, after mx.quantize (quantizing page write" in line
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [7, 3], list(range(11, 30))]
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -290,7 +320,8 @@ def test_engine_writes_quantized_pages_in_place_and_serves_equal_tokens(monkeypa
     done = run_to_completion(engine)
     for i, p in enumerate(prompts):
         assert done[str(i)].token_ids == mlx_lm_quantized_greedy(model, p, 6, bits, 32), i
-    assert any("reshape_and_cache_quant" in n for n in names)
-    assert any("k_q[src * KW + d]" in text for text in EmulatedKernel.sources[before:])  # the write ran in the steps
+    ran = EmulatedKernel.sources[before:]  # the write that ran in the steps
+    assert any("w_min = fminf" in text or "w_min = metal::min" in text for text in ran) == gpu_quantizer
+    assert any("k_q[src * KW + d]" in text for text in ran) != gpu_quantizer
     for f in caches:
         f.cache_clear()

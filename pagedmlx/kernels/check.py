@@ -50,9 +50,9 @@ def run_checks(backend: str, shapes: list[Shape], block_size: int, page_write: b
                 return
 
 
-def _guarded(check, *args) -> tuple[bool, str]:
+def _guarded(check, *args, **kwargs) -> tuple[bool, str]:
     try:
-        err = check(*args)
+        err = check(*args, **kwargs)
     except Exception as exc:  # compilation or launch: MLX raises when the kernel is built or run
         return False, f"did not compile or run ({error_line(exc)})"
     return err is None, err or "ok"
@@ -176,28 +176,35 @@ def _raw(a: mx.array) -> np.ndarray:
 
 
 def check_page_write_quantized(backend: str, h: int, n_kv: int, d: int, dtype: mx.Dtype, quant: KVQuant, bs: int,
-                               seed: int = 0) -> Optional[str]:
-    """The quantized page write (page_write.reshape_and_cache_quantized) against a numpy scatter of the same
-    mx.quantize parts (bit for bit, skipped slots included), and a decode read of the pages in the same graph,
-    ordered by `written`, that must see the new rows (the quantized decode kernel where it takes the shape,
-    else the gather path)."""
+                               seed: int = 0, quantizing: bool = False, quantize=None) -> Optional[str]:
+    """The quantized page write against a numpy scatter of mx.quantize's parts of the same rows (bit for bit,
+    skipped slots included), and a decode read of the pages in the same graph, ordered by `written`, that
+    must see the new rows (the quantized decode kernel where it takes the shape, else the gather path).
+    quantizing: the write that quantizes the rows itself (page_write.reshape_and_cache_quantizing), on rows
+    that include groups all negative, all zero, constant and tiny; else the one that copies mx.quantize's
+    parts (reshape_and_cache_quantized). quantize: what makes the reference parts of a (rows, n_kv, d)
+    array (default mx.quantize on the device)."""
     rng = np.random.default_rng(seed)
     num_blocks, B = 6, 3
-    pages = [mx.quantize(x, group_size=quant.group_size, bits=quant.bits)
-             for x in _random_pages(rng, num_blocks, n_kv, bs, d, dtype)]
+    quantize = quantize or (lambda x: mx.quantize(x, group_size=quant.group_size, bits=quant.bits))
+    pages = [quantize(x) for x in _random_pages(rng, num_blocks, n_kv, bs, d, dtype)]
     mx.eval(pages)
     want = [[_raw(a) for a in side] for side in pages]
     table = mx.array(rng.permutation(num_blocks)[: 2 * B].reshape(B, 2).astype(np.int32))
     lens = np.array([1, bs + 1, 2 * bs], np.int32)
     slots = np.array([int(table[b, (n - 1) // bs].item()) * bs + (n - 1) % bs for b, n in enumerate(lens)] + [-1],
                      np.int32)
-    new = [mx.quantize(mx.array(rng.standard_normal((B + 1, n_kv, d)).astype(np.float32) * 3).astype(dtype),
-                       group_size=quant.group_size, bits=quant.bits) for _ in range(2)]
+    rows = [_rows_to_quantize(rng, B + 1, n_kv, d, quant.group_size, hard=quantizing).astype(dtype) for _ in range(2)]
+    new = [quantize(x) for x in rows]
     for side, parts in zip(want, new):
         for page, part in zip(side, parts):
             for i, s in enumerate(slots[:B]):
                 page[s // bs, :, s % bs] = _raw(part)[i]
-    written = page_write.reshape_and_cache_quantized(*new, *pages, mx.array(slots), backend=backend)
+    if quantizing:
+        written = page_write.reshape_and_cache_quantizing(rows[0][:, :, None], rows[1][:, :, None], *pages,
+                                                          mx.array(slots), quant, backend=backend)
+    else:
+        written = page_write.reshape_and_cache_quantized(*new, *pages, mx.array(slots), backend=backend)
     q = mx.array(rng.standard_normal((B, h, d)).astype(np.float32)).astype(dtype)
     seq_lens = mx.array(lens)
     read = [QuantizedPages(*side, quant) for side in pages]
@@ -208,13 +215,30 @@ def check_page_write_quantized(backend: str, h: int, n_kv: int, d: int, dtype: m
     else:  # the gather path's read, ordered by `written` the same way
         got = gather_decode(q, *read, table, d ** -0.5, length_mask(seq_lens, 2 * bs), written=written)
     mx.eval(got)
-    if not all(np.array_equal(_raw(a), w) for side, wside in zip(pages, want) for a, w in zip(side, wside)):
-        return "the pages differ from a scatter of the same quantized rows"
+    for side, wside, name in zip(pages, want, ("keys", "values")):
+        for a, w, part in zip(side, wside, ("packed values", "scales", "biases")):
+            if not np.array_equal(_raw(a), w):
+                n = int(np.sum(_raw(a) != w))
+                return (f"the pages' {name} {part} differ from a scatter of mx.quantize's parts of the same rows "
+                        f"({n} of {w.size})")
     full = [mx.dequantize(mx.array(w[0]), mx.array(w[1]).view(dtype).astype(mx.float32),
                           mx.array(w[2]).view(dtype).astype(mx.float32), quant.group_size, quant.bits) for w in want]
     err = _compare(got, gather_decode(q.astype(mx.float32), *full, table, d ** -0.5, length_mask(seq_lens, 2 * bs)),
                    dtype)
     return None if err is None else f"a read in the same graph missed the write ({err})"
+
+
+def _rows_to_quantize(rng, n: int, n_kv: int, d: int, group_size: int, hard: bool) -> mx.array:
+    """(n, n_kv, d) float32 rows; hard: the first rows' groups all negative, all zero, constant, tiny
+    (each an edge of the affine quantizer: which end the bias takes, a scale at its floor)."""
+    x = rng.standard_normal((n, n_kv, d)).astype(np.float32) * 3
+    if hard:
+        g = group_size
+        x[0, :, :g] = -np.abs(x[0, :, :g]) - 0.5
+        x[1, :, d - g:] = 0
+        x[0, -1, d - g:] = 1.25
+        x[2, 0, :g] *= 1e-9
+    return mx.array(x)
 
 
 def prefill_reference(q: np.ndarray, k_pages: np.ndarray, v_pages: np.ndarray, segments: list[Segment],

@@ -9,8 +9,10 @@ reader of that layer's pages in the step: MLX orders kernels by the buffers they
 graphs; Metal's barriers between dependent dispatches), so this keeps a read after the write.
 Where it runs is selector.PAGES_IN_PLACE (CUDA); elsewhere MLX's scatter writes the pages.
 
-Quantized layers (runner/kv_quant.py) quantize the step's rows with mx.quantize (the values mlx-lm's
-QuantizedKVCache holds) and reshape_and_cache_quantized copies the six parts into their pages the same way.
+Quantized layers (runner/kv_quant.py) hold the values mlx-lm's QuantizedKVCache holds (mx.quantize's).
+reshape_and_cache_quantizing quantizes the step's rows itself and writes the six parts in one launch, with
+the arithmetic of MLX's GPU quantizer; where its load-time check (kernels/check.py) finds a part that
+differs from mx.quantize's on the device, mx.quantize runs and reshape_and_cache_quantized copies its parts.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import mlx.core as mx
 from pagedmlx.kernels import build
 from pagedmlx.kernels.dialect import render
 from pagedmlx.kernels.sources import page_write as src
+from pagedmlx.kv_cache_dtype import KVQuant
 
 
 def write_source(backend: str) -> str:
@@ -41,6 +44,34 @@ def _quant_write_kernel(backend: str):
                              ["k_q", "k_s", "k_b", "v_q", "v_s", "v_b", "slot_mapping", "k_pages", "k_scales", "k_biases",
                               "v_pages", "v_scales", "v_biases"], ["written"],
                              render(src.RESHAPE_AND_CACHE_QUANT, backend), "")
+
+
+@functools.lru_cache(maxsize=None)
+def _quantizing_write_kernel(backend: str):
+    return build.make_kernel(backend, "pagedmlx_reshape_and_cache_quantizing",
+                             ["keys", "values", "slot_mapping", "k_pages", "k_scales", "k_biases", "v_pages", "v_scales",
+                              "v_biases"], ["written"], render(src.RESHAPE_AND_CACHE_QUANTIZING, backend), "")
+
+
+def reshape_and_cache_quantizing(keys: mx.array, values: mx.array, k_pages: tuple[mx.array, mx.array, mx.array],
+                                 v_pages: tuple[mx.array, mx.array, mx.array], slot_mapping: mx.array, quant: KVQuant,
+                                 backend: Optional[str] = None) -> mx.array:
+    """reshape_and_cache for quantized pages from the step's unquantized keys (T, n_kv, 1, Dk) and values
+    (T, n_kv, 1, Dv): each row quantized as MLX's GPU mx.quantize does (in the pages' scales' dtype) and its
+    packed words, scales and biases written in place at slot_mapping. Returns `written`, as reshape_and_cache."""
+    T, n_kv, _, dk = keys.shape
+    dv = values.shape[3]
+    bits, group_size = quant.bits, quant.group_size
+    if group_size % 32 or dk % group_size or dv % group_size or bits not in (4, 8):
+        raise ValueError(f"the quantizing page write takes 4 or 8 bits in groups of a multiple of 32 channels "
+                         f"dividing the head dims, not {bits} bits, group {group_size}, head dims {dk} / {dv}")
+    template = [("KT", keys.dtype), ("S", k_pages[1].dtype), ("NKV", n_kv), ("DK", dk), ("DV", dv),
+                ("GS", group_size), ("BITS", bits), ("BS", k_pages[0].shape[2])]
+    warps = T * n_kv * (dk + dv) // group_size
+    return _quantizing_write_kernel(backend or build.gpu_backend())(
+        inputs=[keys, values, slot_mapping, *k_pages, *v_pages], template=template,
+        grid=(max(warps * 32, 32), 1, 1), threadgroup=(256, 1, 1),
+        output_shapes=[(4,)], output_dtypes=[mx.int32])[0][:1]
 
 
 def reshape_and_cache_quantized(keys: tuple[mx.array, mx.array, mx.array], values: tuple[mx.array, mx.array, mx.array],

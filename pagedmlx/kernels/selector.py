@@ -41,12 +41,14 @@ class KernelPlan:
     backend: Optional[str]
     decode: bool = False  # decode rows read pages through the paged-decode kernel
     page_write: bool = False  # the page-write kernel writes new K/V in place
+    quantize_in_write: bool = False  # quantized pages: that kernel quantizes the rows itself (no mx.quantize)
     state: bool = False  # the recurrent-state kernels run in state layers (and write the state pool in place)
     prefill: bool = False  # prefill rows of the layers it takes attend through the paged prefill kernel
     checks: list[tuple[str, str]] = field(default_factory=list)  # (check, "passed" | "trusted" | "failed: ...")
     reason: Optional[str] = None  # why the paged kernels are off
     prefill_reason: Optional[str] = None  # why the prefill kernel is off while the others run
     page_write_reason: Optional[str] = None  # why the page write is not in place while the others run
+    quantizing_reason: Optional[str] = None  # why the in-place write of quantized pages does not quantize itself
 
     @property
     def paged(self) -> bool:
@@ -154,8 +156,12 @@ def select_quantized(plan: KernelPlan, layers: list[tuple[tuple[int, int, int, m
     page_write = plan.page_write and _page_write_passes(plan.backend, layers, block_size, checks)
     write_why = next((f"{label}: {r}" for label, r in checks if label.startswith("page write int") and r != "passed"),
                      None)
-    off = KernelPlan(plan.backend, page_write=page_write, state=plan.state, checks=checks,
-                     prefill_reason=why_16.format("prefill"), page_write_reason=write_why)
+    quantizing = page_write and _page_write_passes(plan.backend, layers, block_size, checks, quantizing=True)
+    quantizing_why = next((f"{label}: {r}" for label, r in checks if label.startswith("quantizing page write")
+                           and r != "passed"), None)
+    off = KernelPlan(plan.backend, page_write=page_write, quantize_in_write=quantizing, state=plan.state, checks=checks,
+                     prefill_reason=why_16.format("prefill"), page_write_reason=write_why,
+                     quantizing_reason=quantizing_why)
     if not plan.decode:
         off.reason = plan.reason or "no layer shape the decode kernel takes"
         return off
@@ -175,20 +181,24 @@ def select_quantized(plan: KernelPlan, layers: list[tuple[tuple[int, int, int, m
                            plan.backend, label, detail)
             off.reason = f"{label}: {detail}"
             return off
-    return KernelPlan(plan.backend, decode=True, page_write=page_write, state=plan.state, checks=checks,
-                      prefill_reason=why_16.format("prefill"), page_write_reason=write_why)
+    return KernelPlan(plan.backend, decode=True, page_write=page_write, quantize_in_write=quantizing, state=plan.state,
+                      checks=checks, prefill_reason=why_16.format("prefill"), page_write_reason=write_why,
+                      quantizing_reason=quantizing_why)
 
 
 def _page_write_passes(backend: str, layers: list[tuple[tuple[int, int, int, mx.Dtype], int, KVQuant]],
-                       block_size: int, checks: list[tuple[str, str]]) -> bool:
+                       block_size: int, checks: list[tuple[str, str]], quantizing: bool = False) -> bool:
     """check.check_page_write_quantized for each (kv heads, head_dim, dtype, quant) of the layers; the first
-    failure switches the in-place write off (MLX scatters the quantized rows instead) with one warning."""
+    failure switches that write off with one warning: the in-place write (MLX scatters the quantized rows
+    instead), or with quantizing, the write that quantizes itself (mx.quantize runs before the in-place copy)."""
     for n_kv, d, dt, q in sorted({(n_kv, dk, dt, q) for (n_kv, dk, dv, dt), _, q in layers}, key=str):
-        label = f"page write int{q.bits}/{q.group_size} kv={n_kv} D={d}"
-        ok, detail = check._guarded(check.check_page_write_quantized, backend, n_kv, n_kv, d, dt, q, block_size)
+        label = f"{'quantizing ' if quantizing else ''}page write int{q.bits}/{q.group_size} kv={n_kv} D={d}"
+        ok, detail = check._guarded(check.check_page_write_quantized, backend, n_kv, n_kv, d, dt, q, block_size,
+                                    quantizing=quantizing)
         checks.append((label, "passed" if ok else f"failed: {detail}"))
         if not ok:
-            logger.warning("pagedmlx: %s quantized page write off: %s: %s; MLX scatters the pages instead",
-                           backend, label, detail)
+            instead = "mx.quantize runs before the page write" if quantizing else "MLX scatters the pages instead"
+            logger.warning("pagedmlx: %s %s off: %s: %s; %s", backend,
+                           "quantizing page write" if quantizing else "quantized page write", label, detail, instead)
             return False
     return True

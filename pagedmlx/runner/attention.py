@@ -63,10 +63,12 @@ class KVPool:
     """
 
     def __init__(self, block_size: int, layers: list[tuple[int, tuple[int, int, int, mx.Dtype]]],
-                 num_layers: int, quant: Optional[dict[int, KVQuant]] = None):
+                 num_layers: int, quant: Optional[dict[int, KVQuant]] = None, quantize_in_write: bool = False):
         """layers: (number of blocks, (n_kv_heads, k_dim, v_dim, dtype)) of every layer that owns pages;
-        quant: the quantized layers' KVQuant."""
+        quant: the quantized layers' KVQuant; quantize_in_write: the in-place page write of those layers
+        quantizes the rows itself (KernelPlan.quantize_in_write)."""
         self.block_size = block_size
+        self.quantize_in_write = quantize_in_write
         self.quant: list[Optional[KVQuant]] = [(quant or {}).get(i) for i in range(num_layers)]
         self.keys: list[Optional[mx.array]] = [None] * num_layers
         self.values: list[Optional[mx.array]] = [None] * num_layers

@@ -50,7 +50,7 @@ def kernel_path_lines(runner: Any) -> list[str]:
         quant = getattr(runner, "kv_quant", {})
         quant = {**quant, **{i: quant[plan[i].source] for i in shared if plan[i].source in quant}}
         paths = [*_decode_paths(kernels, shapes, quant), _prefill_path(kernels, shapes, runner.prefill_heads[gi]),
-                 _write_path(kernels)]
+                 _write_path(kernels, any(i in quant for i in ids))]
         lines.append(f"{group.name} ({layers}): {_join(paths)}")
     state = next((g for g in runner.kv_cache_config.kv_cache_groups if g.is_state), None)
     if state is not None:
@@ -116,7 +116,11 @@ def _prefill_path(kernels: Any, shapes: dict, heads: Optional[tuple[int, int]]) 
     return f"prefill {PORTABLE}", why or "kernels off"
 
 
-def _write_path(kernels: Any) -> tuple[str, Optional[str]]:
+def _write_path(kernels: Any, quantized: bool = False) -> tuple[str, Optional[str]]:
+    if kernels.page_write and quantized and getattr(kernels, "quantize_in_write", False):
+        return "page write kernel, in place, quantizing the rows", None
+    if kernels.page_write and quantized:
+        return "page write kernel, in place, after mx.quantize", getattr(kernels, "quantizing_reason", None)
     if kernels.page_write:
         return "page write kernel, in place", None
     if getattr(kernels, "page_write_reason", None):  # its load-time check failed

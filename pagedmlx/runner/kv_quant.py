@@ -9,8 +9,9 @@ mlx-lm's QuantizedKVCache keeps them. Like the 16-bit pages they live only in KV
 QuantizedPages is what attention reads in place of a 16-bit page array: it has the shape and dtype
 of the pages it stands for, and gathers rows of its three parts then dequantizes, so the portable
 gather paths run unchanged, and the quantized decode kernels (kernels/decode_attention_quant.py) read
-its parts. Where pages are written in place (CUDA) the page-write kernel copies the quantized rows into
-them (write_quantized_in_place); elsewhere MLX scatters them (write_quantized).
+its parts. Where pages are written in place (CUDA) the page-write kernel quantizes the rows and writes them
+(write_quantized_in_place; where its check against mx.quantize failed at load, it copies mx.quantize's
+parts); elsewhere MLX scatters mx.quantize's parts (write_quantized).
 """
 
 from __future__ import annotations
@@ -83,13 +84,17 @@ def write_quantized(pool, i: int, keys: mx.array, values: mx.array, index: tuple
 def write_quantized_in_place(pool, i: int, keys: mx.array, values: mx.array, slot_mapping: mx.array,
                              backend: Optional[str]) -> mx.array:
     """write_quantized through the page-write kernel (kernels/page_write.py), in place at slot_mapping;
-    returns its `written`, which every reader of layer i's pages takes as an input."""
+    returns its `written`, which every reader of layer i's pages takes as an input. The kernel quantizes
+    the rows itself where pool.quantize_in_write (its load-time check passed), else mx.quantize runs first."""
     from pagedmlx.kernels import page_write
 
+    k_pages = (pool.keys[i], pool.k_scales[i], pool.k_biases[i])
+    v_pages = (pool.values[i], pool.v_scales[i], pool.v_biases[i])
+    if pool.quantize_in_write:
+        return page_write.reshape_and_cache_quantizing(keys, values, k_pages, v_pages, slot_mapping, pool.quant[i],
+                                                       backend)
     k_parts, v_parts = quantize_rows(pool, i, keys, values)
-    return page_write.reshape_and_cache_quantized(
-        k_parts, v_parts, (pool.keys[i], pool.k_scales[i], pool.k_biases[i]),
-        (pool.values[i], pool.v_scales[i], pool.v_biases[i]), slot_mapping, backend)
+    return page_write.reshape_and_cache_quantized(k_parts, v_parts, k_pages, v_pages, slot_mapping, backend)
 
 
 def read_pages(pool, i: int) -> tuple:

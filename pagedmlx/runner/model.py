@@ -298,7 +298,8 @@ class ModelRunner:
         """The pages of kv_cache_config's groups; quantized=False: in the model's dtype whatever kv_cache_dtype."""
         layers = [(i, (g.num_blocks, self.plan[i].spec)) for g in kv_cache_config.kv_cache_groups if not g.is_state
                   for i in g.layer_ids]
-        return KVPool(self.block_size, layers, len(self.plan), self.kv_quant if quantized else None)
+        return KVPool(self.block_size, layers, len(self.plan), self.kv_quant if quantized else None,
+                      quantize_in_write=self.kernels.quantize_in_write)
 
     def make_state_pool(self, kv_cache_config: KVCacheConfig) -> Optional[StatePool]:
         group = next((g for g in kv_cache_config.kv_cache_groups if g.is_state), None)

@@ -185,6 +185,8 @@ inline float min(float a, float b) { return std::fmin(a, b); }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline float exp(float x) { return std::exp(x); }
+inline float abs(float x) { return std::fabs(x); }
+inline float round(float x) { return std::round(x); }
 template <class T> T simd_shuffle_xor(T v, unsigned short mask) { return emu::shuffle_xor(v, mask); }
 inline void threadgroup_barrier(mem_flags) { emu::barrier(); }
 }  // namespace metal

@@ -41,3 +41,62 @@ RESHAPE_AND_CACHE_QUANT = """
         const_cast<DEVICE S*>(v_biases)[row * VG + d] = v_b[src * VG + d];
     }
 """
+
+RESHAPE_AND_CACHE_QUANTIZING = """
+    // A quantized layer's page write that quantizes the step's new rows itself (no mx.quantize launches
+    // before it): keys (T, NKV, 1, DK) and values (T, NKV, 1, DV) in KT go to their slots as packed words,
+    // scales and biases in S, with the arithmetic of MLX's GPU affine_quantize (CUDA's and Metal's, read
+    // from their 0.32 sources): the group's min and max (the max starting at 0), a scale that puts one
+    // edge of the range on an integer, and each value rounded half away from zero. kernels/page_write.py
+    // checks the result against mx.quantize on the device, bit for bit, before it is used.
+    // One SIMD group (warp) per (token, kv head, group of GS channels), keys' groups then values'; each
+    // lane holds GS / 32 channels; the first GS * BITS / 32 lanes then pack one word each.
+    constexpr int KG = DK / GS, VG = DV / GS, G = KG + VG, VPL = GS / 32, VPW = 32 / BITS, WPG = GS * BITS / 32;
+    constexpr float N_BINS = (1 << BITS) - 1;
+    const size_t i = GLOBAL_THREAD;
+    if (i == 0) written[0] = 0;
+    const size_t warp = i / 32;
+    const size_t t = warp / (NKV * G);
+    if (t >= (size_t)slot_mapping_shape[0]) return;  // the whole warp: t is the warp's
+    const int slot = slot_mapping[t];
+    if (slot < 0) return;
+    const int h = (warp / G) % NKV, g = warp % G;
+    const bool is_k = g < KG;
+    const int gi = is_k ? g : g - KG, dim = is_k ? DK : DV;
+    auto src = (is_k ? keys : values) + (t * NKV + h) * dim + gi * GS;
+    float w[VPL];
+    float w_min = BITS_FLOAT(0x7f7fffffu), w_max = 0.0f;
+    #pragma unroll
+    for (int j = 0; j < VPL; ++j) {
+        w[j] = static_cast<float>(static_cast<S>(static_cast<float>(src[LANE * VPL + j])));  // mx.quantize reads S
+        w_min = FMIN(w_min, w[j]);
+        w_max = FMAX(w_max, w[j]);
+    }
+    for (int m = 16; m > 0; m >>= 1) {
+        w_min = FMIN(w_min, SHFL_XOR(w_min, m));
+        w_max = FMAX(w_max, SHFL_XOR(w_max, m));
+    }
+    float scale = FMAX((w_max - w_min) / N_BINS, 1e-7f);
+    const bool side = FABS(w_min) > FABS(w_max);
+    scale = side ? scale : -scale;
+    const float edge = side ? w_min : w_max;
+    const float q0 = ROUND(edge / scale);
+    const bool at_zero = q0 == 0.0f;
+    scale = at_zero ? scale : edge / q0;
+    const float bias = at_zero ? 0.0f : edge;
+    const size_t row = ((size_t)(slot / BS) * NKV + h) * BS + slot % BS;
+    if (LANE == 0) {
+        const_cast<DEVICE S*>(is_k ? k_scales : v_scales)[row * (dim / GS) + gi] = static_cast<S>(scale);
+        const_cast<DEVICE S*>(is_k ? k_biases : v_biases)[row * (dim / GS) + gi] = static_cast<S>(bias);
+    }
+    if (LANE < WPG) {  // the word's values are other lanes': read again (from L1)
+        uint32_t word = 0;
+        #pragma unroll
+        for (int j = 0; j < VPW; ++j) {
+            const float v = static_cast<float>(static_cast<S>(static_cast<float>(src[LANE * VPW + j])));
+            const uint8_t q = FMIN(ROUND((v - bias) / scale), N_BINS);
+            word |= static_cast<uint32_t>(q) << (BITS * j);
+        }
+        const_cast<DEVICE uint32_t*>(is_k ? k_pages : v_pages)[row * (dim * BITS / 32) + gi * WPG + LANE] = word;
+    }
+"""
