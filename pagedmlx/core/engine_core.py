@@ -45,8 +45,13 @@ class EngineCore:
         if self.config.dtype is not None:  # quantized weights keep their packed form
             model.set_dtype(getattr(mx, self.config.dtype))
         self.tokenizer = tokenizer
-        self.draft_proposer, self._draft_tokenizer = make_draft_proposer(self.config, verify_model)  # or None
+        self.draft_proposer, self._draft_tokenizer = make_draft_proposer(self.config, verify_model, model)  # or None
         self.runner = self.make_runner(verify_model)
+        if hasattr(self.draft_proposer, "observe_step"):  # an MTP module reads every step's hidden states
+            if not isinstance(self.runner, ModelRunner):
+                raise ValueError("speculative_config.method 'mtp' is not served with tensor parallelism yet")
+            self.runner.keep_hidden = True
+            self.runner.compiled_decode = None  # (a compiled step keeps none)
         self.lora_manager = getattr(self.runner, "lora_manager", None)  # batched LoRA (pagedmlx/lora/)
         if self.config.enable_lora and self.lora_manager is None:
             raise ValueError("enable_lora is not supported with tensor parallelism yet")
@@ -223,7 +228,7 @@ class EngineCore:
             self._dispatch(built)
         if previous is not None:
             outputs += self._process(previous, self._wait(previous))
-            previous.sampled = previous.arrays = previous = None  # see the docstring
+            previous.sampled = previous.arrays = previous.hidden = previous = None  # see the docstring
         if built is not None and not in_place:
             self._dispatch(built)
         return outputs
@@ -270,6 +275,7 @@ class EngineCore:
         if so.device_drafts is not None:  # a draft model's drafts, still on the device (never with a step in flight)
             prev = so.device_drafts
         logits = self.runner.forward(so, prev)
+        hidden = self.runner.last_hidden if self.runner.keep_hidden and self._speculating() else None
         prompt, num_rows = None, so.num_sampled_rows
         if len(so.prompt_logprob_tokens):  # the rows after the sampled ones score prompt tokens
             prompt = self._prompt_logprobs(logits[num_rows:], so)
@@ -287,7 +293,9 @@ class EngineCore:
         if prompt is not None:
             arrays += [a for a in (prompt.logprobs, prompt.top_token_ids, prompt.top_logprobs) if a is not None]
         scheduled = [self.scheduler.requests[rid] for rid in so.req_ids]
-        return LaunchedStep(so, scheduled, sampled, arrays, time.perf_counter() - t, prompt=prompt)
+        if hidden is not None:
+            arrays.append(hidden)
+        return LaunchedStep(so, scheduled, sampled, arrays, time.perf_counter() - t, prompt=prompt, hidden=hidden)
 
     def _prompt_logprobs(self, logits: mx.array, so: SchedulerOutput) -> SamplerOutput:
         """Each prompt row's logprob of the prompt token after it, and its top k (the model's raw
@@ -357,6 +365,8 @@ class EngineCore:
         outputs = [self._output(upd.request, upd.new_token_ids, upd.finished, by_id[upd.request.request_id])
                    for upd in self.scheduler.update_from_output(so, token_ids, step.requests)]
         if self.drafter is not None:
+            if step.hidden is not None and self.draft_proposer is not None:
+                self.draft_proposer.observe_step(so, step.hidden, step.requests, self.drafter)
             self._propose(so, token_ids)
         self.stats.record(so, time.perf_counter() - t)
         return outputs

@@ -21,6 +21,7 @@ class LaunchedStep:
     error: Optional[Exception] = None
     prompt: Any = None  # SamplerOutput of the prompt rows that score prompt tokens (prompt_logprobs)
     prompt_rows: Optional[list] = None  # ... read back
+    hidden: Any = None  # the target's final hidden states (T, 1, H), kept for an MTP module
 
 
 @dataclass

@@ -107,6 +107,8 @@ class ModelRunner:
         self.state_pool: Optional[StatePool] = None
         self.lora_manager = None  # after the check below: it runs the base model
         self.compiled_decode: Optional[CompiledDecode] = None
+        self.keep_hidden = False  # logits() keeps the body's output (T, 1, H) in last_hidden
+        self.last_hidden: Optional[mx.array] = None
         if verify:
             self._verify_against_mlx_lm()
         self.kv_pool = self.make_pool(self.kv_cache_config)
@@ -365,7 +367,10 @@ class ModelRunner:
         """The model over inputs (T, 1) on `caches`; logits (S, V) of the rows logits_indices."""
         with merged_products() if self.merges else contextlib.nullcontext():
             if self._head is not None:
-                return self._head(self._body(inputs, cache=caches)[logits_indices])[:, 0, :]
+                hidden = self._body(inputs, cache=caches)
+                if self.keep_hidden:  # every row's final hidden state, for an MTP module (spec_decode/mtp_proposer.py)
+                    self.last_hidden = hidden
+                return self._head(hidden[logits_indices])[:, 0, :]
             return self.model(inputs, cache=caches)[logits_indices][:, 0, :]
 
     def _check(self) -> Optional[str]:

@@ -9,8 +9,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-METHODS = ("ngram", "draft_model")
-_LATER = {"eagle": "EAGLE", "eagle3": "EAGLE-3", "mtp": "MTP heads",
+METHODS = ("ngram", "draft_model", "mtp")
+_LATER = {"eagle": "EAGLE", "eagle3": "EAGLE-3",
           "medusa": "Medusa", "mlp_speculator": "an MLP speculator", "suffix": "suffix decoding"}
 
 
@@ -31,6 +31,8 @@ class SpeculativeConfig:
     min_acceptance_rate: float = 0.15
     # draft_model: the draft (an mlx-lm folder, hub name, .gguf or random:<arch>, as the target's `model`;
     # or, in-process only, a loaded mlx-lm model). Same tokenizer as the target (spec_decode/draft_model.py).
+    # mtp: the checkpoint folder holding the mtp.* weights (default: the target's own folder; in-process
+    # only, a dict of them); the module is the target's (spec_decode/mtp.py).
     model: Any = None
 
     def __post_init__(self) -> None:

@@ -71,10 +71,15 @@ class DeviceDrafts(list):
         return np.asarray(self.tokens)[self.src].tolist() if self.src else []
 
 
-def make_draft_proposer(config: EngineConfig, verify: bool = True) -> tuple[Optional["DraftModelProposer"], Any]:
-    """The proposer of speculative_config's draft model (None unless method is draft_model), and the
-    draft's tokenizer (None for a model object), loaded in config.dtype as the target."""
+def make_draft_proposer(config: EngineConfig, verify: bool = True,
+                        target: Optional[nn.Module] = None) -> tuple[Optional["DraftModelProposer"], Any]:
+    """The proposer of speculative_config's draft model or MTP module (None for n-gram), and the draft's
+    tokenizer (None for a model object or an MTP module), loaded in config.dtype as the target."""
     spec = config.speculative_config
+    if spec is not None and spec.method == "mtp":
+        from pagedmlx.spec_decode.mtp_proposer import make_mtp_proposer
+
+        return make_mtp_proposer(config, target, verify), None
     if spec is None or spec.method != "draft_model":
         return None, None
     model, tokenizer = spec.model, None
@@ -92,11 +97,16 @@ def make_draft_proposer(config: EngineConfig, verify: bool = True) -> tuple[Opti
 
 
 class DraftModelProposer:
-    def __init__(self, model: nn.Module, config: EngineConfig, num_speculative_tokens: int, verify: bool = True):
+    # The draft's row at position i takes token i + shift (an MTP module's, 1: token i + 1 with the target's
+    # hidden state at i; mtp_proposer.py), and its logits propose token i + 1 + shift.
+    shift = 0
+
+    def __init__(self, model: nn.Module, config: EngineConfig, num_speculative_tokens: int, verify: bool = True,
+                 **runner_config):
         self.k = num_speculative_tokens
         # Built on 2 blocks; bind() gives it one page per block of the target's pool.
         draft_config = dataclasses.replace(config, model=None, num_blocks=2, speculative_config=None,
-                                           enable_lora=False, max_model_len=None)
+                                           enable_lora=False, max_model_len=None, **runner_config)
         self.runner = ModelRunner(model, draft_config, verify=verify)
         odd = sorted({p.kind for p in self.runner.plan} - {"full", "shared"})
         if odd:
@@ -149,7 +159,7 @@ class DraftModelProposer:
             if n >= len(tokens) or tokens[n] != d:
                 break
             n += 1
-        return min(n, req.num_tokens - 1)
+        return min(n, req.num_tokens - 1 - self.shift)
 
     def _reserve(self, req: Request, num_tokens: int) -> bool:
         """Pages for the request's first num_tokens tokens in the target's full group (the draft writes
@@ -170,15 +180,18 @@ class DraftModelProposer:
         work = []
         for req, room in items:
             k = min(self.k, room)
-            if k > 0 and self._reserve(req, req.num_tokens + k - 1):
-                work.append((req, self._valid(req), k))
+            if k > 0 and self._reserve(req, req.num_tokens + k - 1) and (start := self._valid(req)) is not None:
+                work.append((req, start, k))
         work = self._within_budget(work)
         if not work:
             return {}
         reqs = [w[0] for w in work]
         starts = [w[1] for w in work]
         counts = [w[3] for w in work]
-        ids = np.fromiter((t for r, s, c in zip(reqs, starts, counts) for t in r.all_token_ids[s:s + c]), np.int32, sum(counts))
+        d = self.shift
+        ids = np.fromiter((t for r, s, c in zip(reqs, starts, counts) for t in r.all_token_ids[s + d:s + c + d]), np.int32,
+                          sum(counts))
+        self._catch_up_inputs(reqs, starts, counts)
         steps = [self._sample(self._batch(reqs, starts, counts, ids), None, reqs, 0)]
         alive = list(range(len(work)))  # indices into work still drafting
         for j in range(1, max(w[2] for w in work)):
@@ -186,8 +199,9 @@ class DraftModelProposer:
             alive = [i for i in alive if work[i][2] > j]
             src = np.asarray([prev.index(i) for i in alive], np.int32)
             sub = [reqs[i] for i in alive]
-            so = self._batch(sub, [r.num_tokens + j - 1 for r in sub], [1] * len(sub), np.zeros(len(sub), np.int32),
+            so = self._batch(sub, [r.num_tokens + j - 1 - d for r in sub], [1] * len(sub), np.zeros(len(sub), np.int32),
                              placeholder_src=src)
+            self._draft_inputs(src)
             steps.append(self._sample(so, steps[-1], sub, j))
         flat = mx.concatenate(steps) if len(steps) > 1 else steps[0]
         (mx.async_eval if self.runner.pages_in_place else mx.eval)(flat)
@@ -205,8 +219,17 @@ class DraftModelProposer:
                 self._state[req] = _DraftState(start + count, [], req.num_preemptions)
             else:
                 drafts[req.request_id] = DeviceDrafts(flat, src[i])
-                self._state[req] = _DraftState(req.num_tokens, drafts[req.request_id][:-1], req.num_preemptions)
+                # the drafts' own KV counts as written where they are accepted; not an MTP module's (its rows
+                # took its own hidden states, not the target's: recomputed next round)
+                written = [] if d else drafts[req.request_id][:-1]
+                self._state[req] = _DraftState(req.num_tokens - d, written, req.num_preemptions)
         return drafts
+
+    def _catch_up_inputs(self, reqs: list[Request], starts: list[int], counts: list[int]) -> None:
+        """Hook before the first forward (rows: each request's counts[i] positions from starts[i])."""
+
+    def _draft_inputs(self, src: np.ndarray) -> None:
+        """Hook before each later forward (its rows: the previous forward's sampled rows `src`)."""
 
     def _within_budget(self, work: list[tuple[Request, int, int]]) -> list[tuple[Request, int, int, int]]:
         """(request, start, k, count) for the step's first forward: decodes first (as the runner wants),
@@ -214,7 +237,7 @@ class DraftModelProposer:
         computes what is left of it (k = 0: it drafts nothing this step) and the rest wait."""
         out, budget = [], self.max_catch_up
         for req, start, k in sorted(work, key=lambda w: w[0].num_tokens - w[1]):
-            need = req.num_tokens - start
+            need = req.num_tokens - self.shift - start
             if budget < min(need, 2):  # (a 1-token piece of a longer catch-up would pass for a decode)
                 break
             if need > budget:
