@@ -234,3 +234,32 @@ def test_verifying_steps_run_as_decode_rows_and_compile(standins):
     compiled, steps = run(True)
     assert compiled == built
     assert any(verify and replayed for verify, replayed in steps)
+
+
+@pytest.mark.skipif(ON_CUDA, reason="the stand-ins are for a machine without the kernels")
+def test_compiled_steps_return_the_hidden_states_an_mtp_module_reads(standins):
+    """With an MTP module (spec_decode/mtp_proposer.py) the target keeps every step's hidden states: a compiled
+    step returns them from its trace. Requests with penalties do not speculate: their decode-only steps
+    compile, beside the speculating requests' verifying steps (built); tokens equal the built engine's."""
+    from test_spec_mtp import mtp_spec, random_mtp_weights
+
+    spec = mtp_spec(2, random_mtp_weights(make_model("qwen3_5-tiny", seed=3)))
+    prompts = [p[:12] for p in shared_prefix_prompts(4, seed=5)]
+    plain = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    penalized = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.1)
+
+    def run(compiled: bool) -> tuple[dict, LLMEngine]:
+        engine = _engine("qwen3_5-tiny", compiled, True, speculative_config=spec,
+                         model=make_model("qwen3_5-tiny", seed=3))
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), [t % 512 for t in p], penalized if i < 2 else plain)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        return done, engine
+
+    built, _ = run(False)
+    compiled, engine = run(True)
+    assert compiled == built
+    assert engine.runner.keep_hidden and any(key[-1] for key in engine.runner.compiled_decode.fns)
+    assert engine.scheduler.spec_decoding_stats.num_draft_tokens > 0

@@ -51,7 +51,6 @@ class EngineCore:
             if not isinstance(self.runner, ModelRunner):
                 raise ValueError("speculative_config.method 'mtp' is not served with tensor parallelism yet")
             self.runner.keep_hidden = True
-            self.runner.compiled_decode = None  # (a compiled step keeps none)
         self.lora_manager = getattr(self.runner, "lora_manager", None)  # batched LoRA (pagedmlx/lora/)
         if self.config.enable_lora and self.lora_manager is None:
             raise ValueError("enable_lora is not supported with tensor parallelism yet")

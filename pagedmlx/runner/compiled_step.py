@@ -25,7 +25,8 @@ key has come HOT_STEPS times (a steady batch: its size and table bucket unchange
 whose size changes every step never pays a trace per step; at most MAX_TRACES traces are kept, the
 least recently used dropped first. Not for models with recurrent-state layers: on the H200 Llama-8B's
 256-request steps ran 1.35x faster compiled (run 43), the Qwen3.5 shape's 1.02x (run 44: the model's
-Python is not what bounds its step), not worth a trace per key.
+Python is not what bounds its step), not worth a trace per key. Where the runner keeps its hidden
+states (an MTP module reads them: ModelRunner.keep_hidden), the trace returns them with the logits.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ class CompiledDecode:
         names = tuple(arrays)
         key = (tuple((n, arrays[n].shape, arrays[n].dtype) for n in names), tuple(b.splits for b in builders),
                state_md.num_decodes if state_md is not None else None,
-               (lora.slots, lora.dora_slots, r.lora_manager.generation) if lora is not None else None)
+               (lora.slots, lora.dora_slots, r.lora_manager.generation) if lora is not None else None, r.keep_hidden)
         fn = self.fns.get(key)
         if fn is None:
             rows_of_segments = so.num_decodes < so.total_num_scheduled_tokens  # a one-off prompt's length: no trace
@@ -115,7 +116,10 @@ class CompiledDecode:
             while len(self.fns) > MAX_TRACES:
                 self.fns.popitem(last=False)
         self.fns.move_to_end(key)
-        return fn(*(arrays[n] for n in names))
+        out = fn(*(arrays[n] for n in names))
+        if r.keep_hidden:  # the trace's hidden states are its output's, not the runner's (a tracer)
+            out, r.last_hidden = out
+        return out
 
     def _trace(self, names: tuple, builders: list, has_state: bool, num_decodes: int, lora: Any = None) -> Callable:
         r = self.runner
@@ -134,8 +138,10 @@ class CompiledDecode:
                                            axis=0)
             caches = r.make_caches(md, r.kv_pool, state_md, r.state_pool)
             if lora is None:
-                return r.logits(inputs[:, None], caches, md.logits_indices)
-            with r.lora_manager.step(lora, d, traced=True):
-                return r.logits(inputs[:, None], caches, md.logits_indices)
+                logits = r.logits(inputs[:, None], caches, md.logits_indices)
+            else:
+                with r.lora_manager.step(lora, d, traced=True):
+                    logits = r.logits(inputs[:, None], caches, md.logits_indices)
+            return (logits, r.last_hidden) if r.keep_hidden else logits
 
         return forward
