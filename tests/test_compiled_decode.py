@@ -203,7 +203,7 @@ def test_lora_steps_compile_and_new_adapter_weights_make_new_traces(standins, tm
     built, _ = run(False)
     done, engine = run(None)
     assert done == built
-    lora_keys = [k[-1] for k in engine.runner.compiled_decode.fns if k[-1] is not None]
+    lora_keys = [k[3] for k in engine.runner.compiled_decode.fns if k[3] is not None]
     assert lora_keys and len({generation for _, _, generation in lora_keys}) >= 2
 
 
