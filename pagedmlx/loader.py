@@ -65,6 +65,19 @@ _GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "
 _DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 
 
+def model_folder(model: str) -> Path | None:
+    """A model's local folder: the path itself, or a hub id's snapshot in the local hub cache; None if neither."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    try:
+        from mlx_lm.utils import hf_repo_to_path
+
+        return Path(hf_repo_to_path(model))
+    except Exception:  # noqa: BLE001 - not a folder, not in the cache
+        return None
+
+
 def generation_defaults(model: str | None) -> dict[str, Any]:
     """SamplingParams fields the model recommends (vLLM's generation config): from the folder's
     generation_config.json, or the default model's card; {} for other GGUF files and random models."""
@@ -72,14 +85,9 @@ def generation_defaults(model: str | None) -> dict[str, Any]:
         return dict(_DEFAULT_MODEL_SAMPLING)
     if model.startswith((RANDOM_PREFIX, PRESET_PREFIX, PYPI_PREFIX)) or _is_gguf(model):
         return {}
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        try:
-            from mlx_lm.utils import hf_repo_to_path
-
-            path = Path(hf_repo_to_path(model))
-        except Exception:  # noqa: BLE001 - not in the local hub cache: no defaults
-            return {}
+    path = model_folder(model)
+    if path is None:  # not in the local hub cache: no defaults
+        return {}
     try:
         config = json.loads((path / "generation_config.json").read_text())
     except (OSError, ValueError):

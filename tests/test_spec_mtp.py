@@ -146,3 +146,21 @@ def test_what_cannot_be_served_is_refused(tmp_path):
         read_mtp_weights(tmp_path)
     with pytest.raises(FileNotFoundError, match="no .safetensors files"):
         read_mtp_weights(tmp_path / "missing")
+
+
+def test_a_served_random_target_gets_a_random_module():
+    """`pagedmlx serve random:qwen3_5-tiny --speculative-config '{"method": "mtp", ...}'`: the config's JSON,
+    the target loaded by name, a module of random weights; tokens equal mlx-lm's solo generation."""
+    from pagedmlx.core.engine_core import EngineCore
+    from pagedmlx.models.random_model import random_model
+
+    config = EngineConfig(model="random:qwen3_5-tiny", block_size=4, num_blocks=64, max_model_len=128,
+                          speculative_config='{"method": "mtp", "num_speculative_tokens": 2}')
+    core = EngineCore.from_config(config)
+    assert type(core.draft_proposer).__name__ == "MTPProposer" and core.runner.keep_hidden
+    prompt = [3, 14, 15, 92, 65, 35]
+    core.add_request("a", prompt, GREEDY)
+    tokens = []
+    while core.has_unfinished_requests():
+        tokens += [t for o in core.step() for t in o.new_token_ids]
+    assert tokens == solo_greedy(random_model("qwen3_5-tiny", 0), prompt, GREEDY.max_tokens)
