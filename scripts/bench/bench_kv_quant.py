@@ -105,8 +105,10 @@ def quality(args: argparse.Namespace) -> None:
               f"{bf16:.2f}x | {secs:.0f} |")
 
 
-def _step_ms(model, batch: int, ctx: int, bs: int, dtype: str, steps: int) -> tuple[float, str]:
-    """Median decode step of `batch` sequences of ctx tokens on random pages; and the decode path."""
+def _step_ms(model, batch: int, ctx: int, bs: int, dtype: str, steps: int, quantizing: bool = True) -> tuple[float, str]:
+    """Median decode step of `batch` sequences of ctx tokens on random pages; and the decode path.
+    quantizing=False: quantized pages written by mx.quantize and the copying page write, not the kernel that
+    quantizes (where that one passed its check)."""
     import mlx.core as mx
 
     from pagedmlx.config import EngineConfig
@@ -118,6 +120,7 @@ def _step_ms(model, batch: int, ctx: int, bs: int, dtype: str, steps: int) -> tu
     runner = ModelRunner(model, EngineConfig(block_size=bs, num_blocks=batch * per_seq + 1, kv_cache_dtype=dtype),
                          verify=False)
     pool = runner.kv_pool
+    pool.quantize_in_write = pool.quantize_in_write and quantizing
     for side in ("keys", "values", "k_scales", "k_biases", "v_scales", "v_biases"):
         arrays = getattr(pool, side)
         for i, a in enumerate(arrays):
@@ -160,6 +163,10 @@ def speed(args: argparse.Namespace) -> None:
             base.setdefault(batch, ms)
             print(f"| {batch} | {dtype} | {ms:.2f} | {ms / base[batch]:.2f}x | {batch / ms * 1e3:,.0f} | {path} |",
                   flush=True)
+            if args.compare_write and dtype != "auto":
+                ms, path = _step_ms(model, batch, args.context, args.block_size, dtype, args.steps, quantizing=False)
+                print(f"| {batch} | {dtype}, mx.quantize + copy | {ms:.2f} | {ms / base[batch]:.2f}x | "
+                      f"{batch / ms * 1e3:,.0f} | {path} |", flush=True)
     budget_batch = max(args.batch)
     per_token = {dt: bytes_per_token(h, d, d, 2, layer_quant(dt, None, d, d)) for dt in DTYPES}
     print(f"\nthe KV memory of {budget_batch} x {args.context} tokens of auto pages "
@@ -189,6 +196,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=2048, help="speed: tokens per sequence")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=20, help="speed: timed decode steps per point")
+    p.add_argument("--compare-write", action="store_true",
+                   help="speed: each quantized format also with mx.quantize before a copying page write")
     args = p.parse_args()
     speed(args) if args.speed else quality(args)
 

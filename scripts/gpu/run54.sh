@@ -2,10 +2,13 @@
 # Run 54 (2026-12-04, sixteenth session), one PART a call after staging (../shared/gpu/README.md); logs under $OUT:
 #   PART=kv      the quantized tensor-core decode with its cheaper dequantization (int4 and fp16 int8 from
 #                magic bit patterns, two channels an instruction; bf16 int8 by byte permute): nvcc compiles the
-#                sources, the GPU tests, then decode steps at 64 and 256 against bf16 pages (run 42/43's command)
+#                sources, the GPU tests, then decode steps at 64 and 256 against bf16 pages (run 42/43's command);
+#                since the seventeenth session the page write quantizes the rows itself (its check against
+#                mx.quantize is in the GPU tests); at 64 each format also with mx.quantize + the copying write
 #   PART=merge   merged q/k/v and gate/up projections (runner/merged_linear.py, on by default on the GPU): a
 #                step's ops, batch 1 and 64 against mlx-lm merged and not
-#   PART=mergetests  the merged tests, busy == solo and compiled steps on the GPU (merged by default there)
+#   PART=mergetests  the merged tests, busy == solo and compiled steps on the GPU (merged by default there),
+#                and the MTP tests (seventeenth session)
 #   PART=draft   run 53's draft pairs (now merged) against mlx-lm's speculative; the adaptive k at tail 0.02
 #   PART=lora    bench_lora at 64, mlx_lm.lora's default adapters (rank 8, last 16 layers): both engines merged
 #                (the default; the LoRA kernel reads merged parts in place), neither (as run 52), the rank-16
@@ -20,14 +23,14 @@ case "${PART:-kv}" in
   kv)
     TAIL=4 run cuda_sources 150 "${SUITE[@]}" tests/test_cuda_sources.py
     TAIL=4 run pytest_kv_quant 150 "${SUITE[@]}" -x tests/test_gpu_kv_quant.py -k "default or page_write"
-    TAIL=8 run kv_64 150 $KV --batch 64 --steps 12
+    TAIL=10 run kv_64 200 $KV --batch 64 --steps 12 --compare-write
     TAIL=8 run kv_256 150 $KV --batch 256 --steps 6;;
   merge)
     TAIL=12 run ops_merged 100 python3 scripts/bench/study_step_ops.py --preset llama-8b --dtype bfloat16
     TAIL=10 run offline_merged 200 $OFF --batch-sizes 1 64 --repeats 3 --json "$OUT/offline_merged.json"
     TAIL=10 run offline_separate 200 $OFF --batch-sizes 1 64 --repeats 3 --no-merge-projections --json "$OUT/offline_separate.json";;
   mergetests)
-    TAIL=4 run pytest_merged 450 "${SUITE[@]}" tests/test_merged_linear.py tests/test_batched_equals_solo.py tests/test_compiled_decode.py;;
+    TAIL=4 run pytest_merged 450 "${SUITE[@]}" tests/test_merged_linear.py tests/test_batched_equals_solo.py tests/test_compiled_decode.py tests/test_spec_mtp.py;;
   draft)
     TAIL=9 run draft_exact 170 $D --target-tail-scale 0
     TAIL=9 run draft_tail002 150 $D --target-tail-scale 0.02
