@@ -66,7 +66,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                            "used; default: --max-loras)")
     p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
                    help="speculative decoding, as vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-                        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (also disable_by_batch_size, "
+                        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}'; method draft_model with a \"model\"; "
+                        "method mtp: a Qwen3.5 / Qwen3-Next checkpoint's own MTP module (also disable_by_batch_size, "
                         "min_acceptance_rate; default: off)")
 
 
