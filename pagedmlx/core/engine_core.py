@@ -26,7 +26,7 @@ from pagedmlx.sampler import Sampler, SamplerOutput, to_host
 from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.scheduler import Scheduler
 from pagedmlx.scheduler_output import SchedulerOutput
-from pagedmlx.spec_decode.draft_model import make_draft_proposer
+from pagedmlx.spec_decode.mtp_proposer import make_proposer
 from pagedmlx.spec_decode.drafter import make_drafter
 from pagedmlx.spec_decode.rejection_sampler import verify
 from pagedmlx.structured_outputs.manager import StructuredOutputManager
@@ -45,7 +45,7 @@ class EngineCore:
         if self.config.dtype is not None:  # quantized weights keep their packed form
             model.set_dtype(getattr(mx, self.config.dtype))
         self.tokenizer = tokenizer
-        self.draft_proposer, self._draft_tokenizer = make_draft_proposer(self.config, verify_model, model)  # or None
+        self.draft_proposer, self._draft_tokenizer = make_proposer(self.config, verify_model, model)  # or None
         self.runner = self.make_runner(verify_model)
         if hasattr(self.draft_proposer, "observe_step"):  # an MTP module reads every step's hidden states
             if not isinstance(self.runner, ModelRunner):

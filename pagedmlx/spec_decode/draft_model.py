@@ -71,15 +71,10 @@ class DeviceDrafts(list):
         return np.asarray(self.tokens)[self.src].tolist() if self.src else []
 
 
-def make_draft_proposer(config: EngineConfig, verify: bool = True,
-                        target: Optional[nn.Module] = None) -> tuple[Optional["DraftModelProposer"], Any]:
-    """The proposer of speculative_config's draft model or MTP module (None for n-gram), and the draft's
-    tokenizer (None for a model object or an MTP module), loaded in config.dtype as the target."""
+def make_draft_proposer(config: EngineConfig, verify: bool = True) -> tuple[Optional["DraftModelProposer"], Any]:
+    """The proposer of speculative_config's draft model (None unless method is draft_model), and the
+    draft's tokenizer (None for a model object), loaded in config.dtype as the target."""
     spec = config.speculative_config
-    if spec is not None and spec.method == "mtp":
-        from pagedmlx.spec_decode.mtp_proposer import make_mtp_proposer
-
-        return make_mtp_proposer(config, target, verify), None
     if spec is None or spec.method != "draft_model":
         return None, None
     model, tokenizer = spec.model, None

@@ -29,7 +29,7 @@ from pagedmlx.config import EngineConfig
 from pagedmlx.request import Request
 from pagedmlx.runner.model import UnsupportedModelError
 from pagedmlx.scheduler_output import SchedulerOutput
-from pagedmlx.spec_decode.draft_model import DraftModelProposer
+from pagedmlx.spec_decode.draft_model import DraftModelProposer, make_draft_proposer
 
 logger = logging.getLogger("pagedmlx")
 
@@ -139,3 +139,12 @@ def make_mtp_proposer(config: EngineConfig, target, verify: bool = True) -> MTPP
                 "random weights" if source is None else f"weights from {source if isinstance(source, str) else 'a dict'}",
                 spec.num_speculative_tokens, spec.disable_by_batch_size)
     return proposer
+
+
+def make_proposer(config: EngineConfig, verify: bool, target) -> tuple[Optional[DraftModelProposer], Any]:
+    """The model-backed proposer speculative_config names (an MTP module or a draft model; None for n-gram),
+    and a draft model's own tokenizer (None otherwise)."""
+    spec = config.speculative_config
+    if spec is not None and spec.method == "mtp":
+        return make_mtp_proposer(config, target, verify), None
+    return make_draft_proposer(config, verify)
