@@ -85,7 +85,7 @@ def attention_cases():
 
 def quantized_cases():
     """Quantized pages: decode on tensor cores (every head_dim it takes, int8 / int4 at each group size, window
-    and sinks, unsplit and split) and on lanes; the quantized page write."""
+    and sinks, unsplit and split) and on lanes; prefill (both head dims, int8 and int4); the page writes."""
     one = mx.zeros((1,), mx.int32)
     lanes = decode_attention.SETTINGS["cuda"].__class__(**{**decode_attention.SETTINGS["cuda"].__dict__, "mma": 0})
     for dt, d, g, window, sinks in ((mx.bfloat16, 128, 4, 0, False), (mx.bfloat16, 128, 7, 100, True),
@@ -101,6 +101,15 @@ def quantized_cases():
                     decode_attention_quant.paged_decode_quantized(
                         mx.zeros((1, 2 * g, d), dt), *pages, mx.zeros((1, 2), mx.int32), one, 1.0, splits, one,
                         window=window, sinks=mx.zeros((2 * g,)) if sinks else None, settings=settings, backend="cuda")
+    for dt, d, g, window, sinks in ((mx.bfloat16, 128, 4, 0, False), (mx.float16, 64, 8, 4096, True)):
+        for quant in (KVQuant(8, min(d, 128)), KVQuant(4, 32)):
+            pages = [QuantizedPages(*mx.quantize(mx.zeros((2, 1, 16, d), dt), quant.group_size, quant.bits), quant)
+                     for _ in range(2)]
+            for splits in (1, 2):
+                RecordingCudaKernel.label = f"prefill {dt} D={d} G={g} {quant} window={window} splits={splits}"
+                prefill_attention.paged_prefill(mx.zeros((16, g, d), dt), *pages, mx.zeros((1, 2), mx.int32),
+                                                mx.zeros((1, 4), mx.int32), mx.zeros((1, 2), mx.int32), 1.0, splits,
+                                                one, window=window, sinks=mx.zeros((g,)) if sinks else None)
     for dt in (mx.bfloat16, mx.float16, mx.float32):
         for quant in (KVQuant(8, 128), KVQuant(4, 32)):
             RecordingCudaKernel.label = f"page write {dt} {quant}"
@@ -116,7 +125,8 @@ def quantized_cases():
 def recorded(monkeypatch):
     monkeypatch.setattr(build, "make_kernel", RecordingCudaKernel)
     cached = (decode_attention._kernels, decode_attention_quant._kernels, page_write._write_kernel,
-              page_write._quant_write_kernel, page_write._quantizing_write_kernel, prefill_attention._prefill_kernels, recurrent_state._kernel, lora._kernel)
+              page_write._quant_write_kernel, page_write._quantizing_write_kernel, prefill_attention._prefill_kernels,
+              recurrent_state._kernel, lora._kernel)
     for fn in cached:
         fn.cache_clear()
     RecordingCudaKernel.sources = []

@@ -1,4 +1,5 @@
-"""The quantized decode kernels and the quantized page write on a real GPU (skipped elsewhere): check.py's
+"""The quantized decode kernels, the prefill kernel over quantized pages (CUDA) and the quantized page writes
+on a real GPU (skipped elsewhere): check.py's
 quantized checks (decode rows across block and split boundaries, unsplit and split, windows and sinks; the
 in-place write against a scatter, read in the same graph; the write that quantizes the rows itself against
 mx.quantize on the device, bit for bit) for the head shapes of the models the issue names,
@@ -51,3 +52,17 @@ def test_quantized_page_write_lands_in_place_and_is_read_in_the_same_graph(shape
         assert check.check_page_write_quantized(BACKEND, n_kv, n_kv, d, dt, quant, bs) is None
         for seed in range(3):  # the quantizing write: its parts are mx.quantize's here, bit for bit
             assert check.check_page_write_quantized(BACKEND, n_kv, n_kv, d, dt, quant, bs, seed, quantizing=True) is None
+
+
+@pytest.mark.skipif(BACKEND != CUDA, reason="the paged prefill kernel is CUDA only")
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("quant", QUANTS, ids=str)
+@pytest.mark.parametrize("window,sinks", [(None, False), (100, True)])
+def test_quantized_prefill_kernel_matches_the_reference(shape, quant, window, sinks):
+    """check.check_prefill over quantized pages (what select_quantized runs at load): segments after prefixes,
+    tile, page and split boundaries, against the float64 reference over the pages' dequantized values."""
+    h, n_kv, d, dt = shape
+    if d % quant.group_size:
+        pytest.skip("group larger than the head")
+    for bs in (16, 32):
+        assert check.check_prefill(h, n_kv, d, dt, bs, window, sinks, quant=quant) is None

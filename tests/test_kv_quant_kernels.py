@@ -190,9 +190,10 @@ def test_engine_on_quantized_pages_checks_the_kernel_then_serves_equal_tokens(mo
 
 
 def test_quantized_kernels_are_checked_even_on_the_trusted_gpu(monkeypatch, caplog):
-    """On the H200 (16-bit kernels trusted) the quantized decode kernel, the quantized page write and the write
-    that quantizes itself are still checked at load; each failure switches off only its own kernel, with one
-    warning (the quantizing write's: mx.quantize runs before the in-place copy)."""
+    """On the H200 (16-bit kernels trusted) the quantized decode kernel, the quantized page write, the write
+    that quantizes itself and the prefill kernel over quantized pages are still checked at load; each failure
+    switches off only its own kernel, with one warning (the quantizing write's: mx.quantize runs before the
+    in-place copy; the prefill kernel's: prefill rows gather and dequantize)."""
     import logging
 
     from pagedmlx.kernels import check, selector
@@ -203,18 +204,23 @@ def test_quantized_kernels_are_checked_even_on_the_trusted_gpu(monkeypatch, capl
     plan = selector.select_kernels(specs, heads, 16, quantized=True)
     assert plan.decode and plan.page_write and not plan.checks
     layers = [(specs[0], 32, KVQuant(8, 128))]
-    for decode_err, write_err, quant_err in ((None, None, None), ("max |difference| 1", None, None),
-                                             (None, "the pages differ", None), (None, None, "the scales differ"),
-                                             ("max |difference| 1", "the pages differ", None)):
+    for decode_err, write_err, quant_err, prefill_err in (
+            (None, None, None, None), ("max |difference| 1", None, None, None), (None, "the pages differ", None, None),
+            (None, None, "the scales differ", None), ("max |difference| 1", "the pages differ", None, None),
+            (None, None, None, "max |difference| 2")):
         monkeypatch.setattr(check, "check_decode_quantized", lambda *a, e=decode_err: e)
+        monkeypatch.setattr(check, "check_prefill", lambda *a, e=prefill_err, quant=None: e)
         monkeypatch.setattr(check, "check_page_write_quantized",
                             lambda *a, e=write_err, qe=quant_err, quantizing=False: qe if quantizing else e)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="pagedmlx"):
             got = selector.select_quantized(plan, layers, 16, "int8")
-        assert got.decode == (decode_err is None) and got.page_write == (write_err is None) and not got.prefill
+        assert got.decode == (decode_err is None) and got.page_write == (write_err is None)
         assert got.quantize_in_write == (write_err is None and quant_err is None)
-        assert len(caplog.records) == (decode_err is not None) + (write_err is not None) + (quant_err is not None)
+        assert got.prefill == (prefill_err is None) and (got.prefill_reason is None) == (prefill_err is None)
+        assert ("prefill int8/128 H=32 kv=8 D=128", "passed" if prefill_err is None else f"failed: {prefill_err}") \
+            in got.checks
+        assert len(caplog.records) == sum(e is not None for e in (decode_err, write_err, quant_err, prefill_err))
         assert ("page write int8/128 kv=8 D=128", "passed" if write_err is None else f"failed: {write_err}") in got.checks
         assert (got.page_write_reason is None) == (write_err is None)
         if write_err is None:
@@ -223,6 +229,8 @@ def test_quantized_kernels_are_checked_even_on_the_trusted_gpu(monkeypatch, capl
         assert (got.quantizing_reason is None) == (quant_err is None)
         if quant_err:
             assert "mx.quantize runs before the page write" in caplog.records[-1].getMessage()
+        if prefill_err:
+            assert "prefill rows gather and dequantize" in caplog.records[0].getMessage()
         if decode_err is None:
             assert got.checks[-1] == ("decode int8/128 H=32 kv=8 D=128", "passed")
         else:

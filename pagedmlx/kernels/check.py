@@ -286,9 +286,10 @@ def random_segments(rng, shapes: list[tuple[int, int]], bs: int,
 
 
 def check_prefill(h: int, n_kv: int, d: int, dtype: mx.Dtype, bs: int, window: Optional[int] = None,
-                  sinks: bool = False, seed: int = 0) -> Optional[str]:
+                  sinks: bool = False, seed: int = 0, quant: Optional[KVQuant] = None) -> Optional[str]:
     """Prefill segments of 1 to 70 new tokens after prefixes of 0 to 9 blocks and a few (tile,
-    page and split boundaries inside them), unsplit and split, against prefill_reference."""
+    page and split boundaries inside them), unsplit and split, against prefill_reference. quant: over
+    quantized pages (mx.quantize of random ones), against the reference over their dequantized values."""
     rng = np.random.default_rng(seed)
     shapes = [(0, 1), (0, 17), (bs - 1, 5), (3 * bs + 2, 40), (9 * bs + 5, 70), (bs, 16)]  # (prefix, new tokens)
     segments, row, num_blocks = random_segments(rng, shapes, bs, window)
@@ -296,7 +297,12 @@ def check_prefill(h: int, n_kv: int, d: int, dtype: mx.Dtype, bs: int, window: O
     q = rng.standard_normal((row, h, d)).astype(np.float32)
     sink = rng.standard_normal(h).astype(np.float32) * 2 if sinks else None
     scale = d ** -0.5
-    kf, vf = np.array(k_pages.astype(mx.float32)), np.array(v_pages.astype(mx.float32))
+    if quant is not None:
+        k_pages, v_pages = (QuantizedPages(*mx.quantize(p, group_size=quant.group_size, bits=quant.bits), quant)
+                            for p in (k_pages, v_pages))
+    kf, vf = (np.array(p.astype(mx.float32)) if quant is None else
+              np.array(mx.dequantize(p.packed, p.scales, p.biases, quant.group_size, quant.bits).astype(mx.float32))
+              for p in (k_pages, v_pages))
     qd = mx.array(q).astype(dtype)
     want = mx.array(prefill_reference(np.array(qd.astype(mx.float32)), kf, vf, segments, scale, window, sink)
                     .astype(np.float32))

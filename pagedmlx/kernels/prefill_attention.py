@@ -16,11 +16,16 @@ import mlx.core as mx
 from pagedmlx.kernels import build, decode_attention
 from pagedmlx.kernels.dialect import CUDA, render
 from pagedmlx.kernels.sources import decode_attention_mma_cuda as mma_src
+from pagedmlx.kernels.sources import decode_attention_quant_mma_cuda as quant_mma_src
 from pagedmlx.kernels.sources import prefill_attention_cuda as prefill_src
+from pagedmlx.kernels.sources import prefill_attention_quant_cuda as quant_prefill_src
 from pagedmlx.kv.spec import cdiv
+from pagedmlx.kv_cache_dtype import KVQuant
+from pagedmlx.runner.kv_quant import QuantizedPages
 
 _PREFILL_INPUTS = ["q", "k_pages", "v_pages", "block_table", "segs", "tiles", "split_tokens", "scale", "sinks",
                    "written"]
+_QUANT_INPUTS = ["k_scales", "k_biases", "v_scales", "v_biases"]  # after those, for quantized pages
 PREFILL_TILE = 16  # query tokens per tile (sources/prefill_attention_cuda.py: TQ)
 PREFILL_HEAD_DIMS = (64, 128)
 PREFILL_MAX_GROUP = 8  # query heads per KV head: one warp each, at most 256 threads a block
@@ -36,25 +41,32 @@ PREFILL_MIN_SPLIT = 1024
 PREFILL_KERNEL_MAX_QUERY = 256
 
 
-def prefill_sources() -> dict[str, tuple[str, str]]:
-    """{kernel: (body, header)} of the paged prefill kernels (CUDA only)."""
-    header = mma_src.MMA_HEADER + prefill_src.PREFILL_HEADER
-    body = render(prefill_src.ACCUMULATE, CUDA)
+def prefill_sources(quantized: bool = False) -> dict[str, tuple[str, str]]:
+    """{kernel: (body, header)} of the paged prefill kernels (CUDA only); quantized: over quantized pages
+    (sources/prefill_attention_quant_cuda.py)."""
+    header = mma_src.MMA_HEADER + prefill_src.PREFILL_HEADER + (quant_mma_src.QUANT_MMA_HEADER if quantized else "")
+    body = render(quant_prefill_src.quantized_prefill(prefill_src.ACCUMULATE) if quantized else prefill_src.ACCUMULATE,
+                  CUDA)
     return {"single": (body + render(prefill_src.WRITE_OUT, CUDA), header),
             "split": (body + render(prefill_src.WRITE_SPLIT, CUDA), header)}
 
 
 @functools.lru_cache(maxsize=None)
-def _prefill_kernels():
-    s = prefill_sources()
-    single = build.make_kernel(CUDA, "pagedmlx_paged_prefill", _PREFILL_INPUTS, ["out"], *s["single"])
-    split = build.make_kernel(CUDA, "pagedmlx_paged_prefill_split", _PREFILL_INPUTS, ["part_acc", "part_m", "part_l"],
-                              *s["split"])
+def _prefill_kernels(quantized: bool = False):
+    s = prefill_sources(quantized)
+    inputs = _PREFILL_INPUTS + (_QUANT_INPUTS if quantized else [])
+    name = "pagedmlx_paged_prefill" + ("_quant" if quantized else "")
+    single = build.make_kernel(CUDA, name, inputs, ["out"], *s["single"])
+    split = build.make_kernel(CUDA, name + "_split", inputs, ["part_acc", "part_m", "part_l"], *s["split"])
     return single, split
 
 
-def supports_prefill(k_dim: int, v_dim: int, n_heads: int, n_kv_heads: int, dtype: mx.Dtype) -> bool:
-    """The prefill kernel takes the layer: 16-bit floats, one head_dim it is built for, <= 8 heads per KV head."""
+def supports_prefill(k_dim: int, v_dim: int, n_heads: int, n_kv_heads: int, dtype: mx.Dtype,
+                     quant: Optional[KVQuant] = None) -> bool:
+    """The prefill kernel takes the layer: 16-bit floats, one head_dim it is built for, <= 8 heads per KV head;
+    quant: its pages are quantized so (4 or 8 bits, groups of a multiple of 32)."""
+    if quant is not None:
+        return quant_prefill_refusal(k_dim, v_dim, n_heads, n_kv_heads, dtype, quant) is None
     return prefill_refusal(k_dim, v_dim, n_heads, n_kv_heads, dtype) is None
 
 
@@ -69,6 +81,14 @@ def prefill_refusal(k_dim: int, v_dim: int, n_heads: int, n_kv_heads: int, dtype
     if n_heads % n_kv_heads or n_heads // n_kv_heads > PREFILL_MAX_GROUP:
         return f"{n_heads} query heads over {n_kv_heads} KV heads (at most {PREFILL_MAX_GROUP} per KV head)"
     return None
+
+
+def quant_prefill_refusal(k_dim: int, v_dim: int, n_heads: int, n_kv_heads: int, dtype: mx.Dtype,
+                          quant: KVQuant) -> Optional[str]:
+    """Why the prefill kernel does not take a layer of quantized pages (dtype: their scales'); None: it does."""
+    if quant.bits not in (4, 8) or quant.group_size % 32:
+        return f"int{quant.bits} pages in groups of {quant.group_size} (built for 4 and 8 bits, groups of 32k)"
+    return prefill_refusal(k_dim, v_dim, n_heads, n_kv_heads, dtype)
 
 
 def prefill_splits(num_tiles: int, n_kv_heads: int, group: int, max_keys: int) -> tuple[int, int]:
@@ -90,17 +110,24 @@ def paged_prefill(q: mx.array, k_pages: mx.array, v_pages: mx.array, block_table
     tokens n, the position of the first and key_offset (the position of the first key its row of
     block_table (S, nb) holds: 0, or a page boundary before its window); tiles (NT, 2) int32: (segment,
     first token) of each 16-token tile; splits x split_tokens (1,) must cover each tile's keys
-    (prefill_splits). window, sinks, written, init_value: as paged_decode. -> (Tp, H, D), pages' dtype."""
+    (prefill_splits). window, sinks, written, init_value: as paged_decode. k_pages, v_pages: arrays, or
+    QuantizedPages (runner/kv_quant.py: their packed words, scales and biases read, dequantized in the
+    kernel). -> (Tp, H, D), pages' dtype."""
     Tp, H, D = q.shape
     n_kv, bs = k_pages.shape[1], k_pages.shape[2]
     G = H // n_kv
+    quantized = isinstance(k_pages, QuantizedPages)
     sink_input = build.device_constant(0.0, mx.float32) if sinks is None else sinks.astype(mx.float32)
-    inputs = [q if q.dtype == k_pages.dtype else q.astype(k_pages.dtype), k_pages, v_pages, block_table, segs, tiles,
-              split_tokens, build.device_constant(scale, mx.float32), sink_input,
+    inputs = [q if q.dtype == k_pages.dtype else q.astype(k_pages.dtype),
+              k_pages.packed if quantized else k_pages, v_pages.packed if quantized else v_pages, block_table, segs,
+              tiles, split_tokens, build.device_constant(scale, mx.float32), sink_input,
               written if written is not None else build.device_constant(0, mx.int32)]
     template = [("T", k_pages.dtype), ("D", D), ("G", G), ("BS", bs), ("WINDOW", int(window or 0))]
+    if quantized:
+        inputs += [k_pages.scales, k_pages.biases, v_pages.scales, v_pages.biases]
+        template += [("QBITS", k_pages.quant.bits), ("QGROUP", k_pages.quant.group_size)]
     launch = dict(grid=(tiles.shape[0] * 32 * G, n_kv, splits), threadgroup=(32 * G, 1, 1), init_value=init_value)
-    single, split = _prefill_kernels()
+    single, split = _prefill_kernels(quantized)
     if splits == 1:
         return single(inputs=inputs, template=template + [("SINKS", int(sinks is not None))],
                       output_shapes=[(Tp, H, D)], output_dtypes=[k_pages.dtype], **launch)[0]

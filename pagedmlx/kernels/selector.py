@@ -145,14 +145,20 @@ QuantShape = tuple[int, int, int, mx.Dtype, KVQuant]  # (query heads, kv heads, 
 def select_quantized(plan: KernelPlan, layers: list[tuple[tuple[int, int, int, mx.Dtype], int, KVQuant]],
                      block_size: int, kv_cache_dtype: str, windows: tuple[Optional[int], ...] = (None,),
                      sinks: tuple[bool, ...] = (False,)) -> KernelPlan:
-    """The plan for quantized pages, from the 16-bit plan of the same model: no prefill kernel (it reads
-    16-bit pages: prefill rows gather and dequantize); the quantized page write in place where the 16-bit
-    one runs (page_write.reshape_and_cache_quantized); the quantized decode kernel (decode_attention_quant,
-    on tensor cores where CUDA's 16-bit kernel is) for the layers it takes. Both are checked here on every
-    GPU (no GPU suite has trusted them yet). layers: ((kv heads, Dk, Dv, dtype), query heads, quant) of
-    each quantized layer."""
-    why_16 = f"kv_cache_dtype {kv_cache_dtype}: the {{}} kernel reads 16-bit pages"
+    """The plan for quantized pages, from the 16-bit plan of the same model: the quantized page write in
+    place where the 16-bit one runs (page_write: quantizing the rows itself, or copying mx.quantize's parts);
+    the prefill kernel over quantized pages where the 16-bit plan allows the prefill kernel
+    (sources/prefill_attention_quant_cuda.py); the quantized decode kernel (decode_attention_quant, on
+    tensor cores where CUDA's 16-bit kernel is) for the layers it takes. All are checked here on every GPU
+    (no GPU suite has trusted them yet). layers: ((kv heads, Dk, Dv, dtype), query heads, quant) of each
+    quantized layer."""
     checks = list(plan.checks)
+    prefill, prefill_why = plan.prefill, plan.prefill_reason
+    if prefill:
+        prefill_why = _prefill_refusal(plan.backend, layers, block_size, windows, sinks, checks)
+        if prefill_why == NO_QUANT_PREFILL_SHAPE:
+            prefill_why = f"kv_cache_dtype {kv_cache_dtype}: {prefill_why}"
+        prefill = prefill_why is None
     page_write = plan.page_write and _page_write_passes(plan.backend, layers, block_size, checks)
     write_why = next((f"{label}: {r}" for label, r in checks if label.startswith("page write int") and r != "passed"),
                      None)
@@ -160,7 +166,7 @@ def select_quantized(plan: KernelPlan, layers: list[tuple[tuple[int, int, int, m
     quantizing_why = next((f"{label}: {r}" for label, r in checks if label.startswith("quantizing page write")
                            and r != "passed"), None)
     off = KernelPlan(plan.backend, page_write=page_write, quantize_in_write=quantizing, state=plan.state, checks=checks,
-                     prefill_reason=why_16.format("prefill"), page_write_reason=write_why,
+                     prefill=prefill, prefill_reason=prefill_why, page_write_reason=write_why,
                      quantizing_reason=quantizing_why)
     if not plan.decode:
         off.reason = plan.reason or "no layer shape the decode kernel takes"
@@ -182,8 +188,31 @@ def select_quantized(plan: KernelPlan, layers: list[tuple[tuple[int, int, int, m
             off.reason = f"{label}: {detail}"
             return off
     return KernelPlan(plan.backend, decode=True, page_write=page_write, quantize_in_write=quantizing, state=plan.state,
-                      checks=checks, prefill_reason=why_16.format("prefill"), page_write_reason=write_why,
+                      checks=checks, prefill=prefill, prefill_reason=prefill_why, page_write_reason=write_why,
                       quantizing_reason=quantizing_why)
+
+
+NO_QUANT_PREFILL_SHAPE = "no layer shape the prefill kernel over quantized pages takes"
+
+
+def _prefill_refusal(backend: str, layers: list[tuple[tuple[int, int, int, mx.Dtype], int, KVQuant]],
+                     block_size: int, windows: tuple, sinks: tuple, checks: list[tuple[str, str]]) -> Optional[str]:
+    """check.check_prefill over quantized pages for each layer shape the kernel takes, each window and
+    sinks; None if all pass, else why the prefill kernel is off (one warning for a failed check)."""
+    shapes = sorted({(h, n_kv, dk, dt, q) for (n_kv, dk, dv, dt), h, q in layers
+                     if prefill_attention.supports_prefill(dk, dv, h, n_kv, dt, q)}, key=str)
+    if not shapes:
+        return NO_QUANT_PREFILL_SHAPE
+    for (h, n_kv, d, dt, q), window, with_sinks in [(x, w, s) for x in shapes for w in windows for s in sinks]:
+        label = (f"prefill int{q.bits}/{q.group_size} H={h} kv={n_kv} D={d}" + (f" window={window}" if window else "")
+                 + (" sinks" if with_sinks else ""))
+        ok, detail = check._guarded(check.check_prefill, h, n_kv, d, dt, block_size, window, with_sinks, quant=q)
+        checks.append((label, "passed" if ok else f"failed: {detail}"))
+        if not ok:
+            logger.warning("pagedmlx: %s prefill kernel over quantized pages off: %s: %s; prefill rows gather and "
+                           "dequantize the pages instead", backend, label, detail)
+            return f"{label}: {detail}"
+    return None
 
 
 def _page_write_passes(backend: str, layers: list[tuple[tuple[int, int, int, mx.Dtype], int, KVQuant]],

@@ -49,8 +49,9 @@ def kernel_path_lines(runner: Any) -> list[str]:
         layers = _layers(sorted(ids)) + (f", KV shared by {_layers(shared)}" if shared else "")
         quant = getattr(runner, "kv_quant", {})
         quant = {**quant, **{i: quant[plan[i].source] for i in shared if plan[i].source in quant}}
-        paths = [*_decode_paths(kernels, shapes, quant), _prefill_path(kernels, shapes, runner.prefill_heads[gi]),
-                 _write_path(kernels, any(i in quant for i in ids))]
+        group_quant = next((quant[i] for i in sorted(ids) if i in quant), None)
+        paths = [*_decode_paths(kernels, shapes, quant), _prefill_path(kernels, shapes, runner.prefill_heads[gi], group_quant),
+                 _write_path(kernels, group_quant is not None)]
         lines.append(f"{group.name} ({layers}): {_join(paths)}")
     state = next((g for g in runner.kv_cache_config.kv_cache_groups if g.is_state), None)
     if state is not None:
@@ -102,9 +103,11 @@ def _decode_paths(kernels: Any, shapes: dict, quant: dict) -> list[tuple[str, Op
     return paths
 
 
-def _prefill_path(kernels: Any, shapes: dict, heads: Optional[tuple[int, int]]) -> tuple[str, Optional[str]]:
+def _prefill_path(kernels: Any, shapes: dict, heads: Optional[tuple[int, int]],
+                  quant: Any = None) -> tuple[str, Optional[str]]:
     if heads is not None:  # runner.prefill_heads: the group's prefill rows go through the kernel
-        return (f"prefill paged prefill kernel (steps whose chunks are all <= "
+        over = f" over int{quant.bits} pages (group {quant.group_size})" if quant is not None else ""
+        return (f"prefill paged prefill kernel{over} (steps whose chunks are all <= "
                 f"{prefill_attention.PREFILL_KERNEL_MAX_QUERY} tokens; longer: {PORTABLE})", None)
     if not kernels.prefill:
         why = kernels.prefill_reason or kernels.reason

@@ -153,11 +153,12 @@ class ModelRunner:
         out = []
         for g in groups:
             ids = set(g.layer_ids)
-            shapes = {(self.plan[p.source if p.kind == "shared" else i].spec, p.n_heads) for i, p in enumerate(self.plan)
+            owners = {i: p.source if p.kind == "shared" else i for i, p in enumerate(self.plan)
                       if i in ids or (p.kind == "shared" and p.source in ids)}
-            heads = {(spec[0], h // spec[0]) for spec, h in shapes}
-            ok = len(heads) == 1 and all(prefill_attention.supports_prefill(dk, dv, h, n_kv, dt)
-                                         for (n_kv, dk, dv, dt), h in shapes)
+            shapes = {(self.plan[o].spec, self.plan[i].n_heads, self.kv_quant.get(o)) for i, o in owners.items()}
+            heads = {(spec[0], h // spec[0]) for spec, h, _ in shapes}
+            ok = len(heads) == 1 and all(prefill_attention.supports_prefill(dk, dv, h, n_kv, dt, q)
+                                         for (n_kv, dk, dv, dt), h, q in shapes)
             out.append(heads.pop() if ok else None)
         return out
 
@@ -236,7 +237,8 @@ class ModelRunner:
                     outs.append(paged_decode(
                         mx.zeros((1, h, dk), dt), k_pages, v_pages, mx.zeros((1, 2), mx.int32), mx.array([2 * bs]),
                         1.0, splits, mx.array([bs], mx.int32), window=window, sinks=sink, backend=self.kernels.backend))
-                if self.kernels.prefill and prefill_attention.supports_prefill(dk, dv, h, n_kv, dt):
+                if self.kernels.prefill and prefill_attention.supports_prefill(dk, dv, h, n_kv, dt,
+                                                                               self.kv_quant.get(layer)):
                     tile = prefill_attention.PREFILL_TILE
                     outs.append(prefill_attention.paged_prefill(
                         mx.zeros((tile, h, dk), dt), k_pages, v_pages, mx.zeros((1, -(-tile // bs)), mx.int32),

@@ -4,7 +4,8 @@
 #                magic bit patterns, two channels an instruction; bf16 int8 by byte permute): nvcc compiles the
 #                sources, the GPU tests, then decode steps at 64 and 256 against bf16 pages (run 42/43's command);
 #                since the seventeenth session the page write quantizes the rows itself (its check against
-#                mx.quantize is in the GPU tests); at 64 each format also with mx.quantize + the copying write
+#                mx.quantize is in the GPU tests), and the prefill kernel reads quantized pages (its GPU tests too);
+#                at 64 each format also with mx.quantize + the copying write
 #   PART=merge   merged q/k/v and gate/up projections (runner/merged_linear.py, on by default on the GPU): a
 #                step's ops, batch 1 and 64 against mlx-lm merged and not
 #   PART=mergetests  the merged tests, busy == solo and compiled steps on the GPU (merged by default there),
@@ -22,7 +23,7 @@ D="python3 scripts/bench/bench_draft.py preset:llama-8b --dtype bfloat16 --draft
 case "${PART:-kv}" in
   kv)
     TAIL=4 run cuda_sources 150 "${SUITE[@]}" tests/test_cuda_sources.py
-    TAIL=4 run pytest_kv_quant 150 "${SUITE[@]}" -x tests/test_gpu_kv_quant.py -k "default or page_write"
+    TAIL=4 run pytest_kv_quant 150 "${SUITE[@]}" -x tests/test_gpu_kv_quant.py -k "default or page_write or prefill"
     TAIL=10 run kv_64 200 $KV --batch 64 --steps 12 --compare-write
     TAIL=8 run kv_256 150 $KV --batch 256 --steps 6;;
   merge)

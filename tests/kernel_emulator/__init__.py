@@ -27,7 +27,8 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 CACHE = Path(tempfile.gettempdir()) / "pagedmlx-kernel-emulator"
-CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.int32: "int32_t", mx.uint32: "uint32_t"}
+CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.int32: "int32_t",
+              mx.int64: "int64_t", mx.uint32: "uint32_t"}
 ATTRIBUTES = {"thread_position_in_grid": "emu::pos3()", "thread_position_in_threadgroup": "emu::tid3()",
               "threadgroup_position_in_grid": "emu::group3()", "threadgroups_per_grid": "emu::groups3()",
               "threads_per_threadgroup": "emu::tg3()", "thread_index_in_simdgroup": "emu::lane()",

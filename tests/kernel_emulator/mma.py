@@ -108,5 +108,33 @@ inline void cp_async_wait_1() {}
 inline void cp_async_wait_all() {}
 """
 
+# sources/prefill_attention_cuda.PREFILL_HEADER's mma with all 16 rows of A: a[0] = A[g][2t..], a[1] = A[g+8][2t..],
+# a[2] = A[g][2t+8..], a[3] = A[g+8][2t+8..]; d[0..1] = D[g][2t..2t+1], d[2..3] = D[g+8][2t..2t+1].
+EMU_PREFILL_HEADER = r"""
+template <class T>
+inline void mma16816_rows(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1, T tag) {
+    uint64_t top[32], bottom[32], b[32];
+    emu_mma::all_lanes(uint64_t(a[0]) | (uint64_t(a[2]) << 32), top);
+    emu_mma::all_lanes(uint64_t(a[1]) | (uint64_t(a[3]) << 32), bottom);
+    emu_mma::all_lanes(uint64_t(b0) | (uint64_t(b1) << 32), b);
+    const int g = emu::lane() >> 2, t = emu::lane() & 3;
+    auto half = [&](const uint64_t* regs, int lane, int k) {  // lane 4 r + (k % 8) / 2 holds row r's k
+        const uint64_t v = regs[lane];
+        const unsigned w = unsigned(k >= 8 ? v >> 32 : v);
+        return emu_mma::half_bits(k % 2 ? w >> 16 : w & 0xFFFF, tag);
+    };
+    for (int e = 0; e < 2; ++e) {
+        float s_top = 0.f, s_bottom = 0.f;
+        for (int k = 0; k < 16; ++k) {
+            const float bk = half(b, 4 * (2 * t + e) + (k % 8) / 2, k);
+            s_top += half(top, 4 * g + (k % 8) / 2, k) * bk;
+            s_bottom += half(bottom, 4 * g + (k % 8) / 2, k) * bk;
+        }
+        d[e] += s_top;
+        d[e + 2] += s_bottom;
+    }
+}
+"""
+
 # The 16-bit loop's one inline asm outside the helpers.
 WAIT_ALL = 'asm volatile("cp.async.wait_all;" ::);'

@@ -9,6 +9,8 @@ makes the loop by exact text replacement, each of which must apply (so a change 
 that this one does not follow fails loudly instead of building a wrong kernel).
 """
 
+from pagedmlx.kernels.sources import replace_exactly
+
 QUANT_HEADER = """
 // Loads one step of quantized K/V rows: per token row, NW - 2 packed words of the lane's channels,
 // then its group's scale and bias (as float bits). ok[u]: that token exists (t < end).
@@ -75,11 +77,4 @@ REPLACEMENTS = [
 
 def quantized_accumulate(accumulate: str) -> str:
     """The 16-bit lanes loop made to read quantized rows; raises if a replacement does not apply."""
-    out = accumulate
-    for old, new, times in REPLACEMENTS:
-        found = out.count(old)
-        if found != times:
-            raise ValueError(f"the decode loop has {found} occurrences of {old[:40]!r}, not {times}: "
-                             "sources/decode_attention_quant.py must follow it")
-        out = out.replace(old, new)
-    return out
+    return replace_exactly(accumulate, REPLACEMENTS, "decode loop", "sources/decode_attention_quant.py")

@@ -13,6 +13,8 @@ groups are >= 32 channels) and the piece's group's scale and bias. quantized_acc
 loop by exact text replacement, each of which must apply (as sources/decode_attention_quant.py does).
 """
 
+from pagedmlx.kernels.sources import replace_exactly
+
 QUANT_MMA_HEADER = r"""
 // A scale and a bias (16-bit floats) in one register: scale in the low half.
 template <typename T>
@@ -197,11 +199,5 @@ REPLACEMENTS = [
 
 def quantized_accumulate_mma(accumulate_mma: str) -> str:
     """ACCUMULATE_MMA made to read quantized pages; raises if a replacement does not apply."""
-    out = accumulate_mma
-    for old, new, times in REPLACEMENTS:
-        found = out.count(old)
-        if found != times:
-            raise ValueError(f"the tensor-core decode loop has {found} occurrences of {old.strip()[:40]!r}, not "
-                             f"{times}: sources/decode_attention_quant_mma_cuda.py must follow it")
-        out = out.replace(old, new)
-    return out
+    return replace_exactly(accumulate_mma, REPLACEMENTS, "tensor-core decode loop",
+                           "sources/decode_attention_quant_mma_cuda.py")

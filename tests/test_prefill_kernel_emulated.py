@@ -1,0 +1,103 @@
+"""The paged prefill kernel on tensor cores, on the CPU: its CUDA source with the PTX helpers emulated
+(tests/kernel_emulator/mma.py: ldmatrix, mma.sync with all 16 rows, cp.async as plain copies). The 16-bit
+kernel (run on the H200 by the GPU suite) matching the reference shows the emulation right; the kernel over
+quantized pages (kernels/sources/prefill_attention_quant_cuda.py) is then held to the same float64 reference
+over the pages' dequantized values: segments after prefixes, tile, page and split boundaries, windows and
+sinks. What only the GPU shows: the real PTX, nvcc's code (tests/test_cuda_sources.py compiles it), speed."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from kernel_emulator import EmulatedKernel, have_compiler
+from kernel_emulator.mma import EMU_MMA_HEADER, EMU_PREFILL_HEADER, WAIT_ALL
+
+from pagedmlx.kernels import build, check, prefill_attention
+from pagedmlx.kernels.sources import decode_attention_mma_cuda as mma_src
+from pagedmlx.kernels.sources import prefill_attention_cuda as prefill_src
+from pagedmlx.kernels.sources import prefill_attention_quant_cuda as quant_src
+from pagedmlx.kv_cache_dtype import KVQuant
+
+pytestmark = pytest.mark.skipif(not have_compiler(), reason="g++ runs the emulated kernels")
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    monkeypatch.setattr(build, "make_kernel", EmulatedKernel)
+    monkeypatch.setattr(mma_src, "MMA_HEADER", EMU_MMA_HEADER)
+    monkeypatch.setattr(prefill_src, "PREFILL_HEADER", EMU_PREFILL_HEADER)
+    monkeypatch.setattr(prefill_src, "ACCUMULATE", prefill_src.ACCUMULATE.replace(WAIT_ALL, "cp_async_wait_all();"))
+    monkeypatch.setattr(mma_src, "ACCUMULATE_MMA", mma_src.ACCUMULATE_MMA.replace(WAIT_ALL, "cp_async_wait_all();"))
+    prefill_attention._prefill_kernels.cache_clear()
+    yield monkeypatch
+    prefill_attention._prefill_kernels.cache_clear()
+
+
+@pytest.mark.parametrize("dtype,h,n_kv,d,window,sinks", [(mx.bfloat16, 4, 2, 64, None, False),
+                                                         (mx.float16, 2, 1, 128, 24, True)])
+def test_the_16_bit_kernel_emulated_matches_the_reference(emulated, dtype, h, n_kv, d, window, sinks):
+    assert check.check_prefill(h, n_kv, d, dtype, 8, window, sinks) is None
+
+
+@pytest.mark.parametrize("dtype,h,n_kv,d,quant,window,sinks", [
+    (mx.bfloat16, 4, 2, 64, KVQuant(8, 64), None, False),
+    (mx.bfloat16, 2, 1, 128, KVQuant(4, 64), 24, True),
+    (mx.float16, 4, 2, 64, KVQuant(4, 32), None, True),
+    (mx.float16, 2, 2, 128, KVQuant(8, 128), 24, False)])
+def test_the_quantized_pages_kernel_matches_the_reference_over_dequantized_pages(emulated, dtype, h, n_kv, d, quant,
+                                                                                  window, sinks):
+    assert prefill_attention.quant_prefill_refusal(d, d, h, n_kv, dtype, quant) is None
+    assert check.check_prefill(h, n_kv, d, dtype, 8, window, sinks, quant=quant) is None
+
+
+def test_a_kernel_that_reads_another_group_fails_the_check(emulated):
+    """Each piece's scale and bias taken from the row's first group: int4 pages in groups of 32 (four a head
+    of 128) fail; the check can fail."""
+    emulated.setattr(quant_src, "_QLOAD", quant_src._QLOAD.replace("piece * (128 / QBITS) / QGROUP", "0"))
+    emulated.setattr(quant_src, "REPLACEMENTS", [quant_src.REPLACEMENTS[0], (quant_src._LOAD, quant_src._QLOAD, 1)])
+    err = check.check_prefill(2, 1, 128, mx.bfloat16, 8, quant=KVQuant(4, 32))
+    assert err is not None and "max |difference|" in err
+
+
+def test_a_16_bit_loop_the_replacements_do_not_fit_is_refused():
+    with pytest.raises(ValueError, match="must follow it"):
+        quant_src.quantized_prefill(prefill_src.ACCUMULATE.replace("cp_async_commit();", "cp_async_commit(); "))
+
+
+def test_an_engine_on_quantized_pages_checks_the_prefill_kernel_and_runs_it(emulated, monkeypatch):
+    """The engine believes it runs on CUDA: select_quantized checks the prefill kernel over int8 pages (and the
+    decode kernel and page writes), the runner's load-time check (a busy schedule against mlx-lm's caches)
+    passes with it, its startup line says so, and a step with prefill rows runs it."""
+    from pagedmlx.config import EngineConfig
+    from pagedmlx.engine import LLMEngine
+    from pagedmlx.kernels import decode_attention, decode_attention_quant, page_write, selector
+    from pagedmlx.models.random_model import build_model
+    from pagedmlx.runner.kernel_paths import kernel_path_lines
+    from pagedmlx.sampling_params import SamplingParams
+
+    monkeypatch.setattr(build, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(selector, "device_name", lambda: "emulated")
+    monkeypatch.delenv("PAGEDMLX_CUDA_KERNELS", raising=False)
+    names = []
+    monkeypatch.setattr(build, "make_kernel", lambda *a: names.append(a[1]) or EmulatedKernel(*a))
+    caches = (decode_attention_quant._kernels, decode_attention._kernels, decode_attention.supports,
+              page_write._quant_write_kernel, page_write._write_kernel, page_write._quantizing_write_kernel)
+    for f in caches:
+        f.cache_clear()
+    model = build_model(dict(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                             num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=512))
+    model.set_dtype(mx.bfloat16)
+    engine = LLMEngine(model, None, EngineConfig(block_size=8, num_blocks=64, max_model_len=256,
+                                                 kv_cache_dtype="int8", compile_decode=False))
+    plan = engine.runner.kernels
+    assert plan.prefill and engine.runner.prefill_heads == [(1, 2)], plan.checks
+    assert ("prefill int8/64 H=2 kv=1 D=64", "passed") in plan.checks
+    assert "prefill paged prefill kernel over int8 pages (group 64)" in kernel_path_lines(engine.runner)[0]
+    assert "pagedmlx_paged_prefill_quant" in names
+    before = len(EmulatedKernel.sources)
+    engine.add_request("a", list(range(1, 40)), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert any("store_piece<T, D, QBITS>(kv[stage][0]" in text for text in EmulatedKernel.sources[before:])
+    for f in caches:
+        f.cache_clear()
