@@ -5,9 +5,12 @@ shapes the prefill benchmarks meet. Both read the same pages through the same st
 
 Prints per case milliseconds per layer call (timed_chain: --layers calls in one graph, median of
 --iters), the kernel's attention TFLOP/s (causal FLOPs actually needed) and the ratio SDPA / kernel.
+--kv-cache-dtype int8 / int4: both over quantized pages (the kernel dequantizing its tiles, the SDPA path
+gathering and dequantizing), and the kernel over the same pages in 16 bits beside them.
 Each SDPA shape is run once before timing (its cuDNN graph built), as start-up's warm-up would.
 
   python scripts/bench/bench_prefill_attention.py              # Llama-8B heads, bf16, on the GPU machine
+  python scripts/bench/bench_prefill_attention.py --kv-cache-dtype int8
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from pagedmlx.runner.attention import paged_attention  # noqa: E402
 from pagedmlx.runner.attention_metadata import StepMetadata, sdpa_shape_quantum  # noqa: E402
 from pagedmlx.kernels import prefill_attention  # noqa: E402
 from pagedmlx.kernels.build import gpu_backend  # noqa: E402
+from pagedmlx.kv_cache_dtype import layer_quant  # noqa: E402
+from pagedmlx.runner.kv_quant import QuantizedPages  # noqa: E402
 from pagedmlx.scheduler_output import SchedulerOutput  # noqa: E402
 from scripts.bench.timing import timed_chain  # noqa: E402
 
@@ -73,6 +78,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "int4"])
     args = ap.parse_args()
 
     from rich.console import Console
@@ -83,7 +89,9 @@ def main() -> None:
     backend = gpu_backend()
     console = Console()
     console.print(f"bench_prefill_attention on {mx.default_device()} ({backend}), H={H} kv={n_kv} D={D} {args.dtype}")
-    table = Table("case", "queries", "kernel ms", "kernel TFLOP/s", "SDPA groups ms", "SDPA / kernel")
+    quant = layer_quant(args.kv_cache_dtype, None, D, D)
+    table = Table("case", "queries", "kernel ms", "kernel TFLOP/s", "SDPA groups ms", "SDPA / kernel",
+                  *(["16-bit kernel ms", "kernel / 16-bit"] if quant else []))
     for name in args.cases:
         segments = CASES[name]
         so = step(segments, bs)
@@ -92,18 +100,27 @@ def main() -> None:
         v_pages = mx.random.normal((num_blocks, n_kv, bs, D)).astype(dt)
         q = mx.random.normal((so.total_num_scheduled_tokens, H, 1, D)).astype(dt)
         mx.eval(k_pages, v_pages, q)
+        pages = {"16": (k_pages, v_pages)}
+        if quant:
+            pages["q"] = tuple(QuantizedPages(*mx.quantize(p, group_size=quant.group_size, bits=quant.bits), quant)
+                               for p in (k_pages, v_pages))
+            mx.eval([(p.packed, p.scales, p.biases) for p in pages["q"]])
         times = {}
-        for path, heads in (("kernel", [(n_kv, H // n_kv)]), ("groups", None)):
-            if path == "kernel" and backend != "cuda":
+        runs = [("kernel", [(n_kv, H // n_kv)], "q" if quant else "16"), ("groups", None, "q" if quant else "16")]
+        for path, heads, kind in runs + ([("kernel16", [(n_kv, H // n_kv)], "16")] if quant else []):
+            if path.startswith("kernel") and backend != "cuda":
                 continue
             md = StepMetadata.build(so, bs, [None], backend=backend, sdpa_quantum=sdpa_shape_quantum(backend),
                                     prefill_heads=heads).groups[0]
-            times[path] = timed_chain(lambda x, md=md: paged_attention(x, k_pages, v_pages, md, D ** -0.5), q,
+            kp, vp = pages[kind]
+            times[path] = timed_chain(lambda x, md=md, kp=kp, vp=vp: paged_attention(x, kp, vp, md, D ** -0.5), q,
                                       args.layers, args.iters)
         flops = causal_flops(segments, H, D)
         k, g = times.get("kernel"), times["groups"]
+        k16 = times.get("kernel16")
         table.add_row(name, str(so.total_num_scheduled_tokens), f"{1e3 * k:.3f}" if k else "-",
-                      f"{flops / k / 1e12:.0f}" if k else "-", f"{1e3 * g:.3f}", f"{g / k:.2f}x" if k else "-")
+                      f"{flops / k / 1e12:.0f}" if k else "-", f"{1e3 * g:.3f}", f"{g / k:.2f}x" if k else "-",
+                      *([f"{1e3 * k16:.3f}" if k16 else "-", f"{k / k16:.2f}x" if k and k16 else "-"] if quant else []))
     console.print(table)
 
 

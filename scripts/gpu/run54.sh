@@ -25,7 +25,9 @@ case "${PART:-kv}" in
     TAIL=4 run cuda_sources 150 "${SUITE[@]}" tests/test_cuda_sources.py
     TAIL=4 run pytest_kv_quant 150 "${SUITE[@]}" -x tests/test_gpu_kv_quant.py -k "default or page_write or prefill"
     TAIL=10 run kv_64 200 $KV --batch 64 --steps 12 --compare-write
-    TAIL=8 run kv_256 150 $KV --batch 256 --steps 6;;
+    TAIL=8 run kv_256 150 $KV --batch 256 --steps 6
+    TAIL=12 run kv_prefill 150 python3 scripts/bench/bench_prefill_attention.py --kv-cache-dtype int8 \
+      --cases "mixed: 256 at 16k" "mixed: 256 at 2k" "32x4k: 32 x 256 at 2k";;
   merge)
     TAIL=12 run ops_merged 100 python3 scripts/bench/study_step_ops.py --preset llama-8b --dtype bfloat16
     TAIL=10 run offline_merged 200 $OFF --batch-sizes 1 64 --repeats 3 --json "$OUT/offline_merged.json"
