@@ -47,7 +47,8 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.draft_proposer, self._draft_tokenizer = make_proposer(self.config, verify_model, model)  # or None
         self.runner = self.make_runner(verify_model)
-        if hasattr(self.draft_proposer, "observe_step"):  # an MTP module reads every step's hidden states
+        self.keeps_hidden = hasattr(self.draft_proposer, "observe_step")  # an MTP module reads the hidden states
+        if self.keeps_hidden:
             if not isinstance(self.runner, ModelRunner):
                 raise ValueError("speculative_config.method 'mtp' is not served with tensor parallelism yet")
             self.runner.keep_hidden = True
@@ -274,7 +275,7 @@ class EngineCore:
         if so.device_drafts is not None:  # a draft model's drafts, still on the device (never with a step in flight)
             prev = so.device_drafts
         logits = self.runner.forward(so, prev)
-        hidden = self.runner.last_hidden if self.runner.keep_hidden and self._speculating() else None
+        hidden = self.runner.last_hidden if self.keeps_hidden and self._speculating() else None
         prompt, num_rows = None, so.num_sampled_rows
         if len(so.prompt_logprob_tokens):  # the rows after the sampled ones score prompt tokens
             prompt = self._prompt_logprobs(logits[num_rows:], so)
