@@ -165,3 +165,17 @@ def test_a_served_random_target_gets_a_random_module():
     while core.has_unfinished_requests():
         tokens += [t for o in core.step() for t in o.new_token_ids]
     assert tokens == solo_greedy(random_model("qwen3_5-tiny", 0), prompt, GREEDY.max_tokens)
+
+
+def test_a_draft_token_costs_the_modules_weights_and_the_head_not_the_embedding():
+    """The drafter's cost of a draft token (its k per request): the MTP layer, fc, norms and the LM head."""
+    from pagedmlx.runner.model import weights_nbytes
+
+    target = make_model("qwen3_5-tiny")
+    engine = state_engine(target, speculative_config=mtp_spec(2, random_mtp_weights(target)))
+    mtp = engine.draft_proposer.runner.model
+    text = text_model(target)
+    own = weights_nbytes(mtp.model) - weights_nbytes(mtp.model.embed_tokens)
+    head = weights_nbytes(text.lm_head) if hasattr(text, "lm_head") else weights_nbytes(text.model.embed_tokens)
+    assert engine.draft_proposer.weight_bytes == own + head
+    assert engine.drafter.cost_ratio == pytest.approx((own + head) / weights_nbytes(target))

@@ -23,11 +23,12 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.request import Request
-from pagedmlx.runner.model import UnsupportedModelError
+from pagedmlx.runner.model import UnsupportedModelError, weights_nbytes
 from pagedmlx.scheduler_output import SchedulerOutput
 from pagedmlx.spec_decode.draft_model import DraftModelProposer, make_draft_proposer
 
@@ -50,6 +51,10 @@ class MTPProposer(DraftModelProposer):
         super().__init__(model, config, num_speculative_tokens, verify, compile_decode=False)
         self.body = model.model
         self.runner.keep_hidden = True
+        # What a draft token reads: the module's own weights and the LM head, not the embedding table (a gather)
+        head = model.lm_head if isinstance(model.lm_head, nn.Module) else self.body.embed_tokens  # tied: the table
+        self.weight_bytes = (weights_nbytes(model) - weights_nbytes(self.body.embed_tokens)
+                             + (weights_nbytes(head) if head is self.body.embed_tokens else 0))
         self._chunks: "weakref.WeakKeyDictionary[Request, tuple[int, list[_Chunk]]]" = weakref.WeakKeyDictionary()
         self._next_hidden: Optional[mx.array] = None  # the last forward's sampled rows' hidden states
 
