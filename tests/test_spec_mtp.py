@@ -9,6 +9,8 @@ No checkpoint with MTP weights is at hand: the modules are random, so their draf
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -179,3 +181,22 @@ def test_a_draft_token_costs_the_modules_weights_and_the_head_not_the_embedding(
     head = weights_nbytes(text.lm_head) if hasattr(text, "lm_head") else weights_nbytes(text.model.embed_tokens)
     assert engine.draft_proposer.weight_bytes == own + head
     assert engine.drafter.cost_ratio == pytest.approx((own + head) / weights_nbytes(target))
+
+
+def test_speculation_that_stops_and_resumes_with_the_batch_size_equals_solo():
+    """More requests than disable_by_batch_size: steps overlap (async scheduling) and keep no hidden states
+    while they run; as requests finish the rest speculate again, the module catching up after the gap."""
+    target = make_model("qwen3_5-tiny")
+    prompts = [[(11 * i + 5 * j) % VOCAB for j in range(6 + 3 * i)] for i in range(6)]
+    params = [dataclasses.replace(GREEDY, max_tokens=30 if i == 5 else 4 + 2 * i) for i in range(6)]
+    spec = {**mtp_spec(2, random_mtp_weights(target)), "disable_by_batch_size": 2}
+    engine = state_engine(target, num_blocks=120, speculative_config=spec, async_scheduling=True)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), p, sp)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        assert done[str(i)] == solo_greedy(target, p, sp.max_tokens), i
+    assert engine.scheduler.spec_decoding_stats.num_draft_tokens > 0
+    assert engine.stats.num_overlapped > 0  # steps overlapped while the batch was large
