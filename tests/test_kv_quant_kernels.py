@@ -10,7 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from kernel_emulator import EmulatedKernel, have_compiler
+from kernel_emulator import EmulatedKernel, clear_kernel_caches, have_compiler
 
 from pagedmlx.kernels import build, decode_attention, decode_attention_quant
 from pagedmlx.kernels.dialect import CUDA, METAL, foreign_names, leftover_tokens
@@ -287,7 +287,7 @@ def test_engine_writes_quantized_pages_in_place_and_serves_equal_tokens(monkeypa
 
     from pagedmlx.config import EngineConfig
     from pagedmlx.engine import LLMEngine
-    from pagedmlx.kernels import check, page_write, selector
+    from pagedmlx.kernels import check, selector
     from pagedmlx.runner.kernel_paths import kernel_path_lines
     from pagedmlx.sampling_params import SamplingParams
 
@@ -300,10 +300,7 @@ def test_engine_writes_quantized_pages_in_place_and_serves_equal_tokens(monkeypa
             *a, **k, quantize=lambda x: gpu_quantize(x, a[5].group_size, a[5].bits)))
     names = []
     monkeypatch.setattr(build, "make_kernel", lambda *a: names.append(a[1]) or EmulatedKernel(*a))
-    caches = (decode_attention_quant._kernels, decode_attention._kernels, decode_attention.supports,
-              page_write._quant_write_kernel, page_write._write_kernel, page_write._quantizing_write_kernel)
-    for f in caches:
-        f.cache_clear()
+    clear_kernel_caches()
     model = make_model("qwen3")
     with caplog.at_level(logging.WARNING, logger="pagedmlx"):
         engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=64, max_model_len=256,
@@ -331,5 +328,4 @@ def test_engine_writes_quantized_pages_in_place_and_serves_equal_tokens(monkeypa
     ran = EmulatedKernel.sources[before:]  # the write that ran in the steps
     assert any("w_min = fminf" in text or "w_min = metal::min" in text for text in ran) == gpu_quantizer
     assert any("k_q[src * KW + d]" in text for text in ran) != gpu_quantizer
-    for f in caches:
-        f.cache_clear()
+    clear_kernel_caches()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from kernel_emulator import EmulatedKernel, have_compiler
+from kernel_emulator import EmulatedKernel, clear_kernel_caches, have_compiler
 from kernel_emulator.mma import EMU_MMA_HEADER, EMU_PREFILL_HEADER, WAIT_ALL
 
 from pagedmlx.kernels import build, check, prefill_attention
@@ -54,7 +54,7 @@ def test_a_kernel_that_reads_another_group_fails_the_check(emulated):
     """Each piece's scale and bias taken from the row's first group: int4 pages in groups of 32 (four a head
     of 128) fail; the check can fail."""
     emulated.setattr(quant_src, "_QLOAD", quant_src._QLOAD.replace("piece * (128 / QBITS) / QGROUP", "0"))
-    emulated.setattr(quant_src, "REPLACEMENTS", [quant_src.REPLACEMENTS[0], (quant_src._LOAD, quant_src._QLOAD, 1)])
+    emulated.setattr(quant_src, "REPLACEMENTS", [quant_src.REPLACEMENTS[0], (prefill_src.STAGE_LOAD, quant_src._QLOAD, 1)])
     err = check.check_prefill(2, 1, 128, mx.bfloat16, 8, quant=KVQuant(4, 32))
     assert err is not None and "max |difference|" in err
 
@@ -70,7 +70,7 @@ def test_an_engine_on_quantized_pages_checks_the_prefill_kernel_and_runs_it(emul
     passes with it, its startup line says so, and a step with prefill rows runs it."""
     from pagedmlx.config import EngineConfig
     from pagedmlx.engine import LLMEngine
-    from pagedmlx.kernels import decode_attention, decode_attention_quant, page_write, selector
+    from pagedmlx.kernels import selector
     from pagedmlx.models.random_model import build_model
     from pagedmlx.runner.kernel_paths import kernel_path_lines
     from pagedmlx.sampling_params import SamplingParams
@@ -80,10 +80,7 @@ def test_an_engine_on_quantized_pages_checks_the_prefill_kernel_and_runs_it(emul
     monkeypatch.delenv("PAGEDMLX_CUDA_KERNELS", raising=False)
     names = []
     monkeypatch.setattr(build, "make_kernel", lambda *a: names.append(a[1]) or EmulatedKernel(*a))
-    caches = (decode_attention_quant._kernels, decode_attention._kernels, decode_attention.supports,
-              page_write._quant_write_kernel, page_write._write_kernel, page_write._quantizing_write_kernel)
-    for f in caches:
-        f.cache_clear()
+    clear_kernel_caches()
     model = build_model(dict(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
                              num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=512))
     model.set_dtype(mx.bfloat16)
@@ -99,5 +96,4 @@ def test_an_engine_on_quantized_pages_checks_the_prefill_kernel_and_runs_it(emul
     while engine.has_unfinished_requests():
         engine.step()
     assert any("store_piece<T, D, QBITS>(kv[stage][0]" in text for text in EmulatedKernel.sources[before:])
-    for f in caches:
-        f.cache_clear()
+    clear_kernel_caches()

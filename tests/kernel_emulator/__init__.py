@@ -200,3 +200,14 @@ class EmulatedKernel:
         if dll.emu_run(ptrs, *dims):
             raise RuntimeError(f"{self.name}: a shuffle or barrier that not every lane reached (deadlock)")
         return outputs
+
+
+def clear_kernel_caches() -> None:
+    """Forget every kernel object the kernel modules keep (their lru caches), so that the next call builds
+    through whatever build.make_kernel is then (the emulator, a recorder, MLX's own)."""
+    from pagedmlx.kernels import decode_attention, decode_attention_quant, lora, page_write, prefill_attention, recurrent_state
+
+    for f in (decode_attention._kernels, decode_attention.supports, decode_attention_quant._kernels,
+              page_write._write_kernel, page_write._quant_write_kernel, page_write._quantizing_write_kernel,
+              prefill_attention._prefill_kernels, recurrent_state._kernel, lora._kernel):
+        f.cache_clear()

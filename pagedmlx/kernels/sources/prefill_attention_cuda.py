@@ -33,6 +33,22 @@ __device__ inline void mma16816_rows(float (&d)[4], const unsigned (&a)[4], unsi
 }
 """
 
+# A stage of KT keys' K and V rows, 16-byte chunks copied by cp.async into the swizzled tiles
+# (sources/prefill_attention_quant_cuda.py replaces it for quantized pages).
+STAGE_LOAD = """    auto load = [&](int stage, int base) {
+        for (int c = threadIdx.x; c < KT * CH; c += THREADS) {
+            const int row = c / CH, chunk = c % CH;
+            const int key = base + row;
+            const bool ok = key < end;
+            const size_t src = ok ? (((size_t)table[(key - key_offset) / BS] * NKV + kvh) * BS + key % BS) * D + chunk * 8 : 0;
+            const int dst = row * D + ((chunk ^ (row & 7)) * 8);
+            cp_async16(&kv[stage][0][dst], k_pages + src, ok);
+            cp_async16(&kv[stage][1][dst], v_pages + src, ok);
+        }
+        cp_async_commit();
+    };
+"""
+
 ACCUMULATE = """
     constexpr int THREADS = 32 * G;  // one warp per query head of the KV head's group
     constexpr int TQ = 16;  // query tokens per tile
@@ -87,19 +103,7 @@ ACCUMULATE = """
 
     // K/V tiles: [stage][K, V][row * D + chunk * 8], 16-byte chunks swizzled by row for ldmatrix.
     __shared__ __align__(128) T kv[2][2][KT * D];
-    auto load = [&](int stage, int base) {
-        for (int c = threadIdx.x; c < KT * CH; c += THREADS) {
-            const int row = c / CH, chunk = c % CH;
-            const int key = base + row;
-            const bool ok = key < end;
-            const size_t src = ok ? (((size_t)table[(key - key_offset) / BS] * NKV + kvh) * BS + key % BS) * D + chunk * 8 : 0;
-            const int dst = row * D + ((chunk ^ (row & 7)) * 8);
-            cp_async16(&kv[stage][0][dst], k_pages + src, ok);
-            cp_async16(&kv[stage][1][dst], v_pages + src, ok);
-        }
-        cp_async_commit();
-    };
-    int stage = 0;
+""" + STAGE_LOAD + """    int stage = 0;
     load(0, start);
     for (int base = start; base < end; base += KT) {
         load(stage ^ 1, base + KT);  // past the end: an all-skipped (zero-filled) group

@@ -8,21 +8,8 @@ on the empty cp.async groups cost nothing). quantized_prefill makes the loop by 
 each of which must apply.
 """
 
+from pagedmlx.kernels.sources import prefill_attention_cuda as prefill_src
 from pagedmlx.kernels.sources import replace_exactly
-
-_LOAD = """    auto load = [&](int stage, int base) {
-        for (int c = threadIdx.x; c < KT * CH; c += THREADS) {
-            const int row = c / CH, chunk = c % CH;
-            const int key = base + row;
-            const bool ok = key < end;
-            const size_t src = ok ? (((size_t)table[(key - key_offset) / BS] * NKV + kvh) * BS + key % BS) * D + chunk * 8 : 0;
-            const int dst = row * D + ((chunk ^ (row & 7)) * 8);
-            cp_async16(&kv[stage][0][dst], k_pages + src, ok);
-            cp_async16(&kv[stage][1][dst], v_pages + src, ok);
-        }
-        cp_async_commit();
-    };
-"""
 
 _QLOAD = """    // A stage's key rows as 16-byte pieces of packed words (PPR a row) and each piece's group's scale and
     // bias, dequantized into the tiles; zeros past the split's end (finite values under masked scores).
@@ -53,7 +40,7 @@ _QLOAD = """    // A stage's key rows as 16-byte pieces of packed words (PPR a r
 # (16-bit loop text, quantized loop text, times it occurs)
 REPLACEMENTS = [
     ("    constexpr int CH = D / 8;  // 16-byte chunks per K/V row\n", "", 1),
-    (_LOAD, _QLOAD, 1),
+    (prefill_src.STAGE_LOAD, _QLOAD, 1),
 ]
 
 
