@@ -10,7 +10,8 @@
 #                step's ops, batch 1 and 64 against mlx-lm merged and not
 #   PART=mergetests  the merged tests, busy == solo and compiled steps on the GPU (merged by default there),
 #                and the MTP tests (seventeenth session)
-#   PART=draft   run 53's draft pairs (now merged) against mlx-lm's speculative; the adaptive k at tail 0.02
+#   PART=draft   run 53's draft pairs (now merged) against mlx-lm's speculative; the adaptive k at tail 0.02;
+#                what an MTP round costs on the Qwen3.5 shape (a random module: drafts rejected)
 #   PART=lora    bench_lora at 64, mlx_lm.lora's default adapters (rank 8, last 16 layers): both engines merged
 #                (the default; the LoRA kernel reads merged parts in place), neither (as run 52), the rank-16
 #                adapters on every layer merged; then tests/test_lora.py on the GPU
@@ -37,7 +38,9 @@ case "${PART:-kv}" in
   draft)
     TAIL=9 run draft_exact 170 $D --target-tail-scale 0
     TAIL=9 run draft_tail002 150 $D --target-tail-scale 0.02
-    TAIL=9 run draft_exact_separate 170 $D --target-tail-scale 0 --no-merge-projections;;
+    TAIL=9 run draft_exact_separate 170 $D --target-tail-scale 0 --no-merge-projections
+    TAIL=9 run mtp_cost 200 python3 scripts/bench/bench_mtp.py preset:qwen3.5-27b-16l --dtype bfloat16 --k 2 \
+      --rounds 3 --max-tokens 96 --prompts 2;;
   lora)
     TAIL=5 run lora_64_merged 150 $B --json "$OUT/lora_64_merged.json"
     TAIL=5 run lora_64_separate 150 $B --no-merge-projections --json "$OUT/lora_64_separate.json"
