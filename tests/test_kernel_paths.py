@@ -35,7 +35,9 @@ ON_THE_CPU = {
 
 
 def engine(arch: str, **config) -> LLMEngine:
-    return LLMEngine(make_model(arch), None, EngineConfig(block_size=4, num_blocks=64, **config))
+    # a model of its own: a dtype in config casts it (make_model's are shared by every test)
+    model = make_model.__wrapped__(arch) if config.get("dtype") else make_model(arch)
+    return LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=64, **config))
 
 
 def test_layer_lists_are_runs():
