@@ -200,3 +200,24 @@ def test_speculation_that_stops_and_resumes_with_the_batch_size_equals_solo():
         assert done[str(i)] == solo_greedy(target, p, sp.max_tokens), i
     assert engine.scheduler.spec_decoding_stats.num_draft_tokens > 0
     assert engine.stats.num_overlapped > 0  # steps overlapped while the batch was large
+
+
+def test_a_paused_request_keeps_no_hidden_states():
+    """A request whose drafts keep failing pauses (min_acceptance_rate); while it is paused no step's hidden
+    states are kept for it (each would hold its whole step's array), and it resumes after the gap."""
+    target = make_model("qwen3_5-tiny")
+    spec = {**mtp_spec(2, random_mtp_weights(target)), "min_acceptance_rate": 0.9}
+    engine = state_engine(target, speculative_config=spec)
+    params = dataclasses.replace(GREEDY, max_tokens=60)
+    prompt = [(7 * j + 1) % VOCAB for j in range(10)]
+    engine.add_request("a", prompt, params)
+    proposer, drafter = engine.draft_proposer, engine.drafter
+    kept_while_paused, tokens = 0, []
+    while engine.has_unfinished_requests():
+        tokens += [t for o in engine.step() for t in o.new_token_ids]
+        req = engine.scheduler.requests.get("a")
+        if req is not None and drafter.paused(req):
+            kept_while_paused = max(kept_while_paused, len(proposer._chunks.get(req, (0, []))[1]))
+    assert drafter.num_paused >= 1 and kept_while_paused <= 1
+    assert engine.scheduler.spec_decoding_stats.num_drafts >= 2  # it speculated again after a pause
+    assert tokens == solo_greedy(target, prompt, 60)

@@ -92,6 +92,11 @@ class Drafter:
                         request.request_id)
         return reason is None
 
+    def paused(self, request: Request) -> bool:
+        """Whether the request's low acceptance keeps it from proposing now."""
+        state = self._acceptance.get(request)
+        return state is not None and request.num_output_tokens < state.paused_until
+
     def propose_draft_token_ids(self, requests: Iterable[Request]) -> dict[str, list[int]]:
         """Drafts for the requests that just sampled their last token (caught up: every token but it
         computed), where they speculate; at most what max_tokens and max_model_len leave after the
@@ -100,9 +105,9 @@ class Drafter:
         for req in requests:
             if req.num_computed_tokens != req.num_tokens - 1 or req.num_output_placeholders or not self.speculates(req):
                 continue
-            state = self._acceptance.get(req)
-            if state is not None and req.num_output_tokens < state.paused_until:
+            if self.paused(req):
                 continue
+            state = self._acceptance.get(req)
             room = self.max_model_len - req.num_tokens - 1
             max_tokens = req.sampling_params.max_tokens
             if max_tokens is not None:

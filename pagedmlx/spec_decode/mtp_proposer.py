@@ -59,9 +59,10 @@ class MTPProposer(DraftModelProposer):
         self._next_hidden: Optional[mx.array] = None  # the last forward's sampled rows' hidden states
 
     def observe_step(self, so: SchedulerOutput, hidden: mx.array, requests: list[Request], drafter: Any) -> None:
-        """Keep the target step's hidden states (T, 1, H) for its requests that may speculate."""
+        """Keep the target step's hidden states (T, 1, H) for its requests that may speculate (not while one
+        is paused: each chunk holds its step's whole array)."""
         for i, req in enumerate(requests):
-            if not drafter.speculates(req):
+            if drafter.paused(req) or not drafter.speculates(req):
                 continue
             preemptions, chunks = self._chunks.get(req, (req.num_preemptions, []))
             if preemptions != req.num_preemptions:
