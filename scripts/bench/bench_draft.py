@@ -116,6 +116,25 @@ def engine_run(llm: LLM, prompts, params, batch: int = 1) -> tuple[float, list]:
     return sum(map(len, out)) / elapsed, out
 
 
+def warm_up(runs: dict) -> None:
+    """Each run once (kernels built, shapes seen), timed to stderr."""
+    for name, fn in runs.items():
+        t0 = time.perf_counter()
+        fn()
+        print(f"warm-up {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
+
+def interleaved(runs: dict, rounds: int):
+    """(round, name, result) of every run in every round, the order rotated each round (a noisy machine's
+    drift falls on every run alike); each tok/s (a result's first item) printed to stderr."""
+    names = list(runs)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            result = runs[name]()
+            print(f"round {r + 1}/{rounds} {name}: {result[0]:.1f} tok/s", file=sys.stderr, flush=True)
+            yield r, name, result
+
+
 def profile_runs(runs: dict, top: int) -> None:
     """One more pass of each run under cProfile: its `top` functions by own time (host time per call: what
     each engine's Python and MLX's dispatch cost a token, and how long each waits for the device)."""
@@ -191,22 +210,16 @@ def main() -> None:
         "pagedmlx, no speculation": lambda: (*engine_run(off, prompts, params, args.batch), None),
         "mlx-lm generate_step": lambda: (*mlx_lm_run(target, None, prompts, args.max_tokens, args.k, eos)[:2], None),
     }
-    for name, fn in runs.items():  # warm-up: kernels, shapes
-        t0 = time.perf_counter()
-        fn()
-        print(f"warm-up {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    warm_up(runs)
     before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
     tps: dict[str, list[float]] = {name: [] for name in runs}
     ids: dict[str, list] = {}
     from_draft = {name: [0, 0] for name in runs}  # tokens from the draft, tokens
     names = list(runs)
-    for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            t, ids[name], n = runs[name]()
-            tps[name].append(t)
-            from_draft[name][0] += n or 0
-            from_draft[name][1] += sum(map(len, ids[name]))
-            print(f"round {r + 1}/{args.rounds} {name}: {t:.1f} tok/s", file=sys.stderr, flush=True)
+    for _, name, (t, ids[name], n) in interleaved(runs, args.rounds):
+        tps[name].append(t)
+        from_draft[name][0] += n or 0
+        from_draft[name][1] += sum(map(len, ids[name]))
     drafts, drafted, accepted = (a - b for a, b in zip(
         (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens), before))
     ref = ids["mlx-lm generate_step"]

@@ -18,14 +18,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx  # noqa: E402
-from bench_draft import engine_run, mlx_lm_run  # noqa: E402
+from bench_draft import engine_run, interleaved, mlx_lm_run, warm_up  # noqa: E402
 from bench_spec import QUESTIONS  # noqa: E402
 
 from pagedmlx.llm import LLM  # noqa: E402
@@ -71,19 +70,13 @@ def main() -> None:
         "pagedmlx, no speculation": lambda: engine_run(off, prompts, params, args.batch),
         "mlx-lm generate_step": lambda: mlx_lm_run(target, None, prompts, args.max_tokens, args.k, eos)[:2],
     }
-    for name, fn in runs.items():  # warm-up: kernels, shapes
-        t0 = time.perf_counter()
-        fn()
-        print(f"warm-up {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    warm_up(runs)
     before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
     tps: dict[str, list[float]] = {name: [] for name in runs}
     ids: dict[str, list] = {}
     names = list(runs)
-    for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            t, ids[name] = runs[name]()
-            tps[name].append(t)
-            print(f"round {r + 1}/{args.rounds} {name}: {t:.1f} tok/s", file=sys.stderr, flush=True)
+    for _, name, (t, ids[name]) in interleaved(runs, args.rounds):
+        tps[name].append(t)
     drafts, drafted, accepted = (a - b for a, b in zip(
         (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens), before))
     med = {name: statistics.median(v) for name, v in tps.items()}
