@@ -16,13 +16,14 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from pagedmlx.config import EngineConfig
+from pagedmlx.core.prompt_logprobs import prompt_logprobs, record_prompt_logprobs
 from pagedmlx.core.step import LaunchedStep, StepStats
 from pagedmlx.kv.manager import KVCacheManager
 from pagedmlx.lora.request import LoRARequest
 from pagedmlx.outputs import EngineCoreOutput, TokenLogprob
 from pagedmlx.request import Request, RequestStatus
 from pagedmlx.runner.model import ModelRunner, weights_nbytes
-from pagedmlx.sampler import Sampler, SamplerOutput, to_host
+from pagedmlx.sampler import Sampler, to_host
 from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.scheduler import Scheduler
 from pagedmlx.scheduler_output import SchedulerOutput
@@ -278,7 +279,7 @@ class EngineCore:
         hidden = self.runner.last_hidden if self.keeps_hidden and self._speculating() else None
         prompt, num_rows = None, so.num_sampled_rows
         if len(so.prompt_logprob_tokens):  # the rows after the sampled ones score prompt tokens
-            prompt = self._prompt_logprobs(logits[num_rows:], so)
+            prompt = prompt_logprobs(logits[num_rows:], so, self.scheduler.requests)
         if requests:
             bitmask = self.structured_output_manager.grammar_bitmask(requests)  # guided rows' masks, or None
             sampled = self.sampler(logits[:num_rows] if prompt is not None else logits, requests, bitmask,
@@ -296,28 +297,6 @@ class EngineCore:
         if hidden is not None:
             arrays.append(hidden)
         return LaunchedStep(so, scheduled, sampled, arrays, time.perf_counter() - t, prompt=prompt, hidden=hidden)
-
-    def _prompt_logprobs(self, logits: mx.array, so: SchedulerOutput) -> SamplerOutput:
-        """Each prompt row's logprob of the prompt token after it, and its top k (the model's raw
-        logits, as vLLM: no bias, penalty or temperature)."""
-        ks = []
-        for rid, n in zip(so.prompt_logprob_req_ids, so.prompt_logprob_lens):
-            ks += [self.scheduler.requests[rid].sampling_params.prompt_logprobs] * n
-        out = SamplerOutput(mx.array(so.prompt_logprob_tokens), num_logprobs=ks)
-        Sampler.compute_logprobs(logits.astype(mx.float32), out, max(ks))
-        return out
-
-    def _record_prompt_logprobs(self, step: LaunchedStep) -> None:
-        """File a completed step's prompt logprobs under their requests (each position once: a
-        preempted request computes its prompt again)."""
-        so, rows = step.so, iter(step.prompt_rows)
-        scheduled = dict(zip(so.req_ids, step.requests))
-        for rid, start, n in zip(so.prompt_logprob_req_ids, so.prompt_logprob_starts, so.prompt_logprob_lens):
-            acc = self._prompt_lps.get(rid) if self.scheduler.requests.get(rid) is scheduled[rid] else None
-            for pos in range(start, start + n):
-                row = next(rows)
-                if acc is not None and len(acc) == pos:
-                    acc.append(TokenLogprob(row.token_id, row.logprob, row.top_logprobs or []))
 
     @staticmethod
     def _dispatch(step: LaunchedStep) -> None:
@@ -353,7 +332,7 @@ class EngineCore:
             return self._fail(so, step.error, step.requests)
         t = time.perf_counter()
         if step.prompt_rows:
-            self._record_prompt_logprobs(step)
+            record_prompt_logprobs(step, self.scheduler.requests, self._prompt_lps)
         token_ids = [r.token_id for r in rows]
         if so.num_draft_tokens:  # speculative decoding: each request's accepted drafts and the token after them
             so.resolve_drafts()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from typing import Optional, Protocol
 
 import mlx.core as mx
@@ -18,16 +17,14 @@ from pagedmlx.kernels import build, prefill_attention, recurrent_state
 from pagedmlx.kernels.check import error_line
 from pagedmlx.kernels.selector import select_kernels, select_lora_kernel, select_quantized
 from pagedmlx.kv_cache_dtype import bytes_per_token, layer_quant
-from pagedmlx.runner.attention import (KVPool, PagedLayerCache, decode_kernel_takes, install_paged_attention,
-                                       paged_decode, warm_up_prefill)
+from pagedmlx.runner.attention import (KVPool, PagedLayerCache, install_paged_attention)
 from pagedmlx.runner.compiled_step import AUTO_MAX_DECODES, CompiledDecode
 from pagedmlx.runner.lm_head import split_lm_head
 from pagedmlx.runner.merged_linear import merge_projections, merged_products
-from pagedmlx.runner.kv_quant import read_pages
-from pagedmlx.runner.attention_metadata import (WARM_UP_MAX_KEYS, StepMetadata, chunked_prefill_groups,
-                                                sdpa_shape_quantum)
+from pagedmlx.runner.attention_metadata import (StepMetadata, sdpa_shape_quantum)
 from pagedmlx.runner.plan import UnsupportedModelError, model_type, plan_layers
 from pagedmlx.runner.selfcheck import check_paged_forward
+from pagedmlx.runner import warm_up
 from pagedmlx.runner.state import (StateLayerCache, StateMetadata, StatePool, install_regrouping, pages_budget,
                                    state_group)
 from pagedmlx.scheduler_output import SchedulerOutput
@@ -185,82 +182,15 @@ class ModelRunner:
         return self.group_bytes_per_block(self.kv_cache_config.kv_cache_groups[0])
 
     def warm_up(self, config: EngineConfig, max_model_len: int) -> None:
-        """Compile the paged kernels the model's layers run (compile_kernels), then build the
-        attention shapes a long prompt's chunks meet (warm_up_attention) where
-        config.warm_up_attention says so (default: where attention shapes are padded, CUDA, unless
-        the prefill kernel takes the chunks beside decodes: it builds nothing per shape). A
-        failure is logged: what it was to build is then built when first met."""
-        if self.kernels.paged or self.kernels.prefill:
-            start = time.perf_counter()
-            try:
-                n = self.compile_kernels()
-                logger.info("compiled %d paged kernel variants in %.1f s", n, time.perf_counter() - start)
-            except Exception:  # noqa: BLE001 - an optimisation: serving goes on
-                logger.warning("compiling the paged kernels failed; they will be compiled when first run",
-                               exc_info=True)
-        enabled = config.warm_up_attention
-        chunk = config.long_prefill_token_threshold
-        if enabled is None:  # where shapes are padded, and chunks beside decodes call SDPA
-            full = [g for g, w in zip(self.prefill_heads, self.windows) if w is None]
-            max_query = prefill_attention.PREFILL_KERNEL_MAX_QUERY
-            kernel = all(g is not None for g in full) and chunk and chunk <= max_query
-            enabled = self.sdpa_quantum > 1 and not kernel
-        if not (enabled and chunk):
-            return
-        start, max_keys = time.perf_counter(), min(max_model_len, WARM_UP_MAX_KEYS)
-        try:
-            n = self.warm_up_attention(chunk, max_keys)
-        except Exception:  # noqa: BLE001 - an optimisation: serving goes on
-            logger.warning("building the prefill attention shapes failed; they will be built when first met",
-                           exc_info=True)
-            return
-        logger.info("built %d prefill attention shapes (prompts up to %d tokens, %d-token chunks) in %.1f s",
-                    n, max_keys, chunk, time.perf_counter() - start)
+        """The paged kernels compiled and the prefill attention shapes built before the first request
+        (runner/warm_up.py)."""
+        warm_up.warm_up(self, config, max_model_len)
 
     def compile_kernels(self) -> int:
-        """Run once on page 0 each variant of the decode and prefill kernels that the layers use
-        (head shape, window, sinks; unsplit and split), so that MLX compiles them before the first
-        request (2-3 s each on the H200, run 34) rather than in its steps. Returns the variants run."""
-        kinds = {}
-        for i, p in enumerate(self.plan):
-            if p.has_pages or p.kind == "shared":
-                owner = p.source if p.kind == "shared" else i
-                kinds.setdefault((self.plan[owner].spec, p.n_heads, self.windows[self.group_of[owner]], p.sinks), owner)
-        runs = 0
-        for ((n_kv, dk, dv, dt), h, window, sinks), layer in kinds.items():
-            k_pages, v_pages = read_pages(self.kv_pool, layer)
-            bs = k_pages.shape[2]
-            sink = mx.zeros((h,), mx.float32) if sinks else None
-            outs = []
-            for splits in (1, 2):
-                if self.kernels.decode and decode_kernel_takes(h, k_pages, v_pages, self.kernels.backend):
-                    outs.append(paged_decode(
-                        mx.zeros((1, h, dk), dt), k_pages, v_pages, mx.zeros((1, 2), mx.int32), mx.array([2 * bs]),
-                        1.0, splits, mx.array([bs], mx.int32), window=window, sinks=sink, backend=self.kernels.backend))
-                if self.kernels.prefill and prefill_attention.supports_prefill(dk, dv, h, n_kv, dt,
-                                                                               self.kv_quant.get(layer)):
-                    tile = prefill_attention.PREFILL_TILE
-                    outs.append(prefill_attention.paged_prefill(
-                        mx.zeros((tile, h, dk), dt), k_pages, v_pages, mx.zeros((1, -(-tile // bs)), mx.int32),
-                        mx.array([[0, tile, 0, 0]], mx.int32), mx.array([[0, 0]], mx.int32), 1.0, splits,
-                        mx.array([tile // 2], mx.int32), window=window, sinks=sink))
-            mx.eval(outs)
-            runs += len(outs)
-        return runs
+        return warm_up.compile_kernels(self)
 
     def warm_up_attention(self, chunk: int, max_keys: int) -> int:
-        """Run once each padded attention shape of a prompt of max_keys tokens prefilled `chunk`
-        tokens a step, for each kind of full-attention layer (windows read a window's keys: their
-        shapes repeat anyway). On CUDA each first call builds a cuDNN graph (~50 ms) that MLX keeps
-        for the calling thread. Returns the number of shapes."""
-        groups = chunked_prefill_groups(chunk, max_keys, self.sdpa_quantum, self.block_size)
-        kinds = {}
-        for i, p in enumerate(self.plan):
-            if p.kind == "full":
-                kinds.setdefault((p.spec, p.n_heads, p.sinks), i)
-        for (_, n_heads, sinks), i in kinds.items():
-            warm_up_prefill(n_heads, *read_pages(self.kv_pool, i), sinks, groups)
-        return len(groups) * len(kinds)
+        return warm_up.warm_up_attention(self, chunk, max_keys)
 
     def _kv_cache_config(self, config: EngineConfig) -> KVCacheConfig:
         """KV cache groups by layer kind (full first), sized: sliding groups get what their windows
