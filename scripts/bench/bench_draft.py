@@ -135,6 +135,18 @@ def interleaved(runs: dict, rounds: int):
             yield r, name, result
 
 
+def print_table(med: dict[str, float], ids: dict[str, list], base: str, label: str) -> None:
+    """Each run's median tok/s against `base`'s (column `label`) and mlx-lm generate_step's, and how many of
+    its prompts' tokens equal generate_step's."""
+    ref = ids["mlx-lm generate_step"]
+    print(f"| run | tok/s | vs {label} | vs mlx-lm generate_step | tokens == generate_step |")
+    print("|---|---:|---:|---:|---|")
+    for name, tps in med.items():
+        same = sum(a == b for a, b in zip(ids[name], ref))
+        print(f"| {name} | {tps:.1f} | {tps / med[base]:.2f}x | {tps / med['mlx-lm generate_step']:.2f}x | "
+              f"{same}/{len(ref)} prompts |")
+
+
 def profile_runs(runs: dict, top: int) -> None:
     """One more pass of each run under cProfile: its `top` functions by own time (host time per call: what
     each engine's Python and MLX's dispatch cost a token, and how long each waits for the device)."""
@@ -222,7 +234,6 @@ def main() -> None:
         from_draft[name][1] += sum(map(len, ids[name]))
     drafts, drafted, accepted = (a - b for a, b in zip(
         (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens), before))
-    ref = ids["mlx-lm generate_step"]
     med = {name: statistics.median(v) for name, v in tps.items()}
     tail = "" if args.target_tail_scale is None else f" (later layers' output projections x {args.target_tail_scale:g})"
     print(f"target {args.model or 'default (SmolLM2-135M-Instruct)'}{tail} ({args.dtype or 'as loaded'}), draft {args.draft}, "
@@ -233,12 +244,7 @@ def main() -> None:
     print(f"pagedmlx acceptance {accepted / max(drafted, 1):.2f} ({accepted}/{drafted} draft tokens, mean acceptance "
           f"length {1 + accepted / max(drafts, 1):.2f}); tokens from the draft: pagedmlx {share['pagedmlx + draft']:.2f}, "
           f"mlx-lm {share['mlx-lm speculative_generate_step']:.2f} (a different text gives a different share)")
-    print("| run | tok/s | vs mlx-lm speculative | vs mlx-lm generate_step | tokens == generate_step |")
-    print("|---|---:|---:|---:|---|")
-    for name in names:
-        same = sum(a == b for a, b in zip(ids[name], ref))
-        print(f"| {name} | {med[name]:.1f} | {med[name] / med['mlx-lm speculative_generate_step']:.2f}x | "
-              f"{med[name] / med['mlx-lm generate_step']:.2f}x | {same}/{len(ref)} prompts |")
+    print_table(med, ids, "mlx-lm speculative_generate_step", "mlx-lm speculative")
     if args.profile:
         profile_runs({name: runs[name] for name in names if "draft" in name or "speculative" in name}, args.profile)
 

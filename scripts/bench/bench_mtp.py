@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx  # noqa: E402
-from bench_draft import engine_run, interleaved, mlx_lm_run, warm_up  # noqa: E402
+from bench_draft import engine_run, interleaved, mlx_lm_run, print_table, warm_up  # noqa: E402
 from bench_spec import QUESTIONS  # noqa: E402
 
 from pagedmlx.llm import LLM  # noqa: E402
@@ -74,25 +74,18 @@ def main() -> None:
     before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
     tps: dict[str, list[float]] = {name: [] for name in runs}
     ids: dict[str, list] = {}
-    names = list(runs)
     for _, name, (t, ids[name]) in interleaved(runs, args.rounds):
         tps[name].append(t)
     drafts, drafted, accepted = (a - b for a, b in zip(
         (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens), before))
     med = {name: statistics.median(v) for name, v in tps.items()}
-    ref = ids["mlx-lm generate_step"]
     print(f"target {args.model} ({args.dtype or 'as loaded'}), MTP weights "
           f"{'random (drafts almost all rejected: the cost of a round)' if synthetic else weights}, k {args.k}, "
           f"{len(prompts)} prompts ({args.batch} at a time in pagedmlx), {args.max_tokens} max new tokens, median of "
           f"{args.rounds} interleaved rounds; {mx.default_device()}")
     print(f"acceptance {accepted / max(drafted, 1):.2f} ({accepted}/{drafted} draft tokens, mean acceptance length "
           f"{1 + accepted / max(drafts, 1):.2f})")
-    print("| run | tok/s | vs no speculation | vs mlx-lm generate_step | tokens == generate_step |")
-    print("|---|---:|---:|---:|---|")
-    for name in names:
-        same = sum(a == b for a, b in zip(ids[name], ref))
-        print(f"| {name} | {med[name]:.1f} | {med[name] / med['pagedmlx, no speculation']:.2f}x | "
-              f"{med[name] / med['mlx-lm generate_step']:.2f}x | {same}/{len(ref)} prompts |")
+    print_table(med, ids, "pagedmlx, no speculation", "no speculation")
 
 
 if __name__ == "__main__":
