@@ -155,9 +155,7 @@ def select_quantized(plan: KernelPlan, layers: list[tuple[tuple[int, int, int, m
     checks = list(plan.checks)
     prefill, prefill_why = plan.prefill, plan.prefill_reason
     if prefill:
-        prefill_why = _prefill_refusal(plan.backend, layers, block_size, windows, sinks, checks)
-        if prefill_why == NO_QUANT_PREFILL_SHAPE:
-            prefill_why = f"kv_cache_dtype {kv_cache_dtype}: {prefill_why}"
+        prefill_why = _prefill_refusal(plan.backend, layers, block_size, windows, sinks, checks, kv_cache_dtype)
         prefill = prefill_why is None
     page_write = plan.page_write and _page_write_passes(plan.backend, layers, block_size, checks)
     write_why = next((f"{label}: {r}" for label, r in checks if label.startswith("page write int") and r != "passed"),
@@ -192,17 +190,15 @@ def select_quantized(plan: KernelPlan, layers: list[tuple[tuple[int, int, int, m
                       quantizing_reason=quantizing_why)
 
 
-NO_QUANT_PREFILL_SHAPE = "no layer shape the prefill kernel over quantized pages takes"
-
-
 def _prefill_refusal(backend: str, layers: list[tuple[tuple[int, int, int, mx.Dtype], int, KVQuant]],
-                     block_size: int, windows: tuple, sinks: tuple, checks: list[tuple[str, str]]) -> Optional[str]:
+                     block_size: int, windows: tuple, sinks: tuple, checks: list[tuple[str, str]],
+                     kv_cache_dtype: str) -> Optional[str]:
     """check.check_prefill over quantized pages for each layer shape the kernel takes, each window and
     sinks; None if all pass, else why the prefill kernel is off (one warning for a failed check)."""
     shapes = sorted({(h, n_kv, dk, dt, q) for (n_kv, dk, dv, dt), h, q in layers
                      if prefill_attention.supports_prefill(dk, dv, h, n_kv, dt, q)}, key=str)
     if not shapes:
-        return NO_QUANT_PREFILL_SHAPE
+        return f"kv_cache_dtype {kv_cache_dtype}: no layer shape the prefill kernel over quantized pages takes"
     for (h, n_kv, d, dt, q), window, with_sinks in [(x, w, s) for x in shapes for w in windows for s in sinks]:
         label = (f"prefill int{q.bits}/{q.group_size} H={h} kv={n_kv} D={d}" + (f" window={window}" if window else "")
                  + (" sinks" if with_sinks else ""))
