@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # Run 54 (2026-12-04, sixteenth session), one PART a call after staging (../shared/gpu/README.md); logs under $OUT:
-#   PART=kv      the quantized tensor-core decode with its cheaper dequantization (int4 and fp16 int8 from
-#                magic bit patterns, two channels an instruction; bf16 int8 by byte permute): nvcc compiles the
-#                sources, the GPU tests, then decode steps at 64 and 256 against bf16 pages (run 42/43's command);
-#                since the seventeenth session the page write quantizes the rows itself (its check against
-#                mx.quantize is in the GPU tests), and the prefill kernel reads quantized pages (its GPU tests too);
-#                at 64 each format also with mx.quantize + the copying write
+#   PART=kv      nvcc compiles the sources; the GPU kv-quant tests: the quantized tensor-core decode with its
+#                cheaper dequantization (int4 and fp16 int8 from magic bit patterns, two channels an
+#                instruction; bf16 int8 by byte permute), and (seventeenth session) the page write that
+#                quantizes the rows itself (against mx.quantize, bit for bit) and the prefill kernel over
+#                quantized pages
+#   PART=kvspeed decode steps at 64 (each format also with mx.quantize + the copying write) and 256 against
+#                bf16 pages (run 42/43's command); the prefill kernel over int8 pages against SDPA and 16 bits
 #   PART=merge   merged q/k/v and gate/up projections (runner/merged_linear.py, on by default on the GPU): a
 #                step's ops, batch 1 and 64 against mlx-lm merged and not
 #   PART=mergetests  the merged tests, busy == solo and compiled steps on the GPU (merged by default there),
 #                and the MTP tests (seventeenth session)
-#   PART=draft   run 53's draft pairs (now merged) against mlx-lm's speculative; the adaptive k at tail 0.02;
-#                what an MTP round costs on the Qwen3.5 shape (a random module: drafts rejected)
+#   PART=draft   run 53's draft pairs (now merged) against mlx-lm's speculative; the adaptive k at tail 0.02
+#   PART=mtp     what an MTP round costs on the Qwen3.5 shape (a random module: drafts rejected)
 #   PART=lora    bench_lora at 64, mlx_lm.lora's default adapters (rank 8, last 16 layers): both engines merged
 #                (the default; the LoRA kernel reads merged parts in place), neither (as run 52), the rank-16
 #                adapters on every layer merged; then tests/test_lora.py on the GPU
@@ -24,7 +25,9 @@ D="python3 scripts/bench/bench_draft.py preset:llama-8b --dtype bfloat16 --draft
 case "${PART:-kv}" in
   kv)
     TAIL=4 run cuda_sources 150 "${SUITE[@]}" tests/test_cuda_sources.py
-    TAIL=4 run pytest_kv_quant 150 "${SUITE[@]}" -x tests/test_gpu_kv_quant.py -k "default or page_write or prefill"
+    TAIL=4 run pytest_kv_quant 200 "${SUITE[@]}" -x tests/test_gpu_kv_quant.py -k "default or page_write"
+    TAIL=4 run pytest_kv_prefill 200 "${SUITE[@]}" -x tests/test_gpu_kv_quant.py -k prefill;;
+  kvspeed)
     TAIL=10 run kv_64 200 $KV --batch 64 --steps 12 --compare-write
     TAIL=8 run kv_256 150 $KV --batch 256 --steps 6
     TAIL=12 run kv_prefill 150 python3 scripts/bench/bench_prefill_attention.py --kv-cache-dtype int8 \
@@ -38,12 +41,13 @@ case "${PART:-kv}" in
   draft)
     TAIL=9 run draft_exact 170 $D --target-tail-scale 0
     TAIL=9 run draft_tail002 150 $D --target-tail-scale 0.02
-    TAIL=9 run draft_exact_separate 170 $D --target-tail-scale 0 --no-merge-projections
-    TAIL=9 run mtp_cost 200 python3 scripts/bench/bench_mtp.py preset:qwen3.5-27b-16l --dtype bfloat16 --k 2 \
+    TAIL=9 run draft_exact_separate 170 $D --target-tail-scale 0 --no-merge-projections;;
+  mtp)
+    TAIL=9 run mtp_cost 300 python3 scripts/bench/bench_mtp.py preset:qwen3.5-27b-16l --dtype bfloat16 --k 2 \
       --rounds 3 --max-tokens 96 --prompts 2;;
   lora)
     TAIL=5 run lora_64_merged 150 $B --json "$OUT/lora_64_merged.json"
     TAIL=5 run lora_64_separate 150 $B --no-merge-projections --json "$OUT/lora_64_separate.json"
     TAIL=5 run lora_64_r16_all_merged 150 $B --rank 16 --num-layers -1 --json "$OUT/lora_64_r16_all_merged.json"
-    TAIL=4 run pytest_lora 150 "${SUITE[@]}" tests/test_lora.py;;
+    TAIL=4 run pytest_lora 120 "${SUITE[@]}" tests/test_lora.py;;
 esac
