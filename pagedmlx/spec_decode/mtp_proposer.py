@@ -76,17 +76,19 @@ class MTPProposer(DraftModelProposer):
         the last position without one (a gap); None where the last one (num_tokens - 2) has none."""
         start = super()._valid(req)
         end = req.num_tokens - 1
-        covered = self._coverage(req, end)
+        covered = self._coverage(req, start, end)
         if not covered[-1]:
             return None
-        gaps = np.flatnonzero(~covered[start:])
+        gaps = np.flatnonzero(~covered)
         return start + int(gaps[-1]) + 1 if len(gaps) else start
 
-    def _coverage(self, req: Request, end: int) -> np.ndarray:
-        """(end,) bool: the positions below `end` that a kept chunk has a hidden state for."""
-        covered = np.zeros(end, bool)
+    def _coverage(self, req: Request, start: int, end: int) -> np.ndarray:
+        """(end - start,) bool: the positions start .. end - 1 that a kept chunk has a hidden state for."""
+        covered = np.zeros(end - start, bool)
         for c in self._chunks.get(req, (0, []))[1]:
-            covered[max(c.first, 0):min(c.first + c.count, end)] = True
+            lo, hi = max(c.first, start), min(c.first + c.count, end)
+            if lo < hi:
+                covered[lo - start:hi - start] = True
         return covered
 
     def _catch_up_inputs(self, reqs: list[Request], starts: list[int], counts: list[int]) -> None:
