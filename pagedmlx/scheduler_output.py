@@ -56,10 +56,12 @@ class SchedulerOutput:
     num_draft_tokens: list[int] = field(default_factory=list)
     draft_token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     # Drafts still on the device (a draft model's: spec_decode/draft_model.DeviceDrafts): the flat array
-    # their rows take their inputs from (as placeholder rows, in place of the previous step's tokens), and
-    # where each of draft_token_ids is in it; draft_token_ids holds zeros until resolve_drafts().
+    # their rows take their inputs from (as placeholder rows, in place of the previous step's tokens), where
+    # each device draft is in it (draft_src) and in draft_token_ids (draft_pos: the others are a lookup's,
+    # known on the host); those places of draft_token_ids hold zeros until resolve_drafts().
     device_drafts: Optional[object] = None
     draft_src: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    draft_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)  # finished since the previous step
 
@@ -75,7 +77,8 @@ class SchedulerOutput:
     def resolve_drafts(self) -> None:
         """Read device drafts back into draft_token_ids (once the step that verifies them is computed)."""
         if self.device_drafts is not None:
-            self.draft_token_ids = np.asarray(self.device_drafts)[self.draft_src].astype(np.int32)
+            self.draft_token_ids = self.draft_token_ids.copy()
+            self.draft_token_ids[self.draft_pos] = np.asarray(self.device_drafts)[self.draft_src]
             self.device_drafts = None
 
     def inline_drafts(self) -> None:
@@ -84,8 +87,8 @@ class SchedulerOutput:
         if self.device_drafts is not None:
             rows = self.placeholder_rows
             self.resolve_drafts()
-            self.input_ids[rows] = self.draft_token_ids
-            self.placeholder_rows = self.placeholder_src = self.draft_src = np.zeros(0, np.int32)
+            self.input_ids[rows] = self.draft_token_ids[self.draft_pos]
+            self.placeholder_rows = self.placeholder_src = self.draft_src = self.draft_pos = np.zeros(0, np.int32)
 
     @property
     def scheduled_spec_decode_tokens(self) -> dict[str, list[int]]:
@@ -133,7 +136,7 @@ def build_scheduler_output(
     logits_indices, sampled_req_ids = [], []
     placeholder_rows, placeholder_src = [], []
     prompt_rows, prompt_tokens, prompt_reqs = [], [], ([], [], [])
-    num_drafts, draft_ids, draft_src, device_drafts = [], [], [], None
+    num_drafts, draft_ids, draft_src, draft_pos, device_drafts = [], [], [], [], None
     row = 0
     for req, n in scheduled:
         start = req.num_computed_tokens
@@ -177,6 +180,8 @@ def build_scheduler_output(
             logits_indices.extend(range(row - 1 - len(drafts), row))
             sampled_req_ids.append(req.request_id)
             num_drafts.append(len(drafts))
+            if getattr(drafts, "src", None) is not None:
+                draft_pos.extend(range(len(draft_ids), len(draft_ids) + len(drafts)))
             draft_ids.extend(drafts)
 
     if device_drafts is not None and len(placeholder_src) != len(draft_src):
@@ -224,6 +229,7 @@ def build_scheduler_output(
         draft_token_ids=np.asarray(draft_ids, np.int32),
         device_drafts=device_drafts,
         draft_src=np.asarray(draft_src, np.int32),
+        draft_pos=np.asarray(draft_pos, np.int32),
         preempted_req_ids=preempted_req_ids,
         finished_req_ids=finished_req_ids,
     )

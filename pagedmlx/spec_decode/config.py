@@ -22,6 +22,10 @@ class SpeculativeConfig:
     # that occurred earlier (vLLM: both default to 5 when neither is given, else each to the other).
     prompt_lookup_max: Optional[int] = None
     prompt_lookup_min: Optional[int] = None
+    # draft_model / mtp (pagedmlx): also look the context up, and take the n-gram's draft (free: no draft
+    # forward) where it promises more tokens per step than the model's (spec_decode/drafter.py). Default:
+    # on where prompt_lookup_max or prompt_lookup_min is given. Always on for ngram.
+    prompt_lookup: Optional[bool] = None
     # Adaptive (pagedmlx; vLLM v0's disable_by_batch_size): no request speculates while more than this
     # many run (a large batch's step is compute-bound: every rejected draft costs a token's compute), and
     # those steps may overlap again (async scheduling). docs/benchmarks.md, "Speculative decoding".
@@ -50,6 +54,14 @@ class SpeculativeConfig:
         _int_at_least("num_speculative_tokens", k, 1)
         if k > 32:
             raise ValueError(f"speculative_config.num_speculative_tokens must be <= 32, got {k}")
+        given = self.prompt_lookup_min is not None or self.prompt_lookup_max is not None
+        if self.prompt_lookup is None:
+            self.prompt_lookup = self.method == "ngram" or given
+        elif not isinstance(self.prompt_lookup, bool):
+            raise ValueError(f"speculative_config.prompt_lookup must be true or false, got {self.prompt_lookup!r}")
+        elif self.method == "ngram" and not self.prompt_lookup:
+            raise ValueError("speculative_config.prompt_lookup cannot be false with method 'ngram' (prompt lookup "
+                             "is the method)")
         for name in ("prompt_lookup_min", "prompt_lookup_max"):  # the ones given, before either fills the other
             if getattr(self, name) is not None:
                 _int_at_least(name, getattr(self, name), 1)

@@ -13,6 +13,13 @@ GPUModelRunner.propose_draft_token_ids over its drafter), and the adaptive rules
   a is the request's estimated chance that a draft token is accepted (a moving estimate of accepted
   tokens over accepted tokens plus rejections). Near a = 1 that is all k; at a = 0.5 with a draft a
   quarter of the target, 1 or 2. The n-gram proposer costs nothing a token (cost_ratio 0): always k.
+- Which source (draft_model / mtp with prompt_lookup): where the context's last tokens occurred earlier,
+  the n-gram's draft costs no draft forward. A request takes it when it promises at least as many
+  tokens a round per unit of cost as the model's best k, each at its own acceptance for the request
+  (1 - a^(m+1)) / (1 - a) for an n-gram draft of m tokens; the model's draft otherwise. Each source
+  keeps its own acceptance and pauses apart: a paused model still lets the n-gram draft, and the
+  reverse. A lookup draft the model's beat is still scored against the tokens the step kept (no cost),
+  so a request that starts quoting takes the lookup again.
 - Not at all: guided requests (their grammar would have to accept each draft) and requests with
   penalties (each draft row's penalties would count the drafts before it); one log line per reason.
 """
@@ -27,6 +34,7 @@ from typing import Any, Iterable, Optional
 from pagedmlx.request import Request
 from pagedmlx.spec_decode.config import SpeculativeConfig
 from pagedmlx.spec_decode.ngram_proposer import NgramProposer
+from pagedmlx.spec_decode.rejection_sampler import num_accepted
 
 logger = logging.getLogger("pagedmlx")
 
@@ -43,6 +51,12 @@ class _Acceptance:
     accepted: float = 0.0  # moving sums (weight RATE_WEIGHT) of accepted draft tokens and of rejections
     rejected: float = 0.0
 
+    def count(self, accepted: int, rejected: bool) -> None:
+        """One draft's accepted tokens, and whether one after them was rejected, into the moving sums."""
+        keep = 1 - RATE_WEIGHT
+        self.accepted = keep * self.accepted + accepted
+        self.rejected = keep * self.rejected + rejected
+
     @property
     def token_rate(self) -> float:
         """The chance that one draft token is accepted, given the one before it was (1.0 before any draft)."""
@@ -50,14 +64,16 @@ class _Acceptance:
         return self.accepted / seen if seen else 1.0
 
 
+def round_gain(token_rate: float, k: int, cost_ratio: float) -> float:
+    """Expected tokens a round of k drafts gives (the accepted ones and the target's own) per unit of the
+    round's cost: a target step plus k draft tokens at cost_ratio each."""
+    a = min(max(token_rate, 0.0), 0.999)
+    return (1 - a ** (k + 1)) / (1 - a) / (1 + k * cost_ratio)
+
+
 def best_num_drafts(token_rate: float, cost_ratio: float, k_max: int) -> int:
     """The k <= k_max with the most expected tokens a round per unit of the round's cost (module docstring)."""
-    a = min(max(token_rate, 0.0), 0.999)
-
-    def gain(k: int) -> float:
-        return (1 - a ** (k + 1)) / (1 - a) / (1 + k * cost_ratio)
-
-    return max(range(1, k_max + 1), key=gain)
+    return max(range(1, k_max + 1), key=lambda k: round_gain(token_rate, k, cost_ratio))
 
 
 class Drafter:
@@ -67,9 +83,17 @@ class Drafter:
         self.config = config
         self.cost_ratio = cost_ratio
         self.max_model_len = max_model_len
-        self.proposer = proposer or NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
-                                                  config.prompt_lookup_max)
+        ngram = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        self.proposer = proposer or ngram
+        # A model's drafter that looks the context up too (the n-gram's draft where it pays more).
+        self.lookup = ngram if proposer is not None and config.prompt_lookup else None
         self._acceptance: "weakref.WeakKeyDictionary[Request, _Acceptance]" = weakref.WeakKeyDictionary()
+        self._lookup_acceptance: "weakref.WeakKeyDictionary[Request, _Acceptance]" = weakref.WeakKeyDictionary()
+        self._from_lookup: "weakref.WeakSet[Request]" = weakref.WeakSet()  # whose pending draft is the n-gram's
+        # The lookup's drafts not taken (from which position): scored against what the target then kept, so
+        # that its estimate follows the text while the model drafts.
+        self._unused: "weakref.WeakKeyDictionary[Request, tuple[int, list[int]]]" = weakref.WeakKeyDictionary()
+        self.num_lookup_drafts = 0  # drafts taken from the lookup instead of the model
         self._logged: set[str] = set()
         self.num_paused = 0  # times a request stopped proposing for its low acceptance
 
@@ -92,10 +116,28 @@ class Drafter:
                         request.request_id)
         return reason is None
 
-    def paused(self, request: Request) -> bool:
-        """Whether the request's low acceptance keeps it from proposing now."""
-        state = self._acceptance.get(request)
+    def paused(self, request: Request, table: Optional["weakref.WeakKeyDictionary"] = None) -> bool:
+        """Whether the request's low acceptance keeps it from proposing now (from the proposer; table: the
+        lookup's acceptance, for the lookup)."""
+        state = (self._acceptance if table is None else table).get(request)
         return state is not None and request.num_output_tokens < state.paused_until
+
+    def _lookup_draft(self, req: Request, room: int) -> list[int]:
+        """The n-gram's draft where it pays at least as much as the model's (module docstring), else []."""
+        if self.paused(req, self._lookup_acceptance):
+            return []
+        draft = self.lookup.propose(req, room)
+        if not draft:
+            return []
+        if not self.paused(req):
+            state = self._acceptance.get(req)
+            a = state.token_rate if state is not None else 1.0
+            k = best_num_drafts(a, self.cost_ratio, min(self.config.num_speculative_tokens, room))
+            state = self._lookup_acceptance.get(req)
+            if round_gain(state.token_rate if state is not None else 1.0, len(draft), 0.0) < round_gain(a, k, self.cost_ratio):
+                self._unused[req] = (req.num_tokens, draft)
+                return []
+        return draft
 
     def propose_draft_token_ids(self, requests: Iterable[Request]) -> dict[str, list[int]]:
         """Drafts for the requests that just sampled their last token (caught up: every token but it
@@ -105,13 +147,20 @@ class Drafter:
         for req in requests:
             if req.num_computed_tokens != req.num_tokens - 1 or req.num_output_placeholders or not self.speculates(req):
                 continue
-            if self.paused(req):
-                continue
-            state = self._acceptance.get(req)
             room = self.max_model_len - req.num_tokens - 1
             max_tokens = req.sampling_params.max_tokens
             if max_tokens is not None:
                 room = min(room, max_tokens - req.num_output_tokens - 1)
+            self._from_lookup.discard(req)
+            self._unused.pop(req, None)
+            if self.lookup is not None and room > 0 and (draft := self._lookup_draft(req, room)):
+                drafts[req.request_id] = draft
+                self._from_lookup.add(req)
+                self.num_lookup_drafts += 1
+                continue
+            if self.paused(req):
+                continue
+            state = self._acceptance.get(req)
             if self.cost_ratio and state is not None:
                 room = min(room, best_num_drafts(state.token_rate, self.cost_ratio, self.config.num_speculative_tokens))
             if room > 0 and hasattr(self.proposer, "propose_batch"):
@@ -128,16 +177,23 @@ class Drafter:
         """A verified draft of the request: update its acceptance rate, pause it when low."""
         if not num_draft_tokens:
             return
-        state = self._acceptance.setdefault(request, _Acceptance())
+        table = self._lookup_acceptance if request in self._from_lookup else self._acceptance
+        state = table.setdefault(request, _Acceptance())
         state.rate += RATE_WEIGHT * (num_accepted_tokens / num_draft_tokens - state.rate)
-        keep = 1 - RATE_WEIGHT
-        state.accepted = keep * state.accepted + num_accepted_tokens
-        state.rejected = keep * state.rejected + (num_accepted_tokens < num_draft_tokens)
+        state.count(num_accepted_tokens, num_accepted_tokens < num_draft_tokens)
+        unused = self._unused.pop(request, None)
+        if unused is not None:  # the lookup's draft the model's beat: checked against the tokens kept
+            start, draft = unused
+            known = request.all_token_ids[start:start + len(draft)]
+            a = num_accepted(known, draft)
+            self._lookup_acceptance.setdefault(request, _Acceptance()).count(a, a < len(known))
         floor = self.config.min_acceptance_rate
         if state.rate < floor:
             state.paused_until = request.num_output_tokens + state.pause
             state.pause = min(2 * state.pause, MAX_PAUSE_TOKENS)
             state.rate = min(1.0, 2 * floor)  # after the pause, two or three bad drafts pause it again
+            if table is self._lookup_acceptance:  # after the pause its next match is tried afresh
+                state.accepted = state.rejected = 0.0
             self.num_paused += 1
 
 
