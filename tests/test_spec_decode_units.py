@@ -233,7 +233,7 @@ def test_metrics_export_vllms_spec_decode_counters():
                             spec_decode_num_accepted_tokens=4, spec_decode_num_accepted_tokens_per_pos=[2, 1, 1]))
     m.update(EngineSnapshot(**base, spec_decode_num_drafts=5, spec_decode_num_draft_tokens=15,
                             spec_decode_num_accepted_tokens=7, spec_decode_num_accepted_tokens_per_pos=[4, 2, 1],
-                            state_rollbacks=2, state_recomputed_tokens=5))
+                            state_rollbacks=2, state_recomputed_tokens=5, spec_decode_num_lookup_drafts=3))
     text = m.render().decode()
     for line in ['vllm:spec_decode_num_drafts_total{model_name="m"} 5.0',
                  'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 15.0',
@@ -241,7 +241,8 @@ def test_metrics_export_vllms_spec_decode_counters():
                  'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 4.0',
                  'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 1.0',
                  'pagedmlx:spec_decode_state_rollbacks_total{model_name="m"} 2.0',
-                 'pagedmlx:spec_decode_state_recomputed_tokens_total{model_name="m"} 5.0']:
+                 'pagedmlx:spec_decode_state_recomputed_tokens_total{model_name="m"} 5.0',
+                 'pagedmlx:spec_decode_num_lookup_drafts_total{model_name="m"} 3.0']:
         assert line in text, line
 
 

@@ -22,6 +22,7 @@ from pagedmlx.engine import LLMEngine
 from pagedmlx.models.random_model import random_model
 from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.scheduler_output import SchedulerOutput
+from pagedmlx.server.metrics import EngineSnapshot
 from pagedmlx.spec_decode.drafter import PAUSE_TOKENS, Drafter
 
 REPEATING = [1, 2, 3, 4, 5, 6, 1, 2, 3]  # its last 3 tokens occurred earlier: the n-gram drafts 4, 5, 6, 1
@@ -153,6 +154,7 @@ def test_busy_engine_with_a_draft_model_and_lookups_equals_solo(arch, kind, monk
         assert done[str(i)] == refs[tuple(p)], f"request {i} (prompt {len(p)} tokens)"
     stats = engine.scheduler.spec_decoding_stats
     assert 0 < engine.drafter.num_lookup_drafts < stats.num_drafts, (engine.drafter.num_lookup_drafts, stats)
+    assert EngineSnapshot.take(engine.core).spec_decode_num_lookup_drafts == engine.drafter.num_lookup_drafts
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens and mixed
     assert engine.scheduler.num_preemptions > 0 and engine.kv_cache_manager.stats.hits > 0
     assert_no_leaks(engine)

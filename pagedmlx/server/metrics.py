@@ -58,6 +58,8 @@ class EngineSnapshot:
     # recomputed after them (their state is restored to before the step: docs/state-layers.md)
     state_rollbacks: int = 0
     state_recomputed_tokens: int = 0
+    # draft_model / mtp with prompt lookup: drafts the lookup gave instead of the model (spec_decode/drafter.py)
+    spec_decode_num_lookup_drafts: int = 0
 
     @classmethod
     def take(cls, engine: EngineCore) -> "EngineSnapshot":
@@ -79,6 +81,8 @@ class EngineSnapshot:
                     for g in kv.kv_cache_config.kv_cache_groups if not g.is_state])
         if state is not None:
             snap.state_rollbacks, snap.state_recomputed_tokens = state.num_rollbacks, state.num_recomputed_tokens
+        if engine.drafter is not None and engine.drafter.lookup is not None:
+            snap.spec_decode_num_lookup_drafts = engine.drafter.num_lookup_drafts
         return snap
 
 
@@ -143,6 +147,9 @@ class ServerMetrics:
                                        "rejected (state restored to before the step)."),
             "state_recomputed_tokens": counter("pagedmlx:spec_decode_state_recomputed_tokens",
                                                "Accepted tokens computed again after such a rollback."),
+            "spec_decode_num_lookup_drafts": counter("pagedmlx:spec_decode_num_lookup_drafts",
+                                                     "Drafts taken from the prompt lookup instead of the draft "
+                                                     "model or MTP module (of vllm:spec_decode_num_drafts)."),
         }
         self._seen = {name: 0.0 for name in self._engine_counters}
         self.accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",

@@ -18,11 +18,16 @@ token: a pair with random weights whose acceptance is high and whose draft is ch
 speculation machinery itself (a q8 copy of a random model is rejected too often to pay: run 47). A small S
 lowers the acceptance.
 
+--lookup N adds a run of pagedmlx with the draft and prompt lookup (`prompt_lookup_max` N, min 2): where
+the context repeats, the n-gram's draft instead of the draft model's, where it promises more (the
+`quote` workload is where it applies).
+
 --profile N profiles one more pass of each speculative run after the rounds and prints its N costliest
 functions by own time (where a round's host time goes; run 51).
 
     python scripts/bench/bench_draft.py --draft layers:10 --k 3 --rounds 3                 # SmolLM2, CPU
     python scripts/bench/bench_draft.py preset:llama-8b --draft q4 --dtype bfloat16 --k 4    # H200
+    python scripts/bench/bench_draft.py --workload quote --lookup 3 --k 3                   # SmolLM2, draft + lookup
 """
 
 from __future__ import annotations
@@ -185,6 +190,8 @@ def main() -> None:
     ap.add_argument("--merge-projections", action=argparse.BooleanOptionalAction, default=None,
                     help="EngineConfig.merge_projections (default: on GPU backends); mlx-lm's runs keep the "
                          "separate modules either way")
+    ap.add_argument("--lookup", type=int, default=0, metavar="N",
+                    help="add a run with the draft and prompt lookup (prompt_lookup_max N) to the table")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after the rounds, profile one more pass of each speculative run: its N costliest functions")
     args = ap.parse_args()
@@ -222,6 +229,18 @@ def main() -> None:
         "pagedmlx, no speculation": lambda: (*engine_run(off, prompts, params, args.batch), None),
         "mlx-lm generate_step": lambda: (*mlx_lm_run(target, None, prompts, args.max_tokens, args.k, eos)[:2], None),
     }
+    if args.lookup:
+        looks = LLM(target, tok, kv_cache_memory_gb=args.kv_cache_gb, max_num_seqs=seqs,
+                    merge_projections=args.merge_projections,
+                    speculative_config={**spec, "prompt_lookup_max": args.lookup, "prompt_lookup_min": min(2, args.lookup)})
+        look_stats, drafter = looks.engine.scheduler.spec_decoding_stats, looks.engine.drafter
+
+        def ours_with_lookup():
+            before = look_stats.num_accepted_tokens
+            t, out = engine_run(looks, prompts, params, args.batch)
+            return t, out, look_stats.num_accepted_tokens - before
+
+        runs = {"pagedmlx + draft + lookup": ours_with_lookup, **runs}
     warm_up(runs)
     before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
     tps: dict[str, list[float]] = {name: [] for name in runs}
@@ -244,6 +263,10 @@ def main() -> None:
     print(f"pagedmlx acceptance {accepted / max(drafted, 1):.2f} ({accepted}/{drafted} draft tokens, mean acceptance "
           f"length {1 + accepted / max(drafts, 1):.2f}); tokens from the draft: pagedmlx {share['pagedmlx + draft']:.2f}, "
           f"mlx-lm {share['mlx-lm speculative_generate_step']:.2f} (a different text gives a different share)")
+    if args.lookup:
+        print(f"pagedmlx + draft + lookup: acceptance {look_stats.acceptance_rate:.2f}, {drafter.num_lookup_drafts} of "
+              f"{look_stats.num_drafts} drafts from the lookup; tokens from drafts "
+              f"{share['pagedmlx + draft + lookup']:.2f}")
     print_table(med, ids, "mlx-lm speculative_generate_step", "mlx-lm speculative")
     if args.profile:
         profile_runs({name: runs[name] for name in names if "draft" in name or "speculative" in name}, args.profile)
