@@ -12,6 +12,9 @@
 #   PART=mergetests  the merged tests, busy == solo and compiled steps on the GPU (merged by default there),
 #                and the MTP tests (seventeenth session)
 #   PART=draft   run 53's draft pairs (now merged) against mlx-lm's speculative; the adaptive k at tail 0.02
+#   PART=lookup  (eighteenth session) a draft model that looks the context up too (prompt_lookup): SmolLM2
+#                bf16 rewriting given passages with its 10-layer draft (tail 0.02), and the Llama-8B pair at
+#                tail 0.02 on chat prompts (where little repeats: never slower than the draft alone)
 #   PART=mtp     what an MTP round costs on the Qwen3.5 shape (a random module: drafts rejected)
 #   PART=lora    bench_lora at 64, mlx_lm.lora's default adapters (rank 8, last 16 layers): both engines merged
 #                (the default; the LoRA kernel reads merged parts in place), neither (as run 52), the rank-16
@@ -42,6 +45,10 @@ case "${PART:-kv}" in
     TAIL=9 run draft_exact 170 $D --target-tail-scale 0
     TAIL=9 run draft_tail002 150 $D --target-tail-scale 0.02
     TAIL=9 run draft_exact_separate 170 $D --target-tail-scale 0 --no-merge-projections;;
+  lookup)
+    TAIL=11 run lookup_smollm_quote 200 python3 scripts/bench/bench_draft.py --dtype bfloat16 --workload quote \
+      --draft layers:10 --target-tail-scale 0.02 --lookup 3 --k 3 --rounds 3 --max-tokens 96 --prompts 4
+    TAIL=11 run lookup_llama8b_chat 250 $D --target-tail-scale 0.02 --lookup 3;;
   mtp)
     TAIL=9 run mtp_cost 300 python3 scripts/bench/bench_mtp.py preset:qwen3.5-27b-16l --dtype bfloat16 --k 2 \
       --rounds 3 --max-tokens 96 --prompts 2;;
