@@ -9,6 +9,9 @@ it, and proposes nothing at times (the model drafts then)."""
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -37,6 +40,9 @@ def test_prompt_lookup_is_on_for_a_draft_model_only_where_asked():
     assert config(prompt_lookup=True).prompt_lookup and not config(prompt_lookup_max=3, prompt_lookup=False).prompt_lookup
     assert SpeculativeConfig(method="ngram", num_speculative_tokens=2).prompt_lookup
     assert SpeculativeConfig.from_any('{"model": "m", "num_speculative_tokens": 2, "prompt_lookup": true}').prompt_lookup
+    kept = EngineConfig(speculative_config=config(prompt_lookup_max=3))
+    assert pickle.loads(pickle.dumps(kept)).speculative_config.prompt_lookup  # to the engine process
+    assert not dataclasses.replace(config(), num_speculative_tokens=2).prompt_lookup
     with pytest.raises(ValueError, match="prompt_lookup must be true or false, got 'yes'"):
         config(prompt_lookup="yes")
     with pytest.raises(ValueError, match="cannot be false with method 'ngram'"):

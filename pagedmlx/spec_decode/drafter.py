@@ -223,4 +223,8 @@ def make_drafter(config: Optional[SpeculativeConfig], max_model_len: int, kv_cac
     if cost:
         logger.info("speculative decoding: a draft token costs about %.2f of a target step (the weights' bytes); "
                     "each request drafts the k up to %d that pays at its acceptance", cost, config.num_speculative_tokens)
+    if draft_proposer is not None and config.prompt_lookup:
+        logger.info("speculative decoding: the context is looked up too (n-grams of %d-%d tokens); a request takes "
+                    "the lookup's draft where it promises more tokens a step than the %s's", config.prompt_lookup_min,
+                    config.prompt_lookup_max, "MTP module" if config.method == "mtp" else "draft model")
     return Drafter(config, max_model_len, draft_proposer, cost)
