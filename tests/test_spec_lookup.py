@@ -216,3 +216,25 @@ def test_mtp_with_lookups_on_a_recurrent_target_equals_solo():
     assert 0 < engine.drafter.num_lookup_drafts < stats.num_drafts and stats.num_accepted_tokens > 0
     assert engine.scheduler.num_preemptions > 0 and engine.kv_cache_manager.stats.hits > 0
     assert_no_leaks(engine)
+
+
+@pytest.mark.slow
+def test_smollm_quoting_with_a_draft_model_takes_the_lookup(smollm):
+    """The real default model rewriting a passage, its first 10 layers as the draft (a poor draft): most
+    drafts come from the lookup, are mostly accepted, and the answer is mlx-lm's, token for token."""
+    model, tok = smollm
+    passage = ("The quick brown fox jumps over the lazy dog. It was a bright cold day in April, and the "
+               "clocks were striking thirteen. Call me Ishmael.")
+    prompt = tok.apply_chat_template([{"role": "user", "content": f"Repeat this text exactly:\n\n{passage}"}],
+                                     add_generation_prompt=True)
+    want = solo_greedy(model, prompt, 40, tuple(tok.eos_token_ids))
+    draft = type(model)(type(model.args).from_dict({**vars(model.args), "num_hidden_layers": 10}))
+    params = model.parameters()
+    params["model"]["layers"] = params["model"]["layers"][:10]
+    draft.update(params)  # the target's arrays
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    engine = LLMEngine(model, tok, EngineConfig(num_blocks=256, speculative_config=spec))
+    engine.add_request("q", prompt, SamplingParams(temperature=0.0, max_tokens=40))
+    assert run_to_completion(engine)["q"].token_ids == want
+    stats = engine.scheduler.spec_decoding_stats
+    assert engine.drafter.num_lookup_drafts > stats.num_drafts / 2 and stats.acceptance_rate > 0.5, stats
