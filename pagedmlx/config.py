@@ -22,6 +22,10 @@ class EngineConfig:
     # state stays in full precision. kv_cache_group_size None: 128 (or 64) for int8, 64 for int4.
     kv_cache_dtype: str = "auto"
     kv_cache_group_size: Optional[int] = None
+    # Quantized pages: each head's keys and values are rotated by a Hadamard matrix before they are quantized
+    # (queries and outputs to match: attention is unchanged up to rounding), which spreads outlier channels
+    # over the group; int4's quality loss shrinks several-fold (docs/kv-quantization.md). Head dims: powers of 2.
+    kv_cache_rotate: bool = False
     max_num_seqs: int = 256
     # A step's token budget. None: 8192 on GPU backends, 512 on the CPU (docs/benchmarks.md: fewer, larger
     # chunks won on an H200, chunks past 512 tokens lost on a 2-core CPU).
@@ -87,6 +91,11 @@ class EngineConfig:
         if self.kv_cache_group_size is not None and self.kv_cache_group_size not in GROUP_SIZES:
             raise ValueError(f"kv_cache_group_size must be one of {', '.join(map(str, GROUP_SIZES))} (or None), "
                              f"got {self.kv_cache_group_size!r}")
+        if self.kv_cache_rotate not in (True, False):
+            raise ValueError(f"kv_cache_rotate must be true or false, got {self.kv_cache_rotate!r}")
+        if self.kv_cache_rotate and self.kv_cache_dtype == "auto":
+            raise ValueError("kv_cache_rotate applies to quantized pages only (kv_cache_dtype int8 or int4), "
+                             "got kv_cache_dtype 'auto'")
         if self.kv_cache_group_size is not None and self.kv_cache_dtype == "auto":
             raise ValueError("kv_cache_group_size applies to quantized pages only (kv_cache_dtype int8 or int4), "
                              "got kv_cache_dtype 'auto'")

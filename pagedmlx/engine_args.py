@@ -24,6 +24,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "per group of channels, as mlx-lm's quantized KV cache (default auto)")
     p.add_argument("--kv-cache-group-size", type=int, default=None, choices=[32, 64, 128],
                    help="channels per scale and bias of quantized pages (default: 128 or 64 for int8, 64 for int4)")
+    p.add_argument("--kv-cache-rotate", action=argparse.BooleanOptionalAction, default=False,
+                   help="quantized pages: rotate each head's keys and values by a Hadamard matrix before quantizing "
+                        "(outlier channels spread over the group: int4 loses much less; head dims powers of 2)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step (default: 8192 on a GPU, 512 on the CPU)")
@@ -92,6 +95,7 @@ def engine_config(args: argparse.Namespace):
     return EngineConfig(model=model_arg(args), block_size=args.block_size, num_blocks=args.num_blocks,
                         kv_cache_memory_gb=args.kv_cache_gb,
                         kv_cache_dtype=args.kv_cache_dtype, kv_cache_group_size=args.kv_cache_group_size,
+                        kv_cache_rotate=args.kv_cache_rotate,
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         long_prefill_token_threshold=args.long_prefill_token_threshold,

@@ -34,6 +34,7 @@ class KVQuant:
 
     bits: int
     group_size: int
+    rotate: bool = False  # kv_cache_rotate: each head's keys and values rotated by a Hadamard matrix first
 
     def packed_dim(self, dim: int) -> int:
         """uint32 words of one head's `dim` values."""
@@ -51,18 +52,22 @@ def default_group_size(bits: int, head_dim: int) -> int:
     return next((g for g in wanted if head_dim % g == 0), 0)
 
 
-def layer_quant(kv_cache_dtype: str, group_size: Optional[int], k_dim: int, v_dim: int) -> Optional[KVQuant]:
+def layer_quant(kv_cache_dtype: str, group_size: Optional[int], k_dim: int, v_dim: int,
+                rotate: bool = False) -> Optional[KVQuant]:
     """The quantization of a layer with these head dims (None for "auto"); a ValueError if the group
-    size does not divide both."""
+    size does not divide both, or (rotate) if one is not a power of two (a Hadamard matrix's size)."""
     if kv_cache_dtype == "auto":
         return None
+    if rotate and any(d & (d - 1) for d in (k_dim, v_dim)):
+        raise ValueError(f"kv_cache_rotate: a layer's head dims {k_dim}/{v_dim} are not both powers of two (the "
+                         "Hadamard rotation's sizes); use kv_cache_rotate False")
     bits = 8 if kv_cache_dtype == "int8" else 4
     g = group_size or min(default_group_size(bits, k_dim), default_group_size(bits, v_dim))
     if not g or k_dim % g or v_dim % g:
         what = f"kv_cache_group_size {group_size}" if group_size else f"no group size of {GROUP_SIZES}"
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: {what} divides the head dims {k_dim}/{v_dim} of a "
                          "layer (mx.quantize takes groups of 32, 64 or 128 channels); use kv_cache_dtype 'auto'")
-    return KVQuant(bits, g)
+    return KVQuant(bits, g, rotate)
 
 
 def bytes_per_token(n_kv: int, k_dim: int, v_dim: int, dtype_size: int, quant: Optional[KVQuant]) -> int:

@@ -23,7 +23,8 @@ import mlx.nn as nn
 from pagedmlx.kernels import decode_attention, decode_attention_quant, page_write, prefill_attention
 from pagedmlx.kv_cache_dtype import KVQuant
 from pagedmlx.runner.attention_metadata import AttentionMetadata, PrefillGroup, page_rows
-from pagedmlx.runner.kv_quant import QuantizedPages, make_pages, read_pages, write_quantized, write_quantized_in_place
+from pagedmlx.runner.kv_quant import (QuantizedPages, make_pages, read_pages, rotate_kv, rotate_queries, write_quantized,
+                                      write_quantized_in_place)
 from pagedmlx.runner.masks import length_mask
 
 def as_dtype(x: mx.array, dtype: mx.Dtype) -> mx.array:
@@ -127,12 +128,14 @@ class PagedLayerCache:
         md, i = self.md, self.layer
         k_pages, v_pages = self.pool.keys, self.pool.values
         self._new = (keys, values)
-        if self.pool.quant[i] is not None:
+        if (quant := self.pool.quant[i]) is not None:
+            if quant.rotate:
+                keys, values = rotate_kv(keys), rotate_kv(values)
             if md.pages_in_place:
                 self.written = write_quantized_in_place(self.pool, i, keys, values, md.slot_mapping, md.backend)
             else:
                 write_quantized(self.pool, i, keys, values, md.write_index(keys.shape[1]))
-            return keys, values
+            return self._new
         if md.pages_in_place:
             self.written = page_write.reshape_and_cache(keys, values, k_pages[i], v_pages[i], md.slot_mapping,
                                                         md.backend)
@@ -147,6 +150,10 @@ class PagedLayerCache:
         """queries (T, n_heads, 1, D) -> (T, n_heads, 1, Dv), attending over pages."""
         written = self.source.written if self.source is not None else self.written
         k_pages, v_pages = read_pages(self.pool, self.layer)
+        quant = self.pool.quant[self.layer]
+        if quant is not None and quant.rotate:  # pages of rotated keys and values (kv_quant.rotate_kv)
+            out = paged_attention(rotate_queries(queries), k_pages, v_pages, self.md, scale, written, sinks)
+            return rotate_queries(out)
         return paged_attention(queries, k_pages, v_pages, self.md, scale, written, sinks)
 
 

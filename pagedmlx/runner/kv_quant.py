@@ -16,9 +16,11 @@ parts); elsewhere MLX scatters mx.quantize's parts (write_quantized).
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import mlx.core as mx
+import numpy as np
 
 from pagedmlx.kv_cache_dtype import KVQuant
 
@@ -104,3 +106,35 @@ def read_pages(pool, i: int) -> tuple:
         return pool.keys[i], pool.values[i]
     return (QuantizedPages(pool.keys[i], pool.k_scales[i], pool.k_biases[i], quant),
             QuantizedPages(pool.values[i], pool.v_scales[i], pool.v_biases[i], quant))
+
+
+# ---- kv_cache_rotate: a Hadamard rotation of each head before quantizing -------------------------------
+# Pages hold k' = k H s and v' = v H s (H the d x d +-1 Sylvester matrix, H H = d I, s = 2^-floor(log2(d) / 2)
+# keeping magnitudes); attention takes q' = q H / (d s) and its output o' = o H s comes back as o' H / (d s).
+# Then q' . k' = q . k and o' H / (d s) = o: attention is unchanged up to rounding, while the quantization
+# groups see the channels mixed (an outlier channel no longer sets its group's range). Every factor is a
+# power of two, so each matrix is exact in any float dtype. Kernels and gathers read the pages unchanged.
+
+@functools.lru_cache(maxsize=None)
+def _hadamard(d: int, scale: float, dtype: mx.Dtype) -> mx.array:
+    h = np.ones((1, 1))
+    while h.shape[0] < d:
+        h = np.block([[h, h], [h, -h]])
+    return mx.array(h * scale, dtype=dtype)
+
+
+def _s(d: int) -> float:
+    return 2.0 ** -(d.bit_length() - 1 >> 1)
+
+
+def rotate_kv(x: mx.array) -> mx.array:
+    """Keys or values (..., d) as a rotated layer's pages hold them."""
+    d = x.shape[-1]
+    return x @ _hadamard(d, _s(d), x.dtype)
+
+
+def rotate_queries(x: mx.array) -> mx.array:
+    """Queries (..., d) for a rotated layer's keys; the same map takes its output back from rotated values."""
+    d = x.shape[-1]
+    return x @ _hadamard(d, 1.0 / (d * _s(d)), x.dtype)
+

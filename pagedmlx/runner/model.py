@@ -76,7 +76,8 @@ class ModelRunner:
                 f"model type {model_type(model)!r} does not call mlx-lm's scaled_dot_product_attention")
         self._body, self._head = split_lm_head(model)
         self.kv_quant = {i: q for i, p in enumerate(self.plan) if p.has_pages
-                         and (q := layer_quant(config.kv_cache_dtype, config.kv_cache_group_size, p.spec[1], p.spec[2]))}
+                         and (q := layer_quant(config.kv_cache_dtype, config.kv_cache_group_size, p.spec[1], p.spec[2],
+                                               config.kv_cache_rotate))}
         self.kv_cache_config = self._kv_cache_config(config)
         paged = [g for g in self.kv_cache_config.kv_cache_groups if not g.is_state]  # the state group is last
         self.windows = [g.sliding_window for g in paged]

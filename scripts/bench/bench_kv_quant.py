@@ -13,6 +13,7 @@ median step time and its ratio to auto; then, for the KV memory that auto pages 
 
     python scripts/bench/bench_kv_quant.py                              # quality, CPU
     python scripts/bench/bench_kv_quant.py --speed --batch 64 256       # GPU
+    python scripts/bench/bench_kv_quant.py --formats auto int4 int4+rot int8+rot   # kv_cache_rotate's quality
 """
 
 from __future__ import annotations
@@ -71,9 +72,11 @@ def quality(args: argparse.Namespace) -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     rows, ref = [], None
     for fmt in args.formats:
-        dtype, _, group = fmt.partition(":")
+        rotate = fmt.endswith("+rot")
+        dtype, _, group = fmt.removesuffix("+rot").partition(":")
         group = int(group) if group else None
-        llm = LLM(model, tok, kv_cache_dtype=dtype, kv_cache_group_size=group, kv_cache_memory_gb=args.kv_cache_gb, max_num_batched_tokens=128,
+        llm = LLM(model, tok, kv_cache_dtype=dtype, kv_cache_group_size=group, kv_cache_rotate=rotate,
+                  kv_cache_memory_gb=args.kv_cache_gb, max_num_batched_tokens=128,
                   long_prefill_token_threshold=128, enable_prefix_caching=False)
         t = time.perf_counter()
         out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
@@ -92,7 +95,7 @@ def quality(args: argparse.Namespace) -> None:
         h, dk, dv, dt = runner.plan[0].spec
         q = layer_quant(dtype, group, dk, dv)
         bf16 = bytes_per_token(h, dk, dv, 2, None) / bytes_per_token(h, dk, dv, 2, q)
-        rows.append((dtype, ppl, ppl / ref[0] - 1, sum(top1) / len(top1), statistics.mean(prefix), min(prefix), same,
+        rows.append((dtype + (", rotated" if rotate else ""), ppl, ppl / ref[0] - 1, sum(top1) / len(top1), statistics.mean(prefix), min(prefix), same,
                      runner.num_blocks / ref[2], bf16, q.group_size if q else "-", secs))
     print(f"\n{args.model or 'SmolLM2-135M-Instruct'} ({dt}), perplexity of a {len(ids)}-token text; greedy "
           f"{args.max_tokens} tokens x {len(prompts)} chat prompts vs auto pages; capacity vs auto at "
@@ -105,7 +108,8 @@ def quality(args: argparse.Namespace) -> None:
               f"{bf16:.2f}x | {secs:.0f} |")
 
 
-def _step_ms(model, batch: int, ctx: int, bs: int, dtype: str, steps: int, quantizing: bool = True) -> tuple[float, str]:
+def _step_ms(model, batch: int, ctx: int, bs: int, dtype: str, steps: int, quantizing: bool = True,
+             rotate: bool = False) -> tuple[float, str]:
     """Median decode step of `batch` sequences of ctx tokens on random pages; and the decode path.
     quantizing=False: quantized pages written by mx.quantize and the copying page write, not the kernel that
     quantizes (where that one passed its check)."""
@@ -117,8 +121,8 @@ def _step_ms(model, batch: int, ctx: int, bs: int, dtype: str, steps: int, quant
     from pagedmlx.scheduler_output import decode_only_output
 
     per_seq = -(-ctx // bs)
-    runner = ModelRunner(model, EngineConfig(block_size=bs, num_blocks=batch * per_seq + 1, kv_cache_dtype=dtype),
-                         verify=False)
+    runner = ModelRunner(model, EngineConfig(block_size=bs, num_blocks=batch * per_seq + 1, kv_cache_dtype=dtype,
+                                             kv_cache_rotate=rotate), verify=False)
     pool = runner.kv_pool
     pool.quantize_in_write = pool.quantize_in_write and quantizing
     for side in ("keys", "values", "k_scales", "k_biases", "v_scales", "v_biases"):
@@ -167,6 +171,10 @@ def speed(args: argparse.Namespace) -> None:
                 ms, path = _step_ms(model, batch, args.context, args.block_size, dtype, args.steps, quantizing=False)
                 print(f"| {batch} | {dtype}, mx.quantize + copy | {ms:.2f} | {ms / base[batch]:.2f}x | "
                       f"{batch / ms * 1e3:,.0f} | {path} |", flush=True)
+            if args.rotate and dtype != "auto":
+                ms, path = _step_ms(model, batch, args.context, args.block_size, dtype, args.steps, rotate=True)
+                print(f"| {batch} | {dtype}, rotated | {ms:.2f} | {ms / base[batch]:.2f}x | "
+                      f"{batch / ms * 1e3:,.0f} | {path} |", flush=True)
     budget_batch = max(args.batch)
     per_token = {dt: bytes_per_token(h, d, d, 2, layer_quant(dt, None, d, d)) for dt in DTYPES}
     print(f"\nthe KV memory of {budget_batch} x {args.context} tokens of auto pages "
@@ -188,7 +196,8 @@ def main() -> None:
     p.add_argument("--model", default=None, help="quality: a model (default SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="quality: model dtype")
     p.add_argument("--formats", nargs="+", default=["auto", "int8", "int4", "int8:32", "int4:32"],
-                   help="quality: kv_cache_dtype[:group size] each (auto first: the reference)")
+                   help="quality: kv_cache_dtype[:group size][+rot] each (auto first: the reference; +rot: "
+                        "kv_cache_rotate)")
     p.add_argument("--max-tokens", type=int, default=256, help="quality: greedy tokens per prompt")
     p.add_argument("--kv-cache-gb", type=float, default=0.5, help="quality: the pool's memory")
     p.add_argument("--preset", default="llama-8b", help="speed: the random-weight model")
@@ -196,6 +205,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=2048, help="speed: tokens per sequence")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=20, help="speed: timed decode steps per point")
+    p.add_argument("--rotate", action="store_true",
+                   help="speed: each quantized format also with kv_cache_rotate (Hadamard-rotated keys and values)")
     p.add_argument("--compare-write", action="store_true",
                    help="speed: each quantized format also with mx.quantize before a copying page write")
     args = p.parse_args()
