@@ -87,6 +87,7 @@ def test_busy_rotated_pages_equal_mlx_lm_on_rotated_keys(kv_cache_dtype, monkeyp
         block_size=4, num_blocks=120, max_num_batched_tokens=96, long_prefill_token_threshold=48, max_num_seqs=16,
         kv_cache_dtype=kv_cache_dtype, kv_cache_rotate=True))
     assert engine.runner.kv_pool.quant[0] == KVQuant(BITS[kv_cache_dtype], 32, rotate=True)
+    assert engine.runner.kv_cache_config.kv_cache_groups[0].kv_cache_dtype == f"{kv_cache_dtype} rotated"  # reports
     done = run_staggered(engine, prompts, GREEDY, seed=4)
     assert engine.scheduler.num_preemptions > 0 and engine.kv_cache_manager.stats.hits > 0
     for i, p in enumerate(prompts):

@@ -225,7 +225,7 @@ class ModelRunner:
             n = lo
         for g, count in zip(groups, sized(n)):
             g.num_blocks, g.page_size_bytes = max(count, 2), self.group_bytes_per_block(g)
-            g.kv_cache_dtype = (config.kv_cache_dtype if g.layer_ids[0] in self.kv_quant
+            g.kv_cache_dtype = (config.kv_cache_dtype + " rotated" * config.kv_cache_rotate if g.layer_ids[0] in self.kv_quant
                                 else str(self.plan[g.layer_ids[0]].spec[3]).split(".")[-1])
         return KVCacheConfig(self.block_size, groups + ([state] if state is not None else []))
 
