@@ -7,6 +7,8 @@
 #                quantized pages
 #   PART=kvspeed decode steps at 64 (each format also with mx.quantize + the copying write) and 256 against
 #                bf16 pages (run 42/43's command); the prefill kernel over int8 pages against SDPA and 16 bits
+#   PART=kvrotate (eighteenth session) kv_cache_rotate's cost: decode steps at 64 and 256, each quantized
+#                format plain and rotated (4 more products a layer: keys, values, queries, output)
 #   PART=merge   merged q/k/v and gate/up projections (runner/merged_linear.py, on by default on the GPU): a
 #                step's ops, batch 1 and 64 against mlx-lm merged and not
 #   PART=mergetests  the merged tests, busy == solo and compiled steps on the GPU (merged by default there),
@@ -35,6 +37,9 @@ case "${PART:-kv}" in
     TAIL=8 run kv_256 150 $KV --batch 256 --steps 6
     TAIL=12 run kv_prefill 150 python3 scripts/bench/bench_prefill_attention.py --kv-cache-dtype int8 \
       --cases "mixed: 256 at 16k" "mixed: 256 at 2k" "32x4k: 32 x 256 at 2k";;
+  kvrotate)
+    TAIL=12 run kv_rotate_64 250 $KV --batch 64 --steps 12 --rotate
+    TAIL=10 run kv_rotate_256 250 $KV --batch 256 --steps 6 --rotate;;
   merge)
     TAIL=12 run ops_merged 100 python3 scripts/bench/study_step_ops.py --preset llama-8b --dtype bfloat16
     TAIL=10 run offline_merged 200 $OFF --batch-sizes 1 64 --repeats 3 --json "$OUT/offline_merged.json"
