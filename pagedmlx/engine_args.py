@@ -70,8 +70,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
                    help="speculative decoding, as vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}'; method draft_model with a \"model\"; "
-                        "method mtp: a Qwen3.5 / Qwen3-Next checkpoint's own MTP module (also disable_by_batch_size, "
-                        "min_acceptance_rate; default: off)")
+                        "method mtp: a Qwen3.5 / Qwen3-Next checkpoint's own MTP module; with either, "
+                        "\"prompt_lookup_max\" also looks the context up (the n-gram's draft where it pays more) "
+                        "(also disable_by_batch_size, min_acceptance_rate; default: off)")
 
 
 def _speculative_config(text: str):
