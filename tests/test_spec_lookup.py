@@ -132,6 +132,16 @@ def test_a_step_verifies_host_and_device_drafts_together():
     so.draft_src, so.draft_pos = np.asarray([1, 3, 2], np.int32), np.asarray([2, 3, 4], np.int32)
     so.resolve_drafts()
     assert so.draft_token_ids.tolist() == [4, 5, 71, 73, 72, 9] and so.device_drafts is None
+    # inline_drafts (tensor parallelism: every input token on the host) fills the device drafts' rows only
+    so = SchedulerOutput.empty(set(), [])
+    so.input_ids = np.asarray([1, 4, 5, 2, 0, 0, 0, 9], np.int32)
+    so.draft_token_ids = np.asarray([4, 5, 0, 0, 0, 9], np.int32)
+    so.device_drafts = mx.array([70, 71, 72, 73], mx.int32)
+    so.placeholder_rows, so.placeholder_src = np.asarray([4, 5, 6], np.int32), np.asarray([1, 3, 2], np.int32)
+    so.draft_src, so.draft_pos = np.asarray([1, 3, 2], np.int32), np.asarray([2, 3, 4], np.int32)
+    so.inline_drafts()
+    assert so.input_ids.tolist() == [1, 4, 5, 2, 71, 73, 72, 9] and not len(so.placeholder_rows)
+    assert so.draft_token_ids.tolist() == [4, 5, 71, 73, 72, 9]
 
 
 @pytest.mark.parametrize("arch,kind", [("llama", "first"), ("gemma3-tiny", "llama")])
