@@ -248,3 +248,33 @@ def test_smollm_quoting_with_a_draft_model_takes_the_lookup(smollm):
     assert run_to_completion(engine)["q"].token_ids == want
     stats = engine.scheduler.spec_decoding_stats
     assert engine.drafter.num_lookup_drafts > stats.num_drafts / 2 and stats.acceptance_rate > 0.5, stats
+
+
+def test_the_engine_process_looks_up_beside_a_draft_model():
+    """Through the engine core's own process (the config pickled, the draft loaded there): prompts that
+    repeat themselves take lookups, the answers are mlx-lm's, and the snapshot /metrics reads counts them."""
+    import asyncio
+
+    from pagedmlx.async_engine import AsyncEngine
+    from pagedmlx.core.client import CoreProcess
+
+    config = EngineConfig(model="random:llama-tiny", block_size=8, num_blocks=64, max_model_len=256,
+                          speculative_config='{"method": "draft_model", "model": "random:llama-tiny", '
+                                             '"num_speculative_tokens": 3, "prompt_lookup_min": 1}')
+    prompts = [[(5 * i + j) % 7 + 1 for j in range(12)] * 2 for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ae = AsyncEngine(CoreProcess(config))
+    try:
+        async def main():
+            async def one(i, p):
+                return [o async for o in ae.generate(p, params, str(i))][-1]
+            outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+            return outs, await ae.call(EngineSnapshot.take)
+
+        outs, snap = asyncio.run(main())
+    finally:
+        ae.shutdown(timeout=0)
+    model = make_model("llama")
+    for p, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == solo_greedy(model, p, 12)
+    assert 0 < snap.spec_decode_num_lookup_drafts <= snap.spec_decode_num_drafts
