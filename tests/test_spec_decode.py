@@ -310,15 +310,12 @@ def test_guided_and_penalised_requests_do_not_speculate_and_state_models_do(capl
     assert state.drafter is not None and "speculative decoding on recurrent-state layers" in caplog.text
 
 
-def test_the_engine_process_speculates():
+def run_in_engine_process(config: EngineConfig, prompts: list, params: SamplingParams) -> tuple[list, object]:
+    """Every prompt at once through an engine core in its own process: the final outputs, then its snapshot."""
     from pagedmlx.async_engine import AsyncEngine
     from pagedmlx.core.client import CoreProcess
     from pagedmlx.server.metrics import EngineSnapshot
 
-    config = EngineConfig(model="random:llama-tiny", block_size=8, num_blocks=64, max_model_len=256,
-                          speculative_config='{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}')
-    prompts = [[(5 * i + j) % 7 + 1 for j in range(12)] * 2 for i in range(4)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     ae = AsyncEngine(CoreProcess(config))
     try:
         async def main():
@@ -327,9 +324,16 @@ def test_the_engine_process_speculates():
             outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
             return outs, await ae.call(EngineSnapshot.take)
 
-        outs, snap = asyncio.run(main())
+        return asyncio.run(main())
     finally:
         ae.shutdown(timeout=0)
+
+
+def test_the_engine_process_speculates():
+    config = EngineConfig(model="random:llama-tiny", block_size=8, num_blocks=64, max_model_len=256,
+                          speculative_config='{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}')
+    prompts = [[(5 * i + j) % 7 + 1 for j in range(12)] * 2 for i in range(4)]
+    outs, snap = run_in_engine_process(config, prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     model = make_model("llama")
     for p, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == solo_greedy(model, p, 12)
@@ -373,16 +377,21 @@ def test_the_server_streams_several_tokens_a_step():
         served.stop()
 
 
+def quoting_prompt(model, tok, max_tokens: int = 40) -> tuple[list[int], list[int]]:
+    """A chat prompt asking to repeat a passage, and mlx-lm's greedy answer to it."""
+    passage = ("The quick brown fox jumps over the lazy dog. It was a bright cold day in April, and the "
+               "clocks were striking thirteen. Call me Ishmael.")
+    prompt = tok.apply_chat_template([{"role": "user", "content": f"Repeat this text exactly:\n\n{passage}"}],
+                                     add_generation_prompt=True)
+    return prompt, solo_greedy(model, prompt, max_tokens, tuple(tok.eos_token_ids))
+
+
 @pytest.mark.slow
 def test_smollm_quoting_a_passage_accepts_ngram_drafts(smollm):
     """The real default model repeating a passage it was given: n-gram drafts are mostly accepted,
     the answer is mlx-lm's, token for token, in far fewer steps than tokens."""
     model, tok = smollm
-    passage = ("The quick brown fox jumps over the lazy dog. It was a bright cold day in April, and the "
-               "clocks were striking thirteen. Call me Ishmael.")
-    prompt = tok.apply_chat_template([{"role": "user", "content": f"Repeat this text exactly:\n\n{passage}"}],
-                                     add_generation_prompt=True)
-    want = solo_greedy(model, prompt, 40, tuple(tok.eos_token_ids))
+    prompt, want = quoting_prompt(model, tok)
     engine = LLMEngine(model, tok, EngineConfig(num_blocks=256, speculative_config=spec(k=4)))
     engine.add_request("q", prompt, SamplingParams(temperature=0.0, max_tokens=40))
     out = run_to_completion(engine)["q"]

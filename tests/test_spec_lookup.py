@@ -232,12 +232,10 @@ def test_mtp_with_lookups_on_a_recurrent_target_equals_solo():
 def test_smollm_quoting_with_a_draft_model_takes_the_lookup(smollm):
     """The real default model rewriting a passage, its first 10 layers as the draft (a poor draft): most
     drafts come from the lookup, are mostly accepted, and the answer is mlx-lm's, token for token."""
+    from test_spec_decode import quoting_prompt
+
     model, tok = smollm
-    passage = ("The quick brown fox jumps over the lazy dog. It was a bright cold day in April, and the "
-               "clocks were striking thirteen. Call me Ishmael.")
-    prompt = tok.apply_chat_template([{"role": "user", "content": f"Repeat this text exactly:\n\n{passage}"}],
-                                     add_generation_prompt=True)
-    want = solo_greedy(model, prompt, 40, tuple(tok.eos_token_ids))
+    prompt, want = quoting_prompt(model, tok)
     draft = type(model)(type(model.args).from_dict({**vars(model.args), "num_hidden_layers": 10}))
     params = model.parameters()
     params["model"]["layers"] = params["model"]["layers"][:10]
@@ -253,27 +251,13 @@ def test_smollm_quoting_with_a_draft_model_takes_the_lookup(smollm):
 def test_the_engine_process_looks_up_beside_a_draft_model():
     """Through the engine core's own process (the config pickled, the draft loaded there): prompts that
     repeat themselves take lookups, the answers are mlx-lm's, and the snapshot /metrics reads counts them."""
-    import asyncio
-
-    from pagedmlx.async_engine import AsyncEngine
-    from pagedmlx.core.client import CoreProcess
+    from test_spec_decode import run_in_engine_process
 
     config = EngineConfig(model="random:llama-tiny", block_size=8, num_blocks=64, max_model_len=256,
                           speculative_config='{"method": "draft_model", "model": "random:llama-tiny", '
                                              '"num_speculative_tokens": 3, "prompt_lookup_min": 1}')
     prompts = [[(5 * i + j) % 7 + 1 for j in range(12)] * 2 for i in range(3)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    ae = AsyncEngine(CoreProcess(config))
-    try:
-        async def main():
-            async def one(i, p):
-                return [o async for o in ae.generate(p, params, str(i))][-1]
-            outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-            return outs, await ae.call(EngineSnapshot.take)
-
-        outs, snap = asyncio.run(main())
-    finally:
-        ae.shutdown(timeout=0)
+    outs, snap = run_in_engine_process(config, prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     model = make_model("llama")
     for p, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == solo_greedy(model, p, 12)
