@@ -223,9 +223,10 @@ class ModelRunner:
                 mid = (lo + hi + 1) // 2
                 lo, hi = (mid, hi) if sum(c * b for c, b in zip(sized(mid), bpb)) <= budget else (lo, mid - 1)
             n = lo
+        quantized = f"{config.kv_cache_dtype} rotated" if config.kv_cache_rotate else config.kv_cache_dtype
         for g, count in zip(groups, sized(n)):
             g.num_blocks, g.page_size_bytes = max(count, 2), self.group_bytes_per_block(g)
-            g.kv_cache_dtype = (config.kv_cache_dtype + " rotated" * config.kv_cache_rotate if g.layer_ids[0] in self.kv_quant
+            g.kv_cache_dtype = (quantized if g.layer_ids[0] in self.kv_quant
                                 else str(self.plan[g.layer_ids[0]].spec[3]).split(".")[-1])
         return KVCacheConfig(self.block_size, groups + ([state] if state is not None else []))
 
