@@ -114,6 +114,9 @@ def read_pages(pool, i: int) -> tuple:
 # Then q' . k' = q . k and o' H / (d s) = o: attention is unchanged up to rounding, while the quantization
 # groups see the channels mixed (an outlier channel no longer sets its group's range). Every factor is a
 # power of two, so each matrix is exact in any float dtype. Kernels and gathers read the pages unchanged.
+# A product with the matrix, not mx.hadamard_transform (the same matrix, in the same ordering): a matmul runs
+# on every MLX backend, and hadamard_transform could not be tried on the CUDA backend when this was written.
+# Either is one launch; the product's d x d work per row is small next to attention's.
 
 @functools.lru_cache(maxsize=None)
 def _hadamard(d: int, scale: float, dtype: mx.Dtype) -> mx.array:
