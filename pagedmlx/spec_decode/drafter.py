@@ -130,11 +130,11 @@ class Drafter:
         if not draft:
             return []
         if not self.paused(req):
-            state = self._acceptance.get(req)
-            a = state.token_rate if state is not None else 1.0
+            model, lookup = self._acceptance.get(req), self._lookup_acceptance.get(req)
+            a = model.token_rate if model is not None else 1.0
             k = best_num_drafts(a, self.cost_ratio, min(self.config.num_speculative_tokens, room))
-            state = self._lookup_acceptance.get(req)
-            if round_gain(state.token_rate if state is not None else 1.0, len(draft), 0.0) < round_gain(a, k, self.cost_ratio):
+            a_lookup = lookup.token_rate if lookup is not None else 1.0
+            if round_gain(a_lookup, len(draft), 0.0) < round_gain(a, k, self.cost_ratio):
                 self._unused[req] = (req.num_tokens, draft)
                 return []
         return draft
