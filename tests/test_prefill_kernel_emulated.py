@@ -67,13 +67,17 @@ def test_a_16_bit_loop_the_replacements_do_not_fit_is_refused():
 def test_an_engine_on_quantized_pages_checks_the_prefill_kernel_and_runs_it(emulated, monkeypatch):
     """The engine believes it runs on CUDA: select_quantized checks the prefill kernel over int8 pages (and the
     decode kernel and page writes), the runner's load-time check (a busy schedule against mlx-lm's caches)
-    passes with it, its startup line says so, and a step with prefill rows runs it."""
+    passes with it, its startup line says so, and a step with prefill rows runs it: the request's tokens
+    equal mlx-lm's QuantizedKVCache alone (the attention path once skipped the kernel for quantized pages
+    and failed every such step)."""
     from pagedmlx.config import EngineConfig
     from pagedmlx.engine import LLMEngine
     from pagedmlx.kernels import selector
     from pagedmlx.models.random_model import build_model
     from pagedmlx.runner.kernel_paths import kernel_path_lines
     from pagedmlx.sampling_params import SamplingParams
+    from test_kv_quant import mlx_lm_quantized_greedy
+    from utils import run_to_completion
 
     monkeypatch.setattr(build, "gpu_backend", lambda: "cuda")
     monkeypatch.setattr(selector, "device_name", lambda: "emulated")
@@ -92,8 +96,10 @@ def test_an_engine_on_quantized_pages_checks_the_prefill_kernel_and_runs_it(emul
     assert "prefill paged prefill kernel over int8 pages (group 64)" in kernel_path_lines(engine.runner)[0]
     assert "pagedmlx_paged_prefill_quant" in names
     before = len(EmulatedKernel.sources)
-    engine.add_request("a", list(range(1, 40)), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
+    prompt = list(range(1, 40))
+    engine.add_request("a", prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    done = run_to_completion(engine)
     assert any("store_piece<T, D, QBITS>(kv[stage][0]" in text for text in EmulatedKernel.sources[before:])
+    assert done["a"].finish_reason == "length"  # the step ran, not failed
+    assert done["a"].token_ids == mlx_lm_quantized_greedy(model, prompt, 4, bits=8, group_size=64)
     clear_kernel_caches()

@@ -224,7 +224,7 @@ def _prefill_attention(q, k_pages, v_pages, md: AttentionMetadata, scale, writte
     """q: the prefill rows (Tp, H, 1, D); the prefill kernel over all segments where it runs, else
     one attention call per prefill group (attention_metadata)."""
     rows = q[:, :, 0, :]
-    if md.prefill_tiles is not None and not isinstance(k_pages, QuantizedPages):
+    if md.prefill_tiles is not None:  # 16-bit or quantized pages (prefill_attention.paged_prefill)
         t = md.prefill_tiles
         o = prefill_attention.paged_prefill(rows, k_pages, v_pages, t.block_table, t.segs, t.tiles, scale,
                                             t.splits, t.split_tokens, written, window=md.window, sinks=sinks)
