@@ -65,6 +65,9 @@ def make_draft(target: nn.Module, how: str, dtype) -> nn.Module:
         params["model"]["layers"] = params["model"]["layers"][:n]
         params["model"].pop("layer_types", None)  # a list attribute that parameters() reports too
     draft = type(target)(args)
+    quantized = {path: m for path, m in target.named_modules() if hasattr(m, "bits")}  # a GGUF kept packed on a GPU
+    nn.quantize(draft, class_predicate=lambda path, _: path in quantized and {"group_size": quantized[path].group_size,
+                                                                              "bits": quantized[path].bits})
     draft.update(params)  # the target's arrays, not copies
     if how in ("q4", "q8"):
         # the projections only: a quantized (tied) embedding as the LM head costs most of the agreement
@@ -80,7 +83,10 @@ def scale_tail(target: nn.Module, first: int, scale: float) -> None:
     for layer in layers[first:]:
         for path, module in layer.named_modules():
             if path.split(".")[-1] in ("o_proj", "down_proj") and "weight" in module:
-                module.weight = module.weight * scale
+                if "scales" in module:  # packed: the affine dequantization w * scale + bias scales with both
+                    module.scales, module.biases = module.scales * scale, module.biases * scale
+                else:
+                    module.weight = module.weight * scale
                 found += 1
     if found < 2 * (len(layers) - first):
         raise SystemExit(f"--target-tail-scale: found {found} o_proj / down_proj weights in {len(layers) - first} layers")
