@@ -71,8 +71,12 @@ def run_pagedmlx(engine, prompts, gen_len: int, loras=None) -> tuple[float, floa
     while engine.has_unfinished_requests():
         tokens_before, sampled_before = engine.stats.num_tokens, engine.stats.num_sampled
         t = time.perf_counter()
-        engine.step()
+        outputs = engine.step()
         dt = time.perf_counter() - t
+        for out in outputs:  # a failed step finishes its requests early: never time those
+            if out.finished and len(out.token_ids) != gen_len:
+                raise SystemExit(f"request {out.request_id} ended after {len(out.token_ids)} of {gen_len} tokens "
+                                 f"({out.finish_reason}): see the log above")
         new_tokens = engine.stats.num_tokens - tokens_before
         sampled = engine.stats.num_sampled - sampled_before
         generated += sampled
@@ -163,6 +167,8 @@ def main() -> None:
     ap.add_argument("--gen-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "int4"],
+                    help="EngineConfig.kv_cache_dtype: pagedmlx's pages (mlx-lm's caches stay 16-bit)")
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--no-async", action="store_true", help="step in lockstep (no host/device overlap)")
     ap.add_argument("--ab-async", action="store_true",
@@ -200,14 +206,16 @@ def main() -> None:
         block_size=args.block_size, num_blocks=num_blocks, max_num_seqs=max_b,
         max_num_batched_tokens=max(2048, args.prompt_len, args.prefill_len), long_prefill_token_threshold=0,
         max_model_len=tokens_per_seq + 1, enable_prefix_caching=False, async_scheduling=False if args.no_async else (True if args.ab_async else None),
-        compile_decode=args.compile_decode, merge_projections=args.merge_projections))
+        compile_decode=args.compile_decode, merge_projections=args.merge_projections,
+        kv_cache_dtype=args.kv_cache_dtype))
 
     console = Console()
     console.print(f"[bold]bench_offline[/] {name} on {mx.default_device()}, {platform.machine()}, "
                   f"prompt {args.prompt_len}, gen {args.gen_len}, {time.strftime('%Y-%m-%d')}, "
                   f"{'async' if engine.async_scheduling else 'lockstep'} steps"
                   f"{', compiled decode steps' if getattr(engine.runner, 'compiled_decode', None) else ''}"
-                  f"{', projections merged' if getattr(engine.runner, 'merged_groups', 0) else ''}")
+                  f"{', projections merged' if getattr(engine.runner, 'merged_groups', 0) else ''}"
+                  f"{f', {args.kv_cache_dtype} pages' if args.kv_cache_dtype != 'auto' else ''}")
     # Warm up both (compilation, allocator).
     run_pagedmlx(engine, make_prompts(2, 16, vocab, 0), 4)
     if not args.skip_peer:
