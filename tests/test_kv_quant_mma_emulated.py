@@ -102,3 +102,47 @@ def test_the_load_time_check_passes_the_emulated_kernel_for_llama_8b_heads(emula
     assert decode_attention_quant.uses_tensor_cores(128, 4, mx.bfloat16, quant, CUDA)
     assert check.check_decode_quantized(CUDA, 32, 8, 128, mx.bfloat16, quant, 16, window, sinks) is None
     assert check.check_page_write_quantized(CUDA, 8, 8, 128, mx.bfloat16, quant, 16) is None
+
+
+_TILE_STORE = """
+    constexpr int WORDS = D * QBITS / 32, GROUPS = D / QGROUP, PPR = WORDS / 4;
+    const int lane = threadIdx.x;
+    for (int c = lane; c < 16 * PPR; c += 32) {
+        const int row = c / PPR, piece = c % PPR;
+        const uint4 raw = reinterpret_cast<const uint4*>(packed + row * WORDS)[piece];
+        const int gi = row * GROUPS + piece * (128 / QBITS) / QGROUP;
+        store_piece<T, D, QBITS>(tile, row, piece, raw, pair_bits(scales[gi], biases[gi]));
+    }
+"""
+
+
+@pytest.mark.parametrize("dtype,D,bits,group", [(mx.bfloat16, 128, 8, 128), (mx.bfloat16, 128, 8, 64),
+                                                (mx.bfloat16, 64, 4, 32), (mx.float16, 128, 8, 128),
+                                                (mx.float16, 128, 4, 64)])
+def test_the_tile_store_dequantizes_within_a_rounding(emulated_mma, dtype, D, bits, group):
+    """store_piece, the dequantization both quantized tensor-core kernels share, against q * s + b in float64
+    rounded to the model's dtype: within one of its roundings plus s / 256 (bf16 int8 folds 2^15 * s into its
+    bias, whose own rounding is at most s / 512), and never further off than mx.dequantize itself is (which
+    rounds q * s before adding b). Scales from 1e-3 to 40, biases of both signs, every code."""
+    from pagedmlx.kernels.sources import decode_attention_quant_mma_cuda as qmma_src
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((16, D)) * rng.choice([1e-3, 0.1, 3.0, 40.0], (16, 1)) + rng.normal(0, 2, (16, 1))
+    packed, scales, biases = mx.quantize(mx.array(x.astype(np.float32)).astype(dtype), group_size=group, bits=bits)
+    kernel = EmulatedKernel("cuda", "tile_store", ["packed", "scales", "biases"], ["tile"], _TILE_STORE,
+                            EMU_MMA_HEADER + qmma_src.QUANT_MMA_HEADER)
+    (tile,) = kernel(inputs=[packed, scales, biases], template=[("T", dtype), ("D", D), ("QBITS", bits), ("QGROUP", group)],
+                     grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(16 * D,)], output_dtypes=[dtype])
+    chunks = np.arange(D // 8)
+    flat = np.array(tile.astype(mx.float32)).astype(np.float64)
+    got = np.stack([flat[r * D + ((chunks ^ (r & 7))[:, None] * 8 + np.arange(8)).reshape(-1)]  # un-swizzled
+                    for r in range(16)])
+    per = 32 // bits
+    codes = (np.array(packed)[:, np.arange(D) // per] >> (bits * (np.arange(D) % per))) & ((1 << bits) - 1)
+    s = np.repeat(np.array(scales.astype(mx.float32)).astype(np.float64), group, axis=1)
+    b = np.repeat(np.array(biases.astype(mx.float32)).astype(np.float64), group, axis=1)
+    exact = codes * s + b
+    mxd = np.array(mx.dequantize(packed, scales, biases, group_size=group, bits=bits).astype(mx.float32))
+    ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(exact), 2.0 ** -14))) - (7 if dtype == mx.bfloat16 else 10))
+    assert np.all(np.abs(got - exact) <= ulp + np.abs(s) / 256)
+    assert np.all(np.abs(got - exact) <= np.abs(mxd - exact) + ulp)

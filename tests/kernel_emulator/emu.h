@@ -167,6 +167,8 @@ struct bf16 {
 
 // 16-byte vectors; no alignas: MLX's CPU buffers are 8-byte aligned, GPU buffers far more.
 struct uint4 { unsigned x, y, z, w; };
+struct float2 { float x, y; };
+inline float2 make_float2(float x, float y) { return float2{x, y}; }
 
 #ifdef EMU_METAL
 #define device

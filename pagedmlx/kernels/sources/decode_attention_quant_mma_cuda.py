@@ -52,24 +52,26 @@ __device__ inline unsigned pair_int4(unsigned w, unsigned hi, int byte, unsigned
     return t2_fma_q((spread & 0x000F000Fu) | magic2(T{}), s2, b2, T{});
 }
 // 8-bit in fp16: bytes c, c + 1 of w under the 0x64 high bytes.
-__device__ inline unsigned pair_int8(unsigned w, int byte, unsigned s2, unsigned b2, unsigned, __half) {
+__device__ inline unsigned pair_int8(unsigned w, int byte, unsigned s2, unsigned b2, float2, __half) {
     return t2_fma_q(__byte_perm(w, 0x64646464u, byte | (4 << 4) | ((byte + 1) << 8) | (4 << 12)), s2, b2, __half{});
 }
-// 8-bit in bf16 (8 significant bits hold 0..255 but no magic does): each byte under 2^23's exponent
-// bytes as an fp32 2^23 + q, less 2^23, then the fp32 fma, rounded to bf16.
-__device__ inline unsigned pair_int8(unsigned w, int byte, unsigned, unsigned, unsigned sb, __nv_bfloat16) {
-    float s, b;
-    {
-        const unsigned short sbits = sb & 0xFFFF, bbits = sb >> 16;
-        __nv_bfloat16 sv, bv;
-        memcpy(&sv, &sbits, 2);
-        memcpy(&bv, &bbits, 2);
-        s = __bfloat162float(sv);
-        b = __bfloat162float(bv);
-    }
-    const float q0 = __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7650 + byte)) - 8388608.f;
-    const float q1 = __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7650 + byte + 1)) - 8388608.f;
-    return pack2(fmaf(q0, s, b), fmaf(q1, s, b), __nv_bfloat16{});
+// 8-bit in bf16 (8 significant bits hold 0..255 but no magic does): each byte goes through fp32, placed by
+// one byte permute in mantissa bits 8-15 under 2^15's exponent, so the float is exactly 2^15 + q; one fma
+// with sb = (s, b - 2^15 s) (int8_affine, once a piece) gives q * s + b, and both are rounded to bf16
+// together. The folded bias's own rounding is at most s / 512, far under the int8 step s: one instruction
+// a channel fewer than subtracting the magic first.
+__device__ inline float2 int8_affine(unsigned scale_bias) {
+    const unsigned short sbits = scale_bias & 0xFFFF, bbits = scale_bias >> 16;
+    __nv_bfloat16 sv, bv;
+    memcpy(&sv, &sbits, 2);
+    memcpy(&bv, &bbits, 2);
+    const float s = __bfloat162float(sv);
+    return make_float2(s, fmaf(-32768.f, s, __bfloat162float(bv)));
+}
+__device__ inline unsigned pair_int8(unsigned w, int byte, unsigned, unsigned, float2 sb, __nv_bfloat16) {
+    const float m0 = __uint_as_float(__byte_perm(w, 0x47000000u, 0x7504 | (byte << 4)));
+    const float m1 = __uint_as_float(__byte_perm(w, 0x47000000u, 0x7504 | ((byte + 1) << 4)));
+    return pack2(fmaf(m0, sb.x, sb.y), fmaf(m1, sb.x, sb.y), __nv_bfloat16{});
 }
 
 // One 16-byte piece of a quantized row (channels 128 / QBITS * piece on) dequantized into the
@@ -79,6 +81,7 @@ __device__ inline void store_piece(T* tile, int row, int piece, uint4 raw, unsig
     constexpr int PER = 32 / QBITS;
     constexpr int CPP = 128 / QBITS / 8;  // 8-channel chunks per piece: 2 (int8), 4 (int4)
     const unsigned s2 = __byte_perm(scale_bias, 0u, 0x1010), b2 = __byte_perm(scale_bias, 0u, 0x3232);
+    const float2 sb32 = int8_affine(scale_bias);  // bf16 int8's only (unused, so dropped, elsewhere)
     const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
     #pragma unroll
     for (int j = 0; j < CPP; ++j) {
@@ -88,7 +91,7 @@ __device__ inline void store_piece(T* tile, int row, int piece, uint4 raw, unsig
             const int c = 8 * j + 2 * e;
             const unsigned word = w[c / PER];
             h[e] = QBITS == 4 ? pair_int4<T>(word, word >> 4, (c % PER) / 2, s2, b2)
-                              : pair_int8(word, c % PER, s2, b2, scale_bias, T{});
+                              : pair_int8(word, c % PER, s2, b2, sb32, T{});
         }
         const int chunk = piece * CPP + j;
         *reinterpret_cast<uint4*>(tile + row * D + ((chunk ^ (row & 7)) * 8)) = make_uint4(h[0], h[1], h[2], h[3]);
