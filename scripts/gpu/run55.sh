@@ -11,8 +11,7 @@ Q="python3 scripts/bench/bench_draft.py --dtype bfloat16 --workload quote --draf
 KV="python3 scripts/bench/bench_kv_quant.py --speed --preset llama-8b --context 2048"
 OFF="python3 scripts/bench/bench_offline.py --preset llama-8b --dtype bfloat16 --prompt-len 512 --gen-len 64 --batch-sizes 64 --skip-peer"
 TAIL=11 run lookup_smollm_quote 170 $Q --target-tail-scale 0.02
-TAIL=8 run kv_64 120 $KV --batch 64 --steps 12
-TAIL=8 run kv_256 120 $KV --batch 256 --steps 6
+TAIL=14 run kv_64_256 130 $KV --batch 64 256 --steps 8
 TAIL=6 run offline_int8 100 $OFF --kv-cache-dtype int8
 TAIL=12 run kv_prefill 80 python3 scripts/bench/bench_prefill_attention.py --kv-cache-dtype int8 \
   --cases "mixed: 256 at 16k" "mixed: 256 at 2k" "32x4k: 32 x 256 at 2k"
