@@ -188,6 +188,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workload", choices=["chat", "quote"], default="chat")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
+    ap.add_argument("--dequantize", action="store_true",
+                    help="unpack a quantized target (a GGUF is kept 4-bit on a GPU) before anything else, as on the CPU")
     ap.add_argument("--target-tail-scale", type=float, default=None,
                     help="with --draft layers:N: scale the target's later layers' output projections (0: draft exact)")
     ap.add_argument("--batch", type=int, default=1,
@@ -202,6 +204,10 @@ def main() -> None:
                     help="after the rounds, profile one more pass of each speculative run: its N costliest functions")
     args = ap.parse_args()
     target, tok = load_model(args.model, dtype=args.dtype)
+    if args.dequantize:
+        from mlx_lm.utils import dequantize_model
+
+        target = dequantize_model(target)
     if args.dtype:
         target.set_dtype(getattr(mx, args.dtype))
     if args.target_tail_scale is not None:
