@@ -64,32 +64,44 @@ def test_a_16_bit_loop_the_replacements_do_not_fit_is_refused():
         quant_src.quantized_prefill(prefill_src.ACCUMULATE.replace("cp_async_commit();", "cp_async_commit(); "))
 
 
+def _quantized_engine(monkeypatch, names: list):
+    """A bf16 llama on int8 pages in an engine that believes it runs on CUDA, its kernels emulated."""
+    from pagedmlx.config import EngineConfig
+    from pagedmlx.engine import LLMEngine
+    from pagedmlx.kernels import selector
+    from pagedmlx.models.random_model import build_model
+
+    monkeypatch.setattr(build, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(selector, "device_name", lambda: "emulated")
+    monkeypatch.delenv("PAGEDMLX_CUDA_KERNELS", raising=False)
+    monkeypatch.setattr(build, "make_kernel", lambda *a: names.append(a[1]) or EmulatedKernel(*a))
+    clear_kernel_caches()
+    model = build_model(dict(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                             num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=512))
+    model.set_dtype(mx.bfloat16)
+    return model, LLMEngine(model, None, EngineConfig(block_size=8, num_blocks=64, max_model_len=256,
+                                                      kv_cache_dtype="int8", compile_decode=False))
+
+
+def _greedy_request(engine, prompt: list[int], max_tokens: int):
+    from pagedmlx.sampling_params import SamplingParams
+    from utils import run_to_completion
+
+    engine.add_request("a", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    return run_to_completion(engine)["a"]
+
+
 def test_an_engine_on_quantized_pages_checks_the_prefill_kernel_and_runs_it(emulated, monkeypatch):
     """The engine believes it runs on CUDA: select_quantized checks the prefill kernel over int8 pages (and the
     decode kernel and page writes), the runner's load-time check (a busy schedule against mlx-lm's caches)
     passes with it, its startup line says so, and a step with prefill rows runs it: the request's tokens
     equal mlx-lm's QuantizedKVCache alone (the attention path once skipped the kernel for quantized pages
     and failed every such step)."""
-    from pagedmlx.config import EngineConfig
-    from pagedmlx.engine import LLMEngine
-    from pagedmlx.kernels import selector
-    from pagedmlx.models.random_model import build_model
     from pagedmlx.runner.kernel_paths import kernel_path_lines
-    from pagedmlx.sampling_params import SamplingParams
     from test_kv_quant import mlx_lm_quantized_greedy
-    from utils import run_to_completion
 
-    monkeypatch.setattr(build, "gpu_backend", lambda: "cuda")
-    monkeypatch.setattr(selector, "device_name", lambda: "emulated")
-    monkeypatch.delenv("PAGEDMLX_CUDA_KERNELS", raising=False)
     names = []
-    monkeypatch.setattr(build, "make_kernel", lambda *a: names.append(a[1]) or EmulatedKernel(*a))
-    clear_kernel_caches()
-    model = build_model(dict(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
-                             num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=512))
-    model.set_dtype(mx.bfloat16)
-    engine = LLMEngine(model, None, EngineConfig(block_size=8, num_blocks=64, max_model_len=256,
-                                                 kv_cache_dtype="int8", compile_decode=False))
+    model, engine = _quantized_engine(monkeypatch, names)
     plan = engine.runner.kernels
     assert plan.prefill and engine.runner.prefill_heads == [(1, 2)], plan.checks
     assert ("prefill int8/64 H=2 kv=1 D=64", "passed") in plan.checks
@@ -97,9 +109,35 @@ def test_an_engine_on_quantized_pages_checks_the_prefill_kernel_and_runs_it(emul
     assert "pagedmlx_paged_prefill_quant" in names
     before = len(EmulatedKernel.sources)
     prompt = list(range(1, 40))
-    engine.add_request("a", prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    done = run_to_completion(engine)
+    out = _greedy_request(engine, prompt, 4)
     assert any("store_piece<T, D, QBITS>(kv[stage][0]" in text for text in EmulatedKernel.sources[before:])
-    assert done["a"].finish_reason == "length"  # the step ran, not failed
-    assert done["a"].token_ids == mlx_lm_quantized_greedy(model, prompt, 4, bits=8, group_size=64)
+    assert out.finish_reason == "length"  # the step ran, not failed
+    assert out.token_ids == mlx_lm_quantized_greedy(model, prompt, 4, bits=8, group_size=64)
+    clear_kernel_caches()
+
+
+def test_a_prefill_kernel_the_model_check_rejects_is_switched_off_when_it_runs_alone(emulated, monkeypatch, caplog):
+    """The quantized decode kernel and page write fail their checks, so the prefill kernel is the only kernel
+    left; it passes its own check, but the model's paged forward through it disagrees with mlx-lm (here: its
+    output shifted on the runner's path only). The runner switches it off and serves through the portable
+    path, with mlx-lm's tokens, instead of refusing the model (KernelPlan.enabled once left it out)."""
+    import logging
+    import types
+
+    from pagedmlx.kernels import check, prefill_attention
+    from pagedmlx.runner import attention
+    from test_kv_quant import mlx_lm_quantized_greedy
+
+    monkeypatch.setattr(check, "check_decode_quantized", lambda *a, **k: "disagrees (forced)")
+    monkeypatch.setattr(check, "check_page_write_quantized", lambda *a, **k: "disagrees (forced)")
+    wrong = types.SimpleNamespace(paged_prefill=lambda *a, **k: prefill_attention.paged_prefill(*a, **k) + 1.0)
+    monkeypatch.setattr(attention, "prefill_attention", wrong)
+    with caplog.at_level(logging.WARNING, logger="pagedmlx"):
+        model, engine = _quantized_engine(monkeypatch, [])
+    plan = engine.runner.kernels
+    assert not plan.prefill and not plan.decode and "disagrees with mlx-lm" in plan.reason
+    assert any("kernels off" in r.getMessage() and "disagrees with mlx-lm" in r.getMessage() for r in caplog.records)
+    prompt = list(range(1, 40))
+    assert _greedy_request(engine, prompt, 4).token_ids == mlx_lm_quantized_greedy(model, prompt, 4, bits=8,
+                                                                                   group_size=64)
     clear_kernel_caches()

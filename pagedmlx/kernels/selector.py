@@ -56,12 +56,14 @@ class KernelPlan:
 
     @property
     def enabled(self) -> bool:
-        return self.paged or self.state
+        """Any kernel runs: the paged ones (the prefill kernel alone too: quantized pages whose decode kernel is
+        off), or the state kernels."""
+        return self.paged or self.prefill or self.state
 
     def switch_off(self, reason: str, keep_state: bool = False) -> "KernelPlan":
-        """The paged kernels off, and the state kernels too unless keep_state."""
-        if self.paged:
-            logger.warning("pagedmlx: %s paged kernels off: %s; decode attention gathers pages instead",
+        """The paged kernels (prefill included) off, and the state kernels too unless keep_state."""
+        if self.paged or self.prefill:
+            logger.warning("pagedmlx: %s paged kernels off: %s; attention reads pages through the portable path",
                            self.backend, reason)
         if self.state and not keep_state:
             logger.warning("pagedmlx: recurrent-state CUDA kernels off: %s; mlx-lm's own state code runs instead",
