@@ -89,7 +89,28 @@ def test_emulated_quantized_tensor_core_kernel_matches_the_gather_path(emulated_
                                                                 backend=CUDA)
             err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
             assert np.isfinite(err) and err <= tol, (w, with_sinks, splits, err)
-    assert any("store_piece<T, D, QBITS>" in text for text in EmulatedKernel.sources[before:])
+    assert any("store_piece<T, D, QBITS, AFTER>" in text for text in EmulatedKernel.sources[before:])
+
+
+@pytest.mark.parametrize("magnitude", [1e5, 1e-30])
+def test_int8_keys_scaled_after_the_products_take_queries_outside_fp16s_range(emulated_mma, magnitude):
+    """int8 keys with one group a row take their products in fp16 (AFTER in the kernel's source): a bf16
+    query far above fp16's largest value or below its smallest is scaled by a power of two into its range,
+    so the output still matches the gather path (which multiplies in float32). The softmax scale undoes the
+    magnitude, so the scores are the ordinary case's."""
+    from pagedmlx.kernels.sources import decode_attention_quant_mma_cuda as qmma_src
+
+    assert "QBITS == 8 && QGROUP == D" in qmma_src._AFTER_SETUP
+    D, H, KV, lens, quant = 128, 8, 2, [17, 70], KVQuant(8, 128)
+    q, k, v, table, seq_lens, _ = quantized_case(np.random.default_rng(3), mx.bfloat16, D, H, KV, lens, quant)
+    q = (q.astype(mx.float32) * magnitude).astype(mx.bfloat16)
+    scale = D ** -0.5 / magnitude
+    want = gather_decode(q.astype(mx.float32), k, v, table, scale, length_mask(seq_lens, table.shape[1] * 16))
+    n, tokens = _splits(lens, None, 1)
+    got = decode_attention_quant.paged_decode_quantized(q, k, v, table, seq_lens, scale, n, tokens,
+                                                        init_value=float("nan"), backend=CUDA)
+    err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+    assert np.isfinite(err) and err <= 3e-2, err
 
 
 @pytest.mark.parametrize("quant,window,sinks", [(KVQuant(8, 128), None, False), (KVQuant(4, 64), 100, True)])

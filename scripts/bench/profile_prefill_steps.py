@@ -33,11 +33,12 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--length", type=int, default=3968)
     ap.add_argument("--prefill-kernel", default="default", choices=["default", "on", "off"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "int4"])
     args = ap.parse_args()
 
     from pagedmlx.config import EngineConfig
     from pagedmlx.engine import LLMEngine
-    from pagedmlx.runner.attention import paged_attention
+    from pagedmlx.runner.attention import paged_attention, read_pages
     from pagedmlx.runner.attention_metadata import StepMetadata
     from pagedmlx.sampling_params import SamplingParams
 
@@ -46,10 +47,11 @@ def main() -> None:
     bs = 16
     engine = LLMEngine(model, None, EngineConfig(
         block_size=bs, num_blocks=args.prompts * (-(-args.length // bs) + 2) + 8, max_num_seqs=args.prompts,
-        max_model_len=args.length + 2, enable_prefix_caching=False, prefill_kernel=kernel))
+        max_model_len=args.length + 2, enable_prefix_caching=False, prefill_kernel=kernel,
+        kv_cache_dtype=args.kv_cache_dtype))
     runner = engine.runner
     print(f"profile_prefill_steps {args.preset} {args.dtype} on {mx.default_device()}, {time.strftime('%Y-%m-%d')}: "
-          f"{args.prompts} x {args.length}, prefill kernel {args.prefill_kernel} "
+          f"{args.prompts} x {args.length}, {args.kv_cache_dtype} pages, prefill kernel {args.prefill_kernel} "
           f"(per group: {runner.prefill_heads}), chunk cap {engine.config.long_prefill_token_threshold}")
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)  # decodes beside the chunks
     engine.add_request("w", make_prompts(1, 256, model.args.vocab_size, 1)[0], params)  # compile what runs
@@ -86,7 +88,7 @@ def main() -> None:
 
     so = max(seen, key=lambda s: s.num_reqs - s.num_decodes)
     layer = next(i for i, k in enumerate(runner.kv_pool.keys) if k is not None)
-    k_pages, v_pages = runner.kv_pool.keys[layer], runner.kv_pool.values[layer]
+    k_pages, v_pages = read_pages(runner.kv_pool, layer)
     H, D = runner.plan[layer].n_heads, k_pages.shape[-1]
     q = mx.random.normal((so.total_num_scheduled_tokens, H, 1, D)).astype(k_pages.dtype)
     paths = [("prefill kernel", [(k_pages.shape[1], H // k_pages.shape[1])])] if runner.kernels.prefill else []

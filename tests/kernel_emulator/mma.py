@@ -37,6 +37,7 @@ typedef pair16<__nv_bfloat16> __nv_bfloat162;
 typedef pair16<__half> __half2;
 inline __nv_bfloat16 __float2bfloat16(float f) { return __nv_bfloat16(f); }
 inline __half __float2half(float f) { return __half(f); }
+inline float __half2float(__half h) { return float(h); }
 inline float __bfloat162float(__nv_bfloat16 h) { return float(h); }
 inline __nv_bfloat162 __halves2bfloat162(__nv_bfloat16 a, __nv_bfloat16 b) { return {a, b}; }
 inline __half2 __halves2half2(__half a, __half b) { return {a, b}; }

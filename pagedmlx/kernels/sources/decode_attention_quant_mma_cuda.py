@@ -11,6 +11,17 @@ accumulators leave no registers for a second tile).
 A lane loads 16-byte pieces of a row's packed words (16 int8 or 32 int4 channels, inside one group:
 groups are >= 32 channels) and the piece's group's scale and bias. quantized_accumulate_mma makes the
 loop by exact text replacement, each of which must apply (as sources/decode_attention_quant.py does).
+
+int8 pages with one group a row (AFTER: the default group 128 at head_dim 128) are not dequantized. Their
+tiles hold each byte x as the fp16 1024 + x (one byte permute per two channels), both products run in fp16,
+and a token's scale s and bias b apply after them:
+- keys: q . k = s (q . (1024 + x)) + (b - 1024 s) sum(q), the query scaled by a power of two into fp16's
+  range;
+- values: sum_t p_t v_t = S sum_t (p_t s_t / S) (1024 + x_t) + sum_t p_t (b_t - 1024 s_t), the weights
+  p_t s_t / S in fp16 and S the largest power of two under any |s_t| so far (rescaled as the softmax's
+  maximum is).
+In bf16 that skips the fp32 detour int8 values need (no bf16 magic holds 0..255). The keys' products are
+exact where dequantizing rounds each key to bf16, and the weights keep fp16's 11 bits where bf16's P has 8.
 """
 
 from pagedmlx.kernels.sources import replace_exactly
@@ -42,6 +53,19 @@ __device__ inline unsigned t2_fma_q(unsigned mq, unsigned s2, unsigned b2, __hal
     return *reinterpret_cast<unsigned*>(&x);
 }
 __device__ inline unsigned magic2(__nv_bfloat16) { return 0x43004300u; }
+// A register of two 16-bit floats as floats (low half first).
+__device__ inline float2 unpack2(unsigned w, __nv_bfloat16) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xFFFF0000u));
+}
+__device__ inline float2 unpack2(unsigned w, __half) {
+    const unsigned short lo = w & 0xFFFF, hi = w >> 16;
+    __half a, b;
+    memcpy(&a, &lo, 2);
+    memcpy(&b, &hi, 2);
+    return make_float2(__half2float(a), __half2float(b));
+}
+template <bool C, class X, class Y> struct pick { using type = X; };
+template <class X, class Y> struct pick<false, X, Y> { using type = Y; };
 __device__ inline unsigned magic2(__half) { return 0x64006400u; }
 
 // 4-bit: channels c, c + 1 are byte c / 2 of word w (low nibble, high nibble); hi = w >> 4 holds the high
@@ -51,9 +75,13 @@ __device__ inline unsigned pair_int4(unsigned w, unsigned hi, int byte, unsigned
     const unsigned spread = __byte_perm(w, hi, byte | ((4 + byte) << 8));
     return t2_fma_q((spread & 0x000F000Fu) | magic2(T{}), s2, b2, T{});
 }
-// 8-bit in fp16: bytes c, c + 1 of w under the 0x64 high bytes.
+// Bytes c, c + 1 of w under 0x64 high bytes: the fp16 pair (1024 + x_c, 1024 + x_c+1), exactly.
+__device__ inline unsigned raw_int8_pair(unsigned w, int byte) {
+    return __byte_perm(w, 0x64646464u, byte | (4 << 4) | ((byte + 1) << 8) | (4 << 12));
+}
+// 8-bit in fp16: the raw pair less the magic, then q * s + b.
 __device__ inline unsigned pair_int8(unsigned w, int byte, unsigned s2, unsigned b2, float2, __half) {
-    return t2_fma_q(__byte_perm(w, 0x64646464u, byte | (4 << 4) | ((byte + 1) << 8) | (4 << 12)), s2, b2, __half{});
+    return t2_fma_q(raw_int8_pair(w, byte), s2, b2, __half{});
 }
 // 8-bit in bf16 (8 significant bits hold 0..255 but no magic does): each byte goes through fp32, placed by
 // one byte permute in mantissa bits 8-15 under 2^15's exponent, so the float is exactly 2^15 + q; one fma
@@ -76,7 +104,8 @@ __device__ inline unsigned pair_int8(unsigned w, int byte, unsigned, unsigned, f
 
 // One 16-byte piece of a quantized row (channels 128 / QBITS * piece on) dequantized into the
 // swizzled tile: chunk c (8 channels) of row r at r * D + ((c ^ (r & 7)) * 8), as load() stores it.
-template <typename T, int D, int QBITS>
+// RAW (int8 only): the bytes as fp16 1024 + x, not dequantized (AFTER's pages).
+template <typename T, int D, int QBITS, bool RAW = false>
 __device__ inline void store_piece(T* tile, int row, int piece, uint4 raw, unsigned scale_bias) {
     constexpr int PER = 32 / QBITS;
     constexpr int CPP = 128 / QBITS / 8;  // 8-channel chunks per piece: 2 (int8), 4 (int4)
@@ -91,11 +120,17 @@ __device__ inline void store_piece(T* tile, int row, int piece, uint4 raw, unsig
             const int c = 8 * j + 2 * e;
             const unsigned word = w[c / PER];
             h[e] = QBITS == 4 ? pair_int4<T>(word, word >> 4, (c % PER) / 2, s2, b2)
-                              : pair_int8(word, c % PER, s2, b2, sb32, T{});
+                 : RAW ? raw_int8_pair(word, c % PER) : pair_int8(word, c % PER, s2, b2, sb32, T{});
         }
         const int chunk = piece * CPP + j;
         *reinterpret_cast<uint4*>(tile + row * D + ((chunk ^ (row & 7)) * 8)) = make_uint4(h[0], h[1], h[2], h[3]);
     }
+}
+// AFTER's per-token terms from a row's scale and bias: (s, b - 1024 s), in float.
+template <typename T>
+__device__ inline float2 after_terms(unsigned scale_bias) {
+    const float2 sb = unpack2(scale_bias, T{});
+    return make_float2(sb.x, fmaf(-1024.f, sb.x, sb.y));
 }
 """
 
@@ -126,6 +161,7 @@ _QLOAD = """    // A tile's rows as 16-byte pieces of packed words (PPR a row, N
     constexpr int NP = 16 * PPR / 32;
     constexpr bool PREFETCH = D <= 128;
     __shared__ __align__(128) T tiles[NW][2][16 * D];  // [warp][K, V][row * D + chunk * 8]
+    __shared__ float2 k_terms[NW][16], v_terms[NW][16];  // AFTER: a tile row's (s, b - 1024 s)
     uint4 k_raw[NP], v_raw[NP];
     unsigned k_sb[NP], v_sb[NP];  // a piece's group's scale (low 16 bits) and bias (high)
     auto fetch_piece = [&](int i, int tile, uint4& kr, uint4& vr, unsigned& ks, unsigned& vs) {
@@ -136,8 +172,11 @@ _QLOAD = """    // A tile's rows as 16-byte pieces of packed words (PPR a row, N
             kr = __ldg(reinterpret_cast<const uint4*>(k_pages + r * WORDS) + piece);
             vr = __ldg(reinterpret_cast<const uint4*>(v_pages + r * WORDS) + piece);
             const size_t gi = r * GROUPS + piece * (128 / QBITS) / QGROUP;
-            ks = pair_bits(k_scales[gi], k_biases[gi]);
-            vs = pair_bits(v_scales[gi], v_biases[gi]);
+            ks = vs = 0u;
+            if (!AFTER || piece == 0) {  // AFTER reads a row's one scale and bias once
+                ks = pair_bits(k_scales[gi], k_biases[gi]);
+                vs = pair_bits(v_scales[gi], v_biases[gi]);
+            }
         } else {
             kr = vr = make_uint4(0u, 0u, 0u, 0u);
             ks = vs = 0u;
@@ -145,8 +184,12 @@ _QLOAD = """    // A tile's rows as 16-byte pieces of packed words (PPR a row, N
     };
     auto store_piece_i = [&](int i, uint4 kr, uint4 vr, unsigned ks, unsigned vs) {
         const int c = lane + 32 * i, row = c / PPR, piece = c % PPR;
-        store_piece<T, D, QBITS>(tiles[warp][0], row, piece, kr, ks);
-        store_piece<T, D, QBITS>(tiles[warp][1], row, piece, vr, vs);
+        store_piece<T, D, QBITS, AFTER>(tiles[warp][0], row, piece, kr, ks);
+        store_piece<T, D, QBITS, AFTER>(tiles[warp][1], row, piece, vr, vs);
+        if (AFTER && piece == 0) {
+            k_terms[warp][row] = after_terms<T>(ks);
+            v_terms[warp][row] = after_terms<T>(vs);
+        }
     };
     auto fetch = [&](int tile) {
         #pragma unroll
@@ -186,8 +229,115 @@ _QSTAGE = """        store(tile);
         const T* vt = tiles[warp][1];
 """
 
+_AFTER_SETUP = """    // AFTER (the module's docstring): the query in fp16, scaled by a power of two that puts its row's
+    // largest |q| in [2^14, 2^15) (exact for a 16-bit query), and the row's two terms of each score with the
+    // softmax scale folded in: sc / 2^e (times a token's s) and sc sum(q) (times its b - 1024 s). The values'
+    // running S (v_top, from the smallest normal float) and sum_t p_t (b_t - 1024 s_t) (v_bias, this lane's tokens).
+    constexpr bool AFTER = QBITS == 8 && QGROUP == D;
+    using MT = typename pick<AFTER, __half, T>::type;  // the products' inputs
+    float q_unscale = sc, q_sum = 0.f, v_top = __uint_as_float(0x00800000u), v_bias = 0.f;
+    if (AFTER) {
+        float big = 0.f;
+        #pragma unroll
+        for (int k = 0; k < KS; ++k) {
+            #pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const float2 f = unpack2(qa[k][i], T{});
+                big = fmaxf(big, fmaxf(fabsf(f.x), fabsf(f.y)));
+                q_sum += f.x + f.y;
+            }
+        }
+        big = fmaxf(big, __shfl_xor_sync(0xffffffff, big, 1));
+        big = fmaxf(big, __shfl_xor_sync(0xffffffff, big, 2));
+        q_sum += __shfl_xor_sync(0xffffffff, q_sum, 1);
+        q_sum += __shfl_xor_sync(0xffffffff, q_sum, 2);
+        int e;
+        frexpf(big, &e);  // big = f 2^e, f in [0.5, 1) (e = 0 for a zero row)
+        e = max(e, -100);
+        const float up = ldexpf(1.f, 15 - e);
+        #pragma unroll
+        for (int k = 0; k < KS; ++k) {
+            #pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const float2 f = unpack2(qa[k][i], T{});
+                qa[k][i] = pack2(f.x * up, f.y * up, __half{});
+            }
+        }
+        q_unscale = sc * ldexpf(1.f, e - 15);
+        q_sum *= sc;
+    }
+    float acc[NT][4];
+"""
+
+_SCORE = """                s[j][e] = tile + 8 * j + 2 * t + e < end ? s[j][e] * sc : NEG_INF;
+"""
+_QSCORE = """                const int r = 8 * j + 2 * t + e;
+                const float sv = AFTER ? fmaf(k_terms[warp][r].x * q_unscale, s[j][e], k_terms[warp][r].y * q_sum)
+                                         : s[j][e] * sc;
+                s[j][e] = tile + r < end ? sv : NEG_INF;
+"""
+
+_WEIGHTS = """        unsigned pa0, pa2;
+        float corr_v = corr;  // the values' accumulators' factor: the softmax's, and S's growth under AFTER
+        if (AFTER) {
+            float2 vt[2][2];
+            float big = 0.f;
+            v_bias *= corr;
+            #pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                #pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    vt[j][e] = v_terms[warp][8 * j + 2 * t + e];
+                    big = fmaxf(big, fabsf(vt[j][e].x));
+                    v_bias = fmaf(p[j][e], vt[j][e].y, v_bias);
+                }
+            }
+            big = fmaxf(big, __shfl_xor_sync(0xffffffff, big, 1));
+            big = fmaxf(big, __shfl_xor_sync(0xffffffff, big, 2));
+            const float top = fmaxf(v_top, __uint_as_float(__float_as_uint(big) & 0x7F800000u));
+            corr_v = corr * (v_top / top);  // powers of two: exact
+            v_top = top;
+            const float inv = 1.f / top;
+            pa0 = pack2(p[0][0] * vt[0][0].x * inv, p[0][1] * vt[0][1].x * inv, __half{});
+            pa2 = pack2(p[1][0] * vt[1][0].x * inv, p[1][1] * vt[1][1].x * inv, __half{});
+        } else {
+            pa0 = pack2(p[0][0], p[0][1], T{});
+            pa2 = pack2(p[1][0], p[1][1], T{});
+        }
+"""
+
+_AFTER_VALUES = """    if (AFTER) {  // the values' sums back to their scale: S acc + the row's sum_t p_t (b_t - 1024 s_t)
+        v_bias += __shfl_xor_sync(0xffffffff, v_bias, 1);
+        v_bias += __shfl_xor_sync(0xffffffff, v_bias, 2);
+        #pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            acc[n][0] = fmaf(acc[n][0], v_top, v_bias);
+            acc[n][1] = fmaf(acc[n][1], v_top, v_bias);
+        }
+    }
+"""
+
 # (16-bit loop text, quantized loop text, times it occurs)
 REPLACEMENTS = [
+    ("    float acc[NT][4];\n", _AFTER_SETUP, 1),
+    ("""                mma16816(s[j], qa[2 * p][0], qa[2 * p][1], kb[0], kb[1], T{});
+                mma16816(s[j], qa[2 * p + 1][0], qa[2 * p + 1][1], kb[2], kb[3], T{});
+""", """                mma16816(s[j], qa[2 * p][0], qa[2 * p][1], kb[0], kb[1], MT{});
+                mma16816(s[j], qa[2 * p + 1][0], qa[2 * p + 1][1], kb[2], kb[3], MT{});
+""", 1),
+    (_SCORE, _QSCORE, 1),
+    ("""        const unsigned pa0 = pack2(p[0][0], p[0][1], T{}), pa2 = pack2(p[1][0], p[1][1], T{});
+""", _WEIGHTS, 1),
+    ("""            acc[n][0] *= corr; acc[n][1] *= corr;
+            acc[n + 1][0] *= corr; acc[n + 1][1] *= corr;
+            mma16816(acc[n], pa0, pa2, vb[0], vb[1], T{});
+            mma16816(acc[n + 1], pa0, pa2, vb[2], vb[3], T{});
+""", """            acc[n][0] *= corr_v; acc[n][1] *= corr_v;
+            acc[n + 1][0] *= corr_v; acc[n + 1][1] *= corr_v;
+            mma16816(acc[n], pa0, pa2, vb[0], vb[1], MT{});
+            mma16816(acc[n + 1], pa0, pa2, vb[2], vb[3], MT{});
+""", 1),
+    ("    l += __shfl_xor_sync(0xffffffff, l, 1);\n", _AFTER_VALUES + "    l += __shfl_xor_sync(0xffffffff, l, 1);\n", 1),
     ("    constexpr int CH = D / 8;  // 16-byte chunks per row\n", "", 1),
     (_LOAD, _QLOAD, 1),
     (_STAGE, _QSTAGE, 1),
