@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Run 57 (2026-12-05, twentieth session), one call after staging (../shared/gpu/README.md), in order of what it
+# closes: int8 pages' decode at 64 and 256 after the scale and bias moved after the products (issue 29's last
+# speed target); the GPU check of that kernel (int8 cases of the decode kernel test); why run 56's int8 engine
+# took 3.2x bf16 pages' wall time end to end at 64 x 512 (decode alone 0.97x): the prefill steps one by one,
+# int8 then bf16 pages, each in a fresh process, and bench_offline again with full-length warm-up prompts.
+source "$(dirname "$0")/lib.sh"
+SUITE=(env MLX_ENABLE_TF32=0 python3 -m pytest -o addopts= -q -rf -p no:cacheprovider)
+OFF="python3 scripts/bench/bench_offline.py --preset llama-8b --dtype bfloat16 --prompt-len 512 --gen-len 64 --batch-sizes 64 --skip-peer --repeats 2"
+PROF="python3 scripts/bench/profile_prefill_steps.py --prompts 64 --length 512"
+case "${PART:-all}" in
+  all)
+    TAIL=14 run kv_64_256 150 python3 scripts/bench/bench_kv_quant.py --speed --preset llama-8b --context 2048 \
+      --batch 64 256 --steps 12
+    TAIL=4 run pytest_kv_int8 150 "${SUITE[@]}" tests/test_gpu_kv_quant.py -k "decode_kernel and default and bits=8"
+    TAIL=30 run prefill_steps_int8 90 $PROF --kv-cache-dtype int8
+    TAIL=30 run prefill_steps_auto 90 $PROF
+    TAIL=6 run offline_int8 120 $OFF --kv-cache-dtype int8;;
+esac
