@@ -92,6 +92,19 @@ def test_emulated_quantized_tensor_core_kernel_matches_the_gather_path(emulated_
     assert any("store_piece<T, D, QBITS, AFTER>" in text for text in EmulatedKernel.sources[before:])
 
 
+def test_int8_tiles_dequantized_as_before_with_scale_after_off(emulated_mma):
+    """PAGEDMLX_QUANT_AFTER=0: int8 pages with one group a row take the dequantized tiles again (the launch's
+    SCALE_AFTER 0), and still match the gather path."""
+    emulated_mma.setenv("PAGEDMLX_QUANT_AFTER", "0")
+    decode_attention_quant._launch.cache_clear()
+    try:
+        test_emulated_quantized_tensor_core_kernel_matches_the_gather_path(emulated_mma, *CASES[0])
+        assert ("SCALE_AFTER", 0) in decode_attention_quant._launch(128, 4, 16, mx.bfloat16, KVQuant(8, 128), 0,
+                                                                    False, CUDA, decode_attention.SETTINGS[CUDA])[0]
+    finally:
+        decode_attention_quant._launch.cache_clear()
+
+
 @pytest.mark.parametrize("magnitude", [1e5, 1e-30])
 def test_int8_keys_scaled_after_the_products_take_queries_outside_fp16s_range(emulated_mma, magnitude):
     """int8 keys with one group a row take their products in fp16 (AFTER in the kernel's source): a bf16

@@ -9,6 +9,7 @@ until a GPU suite has run them (tests/test_gpu_kernels.py)."""
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import mlx.core as mx
@@ -88,7 +89,9 @@ def _launch(D: int, G: int, bs: int, dt: mx.Dtype, quant: KVQuant, window: int, 
     flags = [("QBITS", quant.bits), ("QGROUP", quant.group_size), ("WINDOW", window), ("SINKS", int(sinks))]
     if uses_tensor_cores(D, G, dt, quant, backend, s):  # the 16-bit tensor-core kernel's warps (decode_attention._launch)
         threads = 32 * max(1, min(4, 256 // D))
-        return [("T", dt), ("D", D), ("G", G), ("BS", bs), ("THREADS", threads)] + flags, threads, True
+        # int8 with one group a row: scale and bias after the products (PAGEDMLX_QUANT_AFTER=0: dequantized tiles)
+        after = [("SCALE_AFTER", int(os.environ.get("PAGEDMLX_QUANT_AFTER", "1") != "0"))]
+        return [("T", dt), ("D", D), ("G", G), ("BS", bs), ("THREADS", threads)] + flags + after, threads, True
     tpt, vec = decode_attention.kernel_layout(D, G, dt, s.vectors)
     return ([("T", dt), ("D", D), ("G", G), ("R", 1), ("BS", bs), ("THREADS", s.threads), ("TPT", tpt),
              ("VEC", vec), ("U", s.unroll), ("PF", s.prefetch)] + flags, s.threads, False)

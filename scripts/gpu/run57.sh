@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run 57 (2026-12-05, twentieth session), one call after staging (../shared/gpu/README.md), in order of what it
 # closes: int8 pages' decode at 64 and 256 after the scale and bias moved after the products (issue 29's last
-# speed target); the GPU check of that kernel (int8 cases of the decode kernel test); why run 56's int8 engine
+# speed target), and again with PAGEDMLX_QUANT_AFTER=0 (the dequantized tiles: what the change buys; both runs
+# also have the tensor-core products' zero rows dropped, which frees int4's kernel 5 registers); the GPU check of that kernel (int8 cases of the decode kernel test); why run 56's int8 engine
 # took 3.2x bf16 pages' wall time end to end at 64 x 512 (decode alone 0.97x): the prefill steps one by one,
 # int8 then bf16 pages, each in a fresh process, and bench_offline again with full-length warm-up prompts.
 source "$(dirname "$0")/lib.sh"
@@ -12,6 +13,8 @@ case "${PART:-all}" in
   all)
     TAIL=14 run kv_64_256 150 python3 scripts/bench/bench_kv_quant.py --speed --preset llama-8b --context 2048 \
       --batch 64 256 --steps 12
+    TAIL=14 run kv_64_256_dequantized 150 env PAGEDMLX_QUANT_AFTER=0 python3 scripts/bench/bench_kv_quant.py --speed \
+      --preset llama-8b --context 2048 --batch 64 256 --steps 12
     TAIL=4 run pytest_kv_int8 150 "${SUITE[@]}" tests/test_gpu_kv_quant.py -k "decode_kernel and default and bits=8"
     TAIL=30 run prefill_steps_int8 90 $PROF --kv-cache-dtype int8
     TAIL=30 run prefill_steps_auto 90 $PROF

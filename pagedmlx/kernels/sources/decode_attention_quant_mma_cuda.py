@@ -12,9 +12,10 @@ A lane loads 16-byte pieces of a row's packed words (16 int8 or 32 int4 channels
 groups are >= 32 channels) and the piece's group's scale and bias. quantized_accumulate_mma makes the
 loop by exact text replacement, each of which must apply (as sources/decode_attention_quant.py does).
 
-int8 pages with one group a row (AFTER: the default group 128 at head_dim 128) are not dequantized. Their
-tiles hold each byte x as the fp16 1024 + x (one byte permute per two channels), both products run in fp16,
-and a token's scale s and bias b apply after them:
+int8 pages with one group a row (AFTER: the default group 128 at head_dim 128; the launch's SCALE_AFTER,
+which PAGEDMLX_QUANT_AFTER=0 turns off) are not dequantized. Their tiles hold each byte x as the fp16
+1024 + x (one byte permute per two channels), both products run in fp16, and a token's scale s and bias b
+apply after them:
 - keys: q . k = s (q . (1024 + x)) + (b - 1024 s) sum(q), the query scaled by a power of two into fp16's
   range;
 - values: sum_t p_t v_t = S sum_t (p_t s_t / S) (1024 + x_t) + sum_t p_t (b_t - 1024 s_t), the weights
@@ -233,7 +234,7 @@ _AFTER_SETUP = """    // AFTER (the module's docstring): the query in fp16, scal
     // largest |q| in [2^14, 2^15) (exact for a 16-bit query), and the row's two terms of each score with the
     // softmax scale folded in: sc / 2^e (times a token's s) and sc sum(q) (times its b - 1024 s). The values'
     // running S (v_top, from the smallest normal float) and sum_t p_t (b_t - 1024 s_t) (v_bias, this lane's tokens).
-    constexpr bool AFTER = QBITS == 8 && QGROUP == D;
+    constexpr bool AFTER = SCALE_AFTER && QBITS == 8 && QGROUP == D;
     using MT = typename pick<AFTER, __half, T>::type;  // the products' inputs
     float q_unscale = sc, q_sum = 0.f, v_top = __uint_as_float(0x00800000u), v_bias = 0.f;
     if (AFTER) {
