@@ -162,9 +162,18 @@ _QLOAD = """    // A tile's rows as 16-byte pieces of packed words (PPR a row, N
     constexpr int NP = 16 * PPR / 32;
     constexpr bool PREFETCH = D <= 128;
     __shared__ __align__(128) T tiles[NW][2][16 * D];  // [warp][K, V][row * D + chunk * 8]
-    __shared__ float2 k_terms[NW][16], v_terms[NW][16];  // AFTER: a tile row's (s, b - 1024 s)
+    __shared__ float2 terms[NW][2][16];  // AFTER: [warp][K, V][tile row]: the row's (s, b - 1024 s)
     uint4 k_raw[NP], v_raw[NP];
-    unsigned k_sb[NP], v_sb[NP];  // a piece's group's scale (low 16 bits) and bias (high)
+    unsigned k_sb[NP], v_sb[NP];  // a piece's group's scale (low 16 bits) and bias (high); not AFTER's
+    unsigned row_sb = 0u;  // AFTER's instead: lane l's is row l % 16's, of the keys (l < 16) or the values
+    auto fetch_terms = [&](int tile) {
+        const int tok = tile + (lane & 15);
+        row_sb = 0u;
+        if (AFTER && tok < end) {
+            const size_t r = ((size_t)table[tok / BS] * NKV + kvh) * BS + tok % BS;
+            row_sb = lane < 16 ? pair_bits(k_scales[r], k_biases[r]) : pair_bits(v_scales[r], v_biases[r]);
+        }
+    };
     auto fetch_piece = [&](int i, int tile, uint4& kr, uint4& vr, unsigned& ks, unsigned& vs) {
         const int c = lane + 32 * i, row = c / PPR, piece = c % PPR;
         const int tok = tile + row;
@@ -174,7 +183,7 @@ _QLOAD = """    // A tile's rows as 16-byte pieces of packed words (PPR a row, N
             vr = __ldg(reinterpret_cast<const uint4*>(v_pages + r * WORDS) + piece);
             const size_t gi = r * GROUPS + piece * (128 / QBITS) / QGROUP;
             ks = vs = 0u;
-            if (!AFTER || piece == 0) {  // AFTER reads a row's one scale and bias once
+            if (!AFTER) {
                 ks = pair_bits(k_scales[gi], k_biases[gi]);
                 vs = pair_bits(v_scales[gi], v_biases[gi]);
             }
@@ -187,18 +196,17 @@ _QLOAD = """    // A tile's rows as 16-byte pieces of packed words (PPR a row, N
         const int c = lane + 32 * i, row = c / PPR, piece = c % PPR;
         store_piece<T, D, QBITS, AFTER>(tiles[warp][0], row, piece, kr, ks);
         store_piece<T, D, QBITS, AFTER>(tiles[warp][1], row, piece, vr, vs);
-        if (AFTER && piece == 0) {
-            k_terms[warp][row] = after_terms<T>(ks);
-            v_terms[warp][row] = after_terms<T>(vs);
-        }
     };
     auto fetch = [&](int tile) {
+        fetch_terms(tile);
         #pragma unroll
         for (int i = 0; i < NP; ++i) fetch_piece(i, tile, k_raw[i], v_raw[i], k_sb[i], v_sb[i]);
     };
     // Without PREFETCH a piece is stored as soon as it is loaded, one at a time (not unrolled: the compiler
     // would hoist every piece's loads, holding all their registers next to the accumulators).
     auto store = [&](int tile) {
+        if (!PREFETCH) fetch_terms(tile);
+        if (AFTER) terms[warp][lane >> 4][lane & 15] = after_terms<T>(row_sb);
         if (PREFETCH) {
             #pragma unroll
             for (int i = 0; i < NP; ++i) store_piece_i(i, k_raw[i], v_raw[i], k_sb[i], v_sb[i]);
@@ -273,7 +281,7 @@ _AFTER_SETUP = """    // AFTER (the module's docstring): the query in fp16, scal
 _SCORE = """                s[j][e] = tile + 8 * j + 2 * t + e < end ? s[j][e] * sc : NEG_INF;
 """
 _QSCORE = """                const int r = 8 * j + 2 * t + e;
-                const float sv = AFTER ? fmaf(k_terms[warp][r].x * q_unscale, s[j][e], k_terms[warp][r].y * q_sum)
+                const float sv = AFTER ? fmaf(terms[warp][0][r].x * q_unscale, s[j][e], terms[warp][0][r].y * q_sum)
                                          : s[j][e] * sc;
                 s[j][e] = tile + r < end ? sv : NEG_INF;
 """
@@ -288,7 +296,7 @@ _WEIGHTS = """        unsigned pa0, pa2;
             for (int j = 0; j < 2; ++j) {
                 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    vt[j][e] = v_terms[warp][8 * j + 2 * t + e];
+                    vt[j][e] = terms[warp][1][8 * j + 2 * t + e];
                     big = fmaxf(big, fabsf(vt[j][e].x));
                     v_bias = fmaf(p[j][e], vt[j][e].y, v_bias);
                 }
