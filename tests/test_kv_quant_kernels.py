@@ -44,7 +44,7 @@ def test_a_loop_the_replacements_do_not_fit_is_refused():
 
 def test_tensor_core_source_loads_quantized_tiles_and_no_16_bit_ones():
     body, header = decode_attention_quant.quant_decode_sources(CUDA, mma=True)["single"]
-    assert "store_piece<T, D, QBITS, AFTER>" in body and "fetch(tile + STEP)" in body and "mma16816(" in body
+    assert "store_piece<T, D, QBITS, AFTER>" in body and "fetch(tile + STEP)" in body and "mma16816_top(" in body
     assert "cp_async16(" not in body and "cp.async.wait_all" not in body and "tiles[warp][stage]" not in body
     assert not leftover_tokens(header + body)
     with pytest.raises(ValueError, match="CUDA only"):

@@ -82,6 +82,10 @@ inline void mma16816(float (&d)[4], unsigned a0, unsigned a2, unsigned b0, unsig
         d[e] += s;
     }
 }
+template <class T>
+inline void mma16816_top(float (&d)[4], unsigned a0, unsigned a2, unsigned b0, unsigned b1, T tag) {
+    mma16816(d, a0, a2, b0, b1, tag);  // rows 8..15 of D are never computed here
+}
 // ldmatrix .x4: lanes 8i..8i+7 address matrix i's rows (8 16-bit values each); r[i] of lane T holds
 // row T / 4, values 2 (T % 4) and 2 (T % 4) + 1 (.trans: rows 2 (T % 4) and 2 (T % 4) + 1, value T / 4).
 inline void ldmatrix_impl(unsigned (&r)[4], const void* p, bool trans) {

@@ -347,6 +347,7 @@ REPLACEMENTS = [
             mma16816(acc[n + 1], pa0, pa2, vb[2], vb[3], MT{});
 """, 1),
     ("    l += __shfl_xor_sync(0xffffffff, l, 1);\n", _AFTER_VALUES + "    l += __shfl_xor_sync(0xffffffff, l, 1);\n", 1),
+    ("mma16816(", "mma16816_top(", 4),
     ("    constexpr int CH = D / 8;  // 16-byte chunks per row\n", "", 1),
     (_LOAD, _QLOAD, 1),
     (_STAGE, _QSTAGE, 1),
