@@ -116,6 +116,30 @@ def test_an_engine_on_quantized_pages_checks_the_prefill_kernel_and_runs_it(emul
     clear_kernel_caches()
 
 
+def test_an_engine_on_int8_pages_decodes_through_the_scale_after_kernel(emulated, monkeypatch):
+    """The same engine with the tensor-core decode kernel over int8 pages emulated as well (one group a row of
+    64 channels: the scale and bias apply after the products, fp16 products in a bf16 model): it passes the
+    load-time checks, its decode steps run it, and the request's tokens equal mlx-lm's QuantizedKVCache alone."""
+    from pagedmlx.runner.kernel_paths import kernel_path_lines
+    from test_kv_quant import mlx_lm_quantized_greedy
+
+    from pagedmlx.kernels.sources import decode_attention_quant_mma_cuda as qmma_src
+
+    # the quantized loop drops the 16-bit loop's last wait, which the fixture made the emulator's own call
+    swapped = [("    cp_async_wait_all();\n", new, n) if WAIT_ALL in old else (old, new, n)
+               for old, new, n in qmma_src.REPLACEMENTS]
+    monkeypatch.setattr(qmma_src, "REPLACEMENTS", swapped)
+    model, engine = _quantized_engine(monkeypatch, [])
+    assert engine.runner.kernels.decode, engine.runner.kernels.checks
+    assert "decode paged decode kernel over int8 pages (group 64) on tensor cores" in kernel_path_lines(engine.runner)[0]
+    before = len(EmulatedKernel.sources)
+    prompt = list(range(1, 40))
+    out = _greedy_request(engine, prompt, 8)
+    assert any("SCALE_AFTER = 1" in text for text in EmulatedKernel.sources[before:])
+    assert out.token_ids == mlx_lm_quantized_greedy(model, prompt, 8, bits=8, group_size=64)
+    clear_kernel_caches()
+
+
 def test_a_prefill_kernel_the_model_check_rejects_is_switched_off_when_it_runs_alone(emulated, monkeypatch, caplog):
     """The quantized decode kernel and page write fail their checks, so the prefill kernel is the only kernel
     left; it passes its own check, but the model's paged forward through it disagrees with mlx-lm (here: its
