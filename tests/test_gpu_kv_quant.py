@@ -28,7 +28,7 @@ KERNELS = ["default", "lanes"] if BACKEND == CUDA else ["default"]
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("quant", QUANTS, ids=str)
+@pytest.mark.parametrize("quant", QUANTS, ids=lambda q: f"int{q.bits}g{q.group_size}")
 @pytest.mark.parametrize("window,sinks", [(None, False), (100, True)])
 def test_quantized_decode_kernel_matches_the_gather_path(kernel, shape, quant, window, sinks):
     h, n_kv, d, dt = shape
@@ -43,7 +43,7 @@ def test_quantized_decode_kernel_matches_the_gather_path(kernel, shape, quant, w
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("quant", QUANTS, ids=str)
+@pytest.mark.parametrize("quant", QUANTS, ids=lambda q: f"int{q.bits}g{q.group_size}")
 def test_quantized_page_write_lands_in_place_and_is_read_in_the_same_graph(shape, quant):
     _, n_kv, d, dt = shape
     if d % quant.group_size:
@@ -56,7 +56,7 @@ def test_quantized_page_write_lands_in_place_and_is_read_in_the_same_graph(shape
 
 @pytest.mark.skipif(BACKEND != CUDA, reason="the paged prefill kernel is CUDA only")
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("quant", QUANTS, ids=str)
+@pytest.mark.parametrize("quant", QUANTS, ids=lambda q: f"int{q.bits}g{q.group_size}")
 @pytest.mark.parametrize("window,sinks", [(None, False), (100, True)])
 def test_quantized_prefill_kernel_matches_the_reference(shape, quant, window, sinks):
     """check.check_prefill over quantized pages (what select_quantized runs at load): segments after prefixes,

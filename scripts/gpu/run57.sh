@@ -15,7 +15,7 @@ case "${PART:-all}" in
       --batch 64 256 --steps 12
     TAIL=14 run kv_64_256_dequantized 150 env PAGEDMLX_QUANT_AFTER=0 python3 scripts/bench/bench_kv_quant.py --speed \
       --preset llama-8b --context 2048 --batch 64 256 --steps 12
-    TAIL=4 run pytest_kv_int8 150 "${SUITE[@]}" tests/test_gpu_kv_quant.py -k "decode_kernel and default and bits=8"
+    TAIL=4 run pytest_kv_int8 150 "${SUITE[@]}" tests/test_gpu_kv_quant.py -k "decode_kernel and default and int8"
     TAIL=30 run prefill_steps_int8 90 $PROF --kv-cache-dtype int8
     TAIL=30 run prefill_steps_auto 90 $PROF
     TAIL=6 run offline_int8 120 $OFF --kv-cache-dtype int8;;
