@@ -19,6 +19,7 @@ from pagedmlx.kernels.dialect import CUDA
 from pagedmlx.kernels.sources import decode_attention_mma_cuda as mma_src
 from pagedmlx.kv_cache_dtype import KVQuant
 from pagedmlx.runner.attention import gather_decode
+from pagedmlx.runner.kv_quant import QuantizedPages
 from pagedmlx.runner.masks import length_mask
 
 pytestmark = pytest.mark.skipif(not have_compiler(), reason="g++ runs the emulated kernels")
@@ -123,6 +124,27 @@ def test_int8_keys_scaled_after_the_products_take_queries_outside_fp16s_range(em
     got = decode_attention_quant.paged_decode_quantized(q, k, v, table, seq_lens, scale, n, tokens,
                                                         init_value=float("nan"), backend=CUDA)
     err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+    assert np.isfinite(err) and err <= 3e-2, err
+
+
+@pytest.mark.parametrize("magnitude", [3e4, 1e-20])
+def test_int8_values_scaled_after_the_products_keep_their_magnitude(emulated_mma, magnitude):
+    """The values' weights p s / S are in fp16 with S a power of two under the largest |s|: pages whose values
+    (and so scales) are far above fp16's range or far below it still give the gather path's output, relative
+    to their magnitude. Keys scaled the same way, the softmax scale undoing it."""
+    D, H, KV, lens, quant = 128, 8, 2, [9, 70], KVQuant(8, 128)
+    rng = np.random.default_rng(11)
+    q, _, _, table, seq_lens, _ = quantized_case(rng, mx.bfloat16, D, H, KV, lens, quant)
+    nb = table.shape[1]
+    pages = [mx.array(rng.standard_normal((len(lens) * nb + 2, KV, 16, D)).astype(np.float32) * magnitude)
+             .astype(mx.bfloat16) for _ in range(2)]
+    k, v = (QuantizedPages(*mx.quantize(p, group_size=128, bits=8), quant) for p in pages)
+    scale = D ** -0.5 / magnitude
+    want = gather_decode(q.astype(mx.float32), k, v, table, scale, length_mask(seq_lens, nb * 16))
+    n, tokens = _splits(lens, None, 2)
+    got = decode_attention_quant.paged_decode_quantized(q, k, v, table, seq_lens, scale, n, tokens,
+                                                        init_value=float("nan"), backend=CUDA)
+    err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item() / magnitude
     assert np.isfinite(err) and err <= 3e-2, err
 
 
