@@ -293,3 +293,57 @@ def test_a_draft_model_drafts_fewer_tokens_where_they_are_rejected():
             drafter.observe(req, 4, 1)
         drafter.propose_draft_token_ids([req])
         assert [min(rooms[0], 4) for rooms in proposer.rooms] == expect, cost  # the proposer drafts min(k, room)
+
+
+def test_a_new_request_starts_from_the_draft_models_recent_acceptance():
+    """The drafter's prior: a draft model whose drafts every request rejects makes a new request start paused
+    (PAUSE_TOKENS), instead of spending the seven failed drafts its own estimate would take to fall from 1.0;
+    it drafts again after the pause, and good drafts raise the prior back. The n-gram proposer keeps no prior:
+    its acceptance is the text's."""
+    from pagedmlx.spec_decode.drafter import PAUSE_TOKENS, Drafter
+
+    class Recorder:
+        def __init__(self):
+            self.asked = []
+
+        def propose_batch(self, items):
+            self.asked += [req.request_id for req, _ in items]
+            return {}
+
+    def ready(rid):
+        req = make_request(rid, list(range(10)), max_tokens=200)
+        req.num_computed_tokens = req.num_tokens - 1
+        return req
+
+    config = SpeculativeConfig(method="draft_model", model="random:llama-tiny", num_speculative_tokens=3,
+                               min_acceptance_rate=0.15)
+    proposer = Recorder()
+    drafter = Drafter(config, 1000, proposer, cost_ratio=0.25)
+    first = ready("a")
+    drafter.propose_draft_token_ids([first])
+    assert proposer.asked == ["a"]  # nothing known yet: it drafts
+    for _ in range(8):
+        drafter.observe(first, 3, 0)
+    assert drafter.prior.rate < 0.15 and drafter.paused(first)
+    late = ready("b")
+    drafter.propose_draft_token_ids([late])
+    assert proposer.asked == ["a"] and drafter.paused(late)  # starts paused: no draft asked for
+    for _ in range(PAUSE_TOKENS):
+        late.append_output_token(7)
+    late.num_computed_tokens = late.num_tokens - 1
+    drafter.propose_draft_token_ids([late])
+    assert proposer.asked == ["a", "b"]  # after its pause it tries again
+    for _ in range(6):
+        drafter.observe(late, 3, 3)
+    assert drafter.prior.rate > 0.8
+    fresh = ready("c")
+    drafter.propose_draft_token_ids([fresh])
+    assert proposer.asked[-1] == "c"
+
+    ngram = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3, min_acceptance_rate=0.15), 1000)
+    assert ngram.prior is None
+    req = ready("d")
+    ngram.propose_draft_token_ids([req])
+    for _ in range(8):
+        ngram.observe(req, 3, 0)
+    assert not ngram.paused(ready("e"))

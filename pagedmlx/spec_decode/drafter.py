@@ -6,7 +6,11 @@ GPUModelRunner.propose_draft_token_ids over its drafter), and the adaptive rules
   come almost free, at a large batch the step is compute-bound and a rejected draft is pure cost.
 - A request: drafts accepted at less than `min_acceptance_rate` (a moving average of accepted /
   drafted, per draft) stop for PAUSE_TOKENS output tokens, twice as long each time it happens again
-  (up to MAX_PAUSE_TOKENS); a request that starts quoting again later is drafted for again.
+  (up to MAX_PAUSE_TOKENS); a request that starts quoting again later is drafted for again. A new
+  request's estimate of a draft model's (or MTP module's) drafts starts from all requests' recent ones
+  (the drafter's prior), not from certainty: below the rate it starts paused, so that a draft model that
+  fails every request does not cost each new one the seven failed drafts its own estimate takes to fall.
+  (The n-gram's acceptance is the text's, not the proposer's: each request starts from certainty.)
 - How many (a draft model): each draft token costs a forward of the draft, about `cost_ratio` of a
   target step (their weights' bytes). Per request, k is the count of at most num_speculative_tokens
   that gives the most tokens per unit of cost, (1 - a^(k+1)) / (1 - a) / (1 + k * cost_ratio), where
@@ -96,6 +100,8 @@ class Drafter:
         self.num_lookup_drafts = 0  # drafts taken from the lookup instead of the model
         self._logged: set[str] = set()
         self.num_paused = 0  # times a request stopped proposing for its low acceptance
+        # A model's drafts of all requests: where a new request's estimate starts (None for the n-gram's).
+        self.prior: Optional[_Acceptance] = _Acceptance() if proposer is not None else None
 
     def active(self, num_running: int) -> bool:
         """Whether requests speculate at this batch size."""
@@ -122,6 +128,23 @@ class Drafter:
         state = (self._acceptance if table is None else table).get(request)
         return state is not None and request.num_output_tokens < state.paused_until
 
+    def _model_acceptance(self, req: Request) -> _Acceptance:
+        """The request's estimate of the model's drafts; a new one is the prior's, paused below the rate."""
+        state = self._acceptance.get(req)
+        if state is None:
+            p = self.prior or _Acceptance()
+            state = self._acceptance[req] = _Acceptance(rate=p.rate, accepted=p.accepted, rejected=p.rejected)
+            if state.rate < self.config.min_acceptance_rate:
+                self._pause(req, state)
+        return state
+
+    def _pause(self, request: Request, state: _Acceptance) -> None:
+        floor = self.config.min_acceptance_rate
+        state.paused_until = request.num_output_tokens + state.pause
+        state.pause = min(2 * state.pause, MAX_PAUSE_TOKENS)
+        state.rate = min(1.0, 2 * floor)  # after the pause, two or three bad drafts pause it again
+        self.num_paused += 1
+
     def _lookup_draft(self, req: Request, room: int) -> list[int]:
         """The n-gram's draft where it pays at least as much as the model's (module docstring), else []."""
         if self.paused(req, self._lookup_acceptance):
@@ -130,8 +153,7 @@ class Drafter:
         if not draft:
             return []
         if not self.paused(req):
-            model, lookup = self._acceptance.get(req), self._lookup_acceptance.get(req)
-            a = model.token_rate if model is not None else 1.0
+            a, lookup = self._acceptance[req].token_rate, self._lookup_acceptance.get(req)
             k = best_num_drafts(a, self.cost_ratio, min(self.config.num_speculative_tokens, room))
             a_lookup = lookup.token_rate if lookup is not None else 1.0
             if round_gain(a_lookup, len(draft), 0.0) < round_gain(a, k, self.cost_ratio):
@@ -153,6 +175,7 @@ class Drafter:
                 room = min(room, max_tokens - req.num_output_tokens - 1)
             self._from_lookup.discard(req)
             self._unused.pop(req, None)
+            state = self._model_acceptance(req)  # first: a new request may start paused
             if self.lookup is not None and room > 0 and (draft := self._lookup_draft(req, room)):
                 drafts[req.request_id] = draft
                 self._from_lookup.add(req)
@@ -160,8 +183,7 @@ class Drafter:
                 continue
             if self.paused(req):
                 continue
-            state = self._acceptance.get(req)
-            if self.cost_ratio and state is not None:
+            if self.cost_ratio:
                 room = min(room, best_num_drafts(state.token_rate, self.cost_ratio, self.config.num_speculative_tokens))
             if room > 0 and hasattr(self.proposer, "propose_batch"):
                 batch.append((req, room))
@@ -177,24 +199,21 @@ class Drafter:
         """A verified draft of the request: update its acceptance rate, pause it when low."""
         if not num_draft_tokens:
             return
-        table = self._lookup_acceptance if request in self._from_lookup else self._acceptance
-        state = table.setdefault(request, _Acceptance())
-        state.rate += RATE_WEIGHT * (num_accepted_tokens / num_draft_tokens - state.rate)
-        state.count(num_accepted_tokens, num_accepted_tokens < num_draft_tokens)
+        lookup = request in self._from_lookup
+        state = self._lookup_acceptance.setdefault(request, _Acceptance()) if lookup else self._model_acceptance(request)
+        for est in (state,) if lookup or self.prior is None else (state, self.prior):
+            est.rate += RATE_WEIGHT * (num_accepted_tokens / num_draft_tokens - est.rate)
+            est.count(num_accepted_tokens, num_accepted_tokens < num_draft_tokens)
         unused = self._unused.pop(request, None)
         if unused is not None:  # the lookup's draft the model's beat: checked against the tokens kept
             start, draft = unused
             known = request.all_token_ids[start:start + len(draft)]
             a = num_accepted(known, draft)
             self._lookup_acceptance.setdefault(request, _Acceptance()).count(a, a < len(known))
-        floor = self.config.min_acceptance_rate
-        if state.rate < floor:
-            state.paused_until = request.num_output_tokens + state.pause
-            state.pause = min(2 * state.pause, MAX_PAUSE_TOKENS)
-            state.rate = min(1.0, 2 * floor)  # after the pause, two or three bad drafts pause it again
-            if table is self._lookup_acceptance:  # after the pause its next match is tried afresh
+        if state.rate < self.config.min_acceptance_rate:
+            self._pause(request, state)
+            if lookup:  # after the pause its next match is tried afresh
                 state.accepted = state.rejected = 0.0
-            self.num_paused += 1
 
 
 def make_drafter(config: Optional[SpeculativeConfig], max_model_len: int, kv_cache_manager, draft_proposer: Any = None,
