@@ -67,6 +67,12 @@ __device__ inline float2 unpack2(unsigned w, __half) {
 }
 template <bool C, class X, class Y> struct pick { using type = X; };
 template <class X, class Y> struct pick<false, X, Y> { using type = Y; };
+// A scale and a bias (T's bits, scale low) as (s, b - m s) in float: the bias with a magic m's share folded in.
+template <typename T>
+__device__ inline float2 folded(unsigned scale_bias, float m) {
+    const float2 sb = unpack2(scale_bias, T{});
+    return make_float2(sb.x, fmaf(-m, sb.x, sb.y));
+}
 __device__ inline unsigned magic2(__half) { return 0x64006400u; }
 
 // 4-bit: channels c, c + 1 are byte c / 2 of word w (low nibble, high nibble); hi = w >> 4 holds the high
@@ -86,17 +92,9 @@ __device__ inline unsigned pair_int8(unsigned w, int byte, unsigned s2, unsigned
 }
 // 8-bit in bf16 (8 significant bits hold 0..255 but no magic does): each byte goes through fp32, placed by
 // one byte permute in mantissa bits 8-15 under 2^15's exponent, so the float is exactly 2^15 + q; one fma
-// with sb = (s, b - 2^15 s) (int8_affine, once a piece) gives q * s + b, and both are rounded to bf16
+// with sb = (s, b - 2^15 s) (folded, once a piece) gives q * s + b, and both are rounded to bf16
 // together. The folded bias's own rounding is at most s / 512, far under the int8 step s: one instruction
 // a channel fewer than subtracting the magic first.
-__device__ inline float2 int8_affine(unsigned scale_bias) {
-    const unsigned short sbits = scale_bias & 0xFFFF, bbits = scale_bias >> 16;
-    __nv_bfloat16 sv, bv;
-    memcpy(&sv, &sbits, 2);
-    memcpy(&bv, &bbits, 2);
-    const float s = __bfloat162float(sv);
-    return make_float2(s, fmaf(-32768.f, s, __bfloat162float(bv)));
-}
 __device__ inline unsigned pair_int8(unsigned w, int byte, unsigned, unsigned, float2 sb, __nv_bfloat16) {
     const float m0 = __uint_as_float(__byte_perm(w, 0x47000000u, 0x7504 | (byte << 4)));
     const float m1 = __uint_as_float(__byte_perm(w, 0x47000000u, 0x7504 | ((byte + 1) << 4)));
@@ -111,7 +109,7 @@ __device__ inline void store_piece(T* tile, int row, int piece, uint4 raw, unsig
     constexpr int PER = 32 / QBITS;
     constexpr int CPP = 128 / QBITS / 8;  // 8-channel chunks per piece: 2 (int8), 4 (int4)
     const unsigned s2 = __byte_perm(scale_bias, 0u, 0x1010), b2 = __byte_perm(scale_bias, 0u, 0x3232);
-    const float2 sb32 = int8_affine(scale_bias);  // bf16 int8's only (unused, so dropped, elsewhere)
+    const float2 sb32 = folded<T>(scale_bias, 32768.f);  // bf16 int8's only (unused, so dropped, elsewhere)
     const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
     #pragma unroll
     for (int j = 0; j < CPP; ++j) {
@@ -126,12 +124,6 @@ __device__ inline void store_piece(T* tile, int row, int piece, uint4 raw, unsig
         const int chunk = piece * CPP + j;
         *reinterpret_cast<uint4*>(tile + row * D + ((chunk ^ (row & 7)) * 8)) = make_uint4(h[0], h[1], h[2], h[3]);
     }
-}
-// AFTER's per-token terms from a row's scale and bias: (s, b - 1024 s), in float.
-template <typename T>
-__device__ inline float2 after_terms(unsigned scale_bias) {
-    const float2 sb = unpack2(scale_bias, T{});
-    return make_float2(sb.x, fmaf(-1024.f, sb.x, sb.y));
 }
 """
 
@@ -206,7 +198,7 @@ _QLOAD = """    // A tile's rows as 16-byte pieces of packed words (PPR a row, N
     // would hoist every piece's loads, holding all their registers next to the accumulators).
     auto store = [&](int tile) {
         if (!PREFETCH) fetch_terms(tile);
-        if (AFTER) terms[warp][lane >> 4][lane & 15] = after_terms<T>(row_sb);
+        if (AFTER) terms[warp][lane >> 4][lane & 15] = folded<T>(row_sb, 1024.f);
         if (PREFETCH) {
             #pragma unroll
             for (int i = 0; i < NP; ++i) store_piece_i(i, k_raw[i], v_raw[i], k_sb[i], v_sb[i]);
