@@ -22,6 +22,10 @@ lowers the acceptance.
 the context repeats, the n-gram's draft instead of the draft model's, where it promises more (the
 `quote` workload is where it applies).
 
+--phases times one more pass of each speculative run of pagedmlx by phase of the engine's round, wall
+time (spec_phases.py): what the host does between the round's sync and the next round's first dispatch,
+which the device waits through at batch 1.
+
 --profile N profiles one more pass of each speculative run after the rounds and prints its N costliest
 functions by own time (where a round's host time goes; run 51).
 
@@ -177,6 +181,17 @@ def profile_runs(runs: dict, top: int) -> None:
         print("\n".join(lines))
 
 
+def phase_runs(name: str, llm: LLM, run) -> None:
+    """One more pass of a speculative run of ours, its host time by phase (spec_phases.PhaseClock)."""
+    from spec_phases import PhaseClock
+
+    stats = llm.engine.scheduler.spec_decoding_stats
+    before = stats.num_drafts
+    with PhaseClock(llm.engine) as clock:
+        tps, out, _ = run()
+    clock.print(stats.num_drafts - before, f"{name}, {sum(map(len, out))} tokens at {tps:.1f} tok/s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", default=None, help="the target (default: the default model, SmolLM2-135M)")
@@ -200,6 +215,7 @@ def main() -> None:
                          "separate modules either way")
     ap.add_argument("--lookup", type=int, default=0, metavar="N",
                     help="add a run with the draft and prompt lookup (prompt_lookup_max N) to the table")
+    ap.add_argument("--phases", action="store_true", help="time one more pass of our speculative runs by phase")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after the rounds, profile one more pass of each speculative run: its N costliest functions")
     args = ap.parse_args()
@@ -280,6 +296,10 @@ def main() -> None:
               f"{look_stats.num_drafts} drafts from the lookup; tokens from drafts "
               f"{share['pagedmlx + draft + lookup']:.2f}")
     print_table(med, ids, "mlx-lm speculative_generate_step", "mlx-lm speculative")
+    if args.phases:
+        engines = {"pagedmlx + draft": on, **({"pagedmlx + draft + lookup": looks} if args.lookup else {})}
+        for name, llm in engines.items():
+            phase_runs(name, llm, runs[name])
     if args.profile:
         profile_runs({name: runs[name] for name in names if "draft" in name or "speculative" in name}, args.profile)
 
