@@ -284,3 +284,47 @@ def test_bench_throughput_end_to_end(tmp_path, capsys):
     assert out["tokens_per_second"] == pytest.approx(144 / out["elapsed_time"])
     assert {"elapsed_time", "output_tokens_per_second"} <= set(out)
     assert capsys.readouterr().out.startswith("Throughput: ")
+
+
+def test_bench_latency_end_to_end(tmp_path, capsys):
+    """vLLM's `bench latency`: one batch run to the end per iteration, its JSON fields, prefix caching off."""
+    from pagedmlx.cli import make_parser
+
+    assert make_parser().parse_args(["bench", "latency"]).enable_prefix_caching is False
+    path = tmp_path / "lat.json"
+    rc = main(["bench", "latency", "random:llama-tiny", "--num-blocks", "64", "--max-model-len", "128",
+               "--input-len", "16", "--output-len", "8", "--batch-size", "3", "--num-iters-warmup", "1",
+               "--num-iters", "4", "--disable-tqdm", "--output-json", str(path)])
+    out = json.loads(path.read_text())
+    assert rc == 0 and len(out["latencies"]) == 4 and all(t > 0 for t in out["latencies"])
+    assert out["avg_latency"] == pytest.approx(sum(out["latencies"]) / 4)
+    assert list(out["percentiles"]) == ["10", "25", "50", "75", "90", "99"]
+    assert min(out["latencies"]) <= out["percentiles"]["10"] <= out["percentiles"]["99"] <= max(out["latencies"])
+    assert "spec_decode" not in out
+    printed = capsys.readouterr().out
+    assert printed.startswith("Avg latency: ") and "(24 tokens an iteration)" in printed
+
+
+def test_bench_latency_reports_the_drafts_acceptance(tmp_path, capsys):
+    path = tmp_path / "lat.json"
+    spec = '{"method": "draft_model", "model": "random:llama-tiny", "num_speculative_tokens": 2}'
+    rc = main(["bench", "latency", "random:llama-tiny", "--num-blocks", "64", "--max-model-len", "128",
+               "--input-len", "16", "--output-len", "8", "--batch-size", "1", "--num-iters-warmup", "1",
+               "--num-iters", "2", "--temperature", "0", "--speculative-config", spec, "--disable-tqdm",
+               "--output-json", str(path)])
+    spec_out = json.loads(path.read_text())["spec_decode"]
+    assert rc == 0 and 0 < spec_out["num_drafts"] <= spec_out["num_draft_tokens"] <= 2 * spec_out["num_drafts"]
+    assert spec_out["num_accepted_tokens"] <= spec_out["num_draft_tokens"]
+    assert "Speculative decoding: " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--num-iters", "0"], "--num-iters must be >= 1, got 0"),
+    (["--batch-size", "-1"], "--batch-size must be >= 1, got -1"),
+    (["--num-iters-warmup", "-2"], "--num-iters-warmup must be >= 0, got -2"),
+    (["--input-len", "100", "--output-len", "100"], "exceeds the model's max_model_len 128"),
+])
+def test_bench_latency_refuses_bad_flags_by_name(capsys, flags, message):
+    rc = main(["bench", "latency", "random:llama-tiny", "--num-blocks", "64", "--max-model-len", "128",
+               "--disable-tqdm", *flags])
+    assert rc == 2 and message in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""`pagedmlx bench serve | throughput`, modeled on `vllm bench serve | throughput`: the same flags,
+"""`pagedmlx bench serve | throughput | latency`, modeled on `vllm bench serve | throughput | latency`: the same flags,
 metrics and result fields, so that served (any OpenAI-compatible server) and offline (`LLM.generate`)
 figures come from one tool and one dataset code.
 
@@ -10,6 +10,7 @@ figures come from one tool and one dataset code.
     load.py        the load: arrival times, --max-concurrency, client CPU time; --num-processes clients
     serve.py       `bench serve`: test request, warm-ups, the run, vLLM's block and JSON, the CPU check
     throughput.py  `bench throughput`: LLM.generate on the same prompts
+    latency.py     `bench latency`: one batch run to the end, timed over iterations
     presets.py     random weights at real models' widths, one per family: the `preset:NAME` models
     cli.py         the argparse parsers
 """

@@ -1,4 +1,4 @@
-"""`pagedmlx bench serve | throughput`: the parsers, under `vllm bench`'s flag names and defaults
+"""`pagedmlx bench serve | throughput | latency`: the parsers, under `vllm bench`'s flag names and defaults
 (where they differ, the help says so). Nothing heavy is imported until a benchmark runs."""
 
 from __future__ import annotations
@@ -79,27 +79,51 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", default=None, help="write the result JSON (vLLM's fields) to this file")
 
 
+def add_latency_args(p: argparse.ArgumentParser) -> None:
+    from pagedmlx.engine_args import add_engine_args
+
+    add_engine_args(p)
+    p.add_argument("--input-len", type=int, default=32, help="prompt tokens (default 32)")
+    p.add_argument("--output-len", type=int, default=128, help="tokens each request generates (default 128)")
+    p.add_argument("--batch-size", type=int, default=8, help="requests in the batch (default 8)")
+    p.add_argument("--n", type=int, default=1, help="sequences generated per prompt (default 1)")
+    p.add_argument("--num-iters-warmup", type=int, default=10, help="untimed iterations first (default 10)")
+    p.add_argument("--num-iters", type=int, default=30, help="timed iterations (default 30)")
+    p.add_argument("--temperature", type=float, default=1.0, help="(default 1.0, top_p 1.0: vLLM's; 0: greedy)")
+    p.add_argument("--seed", type=int, default=0, help="of the random prompts")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    p.add_argument("--output-json", default=None, help="write the result JSON (vLLM's fields) to this file")
+    p.set_defaults(enable_prefix_caching=False)  # vLLM's: the same prompts run every iteration
+
+
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks, as vllm bench: serve (a running server), throughput (offline)")
-    bench = p.add_subparsers(dest="bench_command", required=True, metavar="{serve,throughput}")
+    p = sub.add_parser("bench", help="benchmarks, as vllm bench: serve (a running server), throughput and latency "
+                                     "(offline)")
+    bench = p.add_subparsers(dest="bench_command", required=True, metavar="{serve,throughput,latency}")
     add_serve_args(bench.add_parser(
         "serve", help="benchmark a running OpenAI-compatible server (pagedmlx serve, mlx_lm.server, vLLM)",
         description="Benchmark a running OpenAI-compatible server, as `vllm bench serve`."))
     add_throughput_args(bench.add_parser(
         "throughput", help="benchmark the offline engine (LLM.generate)",
         description="Benchmark the offline engine (LLM.generate), as `vllm bench throughput`."))
+    add_latency_args(bench.add_parser(
+        "latency", help="the time one batch of requests takes to finish (LLM.generate)",
+        description="The time one batch of requests takes to finish on the offline engine, as `vllm bench latency` "
+                    "(prefix caching off unless --enable-prefix-caching)."))
 
 
 def run_bench(args: argparse.Namespace) -> int:
     import sys
 
-    if args.bench_command == "throughput":
-        from pagedmlx.bench.throughput import bench_throughput
-
+    if args.bench_command in ("throughput", "latency"):
+        if args.bench_command == "throughput":
+            from pagedmlx.bench.throughput import bench_throughput as bench
+        else:
+            from pagedmlx.bench.latency import bench_latency as bench
         try:
-            bench_throughput(args)
+            bench(args)
         except ValueError as exc:
-            print(f"pagedmlx bench throughput: {exc}", file=sys.stderr)
+            print(f"pagedmlx bench {args.bench_command}: {exc}", file=sys.stderr)
             return 2
         return 0
     from pagedmlx.bench.serve import BenchError, bench_serve
