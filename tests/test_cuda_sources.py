@@ -101,6 +101,18 @@ def quantized_cases():
                     decode_attention_quant.paged_decode_quantized(
                         mx.zeros((1, 2 * g, d), dt), *pages, mx.zeros((1, 2), mx.int32), one, 1.0, splits, one,
                         window=window, sinks=mx.zeros((2 * g,)) if sinks else None, settings=settings, backend="cuda")
+    os.environ["PAGEDMLX_QUANT_PREFETCH"] = "0"  # int8's scale-after and int4's tiles loaded where used
+    decode_attention_quant._launch.cache_clear()
+    try:
+        for quant in (KVQuant(8, 128), KVQuant(4, 64)):
+            pages = [QuantizedPages(*mx.quantize(mx.zeros((2, 2, 16, 128), mx.bfloat16), quant.group_size, quant.bits),
+                                    quant) for _ in range(2)]
+            RecordingCudaKernel.label = f"decode bfloat16 D=128 G=4 {quant} no prefetch"
+            decode_attention_quant.paged_decode_quantized(mx.zeros((1, 8, 128), mx.bfloat16), *pages,
+                                                          mx.zeros((1, 2), mx.int32), one, 1.0, 1, one, backend="cuda")
+    finally:
+        del os.environ["PAGEDMLX_QUANT_PREFETCH"]
+        decode_attention_quant._launch.cache_clear()
     for dt, d, g, window, sinks in ((mx.bfloat16, 128, 4, 0, False), (mx.float16, 64, 8, 4096, True)):
         for quant in (KVQuant(8, min(d, 128)), KVQuant(4, 32)):
             pages = [QuantizedPages(*mx.quantize(mx.zeros((2, 1, 16, d), dt), quant.group_size, quant.bits), quant)

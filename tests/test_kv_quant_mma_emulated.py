@@ -106,6 +106,20 @@ def test_int8_tiles_dequantized_as_before_with_scale_after_off(emulated_mma):
         decode_attention_quant._launch.cache_clear()
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[1]], ids=["int8g128", "int4g64"])
+def test_tiles_loaded_where_used_with_prefetch_off(emulated_mma, case):
+    """PAGEDMLX_QUANT_PREFETCH=0: no next tile staged in registers at D 128 (the launch's QPREFETCH 0); int8's
+    scale-after tiles and int4's dequantized ones still match the gather path."""
+    emulated_mma.setenv("PAGEDMLX_QUANT_PREFETCH", "0")
+    decode_attention_quant._launch.cache_clear()
+    try:
+        before = len(EmulatedKernel.sources)
+        test_emulated_quantized_tensor_core_kernel_matches_the_gather_path(emulated_mma, *case)
+        assert any("QPREFETCH = 0" in text for text in EmulatedKernel.sources[before:])
+    finally:
+        decode_attention_quant._launch.cache_clear()
+
+
 @pytest.mark.parametrize("magnitude", [1e5, 1e-30])
 def test_int8_keys_scaled_after_the_products_take_queries_outside_fp16s_range(emulated_mma, magnitude):
     """int8 keys with one group a row take their products in fp16 (AFTER in the kernel's source): a bf16

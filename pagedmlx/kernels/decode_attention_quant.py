@@ -89,8 +89,10 @@ def _launch(D: int, G: int, bs: int, dt: mx.Dtype, quant: KVQuant, window: int, 
     flags = [("QBITS", quant.bits), ("QGROUP", quant.group_size), ("WINDOW", window), ("SINKS", int(sinks))]
     if uses_tensor_cores(D, G, dt, quant, backend, s):  # the 16-bit tensor-core kernel's warps (decode_attention._launch)
         threads = 32 * max(1, min(4, 256 // D))
-        # int8 with one group a row: scale and bias after the products (PAGEDMLX_QUANT_AFTER=0: dequantized tiles)
-        after = [("SCALE_AFTER", int(os.environ.get("PAGEDMLX_QUANT_AFTER", "1") != "0"))]
+        # int8 with one group a row: scale and bias after the products (PAGEDMLX_QUANT_AFTER=0: dequantized tiles);
+        # PAGEDMLX_QUANT_PREFETCH=0: no next tile staged in registers (fewer registers, more resident warps)
+        after = [("SCALE_AFTER", int(os.environ.get("PAGEDMLX_QUANT_AFTER", "1") != "0")),
+                 ("QPREFETCH", int(os.environ.get("PAGEDMLX_QUANT_PREFETCH", "1") != "0"))]
         return [("T", dt), ("D", D), ("G", G), ("BS", bs), ("THREADS", threads)] + flags + after, threads, True
     tpt, vec = decode_attention.kernel_layout(D, G, dt, s.vectors)
     return ([("T", dt), ("D", D), ("G", G), ("R", 1), ("BS", bs), ("THREADS", s.threads), ("TPT", tpt),

@@ -6,13 +6,14 @@ on the PATH too, the machine code's tile loop (the longest backward branch's bod
 is counted as well, beside the 16-bit kernel's. Neither is a timing: the GPU's step times are
 bench_kv_quant.py --speed's.
 
-  python scripts/bench/study_quant_ptx.py          # needs nvcc (CUDA 12+) on the PATH
+  python scripts/bench/study_quant_ptx.py          # needs nvcc (CUDA 12+) on the PATH; PREFETCH=0 rows last
   # cuobjdump without a CUDA toolkit's: pip download --no-deps nvidia-cuda-cuobjdump, unzip, add its bin/ to PATH
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import re
 import shutil
 import subprocess
@@ -94,15 +95,22 @@ def main() -> None:
     sass = shutil.which("cuobjdump") is not None
     print("quantized tensor-core decode kernel, D 128, G 4, sm_90 PTX (static)"
           + (", and the machine code's tile loop" if sass else " (cuobjdump not on the PATH: no machine code)"))
-    print(f"{'pages':>22} | {'instructions':>12} | {'registers':>9} | {'SASS loop':>9} | most frequent")
-    for dtype in (mx.bfloat16, mx.float16):
-        for quant in (None, KVQuant(8, 128), KVQuant(4, 64)):
-            source = sixteen_bit_source(dtype) if quant is None else kernel_source(dtype, quant)
-            ops, regs = ptx_opcodes(source)
-            loop = f"{sass_tile_loop(source)[0]:>9}" if sass else f"{'':>9}"
-            top = ", ".join(f"{k} {n}" for k, n in ops.most_common(6))
-            name = f"{str(dtype).split('.')[-1]} " + (f"int{quant.bits}/{quant.group_size}" if quant else "16-bit")
-            print(f"{name:>22} | {sum(ops.values()):>12} | {regs:>9} | {loop} | {top}")
+    print(f"{'pages':>30} | {'instructions':>12} | {'registers':>9} | {'SASS loop':>9} | most frequent")
+    rows = [(dtype, quant, True) for dtype in (mx.bfloat16, mx.float16) for quant in (None, KVQuant(8, 128), KVQuant(4, 64))]
+    for dtype, quant, prefetch in rows + [(mx.bfloat16, KVQuant(8, 128), False), (mx.bfloat16, KVQuant(4, 64), False)]:
+        if not prefetch:  # PAGEDMLX_QUANT_PREFETCH=0
+            os.environ["PAGEDMLX_QUANT_PREFETCH"] = "0"
+            decode_attention_quant._launch.cache_clear()
+        source = sixteen_bit_source(dtype) if quant is None else kernel_source(dtype, quant)
+        ops, regs = ptx_opcodes(source)
+        loop = f"{sass_tile_loop(source)[0]:>9}" if sass else f"{'':>9}"
+        top = ", ".join(f"{k} {n}" for k, n in ops.most_common(6))
+        name = (f"{str(dtype).split('.')[-1]} " + (f"int{quant.bits}/{quant.group_size}" if quant else "16-bit")
+                + ("" if prefetch else " no prefetch*"))
+        print(f"{name:>30} | {sum(ops.values()):>12} | {regs:>9} | {loop} | {top}")
+    os.environ.pop("PAGEDMLX_QUANT_PREFETCH", None)
+    print("* PAGEDMLX_QUANT_PREFETCH=0: each piece loaded where it is stored, in a loop of its own that the tile loop's "
+          "count holds once (it runs once a piece: 4 a tile at D 128)")
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@
 # also have the tensor-core products' zero rows dropped, which frees int4's kernel 5 registers); the GPU check of that kernel (int8 cases of the decode kernel test); why run 56's int8 engine
 # took 3.2x bf16 pages' wall time end to end at 64 x 512 (decode alone 0.97x): the prefill steps one by one,
 # int8 then bf16 pages, each in a fresh process, and bench_offline again with full-length warm-up prompts.
-# PART=phases (issue 28, twenty-first session): where a speculative round's host time goes on the H200, phase by phase
-# (bench_draft.py --phases, spec_phases.py), on the Llama-8B-shaped pair with an exact 4-layer draft.
+# PART=phases (twenty-first session): int8 / int4 decode with PAGEDMLX_QUANT_PREFETCH=0 (no next tile staged in
+# registers: int8's scale-after kernel 164 registers instead of 198, three 128-thread groups an SM instead of two;
+# issue 29); then where a speculative round's host time goes on the H200, phase by phase (bench_draft.py --phases,
+# spec_phases.py), on the Llama-8B-shaped pair with an exact 4-layer draft (issue 28).
 source "$(dirname "$0")/lib.sh"
 SUITE=(env MLX_ENABLE_TF32=0 python3 -m pytest -o addopts= -q -rf -p no:cacheprovider)
 OFF="python3 scripts/bench/bench_offline.py --preset llama-8b --dtype bfloat16 --prompt-len 512 --gen-len 64 --batch-sizes 64 --skip-peer --repeats 2"
@@ -22,6 +24,8 @@ case "${PART:-all}" in
     TAIL=30 run prefill_steps_auto 90 $PROF
     TAIL=6 run offline_int8 120 $OFF --kv-cache-dtype int8;;
   phases)  # a call of its own (PART=phases): the above takes about 8 of a call's 10 minutes
+    TAIL=14 run kv_64_256_noprefetch 150 env PAGEDMLX_QUANT_PREFETCH=0 python3 scripts/bench/bench_kv_quant.py \
+      --speed --preset llama-8b --context 2048 --batch 64 256 --steps 12
     TAIL=40 run draft_phases 200 python3 scripts/bench/bench_draft.py preset:llama-8b --dtype bfloat16 --draft layers:4 \
       --k 4 --target-tail-scale 0 --rounds 1 --prompts 2 --max-tokens 96 --kv-cache-gb 4 --phases;;
 esac

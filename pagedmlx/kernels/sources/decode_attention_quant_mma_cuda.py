@@ -6,7 +6,9 @@ and int8 in fp16, two channels an instruction from magic-number bit patterns) an
 swizzled shared-memory tile that ldmatrix reads. Plain loads, not cp.async: for
 D <= 128 the next tile's packed words are loaded into registers before this tile's math (a
 register-staged pipeline, one shared-memory stage); D = 256 loads each tile where it is used (its
-accumulators leave no registers for a second tile).
+accumulators leave no registers for a second tile), as does any D where the launch's QPREFETCH is 0
+(PAGEDMLX_QUANT_PREFETCH=0: bf16 int8/128 at D 128 then takes 164 registers instead of 198, three
+128-thread groups an SM instead of two; ptxas, sm_90, scripts/bench/study_quant_ptx.py).
 
 A lane loads 16-byte pieces of a row's packed words (16 int8 or 32 int4 channels, inside one group:
 groups are >= 32 channels) and the piece's group's scale and bias. quantized_accumulate_mma makes the
@@ -152,7 +154,7 @@ _QLOAD = """    // A tile's rows as 16-byte pieces of packed words (PPR a row, N
     constexpr int GROUPS = D / QGROUP;
     constexpr int PPR = WORDS / 4;
     constexpr int NP = 16 * PPR / 32;
-    constexpr bool PREFETCH = D <= 128;
+    constexpr bool PREFETCH = D <= 128 && QPREFETCH;
     __shared__ __align__(128) T tiles[NW][2][16 * D];  // [warp][K, V][row * D + chunk * 8]
     __shared__ float2 terms[NW][2][16];  // AFTER: [warp][K, V][tile row]: the row's (s, b - 1024 s)
     uint4 k_raw[NP], v_raw[NP];
