@@ -80,7 +80,7 @@ def test_busy_engine_on_the_kernel_equals_mlx_lm_alone(emulated, monkeypatch, tm
     adapters = [LoRARequest(f"a{i}", i + 1, make_adapter(str(tmp_path / f"a{i}"), base, **spec))
                 for i, spec in enumerate(ADAPTER_SPECS) if not spec.get("dora")][:3]
     refs = References(base)
-    prompts = make_prompts(12, ARCHS["llama"]["vocab_size"], seed=11)
+    prompts = make_prompts(8, ARCHS["llama"]["vocab_size"], seed=11)
     loras = [None if i % 4 == 3 else adapters[i % len(adapters)] for i in range(len(prompts))]
     engine = lora_engine(max_loras=3, merge_projections=merged)
     engine.runner.lora_manager.punica.kernel_backend = CUDA
