@@ -21,6 +21,21 @@ def build_engine(config):
     return LLMEngine.from_config(config)  # imports pagedmlx.loader only now
 
 
+def load_engine(config, command: str):
+    """The in-process engine of `command` (generate, bench throughput / latency) behind a spinner; None after
+    one line on stderr saying why it could not start (a model path that does not load, a model or draft model
+    that cannot be served, a setting the model refuses), as `serve` says it."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    try:
+        with console.status("loading the model..."):
+            return build_engine(config)
+    except Exception as exc:  # noqa: BLE001 - whatever stopped the load is the user's to fix: said, not a traceback
+        console.print(f"[red]pagedmlx {command}: the engine could not start:[/] {type(exc).__name__}: {exc}")
+        return None
+
+
 # ---- generate --------------------------------------------------------------------------------
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -46,8 +61,9 @@ def run_generate(args: argparse.Namespace) -> int:
     from pagedmlx.core.info import defaults_line
 
     console = Console(stderr=True)
-    with console.status("loading the model..."):
-        engine = build_engine(engine_config(args))
+    engine = load_engine(engine_config(args), "generate")
+    if engine is None:
+        return 1
     flags = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     try:
         params = engine.get_default_sampling_params(

@@ -165,3 +165,20 @@ def test_generate_answers_the_default_models_question_without_chat_flag(smollm):
                           "--prompt", "What is the capital of France?", "--max-tokens", "8"],
                          capture_output=True, text=True, timeout=300)
     assert raw.returncode == 0 and "chat template" not in raw.stderr and "chat template" in proc.stderr
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "random:llama-tiny", "--prompt", "hi", "--speculative-config",
+      '{"method": "draft_model", "model": "random:qwen3_5-tiny", "num_speculative_tokens": 2}'],
+     "UnsupportedModelError: draft model type 'qwen3_5' has state layers"),
+    (["bench", "latency", "random:no-such-arch"], "pagedmlx bench latency: the engine could not start:"),
+    (["bench", "throughput", "random:no-such-arch"], "pagedmlx bench throughput: the engine could not start:"),
+])
+def test_in_process_commands_say_why_the_engine_could_not_start(capsys, argv, message):
+    """generate and the offline benchmarks: a model (or draft model) that cannot be served is one line on
+    stderr and exit status 1, as `serve` says it, not a traceback."""
+    from pagedmlx.cli import main
+
+    assert main(argv) == 1
+    err = " ".join(capsys.readouterr().err.split())  # rich wraps the line
+    assert message in err and "Traceback" not in err

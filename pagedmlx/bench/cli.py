@@ -121,11 +121,10 @@ def run_bench(args: argparse.Namespace) -> int:
         else:
             from pagedmlx.bench.latency import bench_latency as bench
         try:
-            bench(args)
+            return 0 if bench(args) is not None else 1  # None: the engine could not start (said)
         except ValueError as exc:
             print(f"pagedmlx bench {args.bench_command}: {exc}", file=sys.stderr)
             return 2
-        return 0
     from pagedmlx.bench.serve import BenchError, bench_serve
 
     try:

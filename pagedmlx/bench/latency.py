@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -62,18 +62,18 @@ def result_lines(result: dict[str, Any], output_tokens: int) -> list[str]:
     return lines
 
 
-def bench_latency(args: argparse.Namespace) -> dict[str, Any]:
-    """Build the engine from `args` (`pagedmlx serve`'s engine options), run, print, save --output-json."""
-    from rich.console import Console
-
+def bench_latency(args: argparse.Namespace) -> Optional[dict[str, Any]]:
+    """Build the engine from `args` (`pagedmlx serve`'s engine options), run, print, save --output-json;
+    None where the engine could not start (said on stderr)."""
     from pagedmlx.bench.datasets import random_requests
-    from pagedmlx.cli import build_engine
+    from pagedmlx.cli import load_engine
     from pagedmlx.engine_args import engine_config
     from pagedmlx.llm import LLM
     from pagedmlx.sampling_params import SamplingParams
 
-    with Console(stderr=True).status("loading the model..."):
-        engine = build_engine(engine_config(args))
+    engine = load_engine(engine_config(args), "bench latency")
+    if engine is None:
+        return None
     check_latency_args(args, engine.max_model_len)
     samples = random_requests(args.batch_size, args.input_len, args.output_len, seed=args.seed,
                               tokenizer=engine.tokenizer, vocab_size=engine.vocab_size)

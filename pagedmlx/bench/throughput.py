@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from pagedmlx.bench.datasets import SampleRequest, get_samples, random_requests
 
@@ -44,16 +44,16 @@ def result_lines(result: dict[str, Any]) -> list[str]:
             f"Total num output tokens:  {result['total_output_tokens']}"]
 
 
-def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
-    """Build the engine from `args` (`pagedmlx serve`'s engine options), run, print, save --output-json."""
-    from rich.console import Console
-
-    from pagedmlx.cli import build_engine
+def bench_throughput(args: argparse.Namespace) -> Optional[dict[str, Any]]:
+    """Build the engine from `args` (`pagedmlx serve`'s engine options), run, print, save --output-json;
+    None where the engine could not start (said on stderr)."""
+    from pagedmlx.cli import load_engine
     from pagedmlx.engine_args import engine_config
     from pagedmlx.llm import LLM
 
-    with Console(stderr=True).status("loading the model..."):
-        engine = build_engine(engine_config(args))
+    engine = load_engine(engine_config(args), "bench throughput")
+    if engine is None:
+        return None
     tokenizer, vocab = engine.tokenizer, engine.vocab_size
     samples = get_samples(args, tokenizer, as_ids=True, vocab_size=vocab)
     first = samples[0]
