@@ -78,21 +78,29 @@ def run_generate(args: argparse.Namespace) -> int:
     console.print(f"[bold]pagedmlx[/] {engine.config.model or 'default model'} on {backend_name()}, "
                   f"{len(prompts)} prompt(s){', chat template' if chat else ''}; "
                   f"sampling: {defaults_line(engine.generation_defaults, engine.config.model)}")
+    try:
+        _generate(engine, args.prompt, prompts, params, chat, console)
+    except ValueError as exc:  # a prompt the engine refuses (longer than the context): said, exit 2
+        console.print(f"[red]pagedmlx generate: error:[/] {exc}")
+        return 2
+    return 0
+
+
+def _generate(engine, texts: list[str], prompts: list, params, chat: bool, console) -> None:
     if len(prompts) == 1:  # stream the one answer as it comes
         engine.add_request("0", prompts[0], params)
         while engine.has_unfinished_requests():
             for out in engine.step():
                 print(out.new_text, end="", flush=True)
         print()
-        return 0
+        return
     from pagedmlx.llm import LLM
 
     outs = LLM.from_engine(engine).generate([{"prompt_token_ids": p} if chat else p for p in prompts], params,
                                             use_tqdm=True)
-    for prompt, out in zip(args.prompt, outs):
+    for prompt, out in zip(texts, outs):
         console.print(f"[bold cyan]> {prompt}[/]")
         print(out.outputs[0].text)
-    return 0
 
 
 # ---- blocks ----------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ names, as its arg_utils.py), and the EngineConfig they make."""
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Optional
 
 
@@ -91,6 +92,16 @@ def model_arg(args: argparse.Namespace) -> Optional[str]:
 
 
 def engine_config(args: argparse.Namespace):
+    """The EngineConfig of the command's engine options; a value it refuses exits with status 2 and its
+    reason on stderr, as argparse does for a bad flag."""
+    try:
+        return _engine_config(args)
+    except ValueError as exc:
+        print(f"pagedmlx: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _engine_config(args: argparse.Namespace):
     from pagedmlx.config import EngineConfig
 
     return EngineConfig(model=model_arg(args), block_size=args.block_size, num_blocks=args.num_blocks,

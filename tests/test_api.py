@@ -182,3 +182,24 @@ def test_in_process_commands_say_why_the_engine_could_not_start(capsys, argv, me
     assert main(argv) == 1
     err = " ".join(capsys.readouterr().err.split())  # rich wraps the line
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve"], ["bench", "latency"]])
+def test_an_engine_value_the_config_refuses_exits_2_naming_it(capsys, command):
+    """A flag value EngineConfig refuses (here --max-num-seqs 0) exits with status 2 and the reason on stderr,
+    as argparse does for a bad flag, before any model loads: not a traceback."""
+    from pagedmlx.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "random:llama-tiny", "--max-num-seqs", "0"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "max_num_seqs must be an integer >= 1, got 0" in err and "Traceback" not in err
+
+
+def test_generate_refuses_a_prompt_longer_than_the_context_by_name(capsys):
+    from pagedmlx.cli import main
+
+    assert main(["generate", "random:llama-tiny", "--no-chat-template", "--max-model-len", "4",
+                 "--prompt", "hello there how are you"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "pagedmlx generate: error: prompt has" in err and "(max_model_len)" in err
