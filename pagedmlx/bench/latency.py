@@ -18,14 +18,15 @@ import numpy as np
 PERCENTAGES = (10, 25, 50, 75, 90, 99)
 
 
-def check_latency_args(args: argparse.Namespace, max_model_len: int) -> None:
-    """A ValueError naming the flag, its value and its allowed range."""
+def check_latency_args(args: argparse.Namespace, max_model_len: Optional[int] = None) -> None:
+    """A ValueError naming the flag, its value and its allowed range (the lengths against the model's
+    max_model_len once it is known)."""
     for flag in ("batch_size", "input_len", "output_len", "n", "num_iters"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.num_iters_warmup < 0:
         raise ValueError(f"--num-iters-warmup must be >= 0, got {args.num_iters_warmup}")
-    if args.input_len + args.output_len > max_model_len:
+    if max_model_len is not None and args.input_len + args.output_len > max_model_len:
         raise ValueError(f"--input-len {args.input_len} + --output-len {args.output_len} exceeds the model's "
                          f"max_model_len {max_model_len} (raise --max-model-len or --num-blocks, or shorten them)")
 
@@ -71,6 +72,7 @@ def bench_latency(args: argparse.Namespace) -> Optional[dict[str, Any]]:
     from pagedmlx.llm import LLM
     from pagedmlx.sampling_params import SamplingParams
 
+    check_latency_args(args)  # before the model loads
     engine = load_engine(engine_config(args), "bench latency")
     if engine is None:
         return None
