@@ -186,7 +186,7 @@ class AsyncEngine:
         stream = await self.add_request(request_id, prompt, params, priority, cache_salt, lora_request)
         index = {rid: i for i, rid in enumerate(stream.request_ids)}
         builder = RequestOutputBuilder(request_id, prompt if isinstance(prompt, str) else None, len(index),
-                                       self.tokenizer, lora_request)
+                                       self.tokenizer if params.detokenize else None, lora_request)
         try:
             async for out in stream:
                 yield builder.add(index[out.request_id], out)

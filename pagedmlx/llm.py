@@ -72,21 +72,21 @@ class LLM:
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(loras)} lora requests for {len(prompts)} prompts")
-        requests = []  # (request id, prompt text or None, sample ids, adapter)
+        requests = []  # (request id, prompt text or None, sample ids, adapter, detokenize)
         try:
             for prompt, p, lora in zip(prompts, params, loras):
                 rid, (text, ids) = str(next(self._counter)), _unpack(prompt)
-                requests.append((rid, text, [], lora))
+                requests.append((rid, text, [], lora, p.detokenize))
                 for child_id, child_prompt, child_params in fan_out(rid, [ids if ids is not None else text], p):
                     self.engine.add_request(child_id, child_prompt, child_params, lora_request=lora)
                     requests[-1][2].append(child_id)
         except BaseException:  # a refused prompt: the call adds nothing
-            self.engine.abort_request([c for _, _, children, _ in requests for c in children])
+            self.engine.abort_request([c for _, _, children, _, _ in requests for c in children])
             raise
-        num_samples = sum(len(c) for _, _, c, _ in requests)
+        num_samples = sum(len(c) for _, _, c, _, _ in requests)
         done = self._run(num_samples, use_tqdm if use_tqdm is not None else num_samples >= 8)
-        return [self._request_output(rid, text, [done[c] for c in child_ids], lora)
-                for rid, text, child_ids, lora in requests]
+        return [self._request_output(rid, text, [done[c] for c in child_ids], lora, detokenize)
+                for rid, text, child_ids, lora, detokenize in requests]
 
     def chat(self, messages: Union[list[dict], Sequence[list[dict]]],
              sampling_params: Optional[SamplingParams] = None, use_tqdm: Optional[bool] = None,
@@ -117,8 +117,8 @@ class LLM:
         return done
 
     def _request_output(self, rid: str, text: Optional[str], samples: list[EngineOutput],
-                        lora_request: Optional[LoRARequest] = None) -> RequestOutput:
-        builder = RequestOutputBuilder(rid, text, len(samples), self.tokenizer, lora_request)
+                        lora_request: Optional[LoRARequest] = None, detokenize: bool = True) -> RequestOutput:
+        builder = RequestOutputBuilder(rid, text, len(samples), self.tokenizer if detokenize else None, lora_request)
         for i, sample in enumerate(samples):
             output = builder.add(i, sample)
         return output

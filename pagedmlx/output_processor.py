@@ -26,7 +26,7 @@ class RequestState:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.token_ids: list[int] = []
-        self.detokenizer = IncrementalDetokenizer(tokenizer, params)
+        self.detokenizer = IncrementalDetokenizer(tokenizer if params.detokenize else None, params)
         self.logprobs: Optional[list[TokenLogprob]] = [] if params.logprobs is not None else None
         self.prompt_logprobs: Optional[list[TokenLogprob]] = None
 

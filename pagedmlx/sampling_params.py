@@ -41,6 +41,7 @@ class SamplingParams:
     logprobs: Optional[int] = None  # None: none; k: the sampled token's plus the top k
     prompt_logprobs: Optional[int] = None  # as logprobs, for every prompt token after the first
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only (no text, no logprob token strings, no stop strings)
     structured_outputs: Optional[StructuredOutputsParams] = None  # guided decoding (pagedmlx/structured_outputs/)
 
     def __post_init__(self) -> None:
@@ -68,6 +69,9 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (they are found in the text); use stop_token_ids "
+                             f"with detokenize=False, got stop={self.stop!r}")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must hold token ids >= 0, got {t!r}")

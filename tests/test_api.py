@@ -65,6 +65,36 @@ def test_prompt_forms_give_mlx_lm_tokens():
     assert llm.generate(ids, params)[0].outputs[0].token_ids == want[0]
 
 
+def test_detokenize_false_gives_the_same_tokens_without_text():
+    """vLLM's SamplingParams(detokenize=False): the same token ids and logprobs, no text and no decoded
+    logprob tokens, in LLM.generate and AsyncEngine.generate; stop strings need the text, so they are refused."""
+    from pagedmlx import LLM, AsyncEngine, SamplingParams
+
+    model, tok = make_model("llama"), make_tokenizer(512)
+    llm = LLM(model, tok, block_size=4, num_blocks=128)
+    ids = [5, 17, 300, 42, 9]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    text, raw = llm.generate([ids, ids], [params, replace(params, detokenize=False)])
+    assert raw.outputs[0].token_ids == text.outputs[0].token_ids == solo_greedy(model, ids, 6)
+    assert text.outputs[0].text and raw.outputs[0].text == ""
+    assert [{t: lp.logprob for t, lp in d.items()} for d in raw.outputs[0].logprobs] == \
+        [{t: lp.logprob for t, lp in d.items()} for d in text.outputs[0].logprobs]
+    assert all(lp.decoded_token is None for d in raw.outputs[0].logprobs for lp in d.values())
+    assert all(lp.decoded_token is not None for d in text.outputs[0].logprobs for lp in d.values())
+    engine = AsyncEngine(llm.engine)
+
+    async def run():
+        return [o async for o in engine.generate(ids, replace(params, detokenize=False), "a")][-1]
+
+    try:
+        final = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert final.outputs[0].token_ids == raw.outputs[0].token_ids and final.outputs[0].text == ""
+    with pytest.raises(ValueError, match="stop strings need detokenize=True"):
+        SamplingParams(stop=["x"], detokenize=False)
+
+
 def test_n_samples_are_grouped_in_order_with_their_seeds():
     """n > 1: one RequestOutput per prompt, outputs[i] is sample i, seeded with seed + i."""
     from pagedmlx import LLM, SamplingParams

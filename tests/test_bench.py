@@ -303,6 +303,9 @@ def test_bench_latency_end_to_end(tmp_path, capsys):
     assert "spec_decode" not in out
     printed = capsys.readouterr().out
     assert printed.startswith("Avg latency: ") and "(24 tokens an iteration)" in printed
+    assert main(["bench", "latency", "random:llama-tiny", "--num-blocks", "64", "--input-len", "8", "--output-len",
+                 "4", "--batch-size", "2", "--num-iters-warmup", "0", "--num-iters", "2", "--disable-tqdm",
+                 "--disable-detokenize"]) == 0
 
 
 def test_bench_latency_reports_the_drafts_acceptance(tmp_path, capsys):

@@ -92,6 +92,8 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=1.0, help="(default 1.0, top_p 1.0: vLLM's; 0: greedy)")
     p.add_argument("--seed", type=int, default=0, help="of the random prompts")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    p.add_argument("--disable-detokenize", action="store_true",
+                   help="token ids only: detokenizing left out of the latency (SamplingParams.detokenize=False)")
     p.add_argument("--output-json", default=None, help="write the result JSON (vLLM's fields) to this file")
     p.set_defaults(enable_prefix_caching=False)  # vLLM's: the same prompts run every iteration
 

@@ -81,7 +81,7 @@ def bench_latency(args: argparse.Namespace) -> Optional[dict[str, Any]]:
                               tokenizer=engine.tokenizer, vocab_size=engine.vocab_size)
     prompts = [{"prompt_token_ids": s.prompt} for s in samples]
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=1.0, max_tokens=args.output_len,
-                            ignore_eos=True)
+                            ignore_eos=True, detokenize=not args.disable_detokenize)
     llm = LLM.from_engine(engine)
     stats = engine.scheduler.spec_decoding_stats
 
