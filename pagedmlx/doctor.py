@@ -68,7 +68,9 @@ def run_doctor(args: argparse.Namespace) -> int:
             checks.add_row(name, "[green]passed[/]" if passed else f"[red]failed[/]: {detail}")
     console.print(checks)
     for name in args.model or [None]:
-        console.print(kernel_paths_table(name, args, dtype))
+        table, loaded = kernel_paths_table(name, args, dtype)
+        console.print(table)
+        ok &= loaded
     if args.no_timing:
         return 0 if ok else 1
     console.print(_timing_table(args, dtype, backend is not None))
@@ -92,7 +94,8 @@ def _quantized_checks(backend: str, h: int, kv: int, d: int, block_size: int):
 
 def kernel_paths_table(name, args: argparse.Namespace, dtype):
     """Which kernel each KV cache group's layers run here, for the model `name` (None: the timing
-    table's random Llama in `dtype`), after the engine's own load-time checks."""
+    table's random Llama in `dtype`), after the engine's own load-time checks; and whether the model
+    loaded (a model that does not load is the table's one row)."""
     from rich.markup import escape
     from rich.table import Table
 
@@ -109,7 +112,12 @@ def kernel_paths_table(name, args: argparse.Namespace, dtype):
     else:
         from pagedmlx.loader import load_model
 
-        model, title = load_model(name, dtype=args.dtype)[0], name
+        try:
+            model, title = load_model(name, dtype=args.dtype)[0], name
+        except Exception as exc:  # noqa: BLE001 - a model that does not load is a row of the report, not a traceback
+            table = Table("model", "result", title=f"which kernel each layer runs: {escape(name)}")
+            table.add_row(escape(name), f"[red]could not load[/]: {escape(f'{type(exc).__name__}: {exc}')}")
+            return table, False
     table = Table("KV cache group", "kernels (a portable path's reason in parentheses)",
                   title=f"which kernel each layer runs: {escape(title)}")
     try:
@@ -117,14 +125,14 @@ def kernel_paths_table(name, args: argparse.Namespace, dtype):
                                                  kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto")))
     except UnsupportedModelError as exc:
         table.add_row("-", f"[red]refused[/]: {escape(str(exc))}")
-        return table
+        return table, True
     for line in kernel_path_lines(runner):
         group, _, paths = line.partition(": ")
         table.add_row(escape(group), escape(paths))
     bs = runner.kv_cache_config.block_size
     table.add_row("pages", ", ".join(f"{g.name}: {g.page_size_bytes // bs:,} B/token of {g.kv_cache_dtype} pages"
                                      for g in runner.kv_cache_config.kv_cache_groups if not g.is_state))
-    return table
+    return table, True
 
 
 def _timing_table(args: argparse.Namespace, dtype, kernels: bool):

@@ -91,6 +91,14 @@ def model_arg(args: argparse.Namespace) -> Optional[str]:
     return args.model_tag or args.model
 
 
+def port_number(text: str) -> int:
+    """argparse type of --port: a TCP port, 0-65535 (0: any free one)."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [0, 65535], got {text}")
+    return value
+
+
 def engine_config(args: argparse.Namespace):
     """The EngineConfig of the command's engine options; a value it refuses exits with status 2 and its
     reason on stderr, as argparse does for a bad flag."""

@@ -233,3 +233,42 @@ def test_generate_refuses_a_prompt_longer_than_the_context_by_name(capsys):
                  "--prompt", "hello there how are you"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "pagedmlx generate: error: prompt has" in err and "(max_model_len)" in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["serve", "--port", "99999"], "argument --port: must be a TCP port in [0, 65535], got 99999"),
+    (["bench", "serve", "--port", "-1"], "argument --port: must be a TCP port in [0, 65535], got -1"),
+    (["blocks", "--watch", "--interval", "0"], "argument --interval: must be > 0 seconds, got 0"),
+])
+def test_flags_out_of_range_are_refused_at_parse(capsys, argv, message):
+    from pagedmlx.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_missing_sharegpt_file_is_refused_before_the_model_loads(capsys, tmp_path):
+    from pagedmlx.cli import main
+
+    missing = str(tmp_path / "none.json")
+    assert main(["bench", "throughput", "random:llama-tiny", "--dataset-name", "sharegpt", "--dataset-path",
+                 missing]) == 2
+    assert f"--dataset-path {missing}: no such file" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    from pagedmlx.bench.datasets import sharegpt_requests
+
+    with pytest.raises(ValueError, match="cannot read a ShareGPT JSON file"):
+        sharegpt_requests(str(bad), 2)
+    bad.write_text('{"conversations": []}')
+    with pytest.raises(ValueError, match="a JSON list of conversations, got dict"):
+        sharegpt_requests(str(bad), 2)
+
+
+def test_doctor_reports_a_model_that_does_not_load_and_exits_1(capsys):
+    from pagedmlx.cli import main
+
+    assert main(["doctor", "--model", "random:no-such-arch", "--no-timing"]) == 1
+    out = " ".join(w for w in capsys.readouterr().out.split() if w != "│")  # the table's cells, wrapped
+    assert "could not load" in out and "unknown random model 'no-such-arch'" in out

@@ -139,7 +139,7 @@ def test_doctor_prints_each_models_kernel_paths():
     console = Console(width=400, record=True)
     args = argparse.Namespace(block_size=16, dtype="float32")
     for name in ("random:llama-tiny", "random:qwen3_5-tiny"):
-        console.print(kernel_paths_table(name, args, mx.float32))
+        console.print(kernel_paths_table(name, args, mx.float32)[0])
     text = console.export_text()
     assert "which kernel each layer runs: random:qwen3_5-tiny" in text
     assert f"state (layers 0, 2) │ {STATE} (no GPU backend)" in text

@@ -165,7 +165,7 @@ def test_doctor_table_names_the_quantized_pages():
 
     console = Console(width=400, record=True)
     console.print(kernel_paths_table("random:qwen3-tiny", argparse.Namespace(block_size=16, dtype="float32",
-                                                                             kv_cache_dtype="int4"), mx.float32))
+                                                                             kv_cache_dtype="int4"), mx.float32)[0])
     text = console.export_text()
     assert "over int4 pages (group 32)" in text and f"full: {2 * 2 * 2 * (16 + 2 * 4):,} B/token of int4 pages" in text
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from pagedmlx.engine_args import port_number
+
 
 def add_dataset_args(p: argparse.ArgumentParser, offline: bool = False) -> None:
     """The dataset options of both commands (datasets.py); `offline` adds vLLM throughput's
@@ -35,7 +37,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", default=None, help="the API path (default: the backend's)")
     p.add_argument("--base-url", default=None, help="the server, e.g. http://127.0.0.1:8000 (default: --host, --port)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--api-key", default=None, help="the server's key (default: $OPENAI_API_KEY, $PAGEDMLX_API_KEY)")
     p.add_argument("--model", default=None, help="model id sent in requests (default: the first of GET /v1/models)")
     p.add_argument("--tokenizer", default=None,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -134,8 +135,14 @@ def sharegpt_requests(path: str, num_prompts: int, seed: int = 0, tokenizer: Any
     tokens as max_tokens (or `output_len`). As vLLM: shuffled by `seed`, pairs under 4 tokens, prompts
     over 1,024 and pairs over 2,048 tokens left out, drawn again at random when too few remain.
     Without a tokenizer, lengths are estimated at 4 characters a token. `as_ids`: prompts as token ids."""
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--dataset-path {path}: cannot read a ShareGPT JSON file ({exc})") from exc
+    if not isinstance(data, list):
+        raise ValueError(f"--dataset-path {path}: a ShareGPT file is a JSON list of conversations, got "
+                         f"{type(data).__name__}")
     pairs = [pair for entry in data if (pair := _first_exchange(entry)) is not None]
     rng = np.random.default_rng(seed)
     out: list[SampleRequest] = []
@@ -169,15 +176,23 @@ def _first_exchange(entry: Any) -> Optional[tuple[str, str]]:
     return None
 
 
+def check_dataset_args(args: Any) -> None:
+    """The dataset options that can be refused before a model loads or a server is asked (ValueError)."""
+    if args.dataset_name == "sharegpt":
+        if not args.dataset_path:
+            raise ValueError("--dataset-name sharegpt needs --dataset-path")
+        if not os.path.isfile(args.dataset_path):
+            raise ValueError(f"--dataset-path {args.dataset_path}: no such file")
+
+
 def get_samples(args: Any, tokenizer: Any = None, chat: bool = False, as_ids: bool = False,
                 vocab_size: Optional[int] = None) -> list[SampleRequest]:
     """The requests `args` (the dataset options of either command) ask for. Random prompts are token
     ids, exactly as long as asked, except for the chat endpoint and with `args.text_prompts` (servers
     that take only text): then text (see random_requests). ShareGPT prompts are text, or with
     `as_ids` (offline) their token ids."""
+    check_dataset_args(args)
     if args.dataset_name == "sharegpt":
-        if not args.dataset_path:
-            raise ValueError("--dataset-name sharegpt needs --dataset-path")
         return sharegpt_requests(args.dataset_path, args.num_prompts, args.seed, tokenizer,
                                  args.sharegpt_output_len, as_ids=as_ids and not chat)
     as_text = chat or (getattr(args, "text_prompts", False) and not as_ids)

@@ -10,7 +10,7 @@ import json
 import time
 from typing import Any, Optional, Sequence
 
-from pagedmlx.bench.datasets import SampleRequest, get_samples, random_requests
+from pagedmlx.bench.datasets import SampleRequest, check_dataset_args, get_samples, random_requests
 
 
 def run_throughput(llm: Any, samples: Sequence[SampleRequest], warmup: SampleRequest, temperature: float = 1.0,
@@ -51,6 +51,7 @@ def bench_throughput(args: argparse.Namespace) -> Optional[dict[str, Any]]:
     from pagedmlx.engine_args import engine_config
     from pagedmlx.llm import LLM
 
+    check_dataset_args(args)  # before the model loads
     engine = load_engine(engine_config(args), "bench throughput")
     if engine is None:
         return None

@@ -9,7 +9,7 @@ import signal
 import sys
 from typing import Any, Callable
 
-from pagedmlx.engine_args import add_engine_args, engine_config
+from pagedmlx.engine_args import add_engine_args, engine_config, port_number
 from pagedmlx.platform import hard_exit
 
 
@@ -27,7 +27,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve an OpenAI-compatible API")
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* "
                                                    "(default: $PAGEDMLX_API_KEY; none if unset)")
     p.add_argument("--admin-key", default=None,
