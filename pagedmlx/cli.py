@@ -11,7 +11,7 @@ from typing import Callable, Optional, Sequence
 from pagedmlx.bench.cli import add_bench_parser, run_bench
 from pagedmlx.platform import backend_name
 from pagedmlx.doctor import add_doctor_parser, run_doctor
-from pagedmlx.engine_args import add_engine_args, engine_config, model_arg  # noqa: F401 - model_arg for callers
+from pagedmlx.engine_args import add_engine_args, engine_config, model_arg, positive  # noqa: F401 - model_arg for callers
 from pagedmlx.server.launch import add_serve_parser, run_serve
 
 
@@ -105,19 +105,12 @@ def _generate(engine, texts: list[str], prompts: list, params, chat: bool, conso
 
 # ---- blocks ----------------------------------------------------------------------------------
 
-def _positive_seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
-    return value
-
-
 def add_blocks_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("blocks", help="show a server's KV page pool: who holds which blocks, sharing, cache")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
     p.add_argument("--api-key", default=None, help="the server's API key (default: $PAGEDMLX_API_KEY)")
     p.add_argument("--watch", action="store_true", help="refresh in place until Ctrl-C")
-    p.add_argument("--interval", type=_positive_seconds, default=1.0, help="seconds between refreshes with --watch")
+    p.add_argument("--interval", type=positive(float), default=1.0, help="seconds between refreshes with --watch")
     p.add_argument("--json", action="store_true", help="print one snapshot as JSON and exit")
     p.add_argument("--svg", metavar="FILE", default=None, help="write the view to an SVG file")
     p.add_argument("--png", metavar="FILE", default=None, help="write the pool picture to a PNG file (Pillow)")

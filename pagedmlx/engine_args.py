@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional
+from typing import Callable, Optional
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -89,6 +89,28 @@ def model_arg(args: argparse.Namespace) -> Optional[str]:
     if args.model_tag and args.model and args.model_tag != args.model:
         raise SystemExit(f"pagedmlx: two models given: {args.model_tag!r} and --model {args.model!r}")
     return args.model_tag or args.model
+
+
+# argparse types shared by the commands: a value out of range is refused at parse (exit 2), naming the flag.
+
+def positive(kind: type) -> Callable[[str], object]:
+    """argparse type: a `kind` (int, float) > 0."""
+    return _bounded(kind, lambda v: v > 0, "> 0")
+
+
+def non_negative(kind: type) -> Callable[[str], object]:
+    """argparse type: a `kind` (int, float) >= 0."""
+    return _bounded(kind, lambda v: v >= 0, ">= 0")
+
+
+def _bounded(kind: type, ok: Callable[[object], bool], what: str) -> Callable[[str], object]:
+    def parse(text: str) -> object:
+        value = kind(text)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its error message
+    return parse
 
 
 def port_number(text: str) -> int:

@@ -238,7 +238,14 @@ def test_generate_refuses_a_prompt_longer_than_the_context_by_name(capsys):
 @pytest.mark.parametrize("argv,message", [
     (["serve", "--port", "99999"], "argument --port: must be a TCP port in [0, 65535], got 99999"),
     (["bench", "serve", "--port", "-1"], "argument --port: must be a TCP port in [0, 65535], got -1"),
-    (["blocks", "--watch", "--interval", "0"], "argument --interval: must be > 0 seconds, got 0"),
+    (["blocks", "--watch", "--interval", "0"], "argument --interval: must be > 0, got 0"),
+    (["serve", "--drain-timeout", "-5"], "argument --drain-timeout: must be >= 0, got -5"),
+    (["serve", "--max-body-bytes", "0"], "argument --max-body-bytes: must be > 0, got 0"),
+    (["serve", "--max-n", "0"], "argument --max-n: must be > 0, got 0"),
+    (["serve", "--max-waiting", "-1"], "argument --max-waiting: must be > 0, got -1"),
+    (["serve", "--tp", "0"], "must be > 0, got 0"),
+    (["serve", "--served-model-name", " "], "argument --served-model-name: must not be empty"),
+    (["serve", "--log-level", "bogus"], "argument --log-level: invalid choice: 'bogus'"),
 ])
 def test_flags_out_of_range_are_refused_at_parse(capsys, argv, message):
     from pagedmlx.cli import main

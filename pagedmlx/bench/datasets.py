@@ -178,6 +178,8 @@ def _first_exchange(entry: Any) -> Optional[tuple[str, str]]:
 
 def check_dataset_args(args: Any) -> None:
     """The dataset options that can be refused before a model loads or a server is asked (ValueError)."""
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.dataset_name == "sharegpt":
         if not args.dataset_path:
             raise ValueError("--dataset-name sharegpt needs --dataset-path")

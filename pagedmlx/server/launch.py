@@ -9,18 +9,14 @@ import signal
 import sys
 from typing import Any, Callable
 
-from pagedmlx.engine_args import add_engine_args, engine_config, port_number
+from pagedmlx.engine_args import add_engine_args, engine_config, non_negative, port_number, positive
 from pagedmlx.platform import hard_exit
 
 
-def _positive(kind: type) -> Callable[[str], object]:
-    def parse(text: str) -> object:
-        value = kind(text)
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-    parse.__name__ = kind.__name__  # argparse names the type in its error message
-    return parse
+def _model_name(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -33,30 +29,30 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--admin-key", default=None,
                    help="a second key, for the operator: good on /v1/* too, and the only one that shows the "
                         "prompt text of KV blocks in /v1/engine/kv (default: $PAGEDMLX_ADMIN_KEY; none if unset)")
-    p.add_argument("--served-model-name", default=None,
+    p.add_argument("--served-model-name", type=_model_name, default=None,
                    help="model id clients must send (default: the --model string, or `default`)")
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="with --enable-lora: mlx-lm adapter folders to serve, each as `model: NAME` (vLLM's "
                         "form; also its JSON form)")
-    p.add_argument("--max-waiting", type=int, default=1024, help="waiting requests before 429 (default 1024)")
-    p.add_argument("--max-n", type=int, default=16, help="largest n accepted")
-    p.add_argument("--max-tokens-cap", type=int, default=None, help="largest max_tokens accepted")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
-    p.add_argument("--max-connections", type=_positive(int), default=None,
+    p.add_argument("--max-waiting", type=positive(int), default=1024, help="waiting requests before 429 (default 1024)")
+    p.add_argument("--max-n", type=positive(int), default=16, help="largest n accepted")
+    p.add_argument("--max-tokens-cap", type=positive(int), default=None, help="largest max_tokens accepted")
+    p.add_argument("--max-body-bytes", type=positive(int), default=1 << 20, help="largest request body (default 1 MiB)")
+    p.add_argument("--max-connections", type=positive(int), default=None,
                    help="open connections at most; beyond it the longest-idle one is closed, or with none idle "
                         "the new one gets 503 (default: 4096, less if the open-file limit is lower)")
-    p.add_argument("--header-timeout", type=_positive(float), default=10.0,
+    p.add_argument("--header-timeout", type=positive(float), default=10.0,
                    help="seconds a connection gets to send a request's line and headers (default 10)")
-    p.add_argument("--body-timeout", type=_positive(float), default=30.0,
+    p.add_argument("--body-timeout", type=positive(float), default=30.0,
                    help="seconds a request's body may take once its headers are in; then 408 (default 30)")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
+    p.add_argument("--drain-timeout", type=non_negative(float), default=30.0,
                    help="on Ctrl-C or SIGTERM, seconds in-flight requests get to finish; the rest end with "
                         "finish_reason \"abort\" (default 30)")
-    p.add_argument("--log-level", default="info")
-    p.add_argument("-tp", "--tensor-parallel-size", "--tp", dest="tp", type=int, default=None, metavar="N",
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.add_argument("-tp", "--tensor-parallel-size", "--tp", dest="tp", type=positive(int), default=None, metavar="N",
                    help="tensor parallelism: split the model over N ranks. Without a launcher, starts N local "
                         "processes (ring backend on loopback); under mlx.launch, the launcher's ranks are used")
-    p.add_argument("--tp-timeout", type=float, default=60.0,
+    p.add_argument("--tp-timeout", type=positive(float), default=60.0,
                    help="seconds a step may wait on the other ranks before the server gives up (default 60)")
     add_chat_parsing_args(p)
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
