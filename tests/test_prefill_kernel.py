@@ -201,3 +201,23 @@ def test_shapes_are_built_at_start_up_only_where_sdpa_takes_the_chunks_beside_de
         engine.warm_up()
     assert built == [prefill_attention.PREFILL_KERNEL_MAX_QUERY + 1]  # the kernel takes capped chunks: nothing to build
 
+
+
+def test_start_up_also_builds_the_gathers_of_quantized_pages(monkeypatch):
+    """Quantized pages: a chunk longer than the prefill kernel takes gathers and dequantizes the pages, which
+    MLX builds on first use (seconds inside run 56's first long prompts); start-up runs them once on page 0."""
+    from pagedmlx.kernels.selector import KernelPlan
+    from pagedmlx.runner.kv_quant import QuantizedPages
+
+    gathered = []
+    real = QuantizedPages.gather_rows
+    monkeypatch.setattr(QuantizedPages, "gather_rows", lambda self, rows, nb: gathered.append(
+        (self.quant.bits, rows.shape, nb)) or real(self, rows, nb))
+    monkeypatch.setattr(prefill_attention, "paged_prefill", lambda q, *a, **k: mx.zeros(q.shape))
+    monkeypatch.setattr(prefill_attention, "supports_prefill", lambda *a: True)
+    engine = LLMEngine(make_model("qwen3"), None, EngineConfig(block_size=4, num_blocks=40, kv_cache_dtype="int8"),
+                       verify_model=False)
+    engine.runner.kernels = KernelPlan("cuda", prefill=True)  # (the decode kernels have a start-up test of their own)
+    engine.runner.compile_kernels()
+    n_kv = engine.runner.plan[0].spec[0]
+    assert gathered == [(8, (1, n_kv, 1), 1)] * 2  # keys and values of the one kind of layer

@@ -13,7 +13,7 @@ from pagedmlx.config import EngineConfig
 from pagedmlx.kernels import prefill_attention
 from pagedmlx.runner.attention import decode_kernel_takes, paged_decode, warm_up_prefill
 from pagedmlx.runner.attention_metadata import WARM_UP_MAX_KEYS, chunked_prefill_groups
-from pagedmlx.runner.kv_quant import read_pages
+from pagedmlx.runner.kv_quant import QuantizedPages, read_pages
 
 logger = logging.getLogger("pagedmlx")
 
@@ -54,7 +54,8 @@ def warm_up(runner, config: EngineConfig, max_model_len: int) -> None:
 def compile_kernels(runner) -> int:
     """Run once on page 0 each variant of the decode and prefill kernels that the layers use
     (head shape, window, sinks; unsplit and split), so that MLX compiles them before the first
-    request (2-3 s each on the H200, run 34) rather than in its steps. Returns the variants run."""
+    request (2-3 s each on the H200, run 34) rather than in its steps; quantized pages' gathers too.
+    Returns the kernel variants run."""
     kinds = {}
     for i, p in enumerate(runner.plan):
         if p.has_pages or p.kind == "shared":
@@ -78,8 +79,14 @@ def compile_kernels(runner) -> int:
                     mx.zeros((tile, h, dk), dt), k_pages, v_pages, mx.zeros((1, -(-tile // bs)), mx.int32),
                     mx.array([[0, tile, 0, 0]], mx.int32), mx.array([[0, 0]], mx.int32), 1.0, splits,
                     mx.array([tile // 2], mx.int32), window=window, sinks=sink))
-        mx.eval(outs)
         runs += len(outs)
+        if isinstance(k_pages, QuantizedPages):
+            # Chunks longer than the prefill kernel takes (a prompt with no decodes beside it) gather and
+            # dequantize quantized pages: MLX builds those gathers (packed words, scales) on first use, which
+            # run 56 met inside its first long prompts' steps. Page 0's rows, once, build them here.
+            rows = mx.zeros((1, n_kv, 1), mx.int32)
+            outs += [k_pages.gather_rows(rows, 1), v_pages.gather_rows(rows, 1)]
+        mx.eval(outs)
     return runs
 
 def warm_up_attention(runner, chunk: int, max_keys: int) -> int:
