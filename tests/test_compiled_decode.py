@@ -93,8 +93,6 @@ def test_compiled_steps_equal_built_steps_with_standins(standins, arch, kv_cache
 
 def test_by_default_small_steps_where_pages_are_written_in_place(standins):
     assert EngineConfig().compile_decode is None
-    scattered = LLMEngine(make_model("llama"), None, EngineConfig(block_size=4, num_blocks=32, compile_decode=True))
-    assert scattered.runner.compiled_decode is None or scattered.runner.pages_in_place
     engine = _engine("llama", None, True, max_num_seqs=16)
     prompts = shared_prefix_prompts(12, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -102,6 +100,56 @@ def test_by_default_small_steps_where_pages_are_written_in_place(standins):
     assert run_staggered(engine, prompts, params, seed=1) == built
     sizes = {dict((n, s) for n, s, _ in k[0])["input_ids"][0] for k in engine.runner.compiled_decode.fns}
     assert sizes and min(sizes) <= AUTO_MAX_DECODES < engine.scheduler.config.max_num_seqs
+
+
+@pytest.mark.parametrize("arch,kv_cache_dtype", [("llama", "auto"), ("gemma3-tiny", "auto"), ("qwen3", "int8"),
+                                                 ("qwen3", "int4")])
+def test_scattered_pages_compiled_steps_equal_mlx_lm(arch, kv_cache_dtype):
+    """Where MLX scatters the new K/V (the CPU, Metal), a decode step's trace takes the pools as its state:
+    each replay scatters into the pools it is handed and hands the new arrays back to KVPool's lists.
+    A busy engine so compiled gives every request the tokens of the engine built step by step, which equal
+    mlx-lm's alone (test_batched_equals_solo); the traces ran, and its pages end equal to the built engine's."""
+    prompts = _prompts(kv_cache_dtype)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    reference = _engine(arch, False, False, kv_cache_dtype)
+    built = run_staggered(reference, prompts, params, seed=1)
+    engine = _engine(arch, None, False, kv_cache_dtype)
+    runner = engine.runner
+    assert runner.compiled_decode is not None and not runner.pages_in_place
+    assert run_staggered(engine, prompts, params, seed=1) == built
+    assert runner.compiled_decode.fns  # decode steps replayed traces
+    # the same schedule wrote the same pages: the replays' scatters reached KVPool's lists
+    for a, b in zip(runner.kv_pool.arrays, reference.runner.kv_pool.arrays, strict=True):
+        assert mx.array_equal(a, b).item()
+
+
+def test_a_trace_that_fails_part_way_leaves_the_pools_as_they_were(monkeypatch, caplog):
+    """A trace that fails after some layers scattered into the pools (an operation mx.compile cannot trace,
+    e.g. a kernel that evaluates its inputs) would leave tracers in KVPool's lists: they are put back, the
+    compiled steps switch off with one warning, and the engine's tokens are the built engine's."""
+    prompts = _prompts("auto")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    built = run_staggered(_engine("llama", False, False), prompts, params, seed=1)
+    real = CompiledDecode._trace
+
+    def failing(self, *args, **kwargs):
+        forward = real(self, *args, **kwargs)
+
+        def fail(*arrays):
+            forward(*arrays)  # every layer scattered into the (traced) pools
+            raise ValueError("cannot trace this")
+        return fail
+
+    monkeypatch.setattr(CompiledDecode, "_trace", failing)
+    engine = _engine("llama", None, False)
+    assert run_staggered(engine, prompts, params, seed=1) == built
+    assert engine.runner.compiled_decode is None and "compiled decode steps off" in caplog.text
+
+
+def test_scattered_state_models_are_not_compiled():
+    """A recurrent-state model's state pool is scattered too, outside the trace's state: its steps are built."""
+    engine = LLMEngine(make_model("qwen3_5-tiny"), None, EngineConfig(block_size=4, num_blocks=32, compile_decode=True))
+    assert not engine.runner.pages_in_place and engine.runner.compiled_decode is None
 
 
 def test_by_default_a_larger_step_is_compiled_once_its_key_is_hot(standins):

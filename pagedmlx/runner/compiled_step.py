@@ -9,9 +9,11 @@ and the previous step's sampled-token array's shape (async scheduling). Block ta
 a time, so the decode tables are padded to a power of two pages (the kernels read only up to each
 sequence's length): a sequence meets a new key at 2, 4, 8, ... pages, and when its splits change.
 
-Only where every write is in place (the page-write kernel, and the state kernels for recurrent
-layers: CUDA) can a step be replayed: MLX's scatter gives each write a new pool array, which a
-compiled graph cannot hand back. A step of short segments (speculative decoding's verifying 1 + k
+Where the page-write kernel writes pages in place (CUDA), a trace takes the pools as constants. Where
+MLX scatters the new K/V into them (Metal, the CPU), the trace takes the pools as its state
+(mx.compile's inputs / outputs): each replay scatters into the pools it is handed (MLX donates their
+buffers: no copy) and hands the new arrays back to KVPool's lists. Models with recurrent-state layers
+are compiled only where the state kernels write in place too. A step of short segments (speculative decoding's verifying 1 + k
 tokens) whose tokens all run as decode rows (attention_metadata.decode_token_rows) is decode-only
 here too, on models without recurrent state, and compiled once hot (a short prompt's step is a key
 of its own that seldom comes again). Quantized KV pages are written in place where 16-bit ones are
@@ -64,11 +66,17 @@ class CompiledDecode:
         self.seen: dict[tuple, int] = {}  # steps of each larger key not compiled yet
         self.larger = not any(p.state is not None for p in runner.plan)  # larger steps compiled when hot
 
+    @staticmethod
+    def runs_on(runner: Any) -> bool:
+        """Whether a runner's decode steps can be compiled: pages written in place, or scattered by MLX
+        into pools the trace takes as its state (then no recurrent-state layers, whose pool is scattered too)."""
+        return runner.kernels.page_write or not any(p.state is not None for p in runner.plan)
+
     def takes(self, so: SchedulerOutput) -> bool:
         r = self.runner
         has_state = len(so.state_slots) > 0
         decode_only = so.num_decodes == so.total_num_scheduled_tokens
-        return (r.kernels.page_write
+        return (self.runs_on(r)
                 and (decode_only or not has_state and all(r.kernel_kv_heads) and decode_token_rows(so) is not None)
                 and (self.larger or self.max_decodes is None or so.num_reqs <= self.max_decodes)
                 and (not has_state or (r.kernels.state and bool((so.state_slots[:, 0] >= 0).all()))))
@@ -101,7 +109,8 @@ class CompiledDecode:
         names = tuple(arrays)
         key = (tuple((n, arrays[n].shape, arrays[n].dtype) for n in names), tuple(b.splits for b in builders),
                state_md.num_decodes if state_md is not None else None,
-               (lora.slots, lora.dora_slots, r.lora_manager.generation) if lora is not None else None, r.keep_hidden)
+               (lora.slots, lora.dora_slots, r.lora_manager.generation) if lora is not None else None, r.keep_hidden,
+               id(r.kv_pool))  # a trace of scattered pages holds its pool's lists
         fn = self.fns.get(key)
         if fn is None:
             rows_of_segments = so.num_decodes < so.total_num_scheduled_tokens  # a one-off prompt's length: no trace
@@ -112,16 +121,31 @@ class CompiledDecode:
                 if self.seen[key] < HOT_STEPS:
                     return None
                 del self.seen[key]
-            fn = self.fns[key] = mx.compile(self._trace(names, builders, state_md is not None, so.num_decodes, lora))
+            trace = self._trace(names, builders, state_md is not None, so.num_decodes, lora)
+            if r.kernels.page_write:
+                fn = mx.compile(trace)
+            else:  # the pools as the trace's state: scattered into, handed back (pools_state)
+                pools = pools_state(r.kv_pool)
+                fn = mx.compile(trace, inputs=pools, outputs=pools)
+            self.fns[key] = fn
             while len(self.fns) > MAX_TRACES:
                 self.fns.popitem(last=False)
         self.fns.move_to_end(key)
-        out = fn(*(arrays[n] for n in names))
+        pools = None if r.kernels.page_write else pools_state(r.kv_pool)
+        saved = [list(side) for side in pools] if pools is not None else None
+        try:
+            out = fn(*(arrays[n] for n in names))
+        except Exception:
+            if saved is not None:  # a trace that failed part way left tracers in the pools' lists
+                for side, arrays_before in zip(pools, saved):
+                    side[:] = arrays_before
+            raise
         if r.keep_hidden:  # the trace's hidden states are its output's, not the runner's (a tracer)
             out, r.last_hidden = out
         return out
 
     def _trace(self, names: tuple, builders: list, has_state: bool, num_decodes: int, lora: Any = None) -> Callable:
+        """The step's forward over its uploaded index arrays, as mx.compile traces it."""
         r = self.runner
 
         def forward(*arrays: mx.array) -> mx.array:
@@ -145,3 +169,9 @@ class CompiledDecode:
             return (logits, r.last_hidden) if r.keep_hidden else logits
 
         return forward
+
+
+def pools_state(pool: Any) -> list:
+    """A KVPool's lists of arrays (None where a layer owns no pages), as mx.compile's inputs / outputs:
+    a traced step's scatters replace their entries."""
+    return [pool.keys, pool.values, pool.k_scales, pool.k_biases, pool.v_scales, pool.v_biases]

@@ -112,9 +112,9 @@ class ModelRunner:
         self.kv_pool = self.make_pool(self.kv_cache_config)
         self.state_pool = self.make_state_pool(self.kv_cache_config)
         self.lora_manager = self._make_lora_manager(config) if config.enable_lora else None
-        # Decode-only steps through mx.compile (runner/compiled_step.py), where pages are written in place.
+        # Decode-only steps through mx.compile (runner/compiled_step.py).
         self.compiled_decode = (CompiledDecode(self, None if config.compile_decode else AUTO_MAX_DECODES)
-                                if config.compile_decode is not False and self.kernels.page_write else None)
+                                if config.compile_decode is not False and CompiledDecode.runs_on(self) else None)
 
     def _make_lora_manager(self, config: EngineConfig):
         """Batched LoRA (pagedmlx/lora/): adapters on the layers that run token-major, as every row does."""
@@ -276,7 +276,8 @@ class ModelRunner:
             try:
                 logits = self.compiled_decode(so, prev_sampled, lora)
                 if logits is not None:
-                    mx.async_eval(logits)
+                    if self.pages_in_place:  # as below
+                        mx.async_eval(logits)
                     return logits
             except Exception as exc:  # noqa: BLE001 - an optimisation: the step is built instead
                 logger.warning("compiled decode steps off: %s", error_line(exc))
