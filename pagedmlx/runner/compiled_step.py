@@ -13,8 +13,8 @@ Where the page-write kernel writes pages in place (CUDA), a trace takes the pool
 MLX scatters the new K/V into them (Metal, the CPU), the trace takes the pools as its state
 (mx.compile's inputs / outputs): each replay scatters into the pools it is handed (MLX donates their
 buffers: no copy) and hands the new arrays back to KVPool's lists. Models with recurrent-state layers
-are compiled only where the state kernels write in place too. A step of short segments (speculative decoding's verifying 1 + k
-tokens) whose tokens all run as decode rows (attention_metadata.decode_token_rows) is decode-only
+are compiled only where the state kernels write in place too. A step of short segments (speculative
+decoding's verifying 1 + k tokens) whose tokens all run as decode rows (attention_metadata.decode_token_rows) is decode-only
 here too, on models without recurrent state, and compiled once hot (a short prompt's step is a key
 of its own that seldom comes again). Quantized KV pages are written in place where 16-bit ones are
 (page_write.reshape_and_cache_quantized: mx.quantize, then the copy), so they compile too. Steps with
