@@ -117,7 +117,7 @@ def test_scattered_pages_compiled_steps_equal_mlx_lm(arch, kv_cache_dtype):
     runner = engine.runner
     assert runner.compiled_decode is not None and not runner.pages_in_place
     assert run_staggered(engine, prompts, params, seed=1) == built
-    assert runner.compiled_decode.fns  # decode steps replayed traces
+    assert runner.compiled_decode is not None and runner.compiled_decode.fns  # traces proven on first use, replayed
     # the same schedule wrote the same pages: the replays' scatters reached KVPool's lists
     for a, b in zip(runner.kv_pool.arrays, reference.runner.kv_pool.arrays, strict=True):
         assert mx.array_equal(a, b).item()
@@ -144,6 +144,24 @@ def test_a_trace_that_fails_part_way_leaves_the_pools_as_they_were(monkeypatch, 
     engine = _engine("llama", None, False)
     assert run_staggered(engine, prompts, params, seed=1) == built
     assert engine.runner.compiled_decode is None and "compiled decode steps off" in caplog.text
+
+
+def test_a_new_trace_over_scattered_pages_that_disagrees_is_switched_off(monkeypatch, caplog):
+    """Where pages are scattered (Metal, the CPU), each new trace's first replay is compared with the step built
+    as usual (which writes the same rows again): a trace whose logits differ switches compiled steps off with one
+    warning, and the built step's logits serve, so the tokens are the built engine's."""
+    prompts = _prompts("auto")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    built = run_staggered(_engine("llama", False, False), prompts, params, seed=1)
+    real = CompiledDecode._trace
+
+    def wrong(self, *args, **kwargs):
+        forward = real(self, *args, **kwargs)
+        return lambda *arrays: forward(*arrays) * 3 + 1
+    monkeypatch.setattr(CompiledDecode, "_trace", wrong)
+    engine = _engine("llama", None, False)
+    assert run_staggered(engine, prompts, params, seed=1) == built
+    assert engine.runner.compiled_decode is None and "differ from the built step's" in caplog.text
 
 
 def test_scattered_state_models_are_not_compiled():

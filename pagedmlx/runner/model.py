@@ -23,7 +23,7 @@ from pagedmlx.runner.lm_head import split_lm_head
 from pagedmlx.runner.merged_linear import merge_projections, merged_products
 from pagedmlx.runner.attention_metadata import (StepMetadata, sdpa_shape_quantum)
 from pagedmlx.runner.plan import UnsupportedModelError, model_type, plan_layers
-from pagedmlx.runner.selfcheck import check_paged_forward
+from pagedmlx.runner.selfcheck import LOGIT_TOLERANCE, check_paged_forward, relative_error
 from pagedmlx.runner import warm_up
 from pagedmlx.runner.state import (StateLayerCache, StateMetadata, StatePool, install_regrouping, pages_budget,
                                    state_group)
@@ -275,6 +275,8 @@ class ModelRunner:
         if self.compiled_decode is not None and kv_pool is None and self.compiled_decode.takes(so):
             try:
                 logits = self.compiled_decode(so, prev_sampled, lora)
+                if logits is not None and self.compiled_decode.new_trace and not self.pages_in_place:
+                    logits = self._prove_trace(so, prev_sampled, lora, logits)
                 if logits is not None:
                     if self.pages_in_place:  # as below
                         mx.async_eval(logits)
@@ -282,6 +284,23 @@ class ModelRunner:
             except Exception as exc:  # noqa: BLE001 - an optimisation: the step is built instead
                 logger.warning("compiled decode steps off: %s", error_line(exc))
                 self.compiled_decode = None
+        return self._built_forward(so, prev_sampled, kv_pool, state_pool, lora)
+
+    def _prove_trace(self, so: SchedulerOutput, prev_sampled: Optional[mx.array], lora, compiled: mx.array) -> mx.array:
+        """A new trace over scattered pages (Metal, the CPU: traces the GPU suite does not run) against the
+        step built as usual, once a trace: the built step writes the same rows again. One that disagrees
+        beyond the load-time check's tolerance switches compiled steps off; the built logits serve."""
+        built = self._built_forward(so, prev_sampled, None, None, lora)
+        err, tol = relative_error(compiled, built), LOGIT_TOLERANCE.get(built.dtype, 6e-2)
+        if err <= tol:
+            return compiled
+        logger.warning("compiled decode steps off: a new trace's logits differ from the built step's by %.2e > %.0e",
+                       err, tol)
+        self.compiled_decode = None
+        return built
+
+    def _built_forward(self, so: SchedulerOutput, prev_sampled: Optional[mx.array], kv_pool: Optional[KVPool],
+                       state_pool: Optional[StatePool], lora) -> mx.array:
         md = StepMetadata.build(so, self.block_size, self.windows, self.kernel_kv_heads, self.kernels.page_write,
                                 self.kernels.backend, self.sdpa_quantum, self.prefill_heads,
                                 lora.host if lora is not None else None)

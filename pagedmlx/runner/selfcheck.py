@@ -22,7 +22,7 @@ from pagedmlx.scheduler_output import SchedulerOutput, build_scheduler_output
 # float32: 5e-3, not less: on tensor-core GPUs MLX multiplies float32 in TF32 by default
 # (MLX_ENABLE_TF32), and the paged and mlx-lm passes round differently (1.06e-3 seen on an H200).
 # A wrong page, position or window shows up as an O(1) difference.
-_TOLERANCE = {mx.float32: 5e-3, mx.float16: 3e-2, mx.bfloat16: 6e-2}
+LOGIT_TOLERANCE = {mx.float32: 5e-3, mx.float16: 3e-2, mx.bfloat16: 6e-2}  # relative to the logits' scale
 
 
 def _schedule(block_size: int, window: int, vocab: int) -> tuple[dict[str, list[int]], list[list[tuple[str, int]]]]:
@@ -95,7 +95,7 @@ def check_paged_forward(runner: CheckedRunner, errors: Optional[dict[str, float]
             got[rid][pos] = logits[j]
         for rid, n in step:
             reqs[rid].num_computed_tokens += n
-    tol = _TOLERANCE.get(dtype, 6e-2)
+    tol = LOGIT_TOLERANCE.get(dtype, 6e-2)
     for rid, t in tokens.items():
         chunks = [n for s in steps for r, n in s if r == rid]
         want = _mlx_lm_logits(runner.model, t, sorted(got[rid]), chunks)
@@ -145,3 +145,9 @@ def _mlx_lm_logits(model, tokens: list[int], positions: list[int], chunks: list[
         mx.eval(list(out.values()))
         start += n
     return out
+
+
+def relative_error(got: mx.array, want: mx.array) -> float:
+    """max |got - want| over max |want| (NaN where either holds one): one host sync."""
+    want = want.astype(mx.float32)
+    return (mx.abs(got.astype(mx.float32) - want).max() / mx.maximum(mx.abs(want).max(), 1e-30)).item()
