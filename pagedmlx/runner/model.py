@@ -290,6 +290,7 @@ class ModelRunner:
         """A new trace over scattered pages (Metal, the CPU: traces the GPU suite does not run) against the
         step built as usual, once a trace: the built step writes the same rows again. One that disagrees
         beyond the load-time check's tolerance switches compiled steps off; the built logits serve."""
+        mx.eval(compiled)  # first: the built step's writes then take the pools' buffers over (no copy of a pool)
         built = self._built_forward(so, prev_sampled, None, None, lora)
         err, tol = relative_error(compiled, built), LOGIT_TOLERANCE.get(built.dtype, 6e-2)
         if err <= tol:
