@@ -123,26 +123,30 @@ def test_scattered_pages_compiled_steps_equal_mlx_lm(arch, kv_cache_dtype):
         assert mx.array_equal(a, b).item()
 
 
-def test_a_trace_that_fails_part_way_leaves_the_pools_as_they_were(monkeypatch, caplog):
-    """A trace that fails after some layers scattered into the pools (an operation mx.compile cannot trace,
-    e.g. a kernel that evaluates its inputs) would leave tracers in KVPool's lists: they are put back, the
-    compiled steps switch off with one warning, and the engine's tokens are the built engine's."""
+def _with_traces_wrapped(monkeypatch, wrap) -> LLMEngine:
+    """A llama engine on scattered pages whose traces are `wrap(forward)`, run on a staggered schedule: its
+    tokens must be the built engine's; returns the engine."""
     prompts = _prompts("auto")
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     built = run_staggered(_engine("llama", False, False), prompts, params, seed=1)
     real = CompiledDecode._trace
+    monkeypatch.setattr(CompiledDecode, "_trace", lambda self, *a, **k: wrap(real(self, *a, **k)))
+    engine = _engine("llama", None, False)
+    assert run_staggered(engine, prompts, params, seed=1) == built
+    return engine
 
-    def failing(self, *args, **kwargs):
-        forward = real(self, *args, **kwargs)
 
+def test_a_trace_that_fails_part_way_leaves_the_pools_as_they_were(monkeypatch, caplog):
+    """A trace that fails after some layers scattered into the pools (an operation mx.compile cannot trace,
+    e.g. a kernel that evaluates its inputs) would leave tracers in KVPool's lists: they are put back, the
+    compiled steps switch off with one warning, and the engine's tokens are the built engine's."""
+    def failing(forward):
         def fail(*arrays):
             forward(*arrays)  # every layer scattered into the (traced) pools
             raise ValueError("cannot trace this")
         return fail
 
-    monkeypatch.setattr(CompiledDecode, "_trace", failing)
-    engine = _engine("llama", None, False)
-    assert run_staggered(engine, prompts, params, seed=1) == built
+    engine = _with_traces_wrapped(monkeypatch, failing)
     assert engine.runner.compiled_decode is None and "compiled decode steps off" in caplog.text
 
 
@@ -150,17 +154,7 @@ def test_a_new_trace_over_scattered_pages_that_disagrees_is_switched_off(monkeyp
     """Where pages are scattered (Metal, the CPU), each new trace's first replay is compared with the step built
     as usual (which writes the same rows again): a trace whose logits differ switches compiled steps off with one
     warning, and the built step's logits serve, so the tokens are the built engine's."""
-    prompts = _prompts("auto")
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    built = run_staggered(_engine("llama", False, False), prompts, params, seed=1)
-    real = CompiledDecode._trace
-
-    def wrong(self, *args, **kwargs):
-        forward = real(self, *args, **kwargs)
-        return lambda *arrays: forward(*arrays) * 3 + 1
-    monkeypatch.setattr(CompiledDecode, "_trace", wrong)
-    engine = _engine("llama", None, False)
-    assert run_staggered(engine, prompts, params, seed=1) == built
+    engine = _with_traces_wrapped(monkeypatch, lambda forward: lambda *arrays: forward(*arrays) * 3 + 1)
     assert engine.runner.compiled_decode is None and "differ from the built step's" in caplog.text
 
 
