@@ -134,7 +134,8 @@ class CompiledDecode:
             while len(self.fns) > MAX_TRACES:
                 self.fns.popitem(last=False)
         self.fns.move_to_end(key)
-        pools = None if r.kernels.page_write else pools_state(r.kv_pool)
+        # Only tracing (a key's first call) can fail part way with tracers in the pools' lists: snapshot then.
+        pools = pools_state(r.kv_pool) if self.new_trace and not r.kernels.page_write else None
         saved = [list(side) for side in pools] if pools is not None else None
         try:
             out = fn(*(arrays[n] for n in names))
