@@ -4,6 +4,7 @@ names, as its arg_utils.py), and the EngineConfig they make."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import Callable, Optional
 
@@ -106,6 +107,8 @@ def non_negative(kind: type) -> Callable[[str], object]:
 def _bounded(kind: type, ok: Callable[[object], bool], what: str) -> Callable[[str], object]:
     def parse(text: str) -> object:
         value = kind(text)
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if not ok(value):
             raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
         return value
@@ -114,10 +117,19 @@ def _bounded(kind: type, ok: Callable[[object], bool], what: str) -> Callable[[s
 
 
 def port_number(text: str) -> int:
-    """argparse type of --port: a TCP port, 0-65535 (0: any free one)."""
+    """argparse type of a server's --port: a TCP port, 0-65535 (0: any free one)."""
+    return _port(text, 0)
+
+
+def server_port(text: str) -> int:
+    """argparse type of a client's --port: the port a server listens on, 1-65535."""
+    return _port(text, 1)
+
+
+def _port(text: str, lowest: int) -> int:
     value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port in [0, 65535], got {text}")
+    if not lowest <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [{lowest}, 65535], got {text}")
     return value
 
 

@@ -262,6 +262,17 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
+    def recompute_all(self) -> int:
+        """The pages' contents were lost: every running request is preempted (to recompute from its tokens)
+        and every cached page forgotten. Returns how many were running."""
+        running = list(self.running)
+        for req in reversed(running):  # each goes to the head of the queue: the oldest ends first
+            self._preempt(req)
+        for pool in self.kv_cache_manager.block_pools:
+            if not pool.reset_prefix_cache():
+                raise RuntimeError("pages are still in use after every running request was preempted")
+        return len(running)
+
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: free the pages (their hashes stay cached) and requeue at the head."""
         self.running.remove(request)

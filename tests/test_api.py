@@ -237,7 +237,10 @@ def test_generate_refuses_a_prompt_longer_than_the_context_by_name(capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["serve", "--port", "99999"], "argument --port: must be a TCP port in [0, 65535], got 99999"),
-    (["bench", "serve", "--port", "-1"], "argument --port: must be a TCP port in [0, 65535], got -1"),
+    (["bench", "serve", "--port", "0"], "argument --port: must be a TCP port in [1, 65535], got 0"),
+    (["bench", "latency", "m", "--temperature", "-1"], "argument --temperature: must be >= 0, got -1"),
+    (["serve", "--drain-timeout", "inf"], "argument --drain-timeout: must be a finite number, got inf"),
+    (["blocks", "--watch", "--interval", "inf"], "argument --interval: must be a finite number, got inf"),
     (["blocks", "--watch", "--interval", "0"], "argument --interval: must be > 0, got 0"),
     (["serve", "--drain-timeout", "-5"], "argument --drain-timeout: must be >= 0, got -5"),
     (["serve", "--max-body-bytes", "0"], "argument --max-body-bytes: must be > 0, got 0"),

@@ -279,6 +279,30 @@ def test_failed_step_fails_only_its_requests_and_uncaches(monkeypatch):
     assert engine.kv_cache_manager.stats.hits == 0
 
 
+def test_a_failed_step_that_leaves_the_pages_unreadable_does_not_stop_the_engine(caplog):
+    """Where MLX scatters the pages, a step whose graph fails can leave an array in the pools' lists that
+    fails whenever it is read (here a tracer that a broken trace leaked). The step's requests fail; the runner
+    then zeroes the pages (ModelRunner.repair_pages), so later requests get mlx-lm's tokens, not the error."""
+    model = make_model("llama")
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=64, compile_decode=False))
+    prompt = list(range(1, 30))
+    engine.add_request("a", prompt, GREEDY)
+    engine.step()
+    keys, leaked = engine.runner.kv_pool.keys, []
+    mx.compile(lambda x: leaked.append(x * 1) or x)(mx.zeros(keys[0].shape, keys[0].dtype))
+    keys[0] = leaked[0]
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    assert [(o.request_id, o.finish_reason) for o in done] == [("a", "error")] and "KV pages were lost" in caplog.text
+    assert_no_leaks(engine)
+    engine.add_request("b", prompt, GREEDY)
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    assert done[0].token_ids == solo_greedy(model, prompt, GREEDY.max_tokens)
+
+
 def test_a_step_that_fails_to_dispatch_fails_only_its_requests(monkeypatch):
     """mx.async_eval itself can raise (MLX encodes the graph there): an error output, no crash."""
     import pagedmlx.core.engine_core as engine_module

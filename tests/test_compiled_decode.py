@@ -7,6 +7,7 @@ On a CUDA GPU (skipped elsewhere), the real kernels: compiled and built steps gi
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import mlx.core as mx
@@ -104,7 +105,7 @@ def test_by_default_small_steps_where_pages_are_written_in_place(standins):
 
 @pytest.mark.parametrize("arch,kv_cache_dtype", [("llama", "auto"), ("gemma3-tiny", "auto"), ("qwen3", "int8"),
                                                  ("qwen3", "int4")])
-def test_scattered_pages_compiled_steps_equal_mlx_lm(arch, kv_cache_dtype):
+def test_scattered_pages_compiled_steps_equal_mlx_lm(monkeypatch, arch, kv_cache_dtype):
     """Where MLX scatters the new K/V (the CPU, Metal), a decode step's trace takes the pools as its state:
     each replay scatters into the pools it is handed and hands the new arrays back to KVPool's lists.
     A busy engine so compiled gives every request the tokens of the engine built step by step, which equal
@@ -113,11 +114,19 @@ def test_scattered_pages_compiled_steps_equal_mlx_lm(arch, kv_cache_dtype):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     reference = _engine(arch, False, False, kv_cache_dtype)
     built = run_staggered(reference, prompts, params, seed=1)
+    real, replays = CompiledDecode.__call__, []
+
+    def counted(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        replays.append(out is not None and not self.new_trace)
+        return out
+
+    monkeypatch.setattr(CompiledDecode, "__call__", counted)
     engine = _engine(arch, None, False, kv_cache_dtype)
     runner = engine.runner
     assert runner.compiled_decode is not None and not runner.pages_in_place
     assert run_staggered(engine, prompts, params, seed=1) == built
-    assert runner.compiled_decode is not None and runner.compiled_decode.fns  # traces proven on first use, replayed
+    assert runner.compiled_decode is not None and sum(replays) > len(runner.compiled_decode.fns)  # proven, replayed
     # the same schedule wrote the same pages: the replays' scatters reached KVPool's lists
     for a, b in zip(runner.kv_pool.arrays, reference.runner.kv_pool.arrays, strict=True):
         assert mx.array_equal(a, b).item()
@@ -153,9 +162,40 @@ def test_a_trace_that_fails_part_way_leaves_the_pools_as_they_were(monkeypatch, 
 def test_a_new_trace_over_scattered_pages_that_disagrees_is_switched_off(monkeypatch, caplog):
     """Where pages are scattered (Metal, the CPU), each new trace's first replay is compared with the step built
     as usual (which writes the same rows again): a trace whose logits differ switches compiled steps off with one
-    warning, and the built step's logits serve, so the tokens are the built engine's."""
+    warning. Its writes cannot be trusted, so the pages are zeroed and every running request recomputes: the
+    tokens are the built engine's."""
     engine = _with_traces_wrapped(monkeypatch, lambda forward: lambda *arrays: forward(*arrays) * 3 + 1)
     assert engine.runner.compiled_decode is None and "differ from the built step's" in caplog.text
+    assert "KV pages were lost" in caplog.text and engine.scheduler.num_preemptions > 0
+
+
+def test_pages_a_failed_first_replay_left_unreadable_are_zeroed_and_recomputed(monkeypatch, caplog):
+    """A new trace's first replay that fails after taking the pools over can leave an array in KVPool's lists
+    that fails whenever it is read (here a tracer the trace leaked, as a trace that fails part way would).
+    Falling back to a built step would then fail every later step; instead the pages are zeroed, every running
+    request recomputes with built steps, and each gets the built engine's tokens."""
+    real = CompiledDecode.__call__
+    leaked = []
+
+    def leak(x):
+        leaked.append(x * 1)
+        return x
+
+    def poisoned(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        if self.new_trace and not leaked:
+            keys = self.runner.kv_pool.keys
+            i = next(i for i, a in enumerate(keys) if a is not None)
+            mx.compile(leak)(mx.zeros(keys[i].shape, keys[i].dtype))
+            keys[i] = leaked[0]
+        return out
+
+    monkeypatch.setattr(CompiledDecode, "__call__", poisoned)
+    engine = _with_traces_wrapped(monkeypatch, lambda forward: forward)
+    assert leaked and engine.runner.compiled_decode is None
+    assert "KV pages were lost" in caplog.text and engine.scheduler.num_preemptions > 0
+    assert all(a is not None and a.shape == b.shape for a, b in zip(engine.runner.kv_pool.keys, engine.runner.kv_pool.values)
+               if b is not None)
 
 
 def test_scattered_state_models_are_not_compiled():
@@ -323,3 +363,16 @@ def test_compiled_steps_return_the_hidden_states_an_mtp_module_reads(standins):
     assert compiled == built
     assert engine.runner.keep_hidden and any(key[-1] for key in engine.runner.compiled_decode.fns)
     assert engine.scheduler.spec_decoding_stats.num_draft_tokens > 0
+
+
+def test_the_proofs_relative_error_counts_equal_infinities_as_equal():
+    """A vocabulary masked with -inf on both sides agrees (it was NaN, which switched compiled steps off);
+    -inf on one side only, or a NaN, never passes."""
+    from pagedmlx.runner.selfcheck import relative_error
+
+    inf, nan = float("inf"), float("nan")
+    assert relative_error(mx.array([2.0, -inf]), mx.array([2.0, -inf])) == 0.0
+    assert relative_error(mx.array([2.2, -inf]), mx.array([2.0, -inf])) == pytest.approx(0.1)
+    assert relative_error(mx.array([2.0, 0.0]), mx.array([2.0, -inf])) == inf
+    assert relative_error(mx.array([2.0, -inf]), mx.array([2.0, 0.0])) == inf
+    assert math.isnan(relative_error(mx.array([nan, 1.0]), mx.array([1.0, 1.0])))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedmlx.engine_args import port_number
+from pagedmlx.engine_args import non_negative, server_port
 
 
 def add_dataset_args(p: argparse.ArgumentParser, offline: bool = False) -> None:
@@ -37,7 +37,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", default=None, help="the API path (default: the backend's)")
     p.add_argument("--base-url", default=None, help="the server, e.g. http://127.0.0.1:8000 (default: --host, --port)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=port_number, default=8000)
+    p.add_argument("--port", type=server_port, default=8000)
     p.add_argument("--api-key", default=None, help="the server's key (default: $OPENAI_API_KEY, $PAGEDMLX_API_KEY)")
     p.add_argument("--model", default=None, help="model id sent in requests (default: the first of GET /v1/models)")
     p.add_argument("--tokenizer", default=None,
@@ -54,7 +54,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the arrival intervals: 1 Poisson, < 1 burstier, > 1 more even (default 1)")
     p.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens (vLLM's ignore_eos)")
-    p.add_argument("--temperature", type=float, default=0.0, help="(default 0.0: greedy, as vLLM)")
+    p.add_argument("--temperature", type=non_negative(float), default=0.0, help="(default 0.0: greedy, as vLLM)")
     p.add_argument("--extra-body", default=None, help='JSON merged into every request body, e.g. \'{"top_k": 20}\'')
     p.add_argument("--num-warmups", type=int, default=0, help="warm-up requests before the run (default 0)")
     p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
@@ -77,7 +77,7 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
 
     add_engine_args(p)
     add_dataset_args(p, offline=True)
-    p.add_argument("--temperature", type=float, default=1.0, help="(default 1.0, top_p 1.0: vLLM's)")
+    p.add_argument("--temperature", type=non_negative(float), default=1.0, help="(default 1.0, top_p 1.0: vLLM's)")
     p.add_argument("--output-json", default=None, help="write the result JSON (vLLM's fields) to this file")
 
 
@@ -91,7 +91,7 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n", type=int, default=1, help="sequences generated per prompt (default 1)")
     p.add_argument("--num-iters-warmup", type=int, default=10, help="untimed iterations first (default 10)")
     p.add_argument("--num-iters", type=int, default=30, help="timed iterations (default 30)")
-    p.add_argument("--temperature", type=float, default=1.0, help="(default 1.0, top_p 1.0: vLLM's; 0: greedy)")
+    p.add_argument("--temperature", type=non_negative(float), default=1.0, help="(default 1.0, top_p 1.0: vLLM's; 0: greedy)")
     p.add_argument("--seed", type=int, default=0, help="of the random prompts")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     p.add_argument("--disable-detokenize", action="store_true",

@@ -18,11 +18,12 @@ import mlx.nn as nn
 from pagedmlx.config import EngineConfig
 from pagedmlx.core.prompt_logprobs import prompt_logprobs, record_prompt_logprobs
 from pagedmlx.core.step import LaunchedStep, StepStats
+from pagedmlx.kernels.check import error_line
 from pagedmlx.kv.manager import KVCacheManager
 from pagedmlx.lora.request import LoRARequest
 from pagedmlx.outputs import EngineCoreOutput, TokenLogprob
 from pagedmlx.request import Request, RequestStatus
-from pagedmlx.runner.model import ModelRunner, weights_nbytes
+from pagedmlx.runner.model import ModelRunner, PagesLost, weights_nbytes
 from pagedmlx.sampler import Sampler, to_host
 from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.scheduler import Scheduler
@@ -248,6 +249,9 @@ class EngineCore:
             return None
         try:
             return self._build(so)
+        except PagesLost as exc:  # nothing failed that a request asked for: all of them recompute
+            self._recompute_all(exc)
+            return None
         except Exception as exc:  # graph building failed: only this step's requests fail
             outputs += self._fail(so, exc, [self.scheduler.requests[rid] for rid in so.req_ids])
             return None
@@ -358,7 +362,13 @@ class EngineCore:
             if k and req is not None:
                 self.drafter.observe(req, k, len(kept) - 1)
         if self._speculating():
-            self.scheduler.update_draft_token_ids(self.drafter.propose_draft_token_ids(self.scheduler.running))
+            try:
+                drafts = self.drafter.propose_draft_token_ids(self.scheduler.running)
+            except PagesLost as exc:  # the draft model's own pages (its runner zeroed them): no drafts this step
+                self.draft_proposer.forget()
+                logger.warning("the draft model's pages were lost (%s); it catches up from the start", error_line(exc))
+                return
+            self.scheduler.update_draft_token_ids(drafts)
 
     def _fail(self, so: SchedulerOutput, exc: Exception, requests: list[Request]) -> list[EngineCoreOutput]:
         logger.exception("step failed; finishing its %d requests with an error", so.num_reqs, exc_info=exc)
@@ -367,7 +377,16 @@ class EngineCore:
             if req.request_id in sampled:
                 req.num_output_placeholders = max(0, req.num_output_placeholders - 1)
         failed = self.scheduler.fail_step(so, requests)
-        return [self._final_output(r, error=f"{type(exc).__name__}: {exc}") for r in failed]
+        outputs = [self._final_output(r, error=f"{type(exc).__name__}: {exc}") for r in failed]
+        if self.runner.repair_pages():
+            self._recompute_all(exc)
+        return outputs
+
+    def _recompute_all(self, exc: Exception) -> None:
+        """The runner zeroed its pages (ModelRunner.repair_pages): every running request is preempted, to
+        recompute from its tokens (a draft model's pages with them), and the prefix cache forgets every page."""
+        n = self.scheduler.recompute_all()
+        logger.warning("the KV pages were lost (%s); %d running requests recompute", error_line(exc), n)
 
     def _output(self, req: Request, new_ids: list[int], finished: bool, samples: list) -> EngineCoreOutput:
         """samples: the SampledTokens of the request's rows, one per kept token (a stop may drop the last ones)."""

@@ -37,7 +37,8 @@ class CoreArgs:
 def run_engine_core(args: CoreArgs) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     engine core: %(message)s")
+    level = 5 if args.log_level == "trace" else args.log_level.upper()  # uvicorn's TRACE_LOG_LEVEL
+    logging.basicConfig(level=level, format="%(levelname)s:     engine core: %(message)s")
     _exit_with_parent()
     import zmq
 

@@ -14,6 +14,7 @@ window; learned attention sinks (gpt-oss) join the softmax's denominator whereve
 
 from __future__ import annotations
 
+import itertools
 import sys
 from typing import Optional
 
@@ -52,6 +53,9 @@ def _gather_rows(pages, rows: mx.array, nb: int) -> mx.array:
     return pages.reshape(P * h, bs * d)[rows].reshape(rows.shape[0], h, nb * bs, d)
 
 
+_POOL_SERIALS = itertools.count()
+
+
 class KVPool:
     """Every layer's pages, by layer index: keys and values each [num_blocks, n_kv_heads,
     block_size, head_dim] in the number of blocks of the layer's group (head-major inside a page,
@@ -69,6 +73,7 @@ class KVPool:
         quant: the quantized layers' KVQuant; quantize_in_write: the in-place page write of those layers
         quantizes the rows itself (KernelPlan.quantize_in_write)."""
         self.block_size = block_size
+        self.serial = next(_POOL_SERIALS)  # names this pool for good (an id() is reused once a pool is freed)
         self.quantize_in_write = quantize_in_write
         self.quant: list[Optional[KVQuant]] = [(quant or {}).get(i) for i in range(num_layers)]
         self.keys: list[Optional[mx.array]] = [None] * num_layers
@@ -92,9 +97,25 @@ class KVPool:
         return [a for side in (self.keys, self.values, self.k_scales, self.k_biases, self.v_scales, self.v_biases)
                 for a in side if a is not None]
 
+    def reset(self) -> None:
+        """Every page zeroed, in the same lists (their contents are lost: see ModelRunner.repair_pages)."""
+        zero_in_place([self.keys, self.values, self.k_scales, self.k_biases, self.v_scales, self.v_biases])
+
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays)
+
+
+def zero_in_place(lists: list[list]) -> None:
+    """Each array in `lists` replaced by zeros of its shape and dtype, one at a time: the old one (possibly
+    a graph whose evaluation failed) is dropped before its replacement is made, so memory never doubles."""
+    for side in lists:
+        for i, a in enumerate(side):
+            if a is not None:
+                side[i] = None
+                side[i] = mx.zeros(a.shape, a.dtype)
+                del a
+                mx.eval(side[i])
 
 
 class PagedLayerCache:

@@ -112,7 +112,7 @@ class CompiledDecode:
         key = (tuple((n, arrays[n].shape, arrays[n].dtype) for n in names), tuple(b.splits for b in builders),
                state_md.num_decodes if state_md is not None else None,
                (lora.slots, lora.dora_slots, r.lora_manager.generation) if lora is not None else None, r.keep_hidden,
-               id(r.kv_pool))  # a trace of scattered pages holds its pool's lists
+               r.kv_pool.serial)  # a trace holds its pool's arrays (or, where they are scattered, its lists)
         fn = self.fns.get(key)
         self.new_trace = fn is None
         if fn is None:

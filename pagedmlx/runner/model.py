@@ -44,6 +44,10 @@ def weights_nbytes(model: nn.Module) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
+class PagesLost(RuntimeError):
+    """The runner zeroed its pages (ModelRunner.repair_pages): every running request must recompute."""
+
+
 class Runner(Protocol):
     """What the engine asks of a runner (ModelRunner here; tp/driver.py's TPDriver on rank 0)."""
 
@@ -52,6 +56,8 @@ class Runner(Protocol):
     pages_in_place: bool
 
     def forward(self, so: SchedulerOutput, prev_sampled: Optional[mx.array] = None) -> mx.array: ...
+
+    def repair_pages(self) -> bool: ...
 
 
 class ModelRunner:
@@ -281,24 +287,46 @@ class ModelRunner:
                     if self.pages_in_place:  # as below
                         mx.async_eval(logits)
                     return logits
+            except PagesLost:
+                raise
             except Exception as exc:  # noqa: BLE001 - an optimisation: the step is built instead
                 logger.warning("compiled decode steps off: %s", error_line(exc))
                 self.compiled_decode = None
+                if self.repair_pages():  # a new trace's first replay failed after taking the pools over
+                    raise PagesLost("a compiled decode step failed while writing the pages") from exc
         return self._built_forward(so, prev_sampled, kv_pool, state_pool, lora)
+
+    def repair_pages(self) -> bool:
+        """After a failed step: where MLX scatters the pages, the pools' lists may hold that step's graph,
+        which fails again whenever a later step reads it. If so, every page and state is zeroed (their
+        contents are lost: the engine has every running request recompute) and True is returned.
+        Pages written in place (CUDA) keep their arrays: the failed step's rows are simply uncached."""
+        if self.pages_in_place:
+            return False
+        try:
+            mx.eval(self.kv_pool.arrays, self.state_pool.flat if self.state_pool is not None else [])
+            return False
+        except Exception:  # noqa: BLE001 - whatever failed, those arrays cannot be read
+            self.kv_pool.reset()
+            if self.state_pool is not None:
+                self.state_pool.reset()
+            return True
 
     def _prove_trace(self, so: SchedulerOutput, prev_sampled: Optional[mx.array], lora, compiled: mx.array) -> mx.array:
         """A new trace over scattered pages (Metal, the CPU: traces the GPU suite does not run) against the
         step built as usual, once a trace: the built step writes the same rows again. One that disagrees
-        beyond the load-time check's tolerance switches compiled steps off; the built logits serve."""
+        beyond the load-time check's tolerance switches compiled steps off. Its writes may have reached
+        other rows than the built step's, and no page can be trusted then: they are zeroed and PagesLost
+        has the engine recompute every running request."""
         mx.eval(compiled)  # first: the built step's writes then take the pools' buffers over (no copy of a pool)
         built = self._built_forward(so, prev_sampled, None, None, lora)
         err, tol = relative_error(compiled, built), LOGIT_TOLERANCE.get(built.dtype, 6e-2)
         if err <= tol:
             return compiled
-        logger.warning("compiled decode steps off: a new trace's logits differ from the built step's by %.2e > %.0e",
-                       err, tol)
         self.compiled_decode = None
-        return built
+        self.kv_pool.reset()
+        raise PagesLost(f"a new compiled decode trace's logits differ from the built step's by {err:.2e} > {tol:.0e}; "
+                        "compiled decode steps are off")
 
     def _built_forward(self, so: SchedulerOutput, prev_sampled: Optional[mx.array], kv_pool: Optional[KVPool],
                        state_pool: Optional[StatePool], lora) -> mx.array:

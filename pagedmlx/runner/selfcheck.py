@@ -148,6 +148,9 @@ def _mlx_lm_logits(model, tokens: list[int], positions: list[int], chunks: list[
 
 
 def relative_error(got: mx.array, want: mx.array) -> float:
-    """max |got - want| over max |want| (NaN where either holds one): one host sync."""
-    want = want.astype(mx.float32)
-    return (mx.abs(got.astype(mx.float32) - want).max() / mx.maximum(mx.abs(want).max(), 1e-30)).item()
+    """max |got - want| over the largest finite |want|: one host sync. Equal entries count 0, infinities
+    included (a vocabulary masked with -inf on both sides); NaN where either holds one."""
+    got, want = got.astype(mx.float32), want.astype(mx.float32)
+    diff = mx.where(got == want, 0.0, mx.abs(got - want))
+    scale = mx.where(mx.isinf(want), 0.0, mx.abs(want)).max()
+    return (diff.max() / mx.maximum(scale, 1e-30)).item()

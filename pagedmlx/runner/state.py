@@ -32,7 +32,7 @@ from mlx_lm.models.cache import ArraysCache
 from pagedmlx.config import EngineConfig
 from pagedmlx.kv.spec import KVCacheGroupSpec, MambaSpec, cdiv
 from pagedmlx.kernels import recurrent_state
-from pagedmlx.runner.attention import as_dtype
+from pagedmlx.runner.attention import as_dtype, zero_in_place
 from pagedmlx.runner.attention_metadata import upload_indices
 from pagedmlx.runner.plan import LayerPlan, StatePlan
 from pagedmlx.scheduler_output import SchedulerOutput
@@ -89,6 +89,15 @@ class StatePool:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for arrays in self.arrays if arrays for a in arrays)
+
+    @property
+    def flat(self) -> list[mx.array]:
+        return [a for arrays in self.arrays if arrays for a in arrays]
+
+    def reset(self) -> None:
+        """Every state zeroed, in the same lists (see ModelRunner.repair_pages)."""
+        zero_in_place([arrays for arrays in self.arrays if arrays])
+        self.pending = [[] for _ in self.pending]
 
     def read(self, layer: int, slots) -> list[mx.array]:
         """The states at `slots` (a (n,) array, or one slot as an int), after the writes still pending."""

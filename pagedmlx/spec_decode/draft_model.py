@@ -142,6 +142,10 @@ class DraftModelProposer:
         self.runner.kv_pool = self.runner.make_pool(config)
         self.vocab_size = vocab_size
 
+    def forget(self) -> None:
+        """Every request's draft KV is gone (the runner zeroed the pages): each catches up from position 0."""
+        self._state.clear()
+
     def _valid(self, req: Request) -> int:
         """Tokens from position 0 whose draft KV is in the request's pages (at most all but its last)."""
         st = self._state.get(req)

@@ -87,6 +87,10 @@ class TPDriver:
 
     pages_in_place = False  # lockstep: each step is evaluated in the device thread before it returns
 
+    def repair_pages(self) -> bool:
+        """Not repaired: the ranks would have to zero their pools together (a failed step fails its requests)."""
+        return False
+
     def on_lost(self, listener: Callable[[RankLostError], None]) -> None:
         """Call listener(error) (from a driver thread) once the group is lost."""
         with self._lock:
