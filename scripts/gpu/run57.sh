@@ -15,7 +15,7 @@ OFF="python3 scripts/bench/bench_offline.py --preset llama-8b --dtype bfloat16 -
 PROF="python3 scripts/bench/profile_prefill_steps.py --prompts 64 --length 512"
 # PART=core / PART=rest (twenty-second session, device time short): the same runs in two calls, what closes an
 # issue first (the int8 kernel's GPU check, int8 decode with and without the prefetch, the round's phases).
-KV="python3 scripts/bench/bench_kv_quant.py --speed --preset llama-8b --context 2048 --batch 64 256 --steps 12"
+KV="python3 scripts/bench/bench_kv_quant.py --speed --preset llama-8b --context ${CONTEXT:-2048} --batch 64 256 --steps 12"  # CONTEXT=1024 on an H100 (80 GB at 256 x 2048)
 DRAFT="python3 scripts/bench/bench_draft.py preset:llama-8b --dtype bfloat16 --draft layers:4 --k 4 --target-tail-scale 0 --rounds 1 --prompts 2 --max-tokens 96 --kv-cache-gb 4 --phases"
 case "${PART:-all}" in
   core)
