@@ -39,7 +39,7 @@ from scripts.bench.profile_step import Clock  # noqa: E402
 from scripts.bench.spec_phases import PhaseClock  # noqa: E402
 
 
-def make_engine(model, draft, k: int, prompt_len: int, gen_len: int, standins: bool):
+def make_engine(model, draft, k: int, prompt_len: int, gen_len: int, standins: bool, compiled: bool = True):
     from pagedmlx.config import EngineConfig
     from pagedmlx.engine import LLMEngine
     from pagedmlx.spec_decode.config import SpeculativeConfig
@@ -48,11 +48,12 @@ def make_engine(model, draft, k: int, prompt_len: int, gen_len: int, standins: b
     spec = SpeculativeConfig(method="draft_model", model=draft, num_speculative_tokens=k, disable_by_batch_size=1)
     engine = LLMEngine(model, None, EngineConfig(block_size=16, num_blocks=-(-n // 16) + 9, max_num_seqs=1,
                                                  max_num_batched_tokens=max(512, prompt_len), max_model_len=n + 1,
-                                                 enable_prefix_caching=False, speculative_config=spec))
+                                                 enable_prefix_caching=False, speculative_config=spec,
+                                                 compile_decode=compiled))
     if standins:
-        use_kernel_standins(engine, compile_decode=True)
+        use_kernel_standins(engine, compile_decode=compiled)
         draft_engine = type("DraftRunner", (), {"runner": engine.draft_proposer.runner, "model": draft})()
-        use_kernel_standins(draft_engine, compile_decode=True)
+        use_kernel_standins(draft_engine, compile_decode=compiled)
     return engine
 
 
@@ -105,13 +106,16 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=96)
     ap.add_argument("--kernel-standins", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=True,
+                    help="our decode and verifying steps through mx.compile (default on, as on the H200)")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile of our rounds: the N costliest")
     ap.add_argument("--phases", action="store_true", help="our rounds' host time (CPU time) by phase")
     args = ap.parse_args()
     model = tiny_model(args.preset)
     scale_tail(model, args.draft_layers, 0.0)
     draft = make_draft(model, f"layers:{args.draft_layers}", None)
-    engine = make_engine(model, draft, args.k, args.prompt_len, args.gen_len, args.kernel_standins)
+    engine = make_engine(model, draft, args.k, args.prompt_len, args.gen_len, args.kernel_standins,
+                         args.compile_decode)
     prompt = make_prompts(1, args.prompt_len, 512, 9)[0]
     engine_us(engine, prompt[:16], 16)  # warm up both (the compiled steps' traces)
     mlx_lm_us(model, draft, prompt[:16], 16, args.k)
