@@ -115,6 +115,9 @@ def main() -> None:
     print("\nnon-view primitives by kind (mlx-lm, pagedmlx):")
     for k in kinds:
         print(f"  {k[:70]:<70} {counts['mlx-lm'][k]:>5} {counts['pagedmlx'][k]:>5}")
+    print("\nviews by kind (mlx-lm, pagedmlx):")
+    for k in sorted(VIEWS & set().union(*counts.values()), key=lambda k: -max(c[k] for c in counts.values())):
+        print(f"  {k:<70} {counts['mlx-lm'][k]:>5} {counts['pagedmlx'][k]:>5}")
 
 
 if __name__ == "__main__":
