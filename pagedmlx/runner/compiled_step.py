@@ -96,7 +96,9 @@ class CompiledDecode:
         for g, b in enumerate(builders):
             if "decode_block_table" in b.host:
                 table = b.host["decode_block_table"]
-                b.host["decode_block_table"] = np.pad(table, ((0, 0), (0, table_bucket(table.shape[1]) - table.shape[1])))
+                padded = np.zeros((table.shape[0], table_bucket(table.shape[1])), table.dtype)  # np.pad: 20x slower
+                padded[:, :table.shape[1]] = table
+                b.host["decode_block_table"] = padded
             host.update({f"{g}.{k}": v for k, v in b.host.items()})
         if lora is not None:
             host.update(lora.host)
