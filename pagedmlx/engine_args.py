@@ -46,6 +46,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--merge-projections", action=argparse.BooleanOptionalAction, default=None,
                    help="q/k/v and gate/up each as one matmul over concatenated weights (default: on GPU "
                         "backends, off with --enable-lora)")
+    p.add_argument("--fuse-norms", action=argparse.BooleanOptionalAction, default=None,
+                   help="each residual add and the RMSNorm after it as one kernel (default: where the kernel "
+                        "runs, GPU backends, for models whose layers pass its probe)")
     p.add_argument("--warm-up-attention", action=argparse.BooleanOptionalAction, default=None,
                    help="build the attention shapes of long prompts before serving (default: on CUDA)")
     p.add_argument("--prefill-kernel", action=argparse.BooleanOptionalAction, default=None,
@@ -156,7 +159,7 @@ def _engine_config(args: argparse.Namespace):
                         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
                         async_scheduling=args.async_scheduling, warm_up_attention=args.warm_up_attention,
                         prefill_kernel=args.prefill_kernel, compile_decode=args.compile_decode,
-                        merge_projections=args.merge_projections,
+                        merge_projections=args.merge_projections, fuse_norms=args.fuse_norms,
                         generation_config=args.generation_config,
                         scheduling_policy=args.scheduling_policy, dtype=args.dtype,
                         state_checkpoint_interval=args.state_checkpoint_interval,

@@ -1,7 +1,7 @@
 """nvcc compiles every CUDA kernel the engine builds, through the engine's own launch code, for the
 template values it uses (model dtypes, head shapes, windows, sinks, split or not): the recurrent-state
-kernels, paged prefill, paged decode (tensor cores and lanes, 16-bit and quantized pages), the page writes
-and batched LoRA.
+kernels, paged prefill, paged decode (tensor cores and lanes, 16-bit and quantized pages), the page writes,
+batched LoRA and the fused residual add + RMSNorm.
 No GPU needed, only
 nvcc (tests/nvcc_utils.py); skipped without it. PAGEDMLX_NVCC_ARCH picks the target (default sm_90,
 the H200); `pytest -s` prints ptxas's registers and spills per kernel."""
@@ -14,8 +14,8 @@ import mlx.core as mx
 import pytest
 from nvcc_utils import RecordingCudaKernel, compile_sources, have_nvcc
 
-from pagedmlx.kernels import (build, decode_attention, decode_attention_quant, lora, page_write, prefill_attention,
-                              recurrent_state)
+from pagedmlx.kernels import (add_rms_norm, build, decode_attention, decode_attention_quant, lora, page_write,
+                              prefill_attention, recurrent_state)
 from pagedmlx.kv_cache_dtype import KVQuant
 from pagedmlx.runner.kv_quant import QuantizedPages
 
@@ -76,6 +76,9 @@ def attention_cases():
             RecordingCudaKernel.label = f"lora {dt} {in_dims}->{out_dims} R={rank}"
             lora.add_lora(mx.zeros((3, in_dims), dt), mx.zeros((3, out_dims), dt), mx.zeros((5, rank, in_dims), dt),
                           mx.zeros((5, rank, out_dims), dt), mx.zeros((3,), mx.int32), mx.zeros((5,)), backend="cuda")
+        for d in (576, 4096, 8192):  # SmolLM2's, Llama-8B's, Llama-70B's widths
+            RecordingCudaKernel.label = f"add_rms_norm {dt} D={d}"
+            add_rms_norm.add_rms_norm(mx.zeros((3, d), dt), mx.zeros((3, d), dt), mx.zeros((d,), dt), 1e-5, "cuda")
         RecordingCudaKernel.label = f"lora {dt} siblings q/k/v 4096->4096/1024/1024 R=16"
         outs = (4096, 1024, 1024)
         lora.add_lora_siblings(mx.zeros((3, 4096), dt), [mx.zeros((3, o), dt) for o in outs],
@@ -138,7 +141,7 @@ def recorded(monkeypatch):
     monkeypatch.setattr(build, "make_kernel", RecordingCudaKernel)
     cached = (decode_attention._kernels, decode_attention_quant._kernels, page_write._write_kernel,
               page_write._quant_write_kernel, page_write._quantizing_write_kernel, prefill_attention._prefill_kernels,
-              recurrent_state._kernel, lora._kernel)
+              recurrent_state._kernel, lora._kernel, add_rms_norm._kernel)
     for fn in cached:
         fn.cache_clear()
     RecordingCudaKernel.sources = []

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from kernel_emulator import EmulatedKernel, have_compiler, metal_source
 
-from pagedmlx.kernels import build, decode_attention, page_write
+from pagedmlx.kernels import add_rms_norm, build, decode_attention, page_write
 from pagedmlx.kernels.sources import decode_attention as decode_source
 from pagedmlx.runner.attention import gather_decode
 from pagedmlx.runner.attention_metadata import length_mask
@@ -41,6 +41,7 @@ def all_sources() -> dict[str, str]:
             for kernel, (body, header) in decode_attention.decode_sources(backend, mma).items():
                 out[f"{backend} {kernel}{' mma' if mma else ''}"] = header + body
         out[f"{backend} write"] = page_write.write_source(backend)
+        out[f"{backend} add_rms_norm"] = add_rms_norm.add_rms_norm_source(backend)
     return out
 
 

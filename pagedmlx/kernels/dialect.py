@@ -47,6 +47,7 @@ TOKENS: dict[str, tuple[str, str]] = {
     "FMIN(": ("fminf(", "metal::min("),
     "FABS(": ("fabsf(", "metal::abs("),
     "ROUND(": ("roundf(", "metal::round("),  # half away from zero in both
+    "RSQRT(": ("rsqrtf(", "metal::precise::rsqrt("),
     "IMIN(": ("min(", "metal::min("),
     "IMAX(": ("max(", "metal::max("),
     "NEG_INF": ("__int_as_float(0xff800000)", "(-INFINITY)"),
@@ -59,7 +60,7 @@ TOKEN_NAMES = tuple(t.rstrip("(") for t in TOKENS)
 # "name*": any word that starts with name; otherwise the whole word.
 CUDA_ONLY = ("__shfl*", "__sync*", "__shared__", "__device__", "__global__", "__ldg", "__expf", "__int_as_float",
              "__nv_bfloat16*", "__half*", "__float*", "threadIdx", "blockIdx", "blockDim", "gridDim", "fmaxf", "fminf",
-             "fabsf", "roundf",
+             "fabsf", "roundf", "rsqrtf",
              "asm", "cooperative_groups", "__restrict__", "__grid_constant__")
 METAL_ONLY = ("threadgroup*", "simdgroup*", "simd_*", "thread_position*", "thread_index*", "threads_per*",
               "quadgroup*", "metal", "mem_flags", "device", "thread", "constant", "kernel", "INFINITY",

@@ -22,7 +22,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from pagedmlx.kernels import build, check, decode_attention, decode_attention_quant, lora, prefill_attention
+from pagedmlx.kernels import add_rms_norm, build, check, decode_attention, decode_attention_quant, lora, prefill_attention
 from pagedmlx.kernels.dialect import CUDA
 from pagedmlx.kv_cache_dtype import KVQuant
 
@@ -130,6 +130,20 @@ def select_lora_kernel(plan: KernelPlan) -> tuple[Optional[str], Optional[str]]:
             why = f"its load-time check failed in {str(dtype).split('.')[-1]}: {err}"
             logger.warning("pagedmlx: the batched LoRA kernel is off (%s); MLX's products run the adapters", why)
             return None, why
+    return plan.backend, None
+
+
+def select_norm_kernel(plan: KernelPlan, width: int, dtype: mx.Dtype) -> tuple[Optional[str], Optional[str]]:
+    """(the backend where kernels/add_rms_norm.py's kernel fuses residual adds with their RMSNorms, after its
+    check at the model's width and dtype at each load; None, and why, where MLX's add and norm run)."""
+    if plan.backend is None or plan.reason is not None and plan.reason.endswith("_KERNELS=0"):
+        return None, plan.reason or "no GPU backend"
+    try:
+        err = add_rms_norm.check_add_rms_norm(plan.backend, dtype, dims=(width,))
+    except Exception as exc:  # the kernel failed to build or run
+        err = f"did not compile or run ({check.error_line(exc)})"
+    if err is not None:
+        return None, f"the fused add + RMSNorm kernel failed its load-time check: {err}"
     return plan.backend, None
 
 

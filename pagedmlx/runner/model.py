@@ -19,6 +19,7 @@ from pagedmlx.kernels.selector import select_kernels, select_lora_kernel, select
 from pagedmlx.kv_cache_dtype import bytes_per_token, layer_quant
 from pagedmlx.runner.attention import (KVPool, PagedLayerCache, install_paged_attention)
 from pagedmlx.runner.compiled_step import AUTO_MAX_DECODES, CompiledDecode
+from pagedmlx.runner.fused_residual import fuse_norms, fused_residuals
 from pagedmlx.runner.lm_head import split_lm_head
 from pagedmlx.runner.merged_linear import merge_projections, merged_products
 from pagedmlx.runner.attention_metadata import (StepMetadata, sdpa_shape_quantum)
@@ -104,6 +105,7 @@ class ModelRunner:
                                             self.block_size, config.kv_cache_dtype,
                                             windows=tuple(sorted(set(self.windows), key=str)),
                                             sinks=tuple(sorted({p.sinks for p in attending})))
+        self.fused_norms = fuse_norms(config.fuse_norms, model, self._body, self.kernels)
         self.sdpa_quantum = (config.sdpa_quantum if config.sdpa_quantum is not None
                              else sdpa_shape_quantum(build.gpu_backend()))
         if self.kernels.state:
@@ -348,7 +350,8 @@ class ModelRunner:
 
     def logits(self, inputs: mx.array, caches: list, logits_indices: mx.array) -> mx.array:
         """The model over inputs (T, 1) on `caches`; logits (S, V) of the rows logits_indices."""
-        with merged_products() if self.merges else contextlib.nullcontext():
+        with (merged_products() if self.merges else contextlib.nullcontext(),
+              fused_residuals() if self.fused_norms else contextlib.nullcontext()):
             if self._head is not None:
                 hidden = self._body(inputs, cache=caches)
                 if self.keep_hidden:  # every row's final hidden state, for an MTP module (spec_decode/mtp_proposer.py)
@@ -369,6 +372,10 @@ class ModelRunner:
         plain would otherwise switch right kernels off); kernels that still disagree are switched off,
         and the split tried again without them; a model whose pages still disagree is refused."""
         err = self._check()
+        if err is not None and self.fused_norms:  # the fused residual adds give way first (runner/fused_residual.py)
+            logger.warning("residual adds not fused with their norms: the paged forward disagrees with them (%s)", err)
+            self.fused_norms = False
+            err = self._check()
         split = self._body, self._head
         if err is not None and self._head is not None:
             self._body = self._head = None

@@ -189,6 +189,7 @@ inline int min(int a, int b) { return a < b ? a : b; }
 inline float exp(float x) { return std::exp(x); }
 inline float abs(float x) { return std::fabs(x); }
 inline float round(float x) { return std::round(x); }
+namespace precise { inline float rsqrt(float x) { return 1.0f / std::sqrt(x); } }
 template <class T> T simd_shuffle_xor(T v, unsigned short mask) { return emu::shuffle_xor(v, mask); }
 inline void threadgroup_barrier(mem_flags) { emu::barrier(); }
 }  // namespace metal
@@ -209,6 +210,7 @@ typedef emu::bf16 __nv_bfloat16;
 typedef _Float16 __half;
 struct Shape { int d[10]; int operator[](int i) const { return d[i]; } };
 inline float __expf(float x) { return std::exp(x); }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline float __int_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
