@@ -116,3 +116,17 @@ def test_layers_without_plain_rms_norms_are_not_fused():
     model.model.norm = nn.RMSNorm(model.model.norm.weight.shape[0])  # a plain final norm: the layers still differ
     assert "is not a pre-norm block" in fused_residual.fuse_residual_norms(model, model.model, CUDA)
     assert [type(m) for m in model.model.layers] == classes[:-1]
+
+
+def test_a_second_runner_on_the_same_model_fuses_it_too_and_a_failed_probe_keeps_the_first(emulated, monkeypatch):
+    """Benchmarks and draft models run several engines on one model object: a second fuse finds the layers
+    already swapped, fuses as well and wraps nothing twice; a probe that fails undoes only its own swaps."""
+    model = make_model("llama", seed=14)
+    body = model.model
+    assert fused_residual.fuse_residual_norms(model, body, CUDA) is None
+    classes = [type(m) for m in [*body.layers, body.norm]]
+    assert fused_residual.fuse_residual_norms(model, body, CUDA) is None
+    assert [type(m) for m in [*body.layers, body.norm]] == classes and all(c.__name__.startswith("Fused") for c in classes)
+    monkeypatch.setattr(fused_residual, "_probe", lambda model, body: "a probe that fails")
+    assert fused_residual.fuse_residual_norms(model, body, CUDA) == "a probe that fails"
+    assert [type(m) for m in [*body.layers, body.norm]] == classes  # the first runner's swaps stand

@@ -81,11 +81,17 @@ def _norm_call(self, x):
 
 @functools.lru_cache(maxsize=None)
 def _fused_class(cls: type, call) -> type:
-    return type(f"Fused{cls.__name__}", (cls,), {"__call__": call})
+    return type(f"Fused{cls.__name__}", (cls,), {"__call__": call, "_pagedmlx_fused": True})
+
+
+def _own_class(m: Any) -> type:
+    """The module's class before a swap (another runner on the same model may have swapped it)."""
+    cls = type(m)
+    return cls.__bases__[0] if cls.__dict__.get("_pagedmlx_fused") else cls
 
 
 def _is_norm(m: Any) -> bool:
-    return type(m) is nn.RMSNorm
+    return _own_class(m) is nn.RMSNorm
 
 
 def _candidate(body: Any) -> Optional[str]:
@@ -102,19 +108,16 @@ def _candidate(body: Any) -> Optional[str]:
     return None
 
 
-def _swap(body: nn.Module, backend: Optional[str]) -> None:
-    for layer in body.layers:
-        layer.__class__ = _fused_class(type(layer), _layer_call)
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            norm._pagedmlx_backend = backend
-    body.norm.__class__ = _fused_class(type(body.norm), _norm_call)
-    body.norm._pagedmlx_backend = backend
-
-
-def _unswap(body: nn.Module) -> None:
-    for m in [*body.layers, body.norm]:
-        if type(m).__name__.startswith("Fused"):
-            m.__class__ = type(m).__bases__[0]
+def _swap(body: nn.Module, backend: Optional[str]) -> list:
+    """The modules whose classes this call swapped (none that another runner's call already did)."""
+    swapped = []
+    for m, call in [*((layer, _layer_call) for layer in body.layers), (body.norm, _norm_call)]:
+        if type(m) is _own_class(m):
+            m.__class__ = _fused_class(type(m), call)
+            swapped.append(m)
+    for norm in [body.norm, *(n for layer in body.layers for n in (layer.input_layernorm, layer.post_attention_layernorm))]:
+        norm._pagedmlx_backend = backend
+    return swapped
 
 
 def fuse_norms(setting: Optional[bool], model: nn.Module, body: Any, plan: Any) -> bool:
@@ -144,13 +147,14 @@ def fuse_residual_norms(model: nn.Module, body: Any, backend: Optional[str]) -> 
     why = _candidate(body)
     if why is not None:
         return why
-    _swap(body, backend)
+    swapped = _swap(body, backend)
     try:
         why = _probe(model, body)
     except Exception as exc:  # noqa: BLE001 - a body that cannot take the pairs: it keeps its own calls
         why = f"the probe failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
     if why is not None:
-        _unswap(body)
+        for m in swapped:
+            m.__class__ = type(m).__bases__[0]
     return why
 
 
