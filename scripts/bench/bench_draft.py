@@ -213,6 +213,8 @@ def main() -> None:
     ap.add_argument("--merge-projections", action=argparse.BooleanOptionalAction, default=None,
                     help="EngineConfig.merge_projections (default: on GPU backends); mlx-lm's runs keep the "
                          "separate modules either way")
+    ap.add_argument("--fuse-norms", action=argparse.BooleanOptionalAction, default=None,
+                    help="EngineConfig.fuse_norms (default: where the kernel runs, GPU backends)")
     ap.add_argument("--lookup", type=int, default=0, metavar="N",
                     help="add a run with the draft and prompt lookup (prompt_lookup_max N) to the table")
     ap.add_argument("--phases", action="store_true", help="time one more pass of our speculative runs by phase")
@@ -240,9 +242,9 @@ def main() -> None:
             "disable_by_batch_size": args.batch}
     seqs = max(4, args.batch)
     on = LLM(target, tok, speculative_config=spec, kv_cache_memory_gb=args.kv_cache_gb, max_num_seqs=seqs,
-             merge_projections=args.merge_projections)
+             merge_projections=args.merge_projections, fuse_norms=args.fuse_norms)
     off = LLM(target, tok, kv_cache_memory_gb=args.kv_cache_gb, max_num_seqs=seqs,
-              merge_projections=args.merge_projections)
+              merge_projections=args.merge_projections, fuse_norms=args.fuse_norms)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     stats = on.engine.scheduler.spec_decoding_stats
 
