@@ -13,16 +13,18 @@ source "$(dirname "$0")/lib.sh"
 SUITE=(env MLX_ENABLE_TF32=0 python3 -m pytest -o addopts= -q -rf -p no:cacheprovider)
 OFF="python3 scripts/bench/bench_offline.py --preset llama-8b --dtype bfloat16 --prompt-len 512 --gen-len 64 --batch-sizes 64 --skip-peer --repeats 2"
 PROF="python3 scripts/bench/profile_prefill_steps.py --prompts 64 --length 512"
-# PART=core / PART=rest (twenty-second session, device time short): the same runs in two calls, what closes an
-# issue first (the int8 kernel's GPU check, int8 decode with and without the prefetch, the round's phases).
+# PART=core / PART=rest (twenty-second session, device time short): the same runs in two calls, what decides most
+# first: the round's phases (issue 28), batch 1 with and without the fused residual norms (new), int8 decode with
+# and without the prefetch (issue 29), the int8 kernel's GPU test.
 KV="python3 scripts/bench/bench_kv_quant.py --speed --preset llama-8b --context ${CONTEXT:-2048} --batch 64 256 --steps 12"  # CONTEXT=1024 on an H100 (80 GB at 256 x 2048)
 DRAFT="python3 scripts/bench/bench_draft.py preset:llama-8b --dtype bfloat16 --draft layers:4 --k 4 --target-tail-scale 0 --rounds 1 --prompts 2 --max-tokens 96 --kv-cache-gb 4 --phases"
 case "${PART:-all}" in
-  core)
-    TAIL=4 run pytest_kv_int8 120 "${SUITE[@]}" tests/test_gpu_kv_quant.py -k "decode_kernel and default and int8"
-    TAIL=14 run kv_64_256 130 $KV
-    TAIL=14 run kv_64_256_noprefetch 130 env PAGEDMLX_QUANT_PREFETCH=0 $KV
-    TAIL=40 run draft_phases 180 $DRAFT;;
+  core)  # in order of what decides most; the limits add up to under a call's 600 s
+    TAIL=40 run draft_phases 150 $DRAFT
+    TAIL=10 run batch1_fused 100 python3 scripts/bench/bench_batch1.py preset:llama-8b --dtype bfloat16 --rounds 3
+    TAIL=14 run kv_64_256 120 $KV
+    TAIL=14 run kv_64_256_noprefetch 120 env PAGEDMLX_QUANT_PREFETCH=0 $KV
+    TAIL=4 run pytest_kv_int8 90 "${SUITE[@]}" tests/test_gpu_kv_quant.py -k "decode_kernel and default and int8";;
   rest)
     TAIL=6 run offline_int8 120 $OFF --kv-cache-dtype int8
     TAIL=30 run prefill_steps_int8 90 $PROF --kv-cache-dtype int8
