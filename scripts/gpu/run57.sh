@@ -16,6 +16,10 @@ PROF="python3 scripts/bench/profile_prefill_steps.py --prompts 64 --length 512"
 # PART=core / PART=rest (twenty-second session, device time short): the same runs in two calls, what decides most
 # first: the round's phases (issue 28), batch 1 with and without the fused residual norms (new), int8 decode with
 # and without the prefetch (issue 29), the int8 kernel's GPU test.
+if [ -z "${CONTEXT:-}" ] && [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)" -lt 100000 ] 2>/dev/null; then
+  CONTEXT=1024  # an H100: 256 x 2048 tokens of bf16 pages (64 GiB) and the weights would not fit
+fi
+echo "== $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | head -1), KV context ${CONTEXT:-2048}"
 KV="python3 scripts/bench/bench_kv_quant.py --speed --preset llama-8b --context ${CONTEXT:-2048} --batch 64 256 --steps 12"  # CONTEXT=1024 on an H100 (80 GB at 256 x 2048)
 DRAFT="python3 scripts/bench/bench_draft.py preset:llama-8b --dtype bfloat16 --draft layers:4 --k 4 --target-tail-scale 0 --rounds 1 --prompts 2 --max-tokens 96 --kv-cache-gb 4 --phases"
 case "${PART:-all}" in
