@@ -29,6 +29,10 @@ case "${PART:-all}" in
     TAIL=14 run kv_64_256 120 $KV
     TAIL=14 run kv_64_256_noprefetch 120 env PAGEDMLX_QUANT_PREFETCH=0 $KV
     TAIL=4 run pytest_kv_int8 90 "${SUITE[@]}" tests/test_gpu_kv_quant.py -k "decode_kernel and default and int8";;
+  mini)  # what a nearly spent device budget still buys: the round's phases, batch 1 fused or not, int8 decode
+    TAIL=40 run draft_phases 150 $DRAFT
+    TAIL=10 run batch1_fused 100 python3 scripts/bench/bench_batch1.py preset:llama-8b --dtype bfloat16 --rounds 3
+    TAIL=14 run kv_64_256 120 $KV;;
   rest)
     TAIL=6 run offline_int8 120 $OFF --kv-cache-dtype int8
     TAIL=30 run prefill_steps_int8 90 $PROF --kv-cache-dtype int8
