@@ -18,11 +18,9 @@ extra norms) fails the probe and keeps its own call.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import threading
-from typing import Any, Iterator, NamedTuple, Optional
+from typing import Any, ContextManager, NamedTuple, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -30,26 +28,17 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from pagedmlx.kernels import add_rms_norm
 from pagedmlx.runner.selfcheck import relative_error
+from pagedmlx.runner.thread_flag import ThreadFlag
 
 logger = logging.getLogger("pagedmlx")
 
 
-class _Active(threading.local):
-    on = False  # inside fused_residuals(), in this thread
+_active = ThreadFlag()
 
 
-_active = _Active()
-
-
-@contextlib.contextmanager
-def fused_residuals() -> Iterator[None]:
+def fused_residuals() -> ContextManager[None]:
     """Fused layers pass their residual unadded (in this thread) while inside."""
-    before = _active.on
-    _active.on = True
-    try:
-        yield
-    finally:
-        _active.on = before
+    return _active.scope()
 
 
 class Residual(NamedTuple):

@@ -21,14 +21,14 @@ input than its group's last one gets the whole product of that input (right, if 
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import threading
-from typing import Iterator, Optional
+from typing import ContextManager, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
+
+from pagedmlx.runner.thread_flag import ThreadFlag
 
 logger = logging.getLogger("pagedmlx")
 
@@ -44,22 +44,12 @@ _TOLERANCE = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 2e-2}
 ANY_ROWS = ({"gate_proj", "up_proj"}, {"w1", "w3"}, {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"})
 
 
-class _Active(threading.local):
-    on = False  # inside merged_products(), in this thread
+_active = ThreadFlag()
 
 
-_active = _Active()
-
-
-@contextlib.contextmanager
-def merged_products() -> Iterator[None]:
+def merged_products() -> ContextManager[None]:
     """Merged groups compute one product for all their parts (in this thread) while inside."""
-    before = _active.on
-    _active.on = True
-    try:
-        yield
-    finally:
-        _active.on = before
+    return _active.scope()
 
 
 def _linear_kind(m: nn.Module) -> Optional[tuple]:
