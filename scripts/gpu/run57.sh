@@ -33,6 +33,9 @@ case "${PART:-all}" in
     TAIL=40 run draft_phases 150 $DRAFT
     TAIL=10 run batch1_fused 100 python3 scripts/bench/bench_batch1.py preset:llama-8b --dtype bfloat16 --rounds 3
     TAIL=14 run kv_64_256 120 $KV;;
+  tiny)  # the last minutes of a device budget: the round's phases and batch 1 fused or not
+    TAIL=40 run draft_phases 150 $DRAFT
+    TAIL=10 run batch1_fused 100 python3 scripts/bench/bench_batch1.py preset:llama-8b --dtype bfloat16 --rounds 3;;
   rest)
     TAIL=6 run offline_int8 120 $OFF --kv-cache-dtype int8
     TAIL=30 run prefill_steps_int8 90 $PROF --kv-cache-dtype int8
