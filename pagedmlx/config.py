@@ -61,9 +61,9 @@ class EngineConfig:
     # adapters add their rows to a merged module's part (the LoRA kernel reads it in place).
     merge_projections: Optional[bool] = None
     # Residual adds fused with the RMSNorm after them (runner/fused_residual.py, kernels/add_rms_norm.py): two
-    # launches a layer fewer where a small batch's GPU step is bound by dispatching them. None: where the
-    # kernel runs (a GPU backend) and passes its load-time check; the model's probe decides per model.
-    fuse_norms: Optional[bool] = None
+    # launches a layer fewer, where the kernel runs (a GPU backend) and passes its load-time check and the model
+    # its probe. Off by default: on an H100 it made Llama-8B's batch-1 decode slower (0.87x, docs/benchmarks.md).
+    fuse_norms: bool = False
     # "auto": sampling defaults from the model's generation_config.json (as vLLM); "vllm": vLLM's own.
     generation_config: str = "auto"
     dtype: Optional[str] = None  # "float32" / "float16" / "bfloat16" for unquantized weights; None: as loaded

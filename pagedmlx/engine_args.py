@@ -46,9 +46,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--merge-projections", action=argparse.BooleanOptionalAction, default=None,
                    help="q/k/v and gate/up each as one matmul over concatenated weights (default: on GPU "
                         "backends, off with --enable-lora)")
-    p.add_argument("--fuse-norms", action=argparse.BooleanOptionalAction, default=None,
-                   help="each residual add and the RMSNorm after it as one kernel (default: where the kernel "
-                        "runs, GPU backends, for models whose layers pass its probe)")
+    p.add_argument("--fuse-norms", action=argparse.BooleanOptionalAction, default=False,
+                   help="each residual add and the RMSNorm after it as one kernel, on GPU backends, for models "
+                        "whose layers pass its probe (default off: 0.87x at batch 1 on an H100)")
     p.add_argument("--warm-up-attention", action=argparse.BooleanOptionalAction, default=None,
                    help="build the attention shapes of long prompts before serving (default: on CUDA)")
     p.add_argument("--prefill-kernel", action=argparse.BooleanOptionalAction, default=None,

@@ -130,3 +130,12 @@ def test_a_second_runner_on_the_same_model_fuses_it_too_and_a_failed_probe_keeps
     monkeypatch.setattr(fused_residual, "_probe", lambda model, body: "a probe that fails")
     assert fused_residual.fuse_residual_norms(model, body, CUDA) == "a probe that fails"
     assert [type(m) for m in [*body.layers, body.norm]] == classes  # the first runner's swaps stand
+
+
+def test_asked_for_where_no_kernel_runs_the_engine_says_why_and_runs_unfused(caplog):
+    """Off by default; asked for on the CPU (no GPU backend), a warning names the reason and nothing is swapped."""
+    model = make_model("llama", seed=15)
+    assert not LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=32)).runner.fused_norms
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=32, fuse_norms=True))
+    assert not engine.runner.fused_norms and "residual adds not fused with their norms: no GPU backend" in caplog.text
+    assert not any(type(m).__name__.startswith("Fused") for m in [*model.model.layers, model.model.norm])

@@ -213,8 +213,8 @@ def main() -> None:
     ap.add_argument("--merge-projections", action=argparse.BooleanOptionalAction, default=None,
                     help="EngineConfig.merge_projections (default: on GPU backends); mlx-lm's runs keep the "
                          "separate modules either way")
-    ap.add_argument("--fuse-norms", action=argparse.BooleanOptionalAction, default=None,
-                    help="EngineConfig.fuse_norms (default: where the kernel runs, GPU backends)")
+    ap.add_argument("--fuse-norms", action=argparse.BooleanOptionalAction, default=False,
+                    help="EngineConfig.fuse_norms (default off)")
     ap.add_argument("--lookup", type=int, default=0, metavar="N",
                     help="add a run with the draft and prompt lookup (prompt_lookup_max N) to the table")
     ap.add_argument("--phases", action="store_true", help="time one more pass of our speculative runs by phase")
