@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Union
@@ -18,6 +19,8 @@ from pagedmlx.kv.manager import KVCacheManager, cdiv
 from pagedmlx.request import Request, RequestStatus
 from pagedmlx.scheduler_output import SchedulerOutput, build_scheduler_output
 from pagedmlx.spec_decode.metrics import SpecDecodingStats
+
+logger = logging.getLogger("pagedmlx")
 
 
 @dataclass
@@ -262,16 +265,16 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
-    def recompute_all(self) -> int:
-        """The pages' contents were lost: every running request is preempted (to recompute from its tokens)
-        and every cached page forgotten. Returns how many were running."""
+    def recompute_all(self, why: str) -> None:
+        """The pages' contents were lost (ModelRunner.repair_pages zeroed them): every running request is
+        preempted, to recompute from its tokens (a draft model's pages with them), and every cached page forgotten."""
         running = list(self.running)
         for req in reversed(running):  # each goes to the head of the queue: the oldest ends first
             self._preempt(req)
         for pool in self.kv_cache_manager.block_pools:
             if not pool.reset_prefix_cache():
                 raise RuntimeError("pages are still in use after every running request was preempted")
-        return len(running)
+        logger.warning("the KV pages were lost (%s); %d running requests recompute", why, len(running))
 
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: free the pages (their hashes stay cached) and requeue at the head."""

@@ -250,7 +250,7 @@ class EngineCore:
         try:
             return self._build(so)
         except PagesLost as exc:  # nothing failed that a request asked for: all of them recompute
-            self._recompute_all(exc)
+            self.scheduler.recompute_all(error_line(exc))
             return None
         except Exception as exc:  # graph building failed: only this step's requests fail
             outputs += self._fail(so, exc, [self.scheduler.requests[rid] for rid in so.req_ids])
@@ -378,15 +378,9 @@ class EngineCore:
                 req.num_output_placeholders = max(0, req.num_output_placeholders - 1)
         failed = self.scheduler.fail_step(so, requests)
         outputs = [self._final_output(r, error=f"{type(exc).__name__}: {exc}") for r in failed]
-        if self.runner.repair_pages():
-            self._recompute_all(exc)
+        if self.runner.repair_pages():  # it zeroed the pages: every running request recomputes
+            self.scheduler.recompute_all(error_line(exc))
         return outputs
-
-    def _recompute_all(self, exc: Exception) -> None:
-        """The runner zeroed its pages (ModelRunner.repair_pages): every running request is preempted, to
-        recompute from its tokens (a draft model's pages with them), and the prefix cache forgets every page."""
-        n = self.scheduler.recompute_all()
-        logger.warning("the KV pages were lost (%s); %d running requests recompute", error_line(exc), n)
 
     def _output(self, req: Request, new_ids: list[int], finished: bool, samples: list) -> EngineCoreOutput:
         """samples: the SampledTokens of the request's rows, one per kept token (a stop may drop the last ones)."""
