@@ -27,6 +27,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from pagedmlx.kernels import add_rms_norm
+from pagedmlx.kernels.check import error_line
 from pagedmlx.runner.selfcheck import relative_error
 from pagedmlx.runner.thread_flag import ThreadFlag
 
@@ -109,7 +110,7 @@ def _swap(body: nn.Module, backend: Optional[str]) -> list:
     return swapped
 
 
-def fuse_norms(setting: Optional[bool], model: nn.Module, body: Any, plan: Any) -> bool:
+def fuse_norms(setting: bool, model: nn.Module, body: Any, plan: Any) -> bool:
     """EngineConfig.fuse_norms at load: when asked (off by default: on an H100 it made Llama-8B's batch-1 decode
     0.87x as fast, docs/benchmarks.md), fuse where the kernel runs here (a GPU backend whose kernels are on) and
     passes its check at the model's width and dtype, and the body passes its probe. Says why not."""
@@ -141,7 +142,7 @@ def fuse_residual_norms(model: nn.Module, body: Any, backend: Optional[str]) -> 
     try:
         why = _probe(model, body)
     except Exception as exc:  # noqa: BLE001 - a body that cannot take the pairs: it keeps its own calls
-        why = f"the probe failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        why = f"the probe failed ({error_line(exc)})"
     if why is not None:
         for m in swapped:
             m.__class__ = type(m).__bases__[0]

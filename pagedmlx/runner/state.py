@@ -88,7 +88,7 @@ class StatePool:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for arrays in self.arrays if arrays for a in arrays)
+        return sum(a.nbytes for a in self.flat)
 
     @property
     def flat(self) -> list[mx.array]:
