@@ -9,18 +9,23 @@ top-1 token is auto's; free-running: tokens equal before the first difference, a
 Speed (--speed, for the GPU): decode steps of a random Llama-8B (bf16) at --batch sequences of --context
 tokens, pages filled at random (a step's cost does not depend on the values), auto vs int8 vs int4 pages,
 median step time and its ratio to auto; then, for the KV memory that auto pages need at the largest
---batch, the batch that int8 / int4 pages fit in it, and its step time and tok/s.
+--batch, the batch that int8 / int4 pages fit in it, and its step time and tok/s. --variants: instead, the
+tensor-core kernel's int8 variants (VARIANTS) against auto pages, interleaved over --repeats rounds in one
+process, the median of each round's ratio.
 
     python scripts/bench/bench_kv_quant.py                              # quality, CPU
     python scripts/bench/bench_kv_quant.py --speed --batch 64 256       # GPU
+    python scripts/bench/bench_kv_quant.py --speed --variants --batch 64 256 --repeats 3   # int8 kernel A/B
     python scripts/bench/bench_kv_quant.py --formats auto int4 int4+rot int8+rot   # kv_cache_rotate's quality
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
+import os
 import statistics
 import sys
 import time
@@ -29,6 +34,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 DTYPES = ("auto", "int8", "int4")
+# --variants' rows: (kv_cache_dtype, environment, decode splits' target thread groups x)
+VARIANTS = {"auto": ("auto", {}, 1), "int8": ("int8", {}, 1),
+            "int8-dequant": ("int8", {"PAGEDMLX_QUANT_AFTER": "0"}, 1),  # dequantized tiles, not scale-after
+            "int8-noprefetch": ("int8", {"PAGEDMLX_QUANT_PREFETCH": "0"}, 1),
+            "int8-dequant-noprefetch": ("int8", {"PAGEDMLX_QUANT_AFTER": "0", "PAGEDMLX_QUANT_PREFETCH": "0"}, 1),
+            "int8-splits2": ("int8", {}, 2),
+            "int4": ("int4", {}, 1)}
 
 TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
@@ -149,6 +161,48 @@ def _step_ms(model, batch: int, ctx: int, bs: int, dtype: str, steps: int, quant
     return 1e3 * statistics.median(samples), path
 
 
+@contextlib.contextmanager
+def _variant(env: dict, split_factor: int):
+    """The decode kernels' launches as under `env` (read when a launch is first made) and with split_factor x
+    the thread groups that decode splits aim for."""
+    import dataclasses
+
+    from pagedmlx.kernels import decode_attention, decode_attention_quant
+    from pagedmlx.kernels.dialect import CUDA
+
+    old_env = {k: os.environ.get(k) for k in env}
+    old_settings = decode_attention.SETTINGS[CUDA]
+    os.environ.update(env)
+    decode_attention.SETTINGS[CUDA] = dataclasses.replace(old_settings,
+                                                          target_blocks=old_settings.target_blocks * split_factor)
+    decode_attention_quant._launch.cache_clear()
+    try:
+        yield
+    finally:
+        for k, v in old_env.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        decode_attention.SETTINGS[CUDA] = old_settings
+        decode_attention_quant._launch.cache_clear()
+
+
+def variants(args: argparse.Namespace, model) -> None:
+    """Each --variants row at each --batch, rounds interleaved; the median over rounds of step / auto's step."""
+    names = ["auto"] + [n for n in (args.variants or VARIANTS) if n != "auto"]
+    print("| batch | variant | step ms (median) | vs auto (median of rounds) | per round |")
+    print("|---|---|---|---|---|")
+    for batch in args.batch:
+        ms = {name: [] for name in names}
+        for _ in range(args.repeats):
+            for name in names:
+                dtype, env, factor = VARIANTS[name]
+                with _variant(env, factor):
+                    ms[name].append(_step_ms(model, batch, args.context, args.block_size, dtype, args.steps)[0])
+        for name, times in ms.items():
+            ratios = [t / a for t, a in zip(times, ms["auto"])]
+            print(f"| {batch} | {name} | {statistics.median(times):.2f} | {statistics.median(ratios):.3f}x | "
+                  f"{', '.join(f'{r:.3f}' for r in ratios)} |", flush=True)
+
+
 def speed(args: argparse.Namespace) -> None:
     from pagedmlx.bench.presets import preset_model
     from pagedmlx.kv_cache_dtype import bytes_per_token, layer_quant
@@ -158,6 +212,8 @@ def speed(args: argparse.Namespace) -> None:
     h, d = spec.num_key_value_heads, spec.hidden_size // spec.num_attention_heads
     print(f"\npreset:{args.preset} bf16, {args.context}-token context, block {args.block_size}, median of "
           f"{args.steps} decode steps\n")
+    if args.variants is not None:
+        return variants(args, model)
     print("| batch | kv_cache_dtype | step ms | vs auto | tok/s | decode path |")
     print("|---|---|---|---|---|---|")
     base = {}
@@ -209,6 +265,10 @@ def main() -> None:
                    help="speed: each quantized format also with kv_cache_rotate (Hadamard-rotated keys and values)")
     p.add_argument("--compare-write", action="store_true",
                    help="speed: each quantized format also with mx.quantize before a copying page write")
+    p.add_argument("--variants", nargs="*", choices=list(VARIANTS), default=None,
+                   help="speed: these kernel variants (none named: all) against auto pages instead, in interleaved "
+                        "rounds")
+    p.add_argument("--repeats", type=int, default=3, help="speed --variants: interleaved rounds")
     args = p.parse_args()
     speed(args) if args.speed else quality(args)
 
