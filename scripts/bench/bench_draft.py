@@ -181,15 +181,17 @@ def profile_runs(runs: dict, top: int) -> None:
         print("\n".join(lines))
 
 
-def phase_runs(name: str, llm: LLM, run) -> None:
-    """One more pass of a speculative run of ours, its host time by phase (spec_phases.PhaseClock)."""
+def phase_runs(name: str, llm: LLM, run, drained: bool = False) -> None:
+    """One more pass of a speculative run of ours, its host time by phase (spec_phases.PhaseClock); drained:
+    the device drained before each forward's dispatch."""
     from spec_phases import PhaseClock
 
     stats = llm.engine.scheduler.spec_decoding_stats
     before = stats.num_drafts
-    with PhaseClock(llm.engine) as clock:
+    with PhaseClock(llm.engine, drained=drained) as clock:
         tps, out, _ = run()
-    clock.print(stats.num_drafts - before, f"{name}, {sum(map(len, out))} tokens at {tps:.1f} tok/s")
+    clock.print(stats.num_drafts - before, f"{name}{', drained' if drained else ''}, {sum(map(len, out))} tokens at "
+                                           f"{tps:.1f} tok/s")
 
 
 def main() -> None:
@@ -218,6 +220,8 @@ def main() -> None:
     ap.add_argument("--lookup", type=int, default=0, metavar="N",
                     help="add a run with the draft and prompt lookup (prompt_lookup_max N) to the table")
     ap.add_argument("--phases", action="store_true", help="time one more pass of our speculative runs by phase")
+    ap.add_argument("--phases-drained", action="store_true",
+                    help="with --phases: and a pass with the device drained before each forward's dispatch")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after the rounds, profile one more pass of each speculative run: its N costliest functions")
     args = ap.parse_args()
@@ -302,6 +306,8 @@ def main() -> None:
         engines = {"pagedmlx + draft": on, **({"pagedmlx + draft + lookup": looks} if args.lookup else {})}
         for name, llm in engines.items():
             phase_runs(name, llm, runs[name])
+            if args.phases_drained:
+                phase_runs(name, llm, runs[name], drained=True)
     if args.profile:
         profile_runs({name: runs[name] for name in names if "draft" in name or "speculative" in name}, args.profile)
 

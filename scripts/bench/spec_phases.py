@@ -10,6 +10,10 @@ each of them (mx.async_eval: MLX encoding the graph, or blocking while too much 
 (perf_counter) on a GPU, a phase is time the host spends there; the device idles through whatever the
 host does between the sync and the next round's first dispatch.
 
+drained=True waits for the device (mx.synchronize, its own phase "drain before ...") before each forward's
+dispatch: what MLX's encoding of a graph costs with nothing queued ahead of it. If "dispatch in verify forward"
+then drops, the undrained figure was the host blocking on a full queue (a device-bound round), not encoding.
+
     with PhaseClock(engine) as clock:
         ... engine.step() ...
     clock.print(rounds)
@@ -25,7 +29,8 @@ import mlx.core as mx
 
 
 class PhaseClock:
-    def __init__(self, engine, timer: Callable[[], float] = time.perf_counter):
+    def __init__(self, engine, timer: Callable[[], float] = time.perf_counter, drained: bool = False):
+        self.drained = drained
         core = engine.__dict__.get("core", engine)  # an LLMEngine's EngineCore, or one
         self.timer = timer
         self.totals: collections.Counter = collections.Counter()
@@ -42,6 +47,12 @@ class PhaseClock:
     def _wrap(self, fn, tag: str):
         def timed(*args, **kwargs):
             name = f"{tag} in {self._stack[-1][0]}" if tag in ("dispatch", "eval") and self._stack else tag
+            if self.drained and tag == "dispatch" and name.endswith(" forward"):
+                t = self.timer()
+                mx.synchronize()
+                self.totals[f"drain before {name[len('dispatch in '):]}"] += self.timer() - t
+                if self._stack:
+                    self._stack[-1][1] += self.timer() - t
             self._stack.append([name, 0.0])
             t = self.timer()
             try:
