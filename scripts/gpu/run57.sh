@@ -53,12 +53,12 @@ case "${PART:-all}" in
   ab)  # twenty-third session: the int8 kernel's variants interleaved in one process (run 58's calls: dequantized
         # tiles won at 64, scale-after at 256; 128 at 1,024 tokens has 256's thread groups and 64's split length);
         # a speculative round's phases with the device drained before each dispatch (encoding, or a full queue?);
-        # the draft pair at k 8 (does our lead grow with k?)
-    TAIL=20 run kv_variants 320 python3 scripts/bench/bench_kv_quant.py --speed --variants int8 int8-dequant \
+        # with K8=1, the draft pair at k 8 (does our lead grow with k?)
+    TAIL=20 run kv_variants 300 python3 scripts/bench/bench_kv_quant.py --speed --variants int8 int8-dequant \
       int8-noprefetch int8-splits2 --preset llama-8b --context ${CONTEXT:-2048} --batch 64 128 256 --steps 10 --repeats 3
     TAIL=40 run draft_drained 150 $DRAFT --phases-drained
-    TAIL=12 run draft_k8 110 python3 scripts/bench/bench_draft.py preset:llama-8b --dtype bfloat16 --draft layers:4 \
-      --k 8 --target-tail-scale 0 --rounds 1 --prompts 2 --max-tokens 96 --kv-cache-gb 4;;
+    [ "${K8:-0}" = 1 ] && TAIL=12 run draft_k8 110 python3 scripts/bench/bench_draft.py preset:llama-8b --dtype bfloat16 \
+      --draft layers:4 --k 8 --target-tail-scale 0 --rounds 1 --prompts 2 --max-tokens 96 --kv-cache-gb 4;;
   phases)  # a call of its own (PART=phases): the above takes about 8 of a call's 10 minutes
     TAIL=14 run kv_64_256_noprefetch 150 env PAGEDMLX_QUANT_PREFETCH=0 python3 scripts/bench/bench_kv_quant.py \
       --speed --preset llama-8b --context 2048 --batch 64 256 --steps 12
