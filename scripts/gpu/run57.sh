@@ -51,11 +51,13 @@ case "${PART:-all}" in
     TAIL=30 run prefill_steps_auto 90 $PROF
     TAIL=6 run offline_int8 120 $OFF --kv-cache-dtype int8;;
   ab)  # twenty-third session: the int8 kernel's variants interleaved in one process (run 58's calls: dequantized
-        # tiles won at 64, scale-after at 256; 128 at 1,024 tokens has 256's thread groups and 64's split length);
+        # tiles won at 64, scale-after at 256, both at 1,024 tokens; 64 at 2,048 is runs 55-56's H200 point);
         # a speculative round's phases with the device drained before each dispatch (encoding, or a full queue?);
         # with K8=1, the draft pair at k 8 (does our lead grow with k?)
-    TAIL=20 run kv_variants 300 python3 scripts/bench/bench_kv_quant.py --speed --variants int8 int8-dequant \
-      int8-noprefetch int8-splits2 --preset llama-8b --context ${CONTEXT:-2048} --batch 64 128 256 --steps 10 --repeats 3
+    VAR="python3 scripts/bench/bench_kv_quant.py --speed --variants int8 int8-dequant int8-noprefetch --preset llama-8b \
+      --steps 10 --repeats 3"
+    TAIL=12 run kv_variants_2048 190 $VAR --context 2048 --batch 64 128  # run 55/56's context (H200: 1.12-1.24x at 64)
+    TAIL=8 run kv_variants_256 130 $VAR --context ${CONTEXT:-2048} --batch 256
     TAIL=40 run draft_drained 150 $DRAFT --phases-drained
     [ "${K8:-0}" = 1 ] && TAIL=12 run draft_k8 110 python3 scripts/bench/bench_draft.py preset:llama-8b --dtype bfloat16 \
       --draft layers:4 --k 8 --target-tail-scale 0 --rounds 1 --prompts 2 --max-tokens 96 --kv-cache-gb 4;;
