@@ -56,7 +56,7 @@ case "${PART:-all}" in
         # with K8=1, the draft pair at k 8 (does our lead grow with k?)
     VAR="python3 scripts/bench/bench_kv_quant.py --speed --variants int8 int8-dequant int8-noprefetch --preset llama-8b \
       --steps 10 --repeats 3"
-    TAIL=12 run kv_variants_2048 190 $VAR --context 2048 --batch 64 128  # run 55/56's context (H200: 1.12-1.24x at 64)
+    TAIL=8 run kv_variants_2048 120 $VAR --context 2048 --batch 64  # run 55/56's context (H200: 1.12-1.24x at 64)
     TAIL=8 run kv_variants_256 130 $VAR --context ${CONTEXT:-2048} --batch 256
     TAIL=40 run draft_drained 150 $DRAFT --phases-drained
     [ "${K8:-0}" = 1 ] && TAIL=12 run draft_k8 110 python3 scripts/bench/bench_draft.py preset:llama-8b --dtype bfloat16 \
