@@ -61,6 +61,9 @@ case "${PART:-all}" in
     TAIL=40 run draft_drained 150 $DRAFT --phases-drained
     [ "${K8:-0}" = 1 ] && TAIL=12 run draft_k8 110 python3 scripts/bench/bench_draft.py preset:llama-8b --dtype bfloat16 \
       --draft layers:4 --k 8 --target-tail-scale 0 --rounds 1 --prompts 2 --max-tokens 96 --kv-cache-gb 4;;
+  dispatch)  # twenty-third session: MLX's host cost per primitive by kind (gemv, cuBLASLt gemm of 2-64 rows, a custom
+             # kernel), the device drained: does a verifying step's 9.5 ms of dispatch come from its 1 + k-row matmuls?
+    TAIL=14 run dispatch 120 python3 scripts/bench/study_dispatch.py;;
   phases)  # a call of its own (PART=phases): the above takes about 8 of a call's 10 minutes
     TAIL=14 run kv_64_256_noprefetch 150 env PAGEDMLX_QUANT_PREFETCH=0 python3 scripts/bench/bench_kv_quant.py \
       --speed --preset llama-8b --context 2048 --batch 64 256 --steps 12
