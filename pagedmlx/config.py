@@ -64,6 +64,10 @@ class EngineConfig:
     # launches a layer fewer, where the kernel runs (a GPU backend) and passes its load-time check and the model
     # its probe. Off by default: on an H100 it made Llama-8B's batch-1 decode slower (0.87x, docs/benchmarks.md).
     fuse_norms: bool = False
+    # Products of plain linear layers over 2-8 rows (speculative verifying steps, decodes of a few requests) as one
+    # kernel of ours (runner/skinny_linear.py, kernels/skinny_gemm.py) instead of MLX's matmul, which on CUDA
+    # runs 2+ rows through cuBLASLt at a high host cost per call. Off by default: not yet timed on a GPU.
+    skinny_gemm: bool = False
     # "auto": sampling defaults from the model's generation_config.json (as vLLM); "vllm": vLLM's own.
     generation_config: str = "auto"
     dtype: Optional[str] = None  # "float32" / "float16" / "bfloat16" for unquantized weights; None: as loaded

@@ -15,7 +15,7 @@ import pytest
 from nvcc_utils import RecordingCudaKernel, compile_sources, have_nvcc
 
 from pagedmlx.kernels import (add_rms_norm, build, decode_attention, decode_attention_quant, lora, page_write,
-                              prefill_attention, recurrent_state)
+                              prefill_attention, recurrent_state, skinny_gemm)
 from pagedmlx.kv_cache_dtype import KVQuant
 from pagedmlx.runner.kv_quant import QuantizedPages
 
@@ -79,6 +79,11 @@ def attention_cases():
         for d in (576, 4096, 8192):  # SmolLM2's, Llama-8B's, Llama-70B's widths
             RecordingCudaKernel.label = f"add_rms_norm {dt} D={d}"
             add_rms_norm.add_rms_norm(mx.zeros((3, d), dt), mx.zeros((3, d), dt), mx.zeros((d,), dt), 1e-5, "cuda")
+        if dt in skinny_gemm.DTYPES:
+            for rows in (2, 5, 8):  # a verifying step's 1 + k rows; Llama-8B's two widths
+                for k in (4096, 14336):
+                    RecordingCudaKernel.label = f"skinny_gemm {dt} M={rows} K={k}"
+                    skinny_gemm.skinny_gemm(mx.zeros((rows, k), dt), mx.zeros((1024, k), dt), "cuda")
         RecordingCudaKernel.label = f"lora {dt} siblings q/k/v 4096->4096/1024/1024 R=16"
         outs = (4096, 1024, 1024)
         lora.add_lora_siblings(mx.zeros((3, 4096), dt), [mx.zeros((3, o), dt) for o in outs],
@@ -141,7 +146,7 @@ def recorded(monkeypatch):
     monkeypatch.setattr(build, "make_kernel", RecordingCudaKernel)
     cached = (decode_attention._kernels, decode_attention_quant._kernels, page_write._write_kernel,
               page_write._quant_write_kernel, page_write._quantizing_write_kernel, prefill_attention._prefill_kernels,
-              recurrent_state._kernel, lora._kernel, add_rms_norm._kernel)
+              recurrent_state._kernel, lora._kernel, add_rms_norm._kernel, skinny_gemm._kernel)
     for fn in cached:
         fn.cache_clear()
     RecordingCudaKernel.sources = []

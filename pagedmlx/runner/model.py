@@ -11,8 +11,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.kv.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec,
-                              sliding_pool_blocks)
+from pagedmlx.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec, sliding_pool_blocks
 from pagedmlx.kernels import build, prefill_attention, recurrent_state
 from pagedmlx.kernels.check import error_line
 from pagedmlx.kernels.selector import select_kernels, select_lora_kernel, select_quantized
@@ -22,12 +21,12 @@ from pagedmlx.runner.compiled_step import AUTO_MAX_DECODES, CompiledDecode
 from pagedmlx.runner.fused_residual import fuse_norms, fused_residuals
 from pagedmlx.runner.lm_head import split_lm_head
 from pagedmlx.runner.merged_linear import merge_projections, merged_products
+from pagedmlx.runner.skinny_linear import drop_skinny_gemm, skinny_products, use_skinny_gemm
 from pagedmlx.runner.attention_metadata import (StepMetadata, sdpa_shape_quantum)
 from pagedmlx.runner.plan import UnsupportedModelError, model_type, plan_layers
 from pagedmlx.runner.selfcheck import LOGIT_TOLERANCE, check_paged_forward, relative_error
 from pagedmlx.runner import warm_up
-from pagedmlx.runner.state import (StateLayerCache, StateMetadata, StatePool, install_regrouping, pages_budget,
-                                   state_group)
+from pagedmlx.runner.state import StateLayerCache, StateMetadata, StatePool, install_regrouping, pages_budget, state_group
 from pagedmlx.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger("pagedmlx")
@@ -106,6 +105,7 @@ class ModelRunner:
                                             windows=tuple(sorted(set(self.windows), key=str)),
                                             sinks=tuple(sorted({p.sinks for p in attending})))
         self.fused_norms = fuse_norms(config.fuse_norms, model, self._body, self.kernels)
+        self.skinny = use_skinny_gemm(config.skinny_gemm, model, self.kernels.enabled)
         self.sdpa_quantum = (config.sdpa_quantum if config.sdpa_quantum is not None
                              else sdpa_shape_quantum(build.gpu_backend()))
         if self.kernels.state:
@@ -351,7 +351,8 @@ class ModelRunner:
     def logits(self, inputs: mx.array, caches: list, logits_indices: mx.array) -> mx.array:
         """The model over inputs (T, 1) on `caches`; logits (S, V) of the rows logits_indices."""
         with (merged_products() if self.merges else contextlib.nullcontext(),
-              fused_residuals() if self.fused_norms else contextlib.nullcontext()):
+              fused_residuals() if self.fused_norms else contextlib.nullcontext(),
+              skinny_products() if self.skinny else contextlib.nullcontext()):
             if self._head is not None:
                 hidden = self._body(inputs, cache=caches)
                 if self.keep_hidden:  # every row's final hidden state, for an MTP module (spec_decode/mtp_proposer.py)
@@ -372,6 +373,10 @@ class ModelRunner:
         plain would otherwise switch right kernels off); kernels that still disagree are switched off,
         and the split tried again without them; a model whose pages still disagree is refused."""
         err = self._check()
+        if err is not None and self.skinny:  # our own products give way first (runner/skinny_linear.py)
+            logger.warning("few-row products left to MLX's matmul: the paged forward disagrees with them (%s)", err)
+            self.skinny = drop_skinny_gemm(self.model)
+            err = self._check()
         if err is not None and self.fused_norms:  # the fused residual adds give way first (runner/fused_residual.py)
             logger.warning("residual adds not fused with their norms: the paged forward disagrees with them (%s)", err)
             self.fused_norms = False

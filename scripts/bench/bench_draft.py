@@ -217,6 +217,8 @@ def main() -> None:
                          "separate modules either way")
     ap.add_argument("--fuse-norms", action=argparse.BooleanOptionalAction, default=False,
                     help="EngineConfig.fuse_norms (default off)")
+    ap.add_argument("--skinny-gemm", action="store_true", help="EngineConfig.skinny_gemm (default off): the verifying "
+                                                               "step's products as pagedmlx's kernel")
     ap.add_argument("--lookup", type=int, default=0, metavar="N",
                     help="add a run with the draft and prompt lookup (prompt_lookup_max N) to the table")
     ap.add_argument("--phases", action="store_true", help="time one more pass of our speculative runs by phase")
@@ -246,9 +248,11 @@ def main() -> None:
             "disable_by_batch_size": args.batch}
     seqs = max(4, args.batch)
     on = LLM(target, tok, speculative_config=spec, kv_cache_memory_gb=args.kv_cache_gb, max_num_seqs=seqs,
-             merge_projections=args.merge_projections, fuse_norms=args.fuse_norms)
+             merge_projections=args.merge_projections, fuse_norms=args.fuse_norms,
+             skinny_gemm=args.skinny_gemm)
     off = LLM(target, tok, kv_cache_memory_gb=args.kv_cache_gb, max_num_seqs=seqs,
-              merge_projections=args.merge_projections, fuse_norms=args.fuse_norms)
+              merge_projections=args.merge_projections, fuse_norms=args.fuse_norms,
+             skinny_gemm=args.skinny_gemm)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     stats = on.engine.scheduler.spec_decoding_stats
 

@@ -180,6 +180,8 @@ def main() -> None:
     ap.add_argument("--merge-projections", action=argparse.BooleanOptionalAction, default=None,
                     help="EngineConfig.merge_projections: q/k/v and gate/up one matmul each (default: on GPU "
                          "backends); mlx-lm's runs keep the separate modules either way")
+    ap.add_argument("--skinny-gemm", action="store_true", help="EngineConfig.skinny_gemm: products of 2-8 rows as "
+                                                               "pagedmlx's kernel (default off)")
     ap.add_argument("--skip-peer", action="store_true", help="run pagedmlx only (for sweeps of its own settings)")
     args = ap.parse_args()
 
@@ -207,7 +209,7 @@ def main() -> None:
         max_num_batched_tokens=max(2048, args.prompt_len, args.prefill_len), long_prefill_token_threshold=0,
         max_model_len=tokens_per_seq + 1, enable_prefix_caching=False, async_scheduling=False if args.no_async else (True if args.ab_async else None),
         compile_decode=args.compile_decode, merge_projections=args.merge_projections,
-        kv_cache_dtype=args.kv_cache_dtype))
+        kv_cache_dtype=args.kv_cache_dtype, skinny_gemm=args.skinny_gemm))
 
     console = Console()
     console.print(f"[bold]bench_offline[/] {name} on {mx.default_device()}, {platform.machine()}, "

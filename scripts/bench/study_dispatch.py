@@ -16,6 +16,8 @@ Printed per primitive, medians. Kinds:
   gemm M   (M, K) @ W^T, M in --rows         cuBLASLt
   rms      mx.fast.rms_norm over (M, K)      one of MLX's own kernels, for scale
   custom   a custom kernel of one group that copies one value (a GPU only): mx.fast.cuda_kernel's dispatch
+  skinny M kernels/skinny_gemm.py's product of M rows (a GPU only; bfloat16 / float32): what
+           EngineConfig.skinny_gemm puts in place of cuBLASLt's
 
     python scripts/bench/study_dispatch.py                # GPU: K 4096, W 4096 x 4096 bf16
 """
@@ -32,7 +34,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pagedmlx.kernels import build  # noqa: E402
+from pagedmlx.kernels import build, skinny_gemm  # noqa: E402
 from pagedmlx.kernels.dialect import render  # noqa: E402
 
 
@@ -76,6 +78,9 @@ def cases(k: int, rows: list[int], dtype: mx.Dtype) -> dict:
         out["custom"] = (lambda x: copy(inputs=[x], template=[("T", x.dtype)], grid=(32, 1, 1), threadgroup=(32, 1, 1),
                                         output_shapes=[x.shape], output_dtypes=[x.dtype])[0],
                          mx.random.normal((1, k)).astype(dtype))
+        for m in rows:
+            if skinny_gemm.supports(m, w):
+                out[f"skinny {m}"] = (lambda x: skinny_gemm.skinny_gemm(x, w), mx.random.normal((m, k)).astype(dtype))
     return out
 
 

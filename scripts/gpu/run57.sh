@@ -63,7 +63,15 @@ case "${PART:-all}" in
       --draft layers:4 --k 8 --target-tail-scale 0 --rounds 1 --prompts 2 --max-tokens 96 --kv-cache-gb 4;;
   dispatch)  # twenty-third session: MLX's host cost per primitive by kind (gemv, cuBLASLt gemm of 2-64 rows, a custom
              # kernel), the device drained: does a verifying step's 9.5 ms of dispatch come from its 1 + k-row matmuls?
-    TAIL=14 run dispatch 120 python3 scripts/bench/study_dispatch.py;;
+    TAIL=16 run dispatch 120 python3 scripts/bench/study_dispatch.py;;
+  skinny)  # twenty-third session: the skinny GEMM (EngineConfig.skinny_gemm, built untimed) where it should pay: the
+           # host cost per primitive beside cuBLASLt's, the speculative round, decodes of 2-8 requests
+    TAIL=16 run dispatch 120 python3 scripts/bench/study_dispatch.py
+    TAIL=40 run draft_skinny 170 $DRAFT --skinny-gemm
+    SMALL="python3 scripts/bench/bench_offline.py --preset llama-8b --dtype bfloat16 --prompt-len 128 --gen-len 64 \
+      --batch-sizes 2 4 8 --skip-peer --repeats 1"
+    TAIL=8 run offline_small 100 $SMALL
+    TAIL=8 run offline_small_skinny 100 $SMALL --skinny-gemm;;
   phases)  # a call of its own (PART=phases): the above takes about 8 of a call's 10 minutes
     TAIL=14 run kv_64_256_noprefetch 150 env PAGEDMLX_QUANT_PREFETCH=0 python3 scripts/bench/bench_kv_quant.py \
       --speed --preset llama-8b --context 2048 --batch 64 256 --steps 12

@@ -1,0 +1,77 @@
+"""A matmul of a few rows in one launch of our own (vLLM's skinny GEMMs), on CUDA and Metal, from one source
+(sources/skinny_gemm.py, in the portable dialect).
+
+Why: on CUDA, MLX (0.32) runs a one-row matmul as its own gemv kernel, and a matmul of 2+ rows through
+cuBLASLt, building a CublasGemm, asking cublasLt's heuristic for an algorithm and capturing the call into its
+graph each time. A speculative verifying step (1 + k rows) and every decode step of a few requests make ~130-190
+such matmuls on Llama-8B (run 58: its verifying step spends 10.65 ms in MLX's dispatch with the device idle).
+This kernel reads each weight row once for all rows, as a gemv does, and is launched as any custom kernel.
+Whether it is cheaper to dispatch than cuBLASLt is measured by scripts/bench/study_dispatch.py; until then it is
+off by default (EngineConfig.skinny_gemm). Where it runs is decided at load (check_skinny_gemm against MLX's
+matmul)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from pagedmlx.kernels import build, check
+from pagedmlx.kernels.dialect import render
+from pagedmlx.kernels.sources import skinny_gemm as src
+
+MIN_ROWS, MAX_ROWS = 2, 8  # x's rows a launch takes (one row: MLX's own gemv, no cuBLASLt; accumulators: M x ROWS)
+ROWS = 4  # y's columns a SIMD group computes
+WARPS = 4  # SIMD groups a thread group
+TOLERANCE = {mx.float32: 1e-4, mx.bfloat16: 2e-2}  # relative to the output's largest magnitude
+DTYPES = (mx.float32, mx.bfloat16)
+
+
+def skinny_gemm_source(backend: str) -> str:
+    return render(src.SKINNY_GEMM, backend)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(backend: str):
+    return build.make_kernel(backend, "pagedmlx_skinny_gemm", ["x", "w"], ["y"], skinny_gemm_source(backend), "")
+
+
+def supports(rows: int, weight: mx.array) -> bool:
+    """The kernel takes x of `rows` rows against this (N, K) weight: 2-8 rows, float32 or bfloat16, K a whole
+    number of a SIMD group's 16-byte steps."""
+    return (MIN_ROWS <= rows <= MAX_ROWS and weight.ndim == 2 and weight.dtype in DTYPES
+            and weight.shape[1] % (32 * 16 // weight.dtype.size) == 0)
+
+
+def skinny_gemm(x: mx.array, w: mx.array, backend: Optional[str] = None) -> mx.array:
+    """x @ w.T for x (..., K) of MIN_ROWS to MAX_ROWS rows in all and w (N, K), as MLX's matmul computes it up to the
+    order of its float sums (supports() says which shapes)."""
+    *lead, k = x.shape
+    rows, n = x.size // k, w.shape[0]
+    groups = -(-n // (ROWS * WARPS))
+    y = _kernel(backend or build.gpu_backend())(
+        inputs=[x.reshape(rows, k).astype(w.dtype), w], template=[("T", w.dtype), ("M", rows), ("K", k),
+                                                                   ("ROWS", ROWS), ("WARPS", WARPS)],
+        grid=(groups * 32 * WARPS, 1, 1), threadgroup=(32 * WARPS, 1, 1), output_shapes=[(rows, n)],
+        output_dtypes=[w.dtype])[0]
+    return y.reshape(*lead, n)
+
+
+def check_skinny_gemm(backend: str, shapes: tuple[tuple[int, int], ...], dtype: mx.Dtype = mx.bfloat16,
+                      rows_checked: Sequence[int] = range(MIN_ROWS, MAX_ROWS + 1), seed: int = 0) -> Optional[str]:
+    """The kernel against MLX's matmul on the device for each (N, K) in `shapes` (the model's, at load) and each
+    row count (N that no thread group's columns divide included). None if every output agrees within the dtype's
+    tolerance, else what differs."""
+    rng = np.random.default_rng(seed)
+    for n, k in shapes:
+        w = mx.array(rng.standard_normal((n, k)).astype(np.float32) * k ** -0.5).astype(dtype)
+        for rows in rows_checked:
+            x = mx.array(rng.standard_normal((rows, k)).astype(np.float32)).astype(dtype)
+            got, want = skinny_gemm(x, w, backend).astype(mx.float32), (x @ w.T).astype(mx.float32)
+            err = (mx.abs(got - want).max() / mx.maximum(mx.abs(want).max(), 1e-6)).item()
+            if not (np.isfinite(err) and err <= TOLERANCE[dtype]):
+                return (f"max relative difference {err:.2e} > {TOLERANCE[dtype]:.0e} ({rows} rows x {k} @ {n} x {k}, "
+                        f"{check._dtype_name(dtype)})")
+    return None

@@ -1,0 +1,74 @@
+"""The few-row products of plain linear layers (x @ W^T over 2-8 rows: a speculative verifying step's, a small
+batch's decode) as kernels/skinny_gemm.py's one launch, inside the runner's forward pass
+(EngineConfig.skinny_gemm). Outside it each layer runs nn.Linear's own call, so mlx-lm's generation on the same
+model object, the load-time check's reference included, computes what it did before."""
+
+from __future__ import annotations
+
+import logging
+from typing import ContextManager
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from pagedmlx.kernels import build, skinny_gemm
+from pagedmlx.runner.thread_flag import ThreadFlag
+
+logger = logging.getLogger("pagedmlx")
+
+_active = ThreadFlag()
+
+
+def skinny_products() -> ContextManager[None]:
+    """Swapped linear layers take the kernel for few-row inputs (in this thread) while inside."""
+    return _active.scope()
+
+
+class SkinnyLinear(nn.Linear):
+    def __call__(self, x: mx.array) -> mx.array:
+        if _active.on and skinny_gemm.supports(x.size // x.shape[-1], self.weight):
+            y = skinny_gemm.skinny_gemm(x, self.weight, self._pagedmlx_backend)
+            return y + self["bias"] if "bias" in self else y
+        return super().__call__(x)
+
+
+def _linears(model: nn.Module) -> list[nn.Linear]:
+    """The model's plain linear layers, merged groups' separate parts included (runner/merged_linear.py: a
+    verifying step's q/k/v run as parts)."""
+    mods = [x for _, m in model.named_modules() for x in (m, *getattr(m, "_separate", ()))]
+    return [m for m in mods if type(m) in (nn.Linear, SkinnyLinear)]
+
+
+def use_skinny_gemm(setting: bool, model: nn.Module, kernels_enabled: bool) -> bool:
+    """EngineConfig.skinny_gemm at load: when asked, swap the model's plain linear layers where the kernel runs
+    (a GPU backend whose kernels are on) and passes its check at their widths and dtype. Says why not."""
+    if not setting:
+        return False
+    backend, linears = build.gpu_backend(), _linears(model)
+    dtypes = {m.weight.dtype for m in linears}
+    why = ("it needs a GPU backend's kernels" if backend is None or not kernels_enabled
+           else "the model has no plain linear layers" if not linears
+           else f"weights in {sorted(map(str, dtypes))}: the kernel takes float32 or bfloat16"
+           if len(dtypes) != 1 or not dtypes <= set(skinny_gemm.DTYPES) else None)
+    if why is None:
+        shapes = {}  # the kernel is built per width K; the smallest N of each is enough to check it
+        for m in linears:
+            n, k = m.weight.shape
+            shapes[k] = min(n, shapes.get(k, n))
+        why = skinny_gemm.check_skinny_gemm(backend, tuple((n, k) for k, n in sorted(shapes.items())), dtypes.pop())
+    if why is not None:
+        logger.warning("few-row products left to MLX's matmul (skinny_gemm): %s", why)
+        return False
+    for m in linears:
+        m.__class__, m._pagedmlx_backend = SkinnyLinear, backend
+    logger.info("%d linear layers take the skinny GEMM kernel for %d-%d rows (runner/skinny_linear.py)", len(linears),
+                skinny_gemm.MIN_ROWS, skinny_gemm.MAX_ROWS)
+    return True
+
+
+def drop_skinny_gemm(model: nn.Module) -> bool:
+    """Every swapped layer back to nn.Linear's own call; False (the runner's flag)."""
+    for m in _linears(model):
+        m.__class__ = nn.Linear
+    return False
+

@@ -1,0 +1,105 @@
+"""The skinny GEMM (kernels/skinny_gemm.py: x @ W^T over 1-8 rows in one launch of ours, one source for CUDA and
+Metal) run on the CPU in the kernel emulator: its load-time check passes against MLX's matmul and fails kernels
+that are wrong in the ways a kernel goes wrong; linear layers swapped to it (runner/skinny_linear.py) give a busy
+engine mlx-lm's own tokens, and where no kernel runs the engine says why and keeps MLX's matmul."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from kernel_emulator import EmulatedKernel, have_compiler
+from utils import assert_no_leaks, make_model, run_staggered, shared_prefix_prompts, solo_greedy
+
+from pagedmlx.config import EngineConfig
+from pagedmlx.engine import LLMEngine
+from pagedmlx.kernels import build, skinny_gemm
+from pagedmlx.kernels.dialect import CUDA, METAL, foreign_names, leftover_tokens
+from pagedmlx.kernels.sources import skinny_gemm as gemm_source
+from pagedmlx.runner import skinny_linear
+from pagedmlx.sampling_params import SamplingParams
+
+needs_compiler = pytest.mark.skipif(not have_compiler(), reason="g++ runs the emulated kernels")
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    monkeypatch.setattr(build, "make_kernel", EmulatedKernel)
+    skinny_gemm._kernel.cache_clear()
+    yield
+    skinny_gemm._kernel.cache_clear()
+
+
+@pytest.mark.parametrize("backend", [METAL, CUDA])
+def test_the_source_renders_for_each_backend_and_names_nothing_of_the_other(backend):
+    text = skinny_gemm.skinny_gemm_source(backend)
+    assert not leftover_tokens(text) and not foreign_names(text, backend)
+
+
+def test_supported_shapes():
+    """2-8 rows (one row is MLX's own gemv), float32 or bfloat16 weights, K a whole number of a SIMD group's
+    16-byte steps."""
+    w = mx.zeros((16, 256), mx.bfloat16)
+    assert skinny_gemm.supports(2, w) and skinny_gemm.supports(8, w)
+    assert not skinny_gemm.supports(9, w) and not skinny_gemm.supports(1, w)
+    assert not skinny_gemm.supports(2, w.astype(mx.float16))
+    assert not skinny_gemm.supports(2, mx.zeros((16, 192), mx.bfloat16))  # 192 bf16: not whole 256-value steps
+    assert skinny_gemm.supports(2, mx.zeros((16, 128), mx.float32))
+
+
+@needs_compiler
+@pytest.mark.parametrize("backend,dtype", [(CUDA, mx.bfloat16), (METAL, mx.float32)])
+def test_emulated_kernel_passes_its_check(emulated, backend, dtype):
+    """40 columns: not a whole number of a group's 16, so the last group's guard is exercised."""
+    assert skinny_gemm.check_skinny_gemm(backend, ((40, 256),), dtype, rows_checked=(2, 3, 8)) is None
+
+
+@needs_compiler
+@pytest.mark.parametrize("original,wrong,dtype", [
+    ("o = 16; o > 0", "o = 8; o > 0", mx.float32),  # half the lanes' sums
+    ("k += STEP", "k += 2 * STEP", mx.float32),  # every other step of K
+    ("(words[j >> 1] & 0xffff0000u) : (words[j >> 1] << 16)", "(words[j >> 1] << 16) : (words[j >> 1] & 0xffff0000u)",
+     mx.bfloat16),  # a weight word's two bf16 values swapped
+    ("acc[m][r] += xv * wf[r][j]", "acc[m][r] += xv * wf[0][j]", mx.float32),  # every column takes the first's row
+])
+def test_the_check_fails_a_wrong_kernel(emulated, monkeypatch, original, wrong, dtype):
+    assert original in gemm_source.SKINNY_GEMM
+    monkeypatch.setattr(gemm_source, "SKINNY_GEMM", gemm_source.SKINNY_GEMM.replace(original, wrong, 1))
+    err = skinny_gemm.check_skinny_gemm(CUDA, ((16, 256),), dtype, rows_checked=(3,))
+    assert err is not None and "max relative difference" in err
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@needs_compiler
+def test_busy_engine_with_skinny_products_equals_mlx_lm_alone(emulated, monkeypatch):
+    """Every request's tokens equal mlx-lm's generation alone on the same model object (greedy, float32), which
+    the swapped layers leave as it was outside skinny_products(); the kernel ran for the few-row products."""
+    model = make_model("llama-small", seed=21)  # a model of its own: its layers' classes are swapped for good
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=128, max_num_seqs=4, max_model_len=256,
+                                                 compile_decode=False))  # the emulator evaluates: no traces
+    runner = engine.runner
+    assert not runner.skinny  # off by default
+    monkeypatch.setattr(build, "gpu_backend", lambda: CUDA)
+    assert skinny_linear.use_skinny_gemm(True, model, True)
+    monkeypatch.undo()
+    monkeypatch.setattr(build, "make_kernel", EmulatedKernel)
+    runner.skinny = True
+    rows, real = [], skinny_gemm.skinny_gemm
+    monkeypatch.setattr(skinny_gemm, "skinny_gemm", lambda x, w, b=None: rows.append(x.size // x.shape[-1]) or real(x, w, b))
+    prompts = [[t % engine.vocab_size for t in p] for p in shared_prefix_prompts(4, seed=5)]
+    done = run_staggered(engine, prompts, GREEDY, seed=2)
+    assert rows and min(rows) >= skinny_gemm.MIN_ROWS and max(rows) <= skinny_gemm.MAX_ROWS
+    for i, p in enumerate(prompts):
+        assert done[str(i)] == solo_greedy(model, p, GREEDY.max_tokens), f"request {i}"
+    assert_no_leaks(engine)
+    skinny_linear.drop_skinny_gemm(model)
+    assert all(type(m) is nn.Linear for m in skinny_linear._linears(model))
+
+
+def test_asked_for_where_no_kernel_runs_the_engine_says_why_and_keeps_mlx_matmul(caplog):
+    model = make_model("llama", seed=22)
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=32, skinny_gemm=True))
+    assert not engine.runner.skinny and "skinny_gemm): it needs a GPU backend's kernels" in caplog.text
+    assert not any(type(m) is skinny_linear.SkinnyLinear for m in skinny_linear._linears(model))
