@@ -8,7 +8,11 @@ such matmuls on Llama-8B (run 58: its verifying step spends 10.65 ms in MLX's di
 This kernel reads each weight row once for all rows, as a gemv does, and is launched as any custom kernel.
 Whether it is cheaper to dispatch than cuBLASLt is measured by scripts/bench/study_dispatch.py; until then it is
 off by default (EngineConfig.skinny_gemm). Where it runs is decided at load (check_skinny_gemm against MLX's
-matmul)."""
+matmul).
+
+Untuned: a thread group computes WARPS x ROWS = 16 columns, so a product of N = 1,024 columns (Llama-8B's k and v)
+launches 64 groups, too few to draw an H100's bandwidth; if timing shows those products slow, fewer columns a
+SIMD group for small N (or a split along K) is the next step."""
 
 from __future__ import annotations
 
