@@ -17,6 +17,7 @@ from pagedmlx.kernels import add_rms_norm, build
 from pagedmlx.kernels.dialect import CUDA, METAL, foreign_names, leftover_tokens
 from pagedmlx.kernels.sources import add_rms_norm as norm_source
 from pagedmlx.runner import fused_residual
+from pagedmlx.runner.kernel_paths import kernel_path_lines
 from pagedmlx.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not have_compiler(), reason="g++ runs the emulated kernels")
@@ -69,6 +70,7 @@ def _fused_engine(arch: str, monkeypatch) -> tuple:
     assert not runner.fused_norms  # no GPU here: nothing fused at load
     assert fused_residual.fuse_residual_norms(model, runner._body, CUDA) is None
     runner.fused_norms = True
+    assert "residual adds: fused with the RMSNorms" in "\n".join(kernel_path_lines(runner))  # the start-up lines
     launches, real = [], add_rms_norm.add_rms_norm
     monkeypatch.setattr(add_rms_norm, "add_rms_norm", lambda *a, **k: launches.append(1) or real(*a, **k))
     return model, engine, launches

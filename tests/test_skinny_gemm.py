@@ -17,6 +17,7 @@ from pagedmlx.kernels import build, skinny_gemm
 from pagedmlx.kernels.dialect import CUDA, METAL, foreign_names, leftover_tokens
 from pagedmlx.kernels.sources import skinny_gemm as gemm_source
 from pagedmlx.runner import skinny_linear
+from pagedmlx.runner.kernel_paths import kernel_path_lines
 from pagedmlx.sampling_params import SamplingParams
 
 needs_compiler = pytest.mark.skipif(not have_compiler(), reason="g++ runs the emulated kernels")
@@ -86,6 +87,7 @@ def test_busy_engine_with_skinny_products_equals_mlx_lm_alone(emulated, monkeypa
     monkeypatch.undo()
     monkeypatch.setattr(build, "make_kernel", EmulatedKernel)
     runner.skinny = True
+    assert "products of 2-8 rows: skinny GEMM kernel" in "\n".join(kernel_path_lines(runner))  # the start-up lines
     rows, real = [], skinny_gemm.skinny_gemm
     monkeypatch.setattr(skinny_gemm, "skinny_gemm", lambda x, w, b=None: rows.append(x.size // x.shape[-1]) or real(x, w, b))
     prompts = [[t % engine.vocab_size for t in p] for p in shared_prefix_prompts(4, seed=5)]

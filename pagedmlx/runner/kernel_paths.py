@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from pagedmlx.kernels import decode_attention, decode_attention_quant, prefill_attention
+from pagedmlx.kernels import decode_attention, decode_attention_quant, prefill_attention, skinny_gemm
 from pagedmlx.kernels.dialect import CUDA
 
 PORTABLE = "gather + SDPA"  # pages gathered into a contiguous copy, then MLX's attention
@@ -58,6 +58,11 @@ def kernel_path_lines(runner: Any) -> list[str]:
         lines.append(f"{state.name} ({_layers(list(state.layer_ids))}): {_join([_state_path(kernels)])}")
     if getattr(runner, "merges", False):
         lines.append(f"projections: {runner.merged_groups} groups each one matmul (runner/merged_linear.py)")
+    if getattr(runner, "fused_norms", False):
+        lines.append("residual adds: fused with the RMSNorms after them (runner/fused_residual.py)")
+    if getattr(runner, "skinny", False):
+        lines.append(f"products of {skinny_gemm.MIN_ROWS}-{skinny_gemm.MAX_ROWS} rows: skinny GEMM kernel "
+                     "(runner/skinny_linear.py)")
     lora = getattr(runner, "lora_manager", None)
     if lora is not None:
         lines.append("LoRA adapters: " + (f"batched LoRA kernel on {lora.punica.kernel_backend} (DoRA rows: MLX's "
