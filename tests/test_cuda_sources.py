@@ -80,10 +80,11 @@ def attention_cases():
             RecordingCudaKernel.label = f"add_rms_norm {dt} D={d}"
             add_rms_norm.add_rms_norm(mx.zeros((3, d), dt), mx.zeros((3, d), dt), mx.zeros((d,), dt), 1e-5, "cuda")
         if dt in skinny_gemm.DTYPES:
-            for rows in (2, 5, 8):  # a verifying step's 1 + k rows; Llama-8B's two widths
+            for rows in (2, 8):  # Llama-8B's two widths; 1, 2 and 4 columns a SIMD group (rows_per_warp)
                 for k in (4096, 14336):
-                    RecordingCudaKernel.label = f"skinny_gemm {dt} M={rows} K={k}"
-                    skinny_gemm.skinny_gemm(mx.zeros((rows, k), dt), mx.zeros((1024, k), dt), "cuda")
+                    for n in (1024, 4096, 8192):
+                        RecordingCudaKernel.label = f"skinny_gemm {dt} M={rows} K={k} N={n}"
+                        skinny_gemm.skinny_gemm(mx.zeros((rows, k), dt), mx.zeros((n, k), dt), "cuda")
         RecordingCudaKernel.label = f"lora {dt} siblings q/k/v 4096->4096/1024/1024 R=16"
         outs = (4096, 1024, 1024)
         lora.add_lora_siblings(mx.zeros((3, 4096), dt), [mx.zeros((3, o), dt) for o in outs],

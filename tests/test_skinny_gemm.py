@@ -50,9 +50,17 @@ def test_supported_shapes():
 
 @needs_compiler
 @pytest.mark.parametrize("backend,dtype", [(CUDA, mx.bfloat16), (METAL, mx.float32)])
-def test_emulated_kernel_passes_its_check(emulated, backend, dtype):
-    """40 columns: not a whole number of a group's 16, so the last group's guard is exercised."""
-    assert skinny_gemm.check_skinny_gemm(backend, ((40, 256),), dtype, rows_checked=(2, 3, 8)) is None
+@pytest.mark.parametrize("per_warp", [1, 2, 4])
+def test_emulated_kernel_passes_its_check(emulated, monkeypatch, backend, dtype, per_warp):
+    """Each number of columns a SIMD group computes (rows_per_warp's choices, forced at a small N); 44 columns: no
+    whole number of a group's 4, 8 or 16, so the last group's guard is exercised."""
+    monkeypatch.setattr(skinny_gemm, "rows_per_warp", lambda n: per_warp)
+    assert skinny_gemm.check_skinny_gemm(backend, ((44, 256),), dtype, rows_checked=(2, 3, 8)) is None
+
+
+def test_narrow_products_spread_over_more_simd_groups():
+    """Llama-8B's k/v (1,024 columns) one column a SIMD group; q/o (4,096) two; gate/up, the head four."""
+    assert [skinny_gemm.rows_per_warp(n) for n in (1024, 4096, 14336, 128256)] == [1, 2, 4, 4]
 
 
 @needs_compiler
@@ -66,6 +74,7 @@ def test_emulated_kernel_passes_its_check(emulated, backend, dtype):
 def test_the_check_fails_a_wrong_kernel(emulated, monkeypatch, original, wrong, dtype):
     assert original in gemm_source.SKINNY_GEMM
     monkeypatch.setattr(gemm_source, "SKINNY_GEMM", gemm_source.SKINNY_GEMM.replace(original, wrong, 1))
+    monkeypatch.setattr(skinny_gemm, "rows_per_warp", lambda n: 4)  # every column of a SIMD group distinct
     err = skinny_gemm.check_skinny_gemm(CUDA, ((16, 256),), dtype, rows_checked=(3,))
     assert err is not None and "max relative difference" in err
 

@@ -10,9 +10,9 @@ Whether it is cheaper to dispatch than cuBLASLt is measured by scripts/bench/stu
 off by default (EngineConfig.skinny_gemm). Where it runs is decided at load (check_skinny_gemm against MLX's
 matmul).
 
-Untuned: a thread group computes WARPS x ROWS = 16 columns, so a product of N = 1,024 columns (Llama-8B's k and v)
-launches 64 groups, too few to draw an H100's bandwidth; if timing shows those products slow, fewer columns a
-SIMD group for small N (or a split along K) is the next step."""
+A SIMD group computes rows_per_warp(N) columns: 4 for wide products (each row of x read from cache once for four
+weight rows), fewer for narrow ones, so that a product of N = 1,024 columns (Llama-8B's k and v) still launches
+~1,000 SIMD groups to draw the GPU's bandwidth. Untuned: the thresholds are reasoned, not timed."""
 
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ from pagedmlx.kernels.dialect import render
 from pagedmlx.kernels.sources import skinny_gemm as src
 
 MIN_ROWS, MAX_ROWS = 2, 8  # x's rows a launch takes (one row: MLX's own gemv, no cuBLASLt; accumulators: M x ROWS)
-ROWS = 4  # y's columns a SIMD group computes
 WARPS = 4  # SIMD groups a thread group
 TOLERANCE = {mx.float32: 1e-4, mx.bfloat16: 2e-2}  # relative to the output's largest magnitude
 DTYPES = (mx.float32, mx.bfloat16)
@@ -42,6 +41,11 @@ def _kernel(backend: str):
     return build.make_kernel(backend, "pagedmlx_skinny_gemm", ["x", "w"], ["y"], skinny_gemm_source(backend), "")
 
 
+def rows_per_warp(n: int) -> int:
+    """y's columns a SIMD group computes for a product of n columns."""
+    return 4 if n >= 8192 else 2 if n >= 4096 else 1
+
+
 def supports(rows: int, weight: mx.array) -> bool:
     """The kernel takes x of `rows` rows against this (N, K) weight: 2-8 rows, float32 or bfloat16, K a whole
     number of a SIMD group's 16-byte steps."""
@@ -54,10 +58,11 @@ def skinny_gemm(x: mx.array, w: mx.array, backend: Optional[str] = None) -> mx.a
     order of its float sums (supports() says which shapes)."""
     *lead, k = x.shape
     rows, n = x.size // k, w.shape[0]
-    groups = -(-n // (ROWS * WARPS))
+    per_warp = rows_per_warp(n)
+    groups = -(-n // (per_warp * WARPS))
     y = _kernel(backend or build.gpu_backend())(
         inputs=[x.reshape(rows, k).astype(w.dtype), w], template=[("T", w.dtype), ("M", rows), ("K", k),
-                                                                   ("ROWS", ROWS), ("WARPS", WARPS)],
+                                                                   ("ROWS", per_warp), ("WARPS", WARPS)],
         grid=(groups * 32 * WARPS, 1, 1), threadgroup=(32 * WARPS, 1, 1), output_shapes=[(rows, n)],
         output_dtypes=[w.dtype])[0]
     return y.reshape(*lead, n)

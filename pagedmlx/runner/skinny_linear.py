@@ -51,11 +51,13 @@ def use_skinny_gemm(setting: bool, model: nn.Module, kernels_enabled: bool) -> b
            else f"weights in {sorted(map(str, dtypes))}: the kernel takes float32 or bfloat16"
            if len(dtypes) != 1 or not dtypes <= set(skinny_gemm.DTYPES) else None)
     if why is None:
-        shapes = {}  # the kernel is built per width K; the smallest N of each is enough to check it
+        shapes = {}  # a kernel per width K and columns a SIMD group; the smallest N of each is enough to check it
         for m in linears:
             n, k = m.weight.shape
-            shapes[k] = min(n, shapes.get(k, n))
-        why = skinny_gemm.check_skinny_gemm(backend, tuple((n, k) for k, n in sorted(shapes.items())), dtypes.pop())
+            key = (k, skinny_gemm.rows_per_warp(n))
+            shapes[key] = min(n, shapes.get(key, n))
+        why = skinny_gemm.check_skinny_gemm(backend, tuple((n, k) for (k, _), n in sorted(shapes.items())),
+                                            dtypes.pop())
     if why is not None:
         logger.warning("few-row products left to MLX's matmul (skinny_gemm): %s", why)
         return False
