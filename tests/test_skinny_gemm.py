@@ -82,13 +82,20 @@ def test_the_check_fails_a_wrong_kernel(emulated, monkeypatch, original, wrong, 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+         "min_acceptance_rate": 0.0}
+
+
 @needs_compiler
-def test_busy_engine_with_skinny_products_equals_mlx_lm_alone(emulated, monkeypatch):
+@pytest.mark.parametrize("speculative", [None, NGRAM], ids=["plain", "ngram"])
+def test_busy_engine_with_skinny_products_equals_mlx_lm_alone(emulated, monkeypatch, speculative):
     """Every request's tokens equal mlx-lm's generation alone on the same model object (greedy, float32), which
-    the swapped layers leave as it was outside skinny_products(); the kernel ran for the few-row products."""
+    the swapped layers leave as it was outside skinny_products(); the kernel ran for the few-row products: decodes
+    of several requests, and with n-gram speculation the verifying steps' 1 + k rows a request."""
     model = make_model("llama-small", seed=21)  # a model of its own: its layers' classes are swapped for good
     engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=128, max_num_seqs=4, max_model_len=256,
-                                                 compile_decode=False))  # the emulator evaluates: no traces
+                                                 compile_decode=False,  # the emulator evaluates: no traces
+                                                 speculative_config=speculative))
     runner = engine.runner
     assert not runner.skinny  # off by default
     monkeypatch.setattr(build, "gpu_backend", lambda: CUDA)
@@ -102,6 +109,7 @@ def test_busy_engine_with_skinny_products_equals_mlx_lm_alone(emulated, monkeypa
     prompts = [[t % engine.vocab_size for t in p] for p in shared_prefix_prompts(4, seed=5)]
     done = run_staggered(engine, prompts, GREEDY, seed=2)
     assert rows and min(rows) >= skinny_gemm.MIN_ROWS and max(rows) <= skinny_gemm.MAX_ROWS
+    assert speculative is None or engine.scheduler.spec_decoding_stats.num_drafts > 0
     for i, p in enumerate(prompts):
         assert done[str(i)] == solo_greedy(model, p, GREEDY.max_tokens), f"request {i}"
     assert_no_leaks(engine)
