@@ -84,7 +84,13 @@ def attention_cases():
                 for k in (4096, 14336):
                     for n in (1024, 4096, 8192):
                         RecordingCudaKernel.label = f"skinny_gemm {dt} M={rows} K={k} N={n}"
-                        skinny_gemm.skinny_gemm(mx.zeros((rows, k), dt), mx.zeros((n, k), dt), "cuda")
+                        skinny_gemm.skinny_gemm(mx.zeros((rows, k), dt), mx.zeros((n, k), dt), "cuda", mma=False)
+        if dt in skinny_gemm.MMA_DTYPES:
+            for rows, k, n, warps, unroll in ((2, 4096, 6144, 8, 2), (5, 14336, 4096, 8, 2), (8, 4096, 1000, 8, 2),
+                                              (8, 4096, 4096, 4, 4), (3, 4096, 4096, 16, 1)):
+                RecordingCudaKernel.label = f"skinny_gemm mma {dt} M={rows} K={k} N={n} WARPS={warps} UNROLL={unroll}"
+                skinny_gemm.skinny_gemm(mx.zeros((rows, k), dt), mx.zeros((n, k), dt), "cuda", mma=True, warps=warps,
+                                        unroll=unroll)
         RecordingCudaKernel.label = f"lora {dt} siblings q/k/v 4096->4096/1024/1024 R=16"
         outs = (4096, 1024, 1024)
         lora.add_lora_siblings(mx.zeros((3, 4096), dt), [mx.zeros((3, o), dt) for o in outs],

@@ -25,7 +25,10 @@ needs_compiler = pytest.mark.skipif(not have_compiler(), reason="g++ runs the em
 
 @pytest.fixture
 def emulated(monkeypatch):
+    """The lanes' kernel in the emulator (the tensor-core one is PTX: nvcc compiles it, tests/test_cuda_sources.py,
+    and its load-time check runs on the device)."""
     monkeypatch.setattr(build, "make_kernel", EmulatedKernel)
+    monkeypatch.setenv("PAGEDMLX_SKINNY_MMA", "0")
     skinny_gemm._kernel.cache_clear()
     yield
     skinny_gemm._kernel.cache_clear()

@@ -6,39 +6,64 @@ cuBLASLt, building a CublasGemm, asking cublasLt's heuristic for an algorithm an
 graph each time. A speculative verifying step (1 + k rows) and every decode step of a few requests make ~130-190
 such matmuls on Llama-8B (run 58: its verifying step spends 10.65 ms in MLX's dispatch with the device idle).
 This kernel reads each weight row once for all rows, as a gemv does, and is launched as any custom kernel.
-Whether it is cheaper to dispatch than cuBLASLt is measured by scripts/bench/study_dispatch.py; until then it is
-off by default (EngineConfig.skinny_gemm). Where it runs is decided at load (check_skinny_gemm against MLX's
-matmul).
+Run 59 (H100): 5.6 µs of MLX's host time a launch against cuBLASLt's 25 (scripts/bench/study_dispatch.py). Where it
+runs is decided at load (check_skinny_gemm against MLX's matmul).
 
-A SIMD group computes rows_per_warp(N) columns: 4 for wide products (each row of x read from cache once for four
+Two kernels. On CUDA, 16-bit weights take tensor cores (sources/skinny_gemm_mma_cuda.py: a thread group per 16
+columns, its warps splitting K; PAGEDMLX_SKINNY_MMA=0 turns it off). Elsewhere (Metal, float32) the lanes' kernel
+(sources/skinny_gemm.py): a SIMD group computes rows_per_warp(N) columns: 4 for wide products (each row of x read from cache once for four
 weight rows), fewer for narrow ones, so that a product of N = 1,024 columns (Llama-8B's k and v) still launches
 ~1,000 SIMD groups to draw the GPU's bandwidth. Untuned: the thresholds are reasoned, not timed."""
 
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from pagedmlx.kernels import build, check
-from pagedmlx.kernels.dialect import render
+from pagedmlx.kernels.dialect import CUDA, render
 from pagedmlx.kernels.sources import skinny_gemm as src
+from pagedmlx.kernels.sources import skinny_gemm_mma_cuda as mma_src
 
-MIN_ROWS, MAX_ROWS = 2, 8  # x's rows a launch takes (one row: MLX's own gemv, no cuBLASLt; accumulators: M x ROWS)
-WARPS = 4  # SIMD groups a thread group
-TOLERANCE = {mx.float32: 1e-4, mx.bfloat16: 2e-2}  # relative to the output's largest magnitude
-DTYPES = (mx.float32, mx.bfloat16)
+MIN_ROWS, MAX_ROWS = 2, 8  # x's rows a launch takes (one row: MLX's own gemv, no cuBLASLt; mma's B: 8 columns)
+WARPS = 4  # SIMD groups a thread group, lanes' kernel
+# tensor cores: warps splitting K a 16-column tile; 32-wide chunks a warp loads at once (environment: A/Bs)
+MMA_WARPS = int(os.environ.get("PAGEDMLX_SKINNY_WARPS", "8"))
+MMA_UNROLL = int(os.environ.get("PAGEDMLX_SKINNY_UNROLL", "2"))
+TOLERANCE = {mx.float32: 1e-4, mx.bfloat16: 2e-2, mx.float16: 4e-3}  # relative to the output's largest magnitude
+DTYPES = (mx.float32, mx.bfloat16)  # the lanes' kernel
+MMA_DTYPES = (mx.bfloat16, mx.float16)
 
 
-def skinny_gemm_source(backend: str) -> str:
-    return render(src.SKINNY_GEMM, backend)
+def skinny_gemm_source(backend: str, mma: bool = False) -> str:
+    return render(mma_src.SKINNY_GEMM_MMA if mma else src.SKINNY_GEMM, backend)
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(backend: str):
+def _kernel(backend: str, mma: bool = False):
+    if mma:
+        return build.make_kernel(backend, "pagedmlx_skinny_gemm_mma", ["x", "w"], ["y"],
+                                 skinny_gemm_source(backend, True), mma_src.MMA_HEADER)
     return build.make_kernel(backend, "pagedmlx_skinny_gemm", ["x", "w"], ["y"], skinny_gemm_source(backend), "")
+
+
+def _mma_on(backend: Optional[str]) -> bool:
+    return backend == CUDA and os.environ.get("PAGEDMLX_SKINNY_MMA", "1") != "0"
+
+
+def uses_tensor_cores(backend: Optional[str], weight: mx.array) -> bool:
+    """The product runs the tensor-core kernel: CUDA, 16-bit weights, K whole 32-value chunks (and
+    PAGEDMLX_SKINNY_MMA is not 0)."""
+    return _mma_on(backend) and weight.dtype in MMA_DTYPES and weight.shape[-1] % 32 == 0
+
+
+def kernel_dtypes(backend: Optional[str]) -> set:
+    """The weight dtypes some kernel takes on `backend`."""
+    return set(DTYPES) | (set(MMA_DTYPES) if _mma_on(backend) else set())
 
 
 def rows_per_warp(n: int) -> int:
@@ -46,21 +71,34 @@ def rows_per_warp(n: int) -> int:
     return 4 if n >= 8192 else 2 if n >= 4096 else 1
 
 
-def supports(rows: int, weight: mx.array) -> bool:
-    """The kernel takes x of `rows` rows against this (N, K) weight: 2-8 rows, float32 or bfloat16, K a whole
-    number of a SIMD group's 16-byte steps."""
-    return (MIN_ROWS <= rows <= MAX_ROWS and weight.ndim == 2 and weight.dtype in DTYPES
-            and weight.shape[1] % (32 * 16 // weight.dtype.size) == 0)
+def supports(rows: int, weight: mx.array, backend: Optional[str] = None) -> bool:
+    """A kernel takes x of `rows` rows against this (N, K) weight on `backend`: 2-8 rows; tensor cores
+    (uses_tensor_cores), or the lanes' kernel for float32 or bfloat16 with K a whole number of a SIMD group's
+    16-byte steps."""
+    if not (MIN_ROWS <= rows <= MAX_ROWS and weight.ndim == 2):
+        return False
+    return uses_tensor_cores(backend, weight) or (weight.dtype in DTYPES
+                                                  and weight.shape[1] % (32 * 16 // weight.dtype.size) == 0)
 
 
-def skinny_gemm(x: mx.array, w: mx.array, backend: Optional[str] = None) -> mx.array:
+def skinny_gemm(x: mx.array, w: mx.array, backend: Optional[str] = None, *, mma: Optional[bool] = None,
+                warps: int = MMA_WARPS, unroll: int = MMA_UNROLL) -> mx.array:
     """x @ w.T for x (..., K) of MIN_ROWS to MAX_ROWS rows in all and w (N, K), as MLX's matmul computes it up to the
-    order of its float sums (supports() says which shapes)."""
+    order of its float sums (supports() says which shapes). mma: the tensor-core kernel (default: where
+    uses_tensor_cores); warps, unroll: its launch (studies)."""
+    backend = backend or build.gpu_backend()
     *lead, k = x.shape
     rows, n = x.size // k, w.shape[0]
+    if uses_tensor_cores(backend, w) if mma is None else mma:
+        y = _kernel(backend, True)(
+            inputs=[x.reshape(rows, k).astype(w.dtype), w],
+            template=[("T", w.dtype), ("M", rows), ("K", k), ("WARPS", warps), ("UNROLL", unroll)],
+            grid=(-(-n // 16) * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1), output_shapes=[(rows, n)],
+            output_dtypes=[w.dtype])[0]
+        return y.reshape(*lead, n)
     per_warp = rows_per_warp(n)
     groups = -(-n // (per_warp * WARPS))
-    y = _kernel(backend or build.gpu_backend())(
+    y = _kernel(backend)(
         inputs=[x.reshape(rows, k).astype(w.dtype), w], template=[("T", w.dtype), ("M", rows), ("K", k),
                                                                    ("ROWS", per_warp), ("WARPS", WARPS)],
         grid=(groups * 32 * WARPS, 1, 1), threadgroup=(32 * WARPS, 1, 1), output_shapes=[(rows, n)],

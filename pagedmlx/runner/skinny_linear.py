@@ -26,7 +26,7 @@ def skinny_products() -> ContextManager[None]:
 
 class SkinnyLinear(nn.Linear):
     def __call__(self, x: mx.array) -> mx.array:
-        if _active.on and skinny_gemm.supports(x.size // x.shape[-1], self.weight):
+        if _active.on and skinny_gemm.supports(x.size // x.shape[-1], self.weight, self._pagedmlx_backend):
             y = skinny_gemm.skinny_gemm(x, self.weight, self._pagedmlx_backend)
             return y + self["bias"] if "bias" in self else y
         return super().__call__(x)
@@ -46,10 +46,11 @@ def use_skinny_gemm(setting: bool, model: nn.Module, kernels_enabled: bool) -> b
         return False
     backend, linears = build.gpu_backend(), _linears(model)
     dtypes = {m.weight.dtype for m in linears}
+    takes = skinny_gemm.kernel_dtypes(backend)
     why = ("it needs a GPU backend's kernels" if backend is None or not kernels_enabled
            else "the model has no plain linear layers" if not linears
-           else f"weights in {sorted(map(str, dtypes))}: the kernel takes float32 or bfloat16"
-           if len(dtypes) != 1 or not dtypes <= set(skinny_gemm.DTYPES) else None)
+           else f"weights in {sorted(map(str, dtypes))}: the kernels take {sorted(map(str, takes))}"
+           if len(dtypes) != 1 or not dtypes <= takes else None)
     if why is None:
         shapes = {}  # a kernel per width K and columns a SIMD group; the smallest N of each is enough to check it
         for m in linears:

@@ -72,6 +72,15 @@ case "${PART:-all}" in
       --batch-sizes 2 4 8 --skip-peer --repeats 1"
     TAIL=8 run offline_small 100 $SMALL
     TAIL=8 run offline_small_skinny 100 $SMALL --skinny-gemm;;
+  mma)  # twenty-fourth session: the tensor-core skinny GEMM (sources/skinny_gemm_mma_cuda.py) against cuBLASLt and
+        # the lanes' kernel at Llama-8B's widths, each launch variant; then the engine with it: decodes of 2-8
+        # requests with and without, and the speculative round
+    TAIL=40 run study_skinny 150 python3 scripts/bench/study_skinny.py
+    SMALL="python3 scripts/bench/bench_offline.py --preset llama-8b --dtype bfloat16 --prompt-len 128 --gen-len 64 \
+      --batch-sizes 2 4 8 --skip-peer --repeats 1"
+    TAIL=16 run offline_small 100 $SMALL
+    TAIL=16 run offline_small_mma 100 $SMALL --skinny-gemm
+    TAIL=40 run draft_mma 170 $DRAFT --skinny-gemm;;
   phases)  # a call of its own (PART=phases): the above takes about 8 of a call's 10 minutes
     TAIL=14 run kv_64_256_noprefetch 150 env PAGEDMLX_QUANT_PREFETCH=0 python3 scripts/bench/bench_kv_quant.py \
       --speed --preset llama-8b --context 2048 --batch 64 256 --steps 12
