@@ -66,8 +66,10 @@ class EngineConfig:
     fuse_norms: bool = False
     # Products of plain linear layers over 2-8 rows (speculative verifying steps, decodes of a few requests) as one
     # kernel of ours (runner/skinny_linear.py, kernels/skinny_gemm.py) instead of MLX's matmul, which on CUDA
-    # runs 2+ rows through cuBLASLt at a high host cost per call. Off by default: not yet timed on a GPU.
-    skinny_gemm: bool = False
+    # runs 2+ rows through cuBLASLt at ~25 µs of host time a call against the kernel's ~5.6 (run 59, H100).
+    # None: on CUDA, for products of up to 5 rows (PAGEDMLX_SKINNY_MAX_ROWS; its device time trails cuBLASLt's at
+    # 8 rows); off elsewhere (Metal's matmul has no such cost).
+    skinny_gemm: Optional[bool] = None
     # "auto": sampling defaults from the model's generation_config.json (as vLLM); "vllm": vLLM's own.
     generation_config: str = "auto"
     dtype: Optional[str] = None  # "float32" / "float16" / "bfloat16" for unquantized weights; None: as loaded

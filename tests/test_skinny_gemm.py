@@ -51,6 +51,21 @@ def test_supported_shapes():
     assert skinny_gemm.supports(2, mx.zeros((16, 128), mx.float32))
 
 
+def test_tensor_cores_are_opt_in_on_cuda_and_take_16_bit_weights(monkeypatch):
+    """PAGEDMLX_SKINNY_MMA=1: CUDA's 16-bit weights with K whole 32-value chunks take the tensor-core kernel (float16
+    too); never on Metal, never float32."""
+    w16 = mx.zeros((16, 96), mx.float16)
+    assert not skinny_gemm.uses_tensor_cores(CUDA, w16) and not skinny_gemm.supports(2, w16, CUDA)
+    monkeypatch.setenv("PAGEDMLX_SKINNY_MMA", "1")
+    assert skinny_gemm.uses_tensor_cores(CUDA, w16) and skinny_gemm.supports(8, w16, CUDA)
+    assert not skinny_gemm.supports(9, w16, CUDA)
+    assert not skinny_gemm.uses_tensor_cores(METAL, w16) and not skinny_gemm.supports(2, w16, METAL)
+    assert not skinny_gemm.uses_tensor_cores(CUDA, mx.zeros((16, 96), mx.float32))
+    assert not skinny_gemm.uses_tensor_cores(CUDA, mx.zeros((16, 80), mx.bfloat16))  # K not whole 32-value chunks
+    assert skinny_gemm.kernel_dtypes(CUDA) == {mx.float32, mx.bfloat16, mx.float16}
+    assert skinny_gemm.kernel_dtypes(METAL) == {mx.float32, mx.bfloat16}
+
+
 @needs_compiler
 @pytest.mark.parametrize("backend,dtype", [(CUDA, mx.bfloat16), (METAL, mx.float32)])
 @pytest.mark.parametrize("per_warp", [1, 2, 4])
@@ -100,24 +115,51 @@ def test_busy_engine_with_skinny_products_equals_mlx_lm_alone(emulated, monkeypa
                                                  compile_decode=False,  # the emulator evaluates: no traces
                                                  speculative_config=speculative))
     runner = engine.runner
-    assert not runner.skinny  # off by default
+    assert not runner.skinny  # off by default on the CPU
     monkeypatch.setattr(build, "gpu_backend", lambda: CUDA)
     assert skinny_linear.use_skinny_gemm(True, model, True)
     monkeypatch.undo()
     monkeypatch.setattr(build, "make_kernel", EmulatedKernel)
     runner.skinny = True
-    assert "products of 2-8 rows: skinny GEMM kernel" in "\n".join(kernel_path_lines(runner))  # the start-up lines
+    assert "products of 2-5 rows: skinny GEMM kernel" in "\n".join(kernel_path_lines(runner))  # the start-up lines
     rows, real = [], skinny_gemm.skinny_gemm
     monkeypatch.setattr(skinny_gemm, "skinny_gemm", lambda x, w, b=None: rows.append(x.size // x.shape[-1]) or real(x, w, b))
     prompts = [[t % engine.vocab_size for t in p] for p in shared_prefix_prompts(4, seed=5)]
     done = run_staggered(engine, prompts, GREEDY, seed=2)
-    assert rows and min(rows) >= skinny_gemm.MIN_ROWS and max(rows) <= skinny_gemm.MAX_ROWS
+    assert rows and min(rows) >= skinny_gemm.MIN_ROWS and max(rows) <= skinny_linear.MAX_ROWS == 5
     assert speculative is None or engine.scheduler.spec_decoding_stats.num_drafts > 0
     for i, p in enumerate(prompts):
         assert done[str(i)] == solo_greedy(model, p, GREEDY.max_tokens), f"request {i}"
     assert_no_leaks(engine)
     skinny_linear.drop_skinny_gemm(model)
     assert all(type(m) is nn.Linear for m in skinny_linear._linears(model))
+
+
+@needs_compiler
+def test_on_by_default_on_cuda_only(emulated, monkeypatch, caplog):
+    """EngineConfig.skinny_gemm None: swapped on CUDA (its check passing, in the emulator), silently not on Metal or
+    with kernels off; asked for explicitly, Metal swaps too."""
+    model = make_model("llama", seed=23)
+    monkeypatch.setattr(build, "gpu_backend", lambda: METAL)
+    assert not skinny_linear.use_skinny_gemm(None, model, True) and "skinny_gemm" not in caplog.text
+    monkeypatch.setattr(build, "gpu_backend", lambda: CUDA)
+    assert not skinny_linear.use_skinny_gemm(None, model, False) and "skinny_gemm" not in caplog.text
+    assert skinny_linear.use_skinny_gemm(None, model, True)
+    assert all(type(m) is skinny_linear.SkinnyLinear for m in skinny_linear._linears(model))
+    skinny_linear.drop_skinny_gemm(model)
+
+
+def test_more_rows_than_the_engine_gives_the_kernel_take_mlx_matmul(monkeypatch):
+    """Past skinny_linear.MAX_ROWS a swapped layer runs nn.Linear's own product even inside skinny_products()."""
+    layer = nn.Linear(256, 16)
+    layer.__class__, layer._pagedmlx_backend = skinny_linear.SkinnyLinear, CUDA
+    called = []
+    monkeypatch.setattr(skinny_gemm, "skinny_gemm", lambda x, w, b=None: called.append(x.shape[0]) or x @ w.T)
+    x = mx.random.normal((skinny_linear.MAX_ROWS + 1, 256))
+    with skinny_linear.skinny_products():
+        assert mx.allclose(layer(x), x @ layer.weight.T + layer.bias)
+        layer(x[:2])
+    assert called == [2]
 
 
 def test_asked_for_where_no_kernel_runs_the_engine_says_why_and_keeps_mlx_matmul(caplog):

@@ -9,11 +9,14 @@ This kernel reads each weight row once for all rows, as a gemv does, and is laun
 Run 59 (H100): 5.6 µs of MLX's host time a launch against cuBLASLt's 25 (scripts/bench/study_dispatch.py). Where it
 runs is decided at load (check_skinny_gemm against MLX's matmul).
 
-Two kernels. On CUDA, 16-bit weights take tensor cores (sources/skinny_gemm_mma_cuda.py: a thread group per 16
-columns, its warps splitting K; PAGEDMLX_SKINNY_MMA=0 turns it off). Elsewhere (Metal, float32) the lanes' kernel
-(sources/skinny_gemm.py): a SIMD group computes rows_per_warp(N) columns: 4 for wide products (each row of x read from cache once for four
-weight rows), fewer for narrow ones, so that a product of N = 1,024 columns (Llama-8B's k and v) still launches
-~1,000 SIMD groups to draw the GPU's bandwidth. Untuned: the thresholds are reasoned, not timed."""
+Two kernels. The lanes' kernel (sources/skinny_gemm.py) runs by default. With PAGEDMLX_SKINNY_MMA=1, CUDA's 16-bit
+weights take tensor cores instead (sources/skinny_gemm_mma_cuda.py: a thread group per 16 columns, its warps
+splitting K). Run 60 (H100, scripts/bench/study_skinny.py) found its device time no better than the lanes' at 2-8
+rows (both 0.8-1.0x cuBLASLt's), so it stays opt-in for A/Bs.
+
+In the lanes' kernel a SIMD group computes rows_per_warp(N) columns: 4 for wide products (each row of x read from
+cache once for four weight rows), fewer for narrow ones, so that a product of N = 1,024 columns (Llama-8B's k and v)
+still launches ~1,000 SIMD groups to draw the GPU's bandwidth. Untuned: the thresholds are reasoned, not timed."""
 
 from __future__ import annotations
 
@@ -52,12 +55,12 @@ def _kernel(backend: str, mma: bool = False):
 
 
 def _mma_on(backend: Optional[str]) -> bool:
-    return backend == CUDA and os.environ.get("PAGEDMLX_SKINNY_MMA", "1") != "0"
+    return backend == CUDA and os.environ.get("PAGEDMLX_SKINNY_MMA", "0") == "1"
 
 
 def uses_tensor_cores(backend: Optional[str], weight: mx.array) -> bool:
-    """The product runs the tensor-core kernel: CUDA, 16-bit weights, K whole 32-value chunks (and
-    PAGEDMLX_SKINNY_MMA is not 0)."""
+    """The product runs the tensor-core kernel: CUDA with PAGEDMLX_SKINNY_MMA=1, 16-bit weights, K whole 32-value
+    chunks."""
     return _mma_on(backend) and weight.dtype in MMA_DTYPES and weight.shape[-1] % 32 == 0
 
 

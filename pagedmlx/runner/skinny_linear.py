@@ -6,17 +6,22 @@ model object, the load-time check's reference included, computes what it did bef
 from __future__ import annotations
 
 import logging
-from typing import ContextManager
+import os
+from typing import ContextManager, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from pagedmlx.kernels import build, skinny_gemm
+from pagedmlx.kernels.dialect import CUDA
 from pagedmlx.runner.thread_flag import ThreadFlag
 
 logger = logging.getLogger("pagedmlx")
 
 _active = ThreadFlag()
+# The most rows the engine gives the kernel: its device time trails cuBLASLt's at 8 (run 59, H100: decode of 8
+# requests 0.72x), while 2-5 rows (a verifying step of k 4, decodes of a few requests) gain its lower host cost.
+MAX_ROWS = int(os.environ.get("PAGEDMLX_SKINNY_MAX_ROWS", "5"))
 
 
 def skinny_products() -> ContextManager[None]:
@@ -26,7 +31,8 @@ def skinny_products() -> ContextManager[None]:
 
 class SkinnyLinear(nn.Linear):
     def __call__(self, x: mx.array) -> mx.array:
-        if _active.on and skinny_gemm.supports(x.size // x.shape[-1], self.weight, self._pagedmlx_backend):
+        rows = x.size // x.shape[-1]
+        if _active.on and rows <= MAX_ROWS and skinny_gemm.supports(rows, self.weight, self._pagedmlx_backend):
             y = skinny_gemm.skinny_gemm(x, self.weight, self._pagedmlx_backend)
             return y + self["bias"] if "bias" in self else y
         return super().__call__(x)
@@ -39,12 +45,13 @@ def _linears(model: nn.Module) -> list[nn.Linear]:
     return [m for m in mods if type(m) in (nn.Linear, SkinnyLinear)]
 
 
-def use_skinny_gemm(setting: bool, model: nn.Module, kernels_enabled: bool) -> bool:
-    """EngineConfig.skinny_gemm at load: when asked, swap the model's plain linear layers where the kernel runs
+def use_skinny_gemm(setting: Optional[bool], model: nn.Module, kernels_enabled: bool) -> bool:
+    """EngineConfig.skinny_gemm at load (None: on CUDA): swap the model's plain linear layers where the kernel runs
     (a GPU backend whose kernels are on) and passes its check at their widths and dtype. Says why not."""
-    if not setting:
+    backend = build.gpu_backend()
+    if not (setting or (setting is None and backend == CUDA and kernels_enabled)):
         return False
-    backend, linears = build.gpu_backend(), _linears(model)
+    linears = _linears(model)
     dtypes = {m.weight.dtype for m in linears}
     takes = skinny_gemm.kernel_dtypes(backend)
     why = ("it needs a GPU backend's kernels" if backend is None or not kernels_enabled
@@ -65,7 +72,7 @@ def use_skinny_gemm(setting: bool, model: nn.Module, kernels_enabled: bool) -> b
     for m in linears:
         m.__class__, m._pagedmlx_backend = SkinnyLinear, backend
     logger.info("%d linear layers take the skinny GEMM kernel for %d-%d rows (runner/skinny_linear.py)", len(linears),
-                skinny_gemm.MIN_ROWS, skinny_gemm.MAX_ROWS)
+                skinny_gemm.MIN_ROWS, min(MAX_ROWS, skinny_gemm.MAX_ROWS))
     return True
 
 
