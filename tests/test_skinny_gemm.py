@@ -149,6 +149,13 @@ def test_on_by_default_on_cuda_only(emulated, monkeypatch, caplog):
     skinny_linear.drop_skinny_gemm(model)
 
 
+def test_a_kernel_that_does_not_build_is_a_reason_not_a_crash():
+    """No CUDA back-end here: the check says so, as NVRTC's errors would be said on a device."""
+    skinny_gemm._kernel.cache_clear()
+    why = skinny_gemm.check_skinny_gemm(CUDA, ((16, 256),))
+    assert why is not None and why.startswith("did not compile or run (RuntimeError: ")
+
+
 def test_more_rows_than_the_engine_gives_the_kernel_take_mlx_matmul(monkeypatch):
     """Past skinny_linear.MAX_ROWS a swapped layer runs nn.Linear's own product even inside skinny_products()."""
     layer = nn.Linear(256, 16)

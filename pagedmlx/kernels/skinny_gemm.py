@@ -114,6 +114,14 @@ def check_skinny_gemm(backend: str, shapes: tuple[tuple[int, int], ...], dtype: 
     """The kernel against MLX's matmul on the device for each (N, K) in `shapes` (the model's, at load) and each
     row count (N that no thread group's columns divide included). None if every output agrees within the dtype's
     tolerance, else what differs."""
+    try:
+        return _check(backend, shapes, dtype, rows_checked, seed)
+    except Exception as exc:  # compilation or launch: MLX raises when the kernel is built or run
+        return f"did not compile or run ({check.error_line(exc)})"
+
+
+def _check(backend: str, shapes: tuple[tuple[int, int], ...], dtype: mx.Dtype, rows_checked: Sequence[int],
+           seed: int) -> Optional[str]:
     rng = np.random.default_rng(seed)
     for n, k in shapes:
         w = mx.array(rng.standard_normal((n, k)).astype(np.float32) * k ** -0.5).astype(dtype)
