@@ -66,10 +66,11 @@ class EngineConfig:
     fuse_norms: bool = False
     # Products of plain linear layers over 2-8 rows (speculative verifying steps, decodes of a few requests) as one
     # kernel of ours (runner/skinny_linear.py, kernels/skinny_gemm.py) instead of MLX's matmul, which on CUDA
-    # runs 2+ rows through cuBLASLt at ~25 µs of host time a call against the kernel's ~5.6 (run 59, H100).
-    # None: on CUDA, for products of up to 5 rows (PAGEDMLX_SKINNY_MAX_ROWS; its device time trails cuBLASLt's at
-    # 8 rows); off elsewhere (Metal's matmul has no such cost).
-    skinny_gemm: Optional[bool] = None
+    # runs 2+ rows through cuBLASLt at ~25 µs of host time a call against the kernel's ~5.6 (run 59, H100); up to 5
+    # rows (PAGEDMLX_SKINNY_MAX_ROWS). Off by default: on an H100 it made a speculative round 1.18x faster and
+    # decodes of 2-4 requests 1.05-1.2x, but decodes of 8 requests 0.77x, although those run MLX's matmul (run 61,
+    # unexplained; docs/benchmarks.md).
+    skinny_gemm: bool = False
     # "auto": sampling defaults from the model's generation_config.json (as vLLM); "vllm": vLLM's own.
     generation_config: str = "auto"
     dtype: Optional[str] = None  # "float32" / "float16" / "bfloat16" for unquantized weights; None: as loaded

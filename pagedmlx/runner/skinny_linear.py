@@ -7,20 +7,19 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import ContextManager, Optional
+from typing import ContextManager
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from pagedmlx.kernels import build, skinny_gemm
-from pagedmlx.kernels.dialect import CUDA
 from pagedmlx.runner.thread_flag import ThreadFlag
 
 logger = logging.getLogger("pagedmlx")
 
 _active = ThreadFlag()
-# The most rows the engine gives the kernel: its device time trails cuBLASLt's at 8 (run 59, H100: decode of 8
-# requests 0.72x), while 2-5 rows (a verifying step of k 4, decodes of a few requests) gain its lower host cost.
+# The most rows the engine gives the kernel: its device time trails cuBLASLt's most at 8 rows (run 60, H100:
+# study_skinny.py), while 2-5 rows (a verifying step of k 4, decodes of a few requests) gain its lower host cost.
 MAX_ROWS = int(os.environ.get("PAGEDMLX_SKINNY_MAX_ROWS", "5"))
 
 
@@ -45,13 +44,12 @@ def _linears(model: nn.Module) -> list[nn.Linear]:
     return [m for m in mods if type(m) in (nn.Linear, SkinnyLinear)]
 
 
-def use_skinny_gemm(setting: Optional[bool], model: nn.Module, kernels_enabled: bool) -> bool:
-    """EngineConfig.skinny_gemm at load (None: on CUDA): swap the model's plain linear layers where the kernel runs
+def use_skinny_gemm(setting: bool, model: nn.Module, kernels_enabled: bool) -> bool:
+    """EngineConfig.skinny_gemm at load: when asked, swap the model's plain linear layers where the kernel runs
     (a GPU backend whose kernels are on) and passes its check at their widths and dtype. Says why not."""
-    backend = build.gpu_backend()
-    if not (setting or (setting is None and backend == CUDA and kernels_enabled)):
+    if not setting:
         return False
-    linears = _linears(model)
+    backend, linears = build.gpu_backend(), _linears(model)
     dtypes = {m.weight.dtype for m in linears}
     takes = skinny_gemm.kernel_dtypes(backend)
     why = ("it needs a GPU backend's kernels" if backend is None or not kernels_enabled

@@ -81,14 +81,16 @@ case "${PART:-all}" in
     TAIL=16 run offline_small 100 $SMALL
     TAIL=16 run offline_small_mma 100 $SMALL --skinny-gemm
     TAIL=40 run draft_mma 170 $DRAFT --skinny-gemm;;
-  final)  # twenty-fourth session: the skinny GEMM on by default on CUDA (lanes' kernel, 2-5 rows) against it off, in
-          # one call: the speculative pair (issue 28's ratio), then decodes of 2-8 requests
-    TAIL=40 run draft_default 170 $DRAFT
-    TAIL=12 run draft_off 150 $DRAFT --no-skinny-gemm
+  final)  # twenty-fourth session (run 61): the skinny GEMM (lanes' kernel, 2-5 rows) on against off, in one call: the
+          # speculative pair (issue 28's ratio), then decodes of 2-8 requests (8 ran 0.77x with it on: why?)
+    TAIL=40 run draft_skinny 200 $DRAFT --skinny-gemm
+    TAIL=12 run draft_off 150 $DRAFT
     SMALL="python3 scripts/bench/bench_offline.py --preset llama-8b --dtype bfloat16 --prompt-len 128 --gen-len 64 \
       --batch-sizes 2 4 8 --skip-peer --repeats 1"
-    TAIL=16 run offline_small_default 100 $SMALL
-    TAIL=16 run offline_small_off 100 $SMALL --no-skinny-gemm;;
+    TAIL=16 run offline_small_skinny 100 $SMALL --skinny-gemm
+    TAIL=16 run offline_small_off 100 $SMALL
+    TAIL=16 run offline_8_skinny 100 python3 scripts/bench/bench_offline.py --preset llama-8b --dtype bfloat16 \
+      --prompt-len 128 --gen-len 64 --batch-sizes 8 --skip-peer --repeats 1 --skinny-gemm;;
   phases)  # a call of its own (PART=phases): the above takes about 8 of a call's 10 minutes
     TAIL=14 run kv_64_256_noprefetch 150 env PAGEDMLX_QUANT_PREFETCH=0 python3 scripts/bench/bench_kv_quant.py \
       --speed --preset llama-8b --context 2048 --batch 64 256 --steps 12
