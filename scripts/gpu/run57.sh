@@ -91,6 +91,16 @@ case "${PART:-all}" in
     TAIL=16 run offline_small_off 100 $SMALL
     TAIL=16 run offline_8_skinny 100 python3 scripts/bench/bench_offline.py --preset llama-8b --dtype bfloat16 \
       --prompt-len 128 --gen-len 64 --batch-sizes 8 --skip-peer --repeats 1 --skinny-gemm;;
+  graphs)  # why 8 requests' decode ran 0.77x with --skinny-gemm though it takes no skinny product (run 61): MLX's CUDA
+           # graph cache keys graphs by node kinds and edges, not shapes, and custom kernels are other kinds than
+           # cuBLASLt's captured child graphs; 2 / 4 / 8 in one process with graphs on and off, then 8 alone
+    SMALL="python3 scripts/bench/bench_offline.py --preset llama-8b --dtype bfloat16 --prompt-len 128 --gen-len 64 \
+      --skip-peer --repeats 1"
+    TAIL=8 run b248_skinny 100 $SMALL --batch-sizes 2 4 8 --skinny-gemm
+    TAIL=8 run b248_off 100 $SMALL --batch-sizes 2 4 8
+    TAIL=8 run b8_skinny 80 $SMALL --batch-sizes 8 --skinny-gemm
+    TAIL=8 run b248_skinny_nographs 120 env MLX_USE_CUDA_GRAPHS=0 $SMALL --batch-sizes 2 4 8 --skinny-gemm
+    TAIL=8 run b248_off_nographs 120 env MLX_USE_CUDA_GRAPHS=0 $SMALL --batch-sizes 2 4 8;;
   phases)  # a call of its own (PART=phases): the above takes about 8 of a call's 10 minutes
     TAIL=14 run kv_64_256_noprefetch 150 env PAGEDMLX_QUANT_PREFETCH=0 python3 scripts/bench/bench_kv_quant.py \
       --speed --preset llama-8b --context 2048 --batch 64 256 --steps 12
