@@ -40,6 +40,12 @@ def test_the_source_renders_for_each_backend_and_names_nothing_of_the_other(back
     assert not leftover_tokens(text) and not foreign_names(text, backend)
 
 
+def test_the_tensor_core_source_renders_for_cuda():
+    text = skinny_gemm.skinny_gemm_source(CUDA, mma=True)
+    assert "asm" not in text and "skinny_mma(" in text  # the PTX is in the header (MMA_HEADER), the body calls it
+    assert not leftover_tokens(text) and not foreign_names(text, CUDA)
+
+
 def test_supported_shapes():
     """2-8 rows (one row is MLX's own gemv), float32 or bfloat16 weights, K a whole number of a SIMD group's
     16-byte steps."""

@@ -15,14 +15,15 @@ difference, the load-time check's measure).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from study_dispatch import time_case  # noqa: E402
 
 from pagedmlx.kernels import build, skinny_gemm  # noqa: E402
 
@@ -34,21 +35,6 @@ def products(kind: str, layers: list, xs: dict, **launch) -> list:
     if kind == "matmul":
         return [xs[w.shape[1]] @ w.T for layer in layers for w in layer]
     return [skinny_gemm.skinny_gemm(xs[w.shape[1]], w, mma=kind == "mma", **launch) for layer in layers for w in layer]
-
-
-def time_case(fn, runs: int) -> tuple[float, float]:
-    mx.eval(fn())
-    host, wall = [], []
-    for _ in range(runs):
-        mx.synchronize()
-        t = time.perf_counter()
-        ys = fn()
-        mx.async_eval(ys)
-        t1 = time.perf_counter()
-        mx.eval(ys)
-        host.append(t1 - t)
-        wall.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(host), 1e3 * statistics.median(wall)
 
 
 def max_difference(got: list, want: list) -> float:
@@ -81,7 +67,7 @@ def main() -> None:
         base = None
         for name, kind, launch in cases:
             diff = "" if kind == "matmul" else f"{max_difference(products(kind, layers[:1], xs, **launch), want):.1e}"
-            host, wall = time_case(lambda: products(kind, layers, xs, **launch), args.runs)
+            host, wall = time_case(lambda _: products(kind, layers, xs, **launch), None, args.runs)
             base = base or wall
             print(f"| {rows} | {name} | {host:.2f} | {wall:.2f} | {gib * 2 ** 30 / wall / 1e6:.0f} | "
                   f"{base / wall:.2f}x | {diff} |", flush=True)
