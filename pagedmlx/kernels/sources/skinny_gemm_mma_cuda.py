@@ -1,10 +1,11 @@
 """CUDA source of the skinny GEMM on tensor cores (sm_80+, 16-bit weights): y^T = W x^T as mma.sync m16n8k16,
-W's 16-column tiles as A and x's (at most 8) rows as B's columns. kernels/skinny_gemm.py builds it; the portable
-kernel (sources/skinny_gemm.py) stays for Metal and float32.
+W's 16-column tiles as A and x's (at most 8) rows as B's columns. kernels/skinny_gemm.py builds it where
+PAGEDMLX_SKINNY_MMA=1; the lanes' kernel (sources/skinny_gemm.py) is the default.
 
-Why: the lanes' kernel widens every value of x again for each weight row it meets and spends ~200 ALU ops per 32
-weight bytes at 8 rows (run 59: 0.72x cuBLASLt's decode at 8 requests); here a 32-wide k chunk of a 16-column tile
-is two mma instructions, and the loop is loads."""
+Why it was tried: the lanes' kernel widens every value of x again for each weight row it meets (~200 ALU ops per
+32 weight bytes at 8 rows; run 59: decode of 8 requests 0.72x); here a 32-wide k chunk of a 16-column tile is two
+mma instructions, and the loop is loads. What it gave (run 60, H100, scripts/bench/study_skinny.py): 0.72-0.82x
+cuBLASLt's device time at its default launch, 0.81-1.04x at the best of five, no better than the lanes' kernel."""
 
 MMA_HEADER = r"""
 // d (16 x 8, float) += A (16 x 16) * B (16 x 8), 16-bit inputs. Lane (g = lane / 4, t = lane % 4) holds
