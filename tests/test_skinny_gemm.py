@@ -148,6 +148,15 @@ def test_a_kernel_that_does_not_build_is_a_reason_not_a_crash():
     assert why is not None and why.startswith("did not compile or run (RuntimeError: ")
 
 
+def test_the_load_time_check_builds_only_the_row_counts_the_engine_gives(monkeypatch):
+    checked = []
+    monkeypatch.setattr(build, "gpu_backend", lambda: CUDA)
+    monkeypatch.setattr(skinny_gemm, "check_skinny_gemm", lambda b, shapes, dt, rows_checked: checked.append(
+        list(rows_checked)) or "stop here")
+    assert not skinny_linear.use_skinny_gemm(True, make_model("llama", seed=24), True)
+    assert checked == [list(range(2, skinny_linear.MAX_ROWS + 1))] == [[2, 3, 4, 5]]
+
+
 def test_more_rows_than_the_engine_gives_the_kernel_take_mlx_matmul(monkeypatch):
     """Past skinny_linear.MAX_ROWS a swapped layer runs nn.Linear's own product even inside skinny_products()."""
     layer = nn.Linear(256, 16)

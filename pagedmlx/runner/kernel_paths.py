@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from pagedmlx.kernels import decode_attention, decode_attention_quant, prefill_attention, skinny_gemm
+from pagedmlx.kernels import decode_attention, decode_attention_quant, prefill_attention
 from pagedmlx.runner import skinny_linear
 from pagedmlx.kernels.dialect import CUDA
 
@@ -62,9 +62,8 @@ def kernel_path_lines(runner: Any) -> list[str]:
     if getattr(runner, "fused_norms", False):
         lines.append("residual adds: fused with the RMSNorms after them (runner/fused_residual.py)")
     if getattr(runner, "skinny", False):
-        lines.append(f"products of {skinny_gemm.MIN_ROWS}-{min(skinny_linear.MAX_ROWS, skinny_gemm.MAX_ROWS)} rows: "
-                     "skinny GEMM kernel "
-                     "(runner/skinny_linear.py)")
+        rows = skinny_linear.rows_taken()
+        lines.append(f"products of {rows[0]}-{rows[-1]} rows: skinny GEMM kernel (runner/skinny_linear.py)")
     lora = getattr(runner, "lora_manager", None)
     if lora is not None:
         lines.append("LoRA adapters: " + (f"batched LoRA kernel on {lora.punica.kernel_backend} (DoRA rows: MLX's "

@@ -28,6 +28,11 @@ def skinny_products() -> ContextManager[None]:
     return _active.scope()
 
 
+def rows_taken() -> range:
+    """The row counts the engine gives the kernel (each its own build: the load-time check takes only these)."""
+    return range(skinny_gemm.MIN_ROWS, min(MAX_ROWS, skinny_gemm.MAX_ROWS) + 1)
+
+
 class SkinnyLinear(nn.Linear):
     def __call__(self, x: mx.array) -> mx.array:
         rows = x.size // x.shape[-1]
@@ -63,14 +68,14 @@ def use_skinny_gemm(setting: bool, model: nn.Module, kernels_enabled: bool) -> b
             key = (k, skinny_gemm.rows_per_warp(n))
             shapes[key] = min(n, shapes.get(key, n))
         why = skinny_gemm.check_skinny_gemm(backend, tuple((n, k) for (k, _), n in sorted(shapes.items())),
-                                            dtypes.pop())
+                                            dtypes.pop(), rows_checked=rows_taken())
     if why is not None:
         logger.warning("few-row products left to MLX's matmul (skinny_gemm): %s", why)
         return False
     for m in linears:
         m.__class__, m._pagedmlx_backend = SkinnyLinear, backend
     logger.info("%d linear layers take the skinny GEMM kernel for %d-%d rows (runner/skinny_linear.py)", len(linears),
-                skinny_gemm.MIN_ROWS, min(MAX_ROWS, skinny_gemm.MAX_ROWS))
+                rows_taken()[0], rows_taken()[-1])
     return True
 
 
