@@ -93,7 +93,10 @@ case "${PART:-all}" in
       --prompt-len 128 --gen-len 64 --batch-sizes 8 --skip-peer --repeats 1 --skinny-gemm;;
   graphs)  # why 8 requests' decode ran 0.77x with --skinny-gemm though it takes no skinny product (run 61): MLX's CUDA
            # graph cache keys graphs by node kinds and edges, not shapes, and custom kernels are other kinds than
-           # cuBLASLt's captured child graphs; 2 / 4 / 8 in one process with graphs on and off, then 8 alone
+           # cuBLASLt's captured child graphs; first in isolation (study_graph_cache.py, graphs on and off), then
+           # the engine: 2 / 4 / 8 in one process with the kernel on and off, 8 alone, and both without graphs
+    TAIL=10 run graph_cache 60 python3 scripts/bench/study_graph_cache.py
+    TAIL=10 run graph_cache_nographs 60 env MLX_USE_CUDA_GRAPHS=0 python3 scripts/bench/study_graph_cache.py
     SMALL="python3 scripts/bench/bench_offline.py --preset llama-8b --dtype bfloat16 --prompt-len 128 --gen-len 64 \
       --skip-peer --repeats 1"
     TAIL=8 run b248_skinny 100 $SMALL --batch-sizes 2 4 8 --skinny-gemm
