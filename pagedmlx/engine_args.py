@@ -51,7 +51,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "whose layers pass its probe (default off: 0.87x at batch 1 on an H100)")
     p.add_argument("--skinny-gemm", action=argparse.BooleanOptionalAction, default=False,
                    help="products of 2-5 rows (speculative verifying steps, decodes of a few requests) as pagedmlx's own "
-                        "kernel instead of MLX's matmul (cuBLASLt on CUDA); checked at load (default off: 8 requests' decode 0.77x on an H100)")
+                        "kernel instead of MLX's matmul (cuBLASLt on CUDA); checked at load (default off: decodes of "
+                        "8 requests ran 0.77x with it on an H100)")
     p.add_argument("--warm-up-attention", action=argparse.BooleanOptionalAction, default=None,
                    help="build the attention shapes of long prompts before serving (default: on CUDA)")
     p.add_argument("--prefill-kernel", action=argparse.BooleanOptionalAction, default=None,
