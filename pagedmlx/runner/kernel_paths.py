@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from pagedmlx.kernels import decode_attention, decode_attention_quant, prefill_attention
-from pagedmlx.runner import skinny_linear
 from pagedmlx.kernels.dialect import CUDA
+from pagedmlx.runner import skinny_linear
 
 PORTABLE = "gather + SDPA"  # pages gathered into a contiguous copy, then MLX's attention
 

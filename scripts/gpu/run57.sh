@@ -22,6 +22,9 @@ fi
 echo "== $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | head -1), KV context ${CONTEXT:-2048}"
 KV="python3 scripts/bench/bench_kv_quant.py --speed --preset llama-8b --context ${CONTEXT:-2048} --batch 64 256 --steps 12"  # CONTEXT=1024 on an H100 (80 GB at 256 x 2048)
 DRAFT="python3 scripts/bench/bench_draft.py preset:llama-8b --dtype bfloat16 --draft layers:4 --k 4 --target-tail-scale 0 --rounds 1 --prompts 2 --max-tokens 96 --kv-cache-gb 4 --phases"
+# decodes of a few requests (the skinny GEMM's runs, twenty-third and twenty-fourth sessions); SMALL248: 2, 4 and 8
+SMALL="python3 scripts/bench/bench_offline.py --preset llama-8b --dtype bfloat16 --prompt-len 128 --gen-len 64 --skip-peer --repeats 1"
+SMALL248="$SMALL248"
 case "${PART:-all}" in
   core)  # in order of what decides most; the limits add up to under a call's 600 s
     TAIL=40 run draft_phases 150 $DRAFT
@@ -68,42 +71,33 @@ case "${PART:-all}" in
            # host cost per primitive beside cuBLASLt's, the speculative round, decodes of 2-8 requests
     TAIL=16 run dispatch 120 python3 scripts/bench/study_dispatch.py
     TAIL=40 run draft_skinny 170 $DRAFT --skinny-gemm
-    SMALL="python3 scripts/bench/bench_offline.py --preset llama-8b --dtype bfloat16 --prompt-len 128 --gen-len 64 \
-      --batch-sizes 2 4 8 --skip-peer --repeats 1"
-    TAIL=8 run offline_small 100 $SMALL
-    TAIL=8 run offline_small_skinny 100 $SMALL --skinny-gemm;;
+    TAIL=8 run offline_small 100 $SMALL248
+    TAIL=8 run offline_small_skinny 100 $SMALL248 --skinny-gemm;;
   mma)  # twenty-fourth session: the tensor-core skinny GEMM (sources/skinny_gemm_mma_cuda.py) against cuBLASLt and
         # the lanes' kernel at Llama-8B's widths, each launch variant; then the engine with it: decodes of 2-8
         # requests with and without, and the speculative round
     TAIL=40 run study_skinny 150 python3 scripts/bench/study_skinny.py
-    SMALL="python3 scripts/bench/bench_offline.py --preset llama-8b --dtype bfloat16 --prompt-len 128 --gen-len 64 \
-      --batch-sizes 2 4 8 --skip-peer --repeats 1"
-    TAIL=16 run offline_small 100 $SMALL
-    TAIL=16 run offline_small_mma 100 $SMALL --skinny-gemm
+    TAIL=16 run offline_small 100 $SMALL248
+    TAIL=16 run offline_small_mma 100 $SMALL248 --skinny-gemm
     TAIL=40 run draft_mma 170 $DRAFT --skinny-gemm;;
   final)  # twenty-fourth session (run 61): the skinny GEMM (lanes' kernel, 2-5 rows) on against off, in one call: the
           # speculative pair (issue 28's ratio), then decodes of 2-8 requests (8 ran 0.77x with it on: why?)
     TAIL=40 run draft_skinny 200 $DRAFT --skinny-gemm
     TAIL=12 run draft_off 150 $DRAFT
-    SMALL="python3 scripts/bench/bench_offline.py --preset llama-8b --dtype bfloat16 --prompt-len 128 --gen-len 64 \
-      --batch-sizes 2 4 8 --skip-peer --repeats 1"
-    TAIL=16 run offline_small_skinny 100 $SMALL --skinny-gemm
-    TAIL=16 run offline_small_off 100 $SMALL
-    TAIL=16 run offline_8_skinny 100 python3 scripts/bench/bench_offline.py --preset llama-8b --dtype bfloat16 \
-      --prompt-len 128 --gen-len 64 --batch-sizes 8 --skip-peer --repeats 1 --skinny-gemm;;
+    TAIL=16 run offline_small_skinny 100 $SMALL248 --skinny-gemm
+    TAIL=16 run offline_small_off 100 $SMALL248
+    TAIL=16 run offline_8_skinny 100 $SMALL --batch-sizes 8 --skinny-gemm;;
   graphs)  # why 8 requests' decode ran 0.77x with --skinny-gemm though it takes no skinny product (run 61): MLX's CUDA
            # graph cache keys graphs by node kinds and edges, not shapes, and custom kernels are other kinds than
            # cuBLASLt's captured child graphs; first in isolation (study_graph_cache.py, graphs on and off), then
            # the engine: 2 / 4 / 8 in one process with the kernel on and off, 8 alone, and both without graphs
     TAIL=10 run graph_cache 60 python3 scripts/bench/study_graph_cache.py
     TAIL=10 run graph_cache_nographs 60 env MLX_USE_CUDA_GRAPHS=0 python3 scripts/bench/study_graph_cache.py
-    SMALL="python3 scripts/bench/bench_offline.py --preset llama-8b --dtype bfloat16 --prompt-len 128 --gen-len 64 \
-      --skip-peer --repeats 1"
-    TAIL=8 run b248_skinny 100 $SMALL --batch-sizes 2 4 8 --skinny-gemm
-    TAIL=8 run b248_off 100 $SMALL --batch-sizes 2 4 8
+    TAIL=8 run b248_skinny 100 $SMALL248 --skinny-gemm
+    TAIL=8 run b248_off 100 $SMALL248
     TAIL=8 run b8_skinny 80 $SMALL --batch-sizes 8 --skinny-gemm
-    TAIL=8 run b248_skinny_nographs 120 env MLX_USE_CUDA_GRAPHS=0 $SMALL --batch-sizes 2 4 8 --skinny-gemm
-    TAIL=8 run b248_off_nographs 120 env MLX_USE_CUDA_GRAPHS=0 $SMALL --batch-sizes 2 4 8;;
+    TAIL=8 run b248_skinny_nographs 120 env MLX_USE_CUDA_GRAPHS=0 $SMALL248 --skinny-gemm
+    TAIL=8 run b248_off_nographs 120 env MLX_USE_CUDA_GRAPHS=0 $SMALL248;;
   phases)  # a call of its own (PART=phases): the above takes about 8 of a call's 10 minutes
     TAIL=14 run kv_64_256_noprefetch 150 env PAGEDMLX_QUANT_PREFETCH=0 python3 scripts/bench/bench_kv_quant.py \
       --speed --preset llama-8b --context 2048 --batch 64 256 --steps 12
