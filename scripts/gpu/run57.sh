@@ -24,7 +24,7 @@ KV="python3 scripts/bench/bench_kv_quant.py --speed --preset llama-8b --context 
 DRAFT="python3 scripts/bench/bench_draft.py preset:llama-8b --dtype bfloat16 --draft layers:4 --k 4 --target-tail-scale 0 --rounds 1 --prompts 2 --max-tokens 96 --kv-cache-gb 4 --phases"
 # decodes of a few requests (the skinny GEMM's runs, twenty-third and twenty-fourth sessions); SMALL248: 2, 4 and 8
 SMALL="python3 scripts/bench/bench_offline.py --preset llama-8b --dtype bfloat16 --prompt-len 128 --gen-len 64 --skip-peer --repeats 1"
-SMALL248="$SMALL248"
+SMALL248="$SMALL --batch-sizes 2 4 8"
 case "${PART:-all}" in
   core)  # in order of what decides most; the limits add up to under a call's 600 s
     TAIL=40 run draft_phases 150 $DRAFT
