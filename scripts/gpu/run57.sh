@@ -93,11 +93,11 @@ case "${PART:-all}" in
            # the engine: 2 / 4 / 8 in one process with the kernel on and off, 8 alone, and both without graphs
     TAIL=10 run graph_cache 60 python3 scripts/bench/study_graph_cache.py
     TAIL=10 run graph_cache_nographs 60 env MLX_USE_CUDA_GRAPHS=0 python3 scripts/bench/study_graph_cache.py
-    TAIL=8 run b248_skinny 100 $SMALL248 --skinny-gemm
-    TAIL=8 run b248_off 100 $SMALL248
-    TAIL=8 run b8_skinny 80 $SMALL --batch-sizes 8 --skinny-gemm
-    TAIL=8 run b248_skinny_nographs 120 env MLX_USE_CUDA_GRAPHS=0 $SMALL248 --skinny-gemm
-    TAIL=8 run b248_off_nographs 120 env MLX_USE_CUDA_GRAPHS=0 $SMALL248;;
+    TAIL=8 run b248_skinny 90 $SMALL248 --skinny-gemm
+    TAIL=8 run b248_off 90 $SMALL248
+    TAIL=8 run b8_skinny 70 $SMALL --batch-sizes 8 --skinny-gemm
+    TAIL=8 run b248_skinny_nographs 110 env MLX_USE_CUDA_GRAPHS=0 $SMALL248 --skinny-gemm
+    TAIL=8 run b248_off_nographs 110 env MLX_USE_CUDA_GRAPHS=0 $SMALL248;;
   phases)  # a call of its own (PART=phases): the above takes about 8 of a call's 10 minutes
     TAIL=14 run kv_64_256_noprefetch 150 env PAGEDMLX_QUANT_PREFETCH=0 python3 scripts/bench/bench_kv_quant.py \
       --speed --preset llama-8b --context 2048 --batch 64 256 --steps 12
