@@ -98,6 +98,13 @@ case "${PART:-all}" in
     TAIL=8 run b8_skinny 70 $SMALL --batch-sizes 8 --skinny-gemm
     TAIL=8 run b248_skinny_nographs 110 env MLX_USE_CUDA_GRAPHS=0 $SMALL248 --skinny-gemm
     TAIL=8 run b248_off_nographs 110 env MLX_USE_CUDA_GRAPHS=0 $SMALL248;;
+  graphs2)  # run 62 left it open: 8 alone and graphs off lost nothing, and 2 / 4 / 8 with the kernel hit its limit.
+            # Again with more time, 8 before and after 2 / 4 in one process, and with a graph cache of 4,000 entries
+            # (does the 8-row step's working set fall out of the LRU of 400 once the few-row steps' graphs are in?)
+    TAIL=8 run b248_skinny 130 $SMALL248 --skinny-gemm
+    TAIL=8 run b8248_skinny 150 $SMALL --batch-sizes 8 2 4 8 --skinny-gemm
+    TAIL=8 run b248_skinny_cache4000 130 env MLX_CUDA_GRAPH_CACHE_SIZE=4000 $SMALL248 --skinny-gemm
+    TAIL=8 run b248_off 90 $SMALL248;;
   phases)  # a call of its own (PART=phases): the above takes about 8 of a call's 10 minutes
     TAIL=14 run kv_64_256_noprefetch 150 env PAGEDMLX_QUANT_PREFETCH=0 python3 scripts/bench/bench_kv_quant.py \
       --speed --preset llama-8b --context 2048 --batch 64 256 --steps 12
