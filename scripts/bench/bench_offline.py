@@ -204,6 +204,7 @@ def main() -> None:
     max_b = max(args.batch_sizes)
     tokens_per_seq = max(args.prompt_len + args.gen_len, args.prefill_len + 1)
     num_blocks = max_b * (-(-tokens_per_seq // args.block_size) + 1) + 8
+    t_engine = time.perf_counter()
     engine = LLMEngine(model, None, EngineConfig(
         block_size=args.block_size, num_blocks=num_blocks, max_num_seqs=max_b,
         max_num_batched_tokens=max(2048, args.prompt_len, args.prefill_len), long_prefill_token_threshold=0,
@@ -211,6 +212,7 @@ def main() -> None:
         compile_decode=args.compile_decode, merge_projections=args.merge_projections,
         kv_cache_dtype=args.kv_cache_dtype, skinny_gemm=args.skinny_gemm))
 
+    startup_s = time.perf_counter() - t_engine  # the load-time checks and their kernels' builds
     console = Console()
     console.print(f"[bold]bench_offline[/] {name} on {mx.default_device()}, {platform.machine()}, "
                   f"prompt {args.prompt_len}, gen {args.gen_len}, {time.strftime('%Y-%m-%d')}, "
@@ -224,7 +226,7 @@ def main() -> None:
     if not args.skip_peer:
         run_mlx_lm(model, make_prompts(2, 16, vocab, 0), 4)
     mlx_env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(("MLX_", "PAGEDMLX_")))
-    console.print(f"  MLX environment: {mlx_env or '(defaults)'}")
+    console.print(f"  MLX environment: {mlx_env or '(defaults)'}; engine start-up {startup_s:.1f} s")
 
     single_stream = None
     if 1 in args.batch_sizes and not args.skip_peer:  # a warm-up; batch 1's runs below time it again
@@ -307,7 +309,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(dict(model=name, device=str(mx.default_device()), rows=rows,
                                                    single_stream=single_stream, bandwidth=bw, matmul=flops,
-                                                   prefill=prefill), indent=1))
+                                                   prefill=prefill, startup_s=startup_s), indent=1))
 
 
 if __name__ == "__main__":

@@ -105,6 +105,9 @@ case "${PART:-all}" in
     TAIL=8 run b8248_skinny 150 $SMALL --batch-sizes 8 2 4 8 --skinny-gemm
     TAIL=8 run b248_skinny_cache4000 130 env MLX_CUDA_GRAPH_CACHE_SIZE=4000 $SMALL248 --skinny-gemm
     TAIL=8 run b248_off 90 $SMALL248;;
+  ab8)  # run 63 put the spread between processes of one command (8 requests: 695-944 tok/s with the kernel, which
+        # 8-row steps do not take) above the effect sought: processes with and without the kernel taking turns
+    TAIL=16 run ab_skinny 560 python3 scripts/bench/ab_processes.py --runs 3 --timeout 170 --b=--skinny-gemm -- $SMALL248;;
   phases)  # a call of its own (PART=phases): the above takes about 8 of a call's 10 minutes
     TAIL=14 run kv_64_256_noprefetch 150 env PAGEDMLX_QUANT_PREFETCH=0 python3 scripts/bench/bench_kv_quant.py \
       --speed --preset llama-8b --context 2048 --batch 64 256 --steps 12
