@@ -67,10 +67,11 @@ class EngineConfig:
     # Products of plain linear layers over 2-8 rows (speculative verifying steps, decodes of a few requests) as one
     # kernel of ours (runner/skinny_linear.py, kernels/skinny_gemm.py) instead of MLX's matmul, which on CUDA
     # runs 2+ rows through cuBLASLt at ~25 µs of host time a call against the kernel's ~5.6 (run 59, H100); up to 5
-    # rows (PAGEDMLX_SKINNY_MAX_ROWS). Off by default: on an H100 it made a speculative round 1.18x faster and
-    # decodes of 2-4 requests 1.05-1.2x, but decodes of 8 requests 0.77x, although those run MLX's matmul (run 61,
-    # unexplained; docs/benchmarks.md).
-    skinny_gemm: bool = False
+    # rows (PAGEDMLX_SKINNY_MAX_ROWS). None: on CUDA, off elsewhere (Metal's matmul has no such host cost). On an
+    # H100, processes with and without it taking turns (run 64, scripts/bench/ab_processes.py) decoded 2 / 4 / 8
+    # requests 1.15x / 1.43x / 1.36x faster with it (8-row steps run MLX's matmul either way: the runs 59-63 "loss"
+    # at 8 was the spread between processes). It adds ~23 s of kernel builds and checks to start-up.
+    skinny_gemm: Optional[bool] = None
     # "auto": sampling defaults from the model's generation_config.json (as vLLM); "vllm": vLLM's own.
     generation_config: str = "auto"
     dtype: Optional[str] = None  # "float32" / "float16" / "bfloat16" for unquantized weights; None: as loaded

@@ -121,7 +121,7 @@ def test_busy_engine_with_skinny_products_equals_mlx_lm_alone(emulated, monkeypa
                                                  compile_decode=False,  # the emulator evaluates: no traces
                                                  speculative_config=speculative))
     runner = engine.runner
-    assert not runner.skinny  # off by default
+    assert not runner.skinny  # off by default on the CPU
     monkeypatch.setattr(build, "gpu_backend", lambda: CUDA)
     assert skinny_linear.use_skinny_gemm(True, model, True)
     monkeypatch.undo()
@@ -139,6 +139,25 @@ def test_busy_engine_with_skinny_products_equals_mlx_lm_alone(emulated, monkeypa
     assert_no_leaks(engine)
     skinny_linear.drop_skinny_gemm(model)
     assert all(type(m) is nn.Linear for m in skinny_linear._linears(model))
+
+
+@needs_compiler
+def test_on_by_default_on_cuda_only(emulated, monkeypatch, caplog):
+    """EngineConfig.skinny_gemm None: swapped on CUDA (its check passing, in the emulator), silently not on Metal, with
+    kernels off, or for a model whose weights it does not take; asked for explicitly, Metal swaps too."""
+    model = make_model("llama", seed=23)
+    monkeypatch.setattr(build, "gpu_backend", lambda: METAL)
+    assert not skinny_linear.use_skinny_gemm(None, model, True) and "skinny_gemm" not in caplog.text
+    monkeypatch.setattr(build, "gpu_backend", lambda: CUDA)
+    assert not skinny_linear.use_skinny_gemm(None, model, False) and "skinny_gemm" not in caplog.text
+    assert skinny_linear.use_skinny_gemm(None, model, True)
+    assert all(type(m) is skinny_linear.SkinnyLinear for m in skinny_linear._linears(model))
+    skinny_linear.drop_skinny_gemm(model)
+    half = make_model("llama", seed=25)
+    half.set_dtype(mx.float16)  # the lanes' kernel takes bfloat16 and float32
+    with caplog.at_level("WARNING", logger="pagedmlx"):
+        assert not skinny_linear.use_skinny_gemm(None, half, True) and "skinny_gemm" not in caplog.text
+        assert not skinny_linear.use_skinny_gemm(True, half, True) and "weights in ['mlx.core.float16']" in caplog.text
 
 
 def test_a_kernel_that_does_not_build_is_a_reason_not_a_crash():

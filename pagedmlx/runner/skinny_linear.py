@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import ContextManager
+from typing import ContextManager, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from pagedmlx.kernels import build, skinny_gemm
+from pagedmlx.kernels.dialect import CUDA
 from pagedmlx.runner.thread_flag import ThreadFlag
 
 logger = logging.getLogger("pagedmlx")
@@ -49,18 +50,23 @@ def _linears(model: nn.Module) -> list[nn.Linear]:
     return [m for m in mods if type(m) in (nn.Linear, SkinnyLinear)]
 
 
-def use_skinny_gemm(setting: bool, model: nn.Module, kernels_enabled: bool) -> bool:
-    """EngineConfig.skinny_gemm at load: when asked, swap the model's plain linear layers where the kernel runs
-    (a GPU backend whose kernels are on) and passes its check at their widths and dtype. Says why not."""
-    if not setting:
+def use_skinny_gemm(setting: Optional[bool], model: nn.Module, kernels_enabled: bool) -> bool:
+    """EngineConfig.skinny_gemm at load (None: on CUDA): swap the model's plain linear layers where the kernel runs
+    (a GPU backend whose kernels are on) and passes its check at their widths and dtype. Warns why not, except
+    by default for a model it cannot take (quantized layers, other dtypes), which keeps MLX's matmul quietly."""
+    backend = build.gpu_backend()
+    if not (setting or (setting is None and backend == CUDA and kernels_enabled)):
         return False
-    backend, linears = build.gpu_backend(), _linears(model)
+    linears = _linears(model)
     dtypes = {m.weight.dtype for m in linears}
     takes = skinny_gemm.kernel_dtypes(backend)
     why = ("it needs a GPU backend's kernels" if backend is None or not kernels_enabled
            else "the model has no plain linear layers" if not linears
            else f"weights in {sorted(map(str, dtypes))}: the kernels take {sorted(map(str, takes))}"
            if len(dtypes) != 1 or not dtypes <= takes else None)
+    if why is not None and setting is None:  # by default a model it cannot take keeps MLX's matmul quietly
+        logger.info("few-row products left to MLX's matmul (skinny_gemm): %s", why)
+        return False
     if why is None:
         shapes = {}  # a kernel per width K and columns a SIMD group; the smallest N of each is enough to check it
         for m in linears:

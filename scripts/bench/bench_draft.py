@@ -217,8 +217,9 @@ def main() -> None:
                          "separate modules either way")
     ap.add_argument("--fuse-norms", action=argparse.BooleanOptionalAction, default=False,
                     help="EngineConfig.fuse_norms (default off)")
-    ap.add_argument("--skinny-gemm", action=argparse.BooleanOptionalAction, default=False,
-                    help="EngineConfig.skinny_gemm (default off): the verifying step's products as pagedmlx's kernel")
+    ap.add_argument("--skinny-gemm", action=argparse.BooleanOptionalAction, default=None,
+                    help="EngineConfig.skinny_gemm (default: on CUDA): the verifying step's products as pagedmlx's "
+                         "kernel")
     ap.add_argument("--lookup", type=int, default=0, metavar="N",
                     help="add a run with the draft and prompt lookup (prompt_lookup_max N) to the table")
     ap.add_argument("--phases", action="store_true", help="time one more pass of our speculative runs by phase")

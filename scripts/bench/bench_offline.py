@@ -180,8 +180,8 @@ def main() -> None:
     ap.add_argument("--merge-projections", action=argparse.BooleanOptionalAction, default=None,
                     help="EngineConfig.merge_projections: q/k/v and gate/up one matmul each (default: on GPU "
                          "backends); mlx-lm's runs keep the separate modules either way")
-    ap.add_argument("--skinny-gemm", action=argparse.BooleanOptionalAction, default=False,
-                    help="EngineConfig.skinny_gemm: products of 2-5 rows as pagedmlx's kernel (default off)")
+    ap.add_argument("--skinny-gemm", action=argparse.BooleanOptionalAction, default=None,
+                    help="EngineConfig.skinny_gemm: products of 2-5 rows as pagedmlx's kernel (default: on CUDA)")
     ap.add_argument("--skip-peer", action="store_true", help="run pagedmlx only (for sweeps of its own settings)")
     args = ap.parse_args()
 
