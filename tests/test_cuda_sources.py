@@ -80,9 +80,9 @@ def attention_cases():
             RecordingCudaKernel.label = f"add_rms_norm {dt} D={d}"
             add_rms_norm.add_rms_norm(mx.zeros((3, d), dt), mx.zeros((3, d), dt), mx.zeros((d,), dt), 1e-5, "cuda")
         if dt in skinny_gemm.DTYPES:
-            for rows in (2, 8):  # Llama-8B's two widths; 1, 2 and 4 columns a SIMD group (rows_per_warp)
-                for k in (4096, 14336):
-                    for n in (1024, 4096, 8192):
+            for rows in (2, 8):  # Llama-8B's two widths; 1, 2 and 4 columns a SIMD group (rows_per_warp), K split
+                for k in (4096, 14336):  # 1, 2 and 4 ways (k_split)
+                    for n in (1024, 4096, 8192, 28672, 32768):
                         RecordingCudaKernel.label = f"skinny_gemm {dt} M={rows} K={k} N={n}"
                         skinny_gemm.skinny_gemm(mx.zeros((rows, k), dt), mx.zeros((n, k), dt), "cuda", mma=False)
         if dt in skinny_gemm.MMA_DTYPES:

@@ -74,17 +74,25 @@ def test_tensor_cores_are_opt_in_on_cuda_and_take_16_bit_weights(monkeypatch):
 
 @needs_compiler
 @pytest.mark.parametrize("backend,dtype", [(CUDA, mx.bfloat16), (METAL, mx.float32)])
-@pytest.mark.parametrize("per_warp", [1, 2, 4])
-def test_emulated_kernel_passes_its_check(emulated, monkeypatch, backend, dtype, per_warp):
-    """Each number of columns a SIMD group computes (rows_per_warp's choices, forced at a small N); 44 columns: no
-    whole number of a group's 4, 8 or 16, so the last group's guard is exercised."""
+@pytest.mark.parametrize("per_warp,split", [(1, 1), (2, 1), (4, 1), (1, 4), (2, 2), (4, 4)])
+def test_emulated_kernel_passes_its_check(emulated, monkeypatch, backend, dtype, per_warp, split):
+    """Each number of columns a SIMD group computes (rows_per_warp's choices, forced at a small N) and each split of
+    K (k_split's, forced); 44 columns: no whole number of a group's 4, 8 or 16 (or a split group's 1, 2 or 4), so the
+    last group's guard is exercised."""
     monkeypatch.setattr(skinny_gemm, "rows_per_warp", lambda n: per_warp)
-    assert skinny_gemm.check_skinny_gemm(backend, ((44, 256),), dtype, rows_checked=(2, 3, 8)) is None
+    monkeypatch.setattr(skinny_gemm, "k_split", lambda n, k, dt: split)
+    assert skinny_gemm.check_skinny_gemm(backend, ((44, 1024),), dtype, rows_checked=(2, 3, 8)) is None
 
 
 def test_narrow_products_spread_over_more_simd_groups():
-    """Llama-8B's k/v (1,024 columns) one column a SIMD group; q/o (4,096) two; gate/up, the head four."""
+    """Llama-8B's k/v (1,024 columns) one column a SIMD group; q/o (4,096) two; gate/up, the head four. Its q/k/v,
+    o and down products split K four ways (up to SPLIT_WARPS SIMD groups), gate/up two, the head not at all; a
+    short K is not split below 4 steps a SIMD group."""
     assert [skinny_gemm.rows_per_warp(n) for n in (1024, 4096, 14336, 128256)] == [1, 2, 4, 4]
+    bf16 = mx.bfloat16
+    splits = [skinny_gemm.k_split(n, k, bf16) for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
+                                                           (128256, 4096), (4096, 1024), (4096, 2048))]
+    assert splits == [4, 4, 2, 4, 1, 1, 2]
 
 
 @needs_compiler
@@ -94,12 +102,15 @@ def test_narrow_products_spread_over_more_simd_groups():
     ("(words[j >> 1] & 0xffff0000u) : (words[j >> 1] << 16)", "(words[j >> 1] << 16) : (words[j >> 1] & 0xffff0000u)",
      mx.bfloat16),  # a weight word's two bf16 values swapped
     ("acc[m][r] += xv * wf[r][j]", "acc[m][r] += xv * wf[0][j]", mx.float32),  # every column takes the first's row
+    ("parts[SIMD_ID + p]", "parts[SIMD_ID]", mx.float32),  # a split's first part counted for all of them
+    ("(part * 32 + LANE) * VEC", "LANE * VEC", mx.float32),  # every part of a split takes the same steps
 ])
 def test_the_check_fails_a_wrong_kernel(emulated, monkeypatch, original, wrong, dtype):
     assert original in gemm_source.SKINNY_GEMM
     monkeypatch.setattr(gemm_source, "SKINNY_GEMM", gemm_source.SKINNY_GEMM.replace(original, wrong, 1))
     monkeypatch.setattr(skinny_gemm, "rows_per_warp", lambda n: 4)  # every column of a SIMD group distinct
-    err = skinny_gemm.check_skinny_gemm(CUDA, ((16, 256),), dtype, rows_checked=(3,))
+    monkeypatch.setattr(skinny_gemm, "k_split", lambda n, k, dt: 2)
+    err = skinny_gemm.check_skinny_gemm(CUDA, ((16, 1024),), dtype, rows_checked=(3,))
     assert err is not None and "max relative difference" in err
 
 

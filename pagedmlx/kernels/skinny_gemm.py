@@ -34,6 +34,8 @@ from pagedmlx.kernels.sources import skinny_gemm_mma_cuda as mma_src
 
 MIN_ROWS, MAX_ROWS = 2, 8  # x's rows a launch takes (one row: MLX's own gemv, no cuBLASLt; mma's B: 8 columns)
 WARPS = 4  # SIMD groups a thread group, lanes' kernel
+SPLIT_WARPS = 8192  # SIMD groups a narrow product is split up to (k_split): ~62 an SM on an H100's 132
+SPLIT_FIXED = int(os.environ.get("PAGEDMLX_SKINNY_SPLIT", "0"))  # 1, 2 or 4 for every product (A/Bs); 0: k_split
 # tensor cores: warps splitting K a 16-column tile; 32-wide chunks a warp loads at once (environment: A/Bs)
 MMA_WARPS = int(os.environ.get("PAGEDMLX_SKINNY_WARPS", "8"))
 MMA_UNROLL = int(os.environ.get("PAGEDMLX_SKINNY_UNROLL", "2"))
@@ -74,6 +76,19 @@ def rows_per_warp(n: int) -> int:
     return 4 if n >= 8192 else 2 if n >= 4096 else 1
 
 
+def k_split(n: int, k: int, dtype: mx.Dtype) -> int:
+    """SIMD groups of a thread group sharing its columns, each every SPLIT-th step of K (1, 2 or WARPS): a narrow
+    product gets at least SPLIT_WARPS SIMD groups in all, as long as each still takes 4 steps of K. Run 60 (H100):
+    the unsplit kernel drew 2,000-2,200 GB/s at 2-5 rows against cuBLASLt's 2,300-2,500, and Llama-8B's o and down
+    products (4,096 columns) launch only 2,048 SIMD groups (15 an SM). PAGEDMLX_SKINNY_SPLIT fixes it (A/Bs)."""
+    if SPLIT_FIXED:
+        return SPLIT_FIXED
+    warps, steps, split = -(-n // rows_per_warp(n)), k // (32 * 16 // dtype.size), 1
+    while split < WARPS and warps * split < SPLIT_WARPS and steps >= 4 * split * 2:
+        split *= 2
+    return split
+
+
 def supports(rows: int, weight: mx.array, backend: Optional[str] = None) -> bool:
     """A kernel takes x of `rows` rows against this (N, K) weight on `backend`: 2-8 rows; tensor cores
     (uses_tensor_cores), or the lanes' kernel for float32 or bfloat16 with K a whole number of a SIMD group's
@@ -85,10 +100,10 @@ def supports(rows: int, weight: mx.array, backend: Optional[str] = None) -> bool
 
 
 def skinny_gemm(x: mx.array, w: mx.array, backend: Optional[str] = None, *, mma: Optional[bool] = None,
-                warps: int = MMA_WARPS, unroll: int = MMA_UNROLL) -> mx.array:
+                warps: int = MMA_WARPS, unroll: int = MMA_UNROLL, split: Optional[int] = None) -> mx.array:
     """x @ w.T for x (..., K) of MIN_ROWS to MAX_ROWS rows in all and w (N, K), as MLX's matmul computes it up to the
     order of its float sums (supports() says which shapes). mma: the tensor-core kernel (default: where
-    uses_tensor_cores); warps, unroll: its launch (studies)."""
+    uses_tensor_cores); warps, unroll: its launch; split: the lanes' kernel's split of K (default k_split; studies)."""
     backend = backend or build.gpu_backend()
     *lead, k = x.shape
     rows, n = x.size // k, w.shape[0]
@@ -99,11 +114,12 @@ def skinny_gemm(x: mx.array, w: mx.array, backend: Optional[str] = None, *, mma:
             grid=(-(-n // 16) * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1), output_shapes=[(rows, n)],
             output_dtypes=[w.dtype])[0]
         return y.reshape(*lead, n)
-    per_warp = rows_per_warp(n)
-    groups = -(-n // (per_warp * WARPS))
+    per_warp, split = rows_per_warp(n), split or k_split(n, k, w.dtype)
+    groups = -(-n // (per_warp * WARPS // split))
     y = _kernel(backend)(
         inputs=[x.reshape(rows, k).astype(w.dtype), w], template=[("T", w.dtype), ("M", rows), ("K", k),
-                                                                   ("ROWS", per_warp), ("WARPS", WARPS)],
+                                                                   ("ROWS", per_warp), ("WARPS", WARPS),
+                                                                   ("SPLIT", split)],
         grid=(groups * 32 * WARPS, 1, 1), threadgroup=(32 * WARPS, 1, 1), output_shapes=[(rows, n)],
         output_dtypes=[w.dtype])[0]
     return y.reshape(*lead, n)

@@ -68,12 +68,12 @@ def use_skinny_gemm(setting: Optional[bool], model: nn.Module, kernels_enabled: 
         logger.info("few-row products left to MLX's matmul (skinny_gemm): %s", why)
         return False
     if why is None:
-        shapes = {}  # a kernel per width K and columns a SIMD group; the smallest N of each is enough to check it
+        shapes = {}  # a kernel per width K, columns a SIMD group and split of K; the smallest N of each checks it
         for m in linears:
             n, k = m.weight.shape
-            key = (k, skinny_gemm.rows_per_warp(n))
+            key = (k, skinny_gemm.rows_per_warp(n), skinny_gemm.k_split(n, k, m.weight.dtype))
             shapes[key] = min(n, shapes.get(key, n))
-        why = skinny_gemm.check_skinny_gemm(backend, tuple((n, k) for (k, _), n in sorted(shapes.items())),
+        why = skinny_gemm.check_skinny_gemm(backend, tuple((n, k) for (k, *_), n in sorted(shapes.items())),
                                             dtypes.pop(), rows_checked=rows_taken())
     if why is not None:
         logger.warning("few-row products left to MLX's matmul (skinny_gemm): %s", why)

@@ -4,7 +4,8 @@ saved: decode 0.72x at 8 requests).
 
 One case is a decode step's products over --layers distinct layers (weights that do not fit in L2 together): per
 layer q/k/v merged (6,144 x 4,096), o (4,096 x 4,096), gate/up merged (28,672 x 4,096) and down (4,096 x 14,336),
-computed by MLX's matmul (cuBLASLt from 2 rows; gemv at 1), the lanes' kernel, or the tensor-core kernel at a
+computed by MLX's matmul (cuBLASLt from 2 rows; gemv at 1), the lanes' kernel (K unsplit, split 2 ways, or as
+k_split picks per product: Llama-8B's q/k/v, o and down 4 ways, gate/up 2), or the tensor-core kernel at a
 (warps, unroll) launch. Timed with the device drained before each run: ms inside mx.async_eval (host), ms until
 done, and the weights' bytes over the time until done. Each kernel is first held to MLX's matmul (max relative
 difference, the load-time check's measure).
@@ -28,7 +29,7 @@ from study_dispatch import time_case  # noqa: E402
 from pagedmlx.kernels import build, skinny_gemm  # noqa: E402
 
 SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))  # Llama-8B, merged as decode runs them
-MMA_LAUNCHES = ((8, 2), (4, 2), (8, 4), (16, 2), (16, 1))  # (warps, unroll)
+MMA_LAUNCHES = ((8, 4), (16, 1))  # (warps, unroll): run 60's best of five
 
 
 def products(kind: str, layers: list, xs: dict, **launch) -> list:
@@ -62,8 +63,9 @@ def main() -> None:
         want = products("matmul", layers[:1], xs)
         cases = [("matmul", "matmul", {})]
         if rows >= skinny_gemm.MIN_ROWS:
-            cases += [("lanes", "lanes", {})] + [(f"mma w{w} u{u}", "mma", {"warps": w, "unroll": u})
-                                                 for w, u in MMA_LAUNCHES]
+            cases += [("lanes, K unsplit", "lanes", {"split": 1}), ("lanes, K split 2", "lanes", {"split": 2}),
+                      ("lanes, k_split", "lanes", {})] + [(f"mma w{w} u{u}", "mma", {"warps": w, "unroll": u})
+                                                          for w, u in MMA_LAUNCHES]
         base = None
         for name, kind, launch in cases:
             diff = "" if kind == "matmul" else f"{max_difference(products(kind, layers[:1], xs, **launch), want):.1e}"

@@ -105,6 +105,10 @@ case "${PART:-all}" in
     TAIL=8 run b8248_skinny 150 $SMALL --batch-sizes 8 2 4 8 --skinny-gemm
     TAIL=8 run b248_skinny_cache4000 130 env MLX_CUDA_GRAPH_CACHE_SIZE=4000 $SMALL248 --skinny-gemm
     TAIL=8 run b248_off 90 $SMALL248;;
+  split)  # twenty-fifth session: the lanes' kernel with K split across a thread group's SIMD groups (narrow products
+          # had 15 SIMD groups an SM): device time against cuBLASLt and unsplit, then the pair, 7 rounds, defaults
+    TAIL=24 run study_split 120 python3 scripts/bench/study_skinny.py --rows 2 4 5
+    TAIL=9 run draft_split_r7 210 ${DRAFT/--rounds 1 --prompts 2/--rounds 7 --prompts 4};;
   ab8)  # run 63 put the spread between processes of one command (8 requests: 695-944 tok/s with the kernel, which
         # 8-row steps do not take) above the effect sought: processes with and without the kernel taking turns
     TAIL=16 run ab_skinny 560 python3 scripts/bench/ab_processes.py --runs 3 --timeout 170 --b=--skinny-gemm -- $SMALL248;;

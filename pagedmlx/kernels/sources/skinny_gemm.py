@@ -2,21 +2,23 @@
 kernels/skinny_gemm.py renders, builds and launches it."""
 
 SKINNY_GEMM = """
-    // y (M, N) = x (M, K) @ w^T with w (N, K) row-major, for M of 1 to 8 rows: each SIMD group computes ROWS of
-    // y's columns for all M rows, reading each weight row once, 16 bytes a lane a step; x's rows come from cache.
-    // Float sums, one rounding to T at the end (as MLX's gemv). T is bfloat16 (8 values a 16-byte load, widened
-    // by shifts) or float32 (4).
+    // y (M, N) = x (M, K) @ w^T with w (N, K) row-major, for M of 1 to 8 rows: SPLIT SIMD groups of a thread
+    // group compute ROWS of y's columns for all M rows, each every SPLIT-th step of K (narrow products: more SIMD
+    // groups in flight), reading each weight row once, 16 bytes a lane a step; x's rows come from cache. Float
+    // sums, added across the SPLIT groups in threadgroup memory, one rounding to T at the end (as MLX's gemv).
+    // T is bfloat16 (8 values a 16-byte load, widened by shifts) or float32 (4).
     constexpr int VEC = 16 / sizeof(T);
-    constexpr int STEP = 32 * VEC;
+    constexpr int STEP = 32 * VEC * SPLIT;
     const int N = w_shape[0];
-    const int n0 = (GROUP_X * WARPS + SIMD_ID) * ROWS;
+    const int part = SIMD_ID % SPLIT;
+    const int n0 = (GROUP_X * (WARPS / SPLIT) + SIMD_ID / SPLIT) * ROWS;
     float acc[M][ROWS];
     #pragma unroll
     for (int m = 0; m < M; ++m) {
         #pragma unroll
         for (int r = 0; r < ROWS; ++r) acc[m][r] = 0.0f;
     }
-    for (int k = LANE * VEC; k < K; k += STEP) {
+    for (int k = (part * 32 + LANE) * VEC; k < K; k += STEP) {
         float wf[ROWS][VEC];
         #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
@@ -42,13 +44,25 @@ SKINNY_GEMM = """
             }
         }
     }
+    SHARED float parts[WARPS][M][ROWS];
     #pragma unroll
     for (int m = 0; m < M; ++m) {
         #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
             float s = acc[m][r];
             for (int o = 16; o > 0; o >>= 1) s += SHFL_XOR(s, o);
-            if (LANE == r && n0 + r < N) y[(size_t)m * N + n0 + r] = static_cast<T>(s);
+            if (SPLIT == 1 && LANE == r && n0 + r < N) y[(size_t)m * N + n0 + r] = static_cast<T>(s);
+            if (SPLIT > 1 && LANE == r) parts[SIMD_ID][m][r] = s;
+        }
+    }
+    if (SPLIT > 1) {
+        BARRIER();
+        if (part == 0 && LANE < ROWS && n0 + LANE < N) {
+            for (int m = 0; m < M; ++m) {
+                float s = 0.0f;
+                for (int p = 0; p < SPLIT; ++p) s += parts[SIMD_ID + p][m][LANE];
+                y[(size_t)m * N + n0 + LANE] = static_cast<T>(s);
+            }
         }
     }
 """
