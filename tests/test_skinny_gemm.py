@@ -80,19 +80,20 @@ def test_emulated_kernel_passes_its_check(emulated, monkeypatch, backend, dtype,
     K (k_split's, forced); 44 columns: no whole number of a group's 4, 8 or 16 (or a split group's 1, 2 or 4), so the
     last group's guard is exercised."""
     monkeypatch.setattr(skinny_gemm, "rows_per_warp", lambda n: per_warp)
-    monkeypatch.setattr(skinny_gemm, "k_split", lambda n, k, dt: split)
+    monkeypatch.setattr(skinny_gemm, "k_split", lambda n, k, dt, rows: split)
     assert skinny_gemm.check_skinny_gemm(backend, ((44, 1024),), dtype, rows_checked=(2, 3, 8)) is None
 
 
 def test_narrow_products_spread_over_more_simd_groups():
     """Llama-8B's k/v (1,024 columns) one column a SIMD group; q/o (4,096) two; gate/up, the head four. Its q/k/v,
-    o and down products split K four ways (up to SPLIT_WARPS SIMD groups), gate/up two, the head not at all; a
-    short K is not split below 4 steps a SIMD group."""
+    o and down products split K four ways (up to SPLIT_WARPS SIMD groups), gate/up two, the head not at all, from 4
+    rows (a verifying step of k 4 has 5); a short K is not split below 4 steps a SIMD group."""
     assert [skinny_gemm.rows_per_warp(n) for n in (1024, 4096, 14336, 128256)] == [1, 2, 4, 4]
     bf16 = mx.bfloat16
-    splits = [skinny_gemm.k_split(n, k, bf16) for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
-                                                           (128256, 4096), (4096, 1024), (4096, 2048))]
-    assert splits == [4, 4, 2, 4, 1, 1, 2]
+    shapes = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (4096, 1024), (4096, 2048))
+    assert [skinny_gemm.k_split(n, k, bf16, 5) for n, k in shapes] == [4, 4, 2, 4, 1, 1, 2]
+    assert [skinny_gemm.k_split(n, k, bf16, 4) for n, k in shapes] == [4, 4, 2, 4, 1, 1, 2]
+    assert {skinny_gemm.k_split(n, k, bf16, rows) for n, k in shapes for rows in (2, 3)} == {1}
 
 
 @needs_compiler
@@ -109,7 +110,7 @@ def test_the_check_fails_a_wrong_kernel(emulated, monkeypatch, original, wrong, 
     assert original in gemm_source.SKINNY_GEMM
     monkeypatch.setattr(gemm_source, "SKINNY_GEMM", gemm_source.SKINNY_GEMM.replace(original, wrong, 1))
     monkeypatch.setattr(skinny_gemm, "rows_per_warp", lambda n: 4)  # every column of a SIMD group distinct
-    monkeypatch.setattr(skinny_gemm, "k_split", lambda n, k, dt: 2)
+    monkeypatch.setattr(skinny_gemm, "k_split", lambda n, k, dt, rows: 2)
     err = skinny_gemm.check_skinny_gemm(CUDA, ((16, 1024),), dtype, rows_checked=(3,))
     assert err is not None and "max relative difference" in err
 

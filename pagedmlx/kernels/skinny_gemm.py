@@ -16,7 +16,9 @@ rows (both 0.8-1.0x cuBLASLt's), so it stays opt-in for A/Bs.
 
 In the lanes' kernel a SIMD group computes rows_per_warp(N) columns: 4 for wide products (each row of x read from
 cache once for four weight rows), fewer for narrow ones, so that a product of N = 1,024 columns (Llama-8B's k and v)
-still launches ~1,000 SIMD groups to draw the GPU's bandwidth. Untuned: the thresholds are reasoned, not timed."""
+still launches ~1,000 SIMD groups to draw the GPU's bandwidth. From 4 rows, narrow products also split K across a
+thread group's SIMD groups (k_split), which run 65 (H100) timed at 0.93x cuBLASLt's device time at 4 and 5 rows
+against 0.88-0.90x unsplit."""
 
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from pagedmlx.kernels.sources import skinny_gemm_mma_cuda as mma_src
 MIN_ROWS, MAX_ROWS = 2, 8  # x's rows a launch takes (one row: MLX's own gemv, no cuBLASLt; mma's B: 8 columns)
 WARPS = 4  # SIMD groups a thread group, lanes' kernel
 SPLIT_WARPS = 8192  # SIMD groups a narrow product is split up to (k_split): ~62 an SM on an H100's 132
+SPLIT_MIN_ROWS = 4  # fewer rows: K unsplit (run 65: at 2 rows the split kernel was the slower, 0.88x against 1.05x)
 SPLIT_FIXED = int(os.environ.get("PAGEDMLX_SKINNY_SPLIT", "0"))  # 1, 2 or 4 for every product (A/Bs); 0: k_split
 # tensor cores: warps splitting K a 16-column tile; 32-wide chunks a warp loads at once (environment: A/Bs)
 MMA_WARPS = int(os.environ.get("PAGEDMLX_SKINNY_WARPS", "8"))
@@ -76,13 +79,16 @@ def rows_per_warp(n: int) -> int:
     return 4 if n >= 8192 else 2 if n >= 4096 else 1
 
 
-def k_split(n: int, k: int, dtype: mx.Dtype) -> int:
-    """SIMD groups of a thread group sharing its columns, each every SPLIT-th step of K (1, 2 or WARPS): a narrow
-    product gets at least SPLIT_WARPS SIMD groups in all, as long as each still takes 4 steps of K. Run 60 (H100):
-    the unsplit kernel drew 2,000-2,200 GB/s at 2-5 rows against cuBLASLt's 2,300-2,500, and Llama-8B's o and down
-    products (4,096 columns) launch only 2,048 SIMD groups (15 an SM). PAGEDMLX_SKINNY_SPLIT fixes it (A/Bs)."""
+def k_split(n: int, k: int, dtype: mx.Dtype, rows: int) -> int:
+    """SIMD groups of a thread group sharing its columns, each every SPLIT-th step of K (1, 2 or WARPS): from
+    SPLIT_MIN_ROWS rows, a narrow product gets at least SPLIT_WARPS SIMD groups in all, as long as each still takes 4
+    steps of K. Llama-8B's o and down products (4,096 columns) launch only 2,048 SIMD groups unsplit (15 an SM).
+    Run 65 (H100, study_skinny.py, 32 layers' products against cuBLASLt's device time): unsplit 1.05x / 0.90x /
+    0.88x at 2 / 4 / 5 rows, split so 0.88x / 0.93x / 0.93x. PAGEDMLX_SKINNY_SPLIT fixes it (A/Bs)."""
     if SPLIT_FIXED:
         return SPLIT_FIXED
+    if rows < SPLIT_MIN_ROWS:
+        return 1
     warps, steps, split = -(-n // rows_per_warp(n)), k // (32 * 16 // dtype.size), 1
     while split < WARPS and warps * split < SPLIT_WARPS and steps >= 4 * split * 2:
         split *= 2
@@ -114,7 +120,7 @@ def skinny_gemm(x: mx.array, w: mx.array, backend: Optional[str] = None, *, mma:
             grid=(-(-n // 16) * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1), output_shapes=[(rows, n)],
             output_dtypes=[w.dtype])[0]
         return y.reshape(*lead, n)
-    per_warp, split = rows_per_warp(n), split or k_split(n, k, w.dtype)
+    per_warp, split = rows_per_warp(n), split or k_split(n, k, w.dtype, rows)
     groups = -(-n // (per_warp * WARPS // split))
     y = _kernel(backend)(
         inputs=[x.reshape(rows, k).astype(w.dtype), w], template=[("T", w.dtype), ("M", rows), ("K", k),

@@ -71,7 +71,8 @@ def use_skinny_gemm(setting: Optional[bool], model: nn.Module, kernels_enabled: 
         shapes = {}  # a kernel per width K, columns a SIMD group and split of K; the smallest N of each checks it
         for m in linears:
             n, k = m.weight.shape
-            key = (k, skinny_gemm.rows_per_warp(n), skinny_gemm.k_split(n, k, m.weight.dtype))
+            splits = tuple(skinny_gemm.k_split(n, k, m.weight.dtype, rows) for rows in rows_taken())
+            key = (k, skinny_gemm.rows_per_warp(n), splits)
             shapes[key] = min(n, shapes.get(key, n))
         why = skinny_gemm.check_skinny_gemm(backend, tuple((n, k) for (k, *_), n in sorted(shapes.items())),
                                             dtypes.pop(), rows_checked=rows_taken())
