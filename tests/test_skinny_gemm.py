@@ -157,7 +157,7 @@ def test_busy_engine_with_skinny_products_equals_mlx_lm_alone(emulated, monkeypa
 def test_on_by_default_on_cuda_only(emulated, monkeypatch, caplog):
     """EngineConfig.skinny_gemm None: swapped on CUDA (its check passing, in the emulator), silently not on Metal, with
     kernels off, or for a model whose weights it does not take; asked for explicitly, Metal swaps too."""
-    model = make_model("llama", seed=23)
+    model = make_model("llama-small", seed=23)  # widths of 256 and 512: whole steps of the kernel's float32 SIMD group
     monkeypatch.setattr(build, "gpu_backend", lambda: METAL)
     assert not skinny_linear.use_skinny_gemm(None, model, True) and "skinny_gemm" not in caplog.text
     monkeypatch.setattr(build, "gpu_backend", lambda: CUDA)
@@ -165,11 +165,33 @@ def test_on_by_default_on_cuda_only(emulated, monkeypatch, caplog):
     assert skinny_linear.use_skinny_gemm(None, model, True)
     assert all(type(m) is skinny_linear.SkinnyLinear for m in skinny_linear._linears(model))
     skinny_linear.drop_skinny_gemm(model)
-    half = make_model("llama", seed=25)
+    half = make_model("llama-small", seed=25)
     half.set_dtype(mx.float16)  # the lanes' kernel takes bfloat16 and float32
+    narrow = make_model("llama", seed=26)  # llama-tiny: widths of 64 and 128, in bfloat16 no whole step (256 values)
+    narrow.set_dtype(mx.bfloat16)
     with caplog.at_level("WARNING", logger="pagedmlx"):
         assert not skinny_linear.use_skinny_gemm(None, half, True) and "skinny_gemm" not in caplog.text
+        assert not skinny_linear.use_skinny_gemm(None, narrow, True) and "skinny_gemm" not in caplog.text
         assert not skinny_linear.use_skinny_gemm(True, half, True) and "weights in ['mlx.core.float16']" in caplog.text
+        assert not skinny_linear.use_skinny_gemm(True, narrow, True) and "of a width the kernel takes" in caplog.text
+    assert not any(type(m) is skinny_linear.SkinnyLinear for m in skinny_linear._linears(narrow))
+
+
+@needs_compiler
+def test_only_layers_of_widths_the_kernel_takes_are_swapped(emulated, monkeypatch):
+    """A model with some widths the kernel does not take (SmolLM2's 576) swaps the others only, and checks only
+    theirs."""
+    model = make_model("llama-small", seed=27)
+    monkeypatch.setattr(build, "gpu_backend", lambda: CUDA)
+    real, checked = skinny_gemm.supports, []
+    monkeypatch.setattr(skinny_gemm, "supports", lambda rows, w, b=None: w.shape[1] != 512 and real(rows, w, b))
+    monkeypatch.setattr(skinny_gemm, "check_skinny_gemm", lambda b, shapes, dt, rows_checked: checked.extend(shapes))
+    assert skinny_linear.use_skinny_gemm(None, model, True)
+    swapped = [m.weight.shape[1] for m in skinny_linear._linears(model) if type(m) is skinny_linear.SkinnyLinear]
+    kept = [m.weight.shape[1] for m in skinny_linear._linears(model) if type(m) is nn.Linear]
+    assert swapped and set(swapped) == {256} and kept and set(kept) == {512}
+    assert checked and {k for _, k in checked} == {256}
+    skinny_linear.drop_skinny_gemm(model)
 
 
 def test_a_kernel_that_does_not_build_is_a_reason_not_a_crash():
@@ -184,7 +206,7 @@ def test_the_load_time_check_builds_only_the_row_counts_the_engine_gives(monkeyp
     monkeypatch.setattr(build, "gpu_backend", lambda: CUDA)
     monkeypatch.setattr(skinny_gemm, "check_skinny_gemm", lambda b, shapes, dt, rows_checked: checked.append(
         list(rows_checked)) or "stop here")
-    assert not skinny_linear.use_skinny_gemm(True, make_model("llama", seed=24), True)
+    assert not skinny_linear.use_skinny_gemm(True, make_model("llama-small", seed=24), True)
     assert checked == [list(range(2, skinny_linear.MAX_ROWS + 1))] == [[2, 3, 4, 5]]
 
 

@@ -52,24 +52,26 @@ def _linears(model: nn.Module) -> list[nn.Linear]:
 
 def use_skinny_gemm(setting: Optional[bool], model: nn.Module, kernels_enabled: bool) -> bool:
     """EngineConfig.skinny_gemm at load (None: on CUDA): swap the model's plain linear layers where the kernel runs
-    (a GPU backend whose kernels are on) and passes its check at their widths and dtype. Warns why not, except
-    by default for a model it cannot take (quantized layers, other dtypes), which keeps MLX's matmul quietly."""
+    (a GPU backend whose kernels are on), those of widths it takes, if it passes its check at their widths and
+    dtype. Warns why not, except by default for a model it cannot take (quantized layers, other dtypes or widths),
+    which keeps MLX's matmul quietly."""
     backend = build.gpu_backend()
     if not (setting or (setting is None and backend == CUDA and kernels_enabled)):
         return False
     linears = _linears(model)
     dtypes = {m.weight.dtype for m in linears}
     takes = skinny_gemm.kernel_dtypes(backend)
+    taken = [m for m in linears if skinny_gemm.supports(skinny_gemm.MIN_ROWS, m.weight, backend)]  # widths it takes
     why = ("it needs a GPU backend's kernels" if backend is None or not kernels_enabled
-           else "the model has no plain linear layers" if not linears
            else f"weights in {sorted(map(str, dtypes))}: the kernels take {sorted(map(str, takes))}"
-           if len(dtypes) != 1 or not dtypes <= takes else None)
+           if len(dtypes) > 1 or not dtypes <= takes
+           else "the model has no plain linear layers of a width the kernel takes" if not taken else None)
     if why is not None and setting is None:  # by default a model it cannot take keeps MLX's matmul quietly
         logger.info("few-row products left to MLX's matmul (skinny_gemm): %s", why)
         return False
     if why is None:
         shapes = {}  # a kernel per width K, columns a SIMD group and split of K; the smallest N of each checks it
-        for m in linears:
+        for m in taken:
             n, k = m.weight.shape
             splits = tuple(skinny_gemm.k_split(n, k, m.weight.dtype, rows) for rows in rows_taken())
             key = (k, skinny_gemm.rows_per_warp(n), splits)
@@ -79,10 +81,10 @@ def use_skinny_gemm(setting: Optional[bool], model: nn.Module, kernels_enabled: 
     if why is not None:
         logger.warning("few-row products left to MLX's matmul (skinny_gemm): %s", why)
         return False
-    for m in linears:
+    for m in taken:
         m.__class__, m._pagedmlx_backend = SkinnyLinear, backend
-    logger.info("%d linear layers take the skinny GEMM kernel for %d-%d rows (runner/skinny_linear.py)", len(linears),
-                rows_taken()[0], rows_taken()[-1])
+    logger.info("%d of %d linear layers take the skinny GEMM kernel for %d-%d rows (runner/skinny_linear.py)",
+                len(taken), len(linears), rows_taken()[0], rows_taken()[-1])
     return True
 
 
