@@ -85,6 +85,9 @@ def attention_cases():
                     for n in (1024, 4096, 8192, 28672, 32768):
                         RecordingCudaKernel.label = f"skinny_gemm {dt} M={rows} K={k} N={n}"
                         skinny_gemm.skinny_gemm(mx.zeros((rows, k), dt), mx.zeros((n, k), dt), "cuda", mma=False)
+            for n, k in ((1536, 576), (576, 1536)):  # SmolLM2's widths: 576 is no whole number of 256-value steps
+                RecordingCudaKernel.label = f"skinny_gemm {dt} M=5 K={k} N={n}"
+                skinny_gemm.skinny_gemm(mx.zeros((5, k), dt), mx.zeros((n, k), dt), "cuda", mma=False)
         if dt in skinny_gemm.MMA_DTYPES:
             for rows, k, n, warps, unroll in ((2, 4096, 6144, 8, 2), (5, 14336, 4096, 8, 2), (8, 4096, 1000, 8, 2),
                                               (8, 4096, 4096, 4, 4), (3, 4096, 4096, 16, 1)):

@@ -47,14 +47,16 @@ def test_the_tensor_core_source_renders_for_cuda():
 
 
 def test_supported_shapes():
-    """2-8 rows (one row is MLX's own gemv), float32 or bfloat16 weights, K a whole number of a SIMD group's
-    16-byte steps."""
+    """2-8 rows (one row is MLX's own gemv), float32 or bfloat16 weights, K a whole number of a lane's 16-byte
+    loads (SmolLM2's 576 too: the last step of K has fewer lanes)."""
     w = mx.zeros((16, 256), mx.bfloat16)
     assert skinny_gemm.supports(2, w) and skinny_gemm.supports(8, w)
     assert not skinny_gemm.supports(9, w) and not skinny_gemm.supports(1, w)
     assert not skinny_gemm.supports(2, w.astype(mx.float16))
-    assert not skinny_gemm.supports(2, mx.zeros((16, 192), mx.bfloat16))  # 192 bf16: not whole 256-value steps
-    assert skinny_gemm.supports(2, mx.zeros((16, 128), mx.float32))
+    assert skinny_gemm.supports(2, mx.zeros((16, 576), mx.bfloat16))
+    assert not skinny_gemm.supports(2, mx.zeros((16, 196), mx.bfloat16))  # 196 bf16: not whole 8-value loads
+    assert skinny_gemm.supports(2, mx.zeros((16, 132), mx.float32))
+    assert not skinny_gemm.supports(2, mx.zeros((16, 130), mx.float32))
 
 
 def test_tensor_cores_are_opt_in_on_cuda_and_take_16_bit_weights(monkeypatch):
@@ -81,7 +83,7 @@ def test_emulated_kernel_passes_its_check(emulated, monkeypatch, backend, dtype,
     last group's guard is exercised."""
     monkeypatch.setattr(skinny_gemm, "rows_per_warp", lambda n: per_warp)
     monkeypatch.setattr(skinny_gemm, "k_split", lambda n, k, dt, rows: split)
-    assert skinny_gemm.check_skinny_gemm(backend, ((44, 1024),), dtype, rows_checked=(2, 3, 8)) is None
+    assert skinny_gemm.check_skinny_gemm(backend, ((44, 1024), (44, 576)), dtype, rows_checked=(2, 3, 8)) is None
 
 
 def test_narrow_products_spread_over_more_simd_groups():
@@ -167,8 +169,8 @@ def test_on_by_default_on_cuda_only(emulated, monkeypatch, caplog):
     skinny_linear.drop_skinny_gemm(model)
     half = make_model("llama-small", seed=25)
     half.set_dtype(mx.float16)  # the lanes' kernel takes bfloat16 and float32
-    narrow = make_model("llama", seed=26)  # llama-tiny: widths of 64 and 128, in bfloat16 no whole step (256 values)
-    narrow.set_dtype(mx.bfloat16)
+    narrow = make_model("llama-small", seed=26)
+    monkeypatch.setattr(skinny_gemm, "supports", lambda rows, w, b=None: False)  # as for widths of no whole loads
     with caplog.at_level("WARNING", logger="pagedmlx"):
         assert not skinny_linear.use_skinny_gemm(None, half, True) and "skinny_gemm" not in caplog.text
         assert not skinny_linear.use_skinny_gemm(None, narrow, True) and "skinny_gemm" not in caplog.text

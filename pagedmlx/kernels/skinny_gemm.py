@@ -97,12 +97,12 @@ def k_split(n: int, k: int, dtype: mx.Dtype, rows: int) -> int:
 
 def supports(rows: int, weight: mx.array, backend: Optional[str] = None) -> bool:
     """A kernel takes x of `rows` rows against this (N, K) weight on `backend`: 2-8 rows; tensor cores
-    (uses_tensor_cores), or the lanes' kernel for float32 or bfloat16 with K a whole number of a SIMD group's
-    16-byte steps."""
+    (uses_tensor_cores), or the lanes' kernel for float32 or bfloat16 with K a whole number of a lane's 16-byte
+    loads (a last step of K that not every lane takes is guarded)."""
     if not (MIN_ROWS <= rows <= MAX_ROWS and weight.ndim == 2):
         return False
     return uses_tensor_cores(backend, weight) or (weight.dtype in DTYPES
-                                                  and weight.shape[1] % (32 * 16 // weight.dtype.size) == 0)
+                                                  and weight.shape[1] % (16 // weight.dtype.size) == 0)
 
 
 def skinny_gemm(x: mx.array, w: mx.array, backend: Optional[str] = None, *, mma: Optional[bool] = None,
