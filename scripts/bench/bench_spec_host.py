@@ -15,6 +15,7 @@ Figures: median over interleaved runs of each run's CPU µs per output token; a 
 
   python scripts/bench/bench_spec_host.py                      # llama-8b layers, draft layers:4, k 4
   python scripts/bench/bench_spec_host.py --profile 30          # + cProfile of our rounds
+  PROFILE_SORT=cumulative python scripts/bench/bench_spec_host.py --profile 45   # the profile by cumulative time
   python scripts/bench/bench_spec_host.py --phases              # + our rounds' host time by phase (spec_phases.py)
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import statistics
 import sys
@@ -145,7 +147,7 @@ def main() -> None:
     if args.profile:
         prof = cProfile.Profile()
         engine_us(engine, prompt, args.gen_len, prof)
-        pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
+        pstats.Stats(prof).sort_stats(os.environ.get("PROFILE_SORT", "tottime")).print_stats(args.profile)
 
 
 if __name__ == "__main__":
