@@ -5,7 +5,7 @@ saved: decode 0.72x at 8 requests).
 One case is a decode step's products over --layers distinct layers (weights that do not fit in L2 together): per
 layer q/k/v merged (6,144 x 4,096), o (4,096 x 4,096), gate/up merged (28,672 x 4,096) and down (4,096 x 14,336),
 computed by MLX's matmul (cuBLASLt from 2 rows; gemv at 1), the lanes' kernel (K unsplit, split 2 ways, or as
-k_split picks per product: Llama-8B's q/k/v, o and down 4 ways, gate/up 2), or the tensor-core kernel at a
+k_split picks per product: from 4 rows Llama-8B's q/k/v, o and down 4 ways, gate/up 2; unsplit below), or the tensor-core kernel at a
 (warps, unroll) launch. Timed with the device drained before each run: ms inside mx.async_eval (host), ms until
 done, and the weights' bytes over the time until done. Each kernel is first held to MLX's matmul (max relative
 difference, the load-time check's measure).
