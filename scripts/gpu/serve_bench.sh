@@ -4,8 +4,8 @@
 #   STAGE=offline: build the model folder, then `pagedmlx bench throughput` at batch 64 and 256;
 #   STAGE=serve:   `pagedmlx serve` (engine core in its own process, then in a thread) under
 #                  `pagedmlx bench serve` at 64 and 256 clients, then mlx_lm.server at 64.
-# Staging: ../shared/gpu/README.md; call one also parks SmolLM2's tokenizer:
-#   bash .gpu/a/recv.sh && cp -r .gpu/a/tok /root/gpu-parts/    (after export_mlx_model.py --tokenizer-only default .gpu/a/tok)
+# Staging: scripts/gpu/stage.sh (then source scripts/gpu/env.sh in call two); call one also parks SmolLM2's tokenizer:
+#   bash .gpu/a/recv.sh && bash scripts/gpu/park_extra.sh && cp -r .gpu/a/tok /root/gpu-parts/    (after export_mlx_model.py --tokenizer-only default .gpu/a/tok)
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
