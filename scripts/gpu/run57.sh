@@ -115,6 +115,11 @@ case "${PART:-all}" in
     PAIR="${PAIR% --phases}"  # the phases' extra pass is not part of the ratio and costs a minute
     TAIL=9 run draft_r7 320 $PAIR
     TAIL=9 run draft_r7_off 240 $PAIR --no-skinny-gemm;;
+  startup)  # twenty-sixth session: the skinny GEMM's load-time check drew its inputs with numpy (Llama-8B: ~27 s on
+            # the 2-core CPU); now on the device. The check timed alone, then start-up with the kernel and without
+    TAIL=8 run skinny_check 150 python3 scripts/bench/study_skinny_check.py
+    TAIL=6 run startup_on 150 $SMALL --batch-sizes 2
+    TAIL=6 run startup_off 130 $SMALL --batch-sizes 2 --no-skinny-gemm;;
   ab8)  # run 63 put the spread between processes of one command (8 requests: 695-944 tok/s with the kernel, which
         # 8-row steps do not take) above the effect sought: processes with and without the kernel taking turns
     TAIL=16 run ab_skinny 560 python3 scripts/bench/ab_processes.py --runs 3 --timeout 170 --b=--skinny-gemm -- $SMALL248;;
