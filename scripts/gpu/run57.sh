@@ -120,6 +120,10 @@ case "${PART:-all}" in
     TAIL=8 run skinny_check 150 python3 scripts/bench/study_skinny_check.py
     TAIL=6 run startup_on 150 $SMALL --batch-sizes 2
     TAIL=6 run startup_off 130 $SMALL --batch-sizes 2 --no-skinny-gemm;;
+  profile_startup)  # run 67: start-up 59-82 s with the kernel against 13 s without, its check alone 0.03 s warm:
+                    # where the rest goes (cProfile of LLMEngine's construction, start-up lines timestamped)
+    TAIL=60 run startup_profile_on 200 python3 scripts/bench/profile_startup.py --top 45
+    TAIL=30 run startup_profile_off 120 python3 scripts/bench/profile_startup.py --no-skinny-gemm --top 20;;
   ab8)  # run 63 put the spread between processes of one command (8 requests: 695-944 tok/s with the kernel, which
         # 8-row steps do not take) above the effect sought: processes with and without the kernel taking turns
     TAIL=16 run ab_skinny 560 python3 scripts/bench/ab_processes.py --runs 3 --timeout 170 --b=--skinny-gemm -- $SMALL248;;
