@@ -124,6 +124,13 @@ case "${PART:-all}" in
                     # where the rest goes (cProfile of LLMEngine's construction, start-up lines timestamped)
     TAIL=60 run startup_profile_on 200 python3 scripts/bench/profile_startup.py --top 45
     TAIL=30 run startup_profile_off 120 python3 scripts/bench/profile_startup.py --no-skinny-gemm --top 20;;
+  ptxcache)  # run 68: custom kernels rebuilt in every process (the skinny check ~30 s)? Two processes of the check with
+             # MLX's PTX cache directory set, and what the directories hold
+    ls /tmp/mlx/*/ptx 2>/dev/null | sed 's/_[0-9a-f]*\.\(ptx\|txt\|cu\)$//' | sort | uniq -c | head -20
+    export MLX_PTX_CACHE_DIR=/tmp/ptx-pagedmlx && mkdir -p $MLX_PTX_CACHE_DIR
+    TAIL=8 run skinny_check_1 120 python3 scripts/bench/study_skinny_check.py
+    TAIL=8 run skinny_check_2 120 python3 scripts/bench/study_skinny_check.py
+    ls -la $MLX_PTX_CACHE_DIR | head -40;;
   ab8)  # run 63 put the spread between processes of one command (8 requests: 695-944 tok/s with the kernel, which
         # 8-row steps do not take) above the effect sought: processes with and without the kernel taking turns
     TAIL=16 run ab_skinny 560 python3 scripts/bench/ab_processes.py --runs 3 --timeout 170 --b=--skinny-gemm -- $SMALL248;;
