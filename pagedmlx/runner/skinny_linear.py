@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import ContextManager, Optional
+from typing import ContextManager, Iterable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -50,6 +50,17 @@ def _linears(model: nn.Module) -> list[nn.Linear]:
     return [m for m in mods if type(m) in (nn.Linear, SkinnyLinear)]
 
 
+def checked_shapes(products: Iterable[tuple[int, int]], dtype: mx.Dtype) -> tuple[tuple[int, int], ...]:
+    """The (N, K) products the load-time check runs: one per kernel the model's products build (width K, columns a
+    SIMD group, split of K at each row count taken), the smallest N of each."""
+    shapes = {}
+    for n, k in products:
+        splits = tuple(skinny_gemm.k_split(n, k, dtype, rows) for rows in rows_taken())
+        key = (k, skinny_gemm.rows_per_warp(n), splits)
+        shapes[key] = min(n, shapes.get(key, n))
+    return tuple((n, k) for (k, *_), n in sorted(shapes.items()))
+
+
 def use_skinny_gemm(setting: Optional[bool], model: nn.Module, kernels_enabled: bool) -> bool:
     """EngineConfig.skinny_gemm at load (None: on CUDA): swap the model's plain linear layers where the kernel runs
     (a GPU backend whose kernels are on), those of widths it takes, if it passes its check at their widths and
@@ -70,14 +81,9 @@ def use_skinny_gemm(setting: Optional[bool], model: nn.Module, kernels_enabled: 
         logger.info("few-row products left to MLX's matmul (skinny_gemm): %s", why)
         return False
     if why is None:
-        shapes = {}  # a kernel per width K, columns a SIMD group and split of K; the smallest N of each checks it
-        for m in taken:
-            n, k = m.weight.shape
-            splits = tuple(skinny_gemm.k_split(n, k, m.weight.dtype, rows) for rows in rows_taken())
-            key = (k, skinny_gemm.rows_per_warp(n), splits)
-            shapes[key] = min(n, shapes.get(key, n))
-        why = skinny_gemm.check_skinny_gemm(backend, tuple((n, k) for (k, *_), n in sorted(shapes.items())),
-                                            dtypes.pop(), rows_checked=rows_taken())
+        dtype = dtypes.pop()
+        why = skinny_gemm.check_skinny_gemm(backend, checked_shapes([m.weight.shape for m in taken], dtype), dtype,
+                                            rows_checked=rows_taken())
     if why is not None:
         logger.warning("few-row products left to MLX's matmul (skinny_gemm): %s", why)
         return False

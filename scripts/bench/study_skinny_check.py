@@ -1,7 +1,7 @@
 """Study: what the skinny GEMM's load-time check costs at start-up, at Llama-8B's widths (run 64: engine start-up
 33 s with the kernel against 10 s without). The check's inputs used to be drawn by numpy on the host (its
 128,256-row head alone is 525 M normals); they are now drawn on the device. This times the numpy draw the check
-used to make, then `check_skinny_gemm` as the engine calls it (shapes keyed as `use_skinny_gemm` keys them), twice:
+used to make, then `check_skinny_gemm` as the engine calls it (the shapes `checked_shapes` gives, as at load), twice:
 cold (kernels built, or read from MLX's PTX cache) and warm.
 
     python scripts/bench/study_skinny_check.py            # GPU
@@ -19,19 +19,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pagedmlx.kernels import build, skinny_gemm  # noqa: E402
-from pagedmlx.runner.skinny_linear import rows_taken  # noqa: E402
+from pagedmlx.runner.skinny_linear import checked_shapes, rows_taken  # noqa: E402
 
 # Llama-8B's products with q/k/v and gate/up merged (the GPU default): (N, K)
 LLAMA_8B = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096))
-
-
-def checked_shapes(products, dtype) -> tuple[tuple[int, int], ...]:
-    shapes = {}
-    for n, k in products:
-        splits = tuple(skinny_gemm.k_split(n, k, dtype, rows) for rows in rows_taken())
-        key = (k, skinny_gemm.rows_per_warp(n), splits)
-        shapes[key] = min(n, shapes.get(key, n))
-    return tuple((n, k) for (k, *_), n in sorted(shapes.items()))
 
 
 def main() -> None:
