@@ -70,7 +70,8 @@ class EngineConfig:
     # rows (PAGEDMLX_SKINNY_MAX_ROWS). None: on CUDA, off elsewhere (Metal's matmul has no such host cost). On an
     # H100, processes with and without it taking turns (run 64, scripts/bench/ab_processes.py) decoded 2 / 4 / 8
     # requests 1.15x / 1.43x / 1.36x faster with it (8-row steps run MLX's matmul either way: the runs 59-63 "loss"
-    # at 8 was the spread between processes). It adds ~23 s of kernel builds and checks to start-up.
+    # at 8 was the spread between processes). Its load-time check adds 22-30 s of kernel builds to each start for
+    # Llama-8B: MLX 0.32.4 keeps no custom kernel on disk (runs 67-69, docs/benchmarks.md).
     skinny_gemm: Optional[bool] = None
     # "auto": sampling defaults from the model's generation_config.json (as vLLM); "vllm": vLLM's own.
     generation_config: str = "auto"
