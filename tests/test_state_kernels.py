@@ -7,7 +7,6 @@ Each check runs twice where it can: on the CPU, the CUDA source run by the kerne
 (tests/kernel_emulator, g++) on small shapes; on a CUDA GPU (skipped elsewhere), the real kernels on
 Qwen3.5-27B's and 35B-A3B's head shapes (16 key heads, 48 or 32 value heads, 128 x 128) and odd ones,
 the state write also while another reference to the pool is alive and read back by a later graph.
-scripts/bench/bench_state_kernels.py times the kernel against mlx-lm's loop.
 """
 
 from __future__ import annotations

@@ -10,12 +10,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 # setting bench_attention sweeps (QUICK: not those), the prefill kernel, the recurrent-state kernels.
 python3 -m pytest -q -rf -p no:cacheprovider tests/test_gpu_kernels.py tests/test_prefill_kernel.py \
   tests/test_state_kernels.py ${QUICK:+-k "not every_setting"} 2>&1 | tee "$OUT/kernel_check.txt"
-python3 scripts/bench/bench_state_kernels.py 2>&1 | tee "$OUT/state_kernels.txt"
 python3 scripts/bench/bench_offline.py --preset llama-8b --dtype bfloat16 --batch-sizes $BATCHES --roofline --ab-async \
   --json "$OUT/offline.json" 2>&1 | tee "$OUT/offline.txt"
 if [ -z "${QUICK:-}" ]; then
   python3 scripts/bench/bench_attention.py 2>&1 | tee "$OUT/attention.txt"
-  python3 scripts/bench/bench_matmul.py 2>&1 | tee "$OUT/matmul.txt"
 fi
 # The engine's busy-equals-solo tests on the GPU: the kernels, in-place page writes, overlapped
 # steps. Full float32 (no TF32): mlx-lm's solo pass and a busy batch multiply with different M,
