@@ -11,14 +11,14 @@ from typing import Callable, Optional, Sequence
 from pagedmlx.bench.cli import add_bench_parser, run_bench
 from pagedmlx.platform import backend_name
 from pagedmlx.doctor import add_doctor_parser, run_doctor
-from pagedmlx.engine_args import add_engine_args, engine_config, model_arg, positive  # noqa: F401 - model_arg for callers
+from pagedmlx.engine.arg_utils import add_engine_args, engine_config, model_arg, positive  # noqa: F401 - model_arg for callers
 from pagedmlx.server.launch import add_serve_parser, run_serve
 
 
 def build_engine(config):
-    from pagedmlx.engine import LLMEngine
+    from pagedmlx.engine.llm_engine import LLMEngine
 
-    return LLMEngine.from_config(config)  # imports pagedmlx.loader only now
+    return LLMEngine.from_config(config)  # imports pagedmlx.loaders.loader only now
 
 
 def load_engine(config, command: str):
@@ -58,7 +58,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from pagedmlx.core.info import defaults_line
+    from pagedmlx.engine.core_info import defaults_line
 
     console = Console(stderr=True)
     engine = load_engine(engine_config(args), "generate")

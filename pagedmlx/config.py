@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from pagedmlx.kv_cache_dtype import GROUP_SIZES, normalize_kv_cache_dtype
+from pagedmlx.core.kv.cache_dtype import GROUP_SIZES, normalize_kv_cache_dtype
 from pagedmlx.spec_decode.config import SpeculativeConfig
 
 __all__ = ["EngineConfig", "SpeculativeConfig"]
@@ -55,17 +55,17 @@ class EngineConfig:
     # True: every step at once.
     compile_decode: Optional[bool] = None
     # The projections a layer applies to one input (q/k/v, gate/up, ...) as one product over their
-    # concatenated weights (runner/merged_linear.py: vLLM's merged layers; gate/up and Gated DeltaNet's inputs
+    # concatenated weights (layers/merged_linear.py: vLLM's merged layers; gate/up and Gated DeltaNet's inputs
     # on every step, the others on single-row steps). None: on GPU backends, where a small step is bound by kernel dispatch (on the
     # CPU, BLAS picks kernels by shape, so merged products may differ from mlx-lm's in the last bit). LoRA
     # adapters add their rows to a merged module's part (the LoRA kernel reads it in place).
     merge_projections: Optional[bool] = None
-    # Residual adds fused with the RMSNorm after them (runner/fused_residual.py, kernels/add_rms_norm.py): two
+    # Residual adds fused with the RMSNorm after them (layers/fused_residual.py, kernels/add_rms_norm.py): two
     # launches a layer fewer, where the kernel runs (a GPU backend) and passes its load-time check and the model
     # its probe. Off by default: on an H100 it made Llama-8B's batch-1 decode slower (0.87x, docs/benchmarks.md).
     fuse_norms: bool = False
     # Products of plain linear layers over 2-8 rows (speculative verifying steps, decodes of a few requests) as one
-    # kernel of ours (runner/skinny_linear.py, kernels/skinny_gemm.py) instead of MLX's matmul, which on CUDA
+    # kernel of ours (layers/skinny_linear.py, kernels/skinny_gemm.py) instead of MLX's matmul, which on CUDA
     # runs 2+ rows through cuBLASLt at ~25 µs of host time a call against the kernel's ~5.6 (run 59, H100); up to 5
     # rows (PAGEDMLX_SKINNY_MAX_ROWS). None: on CUDA, off elsewhere (Metal's matmul has no such host cost). On an
     # H100, processes with and without it taking turns (run 64, scripts/bench/ab_processes.py) decoded 2 / 4 / 8

@@ -82,7 +82,7 @@ def _quantized_checks(backend: str, h: int, kv: int, d: int, block_size: int):
     import mlx.core as mx
 
     from pagedmlx.kernels import check
-    from pagedmlx.kv_cache_dtype import layer_quant
+    from pagedmlx.core.kv.cache_dtype import layer_quant
 
     for dtype in ("int8", "int4"):
         q = layer_quant(dtype, None, d, d)
@@ -110,7 +110,7 @@ def kernel_paths_table(name, args: argparse.Namespace, dtype):
         model.set_dtype(dtype)
         title = f"random {MODEL['num_hidden_layers']}-layer llama, {args.dtype}"
     else:
-        from pagedmlx.loader import load_model
+        from pagedmlx.loaders.loader import load_model
 
         try:
             model, title = load_model(name, dtype=args.dtype)[0], name
@@ -161,7 +161,7 @@ def _paged_step_ms(model, batch: int, args: argparse.Namespace, kernels: bool) -
     from pagedmlx.config import EngineConfig
     from pagedmlx.kernels.selector import KernelPlan
     from pagedmlx.runner.model import ModelRunner
-    from pagedmlx.scheduler_output import decode_only_output
+    from pagedmlx.core.sched.output import decode_only_output
 
     bs, ctx = args.block_size, args.context
     per_seq = -(-ctx // bs)

@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence, Union
 import mlx.nn as nn
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.engine import LLMEngine
+from pagedmlx.engine.llm_engine import LLMEngine
 from pagedmlx.lora.request import LoRARequest
 from pagedmlx.outputs import EngineOutput, RequestOutput, RequestOutputBuilder
 from pagedmlx.request import fan_out
@@ -151,7 +151,7 @@ def _bad(value: Any):
 
 def _tp_engine(model: Any, tokenizer: Any, size: int, timeout: float, config: dict) -> LLMEngine:
     """Rank 0's engine over a tensor-parallel group; the other ranks never return from here."""
-    from pagedmlx.loader import load_model
+    from pagedmlx.loaders.loader import load_model
     from pagedmlx.tp.engine import build_engine, run_worker, unsupported
     from pagedmlx.tp.group import join_group
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from pagedmlx.sampling_params import MAX_SEED, SamplingParams
 
 if TYPE_CHECKING:
-    from pagedmlx.kv.block_hash import BlockHash
+    from pagedmlx.core.kv.block_hash import BlockHash
     from pagedmlx.lora.request import LoRARequest
 
 class RequestStatus(enum.IntEnum):

@@ -27,7 +27,7 @@ from mlx.utils import tree_flatten
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pagedmlx.bench.presets import PRESET_PREFIX, preset_model  # noqa: E402
-from pagedmlx.loader import load_model  # noqa: E402
+from pagedmlx.loaders.loader import load_model  # noqa: E402
 
 
 def main() -> None:

@@ -14,6 +14,6 @@ def arch(request):
 @pytest.fixture(scope="session")
 def smollm():
     """The real default model, SmolLM2-135M-Instruct (float32 on the CPU), fetched once and cached."""
-    from pagedmlx.loader import load_model
+    from pagedmlx.loaders.loader import load_model
 
     return load_model(None)

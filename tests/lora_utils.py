@@ -13,7 +13,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from utils import solo_greedy
 
-from pagedmlx.models.random_model import random_model
+from pagedmlx.loaders.random_model import random_model
 
 
 def fresh(arch: str = "llama-tiny") -> Callable[[], nn.Module]:

@@ -24,12 +24,12 @@ from typing import Optional, Sequence
 import numpy as np
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.kv.manager import KVCacheManager, cdiv
-from pagedmlx.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
+from pagedmlx.core.kv.manager import KVCacheManager, cdiv
+from pagedmlx.core.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
 from pagedmlx.request import Request, RequestStatus
 from pagedmlx.sampling_params import SamplingParams
-from pagedmlx.scheduler import Scheduler
-from pagedmlx.scheduler_output import SchedulerOutput
+from pagedmlx.core.sched.scheduler import Scheduler
+from pagedmlx.core.sched.output import SchedulerOutput
 
 EOS = 0
 _arrivals = itertools.count(1)

@@ -16,12 +16,12 @@ def install(step_sleep: float) -> None:
 
         return make_model("llama"), make_tokenizer(512)
 
-    loader = types.ModuleType("pagedmlx.loader")
+    loader = types.ModuleType("pagedmlx.loaders.loader")
     loader.load_model = load_model
     loader.generation_defaults = lambda name: {}
-    sys.modules["pagedmlx.loader"] = loader  # no real model: the CLI and the core load through this
-    from pagedmlx.core import proc
-    from pagedmlx.core.engine_core import EngineCore
+    sys.modules["pagedmlx.loaders.loader"] = loader  # no real model: the CLI and the core load through this
+    from pagedmlx.engine import core_proc as proc
+    from pagedmlx.engine.core import EngineCore
 
     step = EngineCore.step
     EngineCore.step = lambda self: (time.sleep(step_sleep), step(self))[1]
@@ -33,6 +33,6 @@ def install(step_sleep: float) -> None:
 def run_engine_core(step_sleep: float, args) -> None:
     """The engine-core process's main, with the hooks installed there too."""
     install(step_sleep)
-    from pagedmlx.core import proc
+    from pagedmlx.engine import core_proc as proc
 
     proc.real_run_engine_core(args)

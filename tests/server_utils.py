@@ -15,9 +15,9 @@ import httpx
 import openai
 from utils import ARCHS, make_model, make_tokenizer
 
-from pagedmlx.async_engine import AsyncEngine
+from pagedmlx.engine.async_engine import AsyncEngine
 from pagedmlx.config import EngineConfig
-from pagedmlx.engine import LLMEngine
+from pagedmlx.engine.llm_engine import LLMEngine
 from pagedmlx.server.api import build_app
 from pagedmlx.server.http_server import make_server
 from pagedmlx.server.serving import ServerLimits

@@ -1,6 +1,6 @@
 """The fused residual add + RMSNorm (kernels/add_rms_norm.py, one source for CUDA and Metal) run on the CPU
 in the kernel emulator: its load-time check passes against MLX's add and mx.fast.rms_norm, and fails kernels
-that are wrong in the ways a kernel goes wrong; layers fused through it (runner/fused_residual.py) give a
+that are wrong in the ways a kernel goes wrong; layers fused through it (layers/fused_residual.py) give a
 busy engine mlx-lm's own tokens, and layers that are not the plain pre-norm pattern are left alone."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from kernel_emulator import EmulatedKernel, have_compiler
 from utils import assert_no_leaks, make_model, run_staggered, shared_prefix_prompts, solo_greedy
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.engine import LLMEngine
+from pagedmlx.engine.llm_engine import LLMEngine
 from pagedmlx.kernels import add_rms_norm, build
 from pagedmlx.kernels.dialect import CUDA, METAL, foreign_names, leftover_tokens
 from pagedmlx.kernels.sources import add_rms_norm as norm_source
-from pagedmlx.runner import fused_residual
+from pagedmlx.layers import fused_residual
 from pagedmlx.runner.kernel_paths import kernel_path_lines
 from pagedmlx.sampling_params import SamplingParams
 

@@ -167,7 +167,7 @@ def test_cli_takes_vllms_flags():
 
 
 def test_generation_config_gives_defaults_and_requests_win(tmp_path):
-    from pagedmlx.loader import generation_defaults
+    from pagedmlx.loaders.loader import generation_defaults
 
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True, "max_new_tokens": 256}))

@@ -9,9 +9,9 @@ import time
 import pytest
 from utils import assert_no_leaks, make_model, solo_greedy
 
-from pagedmlx.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError, TooManyRequestsError
+from pagedmlx.engine.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError, TooManyRequestsError
 from pagedmlx.config import EngineConfig
-from pagedmlx.engine import LLMEngine
+from pagedmlx.engine.llm_engine import LLMEngine
 from pagedmlx.outputs import EngineOutput, RequestOutputBuilder
 from pagedmlx.sampling_params import SamplingParams
 

@@ -10,7 +10,7 @@ import pytest
 from utils import ARCHS, assert_no_leaks, make_model, make_prompts, run_staggered, solo_greedy
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.engine import LLMEngine
+from pagedmlx.engine.llm_engine import LLMEngine
 from pagedmlx.request import RequestStatus
 from pagedmlx.sampling_params import SamplingParams
 
@@ -150,7 +150,7 @@ def test_cached_blocks_hold_their_owners_kv():
     """mlx-lm issue 965: a stored prefix must hold the KV of the prompt that owns it, never another's."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from pagedmlx.kv.block_hash import hash_request_blocks
+    from pagedmlx.core.kv.block_hash import hash_request_blocks
 
     model = make_model("llama")
     rng = random.Random(5)
@@ -305,7 +305,7 @@ def test_a_failed_step_that_leaves_the_pages_unreadable_does_not_stop_the_engine
 
 def test_a_step_that_fails_to_dispatch_fails_only_its_requests(monkeypatch):
     """mx.async_eval itself can raise (MLX encodes the graph there): an error output, no crash."""
-    import pagedmlx.core.engine_core as engine_module
+    import pagedmlx.engine.core as engine_module
 
     engine = LLMEngine(make_model("llama"), None, EngineConfig(block_size=4, num_blocks=64))
     real = engine_module.mx.async_eval

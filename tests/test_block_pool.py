@@ -2,8 +2,8 @@
 
 import pytest
 
-from pagedmlx.kv.block_hash import hash_block_tokens
-from pagedmlx.kv.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from pagedmlx.core.kv.block_hash import hash_block_tokens
+from pagedmlx.core.kv.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 
 
 def free_ids(pool: BlockPool) -> list[int]:

@@ -15,7 +15,7 @@ import pytest
 from utils import make_model, run_staggered, shared_prefix_prompts
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.engine import LLMEngine
+from pagedmlx.engine.llm_engine import LLMEngine
 from pagedmlx.kernels import build, decode_attention, decode_attention_quant, page_write, recurrent_state
 from pagedmlx.kernels.dialect import CUDA
 from pagedmlx.kernels.selector import KernelPlan
@@ -242,9 +242,9 @@ def test_by_default_a_larger_step_is_compiled_once_its_key_is_hot(standins):
 
 @pytest.mark.skipif(ON_CUDA, reason="the stand-ins are for a machine without the kernels")
 def test_compiled_steps_with_merged_projections_equal_built_ones(standins):
-    """Merged q/k/v and gate/up (runner/merged_linear.py, a GPU's default) traced and replayed: a merged
+    """Merged q/k/v and gate/up (layers/merged_linear.py, a GPU's default) traced and replayed: a merged
     module keeps its input's product only while the trace builds, and the replayed steps equal the built."""
-    from pagedmlx.models.random_model import random_model
+    from pagedmlx.loaders.random_model import random_model
 
     prompts = _prompts("auto")
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)

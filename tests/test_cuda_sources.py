@@ -16,7 +16,7 @@ from nvcc_utils import RecordingCudaKernel, compile_sources, have_nvcc
 
 from pagedmlx.kernels import (add_rms_norm, build, decode_attention, decode_attention_quant, lora, page_write,
                               prefill_attention, recurrent_state, skinny_gemm)
-from pagedmlx.kv_cache_dtype import KVQuant
+from pagedmlx.core.kv.cache_dtype import KVQuant
 from pagedmlx.runner.kv_quant import QuantizedPages
 
 pytestmark = pytest.mark.skipif(not have_nvcc(), reason="nvcc compiles the CUDA sources")

@@ -9,7 +9,7 @@ import pytest
 from utils import make_model
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.engine import LLMEngine
+from pagedmlx.engine.llm_engine import LLMEngine
 from pagedmlx.kernels import build, decode_attention
 from pagedmlx.runner import attention_metadata
 from pagedmlx.runner.attention_metadata import StepMetadata
@@ -71,7 +71,7 @@ def test_step_index_tensors_are_views_of_one_upload_and_equal_the_schedule():
     import numpy as np
 
     from pagedmlx.request import Request
-    from pagedmlx.scheduler_output import build_scheduler_output
+    from pagedmlx.core.sched.output import build_scheduler_output
 
     reqs = [Request("d", [5, 6, 7], SamplingParams(max_tokens=4)), Request("p", list(range(1, 12)), SamplingParams())]
     reqs[0].num_computed_tokens = 3
@@ -101,7 +101,7 @@ def test_kernel_path_metadata_carries_slots_and_split_for_the_cuda_kernels():
     import numpy as np
 
     from pagedmlx.request import Request
-    from pagedmlx.scheduler_output import build_scheduler_output
+    from pagedmlx.core.sched.output import build_scheduler_output
 
     long = Request("d", list(range(1, 601)), SamplingParams(max_tokens=4))
     long.num_computed_tokens = 600

@@ -1,4 +1,4 @@
-"""Incremental detokenization (detokenizer.py): streamed one token at a time, the deltas add up to
+"""Incremental detokenization (engine/detokenizer.py): streamed one token at a time, the deltas add up to
 exactly what the tokenizer's `decode` gives for the output ids (special tokens skipped), including a
 character cut by the end and ids the tiny tokenizer's byte-level BPE cannot finish."""
 
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from utils import make_tokenizer
 
-from pagedmlx.detokenizer import IncrementalDetokenizer
+from pagedmlx.engine.detokenizer import IncrementalDetokenizer
 from pagedmlx.sampling_params import SamplingParams
 
 

@@ -1,4 +1,4 @@
-"""The engine core in a process of its own (core/client.py's CoreProcess, what `pagedmlx serve` runs):
+"""The engine core in a process of its own (engine/core_client.py's CoreProcess, what `pagedmlx serve` runs):
 the same tokens as mlx-lm alone, errors and stop strings across the boundary, aborts that free pages,
 a drain that ends the process, and each side's death reaching the other. Every wait is bounded."""
 
@@ -14,9 +14,9 @@ import time
 import pytest
 from utils import make_model, solo_greedy
 
-from pagedmlx.async_engine import AsyncEngine, EngineDeadError
+from pagedmlx.engine.async_engine import AsyncEngine, EngineDeadError
 from pagedmlx.config import EngineConfig
-from pagedmlx.core.client import CoreProcess, CoreStartupError
+from pagedmlx.engine.core_client import CoreProcess, CoreStartupError
 from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.server.metrics import EngineSnapshot
 
@@ -125,7 +125,7 @@ def test_core_death_reaches_every_consumer():
 FRONT_END = """
 import sys, time
 from pagedmlx.config import EngineConfig
-from pagedmlx.core.client import CoreProcess
+from pagedmlx.engine.core_client import CoreProcess
 core = CoreProcess(EngineConfig(model="random:llama-tiny", num_blocks=64))
 print(core.proc.pid, flush=True)
 time.sleep(600)

@@ -10,8 +10,8 @@ import pytest
 from utils import assert_no_leaks, make_model, run_to_completion
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.detokenizer import IncrementalDetokenizer
-from pagedmlx.engine import LLMEngine
+from pagedmlx.engine.detokenizer import IncrementalDetokenizer
+from pagedmlx.engine.llm_engine import LLMEngine
 from pagedmlx.llm import LLM
 from pagedmlx.sampling_params import SamplingParams
 
@@ -146,7 +146,7 @@ def test_ids_must_decode_with_the_tokenizer_and_output_errors_stay_per_request(m
     for bad in (dict(prompt=[1, 2, 450]), dict(prompt=[1, 2], params=SamplingParams(logit_bias={450: 5.0}))):
         with pytest.raises(ValueError, match="384"):
             engine.add_request("bad", bad["prompt"], bad.get("params"))
-    from pagedmlx.output_processor import RequestState
+    from pagedmlx.engine.output_processor import RequestState
 
     real = RequestState.update
 

@@ -17,11 +17,11 @@ from mlx_lm.models.llama import Model, ModelArgs
 
 from gguf_utils import ROUND_TRIP, quantized_round_trip, randomize, shape_metadata, stream_decode, write_gguf
 
-from pagedmlx.loader import load_model, model_name
-from pagedmlx.models import pypi_models
-from pagedmlx.models.gguf import load_gguf
-from pagedmlx.models.gguf_file import GGUFFile
-from pagedmlx.models.gguf_tokenizer import build_tokenizer
+from pagedmlx.loaders.loader import load_model, model_name
+from pagedmlx.loaders import pypi_models
+from pagedmlx.loaders.gguf import load_gguf
+from pagedmlx.loaders.gguf_file import GGUFFile
+from pagedmlx.loaders.gguf_tokenizer import build_tokenizer
 
 # ---------------------------------------------------------------- the real default model (SmolLM2)
 

@@ -18,9 +18,9 @@ from gguf_utils import quantized_round_trip, randomize, shape_metadata, stream_d
 from utils import assert_no_leaks, run_to_completion, solo_greedy
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.engine import LLMEngine
-from pagedmlx.models.gguf import load_gguf
-from pagedmlx.models.gguf_tokenizer import build_tokenizer
+from pagedmlx.engine.llm_engine import LLMEngine
+from pagedmlx.loaders.gguf import load_gguf
+from pagedmlx.loaders.gguf_tokenizer import build_tokenizer
 from pagedmlx.sampling_params import SamplingParams
 
 Q = gguf.GGMLQuantizationType

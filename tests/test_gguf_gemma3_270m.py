@@ -17,11 +17,11 @@ from utils import assert_no_leaks
 
 import pagedmlx
 from pagedmlx.config import EngineConfig
-from pagedmlx.engine import LLMEngine
-from pagedmlx.kv.spec import cdiv
-from pagedmlx.models import pypi_models
-from pagedmlx.models.gguf import load_gguf
-from pagedmlx.models.gguf_file import GGUFFile
+from pagedmlx.engine.llm_engine import LLMEngine
+from pagedmlx.core.kv.spec import cdiv
+from pagedmlx.loaders import pypi_models
+from pagedmlx.loaders.gguf import load_gguf
+from pagedmlx.loaders.gguf_file import GGUFFile
 from pagedmlx.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow  # deselect with -m "not slow"

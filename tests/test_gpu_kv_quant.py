@@ -14,7 +14,7 @@ import pytest
 
 from pagedmlx.kernels import build, check, decode_attention, decode_attention_quant
 from pagedmlx.kernels.dialect import CUDA
-from pagedmlx.kv_cache_dtype import KVQuant
+from pagedmlx.core.kv.cache_dtype import KVQuant
 
 BACKEND = build.gpu_backend()
 pytestmark = pytest.mark.skipif(BACKEND is None, reason="a GPU (CUDA or Metal) runs the kernels")

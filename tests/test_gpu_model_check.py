@@ -11,7 +11,7 @@ import pytest
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.kernels import build
-from pagedmlx.models.random_model import RANDOM_ARCHS, build_model
+from pagedmlx.loaders.random_model import RANDOM_ARCHS, build_model
 from pagedmlx.runner.model import ModelRunner
 from scripts.gpu.check_families import EXTRA, FAMILIES
 

@@ -12,8 +12,8 @@ from utils import (assert_no_leaks, assert_samples_equal_alone, make_model, run_
                    solo_greedy)
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.engine import LLMEngine
-from pagedmlx.kv.spec import cdiv
+from pagedmlx.engine.llm_engine import LLMEngine
+from pagedmlx.core.kv.spec import cdiv
 from pagedmlx.runner import attention, attention_metadata
 from pagedmlx.runner.plan import UnsupportedModelError
 from pagedmlx.sampling_params import SamplingParams
@@ -156,7 +156,7 @@ def test_a_window_only_the_mask_knows_is_refused_by_name():
     """mistral3 wrapping a ministral3 text model with sliding layers: mlx-lm gives it plain KVCaches
     and applies the window through the mask alone. Served on pages it went wrong past the window;
     now it is refused, naming the layer and the window."""
-    from pagedmlx.models.random_model import RANDOM_ARCHS, build_model
+    from pagedmlx.loaders.random_model import RANDOM_ARCHS, build_model
 
     text = dict(RANDOM_ARCHS["ministral3-tiny"])
     model = build_model(dict(model_type="mistral3", text_config=text))
@@ -174,7 +174,7 @@ def test_a_window_only_the_mask_knows_is_refused_by_name():
         no_rope_layers=[1, 1, 1, 0])), "chunked local attention"),
 ])  # recurrent state (mamba2, ...) is served now: tests/test_state_layers.py
 def test_other_cache_kinds_are_refused_by_name(cfg, reason):
-    from pagedmlx.models.random_model import build_model
+    from pagedmlx.loaders.random_model import build_model
 
     with pytest.raises(UnsupportedModelError, match=f"{cfg['model_type']}.*layer 0 needs {reason}"):
         LLMEngine(build_model(cfg), None, EngineConfig(block_size=BS, num_blocks=32))

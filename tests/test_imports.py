@@ -114,16 +114,16 @@ def test_the_graph_reader_sees_function_level_type_checking_and_relative_imports
     path = tmp_path / "m.py"
     path.write_text("from typing import TYPE_CHECKING\nfrom pagedmlx.kernels import build\n"
                     "if TYPE_CHECKING:\n    from pagedmlx.runner.model import ModelRunner\n"
-                    "def f():\n    from . import selfcheck\n    import pagedmlx.kv.spec\n")
+                    "def f():\n    from . import selfcheck\n    import pagedmlx.core.kv.spec\n")
     got = {(t, w) for t, w, _ in imports_of("pagedmlx.runner.fake", path)}
     assert got == {("pagedmlx.kernels.build", "module"), ("pagedmlx.runner.model", "type_checking"),
-                   ("pagedmlx.runner.selfcheck", "function"), ("pagedmlx.kv.spec", "function")}
+                   ("pagedmlx.runner.selfcheck", "function"), ("pagedmlx.core.kv.spec", "function")}
     assert circles({("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")}) == [["a", "b", "c"]]
 
 
 def test_no_two_modules_import_each_other():
     """Wherever the imports stand: a circle closed inside a function still ties the two modules
-    (kv/single_type.py <-> kv/state_manager.py and runner/model.py <-> runner/selfcheck.py were two)."""
+    (core/kv/single_type.py <-> core/kv/state_manager.py and runner/model.py <-> runner/selfcheck.py were two)."""
     graph = import_graph()
     pairs = [f"{a} ({', '.join(graph[a, b])}) <-> {b} ({', '.join(graph[b, a])})"
              for a, b in sorted(graph) if a < b and (b, a) in graph]

@@ -13,7 +13,7 @@ from utils import make_model, run_to_completion, solo_greedy
 from kernel_emulator import EmulatedKernel, have_compiler
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.engine import LLMEngine
+from pagedmlx.engine.llm_engine import LLMEngine
 from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.kernels import build, check, decode_attention, selector
 from pagedmlx.runner.kernel_paths import kernel_path_lines

@@ -13,12 +13,12 @@ import pytest
 from utils import make_model
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.core.info import CoreInfo
+from pagedmlx.engine.core_info import CoreInfo
 from pagedmlx.doctor import kernel_paths_table
-from pagedmlx.engine import LLMEngine
+from pagedmlx.engine.llm_engine import LLMEngine
 from pagedmlx.kernels import build, selector
 from pagedmlx.kernels.selector import KernelPlan
-from pagedmlx.models.random_model import build_model
+from pagedmlx.loaders.random_model import build_model
 from pagedmlx.runner.kernel_paths import kernel_path_lines, layer_list
 from pagedmlx.runner.model import ModelRunner
 

@@ -18,7 +18,7 @@ from pagedmlx.blocks.snapshot import compress_ranges, expand_ranges, kv_snapshot
 from pagedmlx.blocks.view import get_snapshot, render, save_svg, watch
 from pagedmlx.cli import main
 from pagedmlx.config import EngineConfig
-from pagedmlx.engine import LLMEngine
+from pagedmlx.engine.llm_engine import LLMEngine
 from pagedmlx.sampling_params import SamplingParams
 
 PREFIX = list(range(10, 18))  # two full blocks of 4

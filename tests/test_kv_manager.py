@@ -3,8 +3,8 @@
 import pytest
 from sched_utils import make_request
 
-from pagedmlx.kv.block_hash import BlockHash, hash_block_tokens, hash_request_blocks
-from pagedmlx.kv.manager import KVCacheManager
+from pagedmlx.core.kv.block_hash import BlockHash, hash_block_tokens, hash_request_blocks
+from pagedmlx.core.kv.manager import KVCacheManager
 
 
 def admit(mgr: KVCacheManager, req, num_new_tokens=None):
@@ -304,7 +304,7 @@ def test_a_sliding_group_holds_only_the_window_gemma3_27b_at_32k():
     """Gemma 3 27B's layers (10 full, 52 sliding over 1,024 tokens; 16 KV heads x 128, bf16) at 32k
     context: a request's pages stay within 1.2x of what the windows bound (2.9 GiB), not the 15.5 GiB
     of sliding layers kept whole."""
-    from pagedmlx.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+    from pagedmlx.core.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
     per_token_layer = 2 * 16 * 128 * 2  # K and V, bf16
     bs, context = 16, 32 * 1024

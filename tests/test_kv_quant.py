@@ -10,9 +10,9 @@ import pytest
 from utils import ARCHS, assert_no_leaks, make_model, make_prompts, run_staggered, run_to_completion
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.engine import LLMEngine
-from pagedmlx.kv_cache_dtype import KVQuant, bytes_per_token, layer_quant, normalize_kv_cache_dtype
-from pagedmlx.models.random_model import RANDOM_ARCHS, build_model
+from pagedmlx.engine.llm_engine import LLMEngine
+from pagedmlx.core.kv.cache_dtype import KVQuant, bytes_per_token, layer_quant, normalize_kv_cache_dtype
+from pagedmlx.loaders.random_model import RANDOM_ARCHS, build_model
 from pagedmlx.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -123,7 +123,7 @@ def test_bad_values_refused():
 def test_cli_flag():
     import argparse
 
-    from pagedmlx.engine_args import add_engine_args, engine_config
+    from pagedmlx.engine.arg_utils import add_engine_args, engine_config
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
@@ -136,7 +136,7 @@ def test_cli_flag():
 def test_reports_name_the_pages_and_their_bytes_per_token():
     """The start-up line (and doctor), the inspector's snapshot and /metrics: bytes per token by layer kind."""
     from pagedmlx.blocks.snapshot import kv_snapshot
-    from pagedmlx.core.info import kv_pool_line
+    from pagedmlx.engine.core_info import kv_pool_line
     from pagedmlx.server.metrics import EngineSnapshot, ServerMetrics
 
     model = _hybrid("gemma3-tiny")  # 4 sliding layers and 2 full ones, 2 KV heads of 32, float32

@@ -18,7 +18,7 @@ from pagedmlx.kernels.sources import decode_attention as src
 from pagedmlx.kernels.sources import decode_attention_mma_cuda as mma_src
 from pagedmlx.kernels.sources import decode_attention_quant as qsrc
 from pagedmlx.kernels.sources import decode_attention_quant_mma_cuda as qmma_src
-from pagedmlx.kv_cache_dtype import KVQuant
+from pagedmlx.core.kv.cache_dtype import KVQuant
 from pagedmlx.runner.attention import gather_decode
 from pagedmlx.runner.kv_quant import QuantizedPages
 from pagedmlx.runner.masks import length_mask
@@ -152,7 +152,7 @@ def test_engine_on_quantized_pages_checks_the_kernel_then_serves_equal_tokens(mo
     from utils import make_model, run_to_completion
 
     from pagedmlx.config import EngineConfig
-    from pagedmlx.engine import LLMEngine
+    from pagedmlx.engine.llm_engine import LLMEngine
     from pagedmlx.runner.kernel_paths import kernel_path_lines
     from pagedmlx.sampling_params import SamplingParams
 
@@ -286,7 +286,7 @@ def test_engine_writes_quantized_pages_in_place_and_serves_equal_tokens(monkeypa
     from utils import make_model, run_to_completion
 
     from pagedmlx.config import EngineConfig
-    from pagedmlx.engine import LLMEngine
+    from pagedmlx.engine.llm_engine import LLMEngine
     from pagedmlx.kernels import check, selector
     from pagedmlx.runner.kernel_paths import kernel_path_lines
     from pagedmlx.sampling_params import SamplingParams

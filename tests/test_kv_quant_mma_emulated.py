@@ -17,7 +17,7 @@ from test_kv_quant_kernels import quantized_case
 from pagedmlx.kernels import build, decode_attention, decode_attention_quant
 from pagedmlx.kernels.dialect import CUDA
 from pagedmlx.kernels.sources import decode_attention_mma_cuda as mma_src
-from pagedmlx.kv_cache_dtype import KVQuant
+from pagedmlx.core.kv.cache_dtype import KVQuant
 from pagedmlx.runner.attention import gather_decode
 from pagedmlx.runner.kv_quant import QuantizedPages
 from pagedmlx.runner.masks import length_mask

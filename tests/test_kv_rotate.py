@@ -14,9 +14,9 @@ from test_kv_quant import BITS, GREEDY
 from utils import ARCHS, assert_no_leaks, make_model, make_prompts, run_staggered
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.engine import LLMEngine
-from pagedmlx.kv_cache_dtype import KVQuant
-from pagedmlx.models.random_model import RANDOM_ARCHS, build_model
+from pagedmlx.engine.llm_engine import LLMEngine
+from pagedmlx.core.kv.cache_dtype import KVQuant
+from pagedmlx.loaders.random_model import RANDOM_ARCHS, build_model
 from pagedmlx.runner.kv_quant import _hadamard, rotate_kv, rotate_queries
 
 
@@ -97,7 +97,7 @@ def test_busy_rotated_pages_equal_mlx_lm_on_rotated_keys(kv_cache_dtype, monkeyp
 
 
 def test_rotation_refusals_and_flag():
-    from pagedmlx.engine_args import add_engine_args, engine_config
+    from pagedmlx.engine.arg_utils import add_engine_args, engine_config
 
     with pytest.raises(ValueError, match="kv_cache_rotate applies to quantized pages only"):
         EngineConfig(kv_cache_rotate=True)

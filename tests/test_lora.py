@@ -15,9 +15,9 @@ from lora_utils import ADAPTER_SPECS, References, fresh, make_adapter
 from utils import ARCHS, assert_no_leaks, make_prompts
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.engine import LLMEngine
+from pagedmlx.engine.llm_engine import LLMEngine
 from pagedmlx.lora.request import LoRARequest
-from pagedmlx.models.random_model import build_model
+from pagedmlx.loaders.random_model import build_model
 from pagedmlx.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -79,7 +79,7 @@ def test_busy_engine_of_four_adapters_and_the_base_equals_mlx_lm_alone(adapters,
     base, through chunked prefill, shared prefixes and preemption. With 2 slots (and 2 adapters kept
     on the host, the others read again from their folders) the others wait their turn: a step
     never holds more adapters than slots; there, steps also overlap (async scheduling). merged: the
-    base's projections merged (runner/merged_linear.py, a GPU's default), the adapters on their parts."""
+    base's projections merged (layers/merged_linear.py, a GPU's default), the adapters on their parts."""
     prompts = make_prompts(64, ARCHS["llama"]["vocab_size"], seed=7)
     # Every third prompt extends one of three shared prefixes: those run with the prefix's adapter,
     # so that requests of one adapter find each other's pages.
@@ -110,7 +110,7 @@ def test_busy_engine_of_four_adapters_and_the_base_equals_mlx_lm_alone(adapters,
 def test_a_cached_page_of_one_adapter_never_serves_another(adapters, refs):
     """The same 40-token prompt under a0, a1, the base, then a0 again: only the second a0 request
     finds pages (a0's); the block hashes of one prompt differ by adapter."""
-    from pagedmlx.kv.block_hash import hash_request_blocks
+    from pagedmlx.core.kv.block_hash import hash_request_blocks
 
     prompt = [(13 * j) % 500 + 1 for j in range(40)]
     engine = lora_engine()
@@ -154,7 +154,7 @@ def test_lora_and_dora_on_quantized_and_biased_layers_equal_mlx_lm(tmp_path, bas
     """Where DoRA's product is not the base layer's (a QuantizedLinear, which mlx-lm's DoRALinear
     dequantizes; a Linear with a bias, which it adds after the norm), DoRA rows take their own and
     LoRA and base rows in the same step still get theirs. merged: the base's q/k/v and gate/up merged
-    (runner/merged_linear.py, a GPU's default), the adapters on their parts."""
+    (layers/merged_linear.py, a GPU's default), the adapters on their parts."""
     base = _quantized_llama if base_name == "4-bit llama" else (lambda: build_model(QWEN2_BIASED, 0))
     keys = ["self_attn.q_proj", "self_attn.v_proj", "mlp.up_proj"]
     loras = [LoRARequest(name, i + 1, make_adapter(str(tmp_path / name), base, rank=4, scale=6.0, seed=i + 5,

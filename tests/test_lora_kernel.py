@@ -71,7 +71,7 @@ def test_the_check_fails_a_wrong_choice_of_sibling(emulated, monkeypatch, mutant
 def test_busy_engine_on_the_kernel_equals_mlx_lm_alone(emulated, monkeypatch, tmp_path, max_rows, merged):
     """Rows of three adapters and of the base model in the same steps, through chunked prefill.
     max_rows: steps of more rows run MLX's stacked products instead (lora.MAX_ROWS), the rest the kernel.
-    merged: the base's projections merged (runner/merged_linear.py), the kernel reading each part in place."""
+    merged: the base's projections merged (layers/merged_linear.py), the kernel reading each part in place."""
     stacked, real_stacks = [], LinearWithLoRA.used_stacks
     if max_rows is not None:
         monkeypatch.setattr(lora, "MAX_ROWS", max_rows)

@@ -14,10 +14,10 @@ from lora_utils import ADAPTER_SPECS, References, fresh, make_adapter
 from server_utils import MODEL, Served, ServeProcess, engine_config, error_of
 from utils import make_tokenizer
 
-from pagedmlx.async_engine import AsyncEngine
+from pagedmlx.engine.async_engine import AsyncEngine
 from pagedmlx.config import EngineConfig
-from pagedmlx.core.client import CoreProcess
-from pagedmlx.engine import LLMEngine
+from pagedmlx.engine.core_client import CoreProcess
+from pagedmlx.engine.llm_engine import LLMEngine
 from pagedmlx.lora.request import LoRARequest
 from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.server.serving_models import LoRAModulePath, ServingModels

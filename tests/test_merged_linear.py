@@ -1,4 +1,4 @@
-"""Merged q/k/v and gate/up projections (runner/merged_linear.py): inside the runner's forward the merged
+"""Merged q/k/v and gate/up projections (layers/merged_linear.py): inside the runner's forward the merged
 model computes what the separate modules did, outside it exactly that; only the groups the model calls
 on one input merge; the engine serving it gives mlx-lm's tokens."""
 
@@ -10,9 +10,9 @@ import pytest
 from utils import make_prompts, run_staggered, solo_greedy
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.engine import LLMEngine
-from pagedmlx.models.random_model import RANDOM_ARCHS, random_model
-from pagedmlx.runner.merged_linear import MergedLinear, MergedPart, merge_projections, merged_products
+from pagedmlx.engine.llm_engine import LLMEngine
+from pagedmlx.loaders.random_model import RANDOM_ARCHS, random_model
+from pagedmlx.layers.merged_linear import MergedLinear, MergedPart, merge_projections, merged_products
 from pagedmlx.runner.model import weights_nbytes
 from pagedmlx.sampling_params import SamplingParams
 
@@ -116,7 +116,7 @@ def test_a_part_called_on_another_input_gets_that_inputs_product():
         parent[name] = lin
     x, y = mx.random.normal((1, 1, 8)), mx.random.normal((1, 1, 8))  # q/k/v merge for single rows
     want = [lin(y) for lin in linears]
-    from pagedmlx.runner.merged_linear import _merge_group
+    from pagedmlx.layers.merged_linear import _merge_group
 
     assert _merge_group(parent, ("q_proj", "k_proj", "v_proj"), linears)
     with merged_products():
@@ -131,7 +131,7 @@ def test_a_part_called_on_another_input_gets_that_inputs_product():
 def test_engine_with_merged_projections_gives_mlx_lm_tokens(arch, monkeypatch):
     """Plain, shared-KV (Gemma-4 "E") and recurrent-state (Qwen3.5: its layers' rows regrouped by request)
     models, merged, busy: each request's tokens are mlx-lm's alone, on the same model object."""
-    from pagedmlx.runner import merged_linear
+    from pagedmlx.layers import merged_linear
 
     merged_calls = []
     part = merged_linear.MergedLinear.part
@@ -182,7 +182,7 @@ def test_merge_projections_defaults_to_the_gpu_backends():
 
 
 def test_a_model_the_probe_cannot_run_keeps_its_projections(monkeypatch, caplog):
-    from pagedmlx.runner import merged_linear
+    from pagedmlx.layers import merged_linear
 
     def fail(*args):
         raise RuntimeError("no cache for this model")
@@ -196,7 +196,7 @@ def test_a_model_the_probe_cannot_run_keeps_its_projections(monkeypatch, caplog)
 
 def test_a_single_stream_decodes_through_merged_attention_inputs(monkeypatch):
     """Batch-1 decode steps (one row) take q/k/v's merged product; the tokens stay mlx-lm's."""
-    from pagedmlx.runner import merged_linear
+    from pagedmlx.layers import merged_linear
 
     model = random_model("llama-tiny", 0)
     taken = []

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from utils import assert_no_leaks, make_model, make_prompts, run_staggered, shared_prefix_prompts, solo_greedy
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.engine import LLMEngine
+from pagedmlx.engine.llm_engine import LLMEngine
 from pagedmlx.kernels import build, prefill_attention
 from pagedmlx.kernels.dialect import CUDA
 from pagedmlx.runner.prefill_indices import Segment, prefill_tile_indices

@@ -16,7 +16,7 @@ from pagedmlx.kernels import build, check, prefill_attention
 from pagedmlx.kernels.sources import decode_attention_mma_cuda as mma_src
 from pagedmlx.kernels.sources import prefill_attention_cuda as prefill_src
 from pagedmlx.kernels.sources import prefill_attention_quant_cuda as quant_src
-from pagedmlx.kv_cache_dtype import KVQuant
+from pagedmlx.core.kv.cache_dtype import KVQuant
 
 pytestmark = pytest.mark.skipif(not have_compiler(), reason="g++ runs the emulated kernels")
 
@@ -67,9 +67,9 @@ def test_a_16_bit_loop_the_replacements_do_not_fit_is_refused():
 def _quantized_engine(monkeypatch, names: list):
     """A bf16 llama on int8 pages in an engine that believes it runs on CUDA, its kernels emulated."""
     from pagedmlx.config import EngineConfig
-    from pagedmlx.engine import LLMEngine
+    from pagedmlx.engine.llm_engine import LLMEngine
     from pagedmlx.kernels import selector
-    from pagedmlx.models.random_model import build_model
+    from pagedmlx.loaders.random_model import build_model
 
     monkeypatch.setattr(build, "gpu_backend", lambda: "cuda")
     monkeypatch.setattr(selector, "device_name", lambda: "emulated")

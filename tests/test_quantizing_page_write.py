@@ -14,7 +14,7 @@ from kv_quant_reference import gpu_quantize
 from pagedmlx.kernels import build, check, decode_attention, decode_attention_quant, page_write
 from pagedmlx.kernels.dialect import CUDA, METAL, foreign_names, leftover_tokens, render
 from pagedmlx.kernels.sources import page_write as src
-from pagedmlx.kv_cache_dtype import KVQuant
+from pagedmlx.core.kv.cache_dtype import KVQuant
 
 needs_compiler = pytest.mark.skipif(not have_compiler(), reason="g++ runs the emulated kernels")
 QUANTS = [KVQuant(8, 128), KVQuant(8, 64), KVQuant(8, 32), KVQuant(4, 64), KVQuant(4, 32)]

@@ -12,7 +12,7 @@ from server_utils import MODEL, Served, engine_config
 from tool_call_fixtures import OPENAI, TOOLS
 from utils import make_model
 
-from pagedmlx.engine import LLMEngine
+from pagedmlx.engine.llm_engine import LLMEngine
 from pagedmlx.server.chat_parsing import ChatOutputParser, chat_parser_factory
 from pagedmlx.server.chat_tools import ChatParsing
 from pagedmlx.server.protocol import ChatCompletionRequest

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedmlx.request import Request
-from pagedmlx.sampler import Sampler, apply_bias_and_penalties, gumbel_noise, to_host
+from pagedmlx.sample.sampler import Sampler, apply_bias_and_penalties, gumbel_noise, to_host
 from pagedmlx.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -330,7 +330,7 @@ def _words(allowed: list[set[int]], vocab: int) -> np.ndarray:
 def test_grammar_bitmask_masks_only_its_rows(rows):
     """Guided rows keep exactly their allowed tokens (bit 31 included: a negative int32 word), the
     others are untouched; ids past the mask's words (a model's padded rows) are disallowed."""
-    from pagedmlx.sampler import apply_grammar_bitmask
+    from pagedmlx.sample.sampler import apply_grammar_bitmask
 
     rng = np.random.default_rng(3)
     vocab, V = 70, 100  # the tokenizer's 70 ids in 3 words; the model has 100 rows

@@ -6,7 +6,7 @@ from sched_utils import (EOS, FakeModel, assert_no_leaks, check_invariants, make
                          run_to_completion, step)
 
 from pagedmlx.request import Request, RequestStatus
-from pagedmlx.scheduler import Scheduler
+from pagedmlx.core.sched.scheduler import Scheduler
 
 
 def scheduled(out):

@@ -16,7 +16,7 @@ from server_utils import (MAX_MODEL_LEN, MODEL, Served, ServeProcess, engine_con
                           sse_payloads, wait_idle)
 from utils import run_to_completion
 
-from pagedmlx.engine import LLMEngine
+from pagedmlx.engine.llm_engine import LLMEngine
 from pagedmlx.sampling_params import SamplingParams
 
 

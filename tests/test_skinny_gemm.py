@@ -1,6 +1,6 @@
 """The skinny GEMM (kernels/skinny_gemm.py: x @ W^T over 1-8 rows in one launch of ours, one source for CUDA and
 Metal) run on the CPU in the kernel emulator: its load-time check passes against MLX's matmul and fails kernels
-that are wrong in the ways a kernel goes wrong; linear layers swapped to it (runner/skinny_linear.py) give a busy
+that are wrong in the ways a kernel goes wrong; linear layers swapped to it (layers/skinny_linear.py) give a busy
 engine mlx-lm's own tokens, and where no kernel runs the engine says why and keeps MLX's matmul."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from kernel_emulator import EmulatedKernel, have_compiler
 from utils import assert_no_leaks, make_model, run_staggered, shared_prefix_prompts, solo_greedy
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.engine import LLMEngine
+from pagedmlx.engine.llm_engine import LLMEngine
 from pagedmlx.kernels import build, skinny_gemm
 from pagedmlx.kernels.dialect import CUDA, METAL, foreign_names, leftover_tokens
 from pagedmlx.kernels.sources import skinny_gemm as gemm_source
-from pagedmlx.runner import skinny_linear
+from pagedmlx.layers import skinny_linear
 from pagedmlx.runner.kernel_paths import kernel_path_lines
 from pagedmlx.sampling_params import SamplingParams
 

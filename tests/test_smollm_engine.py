@@ -8,7 +8,7 @@ from utils import assert_no_leaks, solo_greedy
 
 from pagedmlx import LLM
 from pagedmlx.config import EngineConfig
-from pagedmlx.engine import LLMEngine
+from pagedmlx.engine.llm_engine import LLMEngine
 from pagedmlx.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow  # deselect with -m "not slow"

@@ -21,7 +21,7 @@ from utils import (ARCHS, CHI2_P1E4, assert_no_leaks, chi_square, make_model, ru
                    shared_prefix_prompts, solo_greedy)
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.engine import LLMEngine
+from pagedmlx.engine.llm_engine import LLMEngine
 from pagedmlx.runner import attention, attention_metadata
 from pagedmlx.runner.model import ModelRunner
 from pagedmlx.sampling_params import SamplingParams
@@ -312,8 +312,8 @@ def test_guided_and_penalised_requests_do_not_speculate_and_state_models_do(capl
 
 def run_in_engine_process(config: EngineConfig, prompts: list, params: SamplingParams) -> tuple[list, object]:
     """Every prompt at once through an engine core in its own process: the final outputs, then its snapshot."""
-    from pagedmlx.async_engine import AsyncEngine
-    from pagedmlx.core.client import CoreProcess
+    from pagedmlx.engine.async_engine import AsyncEngine
+    from pagedmlx.engine.core_client import CoreProcess
     from pagedmlx.server.metrics import EngineSnapshot
 
     ae = AsyncEngine(CoreProcess(config))

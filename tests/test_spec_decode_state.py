@@ -1,6 +1,6 @@
 """Speculative decoding on targets with recurrent-state layers (issue 28): a step that verifies drafts
 writes each state to the request's spare slot; all accepted, the slots swap; a rejection keeps the
-state from before the step and the next step computes the accepted tokens again (kv/state_manager.py).
+state from before the step and the next step computes the accepted tokens again (core/kv/state_manager.py).
 Greedy output equals mlx-lm's solo generation, and the engine's without speculation, token for token:
 busy engines of every recurrent arch, drafts always wrong, always right and partly right, the n-gram
 proposer, a draft model, preemption, checkpoint hits over several turns, steps that overlap (async
@@ -24,10 +24,10 @@ from test_spec_decode import Oracle, as_decode_rows, spec
 from test_state_layers import BS, INTERVAL, STATE_ARCHS, expected_hit, has_pages, state_engine
 from utils import assert_no_leaks, make_model, run_staggered, run_to_completion, shared_prefix_prompts, solo_greedy
 
-from pagedmlx.core.info import kv_pool_line
-from pagedmlx.engine import LLMEngine
-from pagedmlx.kv.state_manager import StateManager
-from pagedmlx.models.random_model import random_model
+from pagedmlx.engine.core_info import kv_pool_line
+from pagedmlx.engine.llm_engine import LLMEngine
+from pagedmlx.core.kv.state_manager import StateManager
+from pagedmlx.loaders.random_model import random_model
 from pagedmlx.runner.model import UnsupportedModelError
 from pagedmlx.runner.state import StateMetadata
 from pagedmlx.sampling_params import SamplingParams

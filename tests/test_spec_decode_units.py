@@ -17,10 +17,10 @@ from utils import CHI2_P1E4, chi_square
 
 from pagedmlx.config import EngineConfig, SpeculativeConfig
 from pagedmlx.request import Request
-from pagedmlx.sampler import Sampler
+from pagedmlx.sample.sampler import Sampler
 from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.spec_decode.ngram_proposer import NgramProposer, find_ngram_draft
-from pagedmlx.spec_decode.rejection_sampler import verify
+from pagedmlx.sample.rejection_sampler import verify
 
 # ---- the n-gram proposer ----------------------------------------------------------------------------
 
@@ -96,7 +96,7 @@ def test_config_defaults_json_cli_and_pickle():
     draft = EngineConfig(speculative_config='{"model": "org/draft", "num_speculative_tokens": 4}').speculative_config
     assert (draft.method, draft.model) == ("draft_model", "org/draft")  # vLLM's default method for a model
     assert pickle.loads(pickle.dumps(c)).speculative_config == c.speculative_config  # crosses to the core process
-    from pagedmlx.engine_args import add_engine_args, engine_config
+    from pagedmlx.engine.arg_utils import add_engine_args, engine_config
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
@@ -249,7 +249,7 @@ def test_metrics_export_vllms_spec_decode_counters():
 def test_a_stop_string_inside_a_steps_tokens_ends_the_output_at_its_token():
     from utils import ARCHS, make_tokenizer  # noqa: I001
 
-    from pagedmlx.output_processor import OutputProcessor
+    from pagedmlx.engine.output_processor import OutputProcessor
     from pagedmlx.outputs import EngineCoreOutput
 
     tok = make_tokenizer(ARCHS["llama"]["vocab_size"])

@@ -17,8 +17,8 @@ from test_spec_decode import GREEDY, busy_prompts
 from utils import assert_no_leaks, make_model, run_staggered, run_to_completion, solo_greedy
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.engine import LLMEngine
-from pagedmlx.models.random_model import random_model
+from pagedmlx.engine.llm_engine import LLMEngine
+from pagedmlx.loaders.random_model import random_model
 from pagedmlx.runner.model import UnsupportedModelError
 from pagedmlx.sampling_params import SamplingParams
 
@@ -49,7 +49,7 @@ def engine_with(target, draft, k: int = 3, **config) -> LLMEngine:
 def test_busy_engine_with_a_draft_model_equals_solo(arch, kind, merged):
     """Shared prefixes, prompts extending an earlier prompt by its answer (prefix hits on pages that
     speculative steps filled), a pool small enough to preempt, chunked prefill. merged: target and draft
-    with their projections merged (runner/merged_linear.py, a GPU's default)."""
+    with their projections merged (layers/merged_linear.py, a GPU's default)."""
     target = random_model(ARCH[arch], 0) if merged else make_model(arch)  # merging changes the model object
     draft = random_model("llama-tiny", 0) if kind == "llama" else draft_model(arch, kind)
     prompts = busy_prompts(arch, seed=11)

@@ -21,10 +21,10 @@ from test_spec_draft_model import draft_model, draft_spec
 from utils import assert_no_leaks, make_model, run_staggered, run_to_completion, shared_prefix_prompts, solo_greedy
 
 from pagedmlx.config import EngineConfig, SpeculativeConfig
-from pagedmlx.engine import LLMEngine
-from pagedmlx.models.random_model import random_model
+from pagedmlx.engine.llm_engine import LLMEngine
+from pagedmlx.loaders.random_model import random_model
 from pagedmlx.sampling_params import SamplingParams
-from pagedmlx.scheduler_output import SchedulerOutput
+from pagedmlx.core.sched.output import SchedulerOutput
 from pagedmlx.server.metrics import EngineSnapshot
 from pagedmlx.spec_decode.drafter import PAUSE_TOKENS, Drafter
 

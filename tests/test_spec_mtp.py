@@ -20,7 +20,7 @@ from test_state_layers import state_engine
 from utils import assert_no_leaks, make_model, run_staggered, shared_prefix_prompts, solo_greedy
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.engine import LLMEngine
+from pagedmlx.engine.llm_engine import LLMEngine
 from pagedmlx.spec_decode.mtp import make_mtp_model, read_mtp_weights, text_model
 
 MTP_ARCHS = ["qwen3_5-tiny", "qwen3_5_moe-tiny", "qwen3_next-tiny"]
@@ -154,8 +154,8 @@ def test_what_cannot_be_served_is_refused(tmp_path):
 def test_a_served_random_target_gets_a_random_module():
     """`pagedmlx serve random:qwen3_5-tiny --speculative-config '{"method": "mtp", ...}'`: the config's JSON,
     the target loaded by name, a module of random weights; tokens equal mlx-lm's solo generation."""
-    from pagedmlx.core.engine_core import EngineCore
-    from pagedmlx.models.random_model import random_model
+    from pagedmlx.engine.core import EngineCore
+    from pagedmlx.loaders.random_model import random_model
 
     config = EngineConfig(model="random:qwen3_5-tiny", block_size=4, num_blocks=64, max_model_len=128,
                           speculative_config='{"method": "mtp", "num_speculative_tokens": 2}')

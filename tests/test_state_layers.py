@@ -13,8 +13,8 @@ from utils import (assert_no_leaks, assert_samples_equal_alone, make_model, run_
                    solo_greedy)
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.engine import LLMEngine
-from pagedmlx.kv.state_manager import StateManager
+from pagedmlx.engine.llm_engine import LLMEngine
+from pagedmlx.core.kv.state_manager import StateManager
 from pagedmlx.runner import state as runner_state
 from pagedmlx.runner.plan import UnsupportedModelError
 from pagedmlx.sampling_params import SamplingParams
@@ -256,7 +256,7 @@ def test_state_writes_do_not_copy_the_pool():
 def test_an_owner_that_also_attends_is_refused_by_name():
     """baichuan_m1 keeps a convolution state inside its attention module: running that module per request
     would take attention off the pages, so it is refused, naming the layer and why."""
-    from pagedmlx.models.random_model import build_model
+    from pagedmlx.loaders.random_model import build_model
 
     cfg = dict(model_type="baichuan_m1", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, sliding_window=8,
@@ -272,7 +272,7 @@ def test_blocks_view_metrics_and_startup_line_show_state_slots(arch):
 
     from pagedmlx.blocks.snapshot import kv_snapshot
     from pagedmlx.blocks.view import render
-    from pagedmlx.core.info import kv_pool_line
+    from pagedmlx.engine.core_info import kv_pool_line
     from pagedmlx.server.metrics import EngineSnapshot, ServerMetrics
 
     engine = state_engine(make_model(arch), num_blocks=200)

@@ -18,7 +18,7 @@ from utils import ARCHS, assert_no_leaks, make_model, make_prompts, make_tokeniz
 
 from pagedmlx import LLM, SamplingParams, StructuredOutputsParams
 from pagedmlx.config import EngineConfig
-from pagedmlx.engine import LLMEngine
+from pagedmlx.engine.llm_engine import LLMEngine
 from pagedmlx.structured_outputs import backend as so_backend
 
 VOCAB = ARCHS["llama"]["vocab_size"]
@@ -175,7 +175,7 @@ def test_async_scheduling_with_guided_rows(overlap, monkeypatch):
 def test_preemption_mid_guided_output(monkeypatch):
     """A pool too small for all: guided requests are preempted after some output tokens and
     recomputed; their matchers stay in step with their tokens, outputs equal each alone."""
-    from pagedmlx.scheduler import Scheduler
+    from pagedmlx.core.sched.scheduler import Scheduler
 
     preempted = []
     real = Scheduler._preempt

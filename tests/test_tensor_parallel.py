@@ -27,9 +27,9 @@ import pytest
 from utils import ARCHS, make_model, make_prompts, make_tokenizer, run_staggered, run_to_completion, wait_healthy
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.engine import LLMEngine
+from pagedmlx.engine.llm_engine import LLMEngine
 from pagedmlx.sampling_params import SamplingParams
-from pagedmlx.scheduler_output import SchedulerOutput, build_scheduler_output
+from pagedmlx.core.sched.output import SchedulerOutput, build_scheduler_output
 from pagedmlx.tp import channel as tp
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -17,8 +17,8 @@ from tool_call_fixtures import BY_PARSER, NAMED, REQUIRED, TOOLS, WEATHER
 from utils import ARCHS, make_model, make_tokenizer
 
 from pagedmlx.cli import main as cli_main
-from pagedmlx.detokenizer import IncrementalDetokenizer
-from pagedmlx.engine import LLMEngine
+from pagedmlx.engine.detokenizer import IncrementalDetokenizer
+from pagedmlx.engine.llm_engine import LLMEngine
 from pagedmlx.server import chat_tools
 from pagedmlx.server.chat_parsing import ChatOutputParser
 from pagedmlx.server.chat_tools import ChatParsing, get_json_schema_from_tools

@@ -72,7 +72,7 @@ def offline(out_path: str) -> None:
         if run_worker(model, EngineConfig(**ENGINE), group, timeout):
             sys.exit(1)
     else:
-        from pagedmlx.engine import LLMEngine
+        from pagedmlx.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(core=build_engine(model, None, EngineConfig(**ENGINE), group, timeout))
         prompts = make_prompts(NUM_REQUESTS, ARCHS["qwen3"]["vocab_size"], seed=7)
@@ -98,18 +98,18 @@ def offline(out_path: str) -> None:
 
 
 def fake_loader() -> None:
-    loader = types.ModuleType("pagedmlx.loader")
+    loader = types.ModuleType("pagedmlx.loaders.loader")
     loader.load_model = lambda name, lazy=False, dtype=None: (make_model("llama"),
                                                               make_tokenizer(ARCHS["llama"]["vocab_size"]))
     loader.generation_defaults = lambda name: {}
-    sys.modules["pagedmlx.loader"] = loader  # no real model: the CLI loads through this
+    sys.modules["pagedmlx.loaders.loader"] = loader  # no real model: the CLI loads through this
 
 
 def core_with_fake_loader(args) -> None:
     """The engine-core process (spawned: a fresh interpreter, where run_engine_core is still the real
     one) loads through the fake loader too."""
     fake_loader()
-    from pagedmlx.core import proc
+    from pagedmlx.engine import core_proc as proc
 
     proc.run_engine_core(args)
 
@@ -117,7 +117,7 @@ def core_with_fake_loader(args) -> None:
 def serve(argv: list[str]) -> int:
     fake_loader()
     from pagedmlx.cli import main
-    from pagedmlx.core import proc
+    from pagedmlx.engine import core_proc as proc
 
     proc.run_engine_core = core_with_fake_loader  # what CoreProcess spawns
     return main(["serve", "--tp", str(TP), *argv])

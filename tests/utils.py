@@ -11,9 +11,9 @@ from typing import Callable, Optional
 import httpx
 import mlx.core as mx
 
-from pagedmlx.models.random_model import RANDOM_ARCHS, random_model, tiny_tokenizer
+from pagedmlx.loaders.random_model import RANDOM_ARCHS, random_model, tiny_tokenizer
 
-# The tests' names for the package's random-weight architectures (pagedmlx/models/random_model.py).
+# The tests' names for the package's random-weight architectures (pagedmlx/loaders/random_model.py).
 _TEST_ARCHS = {"llama": "llama-tiny", "llama_tied": "llama-tiny-tied", "qwen3": "qwen3-tiny"}
 ARCHS = {name: RANDOM_ARCHS[arch] for name, arch in _TEST_ARCHS.items()}
 

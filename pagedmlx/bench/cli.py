@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedmlx.engine_args import non_negative, server_port
+from pagedmlx.engine.arg_utils import non_negative, server_port
 
 
 def add_dataset_args(p: argparse.ArgumentParser, offline: bool = False) -> None:
@@ -73,7 +73,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
-    from pagedmlx.engine_args import add_engine_args
+    from pagedmlx.engine.arg_utils import add_engine_args
 
     add_engine_args(p)
     add_dataset_args(p, offline=True)
@@ -82,7 +82,7 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_latency_args(p: argparse.ArgumentParser) -> None:
-    from pagedmlx.engine_args import add_engine_args
+    from pagedmlx.engine.arg_utils import add_engine_args
 
     add_engine_args(p)
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens (default 32)")

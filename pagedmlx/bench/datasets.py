@@ -37,7 +37,7 @@ class SampleRequest:
 def load_tokenizer(name: str) -> Any:
     """A tokenizer by name: `random:<arch>` (pagedmlx's random models' tiny tokenizer), else a local
     folder or hub name through transformers' AutoTokenizer."""
-    from pagedmlx.models.random_model import RANDOM_ARCHS, RANDOM_PREFIX, tiny_tokenizer
+    from pagedmlx.loaders.random_model import RANDOM_ARCHS, RANDOM_PREFIX, tiny_tokenizer
 
     if name.startswith(RANDOM_PREFIX):
         return tiny_tokenizer(RANDOM_ARCHS[name[len(RANDOM_PREFIX):]]["vocab_size"])

@@ -68,7 +68,7 @@ def bench_latency(args: argparse.Namespace) -> Optional[dict[str, Any]]:
     None where the engine could not start (said on stderr)."""
     from pagedmlx.bench.datasets import random_requests
     from pagedmlx.cli import load_engine
-    from pagedmlx.engine_args import engine_config
+    from pagedmlx.engine.arg_utils import engine_config
     from pagedmlx.llm import LLM
     from pagedmlx.sampling_params import SamplingParams
 

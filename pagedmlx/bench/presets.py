@@ -1,7 +1,7 @@
 """Random-weight models at real widths, one preset per family, for the benchmarks: mlx-lm's own model
 classes with the real models' shapes (fewer layers where the name says so). `preset:NAME` is a model
 argument wherever one is taken (`pagedmlx bench throughput preset:llama-8b --dtype bfloat16`, `serve`,
-`doctor --model`, `LLM(...)`: pagedmlx/loader.py), and scripts/bench/* and scripts/export_mlx_model.py
+`doctor --model`, `LLM(...)`: pagedmlx/loaders/loader.py), and scripts/bench/* and scripts/export_mlx_model.py
 build them here too (preset_model)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Optional, Union
 
 import mlx.core as mx
 
-from pagedmlx.models.random_model import RANDOM_ARCHS, tiny_tokenizer
-from pagedmlx.models.random_model import vocab_size as config_vocab_size
+from pagedmlx.loaders.random_model import RANDOM_ARCHS, tiny_tokenizer
+from pagedmlx.loaders.random_model import vocab_size as config_vocab_size
 
 PRESET_PREFIX = "preset:"
 

@@ -48,7 +48,7 @@ def bench_throughput(args: argparse.Namespace) -> Optional[dict[str, Any]]:
     """Build the engine from `args` (`pagedmlx serve`'s engine options), run, print, save --output-json;
     None where the engine could not start (said on stderr)."""
     from pagedmlx.cli import load_engine
-    from pagedmlx.engine_args import engine_config
+    from pagedmlx.engine.arg_utils import engine_config
     from pagedmlx.llm import LLM
 
     check_dataset_args(args)  # before the model loads

@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 
 from pagedmlx.kernels import decode_attention, decode_attention_quant, page_write, prefill_attention
-from pagedmlx.kv_cache_dtype import KVQuant
+from pagedmlx.core.kv.cache_dtype import KVQuant
 from pagedmlx.runner.attention import gather_decode
 from pagedmlx.runner.kv_quant import QuantizedPages
 from pagedmlx.runner.prefill_indices import Segment, prefill_tile_indices

@@ -20,7 +20,7 @@ from pagedmlx.kernels.sources import decode_attention as src
 from pagedmlx.kernels.sources import decode_attention_mma_cuda as mma_src
 from pagedmlx.kernels.sources import decode_attention_quant as qsrc
 from pagedmlx.kernels.sources import decode_attention_quant_mma_cuda as qmma_src
-from pagedmlx.kv_cache_dtype import KVQuant
+from pagedmlx.core.kv.cache_dtype import KVQuant
 
 _INPUTS = ["q", "k_pages", "v_pages", "k_scales", "k_biases", "v_scales", "v_biases", "block_table", "seq_lens",
            "split_tokens", "scale", "sinks", "written"]

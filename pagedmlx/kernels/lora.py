@@ -79,7 +79,7 @@ def add_lora_siblings(x: mx.array, ys: list, lora_as: list, lora_bs: list, indic
                       y_parts: Optional[list] = None) -> list:
     """add_lora for projections of the same x in one launch: [add_lora(x, ys[m], lora_as[m], lora_bs[m], ...)],
     each output as add_lora's alone (same arithmetic). The stacks share their slots and rank. y_parts[m]:
-    (first column, width) of projection m's base output in ys[m], a merged product (runner/merged_linear.py)
+    (first column, width) of projection m's base output in ys[m], a merged product (layers/merged_linear.py)
     read in place; None (or y_parts None): all of ys[m]."""
     rows, in_dims = x.shape
     parts = [p or (0, y.shape[1]) for p, y in zip(y_parts or [None] * len(ys), ys)]

@@ -25,7 +25,7 @@ import mlx.core as mx
 from pagedmlx.kernels import build
 from pagedmlx.kernels.dialect import render
 from pagedmlx.kernels.sources import page_write as src
-from pagedmlx.kv_cache_dtype import KVQuant
+from pagedmlx.core.kv.cache_dtype import KVQuant
 
 
 def write_source(backend: str) -> str:

@@ -19,8 +19,8 @@ from pagedmlx.kernels.sources import decode_attention_mma_cuda as mma_src
 from pagedmlx.kernels.sources import decode_attention_quant_mma_cuda as quant_mma_src
 from pagedmlx.kernels.sources import prefill_attention_cuda as prefill_src
 from pagedmlx.kernels.sources import prefill_attention_quant_cuda as quant_prefill_src
-from pagedmlx.kv.spec import cdiv
-from pagedmlx.kv_cache_dtype import KVQuant
+from pagedmlx.core.kv.spec import cdiv
+from pagedmlx.core.kv.cache_dtype import KVQuant
 from pagedmlx.runner.kv_quant import QuantizedPages
 
 _PREFILL_INPUTS = ["q", "k_pages", "v_pages", "block_table", "segs", "tiles", "split_tokens", "scale", "sinks",

@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from pagedmlx.kernels import add_rms_norm, build, check, decode_attention, decode_attention_quant, lora, prefill_attention
 from pagedmlx.kernels.dialect import CUDA
-from pagedmlx.kv_cache_dtype import KVQuant
+from pagedmlx.core.kv.cache_dtype import KVQuant
 
 logger = logging.getLogger("pagedmlx")
 

@@ -37,7 +37,7 @@ import mlx.nn as nn
 
 from pagedmlx.kernels import lora as lora_kernel
 from pagedmlx.lora.models import LoRALayerWeights, dense_weight, linear_dims
-from pagedmlx.runner.merged_linear import part_in_whole, separate
+from pagedmlx.layers.merged_linear import part_in_whole, separate
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ class LinearWithLoRA(nn.Module):
     def __init__(self, base_layer: nn.Module, punica: PunicaWrapper, num_slots: int, max_rank: int,
                  dtype: mx.Dtype):
         super().__init__()
-        self.base_layer = base_layer  # called for the base product (merged, where runner/merged_linear.py merged it)
+        self.base_layer = base_layer  # called for the base product (merged, where layers/merged_linear.py merged it)
         self.punica = punica
         weights = separate(base_layer)  # the projection's own weights
         self.input_size, self.output_size = linear_dims(weights)

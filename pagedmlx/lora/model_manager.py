@@ -23,7 +23,7 @@ import numpy as np
 from pagedmlx.lora.layers import LinearWithLoRA, LoRAStep, PunicaWrapper
 from pagedmlx.lora.models import LoRAError, LoRAModel
 from pagedmlx.lora.request import LoRARequest
-from pagedmlx.runner.merged_linear import separate
+from pagedmlx.layers.merged_linear import separate
 
 
 @dataclass
@@ -196,7 +196,7 @@ class LoRAModelManager:
         for part in parents:
             parent = parent[int(part)] if isinstance(parent, list) else parent[part]
         base = parent[int(last)] if isinstance(parent, list) else parent[last]
-        weights = separate(base)  # a merged projection's own rows (runner/merged_linear.py)
+        weights = separate(base)  # a merged projection's own rows (layers/merged_linear.py)
         base_dtype = weights.scales.dtype if isinstance(weights, nn.QuantizedLinear) else weights.weight.dtype
         layer = LinearWithLoRA(base, self.punica, self.num_slots, self.max_lora_rank,
                                mx.result_type(adapter_dtype, base_dtype))

@@ -165,11 +165,11 @@ def target_modules(model: nn.Module, num_layers: int, keys: Optional[list[str]])
 def _named(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """named_modules, where a layer already wrapped for LoRA (layers.py's LinearWithLoRA, which says so
     with `wraps_base_layer`: no import of layers.py, which imports this module) stands for the layer it wraps."""
-    from pagedmlx.runner.merged_linear import MergedLinear, separate
+    from pagedmlx.layers.merged_linear import MergedLinear, separate
 
     items = module.named_modules()
     wrapped = {p for p, m in items if getattr(m, "wraps_base_layer", False)}
-    # a merged projection (runner/merged_linear.py) stands for its own rows; its merged weights are no layer
+    # a merged projection (layers/merged_linear.py) stands for its own rows; its merged weights are no layer
     merged_weights = {f"{p}.base_layer.linear" if p in wrapped else f"{p}.linear" for p, m in items
                       if isinstance(m.base_layer if p in wrapped else m, MergedLinear)}
     return [(p, separate(m.base_layer if p in wrapped else m)) for p, m in items

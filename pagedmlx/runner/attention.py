@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from pagedmlx.kernels import decode_attention, decode_attention_quant, page_write, prefill_attention
-from pagedmlx.kv_cache_dtype import KVQuant
+from pagedmlx.core.kv.cache_dtype import KVQuant
 from pagedmlx.runner.attention_metadata import AttentionMetadata, PrefillGroup, page_rows
 from pagedmlx.runner.kv_quant import (QuantizedPages, make_pages, read_pages, rotate_kv, rotate_queries, write_quantized,
                                       write_quantized_in_place)

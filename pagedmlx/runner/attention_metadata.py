@@ -15,12 +15,12 @@ from typing import Optional, Union
 import mlx.core as mx
 import numpy as np
 
-from pagedmlx.kv.spec import cdiv
+from pagedmlx.core.kv.spec import cdiv
 from pagedmlx.kernels import decode_attention, prefill_attention
 from pagedmlx.kernels.dialect import CUDA
 from pagedmlx.runner.masks import causal_mask, length_mask
 from pagedmlx.runner.prefill_indices import Segment, group_indices, prefill_order, prefill_tile_indices
-from pagedmlx.scheduler_output import SchedulerOutput
+from pagedmlx.core.sched.output import SchedulerOutput
 
 # Prefill segments with at most this many new tokens are attended together, padded to the longest
 # of them under one mask (small: the mask is P x L x keys); longer ones one by one with MLX's fused

@@ -42,7 +42,7 @@ import numpy as np
 
 from pagedmlx.runner.attention_metadata import StepMetadata, _GroupBuilder, decode_token_rows, upload_indices
 from pagedmlx.runner.state import StateMetadata
-from pagedmlx.scheduler_output import SchedulerOutput
+from pagedmlx.core.sched.output import SchedulerOutput
 
 AUTO_MAX_DECODES = 8
 HOT_STEPS = 3

@@ -4,7 +4,7 @@ wherever a portable path runs, why (the KernelPlan's reason: no GPU backend, a s
 check that failed; or a head shape the kernel does not take). The same gates the step uses decide
 (decode_attention.supports_layer, the runner's prefill_heads, the plan), so the text cannot drift
 from what runs. `pagedmlx doctor` prints these lines for a model; the server prints them at start
-(core/info.py)."""
+(engine/core_info.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from pagedmlx.kernels import decode_attention, decode_attention_quant, prefill_attention
 from pagedmlx.kernels.dialect import CUDA
-from pagedmlx.runner import skinny_linear
+from pagedmlx.layers import skinny_linear
 
 PORTABLE = "gather + SDPA"  # pages gathered into a contiguous copy, then MLX's attention
 
@@ -58,12 +58,12 @@ def kernel_path_lines(runner: Any) -> list[str]:
     if state is not None:
         lines.append(f"{state.name} ({_layers(list(state.layer_ids))}): {_join([_state_path(kernels)])}")
     if getattr(runner, "merges", False):
-        lines.append(f"projections: {runner.merged_groups} groups each one matmul (runner/merged_linear.py)")
+        lines.append(f"projections: {runner.merged_groups} groups each one matmul (layers/merged_linear.py)")
     if getattr(runner, "fused_norms", False):
-        lines.append("residual adds: fused with the RMSNorms after them (runner/fused_residual.py)")
+        lines.append("residual adds: fused with the RMSNorms after them (layers/fused_residual.py)")
     if getattr(runner, "skinny", False):
         rows = skinny_linear.rows_taken()
-        lines.append(f"products of {rows[0]}-{rows[-1]} rows: skinny GEMM kernel (runner/skinny_linear.py)")
+        lines.append(f"products of {rows[0]}-{rows[-1]} rows: skinny GEMM kernel (layers/skinny_linear.py)")
     lora = getattr(runner, "lora_manager", None)
     if lora is not None:
         lines.append("LoRA adapters: " + (f"batched LoRA kernel on {lora.punica.kernel_backend} (DoRA rows: MLX's "

@@ -22,7 +22,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from pagedmlx.kv_cache_dtype import KVQuant
+from pagedmlx.core.kv.cache_dtype import KVQuant
 
 
 class QuantizedPages:

@@ -11,23 +11,23 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec, sliding_pool_blocks
+from pagedmlx.core.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec, sliding_pool_blocks
 from pagedmlx.kernels import build, prefill_attention, recurrent_state
 from pagedmlx.kernels.check import error_line
 from pagedmlx.kernels.selector import select_kernels, select_lora_kernel, select_quantized
-from pagedmlx.kv_cache_dtype import bytes_per_token, layer_quant
+from pagedmlx.core.kv.cache_dtype import bytes_per_token, layer_quant
 from pagedmlx.runner.attention import (KVPool, PagedLayerCache, install_paged_attention)
 from pagedmlx.runner.compiled_step import AUTO_MAX_DECODES, CompiledDecode
-from pagedmlx.runner.fused_residual import fuse_norms, fused_residuals
+from pagedmlx.layers.fused_residual import fuse_norms, fused_residuals
 from pagedmlx.runner.lm_head import split_lm_head
-from pagedmlx.runner.merged_linear import merge_projections, merged_products
-from pagedmlx.runner.skinny_linear import drop_skinny_gemm, skinny_products, use_skinny_gemm
+from pagedmlx.layers.merged_linear import merge_projections, merged_products
+from pagedmlx.layers.skinny_linear import drop_skinny_gemm, skinny_products, use_skinny_gemm
 from pagedmlx.runner.attention_metadata import (StepMetadata, sdpa_shape_quantum)
 from pagedmlx.runner.plan import UnsupportedModelError, model_type, plan_layers
 from pagedmlx.runner.selfcheck import LOGIT_TOLERANCE, check_paged_forward, relative_error
 from pagedmlx.runner import warm_up
 from pagedmlx.runner.state import StateLayerCache, StateMetadata, StatePool, install_regrouping, pages_budget, state_group
-from pagedmlx.scheduler_output import SchedulerOutput
+from pagedmlx.core.sched.output import SchedulerOutput
 
 logger = logging.getLogger("pagedmlx")
 
@@ -72,7 +72,7 @@ class ModelRunner:
         self.merges = _merges_projections(config)  # False: separate products, even where another runner merged
         self.merged_groups = merge_projections(model) if self.merges else 0
         if self.merged_groups:
-            logger.info("merged %d projection groups (runner/merged_linear.py)", self.merged_groups)
+            logger.info("merged %d projection groups (layers/merged_linear.py)", self.merged_groups)
         # Routed first: the plan's probe sees each layer's query heads and sinks through the dispatcher.
         routed = install_paged_attention(model)
         self.plan, self.vocab_size = plan_layers(model)  # refuses the layers it cannot page, by name
@@ -373,11 +373,11 @@ class ModelRunner:
         plain would otherwise switch right kernels off); kernels that still disagree are switched off,
         and the split tried again without them; a model whose pages still disagree is refused."""
         err = self._check()
-        if err is not None and self.skinny:  # our own products give way first (runner/skinny_linear.py)
+        if err is not None and self.skinny:  # our own products give way first (layers/skinny_linear.py)
             logger.warning("few-row products left to MLX's matmul: the paged forward disagrees with them (%s)", err)
             self.skinny = drop_skinny_gemm(self.model)
             err = self._check()
-        if err is not None and self.fused_norms:  # the fused residual adds give way first (runner/fused_residual.py)
+        if err is not None and self.fused_norms:  # the fused residual adds give way first (layers/fused_residual.py)
             logger.warning("residual adds not fused with their norms: the paged forward disagrees with them (%s)", err)
             self.fused_norms = False
             err = self._check()

@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from pagedmlx.kernels import prefill_attention
-from pagedmlx.kv.spec import cdiv
+from pagedmlx.core.kv.spec import cdiv
 
 
 class Segment(NamedTuple):

@@ -11,13 +11,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from pagedmlx.kv.manager import KVCacheManager
-from pagedmlx.kv.spec import KVCacheConfig, KVCacheGroupSpec, MambaSpec, cdiv
+from pagedmlx.core.kv.manager import KVCacheManager
+from pagedmlx.core.kv.spec import KVCacheConfig, KVCacheGroupSpec, MambaSpec, cdiv
 from pagedmlx.request import Request
 from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.runner.attention import KVPool
 from pagedmlx.runner.state import StatePool
-from pagedmlx.scheduler_output import SchedulerOutput, build_scheduler_output
+from pagedmlx.core.sched.output import SchedulerOutput, build_scheduler_output
 
 # float32: 5e-3, not less: on tensor-core GPUs MLX multiplies float32 in TF32 by default
 # (MLX_ENABLE_TF32), and the paged and mlx-lm passes round differently (1.06e-3 seen on an H200).

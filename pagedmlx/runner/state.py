@@ -30,12 +30,12 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.kv.spec import KVCacheGroupSpec, MambaSpec, cdiv
+from pagedmlx.core.kv.spec import KVCacheGroupSpec, MambaSpec, cdiv
 from pagedmlx.kernels import recurrent_state
 from pagedmlx.runner.attention import as_dtype, zero_in_place
 from pagedmlx.runner.attention_metadata import upload_indices
 from pagedmlx.runner.plan import LayerPlan, StatePlan
-from pagedmlx.scheduler_output import SchedulerOutput
+from pagedmlx.core.sched.output import SchedulerOutput
 
 
 def state_group(plan: list[LayerPlan], config: EngineConfig) -> Optional[KVCacheGroupSpec]:

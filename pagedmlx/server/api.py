@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 
-from pagedmlx.async_engine import AsyncEngine
+from pagedmlx.engine.async_engine import AsyncEngine
 from pagedmlx.blocks.snapshot import kv_snapshot
 from pagedmlx.server import openapi
 from pagedmlx.server.chat_tools import ChatParsing

@@ -1,5 +1,5 @@
 """`pagedmlx serve` (vLLM's api_server.py): its options, then the engine core (in a process of its
-own by default, core/client.py), the app (api.py) and the HTTP server (http_server.py)."""
+own by default, engine/core_client.py), the app (api.py) and the HTTP server (http_server.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import signal
 import sys
 from typing import Any, Callable
 
-from pagedmlx.engine_args import add_engine_args, engine_config, non_negative, port_number, positive
+from pagedmlx.engine.arg_utils import add_engine_args, engine_config, non_negative, port_number, positive
 from pagedmlx.platform import hard_exit
 
 
@@ -90,7 +90,7 @@ def run_serve(args: argparse.Namespace) -> int:
     nofile = raise_file_limit()
     from rich.console import Console
 
-    from pagedmlx.core.client import CoreStartupError
+    from pagedmlx.engine.core_client import CoreStartupError
     from pagedmlx.tp.group import launched_backend, launched_rank
 
     console = Console(stderr=True)
@@ -116,15 +116,15 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _start_engine(args: argparse.Namespace, config: Any, distributed: bool):
-    from pagedmlx.async_engine import AsyncEngine
-    from pagedmlx.core.client import CoreProcess
+    from pagedmlx.engine.async_engine import AsyncEngine
+    from pagedmlx.engine.core_client import CoreProcess
 
     if args.engine_process:
         argv = list(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
         core = CoreProcess(config, distributed=distributed, tp=args.tp, tp_timeout=args.tp_timeout, argv=argv,
                            log_level=args.log_level)
     else:
-        from pagedmlx.engine import LLMEngine
+        from pagedmlx.engine.llm_engine import LLMEngine
 
         core = LLMEngine.from_config(config).core
     return AsyncEngine(core, max_waiting=args.max_waiting)
@@ -147,8 +147,8 @@ def _serving_models(args: argparse.Namespace, async_engine: Any, name: str):
 def _serve_in_thread_or_worker(args: argparse.Namespace, config: Any, console: Any) -> int:
     """Tensor parallelism where the engine core stays in this process: ranks > 0 of a launcher, and
     rank 0 under MPI (a spawned child cannot join an MPI world) or with --no-engine-process."""
-    from pagedmlx.async_engine import AsyncEngine
-    from pagedmlx.loader import load_model
+    from pagedmlx.engine.async_engine import AsyncEngine
+    from pagedmlx.loaders.loader import load_model
     from pagedmlx.tp import engine as tp_engine
     from pagedmlx.tp.group import join_group
 
@@ -158,7 +158,7 @@ def _serve_in_thread_or_worker(args: argparse.Namespace, config: Any, console: A
                                     args.tp_timeout)
     with console.status("loading the model..."):
         if group is None:
-            from pagedmlx.core.engine_core import EngineCore
+            from pagedmlx.engine.core import EngineCore
 
             core = EngineCore.from_config(config)
         else:
@@ -173,7 +173,7 @@ def _serve_in_thread_or_worker(args: argparse.Namespace, config: Any, console: A
 
 def _serve(args: argparse.Namespace, async_engine: Any, console: Any, nofile: tuple[int, int],
            on_lost: Callable[[Callable[[BaseException], None]], None] | None = None) -> int:
-    from pagedmlx.core.info import defaults_line
+    from pagedmlx.engine.core_info import defaults_line
     from pagedmlx.server.api import build_app
     from pagedmlx.server.file_limit import RESERVED_FDS
     from pagedmlx.server.http_server import EngineWatch, make_server, max_connections

@@ -14,8 +14,8 @@ from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pagedmlx.async_engine import RequestTiming
-from pagedmlx.core.engine_core import EngineCore
+from pagedmlx.engine.async_engine import RequestTiming
+from pagedmlx.engine.core import EngineCore
 from pagedmlx.outputs import EngineOutput
 
 # vLLM's buckets.

@@ -12,7 +12,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Optional
 
-from pagedmlx.async_engine import AsyncEngine
+from pagedmlx.engine.async_engine import AsyncEngine
 from pagedmlx.lora.request import LoRARequest
 from pagedmlx.server.protocol import APIError, ModelCard, ModelList
 

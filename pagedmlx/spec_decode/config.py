@@ -1,6 +1,6 @@
 """SpeculativeConfig: vLLM's `speculative_config` (`LLM(..., speculative_config={...})`,
 `pagedmlx serve --speculative-config '{...}'`). Plain data: EngineConfig crosses a process boundary
-pickled (core/proc.py); only an in-process engine may take a loaded draft model object as `model`."""
+pickled (engine/core_proc.py); only an in-process engine may take a loaded draft model object as `model`."""
 
 from __future__ import annotations
 

@@ -36,11 +36,11 @@ import mlx.nn as nn
 import numpy as np
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.kv.spec import FullAttentionSpec
+from pagedmlx.core.kv.spec import FullAttentionSpec
 from pagedmlx.request import Request
 from pagedmlx.runner.model import ModelRunner, UnsupportedModelError, model_type, weights_nbytes
-from pagedmlx.sampler import sample_draft_tokens
-from pagedmlx.scheduler_output import SchedulerOutput, _block_table
+from pagedmlx.sample.sampler import sample_draft_tokens
+from pagedmlx.core.sched.output import SchedulerOutput, _block_table
 
 logger = logging.getLogger("pagedmlx")
 
@@ -79,7 +79,7 @@ def make_draft_proposer(config: EngineConfig, verify: bool = True) -> tuple[Opti
         return None, None
     model, tokenizer = spec.model, None
     if not isinstance(model, nn.Module):
-        from pagedmlx.loader import load_model
+        from pagedmlx.loaders.loader import load_model
 
         model, tokenizer = load_model(str(model), dtype=config.dtype)
     if config.dtype is not None:  # quantized weights keep their packed form

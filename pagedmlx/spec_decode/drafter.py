@@ -38,7 +38,7 @@ from typing import Any, Iterable, Optional
 from pagedmlx.request import Request
 from pagedmlx.spec_decode.config import SpeculativeConfig
 from pagedmlx.spec_decode.ngram_proposer import NgramProposer
-from pagedmlx.spec_decode.rejection_sampler import num_accepted
+from pagedmlx.sample.rejection_sampler import num_accepted
 
 logger = logging.getLogger("pagedmlx")
 

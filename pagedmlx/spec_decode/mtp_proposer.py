@@ -29,7 +29,7 @@ import numpy as np
 from pagedmlx.config import EngineConfig
 from pagedmlx.request import Request
 from pagedmlx.runner.model import UnsupportedModelError, weights_nbytes
-from pagedmlx.scheduler_output import SchedulerOutput
+from pagedmlx.core.sched.output import SchedulerOutput
 from pagedmlx.spec_decode.draft_model import DraftModelProposer, make_draft_proposer
 
 logger = logging.getLogger("pagedmlx")
@@ -126,7 +126,7 @@ class MTPProposer(DraftModelProposer):
 def make_mtp_proposer(config: EngineConfig, target, verify: bool = True) -> MTPProposer:
     """The target's MTP module with its checkpoint's weights (speculative_config.model, else the target's own
     folder; random weights for a `random:` target) as a proposer. A ValueError names what is missing."""
-    from pagedmlx.loader import RANDOM_PREFIX
+    from pagedmlx.loaders.loader import RANDOM_PREFIX
     from pagedmlx.spec_decode.mtp import make_mtp_model
 
     spec = config.speculative_config

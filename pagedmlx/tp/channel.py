@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 import numpy as np
 
-from pagedmlx.scheduler_output import SchedulerOutput
+from pagedmlx.core.sched.output import SchedulerOutput
 
 STEP, STOP = 1, 2
 _MAGIC = 0x70616765  # "page"

@@ -29,7 +29,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from pagedmlx.scheduler_output import SchedulerOutput
+from pagedmlx.core.sched.output import SchedulerOutput
 from pagedmlx.tp.channel import STEP, STOP, ControlClient, ControlServer, RankLostError
 
 logger = logging.getLogger("pagedmlx")

@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.core.engine_core import EngineCore
+from pagedmlx.engine.core import EngineCore
 from pagedmlx.platform import backend_name, hard_exit
 from pagedmlx.runner.model import ModelRunner, UnsupportedModelError, model_type, weights_nbytes
 from pagedmlx.tp.channel import RankLostError

@@ -50,7 +50,7 @@ import mlx.nn as nn  # noqa: E402
 from bench_spec import QUESTIONS, prompts_for  # noqa: E402
 
 from pagedmlx.llm import LLM  # noqa: E402
-from pagedmlx.loader import load_model  # noqa: E402
+from pagedmlx.loaders.loader import load_model  # noqa: E402
 from pagedmlx.sampling_params import SamplingParams  # noqa: E402
 
 

@@ -69,9 +69,9 @@ QUESTIONS = ["Explain how a refrigerator keeps food cold.", "Write a short story
 
 
 def quality(args: argparse.Namespace) -> None:
-    from pagedmlx.kv_cache_dtype import bytes_per_token, layer_quant
+    from pagedmlx.core.kv.cache_dtype import bytes_per_token, layer_quant
     from pagedmlx.llm import LLM
-    from pagedmlx.loader import load_model
+    from pagedmlx.loaders.loader import load_model
     from pagedmlx.sampling_params import SamplingParams
 
     model, tok = load_model(args.model)
@@ -130,7 +130,7 @@ def _step_ms(model, batch: int, ctx: int, bs: int, dtype: str, steps: int, quant
     from pagedmlx.config import EngineConfig
     from pagedmlx.runner.kernel_paths import kernel_path_lines
     from pagedmlx.runner.model import ModelRunner
-    from pagedmlx.scheduler_output import decode_only_output
+    from pagedmlx.core.sched.output import decode_only_output
 
     per_seq = -(-ctx // bs)
     runner = ModelRunner(model, EngineConfig(block_size=bs, num_blocks=batch * per_seq + 1, kv_cache_dtype=dtype,
@@ -205,7 +205,7 @@ def variants(args: argparse.Namespace, model) -> None:
 
 def speed(args: argparse.Namespace) -> None:
     from pagedmlx.bench.presets import preset_model
-    from pagedmlx.kv_cache_dtype import bytes_per_token, layer_quant
+    from pagedmlx.core.kv.cache_dtype import bytes_per_token, layer_quant
 
     model, _ = preset_model(args.preset, "bfloat16")
     spec = model.args

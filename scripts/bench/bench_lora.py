@@ -88,7 +88,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from pagedmlx.config import EngineConfig
-    from pagedmlx.engine import LLMEngine
+    from pagedmlx.engine.llm_engine import LLMEngine
 
     dtype = getattr(mx, args.dtype)
     largest = max(args.batch_sizes)

@@ -76,7 +76,7 @@ def main() -> None:
     from rich.table import Table
 
     from pagedmlx.config import EngineConfig
-    from pagedmlx.engine import LLMEngine
+    from pagedmlx.engine.llm_engine import LLMEngine
 
     model = random_model(args.arch, getattr(mx, args.dtype))
     vocab = getattr(model.args, "vocab_size", None) or model.args.text_config["vocab_size"]

@@ -189,11 +189,11 @@ def main() -> None:
     from rich.table import Table
 
     from pagedmlx.config import EngineConfig
-    from pagedmlx.engine import LLMEngine
+    from pagedmlx.engine.llm_engine import LLMEngine
 
     dtype = getattr(mx, args.dtype)
     if args.model:
-        from pagedmlx.loader import load_model
+        from pagedmlx.loaders.loader import load_model
 
         model, _ = load_model(args.model)
         name = args.model

@@ -46,7 +46,7 @@ def engine_for(model, args, threshold: int, budget: int, max_len: int, num_seqs:
     padding (attention_metadata.sdpa_shape_quantum; None: the backend's default); warm_up:
     EngineConfig.warm_up_attention (None: the backend's default); kernel: EngineConfig.prefill_kernel."""
     from pagedmlx.config import EngineConfig
-    from pagedmlx.engine import LLMEngine
+    from pagedmlx.engine.llm_engine import LLMEngine
 
     free_memory()
     blocks = blocks or num_seqs * (-(-max_len // args.block_size) + 1) + 8
@@ -236,7 +236,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="  %(name)s: %(message)s")  # the engine's warm-up line
     console = Console()
     if args.model:
-        from pagedmlx.loader import load_model
+        from pagedmlx.loaders.loader import load_model
 
         model = load_model(None if args.model == "default" else args.model)[0]
         model.set_dtype(getattr(mx, args.dtype))

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import mlx.core as mx  # noqa: E402
 
 from pagedmlx.llm import LLM  # noqa: E402
-from pagedmlx.loader import load_model  # noqa: E402
+from pagedmlx.loaders.loader import load_model  # noqa: E402
 from pagedmlx.sampling_params import SamplingParams  # noqa: E402
 
 PASSAGES = [

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pagedmlx.bench.presets import PRESETS, random_model  # noqa: E402
 from pagedmlx.config import EngineConfig  # noqa: E402
-from pagedmlx.engine import LLMEngine  # noqa: E402
+from pagedmlx.engine.llm_engine import LLMEngine  # noqa: E402
 
 
 def main() -> None:

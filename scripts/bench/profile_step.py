@@ -108,7 +108,7 @@ def main() -> None:
     from rich.table import Table
 
     from pagedmlx.config import EngineConfig
-    from pagedmlx.engine import LLMEngine
+    from pagedmlx.engine.llm_engine import LLMEngine
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="small", choices=PRESETS)

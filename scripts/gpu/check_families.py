@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from pagedmlx.bench.presets import random_model as preset_model  # noqa: E402
 from pagedmlx.config import EngineConfig  # noqa: E402
 from pagedmlx.kernels.selector import KernelPlan  # noqa: E402
-from pagedmlx.models.random_model import RANDOM_ARCHS, build_model  # noqa: E402
+from pagedmlx.loaders.random_model import RANDOM_ARCHS, build_model  # noqa: E402
 from pagedmlx.runner.model import ModelRunner  # noqa: E402
 from pagedmlx.runner.selfcheck import check_paged_forward  # noqa: E402
 

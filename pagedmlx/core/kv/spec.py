@@ -44,7 +44,7 @@ class MambaSpec:
     checkpoints keep every slot no request holds, least recently used evicted first.
     With speculative decoding a request whose step verifies drafts also holds `num_speculative_blocks`
     (1) spare slot, for that step: the step writes the state there, and it becomes the request's slot
-    only if every draft is accepted (kv/state_manager.py). The pool has spares for `max_speculating`
+    only if every draft is accepted (core/kv/state_manager.py). The pool has spares for `max_speculating`
     requests at once (the most that speculate: SpeculativeConfig.disable_by_batch_size)."""
 
     checkpoint_interval: int = 0

@@ -8,7 +8,7 @@ where a is the first j with t_j != d_{j+1} (a = k when all agree: t_k is the bon
 - Greedy: t_j is the target's argmax: drafts are accepted while they equal it, then the target's
   token follows. Exactly the tokens of non-speculative greedy decoding.
 - Temperature > 0: t_j = argmax(x_j + g_j), x_j the row's filtered, temperature-scaled logits and g_j
-  Gumbel noise of the request's seed at output position n + j (sampler.py). That is the rejection
+  Gumbel noise of the request's seed at output position n + j (sample/sampler.py). That is the rejection
   sampler for a point-mass draft q = delta(d): P(t_j = d) = p(d), so d is accepted with probability
   p(d) = min(1, p(d) / q(d)); given t_j != d, t_j is distributed as p with d removed, renormalised
   (the Gumbel-max argmax restricted to the other tokens), which is the residual norm(max(0, p - q)).

@@ -7,7 +7,7 @@
   interpreter lock with the HTTP side.
 
 Both take messages with `send` (thread-safe, never blocks) and hand the core's messages, from a
-thread of their own, to the `receive` given to `start` (core/messages.py lists both directions).
+thread of their own, to the `receive` given to `start` (engine/messages.py lists both directions).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import tempfile
 import threading
 from typing import Any, Callable, Optional
 
-from pagedmlx.core.info import CoreInfo
-from pagedmlx.core.loop import CoreLoop
+from pagedmlx.engine.core_info import CoreInfo
+from pagedmlx.engine.core_loop import CoreLoop
 
 logger = logging.getLogger("pagedmlx")
 
@@ -75,7 +75,7 @@ class CoreProcess:
         launcher's); the process becomes rank 0 and `argv` starts the others (`--tp N`)."""
         import zmq
 
-        from pagedmlx.core.proc import CoreArgs, run_engine_core
+        from pagedmlx.engine.core_proc import CoreArgs, run_engine_core
 
         self._zmq = zmq
         self._dir = tempfile.mkdtemp(prefix="pagedmlx-")
@@ -100,7 +100,7 @@ class CoreProcess:
             raise
 
     def _wait_ready(self) -> CoreInfo:
-        from pagedmlx.core.messages import decode
+        from pagedmlx.engine.messages import decode
 
         poller = self._zmq.Poller()
         poller.register(self._output, self._zmq.POLLIN)
@@ -125,7 +125,7 @@ class CoreProcess:
         self.thread.start()
 
     def send(self, message: tuple) -> None:
-        from pagedmlx.core.messages import encode
+        from pagedmlx.engine.messages import encode
 
         frames = encode(message)
         with self._lock:
@@ -154,8 +154,8 @@ class CoreProcess:
     def _read(self, receive: Receive) -> None:
         """Hand every message of the core to `receive`; end with its last ("stopped" / "dead"), or a
         "dead" of our own when the process exits without one."""
-        from pagedmlx.async_stream import EngineDeadError
-        from pagedmlx.core.messages import decode
+        from pagedmlx.engine.async_stream import EngineDeadError
+        from pagedmlx.engine.messages import decode
 
         zmq = self._zmq
         poller = zmq.Poller()

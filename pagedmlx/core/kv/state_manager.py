@@ -31,10 +31,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from pagedmlx.kv.block_hash import BlockHash
-from pagedmlx.kv.block_pool import KVCacheBlock
-from pagedmlx.kv.single_type import SingleTypeKVCacheManager
-from pagedmlx.kv.spec import MambaSpec
+from pagedmlx.core.kv.block_hash import BlockHash
+from pagedmlx.core.kv.block_pool import KVCacheBlock
+from pagedmlx.core.kv.single_type import SingleTypeKVCacheManager
+from pagedmlx.core.kv.spec import MambaSpec
 from pagedmlx.request import Request
 
 

@@ -1,15 +1,15 @@
 """One KV cache group's pages (vLLM's SingleTypeKVCacheManager): which blocks each request holds
 in this group, its prefix hits and what it frees. The KVCacheManager coordinates the groups and
-picks each group's manager by its spec (kv/manager.py: full and sliding window here, recurrent
-state in kv/state_manager.py, which builds on this module and is never imported by it)."""
+picks each group's manager by its spec (core/kv/manager.py: full and sliding window here, recurrent
+state in core/kv/state_manager.py, which builds on this module and is never imported by it)."""
 
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from pagedmlx.kv.block_hash import BlockHash
-from pagedmlx.kv.block_pool import BlockPool, KVCacheBlock
-from pagedmlx.kv.spec import KVCacheSpec, SlidingWindowSpec, cdiv
+from pagedmlx.core.kv.block_hash import BlockHash
+from pagedmlx.core.kv.block_pool import BlockPool, KVCacheBlock
+from pagedmlx.core.kv.spec import KVCacheSpec, SlidingWindowSpec, cdiv
 
 
 class SingleTypeKVCacheManager:

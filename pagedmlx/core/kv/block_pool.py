@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from pagedmlx.kv.block_hash import BlockHash
+from pagedmlx.core.kv.block_hash import BlockHash
 
 
 class KVCacheBlock:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from pagedmlx.core.step import LaunchedStep
+from pagedmlx.engine.step import LaunchedStep
 from pagedmlx.outputs import TokenLogprob
-from pagedmlx.sampler import Sampler, SamplerOutput
-from pagedmlx.scheduler_output import SchedulerOutput
+from pagedmlx.sample.sampler import Sampler, SamplerOutput
+from pagedmlx.core.sched.output import SchedulerOutput
 
 
 def prompt_logprobs(logits: mx.array, so: SchedulerOutput, requests: dict) -> SamplerOutput:

@@ -127,7 +127,7 @@ def fuse_norms(setting: bool, model: nn.Module, body: Any, plan: Any) -> bool:
     if why is not None:
         logger.warning("residual adds not fused with their norms: %s", why)
         return False
-    logger.info("fused %d layers' residual adds with the RMSNorms after them (runner/fused_residual.py)",
+    logger.info("fused %d layers' residual adds with the RMSNorms after them (layers/fused_residual.py)",
                 len(body.layers))
     return True
 

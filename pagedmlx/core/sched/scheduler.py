@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Union
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.kv.manager import KVCacheManager, cdiv
+from pagedmlx.core.kv.manager import KVCacheManager, cdiv
 from pagedmlx.request import Request, RequestStatus
-from pagedmlx.scheduler_output import SchedulerOutput, build_scheduler_output
+from pagedmlx.core.sched.output import SchedulerOutput, build_scheduler_output
 from pagedmlx.spec_decode.metrics import SpecDecodingStats
 
 logger = logging.getLogger("pagedmlx")

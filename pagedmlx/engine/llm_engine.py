@@ -11,9 +11,9 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import mlx.nn as nn
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.core.engine_core import EngineCore
+from pagedmlx.engine.core import EngineCore
 from pagedmlx.lora.request import LoRARequest
-from pagedmlx.output_processor import OutputProcessor
+from pagedmlx.engine.output_processor import OutputProcessor
 from pagedmlx.outputs import EngineCoreOutput, EngineOutput
 from pagedmlx.request import Request
 from pagedmlx.sampling_params import SamplingParams

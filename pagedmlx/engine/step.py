@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from pagedmlx.request import Request
-from pagedmlx.scheduler_output import SchedulerOutput
+from pagedmlx.core.sched.output import SchedulerOutput
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """The engine core's busy loop (vLLM's EngineCoreProc.run_busy_loop): apply what came in (adds,
 aborts, calls, a drain), run a step, hand its outputs out; sleep only when there is nothing to do.
 
-It runs in a thread of the server's process (core/client.py's CoreThread) or as the engine-core
-process's main loop (core/proc.py); the messages (core/messages.py) are the same either way. It never
+It runs in a thread of the server's process (engine/core_client.py's CoreThread) or as the engine-core
+process's main loop (engine/core_proc.py); the messages (engine/messages.py) are the same either way. It never
 waits on the front end: outputs go out with `send`, which must not block.
 """
 
@@ -13,8 +13,8 @@ import queue
 import time
 from typing import Callable, Optional
 
-from pagedmlx.core.engine_core import EngineCore
-from pagedmlx.core.messages import AddRequest
+from pagedmlx.engine.core import EngineCore
+from pagedmlx.engine.messages import AddRequest
 from pagedmlx.outputs import EngineCoreOutput
 
 logger = logging.getLogger("pagedmlx")

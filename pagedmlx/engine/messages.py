@@ -7,14 +7,14 @@ Front end -> core:
     ("call", call id, fn, args, kwargs)     fn(core, *args, **kwargs) between two steps
     ("drain", timeout)                      no more adds; finish or abort what runs, then stop
 Core -> front end:
-    ("ready", CoreInfo)                     the process is up (core/proc.py only)
+    ("ready", CoreInfo)                     the process is up (engine/core_proc.py only)
     ("failed", message)                     ... or could not start
     ("added", request id, error or None, requests waiting)
     ("outputs", [EngineCoreOutput], requests waiting)      at most one a step
     ("result", call id, value, error)
     ("stopped",)  /  ("dead", error)        the last message
 
-In a thread (core/client.py's CoreThread) the tuples pass as they are. Between processes each is two
+In a thread (engine/core_client.py's CoreThread) the tuples pass as they are. Between processes each is two
 ZeroMQ frames: the kind, then the body, as msgpack (msgspec) for the messages of every request and
 step, as pickle for the rare rest (functions, snapshots, errors; both ends are this package).
 """

@@ -44,7 +44,7 @@ class SkinnyLinear(nn.Linear):
 
 
 def _linears(model: nn.Module) -> list[nn.Linear]:
-    """The model's plain linear layers, merged groups' separate parts included (runner/merged_linear.py: a
+    """The model's plain linear layers, merged groups' separate parts included (layers/merged_linear.py: a
     verifying step's q/k/v run as parts)."""
     mods = [x for _, m in model.named_modules() for x in (m, *getattr(m, "_separate", ()))]
     return [m for m in mods if type(m) in (nn.Linear, SkinnyLinear)]
@@ -89,7 +89,7 @@ def use_skinny_gemm(setting: Optional[bool], model: nn.Module, kernels_enabled: 
         return False
     for m in taken:
         m.__class__, m._pagedmlx_backend = SkinnyLinear, backend
-    logger.info("%d of %d linear layers take the skinny GEMM kernel for %d-%d rows (runner/skinny_linear.py)",
+    logger.info("%d of %d linear layers take the skinny GEMM kernel for %d-%d rows (layers/skinny_linear.py)",
                 len(taken), len(linears), rows_taken()[0], rows_taken()[-1])
     return True
 

@@ -1,6 +1,6 @@
 """KVCacheManager: the coordinator of a model's KV cache groups (vLLM's KVCacheManager over its
 hybrid coordinator): prefix-cache lookups intersected across groups, slot allocation all or nothing
-across groups, every group freed together. A recurrent-state group (kv/state_manager.py), if any,
+across groups, every group freed together. A recurrent-state group (core/kv/state_manager.py), if any,
 is the last group: its hit is a checkpoint that covers exactly the prefix skipped."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
-from pagedmlx.kv.block_hash import hash_request_blocks
-from pagedmlx.kv.block_pool import BlockPool, KVCacheBlock
-from pagedmlx.kv.single_type import (FullAttentionManager, SingleTypeKVCacheManager, SlidingWindowManager,
+from pagedmlx.core.kv.block_hash import hash_request_blocks
+from pagedmlx.core.kv.block_pool import BlockPool, KVCacheBlock
+from pagedmlx.core.kv.single_type import (FullAttentionManager, SingleTypeKVCacheManager, SlidingWindowManager,
                                      intersect_hits)
-from pagedmlx.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec, SlidingWindowSpec, cdiv
-from pagedmlx.kv.state_manager import StateManager
+from pagedmlx.core.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec, SlidingWindowSpec, cdiv
+from pagedmlx.core.kv.state_manager import StateManager
 from pagedmlx.request import Request
 
 __all__ = ["KVCacheBlocks", "KVCacheManager", "PrefixCacheStats", "cdiv"]

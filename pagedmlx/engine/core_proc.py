@@ -1,5 +1,5 @@
-"""The engine-core process (vLLM's EngineCoreProc): spawned by core/client.py's CoreProcess, it builds
-the engine (the model and MLX live only here), says "ready", then runs the busy loop (core/loop.py).
+"""The engine-core process (vLLM's EngineCoreProc): spawned by engine/core_client.py's CoreProcess, it builds
+the engine (the model and MLX live only here), says "ready", then runs the busy loop (engine/core_loop.py).
 
 - Input: a thread reads the ZeroMQ socket and queues each message, so that the loop never waits on
   a socket between steps; outputs go out on the loop's own thread.
@@ -42,7 +42,7 @@ def run_engine_core(args: CoreArgs) -> None:
     _exit_with_parent()
     import zmq
 
-    from pagedmlx.core.messages import decode, encode
+    from pagedmlx.engine.messages import decode, encode
     from pagedmlx.platform import hard_exit
 
     ctx = zmq.Context()
@@ -60,8 +60,8 @@ def run_engine_core(args: CoreArgs) -> None:
         output.close(linger=5000)
         ctx.term()
         hard_exit(1)
-    from pagedmlx.core.info import CoreInfo
-    from pagedmlx.core.loop import CoreLoop
+    from pagedmlx.engine.core_info import CoreInfo
+    from pagedmlx.engine.core_loop import CoreLoop
 
     send(("ready", CoreInfo.of(core)))
     inbox: queue.Queue = queue.Queue()
@@ -95,7 +95,7 @@ def run_engine_core(args: CoreArgs) -> None:
 
 def build_core(args: CoreArgs) -> Any:
     """The EngineCore this process steps (rank 0's, under tensor parallelism)."""
-    from pagedmlx.core.engine_core import EngineCore
+    from pagedmlx.engine.core import EngineCore
 
     group = None
     if args.distributed:
@@ -104,7 +104,7 @@ def build_core(args: CoreArgs) -> Any:
         group = join_group(args.tp, argv=args.argv)
     if group is None:
         return EngineCore.from_config(args.config)
-    from pagedmlx.loader import load_model
+    from pagedmlx.loaders.loader import load_model
     from pagedmlx.tp import engine as tp_engine
 
     core = tp_engine.build_engine(*load_model(args.config.model, lazy=True, dtype=args.config.dtype), args.config,

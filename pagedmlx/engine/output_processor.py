@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable, Optional, Sequence
 
-from pagedmlx.detokenizer import IncrementalDetokenizer
+from pagedmlx.engine.detokenizer import IncrementalDetokenizer
 from pagedmlx.outputs import EngineCoreOutput, EngineOutput, TokenLogprob
 from pagedmlx.sampling_params import SamplingParams
 

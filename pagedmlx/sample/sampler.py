@@ -17,7 +17,7 @@ of tokens request r has sampled so far: a seeded request draws the same tokens w
 the batch, and MLX's global random state is never used.
 
 Speculative decoding: a request with k draft tokens has 1 + k rows, row j the target's distribution
-at its output position n + j (step n + j); every row samples as above. spec_decode/rejection_sampler.py
+at its output position n + j (step n + j); every row samples as above. sample/rejection_sampler.py
 says how the drafts are then accepted.
 """
 
