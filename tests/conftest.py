@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 from utils import ARCHS
+
+# tests/ mirrors the package; test modules of one folder import helpers from another's (`from test_kv_quant
+# import ...`), so every folder is importable by module name, as in one flat folder.
+sys.path += [str(d) for d in sorted(Path(__file__).parent.iterdir()) if d.is_dir() and any(d.glob("test_*.py"))]
 
 
 @pytest.fixture(params=list(ARCHS))

@@ -110,7 +110,7 @@ def test_decode_with_windows_and_sinks_matches_the_gather_path(name, dtype, lane
 
 
 def bench_attention_variants():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from scripts.bench.bench_attention import VARIANTS, settings
 
     return [settings(v) for v in VARIANTS]

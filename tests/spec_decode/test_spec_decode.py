@@ -407,7 +407,7 @@ def test_smollm_busy_quoting_engine_equals_mlx_lm(smollm):
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
     from bench_spec import prompts_for
 
     model, tok = smollm

@@ -32,7 +32,7 @@ from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.core.sched.output import SchedulerOutput, build_scheduler_output
 from pagedmlx.tp import channel as tp
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
 RANK_SCRIPT = os.path.join(HERE, "tp_rank.py")
 sys.path.insert(0, HERE)
 from tp_rank import ENGINE, MAX_TOKENS, NUM_REQUESTS  # noqa: E402
