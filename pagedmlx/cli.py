@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Callable, Optional, Sequence
 
+from pagedmlx import envs
 from pagedmlx.bench.cli import add_bench_parser, run_bench
 from pagedmlx.platform import backend_name
 from pagedmlx.doctor import add_doctor_parser, run_doctor
@@ -125,7 +125,7 @@ def run_blocks(args: argparse.Namespace, source=None) -> int:
 
     from pagedmlx.blocks.view import SnapshotError, get_snapshot, render, save_svg, watch
 
-    api_key = args.api_key or os.environ.get("PAGEDMLX_API_KEY") or None
+    api_key = args.api_key or envs.PAGEDMLX_API_KEY or None
     source = args.url if source is None else source
     console = Console()
     try:

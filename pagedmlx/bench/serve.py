@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import httpx
 
+from pagedmlx import envs
 from pagedmlx.bench.client import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, request_body
 from pagedmlx.bench.datasets import get_samples, load_tokenizer
 from pagedmlx.bench.load import Load, LoadResult, run_load, run_processes
@@ -45,7 +46,7 @@ def endpoint_of(args: argparse.Namespace) -> str:
 
 
 def auth_headers(api_key: Optional[str]) -> dict:
-    key = api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("PAGEDMLX_API_KEY")
+    key = api_key or envs.OPENAI_API_KEY or envs.PAGEDMLX_API_KEY
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 

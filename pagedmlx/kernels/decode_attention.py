@@ -19,12 +19,12 @@ selector.py (with check.py's checks).
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
 
+from pagedmlx import envs
 from pagedmlx.kernels import build
 from pagedmlx.kernels.dialect import CUDA, METAL, render
 from pagedmlx.kernels.sources import decode_attention as src
@@ -49,7 +49,7 @@ SETTINGS = {
     # heads_per_block did not win broadly; the tensor cores beat the lanes (PAGEDMLX_DECODE_MMA=0 turns
     # them off); 1056 groups: ~8 per SM of 132 SMs; 512 keys a split beat 256.
     CUDA: Settings(threads=128, unroll=2, prefetch=1, vectors=1, heads_per_block=0,
-                   mma=int(os.environ.get("PAGEDMLX_DECODE_MMA", "1")), target_blocks=1056,
+                   mma=envs.PAGEDMLX_DECODE_MMA, target_blocks=1056,
                    min_split_tokens=512, shared_bytes=48 * 1024),
     # Not measured: no Mac has run these. Apple GPUs have fewer registers per thread than an H200
     # (no prefetch: half the load registers) and 10-80 cores (fewer groups fill them); 32 KB of

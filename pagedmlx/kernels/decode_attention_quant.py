@@ -9,11 +9,11 @@ until a GPU suite has run them (tests/test_gpu_kernels.py)."""
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import mlx.core as mx
 
+from pagedmlx import envs
 from pagedmlx.kernels import build, decode_attention
 from pagedmlx.kernels.dialect import CUDA, render
 from pagedmlx.kernels.sources import decode_attention as src
@@ -91,8 +91,8 @@ def _launch(D: int, G: int, bs: int, dt: mx.Dtype, quant: KVQuant, window: int, 
         threads = 32 * max(1, min(4, 256 // D))
         # int8 with one group a row: scale and bias after the products (PAGEDMLX_QUANT_AFTER=0: dequantized tiles);
         # PAGEDMLX_QUANT_PREFETCH=0: no next tile staged in registers (fewer registers, more resident warps)
-        after = [("SCALE_AFTER", int(os.environ.get("PAGEDMLX_QUANT_AFTER", "1") != "0")),
-                 ("QPREFETCH", int(os.environ.get("PAGEDMLX_QUANT_PREFETCH", "1") != "0"))]
+        after = [("SCALE_AFTER", int(envs.PAGEDMLX_QUANT_AFTER)),
+                 ("QPREFETCH", int(envs.PAGEDMLX_QUANT_PREFETCH))]
         return [("T", dt), ("D", D), ("G", G), ("BS", bs), ("THREADS", threads)] + flags + after, threads, True
     tpt, vec = decode_attention.kernel_layout(D, G, dt, s.vectors)
     return ([("T", dt), ("D", D), ("G", G), ("R", 1), ("BS", bs), ("THREADS", s.threads), ("TPT", tpt),

@@ -16,12 +16,12 @@ the plan off if the model disagrees with mlx-lm.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
 import mlx.core as mx
 
+from pagedmlx import envs
 from pagedmlx.kernels import add_rms_norm, build, check, decode_attention, decode_attention_quant, lora, prefill_attention
 from pagedmlx.kernels.dialect import CUDA
 from pagedmlx.core.kv.cache_dtype import KVQuant
@@ -90,7 +90,7 @@ def select_kernels(layer_specs: list[tuple[int, int, int, mx.Dtype]], query_head
     if backend is None:
         return KernelPlan(None, reason="no GPU backend")
     env = f"PAGEDMLX_{backend.upper()}_KERNELS"
-    if os.environ.get(env, "1") == "0":
+    if not getattr(envs, env):
         return KernelPlan(backend, reason=f"{env}=0")
     shapes = kernel_shapes(layer_specs, query_heads, backend)
     prefill_shapes = [x for x in shapes if prefill_attention.supports_prefill(x[2], x[2], x[0], x[1], x[3])]

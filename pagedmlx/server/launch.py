@@ -4,11 +4,11 @@ own by default, engine/core_client.py), the app (api.py) and the HTTP server (ht
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 from typing import Any, Callable
 
+from pagedmlx import envs
 from pagedmlx.engine.arg_utils import add_engine_args, engine_config, non_negative, port_number, positive
 from pagedmlx.platform import hard_exit
 
@@ -184,8 +184,8 @@ def _serve(args: argparse.Namespace, async_engine: Any, console: Any, nofile: tu
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_n=args.max_n, max_tokens=args.max_tokens_cap,
                           header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                           max_connections=args.max_connections)
-    api_key = args.api_key or os.environ.get("PAGEDMLX_API_KEY") or None
-    admin_key = args.admin_key or os.environ.get("PAGEDMLX_ADMIN_KEY") or None
+    api_key = args.api_key or envs.PAGEDMLX_API_KEY or None
+    admin_key = args.admin_key or envs.PAGEDMLX_ADMIN_KEY or None
     try:
         parsing = chat_parsing(args, async_engine.tokenizer)
     except ValueError as exc:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import json
-import os
 import secrets
 import select
 import socket
@@ -26,6 +25,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 import numpy as np
 
+from pagedmlx import envs
 from pagedmlx.core.sched.output import SchedulerOutput
 
 STEP, STOP = 1, 2
@@ -114,17 +114,17 @@ def rank0_host() -> str:
     """Rank 0's address as the launcher gave it (ring hostfile, JACCL coordinator, NCCL host);
     else this machine's name's address (rank 0 only reads it)."""
     candidates = []
-    path = os.environ.get("MLX_HOSTFILE")
+    path = envs.MLX_HOSTFILE
     if path:
         try:
             with open(path) as f:
                 candidates.append(json.load(f)[0][0].rsplit(":", 1)[0])
         except (OSError, ValueError, IndexError, KeyError, TypeError):
             pass
-    coordinator = os.environ.get("MLX_JACCL_COORDINATOR")
+    coordinator = envs.MLX_JACCL_COORDINATOR
     if coordinator:
         candidates.append(coordinator.rsplit(":", 1)[0])
-    candidates.append(os.environ.get("NCCL_HOST_IP", ""))
+    candidates.append((envs.NCCL_HOST_IP or ""))
     for c in candidates:
         try:
             return str(ipaddress.IPv4Address(c))

@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import mlx.core as mx
 
+from pagedmlx import envs
 from pagedmlx.platform import hard_exit, on_hard_exit
 from pagedmlx.tp.channel import RankLostError
 
@@ -34,15 +35,16 @@ _LAUNCH_ENV = (("MLX_JACCL_COORDINATOR", "jaccl"), ("MLX_IBV_DEVICES", "jaccl"),
 def launched_rank() -> Optional[int]:
     """This process's rank as a launcher numbered it, or None (no launcher, or one that does not say)."""
     for var in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
+        value = getattr(envs, var) or ""
+        if value.isdigit():
+            return int(value)
     return None
 
 
 def launched_backend() -> Optional[str]:
     """The backend a launcher (mlx.launch, mpirun) started this process for, or None."""
     for var, backend in _LAUNCH_ENV:
-        if os.environ.get(var):
+        if getattr(envs, var):
             return backend
     return None
 
@@ -119,7 +121,7 @@ def _exit_words(code: Optional[int]) -> str:
 def _die_with_parent() -> None:
     """A rank started by --tp ends when rank 0 does, even when rank 0 was killed mid-step (Linux;
     elsewhere the collective that loses its peer ends it)."""
-    parent = os.environ.get("PAGEDMLX_TP_PARENT")
+    parent = envs.PAGEDMLX_TP_PARENT
     if not parent:
         return
     if sys.platform == "linux":

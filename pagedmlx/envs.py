@@ -1,0 +1,71 @@
+"""Every environment variable pagedmlx reads, in one place (vLLM's envs.py): `envs.NAME` reads it when asked.
+
+Tuning switches (PAGEDMLX_*_KERNELS, PAGEDMLX_DECODE_MMA, PAGEDMLX_SKINNY_*, PAGEDMLX_QUANT_*) exist to compare
+kernel variants; the defaults are what the load-time checks and the benchmarks chose.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Optional
+
+
+def _int(name: str, default: int) -> Callable[[], int]:
+    return lambda: int(os.environ.get(name, str(default)))
+
+
+def _on(name: str, default: bool) -> Callable[[], bool]:
+    return lambda: os.environ.get(name, "1" if default else "0") not in ("0", "")
+
+
+def _str(name: str) -> Callable[[], Optional[str]]:
+    return lambda: os.environ.get(name) or None
+
+
+environment_variables: dict[str, Callable[[], Any]] = {
+    # The server's API key (`--api-key` wins) and the admin key that loads and unloads LoRA adapters.
+    "PAGEDMLX_API_KEY": _str("PAGEDMLX_API_KEY"),
+    "PAGEDMLX_ADMIN_KEY": _str("PAGEDMLX_ADMIN_KEY"),
+    # `pagedmlx bench serve`'s bearer token when --api-key is not given.
+    "OPENAI_API_KEY": _str("OPENAI_API_KEY"),
+    # Where models fetched from PyPI (`pypi:NAME`, the default model) are kept; else $XDG_CACHE_HOME or ~/.cache.
+    "PAGEDMLX_CACHE_DIR": _str("PAGEDMLX_CACHE_DIR"),
+    "XDG_CACHE_HOME": _str("XDG_CACHE_HOME"),
+    # 0: none of pagedmlx's own kernels on that backend (MLX's portable path everywhere).
+    "PAGEDMLX_CUDA_KERNELS": _on("PAGEDMLX_CUDA_KERNELS", True),
+    "PAGEDMLX_METAL_KERNELS": _on("PAGEDMLX_METAL_KERNELS", True),
+    # 0: the paged decode kernel's lanes variant on CUDA instead of its tensor-core (mma) one.
+    "PAGEDMLX_DECODE_MMA": _int("PAGEDMLX_DECODE_MMA", 1),
+    # Quantized-page decode: scales applied after the dot product (1) and the next page's codes prefetched (1).
+    "PAGEDMLX_QUANT_AFTER": _on("PAGEDMLX_QUANT_AFTER", True),
+    "PAGEDMLX_QUANT_PREFETCH": _on("PAGEDMLX_QUANT_PREFETCH", True),
+    # The few-row GEMM (layers/skinny_linear.py): the most rows it takes, K split fixed to 1, 2 or 4 for every
+    # product (0: chosen per shape), its tensor-core variant (1) with that many warps and that unroll.
+    "PAGEDMLX_SKINNY_MAX_ROWS": _int("PAGEDMLX_SKINNY_MAX_ROWS", 5),
+    "PAGEDMLX_SKINNY_SPLIT": _int("PAGEDMLX_SKINNY_SPLIT", 0),
+    "PAGEDMLX_SKINNY_MMA": _on("PAGEDMLX_SKINNY_MMA", False),
+    "PAGEDMLX_SKINNY_WARPS": _int("PAGEDMLX_SKINNY_WARPS", 8),
+    "PAGEDMLX_SKINNY_UNROLL": _int("PAGEDMLX_SKINNY_UNROLL", 2),
+    # Tensor parallelism: what launchers (mlx.launch, mpirun) tell a rank, and the pid of the `--tp` parent
+    # that spawned this rank (a rank ends when it goes).
+    "MLX_RANK": _str("MLX_RANK"),
+    "OMPI_COMM_WORLD_RANK": _str("OMPI_COMM_WORLD_RANK"),
+    "PMI_RANK": _str("PMI_RANK"),
+    "MLX_HOSTFILE": _str("MLX_HOSTFILE"),
+    "MLX_JACCL_COORDINATOR": _str("MLX_JACCL_COORDINATOR"),
+    "MLX_IBV_DEVICES": _str("MLX_IBV_DEVICES"),
+    "NCCL_HOST_IP": _str("NCCL_HOST_IP"),
+    "OMPI_COMM_WORLD_SIZE": _str("OMPI_COMM_WORLD_SIZE"),
+    "PMI_SIZE": _str("PMI_SIZE"),
+    "PAGEDMLX_TP_PARENT": _str("PAGEDMLX_TP_PARENT"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in environment_variables:
+        return environment_variables[name]()
+    raise AttributeError(f"module 'pagedmlx.envs' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(environment_variables)
