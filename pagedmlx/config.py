@@ -2,13 +2,38 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from pagedmlx.core.kv.cache_dtype import GROUP_SIZES, normalize_kv_cache_dtype
 from pagedmlx.spec_decode.config import SpeculativeConfig
 
-__all__ = ["EngineConfig", "SpeculativeConfig"]
+__all__ = ["EngineConfig", "SpeculativeConfig", "COMPILATION_SWITCHES", "compilation_switches"]
+
+# The keys of --compilation-config / EngineConfig.compilation_config: None (the default: where it pays) or a bool.
+COMPILATION_SWITCHES = ("compile_decode", "merge_projections", "fuse_norms", "skinny_gemm", "warm_up_attention",
+                        "prefill_kernel")
+
+
+def compilation_switches(value: Any) -> dict[str, Optional[bool]]:
+    """The switches a compilation_config (None, a dict or its JSON text) sets; an unknown key or a value other than
+    true / false / null is a ValueError naming it."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"compilation_config must be a JSON object, got {value!r} ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"compilation_config must be a JSON object, got {value!r}")
+    for key, switch in value.items():
+        if key not in COMPILATION_SWITCHES:
+            raise ValueError(f"compilation_config: unknown key {key!r} (known: {', '.join(COMPILATION_SWITCHES)})")
+        if switch not in (None, True, False):
+            raise ValueError(f"compilation_config: {key} must be true, false or null, got {switch!r}")
+    return dict(value)
 
 
 @dataclass
@@ -32,8 +57,7 @@ class EngineConfig:
     max_num_batched_tokens: Optional[int] = None
     # While other requests decode, one request's prefill chunk takes at most this many tokens (their
     # inter-token latency); a prompt with no decode beside it takes the whole budget. 0: no cap. None:
-    # 256 on CUDA, 512 elsewhere (docs/benchmarks.md "Runs 27-31": on an H200, 64 decodes beside a 16k prompt
-    # stepped at p90 29.8 ms with 256-token chunks, 41.5 ms with 512, 31.8 ms with 128).
+    # 256 on CUDA, 512 elsewhere (on an H200, 64 decodes beside a 16k prompt stepped fastest with 256-token chunks).
     long_prefill_token_threshold: Optional[int] = None
     max_model_len: Optional[int] = None  # None: the model's own limit (or 8192), capped at the pool
     enable_prefix_caching: bool = True
@@ -62,16 +86,12 @@ class EngineConfig:
     merge_projections: Optional[bool] = None
     # Residual adds fused with the RMSNorm after them (layers/fused_residual.py, kernels/add_rms_norm.py): two
     # launches a layer fewer, where the kernel runs (a GPU backend) and passes its load-time check and the model
-    # its probe. Off by default: on an H100 it made Llama-8B's batch-1 decode slower (0.87x, docs/benchmarks.md).
+    # its probe. Off by default: on an H100 it made Llama-8B's batch-1 decode slower (docs/kernels.md).
     fuse_norms: bool = False
-    # Products of plain linear layers over 2-8 rows (speculative verifying steps, decodes of a few requests) as one
-    # kernel of ours (layers/skinny_linear.py, kernels/skinny_gemm.py) instead of MLX's matmul, which on CUDA
-    # runs 2+ rows through cuBLASLt at ~25 µs of host time a call against the kernel's ~5.6 (run 59, H100); up to 5
-    # rows (PAGEDMLX_SKINNY_MAX_ROWS). None: on CUDA, off elsewhere (Metal's matmul has no such host cost). On an
-    # H100, processes with and without it taking turns (run 64, scripts/bench/ab_processes.py) decoded 2 / 4 / 8
-    # requests 1.15x / 1.43x / 1.36x faster with it (8-row steps run MLX's matmul either way: the runs 59-63 "loss"
-    # at 8 was the spread between processes). Its load-time check adds 22-30 s of kernel builds to each start for
-    # Llama-8B: MLX 0.32.4 keeps no custom kernel on disk (runs 67-69, docs/benchmarks.md).
+    # Products of plain linear layers over 2-5 rows (speculative verifying steps, decodes of a few requests) as one
+    # kernel of ours (layers/skinny_linear.py, kernels/skinny_gemm.py) instead of MLX's matmul, which on CUDA runs
+    # 2+ rows through cuBLASLt at several times the kernel's host time a call (PAGEDMLX_SKINNY_MAX_ROWS). None: on
+    # CUDA, off elsewhere (Metal's matmul has no such host cost). Its load-time check builds kernels at start-up.
     skinny_gemm: Optional[bool] = None
     # "auto": sampling defaults from the model's generation_config.json (as vLLM); "vllm": vLLM's own.
     generation_config: str = "auto"
@@ -97,9 +117,14 @@ class EngineConfig:
     # Speculative decoding (vLLM's speculative_config: a SpeculativeConfig, or its dict or JSON text;
     # None: off). pagedmlx/spec_decode/.
     speculative_config: Any = None
+    # vLLM's compilation_config: the kernel and graph switches above (compile_decode, merge_projections, fuse_norms,
+    # skinny_gemm, warm_up_attention, prefill_kernel) as one dict or JSON text; a key given there sets that field.
+    compilation_config: Any = None
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
+        for name, value in compilation_switches(self.compilation_config).items():
+            setattr(self, name, value)
         self.kv_cache_dtype = normalize_kv_cache_dtype(self.kv_cache_dtype)
         if self.kv_cache_group_size is not None and self.kv_cache_group_size not in GROUP_SIZES:
             raise ValueError(f"kv_cache_group_size must be one of {', '.join(map(str, GROUP_SIZES))} (or None), "

@@ -40,23 +40,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="share KV pages of common prefixes between requests")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="build step N+1 while step N runs (default: on GPU backends)")
-    p.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay decode-only steps through mx.compile, traced once per shape (CUDA only; "
-                        "default: steps of at most 8 requests)")
-    p.add_argument("--merge-projections", action=argparse.BooleanOptionalAction, default=None,
-                   help="q/k/v and gate/up each as one matmul over concatenated weights (default: on GPU "
-                        "backends, off with --enable-lora)")
-    p.add_argument("--fuse-norms", action=argparse.BooleanOptionalAction, default=False,
-                   help="each residual add and the RMSNorm after it as one kernel, on GPU backends, for models "
-                        "whose layers pass its probe (default off: 0.87x at batch 1 on an H100)")
-    p.add_argument("--skinny-gemm", action=argparse.BooleanOptionalAction, default=None,
-                   help="products of 2-5 rows (speculative verifying steps, decodes of a few requests) as pagedmlx's own "
-                        "kernel instead of MLX's matmul (cuBLASLt on CUDA); checked at load (default: on CUDA, where "
-                        "it decoded 2-4 requests 1.15-1.4x faster on an H100)")
-    p.add_argument("--warm-up-attention", action=argparse.BooleanOptionalAction, default=None,
-                   help="build the attention shapes of long prompts before serving (default: on CUDA)")
-    p.add_argument("--prefill-kernel", action=argparse.BooleanOptionalAction, default=None,
-                   help="attend prefill rows with the paged prefill kernel (default: where it runs, CUDA)")
+    p.add_argument("--compilation-config", "-O", default=None, metavar="JSON",
+                   help="kernel and graph switches as one JSON object (vLLM's option), each true, false or null "
+                        "(null: where it pays): compile_decode (replay decode-only steps through mx.compile, CUDA; "
+                        "default: steps of at most 8 requests), merge_projections (q/k/v and gate/up as one matmul "
+                        "each; default: GPU backends without LoRA), fuse_norms (residual add + RMSNorm as one kernel; "
+                        "default off), skinny_gemm (products of 2-5 rows as pagedmlx's kernel; default: CUDA), "
+                        "warm_up_attention (build long prompts' attention shapes before serving; default: CUDA), "
+                        "prefill_kernel (the paged prefill kernel; default: CUDA). Example: "
+                        "-O '{\"skinny_gemm\": false}'")
+    for name in ("compile-decode", "merge-projections", "fuse-norms", "skinny-gemm", "warm-up-attention",
+                 "prefill-kernel"):
+        key = name.replace("-", "_")
+        p.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=None,
+                       help=f"the same as --compilation-config '{{\"{key}\": true}}' (or false with --no-{name})")
     p.add_argument("--generation-config", choices=["auto", "vllm"], default="auto",
                    help="sampling defaults: the model's generation_config.json (auto) or vLLM's own (vllm)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
@@ -163,7 +160,8 @@ def _engine_config(args: argparse.Namespace):
                         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
                         async_scheduling=args.async_scheduling, warm_up_attention=args.warm_up_attention,
                         prefill_kernel=args.prefill_kernel, compile_decode=args.compile_decode,
-                        merge_projections=args.merge_projections, fuse_norms=args.fuse_norms, skinny_gemm=args.skinny_gemm,
+                        merge_projections=args.merge_projections, fuse_norms=args.fuse_norms or False,
+                        skinny_gemm=args.skinny_gemm, compilation_config=args.compilation_config,
                         generation_config=args.generation_config,
                         scheduling_policy=args.scheduling_policy, dtype=args.dtype,
                         state_checkpoint_interval=args.state_checkpoint_interval,
