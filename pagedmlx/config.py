@@ -52,7 +52,7 @@ class EngineConfig:
     # over the group; int4's quality loss shrinks several-fold (docs/kv-quantization.md). Head dims: powers of 2.
     kv_cache_rotate: bool = False
     max_num_seqs: int = 256
-    # A step's token budget. None: 8192 on GPU backends, 512 on the CPU (docs/benchmarks.md: fewer, larger
+    # A step's token budget. None: 8192 on GPU backends, 512 on the CPU (fewer, larger
     # chunks won on an H200, chunks past 512 tokens lost on a 2-core CPU).
     max_num_batched_tokens: Optional[int] = None
     # While other requests decode, one request's prefill chunk takes at most this many tokens (their

@@ -260,7 +260,7 @@ class EngineCore:
         """Overlap unless penalties need every earlier token on the host, or a guided request's
         grammar needs its previous token before its next mask, or requests speculate (their drafts
         follow the tokens the previous step accepted), or fewer requests run than
-        config.async_min_batch (docs/benchmarks.md, runs 19-20, for why batch 1 overlaps too)."""
+        config.async_min_batch (for why batch 1 overlaps too)."""
         running = self.scheduler.running
         return (self.async_scheduling and len(running) >= self.config.async_min_batch
                 and not self._speculating()

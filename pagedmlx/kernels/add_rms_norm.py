@@ -3,7 +3,7 @@ from one source (sources/add_rms_norm.py, in the portable dialect).
 
 A pre-norm decoder layer adds each sublayer's output to the residual stream and normalizes the sum for the
 next sublayer: two launches a norm, four a layer (layers/fused_residual.py). At batch 1 a GPU step is
-bound by MLX's dispatch of its launches, ~9 us each on the H200 (docs/benchmarks.md, run 51), so this
+bound by MLX's dispatch of its launches, ~9 us each on the H200, so this
 takes about 2 of a Llama layer's ~13 away. Where it runs is decided at load (check_add_rms_norm against
 MLX's add and mx.fast.rms_norm)."""
 

@@ -45,7 +45,7 @@ class Settings:
 
 
 SETTINGS = {
-    # Swept on the H200 (docs/benchmarks.md, runs 13-16): prefetch 1 was best of the sweep; vectors 2 and
+    # Swept on the H200: prefetch 1 was best of the sweep; vectors 2 and
     # heads_per_block did not win broadly; the tensor cores beat the lanes (PAGEDMLX_DECODE_MMA=0 turns
     # them off); 1056 groups: ~8 per SM of 132 SMs; 512 keys a split beat 256.
     CUDA: Settings(threads=128, unroll=2, prefetch=1, vectors=1, heads_per_block=0,
@@ -123,7 +123,7 @@ def refusal(head_dim: int, n_heads: int, n_kv_heads: int, dtype: mx.Dtype,
     if n_heads % n_kv_heads:
         return f"{n_heads} query heads over {n_kv_heads} KV heads"
     # head_dim 8 (a random test model's) failed to launch on the H200 (cudaGraphAddKernelNode: invalid
-    # argument, docs/benchmarks.md run 21) where 16 and up ran; no real model has heads that small.
+    # argument, docs/benchmarks.md) where 16 and up ran; no real model has heads that small.
     if head_dim < 16:
         return f"head_dim {head_dim} < 16"
     s = SETTINGS[backend or build.gpu_backend() or CUDA]

@@ -4,13 +4,13 @@ product to the base layer's output, slot 0 adding nothing.
 
 MLX's own ops need four launches a layer for the same (lora/layers.py: the stacked products, the
 column mask, the scaled add); on the H200 those took 58 us a Llama-8B projection at 64 rows against
-26 us for the projection itself (scripts/bench/study_lora_ops.py, run 42), because each tiny product
+26 us for the projection itself, because each tiny product
 is launch-bound. Where it runs is decided at load (check_add_lora against the stacked path).
 
 Projections of one input (q/k/v, gate/up: siblings, lora/layers.py) run as one launch of add_lora_siblings:
 each group takes a tile of one of them. On the H200 a launch cost about 9 us (MLX's dispatch and the
-launch) whatever it computed (run 47: 'kernel 0' in study_lora_ops.py --compile), so launches, not
-products, set what adapters add to a step (docs/benchmarks.md, runs 47-49)."""
+launch) whatever it computed, so launches, not
+products, set what adapters add to a step."""
 
 from __future__ import annotations
 

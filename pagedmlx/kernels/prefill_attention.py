@@ -37,7 +37,7 @@ PREFILL_MIN_SPLIT = 1024
 # chunks through MLX's attention (cuDNN), which runs one 8,192-token chunk 2-3x faster and one of 512
 # tokens over 8k keys 1.4x faster, while the kernel is 1.2-1.4x faster at 256 tokens a segment and
 # 3.3x on a burst's step of 30 such segments (H200, bench_prefill_attention.py and
-# profile_prefill_steps.py, runs 32-34). CUDA's chunk cap beside decodes is 256.
+# profile_prefill_steps.py). CUDA's chunk cap beside decodes is 256.
 PREFILL_KERNEL_MAX_QUERY = 256
 
 

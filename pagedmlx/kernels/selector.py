@@ -28,7 +28,7 @@ from pagedmlx.core.kv.cache_dtype import KVQuant
 
 logger = logging.getLogger("pagedmlx")
 
-# GPUs the project's GPU suite has run the kernels on (docs/benchmarks.md): checked there, not at load.
+# GPUs the project's GPU suite has run the kernels on: checked there, not at load.
 TRUSTED_GPUS = {CUDA: ("H200",)}
 # Pages written in place by the page-write kernel. Not on Metal yet: the engine then dispatches step
 # N+1 before step N ends, and nothing run here shows that Metal keeps one step's page reads before

@@ -4,20 +4,20 @@
 Why: on CUDA, MLX (0.32) runs a one-row matmul as its own gemv kernel, and a matmul of 2+ rows through
 cuBLASLt, building a CublasGemm, asking cublasLt's heuristic for an algorithm and capturing the call into its
 graph each time. A speculative verifying step (1 + k rows) and every decode step of a few requests make ~130-190
-such matmuls on Llama-8B (run 58: its verifying step spends 10.65 ms in MLX's dispatch with the device idle).
+such matmuls on Llama-8B (its verifying step spends 10.65 ms in MLX's dispatch with the device idle).
 This kernel reads each weight row once for all rows, as a gemv does, and is launched as any custom kernel.
-Run 59 (H100): 5.6 µs of MLX's host time a launch against cuBLASLt's 25 (scripts/bench/study_dispatch.py). Where it
+On an H100: 5.6 µs of MLX's host time a launch against cuBLASLt's 25. Where it
 runs is decided at load (check_skinny_gemm against MLX's matmul).
 
 Two kernels. The lanes' kernel (sources/skinny_gemm.py) runs by default. With PAGEDMLX_SKINNY_MMA=1, CUDA's 16-bit
 weights take tensor cores instead (sources/skinny_gemm_mma_cuda.py: a thread group per 16 columns, its warps
-splitting K). Run 60 (H100, scripts/bench/study_skinny.py) found its device time no better than the lanes' at 2-8
+splitting K). On an H100 it had its device time no better than the lanes' at 2-8
 rows (both 0.8-1.0x cuBLASLt's), so it stays opt-in for A/Bs.
 
 In the lanes' kernel a SIMD group computes rows_per_warp(N) columns: 4 for wide products (each row of x read from
 cache once for four weight rows), fewer for narrow ones, so that a product of N = 1,024 columns (Llama-8B's k and v)
 still launches ~1,000 SIMD groups to draw the GPU's bandwidth. From 4 rows, narrow products also split K across a
-thread group's SIMD groups (k_split), which run 65 (H100) timed at 0.93x cuBLASLt's device time at 4 and 5 rows
+thread group's SIMD groups (k_split), timed on an H100 at 0.93x cuBLASLt's device time at 4 and 5 rows
 against 0.88-0.90x unsplit."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pagedmlx.kernels.sources import skinny_gemm_mma_cuda as mma_src
 MIN_ROWS, MAX_ROWS = 2, 8  # x's rows a launch takes (one row: MLX's own gemv, no cuBLASLt; mma's B: 8 columns)
 WARPS = 4  # SIMD groups a thread group, lanes' kernel
 SPLIT_WARPS = 8192  # SIMD groups a narrow product is split up to (k_split): ~62 an SM on an H100's 132
-SPLIT_MIN_ROWS = 4  # fewer rows: K unsplit (run 65: at 2 rows the split kernel was the slower, 0.88x against 1.05x)
+SPLIT_MIN_ROWS = 4  # fewer rows: K unsplit (at 2 rows the split kernel was the slower, 0.88x against 1.05x)
 SPLIT_FIXED = envs.PAGEDMLX_SKINNY_SPLIT  # 1, 2 or 4 for every product (A/Bs); 0: k_split
 # tensor cores: warps splitting K a 16-column tile; 32-wide chunks a warp loads at once (environment: A/Bs)
 MMA_WARPS = envs.PAGEDMLX_SKINNY_WARPS
@@ -83,7 +83,7 @@ def k_split(n: int, k: int, dtype: mx.Dtype, rows: int) -> int:
     """SIMD groups of a thread group sharing its columns, each every SPLIT-th step of K (1, 2 or WARPS): from
     SPLIT_MIN_ROWS rows, a narrow product gets at least SPLIT_WARPS SIMD groups in all, as long as each still takes 4
     steps of K. Llama-8B's o and down products (4,096 columns) launch only 2,048 SIMD groups unsplit (15 an SM).
-    Run 65 (H100, study_skinny.py, 32 layers' products against cuBLASLt's device time): unsplit 1.05x / 0.90x /
+    On an H100 (32 layers' products against cuBLASLt's device time): unsplit 1.05x / 0.90x /
     0.88x at 2 / 4 / 5 rows, split so 0.88x / 0.93x / 0.93x. PAGEDMLX_SKINNY_SPLIT fixes it (A/Bs)."""
     if SPLIT_FIXED:
         return SPLIT_FIXED

@@ -5,7 +5,7 @@ final norm) normalizes `out` first: each residual add is one launch and the RMSN
 `fused_residuals()` (the runner's forward pass) a layer returns the pair (h, mlp output) unadded, and whoever
 takes it next, the next layer's input norm or the final norm, adds and normalizes in one launch
 (kernels/add_rms_norm.py): two launches a layer fewer, where a small batch's GPU step is bound by dispatching
-them (docs/benchmarks.md, run 51).
+them.
 
 The model's code is left as it is: its layers and final norm become subclasses whose calls do this only
 inside `fused_residuals()`, so mlx-lm's own generation on the same model object (the load-time check's

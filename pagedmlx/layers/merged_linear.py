@@ -3,7 +3,7 @@ the projections a module applies to one input (q/k/v, gate/up, a linear-attentio
 projections) as one product over their concatenated weights.
 
 On a GPU a batch-1 decode step is bound by the host's dispatch of its kernels, not by its weights' bytes
-(docs/benchmarks.md, run 51: ~9 us a launch on CUDA, 521 launches a Llama-8B step); merging takes three
+(~9 us a launch on CUDA, 521 launches a Llama-8B step); merging takes three
 launches a layer away (see ANY_ROWS for when). The model's code is left as it is: the group's first module becomes a MergedLinear
 that computes every part's output and keeps the others for the modules that take the other parts'
 places (MergedPart), which the model calls next with the same input. It does so only inside

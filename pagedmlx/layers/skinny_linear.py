@@ -19,8 +19,8 @@ from pagedmlx.runner.thread_flag import ThreadFlag
 logger = logging.getLogger("pagedmlx")
 
 _active = ThreadFlag()
-# The most rows the engine gives the kernel: its device time trails cuBLASLt's most at 8 rows (run 60, H100:
-# study_skinny.py), while 2-5 rows (a verifying step of k 4, decodes of a few requests) gain its lower host cost.
+# The most rows the engine gives the kernel: its device time trails cuBLASLt's most at 8 rows (on an
+# H100), while 2-5 rows (a verifying step of k 4, decodes of a few requests) gain its lower host cost.
 MAX_ROWS = envs.PAGEDMLX_SKINNY_MAX_ROWS
 
 

@@ -52,7 +52,7 @@ def decode_token_rows(so: SchedulerOutput) -> Optional[np.ndarray]:
 
 
 # MLX's CUDA attention builds a cuDNN graph for every new (queries, keys) shape: about 48 ms on an
-# H200 (scripts/bench/bench_sdpa_shapes.py), paid again whenever a prompt's length is new. There,
+# H200, paid again whenever a prompt's length is new. There,
 # each attention call is padded to a multiple of this many queries and keys, so that a server sees
 # a bounded set of shapes. Metal and the CPU build nothing per shape: no padding.
 SDPA_SHAPE_QUANTUM = {CUDA: 256}

@@ -1,8 +1,7 @@
 """Compiled decode steps (vLLM's CUDA graphs, in spirit): a decode-only step's forward pass is traced
 once per key through mx.compile and replayed after that, so the model's Python (every layer's
 projections, norms, RoPE, the paged caches and the kernels' launches) runs once per key instead of
-once per step. At batch 1 that Python is most of the host's work per step
-(scripts/bench/study_compiled_step.py, docs/benchmarks.md).
+once per step. At batch 1 that Python is most of the host's work per step.
 
 A key is what a trace freezes: the step's index arrays by name and shape, each group's KV splits,
 and the previous step's sampled-token array's shape (async scheduling). Block tables grow a page at
@@ -27,7 +26,7 @@ there the host's Python bounds the step, and such keys are few. A larger step is
 key has come HOT_STEPS times (a steady batch: its size and table bucket unchanged), so that a batch
 whose size changes every step never pays a trace per step; at most MAX_TRACES traces are kept, the
 least recently used dropped first. Not for models with recurrent-state layers: on the H200 Llama-8B's
-256-request steps ran 1.35x faster compiled (run 43), the Qwen3.5 shape's 1.02x (run 44: the model's
+256-request steps ran 1.35x faster compiled, the Qwen3.5 shape's 1.02x (the model's
 Python is not what bounds its step), not worth a trace per key. Where the runner keeps its hidden
 states (an MTP module reads them: ModelRunner.keep_hidden), the trace returns them with the logits.
 """

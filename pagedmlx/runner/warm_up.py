@@ -54,7 +54,7 @@ def warm_up(runner, config: EngineConfig, max_model_len: int) -> None:
 def compile_kernels(runner) -> int:
     """Run once on page 0 each variant of the decode and prefill kernels that the layers use
     (head shape, window, sinks; unsplit and split), so that MLX compiles them before the first
-    request (2-3 s each on the H200, run 34) rather than in its steps; quantized pages' gathers too.
+    request (2-3 s each on the H200) rather than in its steps; quantized pages' gathers too.
     Returns the kernel variants run."""
     kinds = {}
     for i, p in enumerate(runner.plan):
@@ -83,7 +83,7 @@ def compile_kernels(runner) -> int:
         if isinstance(k_pages, QuantizedPages):
             # Chunks longer than the prefill kernel takes (a prompt with no decodes beside it) gather and
             # dequantize quantized pages: MLX builds those gathers (packed words, scales) on first use, which
-            # run 56 met inside its first long prompts' steps. Page 0's rows, once, build them here.
+            # would otherwise land inside the first long prompts' steps. Page 0's rows, once, build them here.
             rows = mx.zeros((1, n_kv, 1), mx.int32)
             outs += [k_pages.gather_rows(rows, 1), v_pages.gather_rows(rows, 1)]
         mx.eval(outs)

@@ -43,7 +43,7 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             later = _LATER.get(self.method)
             raise ValueError(f"speculative_config.method {self.method!r} is not supported"
-                             + (f" yet ({later}: issue 28)" if later else "") + f"; choose one of {', '.join(METHODS)}")
+                             + (f" yet ({later})" if later else "") + f"; choose one of {', '.join(METHODS)}")
         if self.method == "draft_model" and self.model is None:
             raise ValueError("speculative_config.model is required with method 'draft_model' (the draft model's path)")
         if self.method == "ngram" and self.model is not None:

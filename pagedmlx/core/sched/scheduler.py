@@ -163,7 +163,7 @@ class Scheduler:
         decodes = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
         prefills = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
         # A prefill chunk is capped only while others decode (their inter-token latency); alone, a
-        # prompt takes the whole budget: fewer, larger chunks (docs/benchmarks.md, run 23).
+        # prompt takes the whole budget: fewer, larger chunks.
         cap = self.config.long_prefill_token_threshold if decodes else 0
         for req in decodes + prefills:
             if budget <= 0:

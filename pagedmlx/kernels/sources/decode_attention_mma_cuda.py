@@ -28,7 +28,7 @@ __device__ inline void mma16816(float (&d)[4], unsigned a0, unsigned a2, unsigne
 }
 // The same with D's rows 8..15 (zero) dropped: written to d[2..3] from zero C registers and never read, so no
 // registers are held for them across the loop. Quantized pages' loop only: ptxas gives the 16-bit loop 10
-// more instructions with it and no register it needs (scripts/bench/study_quant_ptx.py).
+// more instructions with it and no register it needs.
 __device__ inline void mma16816_top(float (&d)[4], unsigned a0, unsigned a2, unsigned b0, unsigned b1, __nv_bfloat16) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%10,%10};\n"
                  : "+f"(d[0]), "+f"(d[1]), "=f"(d[2]), "=f"(d[3]) : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(0.f));

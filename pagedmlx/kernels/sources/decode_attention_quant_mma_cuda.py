@@ -8,7 +8,7 @@ D <= 128 the next tile's packed words are loaded into registers before this tile
 register-staged pipeline, one shared-memory stage); D = 256 loads each tile where it is used (its
 accumulators leave no registers for a second tile), as does any D where the launch's QPREFETCH is 0
 (PAGEDMLX_QUANT_PREFETCH=0: bf16 int8/128 at D 128 then takes 164 registers instead of 198, three
-128-thread groups an SM instead of two; ptxas, sm_90, scripts/bench/study_quant_ptx.py).
+128-thread groups an SM instead of two; ptxas, sm_90).
 
 A lane loads 16-byte pieces of a row's packed words (16 int8 or 32 int4 channels, inside one group:
 groups are >= 32 channels) and the piece's group's scale and bias. quantized_accumulate_mma makes the

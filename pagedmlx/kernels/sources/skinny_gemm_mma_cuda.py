@@ -3,8 +3,8 @@ W's 16-column tiles as A and x's (at most 8) rows as B's columns. kernels/skinny
 PAGEDMLX_SKINNY_MMA=1; the lanes' kernel (sources/skinny_gemm.py) is the default.
 
 Why it was tried: the lanes' kernel widens every value of x again for each weight row it meets (~200 ALU ops per
-32 weight bytes at 8 rows; run 59: decode of 8 requests 0.72x); here a 32-wide k chunk of a 16-column tile is two
-mma instructions, and the loop is loads. What it gave (run 60, H100, scripts/bench/study_skinny.py): 0.72-0.82x
+32 weight bytes at 8 rows: decodes of 8 requests ran 0.72x); here a 32-wide k chunk of a 16-column tile is two
+mma instructions, and the loop is loads. What it gave (H100): 0.72-0.82x
 cuBLASLt's device time at its default launch, 0.81-1.04x at the best of five, no better than the lanes' kernel."""
 
 MMA_HEADER = r"""
