@@ -1,4 +1,4 @@
-"""The server-probe findings of issue 18, replayed against a real `pagedmlx serve` (loopback only):
+"""Server-probe findings, replayed against a real `pagedmlx serve` (loopback only):
 idle sockets past mlx-lm's old open-file cap, 1 MiB prompts while /health is polled, a lone surrogate
 escape, HEAD /health, and SIGTERM with streams running. Prints one line per finding.
 

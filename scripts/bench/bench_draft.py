@@ -15,7 +15,7 @@ The draft (`--draft`):
 target's layers past the first N by S. At 0 those layers add exactly nothing to the residual stream while
 the target still reads all their weights, so the N-layer draft agrees with the target on (nearly) every
 token: a pair with random weights whose acceptance is high and whose draft is cheap, which measures the
-speculation machinery itself (a q8 copy of a random model is rejected too often to pay: run 47). A small S
+speculation machinery itself (a q8 copy of a random model is rejected too often to pay). A small S
 lowers the acceptance.
 
 --lookup N adds a run of pagedmlx with the draft and prompt lookup (`prompt_lookup_max` N, min 2): where
@@ -27,7 +27,7 @@ time (spec_phases.py): what the host does between the round's sync and the next 
 which the device waits through at batch 1.
 
 --profile N profiles one more pass of each speculative run after the rounds and prints its N costliest
-functions by own time (where a round's host time goes; run 51).
+functions by own time (where a round's host time goes).
 
     python scripts/bench/bench_draft.py --draft layers:10 --k 3 --rounds 3                 # SmolLM2, CPU
     python scripts/bench/bench_draft.py preset:llama-8b --draft q4 --dtype bfloat16 --k 4    # H200

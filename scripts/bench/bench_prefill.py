@@ -163,7 +163,7 @@ def mixed(model, args, vocab: int, threshold: int, budget: int, quantum: Optiona
         out.update({f"itl_p50_during{name}": statistics.median(during), f"itl_p90_during{name}": q(during, 8),
                     f"dispatch_p50{name}": statistics.median(dispatch), f"dispatch_p90{name}": q(dispatch, 8),
                     f"ttft{name}": ttft, f"steps{name}": len(during)})
-    # The decodes alone again, after: the p50 alone moved 2x between processes on one host (run 28),
+    # The decodes alone again, after: the p50 alone moved 2x between processes on one host,
     # so the ratio's denominator is the median of both sets, and both are reported.
     after = _step_times(engine, 32)
     out.update(itl_p50_alone_before=out["itl_p50_alone"], itl_p50_alone_after=statistics.median(after),

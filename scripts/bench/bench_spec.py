@@ -13,7 +13,7 @@ batch: the ratio is the step's cost of k extra query tokens, which the adaptive 
 `--oracle P` is for random-weight models of a real model's widths (`preset:llama-8b`), whose answers
 quote nothing: each step drafts the next k tokens of the same prompt's answer without speculation, each
 draft token wrong with probability P (seeded). P = 0.07 gives the mean acceptance length that SmolLM2 (a
-real model) reaches on the quote workload with k = 4 (4.29 on the H200, run 41), so the speed of a large
+real model) reaches on the quote workload with k = 4 (4.29 on the H200), so the speed of a large
 model at a real model's acceptance is measured without its weights. Unlike n-gram, the oracle drafts at
 every step: an upper bound for a workload whose drafts apply everywhere.
 

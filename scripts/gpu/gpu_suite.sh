@@ -19,7 +19,7 @@ fi
 # steps. Full float32 (no TF32): mlx-lm's solo pass and a busy batch multiply with different M,
 # and TF32 rounds those differently, which flips ties in random-weight models.
 # llama_tied (head_dim 8) is left out: its first forward fails inside MLX's CUDA backend
-# (cudaGraphAddKernelNode: invalid argument) with our kernels off and cuDNN attention off too (run 25).
+# (cudaGraphAddKernelNode: invalid argument) with our kernels off and cuDNN attention off too.
 MLX_ENABLE_TF32=0 timeout 300 python3 -m pytest -q -rf -p no:cacheprovider tests/test_batched_equals_solo.py \
   tests/test_state_layers.py tests/test_hybrid_attention.py -k "not llama_tied" > "$OUT/pytest_gpu.txt" 2>&1
 tail -12 "$OUT/pytest_gpu.txt"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Stage MLX's CUDA build for the GPU machine (../shared/gpu/stage.sh), then add the wheels of this project's own
 # dependencies that the shared stage does not carry (msgspec and pyzmq for the engine-core process, rich, uvloop,
-# httptools, llguidance): without them `import pagedmlx.engine.llm_engine` fails there (run 66, 2026-12-05).
+# httptools, llguidance): without them `import pagedmlx.engine.llm_engine` fails there.
 # They travel in .gpu/a (.gpu/b is near a call's 64 MiB). Run from the project's root: bash scripts/gpu/stage.sh; then,
 # back to back (the machine goes back after ~30 s idle):
 #   1. carry [".gpu/a"]: bash .gpu/a/recv.sh && bash scripts/gpu/park_extra.sh

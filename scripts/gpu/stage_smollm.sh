@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # SmolLM2's GGUF (98 MB) for the GPU machine, which cannot fetch it: cut from this machine's cache into three
-# ignored folders that each fit one call's carry beside the working tree (run 55, 2026-12-05). After
+# ignored folders that each fit one call's carry beside the working tree. After
 # scripts/gpu/stage.sh, the calls, back to back (the machine goes back after ~30 s idle):
 #   1. carry [".gpu/a", ".gpu/s1"]: bash .gpu/a/recv.sh && bash scripts/gpu/park_extra.sh && cp .gpu/s1/p1 /root/gpu-parts/
 #   2. carry [".gpu/s2"]:           cp .gpu/s2/p2 /root/gpu-parts/

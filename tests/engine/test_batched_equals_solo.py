@@ -30,7 +30,7 @@ def test_64_busy_requests_equal_solo(arch_name, overlap, monkeypatch):
     vocab = ARCHS[arch_name]["vocab_size"]
     prompts = make_prompts(64, vocab, seed=7)
     # MLX's CUDA RoPE with per-row offsets fails to launch from rows x heads x head_dim / 2 >= 2,048 at
-    # head_dim 8 (docs/benchmarks.md, runs 12-13): the tied llama's steps stay under 64 rows
+    # head_dim 8 (docs/benchmarks.md): the tied llama's steps stay under 64 rows
     budget = 48 if arch_name == "llama_tied" else 96
     config = EngineConfig(block_size=4, num_blocks=160, max_num_batched_tokens=budget,
                           long_prefill_token_threshold=48, max_num_seqs=32, async_scheduling=bool(overlap))

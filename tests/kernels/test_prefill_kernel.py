@@ -205,7 +205,7 @@ def test_shapes_are_built_at_start_up_only_where_sdpa_takes_the_chunks_beside_de
 
 def test_start_up_also_builds_the_gathers_of_quantized_pages(monkeypatch):
     """Quantized pages: a chunk longer than the prefill kernel takes gathers and dequantizes the pages, which
-    MLX builds on first use (seconds inside run 56's first long prompts); start-up runs them once on page 0."""
+    MLX builds on first use (seconds inside the first long prompts); start-up runs them once on page 0."""
     from pagedmlx.kernels.selector import KernelPlan
     from pagedmlx.runner.kv_quant import QuantizedPages
 

@@ -123,7 +123,7 @@ def test_a_state_model_on_cuda_names_the_state_kernels():
 def test_a_failed_load_time_check_is_the_reason_given(monkeypatch):
     """The CUDA kernels selected (a trusted GPU, so no kernel check first), then the model's load-time
     check runs them; here they cannot run (no CUDA), the check's message switches them off and is
-    what every portable path names: the Gemma-4 case of issue 26, said out loud."""
+    what every portable path names: the Gemma-4 case, said out loud."""
     monkeypatch.setattr(build, "gpu_backend", lambda: "cuda")
     monkeypatch.setattr(selector, "device_name", lambda: "NVIDIA H200")
     e = engine("qwen3_5-tiny")

@@ -1,4 +1,4 @@
-"""Reasoning parsers (issue 27): <think> models and gpt-oss's analysis channel, alone and composed with
+"""Reasoning parsers: <think> models and gpt-oss's analysis channel, alone and composed with
 the tool parsers (reasoning first, then tool calls in the content), whole and streamed in every split;
 and the server: reasoning_content in responses and deltas, chat_template_kwargs to the template."""
 

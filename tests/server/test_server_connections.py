@@ -1,4 +1,4 @@
-"""Connection hygiene (issue 18): silent and slow connections, the connection cap, accept errors,
+"""Connection hygiene: silent and slow connections, the connection cap, accept errors,
 and the open-file limit that mlx-lm's import used to cap at 2,048."""
 
 from __future__ import annotations

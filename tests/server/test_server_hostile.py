@@ -1,4 +1,4 @@
-"""Hostile requests (issue 18): huge prompts must not stall the event loop, text that no encoder
+"""Hostile requests: huge prompts must not stall the event loop, text that no encoder
 takes must be a 400 naming its field, the KV inspector must not show one tenant's prompt to
 another, and the small contract fixes (HEAD /health, Retry-After on 503, best_of, param)."""
 

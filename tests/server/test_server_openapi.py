@@ -1,4 +1,4 @@
-"""The OpenAPI document says what the server does (issue 18): a short, bounded schema-fuzzing run
+"""The OpenAPI document says what the server does: a short, bounded schema-fuzzing run
 (Schemathesis, valid and invalid requests generated from the app's own /openapi.json) must find no
 5xx and no response outside the document: status, content type, headers and body schema.
 

@@ -1,4 +1,4 @@
-"""Shutdown (issue 18): SIGTERM, what systemd, launchd and Docker send, must drain and exit 0 as
+"""Shutdown: SIGTERM, what systemd, launchd and Docker send, must drain and exit 0 as
 Ctrl-C does; a stream still running at the drain deadline must end with a final chunk
 (finish_reason "abort") and [DONE], not a cut connection."""
 

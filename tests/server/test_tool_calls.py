@@ -1,4 +1,4 @@
-"""Tool calling (issue 27): every parser on recorded-style outputs of its family, whole and streamed in
+"""Tool calling: every parser on recorded-style outputs of its family, whole and streamed in
 every split, and the server end to end with the openai SDK (a scripted "model" writes the calls)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Speculative decoding on targets with recurrent-state layers (issue 28): a step that verifies drafts
+"""Speculative decoding on targets with recurrent-state layers: a step that verifies drafts
 writes each state to the request's spare slot; all accepted, the slots swap; a rejection keeps the
 state from before the step and the next step computes the accepted tokens again (core/kv/state_manager.py).
 Greedy output equals mlx-lm's solo generation, and the engine's without speculation, token for token:

@@ -1,4 +1,4 @@
-"""Guided decoding (structured outputs, issue 27): every guided output parses and validates, guided
+"""Guided decoding (structured outputs): every guided output parses and validates, guided
 rows batched with unguided ones leave those equal to mlx-lm's solo tokens, a guided request's tokens
 do not depend on the batch (busy == alone), through preemption and async scheduling; grammars compile
 off the step loop; the server's response_format / structured_outputs / guided_* fields and the openai
