@@ -119,7 +119,7 @@ def test_the_plan_sees_each_layers_query_heads_in_a_fresh_process(monkeypatch):
     """The kernel check needs every layer's query heads, which the plan's probe records through the
     attention dispatcher: it must be routed before the probe runs, also for the first model of a
     process (a module routed by an earlier test would hide it; on the H200 it left decode rows on
-    the gather path."""
+    the gather path)."""
     import mlx_lm.models.qwen3 as qwen3
 
     from pagedmlx.runner.model import ModelRunner
