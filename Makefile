@@ -9,7 +9,7 @@ PORT ?= 8000
 MODEL ?=
 ARGS ?=
 
-.PHONY: setup test lint serve demo bench clean
+.PHONY: setup test test-all lint serve demo bench clean
 
 $(VENV)/.installed: pyproject.toml
 	@scripts/install_blas.sh || true
@@ -20,7 +20,12 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
+# What CI runs (a few minutes on 2 cores); `make test-all` adds the slow, stress and GPU tests (GPU ones skip
+# where there is none).
 test: lint
+	$(RUN) $(PY) -m pytest -m "not slow and not stress and not gpu" $(ARGS)
+
+test-all: lint
 	$(RUN) $(PY) -m pytest $(ARGS)
 
 lint: setup

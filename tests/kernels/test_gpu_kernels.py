@@ -26,7 +26,7 @@ from pagedmlx.runner.attention import _gather, gather_decode
 from pagedmlx.runner.masks import length_mask
 
 BACKEND = build.gpu_backend()
-pytestmark = pytest.mark.skipif(BACKEND is None, reason="a GPU (CUDA or Metal) runs the kernels")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(BACKEND is None, reason="a GPU (CUDA or Metal) runs the kernels")]
 needs_cuda = pytest.mark.skipif(BACKEND != CUDA, reason="CUDA's own settings")
 TOL = {mx.float32: 2e-3, mx.float16: 2e-2, mx.bfloat16: 4e-2}
 DTYPES = [mx.bfloat16, mx.float16, mx.float32]

@@ -17,7 +17,7 @@ from pagedmlx.kernels.dialect import CUDA
 from pagedmlx.core.kv.cache_dtype import KVQuant
 
 BACKEND = build.gpu_backend()
-pytestmark = pytest.mark.skipif(BACKEND is None, reason="a GPU (CUDA or Metal) runs the kernels")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(BACKEND is None, reason="a GPU (CUDA or Metal) runs the kernels")]
 
 # (query heads, kv heads, head_dim, dtype): Llama-8B, Gemma-3-27B, Qwen-style GQA 7, head_dim 64 in fp16
 SHAPES = [(32, 8, 128, mx.bfloat16), (32, 16, 128, mx.bfloat16), (28, 4, 128, mx.bfloat16), (8, 8, 64, mx.float16)]

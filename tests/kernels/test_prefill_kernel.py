@@ -161,6 +161,7 @@ def test_busy_engine_through_the_prefill_kernels_tiles_equals_solo(arch, monkeyp
 needs_cuda = pytest.mark.skipif(build.gpu_backend() != CUDA, reason="a CUDA GPU runs the kernel")
 
 
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("h,n_kv,d,dtype", [(32, 8, 128, mx.bfloat16), (14, 2, 64, mx.float16), (8, 8, 128, mx.bfloat16),
                                             (24, 8, 128, mx.float16)])

@@ -258,6 +258,7 @@ def test_compiled_steps_with_merged_projections_equal_built_ones(standins):
     assert layer.self_attn.q_proj._input is None and layer.mlp.gate_proj._input is None
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not ON_CUDA, reason="a CUDA GPU runs the kernels")
 @pytest.mark.parametrize("arch,kv_cache_dtype", ARCHS)
 def test_compiled_steps_equal_built_steps_on_cuda(arch, kv_cache_dtype):

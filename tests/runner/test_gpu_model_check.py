@@ -15,7 +15,7 @@ from pagedmlx.loaders.random_model import RANDOM_ARCHS, build_model
 from pagedmlx.runner.model import ModelRunner
 from scripts.gpu.check_families import EXTRA, FAMILIES
 
-pytestmark = pytest.mark.skipif(build.gpu_backend() is None, reason="a GPU runs the kernels")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(build.gpu_backend() is None, reason="a GPU runs the kernels")]
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
