@@ -40,8 +40,12 @@ def compilation_switches(value: Any) -> dict[str, Optional[bool]]:
 class EngineConfig:
     model: Optional[str] = None  # mlx-lm folder or hub name, a .gguf file; None: the default model
     block_size: int = 16
-    num_blocks: Optional[int] = None  # None: sized from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 2.0
+    num_blocks: Optional[int] = None  # None: sized from the KV budget below
+    # The KV budget (pages and recurrent-state slots): kv_cache_memory_gb GB when given; else, on a GPU backend,
+    # what gpu_memory_utilization of the device's memory leaves after the weights and a profiled step (vLLM's
+    # way), and on the CPU the model's own size (runner/kv_budget.py).
+    kv_cache_memory_gb: Optional[float] = None
+    gpu_memory_utilization: float = 0.9
     # What the KV pages hold (vLLM's option): "auto" (the model's dtype), "int8" or "int4" (affine, a scale and
     # bias per kv_cache_group_size channels, as mlx-lm's QuantizedKVCache; docs/kv-quantization.md). Recurrent
     # state stays in full precision. kv_cache_group_size None: 128 (or 64) for int8, 64 for int4.
@@ -152,8 +156,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2, got {self.num_blocks}")
-        if self.kv_cache_memory_gb <= 0:
-            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0 (or None: sized by memory), got {self.kv_cache_memory_gb}")
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(
                 f"long_prefill_token_threshold must be >= 0 (0: no cap), got {self.long_prefill_token_threshold}")

@@ -20,7 +20,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
     pool = p.add_mutually_exclusive_group()
     pool.add_argument("--num-blocks", type=int, default=None, help="KV pool size in pages")
-    pool.add_argument("--kv-cache-gb", type=float, default=2.0, help="KV pool size in GB (default 2)")
+    pool.add_argument("--kv-cache-gb", type=float, default=None,
+                      help="KV pool size in GB (default: sized by --gpu-memory-utilization on a GPU, by the model's "
+                           "size on the CPU)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="the fraction of the GPU's memory (Metal: MLX's recommended working set) the weights, one "
+                        "step's peak and the KV pool may take together; the pool gets the rest (default 0.9)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "int4"],
                    help="what KV pages hold: the model's dtype (auto) or affine int8 / int4 with a scale and bias "
                         "per group of channels, as mlx-lm's quantized KV cache (default auto)")
@@ -151,7 +156,7 @@ def _engine_config(args: argparse.Namespace):
     from pagedmlx.config import EngineConfig
 
     return EngineConfig(model=model_arg(args), block_size=args.block_size, num_blocks=args.num_blocks,
-                        kv_cache_memory_gb=args.kv_cache_gb,
+                        kv_cache_memory_gb=args.kv_cache_gb, gpu_memory_utilization=args.gpu_memory_utilization,
                         kv_cache_dtype=args.kv_cache_dtype, kv_cache_group_size=args.kv_cache_group_size,
                         kv_cache_rotate=args.kv_cache_rotate,
                         max_num_seqs=args.max_num_seqs,

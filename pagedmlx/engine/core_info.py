@@ -46,14 +46,17 @@ def kernel_lines(engine: Any) -> list[str]:
 def kv_pool_line(engine: Any) -> str:
     """Each KV cache group's pages: "4096 blocks x 16 tokens = 1.07 GB (int8 pages, 69,632 B/token)" (bytes
     per token: every layer of the group, scales included) or, for a hybrid model, one such part per group
-    ("full: ...; sliding 1024: ...")."""
+    ("full: ...; sliding 1024: ..."), then how the budget was sized ("; sized by gpu_memory_utilization 0.9 x ...")."""
     config = engine.runner.kv_cache_config
     parts = [f"{g.num_blocks} blocks x {config.block_size} tokens = {g.num_blocks * g.page_size_bytes / 1e9:.2f} GB"
              f" ({g.kv_cache_dtype or 'KV'} pages, {g.page_size_bytes // config.block_size:,} B/token)"
              if not g.is_state else state_pool_text(g, engine.config.max_num_seqs) for g in config.kv_cache_groups]
     if len(parts) == 1 and not config.kv_cache_groups[0].is_state:
-        return parts[0]
-    return "; ".join(f"{g.name} ({len(g.layer_ids)} layers): {part}" for g, part in zip(config.kv_cache_groups, parts))
+        line = parts[0]
+    else:
+        line = "; ".join(f"{g.name} ({len(g.layer_ids)} layers): {p}" for g, p in zip(config.kv_cache_groups, parts))
+    budget = getattr(getattr(engine.runner, "runner", engine.runner), "kv_budget", None)
+    return line + (f"; sized by {budget.how}" if budget is not None else "")
 
 
 def state_pool_text(group: Any, max_num_seqs: int) -> str:

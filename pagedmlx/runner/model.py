@@ -26,6 +26,7 @@ from pagedmlx.runner.attention_metadata import (StepMetadata, sdpa_shape_quantum
 from pagedmlx.runner.plan import UnsupportedModelError, model_type, plan_layers
 from pagedmlx.runner.selfcheck import LOGIT_TOLERANCE, check_paged_forward, relative_error
 from pagedmlx.runner import warm_up
+from pagedmlx.runner.kv_budget import kv_cache_budget
 from pagedmlx.runner.state import StateLayerCache, StateMetadata, StatePool, install_regrouping, pages_budget, state_group
 from pagedmlx.core.sched.output import SchedulerOutput
 
@@ -84,6 +85,7 @@ class ModelRunner:
         self.kv_quant = {i: q for i, p in enumerate(self.plan) if p.has_pages
                          and (q := layer_quant(config.kv_cache_dtype, config.kv_cache_group_size, p.spec[1], p.spec[2],
                                                config.kv_cache_rotate))}
+        self.kv_budget = kv_cache_budget(config, model, self._body, self._head) if config.num_blocks is None else None
         self.kv_cache_config = self._kv_cache_config(config)
         paged = [g for g in self.kv_cache_config.kv_cache_groups if not g.is_state]  # the state group is last
         self.windows = [g.sliding_window for g in paged]
@@ -202,10 +204,9 @@ class ModelRunner:
         return warm_up.warm_up_attention(self, chunk, max_keys)
 
     def _kv_cache_config(self, config: EngineConfig) -> KVCacheConfig:
-        """KV cache groups by layer kind (full first), sized: sliding groups get what their windows
-        can hold at once (sliding_pool_blocks), never more than the full group; the full group gets
-        config.num_blocks, or the rest of kv_cache_memory_gb. Without a full-attention group every
-        group is sized like one."""
+        """KV cache groups by layer kind (full first), sized: sliding groups get what their windows can hold at once
+        (sliding_pool_blocks), never more than the full group; the full group gets config.num_blocks, or the rest of
+        the KV budget (runner/kv_budget.py). Without a full-attention group every group is sized like one."""
         by_spec: dict = {}
         for i, layer in enumerate(self.plan):
             if layer.has_pages:
@@ -226,7 +227,7 @@ class ModelRunner:
 
         n = config.num_blocks
         if n is None:  # the most full-group blocks whose groups fit the memory budget (after the state slots)
-            budget, lo, hi = pages_budget(config, state), 2, 1 << 40
+            budget, lo, hi = pages_budget(self.kv_budget.nbytes, self.kv_budget.how, state, config), 2, 1 << 40
             while lo < hi:
                 mid = (lo + hi + 1) // 2
                 lo, hi = (mid, hi) if sum(c * b for c, b in zip(sized(mid), bpb)) <= budget else (lo, mid - 1)

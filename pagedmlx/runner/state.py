@@ -57,9 +57,8 @@ def state_group(plan: list[LayerPlan], config: EngineConfig) -> Optional[KVCache
                             sum(plan[i].state.nbytes for i in layers))
 
 
-def pages_budget(config: EngineConfig, state: Optional[KVCacheGroupSpec]) -> int:
-    """Bytes of kv_cache_memory_gb left for pages once the state slots are counted."""
-    budget = int(config.kv_cache_memory_gb * 1e9)
+def pages_budget(budget: int, how: str, state: Optional[KVCacheGroupSpec], config: EngineConfig) -> int:
+    """Bytes of the KV budget (`how`: how it was sized) left for pages once the state slots are counted."""
     if state is None:
         return budget
     state_bytes = state.num_blocks * state.page_size_bytes
@@ -69,8 +68,8 @@ def pages_budget(config: EngineConfig, state: Optional[KVCacheGroupSpec]) -> int
         raise ValueError(
             f"{state.num_blocks} recurrent-state slots ({config.max_num_seqs} running + {spare}"
             f"{spec.max_checkpoints} checkpoints) of {state.page_size_bytes / 2**20:.1f} MiB take "
-            f"{state_bytes / 1e9:.2f} GB, more than kv_cache_memory_gb={config.kv_cache_memory_gb}: raise it, or "
-            f"lower max_num_seqs or max_state_checkpoints")
+            f"{state_bytes / 1e9:.2f} GB, more than the KV budget of {budget / 1e9:.2f} GB ({how}): raise it "
+            f"(kv_cache_memory_gb, gpu_memory_utilization), or lower max_num_seqs or max_state_checkpoints")
     return budget - state_bytes
 
 

@@ -1,0 +1,48 @@
+"""The KV budget (runner/kv_budget.py): kv_cache_memory_gb when given; on a GPU backend what
+gpu_memory_utilization of the device leaves after what is held and a profiled step; on the CPU the model's size."""
+
+from __future__ import annotations
+
+import pytest
+from utils import make_model
+
+from pagedmlx import LLM
+from pagedmlx.config import EngineConfig
+from pagedmlx.engine.core_info import kv_pool_line
+from pagedmlx.runner import kv_budget
+from pagedmlx.runner.lm_head import split_lm_head
+
+
+def test_gpu_sizing_is_the_fraction_less_what_is_held_less_the_profiled_step(monkeypatch):
+    model = make_model("llama")
+    body, head = split_lm_head(model)
+    peak = kv_budget.step_peak_bytes(body, head, 64, 64)
+    assert peak is not None and peak > 64 * model.args.hidden_size * 4  # at least the hidden states it made
+    config = EngineConfig(max_num_batched_tokens=64, gpu_memory_utilization=0.5)
+    monkeypatch.setattr(kv_budget, "device_memory", lambda on_gpu: (8 * 10**9, "device memory"))
+    monkeypatch.setattr(kv_budget, "model_bytes", lambda model: 10**9)  # weights of 1 GB held
+    budget = kv_budget.kv_cache_budget(config, model, body, head, on_gpu=True)
+    assert abs(budget.nbytes - (4 * 10**9 - 10**9 - peak)) < 2**20  # the peak measured again, to a MiB
+    assert "gpu_memory_utilization 0.5 x 8.0 GB device memory - 1.00 GB held" in budget.how
+
+
+def test_a_fraction_that_leaves_nothing_is_refused_by_name(monkeypatch):
+    model = make_model("llama")
+    monkeypatch.setattr(kv_budget, "device_memory", lambda on_gpu: (10**9, "device memory"))
+    monkeypatch.setattr(kv_budget, "model_bytes", lambda model: 10**9)
+    with pytest.raises(ValueError, match="no memory left for KV pages.*--gpu-memory-utilization"):
+        kv_budget.kv_cache_budget(EngineConfig(gpu_memory_utilization=0.5), model, *split_lm_head(model), on_gpu=True)
+
+
+@pytest.mark.parametrize("value", [0, -0.1, 1.01, "0.9"])
+def test_gpu_memory_utilization_outside_0_1_is_refused(value):
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
+        EngineConfig(gpu_memory_utilization=value)
+
+
+def test_the_cpu_pool_is_sized_to_the_model_and_the_start_up_line_says_how():
+    llm = LLM(make_model("llama"), None)
+    line = kv_pool_line(llm.engine.core)
+    assert f"= {kv_budget.CPU_MIN_BYTES / 1e9:.2f} GB" in line and "sized by CPU: the model's" in line
+    llm = LLM(make_model("llama"), None, kv_cache_memory_gb=0.01)
+    assert kv_pool_line(llm.engine.core).endswith("sized by kv_cache_memory_gb 0.01")
