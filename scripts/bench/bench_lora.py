@@ -1,5 +1,5 @@
 """Batched multi-LoRA: decode throughput of a batch whose requests use --num-adapters different adapters
-(round robin) against the same batch on the base model, same run (>= 80% at batch 64 on the H200).
+(round robin) against the same batch on the base model, same run.
 
 For each batch size B, three runs of B prompts (--prompt-len random tokens, --gen-len tokens each,
 greedy, EOS ignored), each cell the median of --repeats:

@@ -1,6 +1,5 @@
 """Where an engine's start-up goes: LLMEngine built on a random preset model under cProfile, the runner's start-up
-lines timestamped, then the functions that took longest (cumulative, ours and MLX's calls). On an H100, start-up
-of random Llama-8B took 59-82 s with the skinny GEMM against 13 s without it.
+lines timestamped, then the functions that took longest (cumulative, ours and MLX's calls).
 
     python scripts/bench/profile_startup.py --preset llama-8b --dtype bfloat16 [--no-skinny-gemm] [--top 30]
 """
