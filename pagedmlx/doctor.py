@@ -25,9 +25,12 @@ MODEL = dict(model_type="llama", hidden_size=1024, num_hidden_layers=4, intermed
 def add_doctor_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("doctor", help="print the backend, the paged kernels' checks and a decode timing table")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16")
-    p.add_argument("--context", type=int, default=4096, help="tokens of context per sequence (default 4096)")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--steps", type=int, default=10, help="decode steps timed per cell (median)")
+    p.add_argument("--context", type=int, default=None,
+                   help="tokens of context per sequence (default: 4096 on a GPU, 512 on the CPU)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                   help="batch sizes of the timing table (default: 1 8 32 on a GPU, 1 4 on the CPU)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="decode steps timed per cell, median (default: 10 on a GPU, 5 on the CPU)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--model", action="append", default=None,
                    help="a model whose layers' kernels to show (what `serve` takes: a folder, hub name, .gguf, "
@@ -49,6 +52,10 @@ def run_doctor(args: argparse.Namespace) -> int:
     console = Console()
     dtype = getattr(mx, args.dtype)
     backend = build.gpu_backend()
+    on_gpu = mx.default_device() == mx.gpu
+    args.context = args.context or (4096 if on_gpu else 512)
+    args.batch_sizes = args.batch_sizes or ([1, 8, 32] if on_gpu else [1, 4])
+    args.steps = args.steps or (10 if on_gpu else 5)
     console.print(f"[bold]pagedmlx doctor[/]  backend {backend_name()}, device {selector.device_name() or '?'}, "
                   f"mlx {mx.__version__}, {platform.platform()}")
     checks = Table("check", "result", title="paged kernels (compiled and checked against the gather path)")
@@ -73,7 +80,7 @@ def run_doctor(args: argparse.Namespace) -> int:
         ok &= loaded
     if args.no_timing:
         return 0 if ok else 1
-    console.print(_timing_table(args, dtype, backend is not None))
+    console.print(_timing_table(args, dtype, backend is not None, console))
     return 0 if ok else 1
 
 
@@ -135,7 +142,7 @@ def kernel_paths_table(name, args: argparse.Namespace, dtype):
     return table, True
 
 
-def _timing_table(args: argparse.Namespace, dtype, kernels: bool):
+def _timing_table(args: argparse.Namespace, dtype, kernels: bool, console):
     from rich.table import Table
 
     from mlx_lm.models import llama
@@ -146,6 +153,7 @@ def _timing_table(args: argparse.Namespace, dtype, kernels: bool):
                   title=f"decode step, ms (median of {args.steps}), {args.context}-token context, random "
                         f"{MODEL['num_hidden_layers']}-layer llama (head_dim 128, GQA 4), {args.dtype}")
     for batch in args.batch_sizes:
+        console.print(f"[dim]timing batch {batch} x {args.context} tokens: paged steps, then mlx-lm's...[/]")
         on, off = _paged_step_ms(model, batch, args, kernels)
         ref = _batch_generator_step_ms(model, batch, args)
         table.add_row(str(batch), f"{on:.2f}" if kernels else "-", f"{off:.2f}", f"{ref:.2f}",
