@@ -200,7 +200,11 @@ class Serving:
             s = self.token_text(t.token_id)
             out.tokens.append(s)
             out.token_logprobs.append(_lp(t.logprob))
-            out.top_logprobs.append({self.token_text(i): _lp(v) for i, v in t.top})
+            top = {self.token_text(i): _lp(v) for i, v in t.top}
+            # OpenAI and vLLM: the chosen token too (up to k + 1 entries); its own logprob where a top token
+            # decodes to the same text
+            top[s] = _lp(t.logprob)
+            out.top_logprobs.append(top)
             out.text_offset.append(offset)
             offset += len(s)
         return out
