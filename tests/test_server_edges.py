@@ -68,3 +68,44 @@ def test_streamed_events_survive_a_line_reader(served):
                             "stream": True, "logprobs": True}) as r:
         payloads = sse_payloads(r)
     assert payloads[-1] == "[DONE]" and all(json.loads(p)["object"] for p in payloads[:-1])
+
+
+NUMBERS = {"type": "object", "properties": {"n": {"type": "integer", "minimum": -50, "maximum": 50},
+                                            "b": {"type": "boolean"}, "z": {"type": "null"}, "e": {"enum": [1, 2]}},
+           "required": ["n", "b", "z", "e"], "additionalProperties": False}
+
+
+def test_guided_json_is_compact_by_default(served):
+    """JSON on one line as json.dumps writes it unless whitespace is asked for: at temperature 1 a random
+    model takes any whitespace it is allowed."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": NUMBERS, "strict": True}}
+    for seed in range(3):
+        r = served.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                    max_tokens=200, temperature=1.0, seed=seed, response_format=fmt)
+        text = r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop" and text == json.dumps(json.loads(text))  # ", " and ": " only
+
+
+def _first_token_texts(**options) -> list[str]:
+    """The texts of the tokens a JSON grammar allows right after `{`."""
+    import numpy as np
+    from utils import ARCHS, make_tokenizer
+
+    from pagedmlx.structured_outputs.backend import GuidanceBackend, GuidanceGrammar
+    from pagedmlx.structured_outputs.params import StructuredOutputsParams
+
+    tok = make_tokenizer(ARCHS["llama"]["vocab_size"])
+    backend = GuidanceBackend(tok, tok.eos_token_ids)
+    grammar = GuidanceGrammar(backend.compile(StructuredOutputsParams(json=NUMBERS, **options)))
+    assert all(grammar.accept_token(t) for t in tok.encode("{", add_special_tokens=False))
+    row = np.zeros((backend.vocab_size + 31) // 32, np.int32)
+    grammar.fill_bitmask(row)
+    return [tok.decode([i]) for i in range(backend.vocab_size) if (int(row[i // 32]) >> (i % 32)) & 1]
+
+
+def test_guided_json_whitespace_options():
+    compact = _first_token_texts()
+    assert compact and not any(t[:1].isspace() for t in compact)
+    assert _first_token_texts(disable_any_whitespace=True) == compact
+    for options in ({"disable_any_whitespace": False}, {"whitespace_pattern": r"[\n ]{0,4}"}):
+        assert {"\n", " "} <= set(_first_token_texts(**options))
