@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from typing import Callable, Optional, Sequence
 
@@ -60,7 +61,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     from pagedmlx.engine.core_info import defaults_line
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
     engine = load_engine(engine_config(args), "generate")
     if engine is None:
         return 1
@@ -87,20 +88,33 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _generate(engine, texts: list[str], prompts: list, params, chat: bool, console) -> None:
-    if len(prompts) == 1:  # stream the one answer as it comes
-        engine.add_request("0", prompts[0], params)
+    """Stream one prompt's answer as it comes, or print each of a batch's at the end; then the stats lines
+    mlx_lm.generate prints, on stderr."""
+    import mlx.core as mx
+
+    from pagedmlx.generate_stats import GenerationStats
+
+    stats = GenerationStats(len(prompts))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    finals: dict[str, str] = {}
+    with console.status(f"generating {len(prompts)} answers...") if len(prompts) > 1 else contextlib.nullcontext():
         while engine.has_unfinished_requests():
             for out in engine.step():
-                print(out.new_text, end="", flush=True)
+                stats.add(out)
+                if len(prompts) == 1:
+                    print(out.new_text, end="", flush=True)
+                elif out.finished:
+                    finals[out.request_id] = out.text
+    if len(prompts) == 1:
         print()
-        return
-    from pagedmlx.llm import LLM
-
-    outs = LLM.from_engine(engine).generate([{"prompt_token_ids": p} if chat else p for p in prompts], params,
-                                            use_tqdm=True)
-    for prompt, out in zip(texts, outs):
-        console.print(f"[bold cyan]> {prompt}[/]")
-        print(out.outputs[0].text)
+    else:
+        for i, prompt in enumerate(texts):
+            console.print(f"[bold cyan]> {prompt}[/]")
+            print(finals.get(str(i), ""))
+    sys.stdout.flush()
+    for line in stats.lines(mx.get_peak_memory()):
+        console.print(line, markup=False, highlight=False)
 
 
 # ---- blocks ----------------------------------------------------------------------------------
@@ -163,8 +177,22 @@ SUBCOMMANDS: dict[str, tuple[Callable[[argparse._SubParsersAction], None], Calla
 }
 
 
+def version() -> str:
+    """The installed distribution's version, else the package's own (a source tree on PYTHONPATH)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    import pagedmlx
+
+    try:
+        return dist_version("pagedmlx")
+    except PackageNotFoundError:
+        return pagedmlx.__version__
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedmlx", description="Paged-KV inference engine and server for MLX")
+    parser.add_argument("--version", action="version", version=f"pagedmlx {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add_parser, _ in SUBCOMMANDS.values():
         add_parser(sub)

@@ -127,3 +127,11 @@ NAMED = [  # tool_choice {"type": "function", "function": {"name": "get_weather"
 
 BY_PARSER = {"hermes": HERMES, "qwen3_coder": QWEN3_CODER, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL,
              "openai": OPENAI}
+
+# tool_choice "required" where the model repeats its call: each distinct call once
+REQUIRED_REPEATED = [
+    ("repeated_call", '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_weather", "parameters": '
+     '{"city": "Oslo"}}, {"name": "get_weather", "parameters": {"city": "Rome"}}, {"name": "get_weather", '
+     '"parameters": {"city": "Oslo"}}]',
+     (None, None, [("get_weather", '{"city": "Oslo"}'), ("get_weather", '{"city": "Rome"}')])),
+]

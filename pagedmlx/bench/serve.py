@@ -163,15 +163,13 @@ def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run(load: Load, num_processes: int, disable_progress: bool) -> tuple[LoadResult, list[LoadResult]]:
-    from rich.console import Console
-    from rich.progress import Progress
+    from pagedmlx.bench.progress import request_progress
 
-    with Progress(console=Console(stderr=True), disable=disable_progress, refresh_per_second=4) as bar:
-        task = bar.add_task("requests", total=len(load.bodies))
+    with request_progress(len(load.bodies), disable_progress) as progress:
         if num_processes <= 1:
-            result = asyncio.run(run_load(load, lambda: bar.advance(task)))
+            result = asyncio.run(run_load(load, progress.advance))
             return result, [result]
-        return run_processes(load, num_processes, lambda done: bar.update(task, completed=done))
+        return run_processes(load, num_processes, progress.update)
 
 
 def _report_errors(result: LoadResult, shown: int = 3) -> None:

@@ -23,15 +23,16 @@ class ChatOutputParser:
         self.tool_parser = tools
         self.include_reasoning = include_reasoning
 
-    def feed(self, delta_text: str, finished: bool = False) -> Optional[DeltaMessage]:
-        """The delta this much more text gives (None: nothing to send yet)."""
+    def feed(self, delta_text: str, finished: bool = False, truncated: bool = False) -> Optional[DeltaMessage]:
+        """The delta this much more text gives (None: nothing to send yet). `truncated`: the output ended
+        at max_tokens, so a tool call it leaves open is not one (ToolParser)."""
         reasoning, content = None, delta_text
         if self.reasoning_parser is not None:
             delta = self.reasoning_parser.extract_reasoning_streaming(delta_text, finished)
             reasoning, content = (delta.reasoning_content, delta.content) if delta is not None else (None, None)
         calls = None
         if self.tool_parser is not None:
-            delta = self.tool_parser.extract_tool_calls_streaming(content or "", finished)
+            delta = self.tool_parser.extract_tool_calls_streaming(content or "", finished, truncated)
             content, calls = (delta.content, delta.tool_calls) if delta is not None else (None, None)
             reasoning = _join(reasoning, delta.reasoning_content if delta is not None else None)
         if not self.include_reasoning:
@@ -40,9 +41,9 @@ class ChatOutputParser:
             return None
         return DeltaMessage(content=content, reasoning_content=reasoning, reasoning=reasoning, tool_calls=calls)
 
-    def whole(self, text: str) -> AssistantMessage:
+    def whole(self, text: str, truncated: bool = False) -> AssistantMessage:
         """The message of a whole response: the stream of one delta."""
-        delta = self.feed(text, finished=True) or DeltaMessage()
+        delta = self.feed(text, finished=True, truncated=truncated) or DeltaMessage()
         calls = [_call(c) for c in delta.tool_calls or []] or None
         content = delta.content if delta.content or calls or delta.reasoning else ""  # plain: "" as without parsers
         return AssistantMessage(content=content, reasoning_content=delta.reasoning_content, reasoning=delta.reasoning,

@@ -115,9 +115,10 @@ def template_kwargs(req: Any) -> dict[str, Any]:
 
 # ---- tool_choice "required" / named: the grammar ---------------------------------------------------
 
-def get_json_schema_from_tools(tool_choice: Any, tools: Optional[list]) -> Optional[dict]:
+def get_json_schema_from_tools(tool_choice: Any, tools: Optional[list], parallel: bool = True) -> Optional[dict]:
     """vLLM's: the JSON Schema the output must match when tool_choice forces a call, else None.
-    Named: that function's parameters. "required": an array of one or more {"name", "parameters"}."""
+    Named: that function's parameters. "required": an array of one or more {"name", "parameters"}; of
+    exactly one without `parallel` (parallel_tool_calls false: the grammar ends after the call)."""
     if not tools or tool_choice in (None, "none", "auto"):
         return None
     if isinstance(tool_choice, ChatCompletionNamedToolChoiceParam):
@@ -134,6 +135,8 @@ def get_json_schema_from_tools(tool_choice: Any, tools: Optional[list]) -> Optio
         items.append({"properties": {"name": {"type": "string", "enum": [tool.function.name]},
                                      "parameters": params}, "required": ["name", "parameters"]})
     schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
+    if not parallel:
+        schema["maxItems"] = 1
     if defs:
         schema["$defs"] = defs
     return schema
@@ -153,7 +156,7 @@ def tool_choice_structured_outputs(req: Any) -> Optional[Any]:
     """THE hook: the constraint that enforces tool_choice "required" or a named function, as vLLM's
     StructuredOutputsParams(json=schema); None for "none" and "auto". A 400 while this build has no
     guided decoding (structured_outputs_class() is None)."""
-    schema = get_json_schema_from_tools(tool_choice_of(req), req.tools)
+    schema = get_json_schema_from_tools(tool_choice_of(req), req.tools, getattr(req, "parallel_tool_calls", True))
     if schema is None:
         return None
     params_class = structured_outputs_class()

@@ -30,7 +30,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="a second key, for the operator: good on /v1/* too, and the only one that shows the "
                         "prompt text of KV blocks in /v1/engine/kv (default: $PAGEDMLX_ADMIN_KEY; none if unset)")
     p.add_argument("--served-model-name", type=_model_name, default=None,
-                   help="model id clients must send (default: the --model string, or `default`)")
+                   help="model id clients send and responses, /v1/models and metrics show (default: the model "
+                        "argument as given; a GGUF file's name without .gguf; the default model's name, "
+                        "SmolLM2-135M-Instruct). Without it, `default` is also accepted for the model")
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="with --enable-lora: mlx-lm adapter folders to serve, each as `model: NAME` (vLLM's "
                         "form; also its JSON form)")
@@ -93,7 +95,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from pagedmlx.engine.core_client import CoreStartupError
     from pagedmlx.tp.group import launched_backend, launched_rank
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)  # a log file gets each line whole, not cut at 80 columns
     config = engine_config(args)
     launcher = launched_backend()
     distributed = bool(args.tp) or launcher is not None
@@ -130,6 +132,15 @@ def _start_engine(args: argparse.Namespace, config: Any, distributed: bool):
     return AsyncEngine(core, max_waiting=args.max_waiting)
 
 
+def served_model_name(args: argparse.Namespace, model: str | None) -> str:
+    """--served-model-name, else the model's own name, as vLLM's --model string (loader.model_name)."""
+    if args.served_model_name:
+        return args.served_model_name
+    from pagedmlx.loader import model_name
+
+    return model_name(model)
+
+
 def _serving_models(args: argparse.Namespace, async_engine: Any, name: str):
     """The served model and its --lora-modules, read and checked by the engine (ValueError saying why)."""
     import asyncio
@@ -139,7 +150,9 @@ def _serving_models(args: argparse.Namespace, async_engine: Any, name: str):
     modules = [LoRAModulePath.parse(m) for m in args.lora_modules or []]
     if modules and not async_engine.info.max_loras:
         raise ValueError("--lora-modules needs --enable-lora")
-    models = ServingModels(async_engine, name, async_engine.max_model_len, modules)
+    # `default` stays good for the base model unless the operator named it (clients written against older servers)
+    aliases = () if args.served_model_name else ("default",)
+    models = ServingModels(async_engine, name, async_engine.max_model_len, modules, aliases)
     asyncio.run(models.init_static_loras())
     return models
 
@@ -180,7 +193,7 @@ def _serve(args: argparse.Namespace, async_engine: Any, console: Any, nofile: tu
     from pagedmlx.server.serving import ServerLimits
 
     info = async_engine.info
-    name = args.served_model_name or info.model or "default"  # as vLLM: the --model string
+    name = served_model_name(args, info.model)
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_n=args.max_n, max_tokens=args.max_tokens_cap,
                           header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                           max_connections=args.max_connections)

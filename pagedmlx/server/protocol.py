@@ -63,7 +63,7 @@ class StructuredOutputsField(OpenAIModel):
     grammar: Optional[Text] = None
     json_object: Optional[bool] = None
     structural_tag: Optional[Any] = None  # refused: not supported
-    disable_any_whitespace: bool = False
+    disable_any_whitespace: Optional[bool] = None  # None: compact JSON unless whitespace_pattern is given
     disable_additional_properties: bool = False
     whitespace_pattern: Optional[Text] = None
 

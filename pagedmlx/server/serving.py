@@ -200,7 +200,9 @@ class Serving:
             s = self.token_text(t.token_id)
             out.tokens.append(s)
             out.token_logprobs.append(_lp(t.logprob))
-            out.top_logprobs.append({self.token_text(i): _lp(v) for i, v in t.top})
+            top = {self.token_text(i): _lp(v) for i, v in t.top}
+            top[s] = _lp(t.logprob)  # OpenAI's and vLLM's k + 1: the chosen token too, with its own logprob
+            out.top_logprobs.append(top)
             out.text_offset.append(offset)
             offset += len(s)
         return out
@@ -274,7 +276,8 @@ class Serving:
             out = finals[i]
             parser = prep.chat_parser() if prep.chat_parser is not None else None
             choices.append(ChatChoice(
-                index=i, message=parser.whole(out.text) if parser else AssistantMessage(content=out.text),
+                index=i, message=parser.whole(out.text, out.finish_reason == "length") if parser
+                else AssistantMessage(content=out.text),
                 logprobs=self.chat_logprobs(out.logprobs), stop_reason=out.stop_reason,
                 finish_reason=parser.finish_reason(out.finish_reason) if parser else out.finish_reason,
                 token_ids=out.token_ids if req.return_token_ids else None))
@@ -335,7 +338,8 @@ class Serving:
             delta, finish = DeltaMessage(content=out.new_text), out.finish_reason
             if prep.chat_parser is not None:
                 parser = parsers.get(i) or parsers.setdefault(i, prep.chat_parser())
-                delta, finish = parser.feed(out.new_text, out.finished), parser.finish_reason(out.finish_reason)
+                delta = parser.feed(out.new_text, out.finished, out.finish_reason == "length")
+                finish = parser.finish_reason(out.finish_reason)
                 if delta is None and not (out.finished or out.new_logprobs or req.return_token_ids):
                     return None
             return event(model(index=i, delta=delta or DeltaMessage(),

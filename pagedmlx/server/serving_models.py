@@ -41,9 +41,11 @@ class LoRAModulePath:
 
 class ServingModels:
     def __init__(self, engine: AsyncEngine, model_name: str, max_model_len: Optional[int] = None,
-                 lora_modules: Optional[list[LoRAModulePath]] = None):
+                 lora_modules: Optional[list[LoRAModulePath]] = None, aliases: tuple[str, ...] = ()):
+        """aliases: other ids a request may send for the base model (responses still say model_name)."""
         self.engine = engine
         self.base_model_name = model_name
+        self.aliases = frozenset(aliases) - {model_name}
         self.max_model_len = max_model_len
         self.static_lora_modules = list(lora_modules or [])
         self.lora_requests: dict[str, LoRARequest] = {}  # by name, in loading order
@@ -64,7 +66,7 @@ class ServingModels:
 
     def resolve(self, model: Optional[str]) -> Optional[LoRARequest]:
         """The adapter a request's `model` names (None: the base model); 404 for any other name."""
-        if model is None or model == self.base_model_name:
+        if model is None or model == self.base_model_name or model in self.aliases:
             return None
         lora = self.lora_requests.get(model)
         if lora is None:
@@ -86,7 +88,7 @@ class ServingModels:
         if not lora_name or not lora_path:
             raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.")
         async with self._lock:
-            if lora_name in self.lora_requests or lora_name == self.base_model_name:
+            if lora_name in self.lora_requests or lora_name == self.base_model_name or lora_name in self.aliases:
                 raise APIError(400, f"The lora adapter '{lora_name}' has already been loaded.", param="lora_name")
             lora = LoRARequest(lora_name, next(self._ids), lora_path, self.base_model_name)
             try:

@@ -23,9 +23,18 @@ _INDEX, _TEXT, _FINISH, _STOP = "\x01index\x01", "\x01text\x01", "\x01finish\x01
 _json = msgspec.json.Encoder()
 
 
+# Line breaks to str.splitlines (httpx's iter_lines, many SSE readers) that JSON writes raw: as escapes,
+# the JSON value is the same and the event stays one line. In UTF-8 these byte runs are only these characters.
+_LINE_BREAKS = tuple((ch.encode(), f"\\u{ord(ch):04x}".encode()) for ch in ("\u2028", "\u2029", "\x85"))
+
+
 def event(payload: str) -> bytes:
-    """One `data:` event (sse-starlette passes bytes through as they are)."""
-    return b"data: " + payload.encode() + b"\n\n"
+    """One `data:` event (sse-starlette passes bytes through as they are); `payload` is JSON or [DONE]."""
+    data = payload.encode()
+    for raw, escaped in _LINE_BREAKS:
+        if raw in data:
+            data = data.replace(raw, escaped)
+    return b"data: " + data + b"\n\n"
 
 
 class ChunkTemplate:

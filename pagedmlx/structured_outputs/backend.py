@@ -21,9 +21,11 @@ class GrammarParams(Protocol):
     regex: Optional[str]
     choice: Optional[list[str]]
     grammar: Optional[str]
-    disable_any_whitespace: bool
     disable_additional_properties: bool
     whitespace_pattern: Optional[str]
+
+    @property
+    def compact_json(self) -> bool: ...
 
     @property
     def kind(self) -> str: ...
@@ -53,8 +55,10 @@ def grammar_text(params: GrammarParams) -> str:
         schema = params.json if kind == "json" else {"type": "object"}
         if params.disable_additional_properties:
             schema = _strip_additional_properties(schema)
-        options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
-        if not params.disable_any_whitespace:
+        options: dict[str, Any] = {"whitespace_flexible": not params.compact_json}
+        if params.compact_json:  # one line as json.dumps writes it (and chat templates' tojson): ", " and ": "
+            options.update(item_separator=", ", key_separator=": ")
+        else:
             options["whitespace_pattern"] = params.whitespace_pattern or DEFAULT_WHITESPACE
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
     if kind == "regex":

@@ -17,16 +17,22 @@ class StructuredOutputsParams:
     """Exactly one of json (a JSON Schema, as a dict or its JSON text), regex, choice (a list of strings),
     grammar (Lark, or llama.cpp's GBNF) or json_object (any JSON object). Validated on construction: a
     ValueError names the field (`structured_outputs.json: ...`) when the kinds are not exactly one or
-    the grammar does not compile."""
+    the grammar does not compile.
+
+    JSON (json, json_object) is compact by default: one line, as json.dumps writes it (`, ` and `: `, no
+    other whitespace between tokens), so a model spends no tokens on indentation or runs of newlines.
+    disable_any_whitespace=False (vLLM's option; vLLM defaults to free whitespace) or a whitespace_pattern
+    allows whitespace between tokens instead."""
 
     json: Optional[Union[str, dict]] = None
     regex: Optional[str] = None
     choice: Optional[list[str]] = None
     grammar: Optional[str] = None
     json_object: Optional[bool] = None
-    disable_any_whitespace: bool = False  # JSON: no whitespace between tokens (vLLM's name)
-    # JSON: the whitespace allowed between two tokens, a regex; default: up to 64 of space, tab, CR, LF
-    # (vLLM allows any amount: a small model can then loop on newlines until max_tokens)
+    # JSON: compact, on one line (vLLM's name). None: compact unless whitespace_pattern is given
+    disable_any_whitespace: Optional[bool] = None
+    # JSON with whitespace: the whitespace allowed between two tokens, a regex; default: up to 64 of space,
+    # tab, CR, LF (vLLM allows any amount: a small model can then loop on newlines until max_tokens)
     whitespace_pattern: Optional[str] = None
     disable_additional_properties: bool = False  # JSON: objects take only the properties the schema names
     structural_tag: Optional[str] = None  # vLLM's; refused: not supported yet
@@ -62,6 +68,11 @@ class StructuredOutputsParams:
         validate(self)
 
     @property
+    def compact_json(self) -> bool:
+        """JSON on one line: disable_any_whitespace, else unless a whitespace_pattern is given."""
+        return self.whitespace_pattern is None if self.disable_any_whitespace is None else self.disable_any_whitespace
+
+    @property
     def kind(self) -> str:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
@@ -72,5 +83,5 @@ class StructuredOutputsParams:
     def key(self) -> tuple:
         """What the compiled grammar depends on: the cache key (manager.py)."""
         spec = json.dumps(self.spec, sort_keys=True) if self.kind in ("json", "choice") else self.spec
-        return (self.kind, spec, self.disable_any_whitespace, self.disable_additional_properties,
+        return (self.kind, spec, self.compact_json, self.disable_additional_properties,
                 self.whitespace_pattern)

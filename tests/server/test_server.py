@@ -318,7 +318,8 @@ def test_logprobs_shapes(served):
     assert len(e.tokens) == len(e.token_logprobs) == len(e.top_logprobs) == len(prompt) + 3
     assert e.token_logprobs[0] is None and e.top_logprobs[0] is None
     assert e.token_logprobs[1:len(prompt)] == pytest.approx([lp.logprob for lp in want], abs=1e-4)
-    assert all(1 <= len(t) <= 2 for t in e.top_logprobs[1:])  # keyed by text: two ids may decode alike
+    # keyed by text (two ids may decode alike): the top 2 and the prompt's own token
+    assert all(1 <= len(t) <= 3 and tok in t for tok, t in zip(e.tokens[1:], e.top_logprobs[1:]))
     chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, logprobs=2, echo=True,
                                             temperature=0, stream=True, extra_body={"ignore_eos": True}))
     streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.token_logprobs]

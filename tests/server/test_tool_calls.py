@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from typing import Optional
 
 import httpx
 import openai
@@ -13,7 +14,7 @@ import pytest
 from parser_utils import ScriptedSampler, check_every_split, streamed, template_tokenizer, whole
 from pydantic import BaseModel
 from server_utils import MODEL, Served, engine_config, error_of
-from tool_call_fixtures import BY_PARSER, NAMED, REQUIRED, TOOLS, WEATHER
+from tool_call_fixtures import BY_PARSER, NAMED, REQUIRED, REQUIRED_REPEATED, TOOLS, WEATHER
 from utils import ARCHS, make_model, make_tokenizer
 
 from pagedmlx.cli import main as cli_main
@@ -296,3 +297,64 @@ def test_auto_needs_a_parser_on_the_server_and_unknown_fields_are_logged(caplog)
         assert lines == ["ChatCompletionRequest: the field 'frobnicate' is not supported and was ignored"]
     finally:
         s.stop()
+
+
+# ---- outputs cut by max_tokens, and repeated calls ---------------------------------------------------
+
+def _cut(make, text: str) -> tuple[Optional[str], list[tuple[str, str]]]:
+    message = make().whole(text, truncated=True)
+    return message.content or None, [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+
+
+def test_a_call_cut_by_max_tokens_is_no_call_and_no_content():
+    """vLLM's: only what was parsed completely; the cut call's markup is not content either."""
+    calls = ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+             '<tool_call>\n{"name": "write_file", "arguments": {"path": "a"}}\n</tool_call>']
+    text = "Let me check.\n" + calls[0] + "\n" + calls[1]
+    ends = [text.index("}}", text.index(c[:30])) + 2 for c in calls]  # where each call's JSON closes
+    want = [("get_weather", '{"city": "Paris"}'), ("write_file", '{"path": "a"}')]
+    hermes = lambda: ChatOutputParser(None, TOOL_PARSERS["hermes"](None, request()))  # noqa: E731
+    for i in range(len(text) + 1):
+        content = (text[:i] if i <= len("Let me check.\n") else "Let me check.") or None  # no "\n" before a call
+        assert _cut(hermes, text[:i]) == (content, [w for w, end in zip(want, ends) if i >= end]), text[:i]
+    required = lambda: ChatOutputParser(None, RequiredToolParser(None, request(tool_choice="required")))  # noqa: E731
+    array = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "write_file", "parameters": {}}]'
+    ends = [array.index("}}") + 2, len(array) - 1]
+    want = [("get_weather", '{"city": "Oslo"}'), ("write_file", "{}")]
+    for i in range(len(array) + 1):
+        assert _cut(required, array[:i]) == (None, [w for w, end in zip(want, ends) if i >= end]), array[:i]
+    named = lambda: ChatOutputParser(None, NamedToolParser(None, request(  # noqa: E731
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})))
+    assert _cut(named, '{"city": "Ro') == (None, [])
+
+
+@pytest.mark.parametrize("case,text,expected", REQUIRED_REPEATED, ids=[c[0] for c in REQUIRED_REPEATED])
+def test_tool_choice_required_drops_repeated_calls(case, text, expected):
+    req = request(tool_choice="required")
+    check_every_split(lambda: ChatOutputParser(None, RequiredToolParser(None, req)), text, expected)
+
+
+def test_required_without_parallel_calls_is_one_call_by_grammar():
+    schema = get_json_schema_from_tools("required", request().tools, parallel=False)
+    assert (schema["minItems"], schema["maxItems"]) == (1, 1)
+    assert "maxItems" not in get_json_schema_from_tools("required", request().tools)
+
+
+def test_server_cut_tool_calls_finish_with_length(served):
+    client = served.client()
+    for max_tokens in (1, 3, 5, 8, 12):
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "#required"}],
+                                           tools=TOOLS, tool_choice="required", max_tokens=max_tokens)
+        choice = r.choices[0]
+        assert (choice.finish_reason, choice.message.tool_calls, choice.message.content) == ("length", None, ""), \
+            (max_tokens, choice)
+    for max_tokens in (6, 10, 14, 18):
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "#weather"}],
+                                           tools=TOOLS, max_tokens=max_tokens)
+        choice = r.choices[0]
+        assert choice.finish_reason == "length" and choice.message.tool_calls is None, (max_tokens, choice)
+        assert "Let me check.".startswith(choice.message.content), (max_tokens, choice)
+        chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "#weather"}],
+                                                     tools=TOOLS, max_tokens=max_tokens, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
+        assert chunks[-1].choices[0].finish_reason == "length"

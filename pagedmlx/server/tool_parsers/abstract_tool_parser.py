@@ -10,6 +10,10 @@ checks every split of every fixture). A whole response is the stream of one delt
 Whitespace next to a tool call is dropped: the run before a call's marker, and a trailing run once
 a call was made (Qwen writes "\\n\\n<tool_call>..."; OpenAI's content is then null). Text the format
 cannot explain (a broken call) is content from there on, as vLLM returns unparsable output as content.
+
+An output cut by max_tokens (`truncated`) keeps only what was parsed completely: a call left open is
+dropped where it has not been streamed yet, and the unsettled end of the text (what might be a marker
+or a call's beginning) is neither content nor a call.
 """
 
 from __future__ import annotations
@@ -68,19 +72,21 @@ class ToolParser:
         return ExtractedToolCallInformation(tools_called=bool(self._calls), tool_calls=self.tool_calls,
                                             content=self.content_text or None)
 
-    def extract_tool_calls_streaming(self, delta_text: str, finished: bool = False) -> Optional[Any]:
+    def extract_tool_calls_streaming(self, delta_text: str, finished: bool = False,
+                                     truncated: bool = False) -> Optional[Any]:
         """The DeltaMessage this much more text gives (None: nothing yet). vLLM passes previous and
-        current text and token ids too; a parser here keeps its own text."""
+        current text and token ids too; a parser here keeps its own text. `truncated`: the output
+        ended at max_tokens (with `finished`)."""
         from pagedmlx.server.protocol import DeltaMessage
 
         self.text += delta_text
         if not self.raw:
-            self.parse(finished)
+            self.parse(finished and not truncated)  # cut short: the text's end decides nothing
         if self.raw:
             self.content(self.text[self.pos:])
             self.pos = len(self.text)
         if finished:
-            self._finish()
+            self._finish(truncated)
         content = "".join(self._delta_content) or None
         reasoning = "".join(self._delta_reasoning) or None
         calls = [DeltaToolCall(index=i, id=c[0], type="function" if c[0] else None,
@@ -152,14 +158,25 @@ class ToolParser:
         self.reader = None
         self.raw = True
 
+    def _drop_open_call(self) -> None:
+        """Unreport the call being read: a whole response never shows it (a stream may have sent its start)."""
+        index = len(self._calls) - 1
+        self._calls.pop()
+        self._delta_calls.pop(index, None)
+        self._open = None
+
     def _emit_content(self, text: str) -> None:
         self._delta_content.append(text)
         self.content_text += text
 
-    def _finish(self) -> None:
+    def _finish(self, truncated: bool = False) -> None:
+        # cut in a call, or where one may begin: the whitespace before it is no content either
+        cut = truncated and (self.mode != "text" or self.in_call or self.reader is not None or self.pos < len(self.text))
+        if truncated and self._open is not None:
+            self._drop_open_call()
         if self.in_call:
             self.end_call()
-        if self._pending_ws and not self._calls:
+        if self._pending_ws and not self._calls and not cut:
             self._emit_content(self._pending_ws)
         self._pending_ws = ""
 
