@@ -49,7 +49,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="kernel and graph switches as one JSON object (vLLM's option), each true, false or null "
                         "(null: where it pays): compile_decode (replay decode-only steps through mx.compile, CUDA; "
                         "default: steps of at most 8 requests), merge_projections (q/k/v and gate/up as one matmul "
-                        "each; default: GPU backends without LoRA), fuse_norms (residual add + RMSNorm as one kernel; "
+                        "each; default: GPU backends), fuse_norms (residual add + RMSNorm as one kernel; "
                         "default off), skinny_gemm (products of 2-5 rows as pagedmlx's kernel; default: CUDA), "
                         "warm_up_attention (build long prompts' attention shapes before serving; default: CUDA), "
                         "prefill_kernel (the paged prefill kernel; default: CUDA). Example: "

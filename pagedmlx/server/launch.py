@@ -136,7 +136,7 @@ def served_model_name(args: argparse.Namespace, model: str | None) -> str:
     """--served-model-name, else the model's own name, as vLLM's --model string (loader.model_name)."""
     if args.served_model_name:
         return args.served_model_name
-    from pagedmlx.loader import model_name
+    from pagedmlx.loaders.loader import model_name
 
     return model_name(model)
 

@@ -14,7 +14,7 @@ from utils import make_model
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine.core_info import CoreInfo
-from pagedmlx.doctor import kernel_paths_table
+from pagedmlx.cli.doctor import kernel_paths_table
 from pagedmlx.engine.llm_engine import LLMEngine
 from pagedmlx.kernels import build, selector
 from pagedmlx.kernels.selector import KernelPlan

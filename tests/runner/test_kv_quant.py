@@ -161,7 +161,7 @@ def test_doctor_table_names_the_quantized_pages():
 
     from rich.console import Console
 
-    from pagedmlx.doctor import kernel_paths_table
+    from pagedmlx.cli.doctor import kernel_paths_table
 
     console = Console(width=400, record=True)
     console.print(kernel_paths_table("random:qwen3-tiny", argparse.Namespace(block_size=16, dtype="float32",

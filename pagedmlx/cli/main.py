@@ -11,7 +11,7 @@ from typing import Callable, Optional, Sequence
 from pagedmlx import envs
 from pagedmlx.bench.cli import add_bench_parser, run_bench
 from pagedmlx.platform import backend_name
-from pagedmlx.doctor import add_doctor_parser, run_doctor
+from pagedmlx.cli.doctor import add_doctor_parser, run_doctor
 from pagedmlx.engine.arg_utils import add_engine_args, engine_config, model_arg, positive  # noqa: F401 - model_arg for callers
 from pagedmlx.server.launch import add_serve_parser, run_serve
 
@@ -92,7 +92,7 @@ def _generate(engine, texts: list[str], prompts: list, params, chat: bool, conso
     mlx_lm.generate prints, on stderr."""
     import mlx.core as mx
 
-    from pagedmlx.generate_stats import GenerationStats
+    from pagedmlx.cli.generate_stats import GenerationStats
 
     stats = GenerationStats(len(prompts))
     for i, prompt in enumerate(prompts):
