@@ -35,6 +35,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # $PAGEDMLX_CACHE_DIR/mlx-ptx/<MLX version> unless it is set, or PAGEDMLX_KERNEL_CACHE is 0 (kernels/disk_cache.py).
     "MLX_PTX_CACHE_DIR": _str("MLX_PTX_CACHE_DIR"),
     "PAGEDMLX_KERNEL_CACHE": _on("PAGEDMLX_KERNEL_CACHE", True),
+    # The `pagedmlx` command runs again with OpenBLAS preloaded on Linux where it is installed and not loaded
+    # (PAGEDMLX_BLAS_PRELOAD=0: never); PAGEDMLX_BLAS_REEXEC marks that second run; LD_PRELOAD is kept.
+    "PAGEDMLX_BLAS_PRELOAD": _on("PAGEDMLX_BLAS_PRELOAD", True),
+    "PAGEDMLX_BLAS_REEXEC": _str("PAGEDMLX_BLAS_REEXEC"),
+    "LD_PRELOAD": _str("LD_PRELOAD"),
     # The CUDA toolkit's headers where the nvidia wheels have none (as MLX looks for them).
     "CUDA_HOME": _str("CUDA_HOME"),
     # 0: none of pagedmlx's own kernels on that backend (MLX's portable path everywhere).

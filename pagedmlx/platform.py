@@ -9,7 +9,7 @@ import os
 import resource
 import sys
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional, Sequence
 
 from pagedmlx import envs
 
@@ -79,6 +79,60 @@ def gpu_backend_name() -> str:
     if cuda is not None and cuda.is_available():
         return "CUDA"
     return "GPU"
+
+
+OPENBLAS = ("/usr/lib/x86_64-linux-gnu/libopenblas.so.0", "/usr/lib/aarch64-linux-gnu/libopenblas.so.0")
+
+
+def openblas_to_preload(maps: Optional[str] = None) -> Optional[str]:
+    """The installed OpenBLAS that this process has not loaded (Linux: MLX's CPU wheel multiplies with a reference
+    BLAS unless OpenBLAS is preloaded, 2-3x slower end to end); None where it is loaded, absent, or not Linux.
+    maps: /proc/self/maps's text (read when None)."""
+    path = next((p for p in OPENBLAS if os.path.exists(p)), None)
+    if path is None or not sys.platform.startswith("linux"):
+        return None
+    if maps is None:
+        try:
+            maps = Path("/proc/self/maps").read_text()
+        except OSError:
+            return None
+    return None if "libopenblas" in maps else path
+
+
+def reexec_with_openblas(argv: Sequence[str]) -> None:
+    """The `pagedmlx` command, run again with OpenBLAS preloaded where it is installed and not loaded (once:
+    PAGEDMLX_BLAS_REEXEC marks the second run). PAGEDMLX_BLAS_PRELOAD=0 turns this off."""
+    path = openblas_to_preload()
+    if path is None or envs.PAGEDMLX_BLAS_REEXEC or not envs.PAGEDMLX_BLAS_PRELOAD:
+        return
+    preload = " ".join(filter(None, [envs.LD_PRELOAD, path]))
+    env = dict(os.environ, LD_PRELOAD=preload, PAGEDMLX_BLAS_REEXEC="1")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "pagedmlx.cli", *argv], env)
+
+
+def slow_blas_warning() -> Optional[str]:
+    """What to tell a user whose engine multiplies on the CPU with MLX's reference BLAS; None where that is not so."""
+    import mlx.core as mx
+
+    if mx.default_device() != mx.cpu or not sys.platform.startswith("linux"):
+        return None
+    path = openblas_to_preload()
+    if path is not None:
+        return (f"MLX's CPU backend multiplies with its reference BLAS in this process: start Python with "
+                f"LD_PRELOAD={path} for 2-3x the speed (the `pagedmlx` command and `make` do it for you)")
+    if not any(os.path.exists(p) for p in OPENBLAS) and "libopenblas" not in _maps():
+        return ("MLX's CPU backend multiplies with its reference BLAS: install OpenBLAS (Debian/Ubuntu: apt-get install "
+                "libopenblas0-pthread) and preload it (LD_PRELOAD) for 2-3x the speed")
+    return None
+
+
+def _maps() -> str:
+    try:
+        return Path("/proc/self/maps").read_text()
+    except OSError:
+        return ""
 
 
 def on_hard_exit(fn: Callable[[], None]) -> None:

@@ -10,7 +10,7 @@ from typing import Callable, Optional, Sequence
 
 from pagedmlx import envs
 from pagedmlx.bench.cli import add_bench_parser, run_bench
-from pagedmlx.platform import backend_name
+from pagedmlx.platform import backend_name, reexec_with_openblas
 from pagedmlx.cli.doctor import add_doctor_parser, run_doctor
 from pagedmlx.engine.arg_utils import add_engine_args, engine_config, model_arg, positive  # noqa: F401 - model_arg for callers
 from pagedmlx.server.launch import add_serve_parser, run_serve
@@ -201,6 +201,8 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = make_parser().parse_args(argv)
+    if argv is None:  # a process of its own: OpenBLAS for MLX's CPU backend
+        reexec_with_openblas(sys.argv[1:])
     return SUBCOMMANDS[args.command][1](args)
 
 

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from pagedmlx.platform import slow_blas_warning
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine.prompt_logprobs import prompt_logprobs, record_prompt_logprobs
 from pagedmlx.engine.step import LaunchedStep, StepStats
@@ -44,6 +45,8 @@ class EngineCore:
                  verify_model: bool = True):
         self.config = config or EngineConfig()
         self.model = model
+        if (blas := slow_blas_warning()) is not None:
+            logger.warning(blas)
         if self.config.dtype is not None:  # quantized weights keep their packed form
             model.set_dtype(getattr(mx, self.config.dtype))
         self.tokenizer = tokenizer
