@@ -3,6 +3,7 @@
 # bench_offline.py for 4-bit with the quantized layers left as they are (PAGEDMLX_FLAT_QUANTIZED=0) and for 4-bit,
 # 8-bit and bf16 as served, against mlx-lm (BatchGenerator up to batch 64, generate_step at batch 1); a table last.
 # From the project's root, after scripts/gpu/env.sh: bash scripts/gpu/quant_speed.sh   (GEN: tokens a request)
+# A cold MLX kernel cache adds ~50-60 s to a quantized format's first engine start (its qmm kernels built by NVRTC).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/quant_speed}
@@ -11,12 +12,12 @@ GEN=${GEN:-64}
 B="python3 scripts/bench/bench_offline.py --preset llama-8b --dtype bfloat16 --prompt-len 128 --gen-len $GEN"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 date -u
-timeout 80 python3 scripts/bench/study_quant_rows.py --rows 1 8 64 256 --bits 4 8 16 --iters 10 2>&1 | tee "$OUT/study.txt"
-PAGEDMLX_FLAT_QUANTIZED=0 timeout 120 $B --quantization 4bit --batch-sizes 64 --skip-peer --json "$OUT/q4_unflat.json" \
+timeout 150 python3 scripts/bench/study_quant_rows.py --rows 1 8 64 256 --bits 4 8 16 --iters 10 2>&1 | tee "$OUT/study.txt"
+PAGEDMLX_FLAT_QUANTIZED=0 timeout 240 $B --quantization 4bit --batch-sizes 64 --skip-peer --json "$OUT/q4_unflat.json" \
   2>&1 | grep -v "^\s*$" | tail -25
 for q in 4bit 8bit bf16; do
   flags=$([ $q = bf16 ] && echo "--no-skinny-gemm" || echo "--quantization $q")
-  timeout 150 $B $flags --batch-sizes 1 64 256 --peer-max-batch 64 --json "$OUT/$q.json" 2>&1 | grep -v "^\s*$" | tail -30
+  timeout 240 $B $flags --batch-sizes 1 64 256 --peer-max-batch 64 --json "$OUT/$q.json" 2>&1 | grep -v "^\s*$" | tail -30
 done
 python3 - "$OUT" <<'PY'
 import json, sys
