@@ -57,6 +57,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDMLX_SKINNY_MMA": _on("PAGEDMLX_SKINNY_MMA", False),
     "PAGEDMLX_SKINNY_WARPS": _int("PAGEDMLX_SKINNY_WARPS", 8),
     "PAGEDMLX_SKINNY_UNROLL": _int("PAGEDMLX_SKINNY_UNROLL", 2),
+    # 0: quantized layers multiply over a step's (T, 1, D) activations as MLX does by default (T one-row products
+    # on CUDA) instead of one (T, D) matrix (layers/quantized_linear.py); for comparisons.
+    "PAGEDMLX_FLAT_QUANTIZED": _on("PAGEDMLX_FLAT_QUANTIZED", True),
     # Tensor parallelism: what launchers (mlx.launch, mpirun) tell a rank, and the pid of the `--tp` parent
     # that spawned this rank (a rank ends when it goes).
     "MLX_RANK": _str("MLX_RANK"),

@@ -2,10 +2,16 @@
 classes with the real models' shapes (fewer layers where the name says so). `preset:NAME` is a model
 argument wherever one is taken (`pagedmlx bench throughput preset:llama-8b --dtype bfloat16`, `serve`,
 `doctor --model`, `LLM(...)`: pagedmlx/loaders/loader.py), and scripts/bench/* and scripts/export_mlx_model.py
-build them here too (preset_model)."""
+build them here too (preset_model).
+
+A preset's name may end in a quantization, NAME-<bits>bit[-g<group size>][-head<bits>]: `preset:llama-8b-4bit`
+(affine, group size 64), `preset:llama-8b-8bit`, `preset:llama-8b-4bit-head8` (embeddings and LM head at 8 bits,
+the rest at 4). The weights are drawn in the dtype, then quantized by mlx.nn.quantize as mlx-lm's convert does."""
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import mlx.core as mx
@@ -70,9 +76,68 @@ PRESETS["gemma4-e2b-16l"] = dict(
     tie_word_embeddings=True)
 
 
-def random_model(preset: str, dtype: mx.Dtype, vocab_size: Optional[int] = None):
-    """A random-weight model of the preset's architecture (mlx-lm's own class), in `dtype`;
-    `vocab_size` replaces the preset's (a tokenizer's own size)."""
+@dataclass(frozen=True)
+class Quantization:
+    """Affine weight quantization of a preset: `bits` for the layers, `head_bits` for the embeddings and the LM
+    head (None: `bits`)."""
+
+    bits: int
+    group_size: int = 64
+    head_bits: Optional[int] = None
+
+    @property
+    def suffix(self) -> str:
+        return (f"{self.bits}bit" + (f"-g{self.group_size}" if self.group_size != 64 else "")
+                + (f"-head{self.head_bits}" if self.head_bits not in (None, self.bits) else ""))
+
+
+_QUANT = re.compile(r"(?P<bits>[234568])bit(?:-g(?P<group>32|64|128))?(?:-head(?P<head>[234568]))?")
+
+
+def parse_quantization(spec: Optional[str]) -> Optional[Quantization]:
+    """`4bit`, `8bit`, `4bit-g128`, `4bit-head8` (see the module docstring); None or "" or "none": no quantization."""
+    if not spec or spec == "none":
+        return None
+    m = _QUANT.fullmatch(spec)
+    if m is None:
+        raise ValueError(f"unknown quantization {spec!r}: <bits>bit[-g<group size>][-head<bits>], bits 2-6 or 8, "
+                         "group size 32, 64 or 128 (e.g. 4bit, 8bit, 4bit-head8)")
+    return Quantization(int(m["bits"]), int(m["group"] or 64), int(m["head"]) if m["head"] else None)
+
+
+def split_preset_name(name: str) -> tuple[str, Optional[Quantization]]:
+    """(preset, quantization) of a preset name with or without the prefix and a quantization suffix."""
+    name = name[len(PRESET_PREFIX):] if name.startswith(PRESET_PREFIX) else name
+    for base in sorted(PRESETS, key=len, reverse=True):
+        if name.startswith(base + "-") and _QUANT.fullmatch(name[len(base) + 1:]):
+            return base, parse_quantization(name[len(base) + 1:])
+    return name, None
+
+
+def quantize_model(model, q: Quantization) -> None:
+    """The model's linear layers and embeddings quantized in place (mlx.nn.quantize, mlx-lm convert's rules:
+    layers whose input width the group size divides, the model's own quant_predicate); embeddings and LM head
+    at q.head_bits where given."""
+    import mlx.nn as nn
+
+    own = getattr(model, "quant_predicate", None)
+
+    def predicate(path: str, m) -> Union[bool, dict]:
+        if not hasattr(m, "to_quantized") or m.weight.shape[-1] % q.group_size:
+            return False
+        verdict = own(path, m) if own is not None else True
+        if verdict is True and q.head_bits and (isinstance(m, nn.Embedding) or path.split(".")[-1] == "lm_head"):
+            return dict(group_size=q.group_size, bits=q.head_bits, mode="affine")
+        return verdict
+
+    nn.quantize(model, q.group_size, q.bits, mode="affine", class_predicate=predicate)
+    mx.eval(model.parameters())
+
+
+def random_model(preset: str, dtype: mx.Dtype, vocab_size: Optional[int] = None,
+                 quantization: Optional[Quantization] = None):
+    """A random-weight model of the preset's architecture (mlx-lm's own class), in `dtype` (quantized after the
+    draw where `quantization` says so); `vocab_size` replaces the preset's (a tokenizer's own size)."""
     from mlx_lm.utils import _get_classes
 
     cfg = dict(PRESETS[preset])
@@ -88,24 +153,28 @@ def random_model(preset: str, dtype: mx.Dtype, vocab_size: Optional[int] = None)
     model = model_class(args_class.from_dict(cfg))
     model.set_dtype(dtype)
     mx.eval(model.parameters())
+    if quantization is not None:
+        quantize_model(model, quantization)
     return model
 
 
 def preset_model(name: str, dtype: Union[str, mx.Dtype, None] = None, tokenizer: Optional[str] = None):
-    """(model, tokenizer) of `preset:NAME` (or NAME), in `dtype` (default bfloat16), the tokenizer
+    """(model, tokenizer) of `preset:NAME` (or NAME; a quantization suffix quantizes it: module docstring), in
+    `dtype` (default bfloat16; a quantized model's scales and unquantized layers), the tokenizer
     wrapped as mlx-lm wraps it. `tokenizer`, a folder or hub name with tokenizer files, sizes the model's
     vocabulary to it (served benchmarks then detokenize real text); without one, pagedmlx's tiny
     tokenizer padded to the preset's own vocabulary, so that the LM head keeps its real width and every
     id a random model samples decodes."""
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-    name = name[len(PRESET_PREFIX):] if name.startswith(PRESET_PREFIX) else name
+    name, quantization = split_preset_name(name)
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
+        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(sorted(PRESETS))} (quantized: "
+                         "NAME-4bit, NAME-8bit, NAME-4bit-head8, ...)")
     dtype = getattr(mx, dtype) if isinstance(dtype, str) else dtype or mx.bfloat16
     if tokenizer is None:
-        return random_model(name, dtype), tiny_tokenizer(config_vocab_size(PRESETS[name]))
+        return random_model(name, dtype, quantization=quantization), tiny_tokenizer(config_vocab_size(PRESETS[name]))
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(tokenizer)
-    return random_model(name, dtype, vocab_size=len(hf)), TokenizerWrapper(hf)
+    return random_model(name, dtype, vocab_size=len(hf), quantization=quantization), TokenizerWrapper(hf)

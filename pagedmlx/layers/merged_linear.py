@@ -28,6 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from pagedmlx.layers.quantized_linear import QUANTIZED_LINEAR
 from pagedmlx.runner.thread_flag import ThreadFlag
 
 logger = logging.getLogger("pagedmlx")
@@ -56,7 +57,7 @@ def _linear_kind(m: nn.Module) -> Optional[tuple]:
     """What must match for modules to merge: class, input width, bias, quantization; None: not mergeable."""
     if type(m) is nn.Linear:
         return ("linear", m.weight.shape[1], m.weight.dtype, "bias" in m)
-    if type(m) is nn.QuantizedLinear:
+    if type(m) in QUANTIZED_LINEAR:  # layers/quantized_linear.py's swap included
         return ("quantized", m.weight.shape[1], m.scales.dtype, "bias" in m, "biases" in m, m.group_size, m.bits,
                 getattr(m, "mode", "affine"))
     return None

@@ -45,7 +45,8 @@ def device_memory(on_gpu: bool) -> tuple[int, str]:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "RAM"
 
 
-def model_bytes(model: nn.Module) -> int:
+def weights_nbytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters (about what a step reads at batch 1)."""
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
@@ -80,7 +81,7 @@ def kv_cache_budget(config: EngineConfig, model: nn.Module, body: Optional[Calla
         return KVBudget(int(config.kv_cache_memory_gb * 1e9), f"kv_cache_memory_gb {config.kv_cache_memory_gb:g}")
     on_gpu = mx.default_device() == mx.gpu if on_gpu is None else on_gpu
     total, what = device_memory(on_gpu)
-    weights = model_bytes(model)
+    weights = weights_nbytes(model)
     if not on_gpu:
         nbytes = int(min(CPU_MAX_FRACTION * total, max(weights, CPU_MIN_BYTES)))
         return KVBudget(nbytes, f"CPU: the model's {weights / 1e9:.2f} GB of weights, at least "

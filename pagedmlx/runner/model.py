@@ -8,7 +8,6 @@ from typing import Optional, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.core.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec, sliding_pool_blocks
@@ -21,12 +20,13 @@ from pagedmlx.runner.compiled_step import AUTO_MAX_DECODES, CompiledDecode
 from pagedmlx.layers.fused_residual import fuse_norms, fused_residuals
 from pagedmlx.runner.lm_head import split_lm_head
 from pagedmlx.layers.merged_linear import merge_projections, merged_products
+from pagedmlx.layers.quantized_linear import flat_rows, flatten_quantized
 from pagedmlx.layers.skinny_linear import drop_skinny_gemm, skinny_products, use_skinny_gemm
 from pagedmlx.runner.attention_metadata import (StepMetadata, sdpa_shape_quantum)
 from pagedmlx.runner.plan import UnsupportedModelError, model_type, plan_layers
 from pagedmlx.runner.selfcheck import LOGIT_TOLERANCE, check_paged_forward, relative_error
 from pagedmlx.runner import warm_up
-from pagedmlx.runner.kv_budget import kv_cache_budget
+from pagedmlx.runner.kv_budget import kv_cache_budget, weights_nbytes
 from pagedmlx.runner.state import StateLayerCache, StateMetadata, StatePool, install_regrouping, pages_budget, state_group
 from pagedmlx.core.sched.output import SchedulerOutput
 
@@ -35,14 +35,8 @@ logger = logging.getLogger("pagedmlx")
 __all__ = ["ModelRunner", "Runner", "UnsupportedModelError", "model_type", "weights_nbytes"]
 
 
-def _merges_projections(config: EngineConfig) -> bool:
-    """EngineConfig.merge_projections: None on GPU backends."""
+def _merges_projections(config: EngineConfig) -> bool:  # EngineConfig.merge_projections: None on GPU backends
     return config.merge_projections if config.merge_projections is not None else mx.default_device() == mx.gpu
-
-
-def weights_nbytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters (about what a step reads at batch 1)."""
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
 class PagesLost(RuntimeError):
@@ -72,6 +66,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.merges = _merges_projections(config)  # False: separate products, even where another runner merged
         self.merged_groups = merge_projections(model) if self.merges else 0
+        flatten_quantized(model)  # after the merge: its modules too
         if self.merged_groups:
             logger.info("merged %d projection groups (layers/merged_linear.py)", self.merged_groups)
         # Routed first: the plan's probe sees each layer's query heads and sinks through the dispatcher.
@@ -351,14 +346,14 @@ class ModelRunner:
 
     def logits(self, inputs: mx.array, caches: list, logits_indices: mx.array) -> mx.array:
         """The model over inputs (T, 1) on `caches`; logits (S, V) of the rows logits_indices."""
-        with (merged_products() if self.merges else contextlib.nullcontext(),
+        with (merged_products() if self.merges else contextlib.nullcontext(), flat_rows(),
               fused_residuals() if self.fused_norms else contextlib.nullcontext(),
               skinny_products() if self.skinny else contextlib.nullcontext()):
             if self._head is not None:
                 hidden = self._body(inputs, cache=caches)
                 if self.keep_hidden:  # every row's final hidden state, for an MTP module (spec_decode/mtp_proposer.py)
                     self.last_hidden = hidden
-                return self._head(hidden[logits_indices])[:, 0, :]
+                return self._head(hidden[logits_indices, 0])  # (S, H): one matrix (layers/quantized_linear.py)
             return self.model(inputs, cache=caches)[logits_indices][:, 0, :]
 
     def _check(self) -> Optional[str]:

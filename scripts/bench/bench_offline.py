@@ -10,6 +10,7 @@ compares the two (medians over the interleaved runs, and the median of the runs'
 
   python scripts/bench/bench_offline.py                        # random 8-layer 512-wide llama, float32
   python scripts/bench/bench_offline.py --preset llama-8b --dtype bfloat16 --batch-sizes 1 64 256
+  python scripts/bench/bench_offline.py --preset llama-8b --quantization 4bit --batch-sizes 1 64 256
   python scripts/bench/bench_offline.py --preset gemma3-27b-16l --dtype bfloat16 --batch-sizes 1 --repeats 5
   python scripts/bench/bench_offline.py --preset gemma3-27b-16l --dtype bfloat16 --batch-sizes 1 64   # sliding windows
   python scripts/bench/bench_offline.py --model path/to/mlx-model
@@ -33,6 +34,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pagedmlx.bench.presets import PRESETS, random_model  # noqa: E402,F401 - the other scripts import them from here
+from pagedmlx.bench.presets import parse_quantization  # noqa: E402
 
 def run_prefill(engine, model, prompt: list[int]) -> tuple[float, float]:
     """(pagedmlx, mlx-lm generate_step) prompt tokens per second: one prompt to its first token."""
@@ -162,6 +164,9 @@ def main() -> None:
     ap.add_argument("--prefill-len", type=int, default=0, help="also time one prompt of this many tokens to its "
                                                                 "first token, against generate_step")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--quantization", help="the preset's weights quantized (affine, mlx.nn.quantize): 4bit, 8bit, "
+                                           "4bit-g128, 4bit-head8 (embeddings and LM head at 8 bits); the dtype is "
+                                           "the scales' and activations'")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64, 128])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=128)
@@ -183,6 +188,8 @@ def main() -> None:
     ap.add_argument("--skinny-gemm", action=argparse.BooleanOptionalAction, default=None,
                     help="EngineConfig.skinny_gemm: products of 2-5 rows as pagedmlx's kernel (default: on CUDA)")
     ap.add_argument("--skip-peer", action="store_true", help="run pagedmlx only (for sweeps of its own settings)")
+    ap.add_argument("--peer-max-batch", type=int, help="run mlx-lm at batch sizes up to this only (larger: pagedmlx "
+                                                      "only, mlx-lm's cells nan)")
     args = ap.parse_args()
 
     from rich.console import Console
@@ -198,8 +205,10 @@ def main() -> None:
         model, _ = load_model(args.model)
         name = args.model
     else:
-        model = random_model(args.preset, dtype)
-        name = f"random {PRESETS[args.preset]['model_type']} '{args.preset}' ({args.dtype})"
+        quant = parse_quantization(args.quantization)
+        model = random_model(args.preset, dtype, quantization=quant)
+        name = (f"random {PRESETS[args.preset]['model_type']} '{args.preset}' ({args.dtype}"
+                f"{f', {quant.suffix}' if quant else ''})")
     vocab = getattr(model.args, "vocab_size", None) or model.args.text_config["vocab_size"]
     max_b = max(args.batch_sizes)
     tokens_per_seq = max(args.prompt_len + args.gen_len, args.prefill_len + 1)
@@ -249,7 +258,8 @@ def main() -> None:
         ours, theirs, lockstep, single = [], [], [], []
         for r in range(args.repeats):
             prompts = make_prompts(b, args.prompt_len, vocab, seed=r)
-            theirs.append(run_mlx_lm(model, prompts, args.gen_len) if not args.skip_peer else (float("nan"),) * 2)
+            peer = not args.skip_peer and (args.peer_max_batch is None or b <= args.peer_max_batch)
+            theirs.append(run_mlx_lm(model, prompts, args.gen_len) if peer else (float("nan"),) * 2)
             ours.append(run_pagedmlx(engine, prompts, args.gen_len))
             if b == 1 and not args.skip_peer:  # interleaved with ours: generate_step, the single-stream peer
                 single.append(run_generate_step(model, prompts[0], args.gen_len))

@@ -61,3 +61,48 @@ def test_bench_throughput_takes_a_preset(tmp_path, capsys):
     out = json.loads(path.read_text())
     assert rc == 0 and out["num_requests"] == 4 and out["total_output_tokens"] == 16
     assert capsys.readouterr().out.startswith("Throughput: ")
+
+
+def test_quantization_specs_and_preset_name_suffixes():
+    from pagedmlx.bench.presets import Quantization, parse_quantization, split_preset_name
+
+    assert parse_quantization("4bit") == Quantization(4, 64) and parse_quantization(None) is None
+    assert parse_quantization("4bit-g128-head8") == Quantization(4, 128, 8)
+    assert parse_quantization("4bit-head8").suffix == "4bit-head8" and parse_quantization("8bit").suffix == "8bit"
+    assert split_preset_name("preset:llama-8b-4bit") == ("llama-8b", Quantization(4, 64))
+    assert split_preset_name("gemma3-27b-16l-8bit") == ("gemma3-27b-16l", Quantization(8, 64))
+    assert split_preset_name("qwen3.5-35b-a3b-16l") == ("qwen3.5-35b-a3b-16l", None)
+    for bad in ("7bit", "4bit-g48", "4-bit"):
+        with pytest.raises(ValueError, match="unknown quantization"):
+            parse_quantization(bad)
+    with pytest.raises(ValueError, match="unknown preset 'llama-8b-7bit'"):
+        preset_model("preset:llama-8b-7bit")
+
+
+def test_a_quantized_preset_quantizes_layers_embeddings_and_head_as_asked():
+    import mlx.nn as nn
+
+    model, tokenizer = load_model("preset:small-4bit-head8", dtype="float16")
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj, nn.QuantizedLinear) and isinstance(layer.mlp.down_proj, nn.QuantizedLinear)
+    assert (layer.mlp.up_proj.bits, layer.mlp.up_proj.group_size, layer.mlp.up_proj.scales.dtype) == (4, 64, mx.float16)
+    assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding) and model.model.embed_tokens.bits == 8
+    assert isinstance(model.lm_head, nn.QuantizedLinear) and model.lm_head.bits == 8
+    assert len(tokenizer._tokenizer) == PRESETS["small"]["vocab_size"]
+    model8, _ = preset_model("small-8bit", "float32")
+    assert {model8.model.embed_tokens.bits, model8.lm_head.bits, model8.model.layers[1].mlp.gate_proj.bits} == {8}
+
+
+def test_bench_offline_takes_a_quantization(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    path = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, str(root / "scripts/bench/bench_offline.py"), "--quantization", "4bit",
+                           "--batch-sizes", "2", "--prompt-len", "8", "--gen-len", "4", "--skip-peer", "--json",
+                           str(path)], capture_output=True, text=True, cwd=root, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(path.read_text())
+    assert "4bit" in out["model"] and out["rows"][0]["batch"] == 2
