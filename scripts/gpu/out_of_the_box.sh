@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# `pagedmlx serve MODEL` as a new user starts it, on the GPU machine (after scripts/gpu/env.sh): the time to a
+# healthy server on a cold kernel cache and again on a warm one, then out tok/s and TTFT at CLIENTS concurrent
+# clients with the default KV pool (sized by --gpu-memory-utilization) against --kv-cache-gb KV_GB; a table last.
+#   bash scripts/gpu/out_of_the_box.sh            MODEL (default preset:llama-8b), CLIENTS (256), KV_GB (30)
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/ootb}; mkdir -p "$OUT"
+MODEL=${MODEL:-preset:llama-8b}; CLIENTS=${CLIENTS:-256}; KV_GB=${KV_GB:-30}; PORT=8011
+export PAGEDMLX_CACHE_DIR=${PAGEDMLX_CACHE_DIR:-$OUT/cache}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; date -u
+serve() {  # name, extra flags...: start, wait for /health, record seconds
+  local name=$1; shift
+  local t0=$(date +%s.%N)
+  python3 -m pagedmlx.cli serve "$MODEL" --dtype bfloat16 --port $PORT "$@" > "$OUT/$name.log" 2>&1 &
+  SERVER=$!
+  until python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$PORT/health').status_code != 200)" \
+      2>/dev/null; do
+    kill -0 $SERVER 2>/dev/null || { echo "$name: server exited"; tail -5 "$OUT/$name.log"; return 1; }
+    sleep 0.5
+  done
+  echo "$name ready $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s" | tee -a "$OUT/ready.txt"
+  grep -m1 "KV pool" "$OUT/$name.log"
+}
+stop() { kill -INT $SERVER; wait $SERVER 2>/dev/null; }
+load() {  # name
+  timeout 240 python3 -m pagedmlx.cli bench serve --port $PORT --dataset-name random --random-input-len 100 \
+    --random-output-len 64 --ignore-eos --num-prompts $((CLIENTS * 2)) --max-concurrency $CLIENTS --num-processes 4 \
+    --disable-tqdm --save-result --result-dir "$OUT" --result-filename "$1.json" 2>&1 | tail -4
+}
+serve cold && stop
+serve warm && load default && stop
+serve pool --kv-cache-gb "$KV_GB" && load pool && stop
+python3 - "$OUT" "$KV_GB" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+print(open(out / "ready.txt").read())
+print(f"{'pool':>22} {'out tok/s':>10} {'TTFT p90 ms':>12} {'failed':>7}")
+rows = {}
+for name, label in (("default", "default (memory-sized)"), ("pool", f"--kv-cache-gb {sys.argv[2]}")):
+    p = out / f"{name}.json"
+    if p.exists():
+        r = json.loads(p.read_text())
+        rows[name] = r["output_throughput"]
+        print(f"{label:>22} {r['output_throughput']:>10.0f} {r.get('p90_ttft_ms', float('nan')):>12.0f} "
+              f"{r.get('failed', 0):>7}")
+if len(rows) == 2:
+    print(f"default / --kv-cache-gb: {rows['default'] / rows['pool']:.3f}")
+PY
