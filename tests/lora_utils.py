@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from utils import solo_greedy
+from utils import assert_solo_greedy, solo_greedy
 
 from pagedmlx.loaders.random_model import random_model
 
@@ -63,10 +63,17 @@ class References:
     def __init__(self, base: Callable[[], nn.Module]):
         self.base, self.models = base, {}
 
-    def __call__(self, path: Optional[str], prompt: list[int], max_tokens: int) -> list[int]:
+    def model(self, path: Optional[str]) -> nn.Module:
         if path not in self.models:
             self.models[path] = with_adapter(self.base, path)
-        return solo_greedy(self.models[path], prompt, max_tokens)
+        return self.models[path]
+
+    def __call__(self, path: Optional[str], prompt: list[int], max_tokens: int) -> list[int]:
+        return solo_greedy(self.model(path), prompt, max_tokens)
+
+    def check(self, got: list[int], path: Optional[str], prompt: list[int], max_tokens: int, what: object) -> None:
+        """`got` is the adapter's greedy output for `prompt` alone, up to rounding's near ties (utils)."""
+        assert_solo_greedy(got, self.model(path), prompt, max_tokens, what)
 
 
 # Four adapters that differ in everything the format lets them: keys, layers, rank, scale, DoRA.

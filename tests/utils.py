@@ -6,10 +6,12 @@ from __future__ import annotations
 import functools
 import random
 import time
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import httpx
 import mlx.core as mx
+import numpy as np
 
 from pagedmlx.loaders.random_model import RANDOM_ARCHS, random_model, tiny_tokenizer
 
@@ -25,17 +27,105 @@ def make_model(arch: str, seed: int = 0):
     return random_model(_TEST_ARCHS.get(arch, arch), seed)
 
 
-def solo_greedy(model, prompt: list[int], max_tokens: int, stop_ids: tuple[int, ...] = ()) -> list[int]:
-    """mlx-lm's own generation for one prompt alone: the reference every engine output must equal.
-    Stops after a token in stop_ids (included), as the engine does at EOS."""
+# Greedy tokens are compared exactly, except at rounding's near ties. A float32 product can change in its last bits
+# with its batch: OpenBLAS picks its GEMM kernel and blocking by shape (on AMD EPYC its Zen kernels give a row other
+# bits at another row count), so a busy engine's logits can differ from the same prompt's alone by ~1e-5. Where the
+# reference's best two logits lie closer than ROUNDING_GAP, either token is right.
+ROUNDING_GAP = 1e-3
+# Logprobs of one prompt in two rows of a batch: ~1e-6 apart where rows round apart.
+LOGPROB_ROUNDING = 1e-5
+# Quantized pages turn such a last bit into a whole quantization step where a key or value sits on a rounding
+# boundary: logits then move by up to ~3e-2 (int8 pages under OpenBLAS's Zen kernels).
+QUANTIZED_GAP = 0.1
+
+
+@dataclass
+class Greedy:
+    """A reference's greedy tokens, each step's runner-up and the chosen token's lead over it (in logits)."""
+
+    tokens: list[int] = field(default_factory=list)
+    runner_up: list[int] = field(default_factory=list)
+    lead: list[float] = field(default_factory=list)
+
+    def add(self, token: int, logprobs: mx.array) -> None:
+        """Record a step from its vocabulary's logprobs."""
+        lp = np.array(logprobs.astype(mx.float32), dtype=np.float64)
+        best, lp[token] = lp[token], -np.inf
+        self.tokens.append(token)
+        self.runner_up.append(int(lp.argmax()))
+        self.lead.append(float(best - lp.max()))
+
+
+Reference = Callable[[list[int], int], Greedy]  # (prompt, max_tokens) -> the prompt's greedy continuation
+
+
+def mlx_lm_greedy(model, prompt: list[int], max_tokens: int, stop_ids: tuple[int, ...] = (),
+                  make_cache: Optional[Callable[[], list]] = None) -> Greedy:
+    """mlx-lm's own generation for one prompt alone: the reference every engine output must equal. Stops after a
+    token in stop_ids (included), as the engine does at EOS; make_cache gives its prompt cache (default: mlx-lm's)."""
     from mlx_lm.generate import generate_step
 
-    out = []
-    for (tok, _), _ in zip(generate_step(mx.array(prompt), model, max_tokens=max_tokens), range(max_tokens)):
-        out.append(int(tok))
-        if out[-1] in stop_ids:
+    out = Greedy()
+    cache = make_cache() if make_cache else None
+    steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens, prompt_cache=cache)
+    for (tok, logprobs), _ in zip(steps, range(max_tokens)):
+        out.add(int(tok), logprobs)
+        if out.tokens[-1] in stop_ids:
             break
     return out
+
+
+def solo_greedy(model, prompt: list[int], max_tokens: int, stop_ids: tuple[int, ...] = ()) -> list[int]:
+    """mlx-lm's greedy tokens for one prompt alone (mlx_lm_greedy)."""
+    return mlx_lm_greedy(model, prompt, max_tokens, stop_ids).tokens
+
+
+def engine_greedy(engine, params) -> Reference:
+    """A reference that runs each prompt alone on `engine` (idle) with greedy `params`, logprobs on."""
+    def run(prompt: list[int], max_tokens: int) -> Greedy:
+        engine.add_request("reference", prompt, replace(params, max_tokens=max_tokens, logprobs=2))
+        out = run_to_completion(engine)["reference"]
+        return Greedy(list(out.token_ids), [lp.top[1][0] for lp in out.logprobs],
+                      [lp.top[0][1] - lp.top[1][1] for lp in out.logprobs])
+    return run
+
+
+def greedy_mismatch(got: list[int], prompt: list[int], max_tokens: int, reference: Reference,
+                    gap: float = ROUNDING_GAP) -> Optional[str]:
+    """None where `got` is the reference's greedy continuation of `prompt`, else why not. Where `got` takes the
+    reference's runner-up at a step that led it by at most `gap` (rounding may pick either there), the reference
+    goes on from `got`'s token, and so does the comparison: a fault after a near tie still fails."""
+    start = 0
+    while True:
+        want = reference(prompt + got[:start], max_tokens - start) if start < max_tokens else Greedy()
+        rest = got[start:]
+        n = next((i for i, (a, b) in enumerate(zip(rest, want.tokens)) if a != b), None)
+        if n is None:
+            return None if rest == want.tokens else f"{got} against {got[:start] + want.tokens}"
+        if rest[n] != want.runner_up[n] or want.lead[n] > gap:
+            return (f"token {start + n} is {rest[n]}, the reference's {want.tokens[n]} "
+                    f"({want.lead[n]:.2g} ahead of {want.runner_up[n]}): {got}")
+        start += n + 1
+
+
+def assert_greedy(got: list[int], prompt: list[int], max_tokens: int, reference: Reference, what: object = "",
+                  gap: float = ROUNDING_GAP) -> None:
+    """`got` is the reference's greedy continuation of `prompt`, up to rounding's near ties (greedy_mismatch)."""
+    why = greedy_mismatch(got, prompt, max_tokens, reference, gap)
+    assert why is None, f"{what}: {why}"
+
+
+def solo_mismatch(got: list[int], model, prompt: list[int], max_tokens: int,
+                  stop_ids: tuple[int, ...] = ()) -> Optional[str]:
+    """greedy_mismatch against mlx-lm's greedy output for `prompt` alone."""
+    return greedy_mismatch(got, prompt, max_tokens, functools.partial(mlx_lm_greedy, model, stop_ids=stop_ids))
+
+
+def assert_solo_greedy(got: list[int], model, prompt: list[int], max_tokens: int, what: object = "",
+                       stop_ids: tuple[int, ...] = ()) -> None:
+    """`got` is mlx-lm's greedy output for `prompt` alone, up to rounding's near ties (greedy_mismatch)."""
+    why = solo_mismatch(got, model, prompt, max_tokens, stop_ids)
+    assert why is None, f"{what}: {why}"
 
 
 def run_to_completion(engine) -> dict:
@@ -124,8 +214,6 @@ CHI2_P1E4 = {1: 15.14, 2: 18.42, 3: 21.11, 4: 23.51, 5: 25.74, 6: 27.86, 7: 29.8
 
 def chi_square(observed, expected) -> float:
     """Pearson's statistic of observed counts against expected counts (same total)."""
-    import numpy as np
-
     observed, expected = np.asarray(observed, float), np.asarray(expected, float)
     return float(((observed - expected) ** 2 / expected).sum())
 

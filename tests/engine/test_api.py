@@ -10,7 +10,7 @@ import sys
 from dataclasses import replace
 
 import pytest
-from utils import make_model, make_tokenizer, solo_greedy
+from utils import LOGPROB_ROUNDING, assert_solo_greedy, make_model, make_tokenizer
 
 
 def test_vllm_offline_quickstart_verbatim():
@@ -52,17 +52,18 @@ def test_prompt_forms_give_mlx_lm_tokens():
     text_ids = list(tok.encode(text))
     assert [o.prompt for o in outs] == [None, None, text, text]
     assert [o.prompt_token_ids for o in outs] == [ids, ids, text_ids, text_ids]
-    want = [solo_greedy(model, p, 6) for p in (ids, ids, text_ids, text_ids)]
-    assert [o.outputs[0].token_ids for o in outs] == want
+    for i, (o, p) in enumerate(zip(outs, (ids, ids, text_ids, text_ids))):
+        assert_solo_greedy(o.outputs[0].token_ids, model, p, 6, i)
     assert len({o.request_id for o in outs}) == 4
     one = llm.generate({"prompt_token_ids": ids}, params)  # a single prompt, not in a list
-    assert len(one) == 1 and one[0].outputs[0].token_ids == want[0]
+    assert len(one) == 1
+    assert_solo_greedy(one[0].outputs[0].token_ids, model, ids, 6)
     with pytest.raises(ValueError, match="exactly one of 'prompt' or 'prompt_token_ids'"):
         llm.generate({"prompt": text, "prompt_token_ids": ids}, params)
     with pytest.raises(ValueError, match="token ids"):  # the second prompt is refused: the first is not left behind
         llm.generate([ids, [10**9]], params)
     assert llm.engine.get_num_unfinished_requests() == 0
-    assert llm.generate(ids, params)[0].outputs[0].token_ids == want[0]
+    assert_solo_greedy(llm.generate(ids, params)[0].outputs[0].token_ids, model, ids, 6)
 
 
 def test_detokenize_false_gives_the_same_tokens_without_text():
@@ -75,10 +76,13 @@ def test_detokenize_false_gives_the_same_tokens_without_text():
     ids = [5, 17, 300, 42, 9]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
     text, raw = llm.generate([ids, ids], [params, replace(params, detokenize=False)])
-    assert raw.outputs[0].token_ids == text.outputs[0].token_ids == solo_greedy(model, ids, 6)
+    for name, out in (("detokenized", text), ("raw", raw)):
+        assert_solo_greedy(out.outputs[0].token_ids, model, ids, 6, name)
     assert text.outputs[0].text and raw.outputs[0].text == ""
-    assert [{t: lp.logprob for t, lp in d.items()} for d in raw.outputs[0].logprobs] == \
-        [{t: lp.logprob for t, lp in d.items()} for d in text.outputs[0].logprobs]
+    # The same prompt in two rows of one batch: the same token ids, their logprobs up to rounding.
+    assert [list(d) for d in raw.outputs[0].logprobs] == [list(d) for d in text.outputs[0].logprobs]
+    assert [lp.logprob for d in raw.outputs[0].logprobs for lp in d.values()] == \
+        pytest.approx([lp.logprob for d in text.outputs[0].logprobs for lp in d.values()], abs=LOGPROB_ROUNDING)
     assert all(lp.decoded_token is None for d in raw.outputs[0].logprobs for lp in d.values())
     assert all(lp.decoded_token is not None for d in text.outputs[0].logprobs for lp in d.values())
     engine = AsyncEngine(llm.engine)
@@ -132,7 +136,8 @@ def test_async_generate_takes_vllms_argument_order():
     final = outs[-1]
     assert final.finished and not any(o.finished for o in outs[:-1]) and final.request_id == "req-7"
     assert [c.index for c in final.outputs] == [0, 1]
-    assert all(c.token_ids == solo_greedy(model, [1, 2, 3], 5) for c in final.outputs)
+    for c in final.outputs:
+        assert_solo_greedy(c.token_ids, model, [1, 2, 3], 5, c.index)
     for c in final.outputs:  # logprobs gathered step by step: one dict per token, the sampled token first
         assert [next(iter(d)) for d in c.logprobs] == c.token_ids
         assert c.cumulative_logprob == pytest.approx(sum(d[t].logprob for d, t in zip(c.logprobs, c.token_ids)))

@@ -7,7 +7,7 @@ import gc
 import time
 
 import pytest
-from utils import assert_no_leaks, make_model, solo_greedy
+from utils import assert_no_leaks, assert_solo_greedy, make_model
 
 from pagedmlx.engine.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError, TooManyRequestsError
 from pagedmlx.config import EngineConfig
@@ -55,7 +55,7 @@ def test_concurrent_generates_equal_solo_and_errors_reach_the_caller():
     results = asyncio.run(main())
     for i, (p, outs) in enumerate(zip(prompts, results)):  # vLLM's RequestOutputs, cumulative
         assert outs[-1].request_id == str(i) and outs[-1].prompt_token_ids == p
-        assert outs[-1].outputs[0].token_ids == solo_greedy(make_model("llama"), p, 8)
+        assert_solo_greedy(outs[-1].outputs[0].token_ids, make_model("llama"), p, 8, i)
         assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, 9))
         assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
         assert not any(o.finished for o in outs[:-1])

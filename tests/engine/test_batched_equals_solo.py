@@ -7,7 +7,8 @@ import random
 import mlx.core as mx
 import numpy as np
 import pytest
-from utils import ARCHS, assert_no_leaks, make_model, make_prompts, run_staggered, solo_greedy
+from utils import (ARCHS, Greedy, assert_no_leaks, assert_solo_greedy, greedy_mismatch, make_model, make_prompts,
+                   run_staggered)
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine.llm_engine import LLMEngine
@@ -43,7 +44,7 @@ def test_64_busy_requests_equal_solo(arch_name, overlap, monkeypatch):
     assert engine.kv_cache_manager.stats.hits > 0
     assert engine.kv_cache_manager.stats.preempted_hits > 0
     for i, p in enumerate(prompts):
-        assert done[str(i)] == solo_greedy(model, p, GREEDY.max_tokens), f"request {i} (prompt {len(p)} tokens)"
+        assert_solo_greedy(done[str(i)], model, p, GREEDY.max_tokens, f"request {i} (prompt {len(p)} tokens)")
     assert_no_leaks(engine)
 
 
@@ -84,7 +85,7 @@ def test_attention_shapes_padded_as_on_cuda_equal_solo(arch_name, monkeypatch):
     assert padded and all(pow2(p) and pow2(L) and k % 12 == 0 for p, _, L, k in padded), padded
     assert engine.kv_cache_manager.stats.hits > 0
     for i, p in enumerate(prompts):
-        assert done[str(i)] == solo_greedy(model, p, GREEDY.max_tokens), f"request {i} (prompt {len(p)} tokens)"
+        assert_solo_greedy(done[str(i)], model, p, GREEDY.max_tokens, f"request {i} (prompt {len(p)} tokens)")
     assert_no_leaks(engine)
 
 
@@ -121,7 +122,7 @@ def test_warm_up_runs_the_shapes_a_long_prompt_meets_beside_decodes(monkeypatch)
         done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
     assert len(calls) >= 4 * model.args.num_hidden_layers and set(calls) <= warmed, set(calls) - warmed
     for rid, p in [("long", long)] + [(f"s{i}", p) for i, p in enumerate(short)]:
-        assert done[rid] == solo_greedy(model, p, 16), rid
+        assert_solo_greedy(done[rid], model, p, 16, rid)
     assert_no_leaks(engine)
 
 
@@ -143,7 +144,7 @@ def test_a_failed_warm_up_is_logged_and_serving_goes_on(monkeypatch, caplog):
         done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
     assert calls == [(40, 64 * 4)]  # once for this thread, however many steps
     assert "building the prefill attention shapes failed" in caplog.text
-    assert done["a"] == solo_greedy(model, prompt, 5)
+    assert_solo_greedy(done["a"], model, prompt, 5)
 
 
 def test_cached_blocks_hold_their_owners_kv():
@@ -232,7 +233,7 @@ def test_mixed_step_fresh_hit_partial_resumed_and_decodes():
             if out.finished:
                 done[out.request_id] = out.token_ids
     for rid, p in prompts.items():
-        assert done[rid] == solo_greedy(model, p, 8), rid
+        assert_solo_greedy(done[rid], model, p, 8, rid)
     assert_no_leaks(engine)
 
 
@@ -275,7 +276,7 @@ def test_failed_step_fails_only_its_requests_and_uncaches(monkeypatch):
     out = []
     while engine.has_unfinished_requests():
         out += [o for o in engine.step() if o.finished]
-    assert out[0].token_ids == solo_greedy(model, prompt, GREEDY.max_tokens)
+    assert_solo_greedy(out[0].token_ids, model, prompt, GREEDY.max_tokens)
     assert engine.kv_cache_manager.stats.hits == 0
 
 
@@ -300,7 +301,7 @@ def test_a_failed_step_that_leaves_the_pages_unreadable_does_not_stop_the_engine
     done = []
     while engine.has_unfinished_requests():
         done += [o for o in engine.step() if o.finished]
-    assert done[0].token_ids == solo_greedy(model, prompt, GREEDY.max_tokens)
+    assert_solo_greedy(done[0].token_ids, model, prompt, GREEDY.max_tokens)
 
 
 def test_a_step_that_fails_to_dispatch_fails_only_its_requests(monkeypatch):
@@ -354,7 +355,7 @@ def test_reused_request_id_never_gets_the_old_requests_token():
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.token_ids
-    assert done["x"] == solo_greedy(model, prompt, 8)
+    assert_solo_greedy(done["x"], model, prompt, 8)
     assert_no_leaks(engine)
 
 
@@ -362,3 +363,27 @@ def test_nan_sampling_values_are_refused():
     for field in ("temperature", "top_p", "min_p", "presence_penalty"):
         with pytest.raises(ValueError, match=field):
             SamplingParams(**{field: float("nan")})
+
+
+def test_greedy_comparison_forgives_only_a_near_tie_and_goes_on_after_it():
+    """utils.greedy_mismatch: a token may differ from the reference's only where it is the runner-up within the
+    gap; the reference then goes on from it. Here the reference continues a prompt by its last token + 1, the
+    runner-up + 2, led by 1e-4 after token 5 and by 1.0 elsewhere."""
+    def reference(prompt: list[int], max_tokens: int) -> Greedy:
+        out, last = Greedy(), prompt[-1]
+        for _ in range(max_tokens):
+            out.tokens.append(last + 1)
+            out.runner_up.append(last + 2)
+            out.lead.append(1e-4 if last == 5 else 1.0)
+            last += 1
+        return out
+
+    def why(got, prompt=(4,)):
+        return greedy_mismatch(got, list(prompt), 4, reference)
+
+    assert why([5, 6, 7, 8]) is None
+    assert why([5, 7, 8, 9]) is None  # the runner-up at the near tie, then the reference from there
+    assert "token 3 is 10" in why([5, 7, 8, 10])  # a fault after the near tie still fails
+    assert "token 1 is 8" in why([5, 8, 9, 10])  # not the runner-up
+    assert "token 0 is 2" in why([2, 3, 4, 5], prompt=[0])  # the runner-up, but 1.0 behind
+    assert why([5, 6]) and why([5, 6, 7, 8, 9])  # too few tokens, too many

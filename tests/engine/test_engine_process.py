@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from utils import make_model, solo_greedy
+from utils import assert_solo_greedy, make_model
 
 from pagedmlx.engine.async_engine import AsyncEngine, EngineDeadError
 from pagedmlx.config import EngineConfig
@@ -69,7 +69,7 @@ def test_a_core_process_gives_mlx_lms_tokens_and_its_errors(ae):
     results = asyncio.run(main())
     model = make_model("llama")
     for i, (p, outs) in enumerate(zip(prompts, results)):
-        assert outs[-1].outputs[0].token_ids == solo_greedy(model, p, 8), i
+        assert_solo_greedy(outs[-1].outputs[0].token_ids, model, p, 8, i)
         # Each output holds its own step's tokens, however late the consumer reads it (EngineOutput's lists grow).
         lengths = [len(o.outputs[0].token_ids) for o in outs]
         assert lengths == sorted(set(lengths)) and lengths[0] >= 1 and lengths[-1] == 8, lengths

@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from kernel_emulator import EmulatedKernel, have_compiler
-from utils import assert_no_leaks, make_model, run_staggered, shared_prefix_prompts, solo_greedy
+from utils import assert_no_leaks, assert_solo_greedy, make_model, run_staggered, shared_prefix_prompts
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine.llm_engine import LLMEngine
@@ -86,7 +86,7 @@ def test_busy_engine_with_fused_residuals_equals_mlx_lm_alone(emulated, monkeypa
     layers = len(engine.runner._body.layers)
     assert launches and len(launches) % (2 * layers) == 0
     for i, p in enumerate(prompts):
-        assert done[str(i)] == solo_greedy(model, p, GREEDY.max_tokens), f"request {i}"
+        assert_solo_greedy(done[str(i)], model, p, GREEDY.max_tokens, f"request {i}")
     assert_no_leaks(engine)
 
 

@@ -9,7 +9,7 @@ import logging
 
 import mlx.core as mx
 import pytest
-from utils import make_model, run_to_completion, solo_greedy
+from utils import assert_solo_greedy, make_model, run_to_completion
 from kernel_emulator import EmulatedKernel, have_compiler
 
 from pagedmlx.config import EngineConfig
@@ -71,8 +71,12 @@ def kernel_warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.filename == "selector.py"]
 
 
-def run(engine: LLMEngine) -> dict[str, list[int]]:
-    return {rid: out.token_ids for rid, out in run_to_completion(engine).items()}
+def assert_serves_mlx_lms_tokens(engine: LLMEngine, model) -> None:
+    """The engine (serve's) runs its prompts to mlx-lm's greedy tokens for each alone."""
+    done = run_to_completion(engine)
+    assert sorted(done) == [str(i) for i in range(len(PROMPTS))]
+    for i, p in enumerate(PROMPTS):
+        assert_solo_greedy(done[str(i)].token_ids, model, p, GREEDY.max_tokens, i)
 
 
 @pytest.mark.parametrize("factory,reason", [(BrokenKernel, "did not compile or run (RuntimeError: [metal::Device]"),
@@ -91,7 +95,7 @@ def test_a_kernel_that_fails_its_check_is_switched_off_and_the_gather_path_serve
     assert len(warnings) == 1 and "metal paged kernels off" in warnings[0] and reason in warnings[0]
     [line] = kernel_path_lines(engine.runner)  # what the server's start-up and `pagedmlx doctor` say
     assert line.endswith(f"decode gather + SDPA; prefill gather + SDPA; page write MLX scatter ({plan.reason})")
-    assert run(engine) == {str(i): solo_greedy(model, p, GREEDY.max_tokens) for i, p in enumerate(PROMPTS)}
+    assert_serves_mlx_lms_tokens(engine, model)
 
 
 @pytest.mark.skipif(not have_compiler(), reason="g++ runs the emulated kernels")
@@ -107,7 +111,7 @@ def test_kernels_that_pass_their_check_serve_decode_rows(on_metal, caplog):
     assert line.endswith(": decode paged decode kernel; prefill gather + SDPA (the prefill kernel is CUDA only); "
                          "page write MLX scatter (not in place on metal yet)")
     before = len(EmulatedKernel.sources)
-    assert run(engine) == {str(i): solo_greedy(model, p, GREEDY.max_tokens) for i, p in enumerate(PROMPTS)}
+    assert_serves_mlx_lms_tokens(engine, model)
     assert len(EmulatedKernel.sources) > before and calls  # decode rows went through the kernel
 
 

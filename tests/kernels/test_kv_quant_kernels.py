@@ -148,8 +148,8 @@ def test_engine_on_quantized_pages_checks_the_kernel_then_serves_equal_tokens(mo
     the decode rows, failing, it is switched off with one warning; tokens equal mlx-lm's QuantizedKVCache."""
     import logging
 
-    from test_kv_quant import mlx_lm_quantized_greedy
-    from utils import make_model, run_to_completion
+    from test_kv_quant import mlx_lm_quantized
+    from utils import QUANTIZED_GAP, assert_greedy, make_model, run_to_completion
 
     from pagedmlx.config import EngineConfig
     from pagedmlx.engine.llm_engine import LLMEngine
@@ -183,7 +183,7 @@ def test_engine_on_quantized_pages_checks_the_kernel_then_serves_equal_tokens(mo
     before = len(EmulatedKernel.sources)
     done = run_to_completion(engine)
     for i, p in enumerate(prompts):
-        assert done[str(i)].token_ids == mlx_lm_quantized_greedy(model, p, 6, 8, 32), i
+        assert_greedy(done[str(i)].token_ids, p, 6, mlx_lm_quantized(model, 8, 32), i, QUANTIZED_GAP)
     assert calls and (len(EmulatedKernel.sources) > before) == (factory is EmulatedKernel)  # decode rows ran it
     for f in (decode_attention_quant._kernels, decode_attention._kernels, decode_attention.supports):
         f.cache_clear()
@@ -282,8 +282,8 @@ def test_engine_writes_quantized_pages_in_place_and_serves_equal_tokens(monkeypa
     import logging
 
     from kv_quant_reference import gpu_quantize
-    from test_kv_quant import mlx_lm_quantized_greedy
-    from utils import make_model, run_to_completion
+    from test_kv_quant import mlx_lm_quantized
+    from utils import QUANTIZED_GAP, assert_greedy, make_model, run_to_completion
 
     from pagedmlx.config import EngineConfig
     from pagedmlx.engine.llm_engine import LLMEngine
@@ -324,7 +324,7 @@ def test_engine_writes_quantized_pages_in_place_and_serves_equal_tokens(monkeypa
     before = len(EmulatedKernel.sources)
     done = run_to_completion(engine)
     for i, p in enumerate(prompts):
-        assert done[str(i)].token_ids == mlx_lm_quantized_greedy(model, p, 6, bits, 32), i
+        assert_greedy(done[str(i)].token_ids, p, 6, mlx_lm_quantized(model, bits, 32), i, QUANTIZED_GAP)
     ran = EmulatedKernel.sources[before:]  # the write that ran in the steps
     assert any("w_min = fminf" in text or "w_min = metal::min" in text for text in ran) == gpu_quantizer
     assert any("k_q[src * KW + d]" in text for text in ran) != gpu_quantizer

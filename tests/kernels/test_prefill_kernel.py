@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from utils import assert_no_leaks, make_model, make_prompts, run_staggered, shared_prefix_prompts, solo_greedy
+from utils import assert_no_leaks, assert_solo_greedy, make_model, make_prompts, run_staggered, shared_prefix_prompts
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine.llm_engine import LLMEngine
@@ -154,7 +154,7 @@ def test_busy_engine_through_the_prefill_kernels_tiles_equals_solo(arch, monkeyp
     assert seen and any(n > 1 for n, _, _ in seen)  # several tiles a call
     assert engine.kv_cache_manager.stats.hits > 0
     for i, p in enumerate(prompts):
-        assert done[str(i)] == solo_greedy(model, p, GREEDY.max_tokens), f"request {i} ({len(p)} tokens)"
+        assert_solo_greedy(done[str(i)], model, p, GREEDY.max_tokens, f"request {i} ({len(p)} tokens)")
     assert_no_leaks(engine)
 
 

@@ -11,6 +11,7 @@ import mlx.core as mx
 import pytest
 from kernel_emulator import EmulatedKernel, clear_kernel_caches, have_compiler
 from kernel_emulator.mma import EMU_MMA_HEADER, EMU_PREFILL_HEADER, WAIT_ALL
+from utils import QUANTIZED_GAP, assert_greedy
 
 from pagedmlx.kernels import build, check, prefill_attention
 from pagedmlx.kernels.sources import decode_attention_mma_cuda as mma_src
@@ -98,7 +99,7 @@ def test_an_engine_on_quantized_pages_checks_the_prefill_kernel_and_runs_it(emul
     equal mlx-lm's QuantizedKVCache alone (the attention path once skipped the kernel for quantized pages
     and failed every such step)."""
     from pagedmlx.runner.kernel_paths import kernel_path_lines
-    from test_kv_quant import mlx_lm_quantized_greedy
+    from test_kv_quant import mlx_lm_quantized
 
     names = []
     model, engine = _quantized_engine(monkeypatch, names)
@@ -112,7 +113,7 @@ def test_an_engine_on_quantized_pages_checks_the_prefill_kernel_and_runs_it(emul
     out = _greedy_request(engine, prompt, 4)
     assert any("store_piece<T, D, QBITS>(kv[stage][0]" in text for text in EmulatedKernel.sources[before:])
     assert out.finish_reason == "length"  # the step ran, not failed
-    assert out.token_ids == mlx_lm_quantized_greedy(model, prompt, 4, bits=8, group_size=64)
+    assert_greedy(out.token_ids, prompt, 4, mlx_lm_quantized(model, 8, 64), gap=QUANTIZED_GAP)
     clear_kernel_caches()
 
 
@@ -121,7 +122,7 @@ def test_an_engine_on_int8_pages_decodes_through_the_scale_after_kernel(emulated
     64 channels: the scale and bias apply after the products, fp16 products in a bf16 model): it passes the
     load-time checks, its decode steps run it, and the request's tokens equal mlx-lm's QuantizedKVCache alone."""
     from pagedmlx.runner.kernel_paths import kernel_path_lines
-    from test_kv_quant import mlx_lm_quantized_greedy
+    from test_kv_quant import mlx_lm_quantized
 
     from pagedmlx.kernels.sources import decode_attention_quant_mma_cuda as qmma_src
 
@@ -136,7 +137,7 @@ def test_an_engine_on_int8_pages_decodes_through_the_scale_after_kernel(emulated
     prompt = list(range(1, 40))
     out = _greedy_request(engine, prompt, 8)
     assert any("SCALE_AFTER = 1" in text for text in EmulatedKernel.sources[before:])
-    assert out.token_ids == mlx_lm_quantized_greedy(model, prompt, 8, bits=8, group_size=64)
+    assert_greedy(out.token_ids, prompt, 8, mlx_lm_quantized(model, 8, 64), gap=QUANTIZED_GAP)
     clear_kernel_caches()
 
 
@@ -150,7 +151,7 @@ def test_a_prefill_kernel_the_model_check_rejects_is_switched_off_when_it_runs_a
 
     from pagedmlx.kernels import check, prefill_attention
     from pagedmlx.runner import attention
-    from test_kv_quant import mlx_lm_quantized_greedy
+    from test_kv_quant import mlx_lm_quantized
 
     monkeypatch.setattr(check, "check_decode_quantized", lambda *a, **k: "disagrees (forced)")
     monkeypatch.setattr(check, "check_page_write_quantized", lambda *a, **k: "disagrees (forced)")
@@ -162,6 +163,6 @@ def test_a_prefill_kernel_the_model_check_rejects_is_switched_off_when_it_runs_a
     assert not plan.prefill and not plan.decode and "disagrees with mlx-lm" in plan.reason
     assert any("kernels off" in r.getMessage() and "disagrees with mlx-lm" in r.getMessage() for r in caplog.records)
     prompt = list(range(1, 40))
-    assert _greedy_request(engine, prompt, 4).token_ids == mlx_lm_quantized_greedy(model, prompt, 4, bits=8,
-                                                                                   group_size=64)
+    assert_greedy(_greedy_request(engine, prompt, 4).token_ids, prompt, 4, mlx_lm_quantized(model, 8, 64),
+                  gap=QUANTIZED_GAP)
     clear_kernel_caches()

@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from kernel_emulator import EmulatedKernel, have_compiler
-from utils import assert_no_leaks, make_model, run_staggered, shared_prefix_prompts, solo_greedy
+from utils import assert_no_leaks, assert_solo_greedy, make_model, run_staggered, shared_prefix_prompts
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine.llm_engine import LLMEngine
@@ -149,7 +149,7 @@ def test_busy_engine_with_skinny_products_equals_mlx_lm_alone(emulated, monkeypa
     assert rows and min(rows) >= skinny_gemm.MIN_ROWS and max(rows) <= skinny_linear.MAX_ROWS == 5
     assert speculative is None or engine.scheduler.spec_decoding_stats.num_drafts > 0
     for i, p in enumerate(prompts):
-        assert done[str(i)] == solo_greedy(model, p, GREEDY.max_tokens), f"request {i}"
+        assert_solo_greedy(done[str(i)], model, p, GREEDY.max_tokens, f"request {i}")
     assert_no_leaks(engine)
     skinny_linear.drop_skinny_gemm(model)
     assert all(type(m) is nn.Linear for m in skinny_linear._linears(model))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from utils import make_prompts, run_staggered, solo_greedy
+from utils import assert_solo_greedy, make_prompts, run_staggered
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine.llm_engine import LLMEngine
@@ -150,7 +150,7 @@ def test_engine_with_merged_projections_gives_mlx_lm_tokens(arch, monkeypatch):
     done = run_staggered(engine, prompts, params, seed=1)
     assert True in merged_calls  # the engine's forward passes took the merged products
     for i, p in enumerate(prompts):
-        assert done[str(i)] == solo_greedy(model, p, params.max_tokens), f"request {i}"
+        assert_solo_greedy(done[str(i)], model, p, params.max_tokens, f"request {i}")
 
 
 
@@ -168,7 +168,7 @@ def test_a_runner_that_does_not_merge_computes_separately_on_a_merged_model():
     assert not engine.runner.merges
     done = run_staggered(engine, prompts, params, seed=1)
     for i, p in enumerate(prompts):
-        assert done[str(i)] == solo_greedy(reference, p, params.max_tokens), f"request {i}"
+        assert_solo_greedy(done[str(i)], reference, p, params.max_tokens, f"request {i}")
 
 
 def test_merge_projections_defaults_to_the_gpu_backends():
@@ -210,7 +210,7 @@ def test_a_single_stream_decodes_through_merged_attention_inputs(monkeypatch):
     done = {o.request_id: o.token_ids for o in iter_outputs(engine) if o.finished}
     assert (False, True) in taken  # q/k/v, merged, on single rows
     assert (False, False) not in taken  # ... and never on several
-    assert done["solo"] == solo_greedy(model, prompt, params.max_tokens)
+    assert_solo_greedy(done["solo"], model, prompt, params.max_tokens)
 
 
 def iter_outputs(engine):

@@ -15,7 +15,7 @@ from mlx_lm.models import gemma3_text
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from gguf_utils import quantized_round_trip, randomize, shape_metadata, stream_decode, write_gguf
-from utils import assert_no_leaks, run_to_completion, solo_greedy
+from utils import assert_no_leaks, assert_solo_greedy, run_to_completion
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine.llm_engine import LLMEngine
@@ -151,7 +151,7 @@ def test_gemma3_gguf_through_the_engine(tmp_path):
         engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     done = run_to_completion(engine)
     for i, p in enumerate(prompts):
-        assert done[str(i)].token_ids == solo_greedy(model, p, 10), i
+        assert_solo_greedy(done[str(i)].token_ids, model, p, 10, i)
     assert_no_leaks(engine)
 
 

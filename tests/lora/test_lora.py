@@ -99,9 +99,9 @@ def test_busy_engine_of_four_adapters_and_the_base_equals_mlx_lm_alone(adapters,
         assert engine.scheduler.num_preemptions > 0 and engine.kv_cache_manager.stats.preempted_hits > 0
     changed = 0
     for i, (p, lora) in enumerate(zip(prompts, loras)):
-        want = refs(lora.lora_path if lora else None, p, GREEDY.max_tokens)
-        assert done[str(i)] == want, f"request {i} ({lora.lora_name if lora else 'base'}, {len(p)} tokens)"
-        changed += lora is not None and want != refs(None, p, GREEDY.max_tokens)
+        path, name = (lora.lora_path, lora.lora_name) if lora else (None, "base")
+        refs.check(done[str(i)], path, p, GREEDY.max_tokens, f"request {i} ({name}, {len(p)} tokens)")
+        changed += lora is not None and refs(path, p, GREEDY.max_tokens) != refs(None, p, GREEDY.max_tokens)
     assert changed >= 40  # the adapters really change the tokens
     assert (engine.stats.num_overlapped > 0) == overlap
     assert_no_leaks(engine)
@@ -121,7 +121,7 @@ def test_a_cached_page_of_one_adapter_never_serves_another(adapters, refs):
             for out in engine.step():
                 if out.finished:
                     got[name] = out
-        assert got[name].token_ids == refs(lora.lora_path if lora else None, prompt, GREEDY.max_tokens), name
+        refs.check(got[name].token_ids, lora.lora_path if lora else None, prompt, GREEDY.max_tokens, name)
     assert [got[n].num_cached_tokens for n in ("a0", "a1", "base", "a0 again")] == [0, 0, 0, 36]
     hashes = {}
     for lid in (None, 1, 2):
@@ -168,7 +168,7 @@ def test_lora_and_dora_on_quantized_and_biased_layers_equal_mlx_lm(tmp_path, bas
     done = run_staggered(engine, prompts, assign, GREEDY, seed=1)
     assert set(engine.runner.lora_manager.layers) == set(keys_paths(engine.runner.model, keys))
     for i, (p, lora) in enumerate(zip(prompts, assign)):
-        assert done[str(i)] == refs(lora.lora_path if lora else None, p, GREEDY.max_tokens), (i, lora)
+        refs.check(done[str(i)], lora.lora_path if lora else None, p, GREEDY.max_tokens, (i, lora))
     assert_no_leaks(engine)
 
 

@@ -9,8 +9,8 @@ import random
 
 import mlx.core as mx
 import pytest
-from utils import (assert_no_leaks, assert_samples_equal_alone, make_model, run_staggered, shared_prefix_prompts,
-                   solo_greedy)
+from utils import (assert_no_leaks, assert_samples_equal_alone, assert_solo_greedy, make_model, run_staggered,
+                   shared_prefix_prompts, solo_mismatch)
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine.llm_engine import LLMEngine
@@ -52,7 +52,7 @@ def test_busy_engine_equals_solo(arch):
     prompts = shared_prefix_prompts(20, seed=5)
     done = run_staggered(engine, prompts, GREEDY, seed=2)
     for i, p in enumerate(prompts):
-        assert done[str(i)] == solo_greedy(model, p, GREEDY.max_tokens), f"request {i} ({len(p)} tokens)"
+        assert_solo_greedy(done[str(i)], model, p, GREEDY.max_tokens, f"request {i} ({len(p)} tokens)")
     assert any(mixed)
     assert engine.kv_cache_manager.stats.hits > 0  # later requests resumed from the shared prefix's checkpoints
     if has_pages(engine):  # a state-only model (mamba2) holds one slot per request: nothing to preempt
@@ -70,7 +70,7 @@ def test_overlapped_steps_equal_solo(arch):
     done = run_staggered(engine, prompts, GREEDY, seed=4)
     assert engine.stats.num_overlapped > 0
     for i, p in enumerate(prompts):
-        assert done[str(i)] == solo_greedy(model, p, GREEDY.max_tokens), f"request {i}"
+        assert_solo_greedy(done[str(i)], model, p, GREEDY.max_tokens, f"request {i}")
     assert_no_leaks(engine)
 
 
@@ -99,7 +99,7 @@ def test_multi_turn_resumes_from_checkpoints(arch, overlap):
             done.update({o.request_id: o for o in engine.step() if o.finished})
         for c, prompt in history.items():
             out = done[f"{c}.{turn}"]
-            assert out.token_ids == solo_greedy(model, prompt, GREEDY.max_tokens), f"conversation {c}, turn {turn}"
+            assert_solo_greedy(out.token_ids, model, prompt, GREEDY.max_tokens, f"conversation {c}, turn {turn}")
             computed = len(prompt) + len(out.token_ids) - 1
             if turn:
                 assert out.num_cached_tokens == expected_hit(saved[c], len(prompt) - 1) > 0
@@ -127,7 +127,7 @@ def test_preempted_request_resumes_from_its_checkpoint():
     stats = engine.kv_cache_manager.stats
     assert engine.scheduler.num_preemptions > 0 and stats.preempted_hits > 0
     for rid, prompt in prompts.items():
-        assert done[rid] == solo_greedy(model, prompt, params[rid].max_tokens)
+        assert_solo_greedy(done[rid], model, prompt, params[rid].max_tokens)
     assert_no_leaks(engine)
 
 
@@ -166,7 +166,7 @@ def test_aborts_and_a_failed_step_free_slots_and_keep_only_written_checkpoints(m
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-    assert done["c"] == solo_greedy(model, longer, GREEDY.max_tokens)
+    assert_solo_greedy(done["c"], model, longer, GREEDY.max_tokens)
     assert_no_leaks(engine)
 
 
@@ -182,7 +182,8 @@ def test_a_prefix_hit_needs_a_checkpoint():
         done = {}
         while engine.has_unfinished_requests():
             done.update({o.request_id: o for o in engine.step() if o.finished})
-        assert done[str(turn)].num_cached_tokens == 0 and done[str(turn)].token_ids == solo_greedy(model, p, 8)
+        assert done[str(turn)].num_cached_tokens == 0
+        assert_solo_greedy(done[str(turn)].token_ids, model, p, 8, turn)
     assert len(engine.kv_cache_manager.block_pool.cached_block_hash_to_block) >= 8  # the pages were there
     assert engine.kv_cache_manager.stats.hits == 0
 
@@ -228,7 +229,7 @@ def test_negative_control_rows_as_independent_sequences_give_other_tokens(arch, 
     monkeypatch.setattr("pagedmlx.runner.model.ModelRunner._verify_against_mlx_lm", lambda self: None)
     prompts = shared_prefix_prompts(6, seed=1)
     done = run_staggered(state_engine(model, num_blocks=200), prompts, GREEDY, seed=1)
-    assert sum(done[str(i)] != solo_greedy(model, p, GREEDY.max_tokens) for i, p in enumerate(prompts)) > 0
+    assert sum(solo_mismatch(done[str(i)], model, p, GREEDY.max_tokens) is not None for i, p in enumerate(prompts)) > 0
 
 
 def test_state_writes_do_not_copy_the_pool():
@@ -336,7 +337,8 @@ def test_state_kernels_that_fail_at_load_are_switched_off_and_mlx_lm_serves(monk
         assert LLMEngine(model, None, config, verify_model=False).runner.state_pool.in_place
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [7]]
     done = run_staggered(engine, prompts, GREEDY, seed=1)
-    assert [done[str(i)] for i in range(2)] == [solo_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+    for i, p in enumerate(prompts):
+        assert_solo_greedy(done[str(i)], model, p, GREEDY.max_tokens, i)
 
 
 def test_state_kernels_are_named_by_their_source(monkeypatch):

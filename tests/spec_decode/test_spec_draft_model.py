@@ -14,7 +14,7 @@ import logging
 import numpy as np
 import pytest
 from test_spec_decode import GREEDY, busy_prompts
-from utils import assert_no_leaks, make_model, run_staggered, run_to_completion, solo_greedy
+from utils import assert_no_leaks, assert_solo_greedy, make_model, run_staggered, run_to_completion
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine.llm_engine import LLMEngine
@@ -53,13 +53,12 @@ def test_busy_engine_with_a_draft_model_equals_solo(arch, kind, merged):
     target = random_model(ARCH[arch], 0) if merged else make_model(arch)  # merging changes the model object
     draft = random_model("llama-tiny", 0) if kind == "llama" else draft_model(arch, kind)
     prompts = busy_prompts(arch, seed=11)
-    refs = {tuple(p): solo_greedy(target, p, GREEDY.max_tokens) for p in prompts}
     engine = engine_with(target, draft, num_blocks=64, max_num_batched_tokens=48, long_prefill_token_threshold=16,
                          max_num_seqs=16, merge_projections=merged)
     assert (engine.runner.merged_groups > 0) == merged and engine.draft_proposer.runner.merges == merged
     done = run_staggered(engine, prompts, GREEDY, seed=2)
     for i, p in enumerate(prompts):
-        assert done[str(i)] == refs[tuple(p)], f"request {i} (prompt {len(p)} tokens)"
+        assert_solo_greedy(done[str(i)], target, p, GREEDY.max_tokens, f"request {i} (prompt {len(p)} tokens)")
     stats = engine.scheduler.spec_decoding_stats
     assert stats.num_draft_tokens > 0
     if kind == "same":
@@ -122,7 +121,7 @@ def test_a_recurrent_target_speculates_with_a_draft_and_stays_exact(caplog):
     plain = LLMEngine(target, None, EngineConfig(block_size=4, kv_cache_memory_gb=0.05))
     assert engine.runner.num_blocks < plain.runner.num_blocks
     engine.add_request("0", prompt, GREEDY)
-    assert run_to_completion(engine)["0"].token_ids == solo_greedy(target, prompt, GREEDY.max_tokens)
+    assert_solo_greedy(run_to_completion(engine)["0"].token_ids, target, prompt, GREEDY.max_tokens)
     assert engine.scheduler.spec_decoding_stats.num_draft_tokens > 0
 
 
@@ -132,7 +131,7 @@ def test_the_draft_model_loads_from_a_name_and_through_llm():
     llm = LLM("random:llama-tiny", block_size=4, num_blocks=64,
               speculative_config={"model": "random:llama-tiny", "num_speculative_tokens": 2})
     out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-    assert out[0].outputs[0].token_ids == solo_greedy(make_model("llama"), [1, 2, 3], 8)
+    assert_solo_greedy(out[0].outputs[0].token_ids, make_model("llama"), [1, 2, 3], 8)
     stats = llm.engine.core.scheduler.spec_decoding_stats
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0  # the same random weights
 
@@ -152,7 +151,7 @@ def test_the_draft_catches_up_by_count_not_from_the_start():
     runner.forward = count
     prompt = list(range(3, 23))
     engine.add_request("0", prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-    assert run_to_completion(engine)["0"].token_ids == solo_greedy(target, prompt, 40)
+    assert_solo_greedy(run_to_completion(engine)["0"].token_ids, target, prompt, 40)
     drafts = engine.scheduler.spec_decoding_stats.num_drafts
     assert sum(computed) <= len(prompt) + 40 + 2 * drafts, (sum(computed), drafts)
 
@@ -177,7 +176,7 @@ def test_a_long_catch_up_is_cut_to_the_step_budget():
         engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     done = run_to_completion(engine)
     for i, p in enumerate(prompts):
-        assert done[str(i)].token_ids == solo_greedy(target, p, 12), i
+        assert_solo_greedy(done[str(i)].token_ids, target, p, 12, i)
     assert max(firsts) <= 24 and len(firsts) > len(prompts), firsts
     stats = engine.scheduler.spec_decoding_stats
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
@@ -210,7 +209,7 @@ def test_drafts_stay_on_the_device_until_the_verifying_step_is_read_back():
     engine.runner.forward = record
     prompt = list(range(3, 23))
     engine.add_request("0", prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
-    assert run_to_completion(engine)["0"].token_ids == solo_greedy(target, prompt, 24)
+    assert_solo_greedy(run_to_completion(engine)["0"].token_ids, target, prompt, 24)
     assert len(seen) == engine.scheduler.spec_decoding_stats.num_drafts > 2
 
 
@@ -240,5 +239,5 @@ def test_a_request_aborted_while_its_drafts_wait_on_the_device_leaves_nothing_be
     assert aborted
     assert "1" not in done or done["1"].finish_reason == "abort"
     for rid in ("0", "2"):
-        assert done[rid].token_ids == solo_greedy(target, prompts[rid], 20), rid
+        assert_solo_greedy(done[rid].token_ids, target, prompts[rid], 20, rid)
     assert_no_leaks(engine)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from test_spec_decode import GREEDY
 from test_state_layers import state_engine
-from utils import assert_no_leaks, make_model, run_staggered, shared_prefix_prompts, solo_greedy
+from utils import assert_no_leaks, assert_solo_greedy, make_model, run_staggered, shared_prefix_prompts
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine.llm_engine import LLMEngine
@@ -92,11 +92,10 @@ def test_busy_engine_with_mtp_equals_solo(arch):
     target = make_model(arch)
     prompts = [[t % VOCAB for t in p] for p in shared_prefix_prompts(14, seed=4)]
     prompts += [[(5 * i + j) % VOCAB for j in range(90)] for i in range(2)]
-    refs = [solo_greedy(target, p, GREEDY.max_tokens) for p in prompts]
     engine = state_engine(target, speculative_config=mtp_spec(3, random_mtp_weights(target)))
     done = run_staggered(engine, prompts, GREEDY, seed=3)
-    for i, ref in enumerate(refs):
-        assert done[str(i)] == ref, f"request {i} (prompt {len(prompts[i])} tokens)"
+    for i, p in enumerate(prompts):
+        assert_solo_greedy(done[str(i)], target, p, GREEDY.max_tokens, f"request {i} (prompt {len(p)} tokens)")
     stats = engine.scheduler.spec_decoding_stats
     assert stats.num_draft_tokens > 0 and engine.scheduler.num_preemptions > 0
     assert engine.kv_cache_manager.stats.hits > 0
@@ -166,7 +165,7 @@ def test_a_served_random_target_gets_a_random_module():
     tokens = []
     while core.has_unfinished_requests():
         tokens += [t for o in core.step() for t in o.new_token_ids]
-    assert tokens == solo_greedy(random_model("qwen3_5-tiny", 0), prompt, GREEDY.max_tokens)
+    assert_solo_greedy(tokens, random_model("qwen3_5-tiny", 0), prompt, GREEDY.max_tokens)
 
 
 def test_a_draft_token_costs_the_modules_weights_and_the_head_not_the_embedding():
@@ -197,7 +196,7 @@ def test_speculation_that_stops_and_resumes_with_the_batch_size_equals_solo():
     while engine.has_unfinished_requests():
         done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
     for i, (p, sp) in enumerate(zip(prompts, params)):
-        assert done[str(i)] == solo_greedy(target, p, sp.max_tokens), i
+        assert_solo_greedy(done[str(i)], target, p, sp.max_tokens, i)
     assert engine.scheduler.spec_decoding_stats.num_draft_tokens > 0
     assert engine.stats.num_overlapped > 0  # steps overlapped while the batch was large
 
@@ -220,4 +219,4 @@ def test_a_paused_request_keeps_no_hidden_states():
             kept_while_paused = max(kept_while_paused, len(proposer._chunks.get(req, (0, []))[1]))
     assert drafter.num_paused >= 1 and kept_while_paused <= 1
     assert engine.scheduler.spec_decoding_stats.num_drafts >= 2  # it speculated again after a pause
-    assert tokens == solo_greedy(target, prompt, 60)
+    assert_solo_greedy(tokens, target, prompt, 60)

@@ -14,7 +14,7 @@ import time
 
 import jsonschema
 import pytest
-from utils import ARCHS, assert_no_leaks, make_model, make_prompts, make_tokenizer, solo_greedy
+from utils import ARCHS, assert_no_leaks, assert_solo_greedy, make_model, make_prompts, make_tokenizer, solo_greedy
 
 from pagedmlx import LLM, SamplingParams, StructuredOutputsParams
 from pagedmlx.config import EngineConfig
@@ -133,7 +133,7 @@ def test_guided_batched_with_unguided_valid_and_unguided_equal_mlx_lm():
     engine = tiny_engine()
     done = run(engine, reqs[:12] + guided_reqs + reqs[12:])
     for rid, prompt, _ in reqs:
-        assert done[rid].token_ids == solo_greedy(model, prompt, 10), rid
+        assert_solo_greedy(done[rid].token_ids, model, prompt, 10, rid)
     for rid, prompt, params in guided_reqs:
         out = done[rid]
         assert out.finish_reason == "stop", (rid, out.text, out.finish_reason)
