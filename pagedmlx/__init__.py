@@ -19,17 +19,17 @@ _EXPORTS = {
     "CompletionOutput": "pagedmlx.outputs",
     "Logprob": "pagedmlx.outputs",
     "EngineOutput": "pagedmlx.outputs",
-    "LLMEngine": "pagedmlx.engine.llm_engine.llm_engine",
-    "AsyncEngine": "pagedmlx.engine.llm_engine.async_engine",
+    "LLMEngine": "pagedmlx.engine.llm_engine",
+    "AsyncEngine": "pagedmlx.engine.async_engine",
     "EngineConfig": "pagedmlx.config",
     "LoRARequest": "pagedmlx.lora.request",
 }
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
-    from pagedmlx.engine.llm_engine.async_engine import AsyncEngine
+    from pagedmlx.engine.async_engine import AsyncEngine
     from pagedmlx.config import EngineConfig
-    from pagedmlx.engine.llm_engine.llm_engine import LLMEngine
+    from pagedmlx.engine.llm_engine import LLMEngine
     from pagedmlx.llm import LLM
     from pagedmlx.lora.request import LoRARequest
     from pagedmlx.outputs import CompletionOutput, EngineOutput, Logprob, RequestOutput

@@ -148,3 +148,10 @@ def test_every_module_imports_alone_in_a_fresh_interpreter():
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
         failed = [f"{name}: {err}" for name, code, err in pool.map(run, sorted(MODULES)) if code]
     assert not failed, "modules that do not import alone:\n" + "\n".join(failed)
+
+
+def test_every_public_name_imports_from_the_package():
+    """`from pagedmlx import LLM, SamplingParams, LLMEngine, ...`: each lazy export resolves to its class."""
+    for name in pagedmlx.__all__:
+        value = getattr(pagedmlx, name)
+        assert name == "__version__" or getattr(value, "__name__", None) == name
