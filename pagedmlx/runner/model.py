@@ -25,7 +25,7 @@ from pagedmlx.layers.skinny_linear import drop_skinny_gemm, skinny_products, use
 from pagedmlx.runner.attention_metadata import (StepMetadata, sdpa_shape_quantum)
 from pagedmlx.runner.plan import UnsupportedModelError, model_type, plan_layers
 from pagedmlx.runner.selfcheck import LOGIT_TOLERANCE, check_paged_forward, relative_error
-from pagedmlx.runner import warm_up
+from pagedmlx.runner import check_cache, warm_up
 from pagedmlx.runner.kv_budget import kv_cache_budget, weights_nbytes
 from pagedmlx.runner.state import StateLayerCache, StateMetadata, StatePool, install_regrouping, pages_budget, state_group
 from pagedmlx.core.sched.output import SchedulerOutput
@@ -58,9 +58,10 @@ class Runner(Protocol):
 class ModelRunner:
     """Owns the model and its page pools; turns a SchedulerOutput into the logits of sampled rows."""
 
-    def __init__(self, model: nn.Module, config: EngineConfig, verify: bool = True, draft_block_bytes: int = 0):
-        """draft_block_bytes: a draft model's bytes per block of the full-attention group
-        (spec_decode/draft_model.py), counted in the KV budget."""
+    def __init__(self, model: nn.Module, config: EngineConfig, verify: bool = True, draft_block_bytes: int = 0,
+                 identity: Optional[str] = None):
+        """draft_block_bytes: a draft model's bytes per block of the full-attention group (spec_decode/draft_model.py),
+        counted in the KV budget. identity: what names the weights (runner/check_cache.py), None: unnamed."""
         self.model = model
         self.draft_block_bytes = draft_block_bytes
         self.block_size = config.block_size
@@ -113,7 +114,7 @@ class ModelRunner:
         self.keep_hidden = False  # logits() keeps the body's output (T, 1, H) in last_hidden
         self.last_hidden: Optional[mx.array] = None
         if verify:
-            self._verify_against_mlx_lm()
+            self._verify_against_mlx_lm(check_cache.runner_check_key(self, identity))
         self.kv_pool = self.make_pool(self.kv_cache_config)
         self.state_pool = self.make_state_pool(self.kv_cache_config)
         self.lora_manager = self._make_lora_manager(config) if config.enable_lora else None
@@ -356,19 +357,23 @@ class ModelRunner:
                 return self._head(hidden[logits_indices, 0])  # (S, H): one matrix (layers/quantized_linear.py)
             return self.model(inputs, cache=caches)[logits_indices][:, 0, :]
 
-    def _check(self) -> Optional[str]:
-        """The load-time check; a kernel that fails to build or run counts as a disagreement."""
+    def _check(self) -> Optional[str]:  # a kernel that fails to build or run counts as a disagreement
         try:
             return check_paged_forward(self)
         except Exception as exc:  # noqa: BLE001 - MLX raises when a kernel is built or run
             return error_line(exc)
 
-    def _verify_against_mlx_lm(self) -> None:
+    def _verify_against_mlx_lm(self, key: Optional[str] = None) -> None:
         """Run a short busy schedule on scratch pages and compare with mlx-lm's own caches. A split head
         that disagrees gives way to the whole model call before any kernel is blamed (a head that is not
         plain would otherwise switch right kernels off); kernels that still disagree are switched off,
-        and the split tried again without them; a model whose pages still disagree is refused."""
+        and the split tried again without them; a model whose pages still disagree is refused. A pass kept under
+        `key` (runner/check_cache.py) is not run again."""
+        if check_cache.passed(key):
+            return logger.info("the model's load-time check passed here before with this setup: not run again")
         err = self._check()
+        if err is None:
+            check_cache.record_pass(key)
         if err is not None and self.skinny:  # our own products give way first (layers/skinny_linear.py)
             logger.warning("few-row products left to MLX's matmul: the paged forward disagrees with them (%s)", err)
             self.skinny = drop_skinny_gemm(self.model)

@@ -1,0 +1,82 @@
+"""Load-time checks that passed, kept on disk so that a second start of the same model here skips them.
+
+A model's check (runner/selfcheck.py) proves that its paged forward gives mlx-lm's logits. The proof holds for
+what it ran: these weights, this runner's setup (kernels, rewrites, block size), this pagedmlx source, these MLX
+and mlx-lm versions, on this device. A pass is kept under a key of all of those and read back instead of running
+again; anything that differs is another key, so it runs. Only models loaded from a name whose weights can be
+identified (model_identity) are kept; PAGEDMLX_CHECK_CACHE=0 runs every check, as `pagedmlx doctor` does.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from pagedmlx import envs
+from pagedmlx.platform import cache_dir
+
+_PACKAGE = Path(__file__).resolve().parents[1]
+
+
+@functools.cache
+def source_digest() -> str:
+    """A digest of every pagedmlx source file: a pass proves nothing for other code."""
+    h = hashlib.sha256()
+    for path in sorted(_PACKAGE.rglob("*.py")):
+        h.update(path.relative_to(_PACKAGE).as_posix().encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def model_identity(model: Optional[str], dtype: Optional[str], resolved: Optional[Path] = None) -> Optional[str]:
+    """What names these weights: a seeded random or preset model's name and dtype, or the files behind a path
+    (name, size, modification time). None where they cannot be named (a hub name not on disk)."""
+    if model is not None and model.startswith(("random:", "preset:")):
+        return f"{model}|{dtype}"
+    path = resolved or (Path(model).expanduser() if model else None)
+    if path is None or not path.exists():
+        return None
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return f"{dtype}|" + json.dumps(stats)
+
+
+def check_key(kind: str, *parts: Any) -> str:
+    import mlx.core as mx
+    import mlx_lm
+
+    from pagedmlx.kernels.selector import device_name
+
+    text = json.dumps([kind, source_digest(), mx.__version__, mlx_lm.__version__, str(mx.default_device()),
+                       device_name(), *map(str, parts)])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _path(key: str) -> Path:
+    return cache_dir() / "checks" / f"{key}.passed"
+
+
+def passed(key: Optional[str]) -> bool:
+    return key is not None and envs.PAGEDMLX_CHECK_CACHE and _path(key).exists()
+
+
+def record_pass(key: Optional[str]) -> None:
+    if key is None or not envs.PAGEDMLX_CHECK_CACHE:
+        return
+    try:
+        _path(key).parent.mkdir(parents=True, exist_ok=True)
+        _path(key).touch()
+    except OSError:  # a read-only cache: the check runs again next time
+        pass
+
+
+def runner_check_key(runner: Any, identity: Optional[str]) -> Optional[str]:
+    """The key of a ModelRunner's model check: the weights and everything of the runner the check ran through."""
+    if identity is None:
+        return None
+    setup = (runner.block_size, runner.merges, runner.merged_groups, bool(runner.skinny), bool(runner.fused_norms),
+             runner._head is not None, repr(runner.kernels), sorted(runner.kv_quant), runner.windows)
+    return check_key("model", identity, *setup)

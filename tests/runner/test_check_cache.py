@@ -1,0 +1,60 @@
+"""Load-time checks kept on disk (runner/check_cache.py): a pass is read back only for the same weights, setup,
+code and versions; a model given as an object, or PAGEDMLX_CHECK_CACHE=0, always runs its check."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from utils import make_model
+
+from pagedmlx.config import EngineConfig
+from pagedmlx.engine.llm_engine import LLMEngine
+from pagedmlx.runner import check_cache, selfcheck
+from pagedmlx.runner import model as runner_model
+
+
+@pytest.fixture
+def checks(tmp_path, monkeypatch):
+    """Counts the model checks that run, with the cache in a folder of this test's own."""
+    monkeypatch.setenv("PAGEDMLX_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PAGEDMLX_CHECK_CACHE", raising=False)
+    runs = []
+    real = selfcheck.check_paged_forward
+
+    def counted(runner, *args, **kwargs):
+        runs.append(runner)
+        return real(runner, *args, **kwargs)
+
+    monkeypatch.setattr(runner_model, "check_paged_forward", counted)
+    return runs
+
+
+def test_a_pass_is_read_back_for_the_same_model_and_setup_only(checks):
+    LLMEngine.from_config(EngineConfig(model="random:llama-tiny"))
+    LLMEngine.from_config(EngineConfig(model="random:llama-tiny"))
+    assert len(checks) == 1
+    LLMEngine.from_config(EngineConfig(model="random:llama-tiny", block_size=8))  # another setup
+    LLMEngine.from_config(EngineConfig(model="random:llama-tiny", dtype="float16"))  # other weights
+    assert len(checks) == 3
+
+
+def test_a_model_object_or_the_switch_off_always_checks(checks, monkeypatch):
+    LLMEngine(make_model("llama"), None, EngineConfig())
+    LLMEngine(make_model("llama"), None, EngineConfig())
+    assert len(checks) == 2
+    monkeypatch.setenv("PAGEDMLX_CHECK_CACHE", "0")
+    LLMEngine.from_config(EngineConfig(model="random:llama-tiny"))
+    LLMEngine.from_config(EngineConfig(model="random:llama-tiny"))
+    assert len(checks) == 4
+
+
+def test_a_file_backed_model_is_named_by_its_files(tmp_path):
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(b"one")
+    first = check_cache.model_identity(str(weights), None, weights)
+    assert first == check_cache.model_identity(str(weights), None, weights)
+    os.utime(weights, ns=(1, 1))
+    assert check_cache.model_identity(str(weights), None, weights) != first
+    assert check_cache.model_identity("no/such/folder", None) is None
+    assert check_cache.model_identity("preset:llama-8b", "bfloat16") == "preset:llama-8b|bfloat16"
