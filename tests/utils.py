@@ -11,6 +11,7 @@ from typing import Callable, Optional
 
 import httpx
 import mlx.core as mx
+import pytest
 import numpy as np
 
 from pagedmlx.loaders.random_model import RANDOM_ARCHS, random_model, tiny_tokenizer
@@ -229,3 +230,9 @@ def wait_healthy(url: str, alive: Callable[[], bool] = lambda: True, timeout: fl
                 return
         except httpx.TransportError:
             time.sleep(0.1)
+
+
+def fast_first(n: int, values: list, unpack: bool = True) -> list:
+    """Parametrize values of which the first n run in `make test` (what CI runs); the rest are marked slow and
+    run in `make test-all`. unpack: each value is a tuple of several parameters."""
+    return [v if i < n else pytest.param(*(v if unpack else (v,)), marks=pytest.mark.slow) for i, v in enumerate(values)]

@@ -170,6 +170,7 @@ def recorded(monkeypatch):
 UNUSED_SINKS = "#pragma nv_diag_suppress 177\n{}\n#pragma nv_diag_default 177"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cases", [state_cases, attention_cases, quantized_cases])
 def test_every_cuda_kernel_compiles_without_warnings_or_spills(recorded, cases):
     cases()

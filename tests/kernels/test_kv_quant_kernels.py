@@ -10,6 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from utils import fast_first
 from kernel_emulator import EmulatedKernel, clear_kernel_caches, have_compiler
 
 from pagedmlx.kernels import build, decode_attention, decode_attention_quant
@@ -107,7 +108,7 @@ CASES = [(mx.bfloat16, 128, 8, 2, [1, 17, 70], 30, 8, 128), (mx.bfloat16, 128, 4
 
 @needs_compiler
 @pytest.mark.parametrize("backend", [METAL, CUDA])
-@pytest.mark.parametrize("dtype,D,H,KV,lens,window,bits,group", CASES)
+@pytest.mark.parametrize("dtype,D,H,KV,lens,window,bits,group", fast_first(1, CASES))
 def test_emulated_quantized_kernel_matches_the_gather_path(emulated, backend, dtype, D, H, KV, lens, window,
                                                            bits, group):
     quant = KVQuant(bits, group)

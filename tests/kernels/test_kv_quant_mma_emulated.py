@@ -10,6 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from utils import fast_first
 from kernel_emulator import EmulatedKernel, have_compiler
 from kernel_emulator.mma import EMU_MMA_HEADER, WAIT_ALL
 from test_kv_quant_kernels import quantized_case
@@ -71,7 +72,7 @@ CASES = [(mx.bfloat16, 128, 8, 2, [1, 17, 70], 30, 8, 128), (mx.bfloat16, 128, 7
          (mx.float16, 64, 2, 2, [64], 40, 8, 64)]
 
 
-@pytest.mark.parametrize("dtype,D,H,KV,lens,window,bits,group", CASES)
+@pytest.mark.parametrize("dtype,D,H,KV,lens,window,bits,group", fast_first(2, CASES))
 def test_emulated_quantized_tensor_core_kernel_matches_the_gather_path(emulated_mma, dtype, D, H, KV, lens, window,
                                                                        bits, group):
     quant = KVQuant(bits, group)

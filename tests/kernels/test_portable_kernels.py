@@ -18,6 +18,7 @@ import re
 import mlx.core as mx
 import numpy as np
 import pytest
+from utils import fast_first
 from kernel_emulator import EmulatedKernel, have_compiler, metal_source
 
 from pagedmlx.kernels import add_rms_norm, build, decode_attention, page_write
@@ -158,7 +159,7 @@ EMULATED = [(mx.bfloat16, 128, 8, 2, [1, 17, 70], 30), (mx.float16, 64, 4, 4, [5
 
 @needs_compiler
 @pytest.mark.parametrize("backend", [METAL, CUDA])
-@pytest.mark.parametrize("dtype,D,H,KV,lens,window", EMULATED)
+@pytest.mark.parametrize("dtype,D,H,KV,lens,window", fast_first(1, EMULATED))
 def test_emulated_kernels_match_the_gather_path(kernels, backend, dtype, D, H, KV, lens, window):
     """The MMA kernel is CUDA's own (PTX) and not emulated: the lanes kernel runs for CUDA here."""
     kernels(EmulatedKernel)

@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from kernel_emulator import EmulatedKernel, have_compiler
-from utils import assert_no_leaks, assert_solo_greedy, make_model, run_staggered, shared_prefix_prompts
+from utils import assert_no_leaks, assert_solo_greedy, make_model, run_staggered, shared_prefix_prompts, fast_first
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine.llm_engine import LLMEngine
@@ -76,7 +76,7 @@ def test_tensor_cores_are_opt_in_on_cuda_and_take_16_bit_weights(monkeypatch):
 
 @needs_compiler
 @pytest.mark.parametrize("backend,dtype", [(CUDA, mx.bfloat16), (METAL, mx.float32)])
-@pytest.mark.parametrize("per_warp,split", [(1, 1), (2, 1), (4, 1), (1, 4), (2, 2), (4, 4)])
+@pytest.mark.parametrize("per_warp,split", fast_first(2, [(1, 1), (1, 4), (2, 1), (4, 1), (2, 2), (4, 4)]))
 def test_emulated_kernel_passes_its_check(emulated, monkeypatch, backend, dtype, per_warp, split):
     """Each number of columns a SIMD group computes (rows_per_warp's choices, forced at a small N) and each split of
     K (k_split's, forced); 44 columns: no whole number of a group's 4, 8 or 16 (or a split group's 1, 2 or 4), so the
@@ -125,7 +125,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
 
 
 @needs_compiler
-@pytest.mark.parametrize("speculative", [None, NGRAM], ids=["plain", "ngram"])
+@pytest.mark.parametrize("speculative", fast_first(1, [None, NGRAM], unpack=False), ids=["plain", "ngram"])
 def test_busy_engine_with_skinny_products_equals_mlx_lm_alone(emulated, monkeypatch, speculative):
     """Every request's tokens equal mlx-lm's generation alone on the same model object (greedy, float32), which
     the swapped layers leave as it was outside skinny_products(); the kernel ran for the few-row products: decodes

@@ -14,6 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from utils import fast_first
 from kernel_emulator import EmulatedKernel, have_compiler
 
 from pagedmlx.kernels import build, recurrent_state
@@ -62,7 +63,7 @@ def inputs(B, T, Hk, Hv, Dk, Dv, dtype, vec=False):
     return q, k, v, g, beta, state
 
 
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("dtype", fast_first(1, [mx.float32, mx.bfloat16], unpack=False))
 @pytest.mark.parametrize("vec", [False, True])
 def test_gated_delta_matches_mlx_lm(device, dtype, vec):
     from mlx_lm.models.gated_delta import gated_delta_ops
