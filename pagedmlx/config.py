@@ -84,9 +84,9 @@ class EngineConfig:
     compile_decode: Optional[bool] = None
     # The projections a layer applies to one input (q/k/v, gate/up, ...) as one product over their
     # concatenated weights (layers/merged_linear.py: vLLM's merged layers; gate/up and Gated DeltaNet's inputs
-    # on every step, the others on single-row steps). None: on GPU backends, where a small step is bound by kernel dispatch (on the
-    # CPU, BLAS picks kernels by shape, so merged products may differ from mlx-lm's in the last bit). LoRA
-    # adapters add their rows to a merged module's part (the LoRA kernel reads it in place).
+    # on every step, the others on single-row steps). None: on GPU backends, where a small step is bound by
+    # kernel dispatch (on the CPU, BLAS picks kernels by shape, so merged products may differ from mlx-lm's in
+    # the last bit). LoRA adapters add their rows to a merged module's part (the LoRA kernel reads it in place).
     merge_projections: Optional[bool] = None
     # Residual adds fused with the RMSNorm after them (layers/fused_residual.py, kernels/add_rms_norm.py): two
     # launches a layer fewer, where the kernel runs (a GPU backend) and passes its load-time check and the model
@@ -157,7 +157,8 @@ class EngineConfig:
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2, got {self.num_blocks}")
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
-            raise ValueError(f"kv_cache_memory_gb must be > 0 (or None: sized by memory), got {self.kv_cache_memory_gb}")
+            raise ValueError("kv_cache_memory_gb must be > 0 (or None: sized by memory), "
+                             f"got {self.kv_cache_memory_gb}")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.long_prefill_token_threshold < 0:

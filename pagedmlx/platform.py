@@ -123,8 +123,8 @@ def slow_blas_warning() -> Optional[str]:
         return (f"MLX's CPU backend multiplies with its reference BLAS in this process: start Python with "
                 f"LD_PRELOAD={path} for 2-3x the speed (the `pagedmlx` command and `make` do it for you)")
     if not any(os.path.exists(p) for p in OPENBLAS) and "libopenblas" not in _maps():
-        return ("MLX's CPU backend multiplies with its reference BLAS: install OpenBLAS (Debian/Ubuntu: apt-get install "
-                "libopenblas0-pthread) and preload it (LD_PRELOAD) for 2-3x the speed")
+        return ("MLX's CPU backend multiplies with its reference BLAS: install OpenBLAS (Debian/Ubuntu: "
+                "apt-get install libopenblas0-pthread) and preload it (LD_PRELOAD) for 2-3x the speed")
     return None
 
 

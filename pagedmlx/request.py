@@ -123,5 +123,6 @@ def fan_out(request_id: str, prompts: Sequence[Any], params: SamplingParams) -> 
     n = params.n
     if len(prompts) == 1 and n == 1:
         return [(request_id, prompts[0], params)]
-    return [(f"{request_id}-{p * n + i}", prompt, replace(params, n=1, seed=None if params.seed is None else (params.seed + i) & MAX_SEED))
+    return [(f"{request_id}-{p * n + i}", prompt,
+             replace(params, n=1, seed=None if params.seed is None else (params.seed + i) & MAX_SEED))
             for p, prompt in enumerate(prompts) for i in range(n)]

@@ -36,7 +36,8 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
     ap.add_argument("--tokenizer", default=None,
-                    help="preset: a folder with tokenizer files (default: the tiny one, padded to the preset's vocabulary)")
+                    help="preset: a folder with tokenizer files (default: the tiny one, padded to the preset's "
+                         "vocabulary)")
     ap.add_argument("--tokenizer-only", action="store_true", help="write only the tokenizer files")
     args = ap.parse_args()
     out = Path(args.out)
@@ -55,7 +56,8 @@ def main() -> None:
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
     config = {k: v for k, v in dataclasses.asdict(model.args).items() if v is not None}
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    print(f"wrote {out} ({config['model_type']}, {sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e6:.0f} MB)")
+    print(f"wrote {out} ({config['model_type']}, "
+          f"{sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e6:.0f} MB)")
 
 
 if __name__ == "__main__":

@@ -117,7 +117,8 @@ def sigterm_under_load(url: str, model: str, proc: subprocess.Popen, streams: in
 
     ends, t = asyncio.run(run())
     code = proc.wait(120)
-    return f"SIGTERM with {streams} streams running: exit {code} after {time.monotonic() - t:.1f} s; streams ended {ends}"
+    return (f"SIGTERM with {streams} streams running: exit {code} after {time.monotonic() - t:.1f} s; "
+            f"streams ended {ends}")
 
 
 def main() -> None:

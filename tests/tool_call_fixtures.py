@@ -18,7 +18,8 @@ WRITE_FILE = {"type": "function", "function": {
 TOOLS = [WEATHER, WRITE_FILE]
 
 HERMES = [  # Qwen2.5 / Qwen3 (and Hermes 2 Pro)
-    ("qwen25_one_call", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Boston, MA", "unit": "fahrenheit"}}'
+    ("qwen25_one_call", '<tool_call>\n{"name": "get_weather", "arguments": '
+     '{"city": "Boston, MA", "unit": "fahrenheit"}}'
      '\n</tool_call>', (None, None, [("get_weather", '{"city": "Boston, MA", "unit": "fahrenheit"}')])),
     ("qwen25_parallel", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "San Francisco, CA, USA"}}\n'
      '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "San Francisco, CA, USA", "days": 2}}'
@@ -93,21 +94,27 @@ MISTRAL = [  # [TOOL_CALLS] is a special token, kept in the text
     ("v11_text_then_two_calls", 'Let me check both cities.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
      '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}',
      ("Let me check both cities.", None, [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Rome"}')])),
-    ("v11_without_args_token", '[TOOL_CALLS]get_weather{"city": "Nice"}', (None, None, [("get_weather", '{"city": "Nice"}')])),
+    ("v11_without_args_token", '[TOOL_CALLS]get_weather{"city": "Nice"}',
+     (None, None, [("get_weather", '{"city": "Nice"}')])),
     ("call_id", '[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Bern"}',
      (None, None, [("get_weather", '{"city": "Bern"}')])),
-    ("answer", "It is 18\u00b0C and cloudy in Paris [source: meteo].", ("It is 18\u00b0C and cloudy in Paris [source: meteo].", None, [])),
+    ("answer", "It is 18\u00b0C and cloudy in Paris [source: meteo].",
+     ("It is 18\u00b0C and cloudy in Paris [source: meteo].", None, [])),
 ]
 
 OPENAI = [  # gpt-oss, harmony (the detokenizer keeps the special tokens; <|call|> / <|return|> end generation)
     ("analysis_then_call", "<|channel|>analysis<|message|>User asks weather in Tokyo. Use get_weather.<|end|>"
      "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
-     '{"city":"Tokyo"}<|call|>', (None, "User asks weather in Tokyo. Use get_weather.", [("get_weather", '{"city":"Tokyo"}')])),
-    ("recipient_in_header", "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant to=functions.get_weather"
-     '<|channel|>commentary json<|message|>{"city": "Kyoto"}', (None, "Need weather.", [("get_weather", '{"city": "Kyoto"}')])),
+     '{"city":"Tokyo"}<|call|>',
+     (None, "User asks weather in Tokyo. Use get_weather.", [("get_weather", '{"city":"Tokyo"}')])),
+    ("recipient_in_header", "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant "
+     "to=functions.get_weather"
+     '<|channel|>commentary json<|message|>{"city": "Kyoto"}',
+     (None, "Need weather.", [("get_weather", '{"city": "Kyoto"}')])),
     ("final_answer", "<|channel|>analysis<|message|>2+2 is simple.<|end|><|start|>assistant<|channel|>final<|message|>"
      "2 + 2 = 4.<|return|>", ("2 + 2 = 4.", "2+2 is simple.", [])),
-    ("preamble_then_call", "<|channel|>analysis<|message|>Check.<|end|><|start|>assistant<|channel|>commentary<|message|>"
+    ("preamble_then_call", "<|channel|>analysis<|message|>Check.<|end|><|start|>assistant<|channel|>commentary"
+     "<|message|>"
      "Checking the weather.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
      '<|message|>{"city":"Paris"}', ("Checking the weather.", "Check.", [("get_weather", '{"city":"Paris"}')])),
 ]
@@ -121,7 +128,8 @@ REQUIRED = [  # tool_choice "required": the output vLLM's grammar allows
 ]
 
 NAMED = [  # tool_choice {"type": "function", "function": {"name": "get_weather"}}: the arguments alone
-    ("arguments", '{"city": "Paris", "unit": "celsius"}', (None, None, [("get_weather", '{"city": "Paris", "unit": "celsius"}')])),
+    ("arguments", '{"city": "Paris", "unit": "celsius"}',
+     (None, None, [("get_weather", '{"city": "Paris", "unit": "celsius"}')])),
     ("spaced", '\n{ "city" : "Rome" }\n', (None, None, [("get_weather", '{ "city" : "Rome" }')])),
 ]
 

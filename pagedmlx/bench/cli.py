@@ -60,13 +60,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
                    help="metrics to report percentiles of, from ttft,tpot,itl,e2el (default all four; vLLM: "
                         "ttft,tpot,itl)")
-    p.add_argument("--metric-percentiles", default="50,90,99", help="percentiles to report (default 50,90,99; vLLM: 99)")
+    p.add_argument("--metric-percentiles", default="50,90,99",
+                   help="percentiles to report (default 50,90,99; vLLM: 99)")
     p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000 (ms): requests meeting all of them per s")
     p.add_argument("--save-result", action="store_true", help="write the result JSON (vLLM's fields)")
     p.add_argument("--result-dir", default=None, help="directory of the result JSON (default: here)")
     p.add_argument("--result-filename", default=None,
-                   help="file name of the result JSON (default: {backend}-{rate}qps[-concurrency{N}]-{model}-{date}.json)")
+                   help="file name of the result JSON "
+                        "(default: {backend}-{rate}qps[-concurrency{N}]-{model}-{date}.json)")
     p.add_argument("--num-processes", type=int, default=1,
                    help="client processes to split the prompts, concurrency and rate over, when one process would "
                         "be the bottleneck (the report says when) (default 1)")
@@ -91,7 +93,8 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n", type=int, default=1, help="sequences generated per prompt (default 1)")
     p.add_argument("--num-iters-warmup", type=int, default=10, help="untimed iterations first (default 10)")
     p.add_argument("--num-iters", type=int, default=30, help="timed iterations (default 30)")
-    p.add_argument("--temperature", type=non_negative(float), default=1.0, help="(default 1.0, top_p 1.0: vLLM's; 0: greedy)")
+    p.add_argument("--temperature", type=non_negative(float), default=1.0,
+                   help="(default 1.0, top_p 1.0: vLLM's; 0: greedy)")
     p.add_argument("--seed", type=int, default=0, help="of the random prompts")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     p.add_argument("--disable-detokenize", action="store_true",

@@ -152,8 +152,10 @@ def sharegpt_requests(path: str, num_prompts: int, seed: int = 0, tokenizer: Any
         prompt, reply = pairs[i]
         ids = encode(tokenizer, prompt) if tokenizer is not None else None
         prompt_len = len(ids) if ids is not None else math.ceil(len(prompt) / 4)
-        reply_len = output_len or (len(encode(tokenizer, reply)) if tokenizer is not None else math.ceil(len(reply) / 4))
-        if prompt_len < 4 or (output_len is None and reply_len < 4) or prompt_len > 1024 or prompt_len + reply_len > 2048:
+        reply_len = output_len or (len(encode(tokenizer, reply)) if tokenizer is not None
+                                   else math.ceil(len(reply) / 4))
+        if (prompt_len < 4 or (output_len is None and reply_len < 4) or prompt_len > 1024
+                or prompt_len + reply_len > 2048):
             continue
         out.append(SampleRequest(ids if as_ids and ids is not None else prompt,
                                  prompt_len if ids is not None else None, reply_len))

@@ -124,7 +124,8 @@ def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
         print("Warmup run completed.")
     print("Starting main benchmark run...")
     print(f"Traffic request rate: {args.request_rate}")
-    print(f"Burstiness factor: {args.burstiness} ({'Poisson process' if args.burstiness == 1.0 else 'Gamma distribution'})")
+    print(f"Burstiness factor: {args.burstiness} "
+          f"({'Poisson process' if args.burstiness == 1.0 else 'Gamma distribution'})")
     print(f"Maximum request concurrency: {args.max_concurrency}", flush=True)
     result, parts = _run(load, args.num_processes, args.disable_tqdm)
 

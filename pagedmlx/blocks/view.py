@@ -74,7 +74,8 @@ def _per_token(g: dict) -> str:
     """", 69,632 B/token of int8 pages" (snapshots from before the field: nothing)."""
     if not g.get("bytes_per_token"):
         return ""
-    return f", {g['bytes_per_token']:,} B/token" + (f" of {g['kv_cache_dtype']} pages" if g.get("kv_cache_dtype") else "")
+    return f", {g['bytes_per_token']:,} B/token" + (f" of {g['kv_cache_dtype']} pages"
+                                                    if g.get("kv_cache_dtype") else "")
 
 
 def summary_panel(snap: dict) -> Panel:
@@ -100,8 +101,10 @@ def summary_panel(snap: dict) -> Panel:
             grid.add_row("state", state_text(g))
             continue
         grid.add_row(g["name"], f"{g['layers']} layers: {g['num_blocks']} blocks = "
-                                f"{_size(g['num_blocks'], g['bytes_per_block'])}{_per_token(g)}; [{STYLES[IN_USE]}]{g['used']}[/] in "
-                                f"use ({g['usage']:.1%}), [{STYLES[CACHED]}]{g['cached_free']}[/] cached, {g['free']} free")
+                                f"{_size(g['num_blocks'], g['bytes_per_block'])}{_per_token(g)}; "
+                                f"[{STYLES[IN_USE]}]{g['used']}[/] in "
+                                f"use ({g['usage']:.1%}), [{STYLES[CACHED]}]{g['cached_free']}[/] cached, "
+                                f"{g['free']} free")
     if pc["enabled"]:
         line = f"hit rate {pc['hit_rate']:.1%} ({pc['hits']} of {pc['queries']} prompt tokens)"
         if pc["preempted_queries"]:
@@ -121,7 +124,8 @@ def state_text(g: dict) -> str:
     s = g["state"]
     every = f"every {s['checkpoint_interval']} tokens and " if s["checkpoint_interval"] else ""
     saving = (f"; checkpoints {every}at each prompt's last full block: {s['checkpoints_saved']} saved, "
-              f"{s['checkpoint_hits']} resumed from" if s["checkpoint_interval"] else "; no checkpoints (no prefix hits)")
+              f"{s['checkpoint_hits']} resumed from" if s["checkpoint_interval"]
+              else "; no checkpoints (no prefix hits)")
     return (f"{g['layers']} layers: {g['num_blocks']} slots = {_size(g['num_blocks'], g['bytes_per_block'])}; "
             f"[{STYLES[IN_USE]}]{s['running_slots']}[/] running, [{STYLES[CACHED]}]{s['checkpoints']}[/] checkpoints, "
             f"{g['free']} free" + saving)
@@ -152,7 +156,8 @@ def requests_table(snap: dict, width: int = 100, max_rows: int = 20) -> Table:
         cells = {"prompt": r["prompt_tokens"], "computed": r["computed_tokens"], "output": r["output_tokens"],
                  "cached": r["cached_tokens"], "blocks": r["blocks"],
                  "shared": f"[{STYLES[SHARED]}]{r['shared_blocks']}[/]" if r["shared_blocks"] else "0"}
-        state = r["state"] + (f" ×{r['preemptions']}" if r["preemptions"] else "") + (" guided" if r.get("guided") else "")
+        state = (r["state"] + (f" ×{r['preemptions']}" if r["preemptions"] else "")
+                 + (" guided" if r.get("guided") else ""))
         table.add_row(short_id(r["id"]), state, *(str(cells[n]) for n in numbers),
                       r["block_table"].replace(",", ", ") or "-")
     return table

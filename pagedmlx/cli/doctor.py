@@ -37,8 +37,10 @@ def add_doctor_parser(sub: argparse._SubParsersAction) -> None:
                         "random:ARCH, preset:NAME in --dtype; repeat for several; default: the timing table's "
                         "random Llama, --dtype)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8", "int4"], default="auto",
-                   help="what the --model layers' pages hold (the kernels table; the checks cover int8 and int4 always)")
-    p.add_argument("--no-timing", action="store_true", help="only the backend, the kernel checks and the layers' kernels")
+                   help="what the --model layers' pages hold (the kernels table; the checks cover int8 and int4 "
+                        "always)")
+    p.add_argument("--no-timing", action="store_true",
+                   help="only the backend, the kernel checks and the layers' kernels")
 
 
 def run_doctor(args: argparse.Namespace) -> int:
@@ -94,7 +96,8 @@ def _quantized_checks(backend: str, h: int, kv: int, d: int, block_size: int):
     for dtype in ("int8", "int4"):
         q = layer_quant(dtype, None, d, d)
         for window, sinks in ((None, False), (100, True)):
-            name = f"decode {dtype}/{q.group_size} H={h} kv={kv} D={d} bfloat16" + (" window=100 sinks" if sinks else "")
+            name = (f"decode {dtype}/{q.group_size} H={h} kv={kv} D={d} bfloat16"
+                    + (" window=100 sinks" if sinks else ""))
             yield (name, *check._guarded(check.check_decode_quantized, backend, h, kv, d, mx.bfloat16, q, block_size,
                                          window, sinks))
 

@@ -68,7 +68,8 @@ def run_generate(args: argparse.Namespace) -> int:
     flags = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     try:
         params = engine.get_default_sampling_params(
-            max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, **{k: v for k, v in flags.items() if v is not None})
+            max_tokens=args.max_tokens, seed=args.seed, stop=args.stop,
+            **{k: v for k, v in flags.items() if v is not None})
     except ValueError as exc:
         console.print(f"[red]error:[/] {exc}")
         return 2

@@ -134,7 +134,8 @@ class AsyncEngine:
 
     async def add_requests(self, request_id: str, prompts: Sequence[PromptType],
                            params: Optional[SamplingParams] = None, priority: int = 0,
-                           cache_salt: Optional[str] = None, lora_request: Optional[LoRARequest] = None) -> RequestStream:
+                           cache_salt: Optional[str] = None,
+                           lora_request: Optional[LoRARequest] = None) -> RequestStream:
         """Several prompts as one request: child k = prompt k // n, sample k % n, id `{id}-{k}`
         (just `{id}` for a single prompt with n == 1). All are accepted or none. lora_request: the
         adapter they all run with (the engine needs enable_lora)."""

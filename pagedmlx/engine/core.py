@@ -69,7 +69,8 @@ class EngineCore:
         self.structured_output_manager = StructuredOutputManager(tokenizer, self.eos_token_ids)  # guided decoding
         # Ids a request may name: rows the model has AND tokens the tokenizer can decode (some models
         # pad their embedding past the tokenizer, and some detokenizers raise on those ids).
-        self.vocab_size = min(self.runner.vocab_size, len(tokenizer)) if tokenizer is not None else self.runner.vocab_size
+        self.vocab_size = (min(self.runner.vocab_size, len(tokenizer)) if tokenizer is not None
+                           else self.runner.vocab_size)
         self._prompt_lps: dict[str, list[TokenLogprob]] = {}  # prompt logprobs, sent with the first output
         self.stats = StepStats()
         self._inflight: Optional[LaunchedStep] = None

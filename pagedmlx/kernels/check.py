@@ -310,7 +310,8 @@ def check_prefill(h: int, n_kv: int, d: int, dtype: mx.Dtype, bs: int, window: O
     dev = {k: mx.array(v) for k, v in host.items()}
     for forced in (None, 3):
         if forced:
-            keys = int(host["prefill_split_tokens"][0]) if splits == 1 else splits * int(host["prefill_split_tokens"][0])
+            keys = (int(host["prefill_split_tokens"][0]) if splits == 1
+                    else splits * int(host["prefill_split_tokens"][0]))
             dev["prefill_split_tokens"] = mx.array([-(-keys // forced)], mx.int32)
         got = prefill_attention.paged_prefill(qd, k_pages, v_pages, dev["prefill_block_table"], dev["prefill_segs"],
                                           dev["prefill_tiles"], scale, forced or splits, dev["prefill_split_tokens"],

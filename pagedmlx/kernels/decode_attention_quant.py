@@ -3,8 +3,9 @@ decode kernel (decode_attention.py) with its rows dequantized in the inner loop
 (sources/decode_attention_quant.py). Same grid, splits, window and sinks, same merge kernel. On CUDA,
 where the 16-bit kernel runs on tensor cores (decode_attention.uses_tensor_cores), the quantized pages'
 tensor-core kernel runs instead (sources/decode_attention_quant_mma_cuda.py: tiles dequantized into
-shared memory); the lanes kernel takes the rest (Metal, other head dims). Never trusted unchecked: the selector runs check.py's quantized checks on every GPU
-until a GPU suite has run them (tests/test_gpu_kernels.py)."""
+shared memory); the lanes kernel takes the rest (Metal, other head dims). Never trusted unchecked: the
+selector runs check.py's quantized checks on every GPU until a GPU suite has run them
+(tests/test_gpu_kernels.py)."""
 
 from __future__ import annotations
 
@@ -87,7 +88,8 @@ def _launch(D: int, G: int, bs: int, dt: mx.Dtype, quant: KVQuant, window: int, 
             s: decode_attention.Settings) -> tuple[list, int, bool]:
     """(template, threads, tensor cores) of a layer's launch: the same every step, so made once."""
     flags = [("QBITS", quant.bits), ("QGROUP", quant.group_size), ("WINDOW", window), ("SINKS", int(sinks))]
-    if uses_tensor_cores(D, G, dt, quant, backend, s):  # the 16-bit tensor-core kernel's warps (decode_attention._launch)
+    # the 16-bit tensor-core kernel's warps (decode_attention._launch)
+    if uses_tensor_cores(D, G, dt, quant, backend, s):
         threads = 32 * max(1, min(4, 256 // D))
         # int8 with one group a row: scale and bias after the products (PAGEDMLX_QUANT_AFTER=0: dequantized tiles);
         # PAGEDMLX_QUANT_PREFETCH=0: no next tile staged in registers (fewer registers, more resident warps)
@@ -129,6 +131,7 @@ def paged_decode_quantized(q: mx.array, k_pages, v_pages, block_table: mx.array,
         output_shapes=[(splits, B, H, D), (splits, B, H), (splits, B, H)],
         output_dtypes=[mx.float32, mx.float32, mx.float32], init_value=init_value)
     return decode_attention.merge_kernel(backend)(
-        inputs=[part_acc, part_m, part_l, sink_input], template=[("T", dt), ("D", D), ("SINKS", int(sinks is not None))],
+        inputs=[part_acc, part_m, part_l, sink_input],
+        template=[("T", dt), ("D", D), ("SINKS", int(sinks is not None))],
         grid=(H * D, B, 1), threadgroup=(D, 1, 1), output_shapes=[(B, H, D)], output_dtypes=[dt],
         init_value=init_value)[0]

@@ -35,22 +35,24 @@ def write_source(backend: str) -> str:
 @functools.lru_cache(maxsize=None)
 def _write_kernel(backend: str):
     return build.make_kernel(backend, "pagedmlx_reshape_and_cache",
-                             ["keys", "values", "slot_mapping", "k_pages", "v_pages"], ["written"], write_source(backend), "")
+                             ["keys", "values", "slot_mapping", "k_pages", "v_pages"], ["written"],
+                             write_source(backend), "")
 
 
 @functools.lru_cache(maxsize=None)
 def _quant_write_kernel(backend: str):
     return build.make_kernel(backend, "pagedmlx_reshape_and_cache_quant",
-                             ["k_q", "k_s", "k_b", "v_q", "v_s", "v_b", "slot_mapping", "k_pages", "k_scales", "k_biases",
-                              "v_pages", "v_scales", "v_biases"], ["written"],
+                             ["k_q", "k_s", "k_b", "v_q", "v_s", "v_b", "slot_mapping", "k_pages", "k_scales",
+                              "k_biases", "v_pages", "v_scales", "v_biases"], ["written"],
                              render(src.RESHAPE_AND_CACHE_QUANT, backend), "")
 
 
 @functools.lru_cache(maxsize=None)
 def _quantizing_write_kernel(backend: str):
     return build.make_kernel(backend, "pagedmlx_reshape_and_cache_quantizing",
-                             ["keys", "values", "slot_mapping", "k_pages", "k_scales", "k_biases", "v_pages", "v_scales",
-                              "v_biases"], ["written"], render(src.RESHAPE_AND_CACHE_QUANTIZING, backend), "")
+                             ["keys", "values", "slot_mapping", "k_pages", "k_scales", "k_biases", "v_pages",
+                              "v_scales", "v_biases"], ["written"], render(src.RESHAPE_AND_CACHE_QUANTIZING, backend),
+                             "")
 
 
 def reshape_and_cache_quantizing(keys: mx.array, values: mx.array, k_pages: tuple[mx.array, mx.array, mx.array],
@@ -74,15 +76,17 @@ def reshape_and_cache_quantizing(keys: mx.array, values: mx.array, k_pages: tupl
         output_shapes=[(4,)], output_dtypes=[mx.int32])[0][:1]
 
 
-def reshape_and_cache_quantized(keys: tuple[mx.array, mx.array, mx.array], values: tuple[mx.array, mx.array, mx.array],
-                                k_pages: tuple[mx.array, mx.array, mx.array], v_pages: tuple[mx.array, mx.array, mx.array],
+def reshape_and_cache_quantized(keys: tuple[mx.array, mx.array, mx.array],
+                                values: tuple[mx.array, mx.array, mx.array],
+                                k_pages: tuple[mx.array, mx.array, mx.array],
+                                v_pages: tuple[mx.array, mx.array, mx.array],
                                 slot_mapping: mx.array, backend: Optional[str] = None) -> mx.array:
     """reshape_and_cache for quantized pages: keys / values are mx.quantize's (packed (T, n_kv, W) uint32,
     scales, biases (T, n_kv, G)) of the step's rows; k_pages / v_pages the layer's (packed, scales, biases)
     pages, written in place at slot_mapping. Returns `written`, as reshape_and_cache does."""
     T, n_kv, kw = keys[0].shape
-    template = [("S", k_pages[1].dtype), ("NKV", n_kv), ("KW", kw), ("KG", keys[1].shape[2]), ("VW", values[0].shape[2]),
-                ("VG", values[1].shape[2]), ("BS", k_pages[0].shape[2])]
+    template = [("S", k_pages[1].dtype), ("NKV", n_kv), ("KW", kw), ("KG", keys[1].shape[2]),
+                ("VW", values[0].shape[2]), ("VG", values[1].shape[2]), ("BS", k_pages[0].shape[2])]
     return _quant_write_kernel(backend or build.gpu_backend())(
         inputs=[*keys, *values, slot_mapping, *k_pages, *v_pages], template=template,
         grid=(max(T * n_kv * max(kw, values[0].shape[2]), 1), 1, 1), threadgroup=(256, 1, 1),

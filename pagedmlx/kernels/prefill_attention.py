@@ -132,9 +132,11 @@ def paged_prefill(q: mx.array, k_pages: mx.array, v_pages: mx.array, block_table
         return single(inputs=inputs, template=template + [("SINKS", int(sinks is not None))],
                       output_shapes=[(Tp, H, D)], output_dtypes=[k_pages.dtype], **launch)[0]
     # Split: the merge adds the sink term.
-    parts = split(inputs=inputs, template=template, output_shapes=[(splits, Tp, H, D), (splits, Tp, H), (splits, Tp, H)],
+    parts = split(inputs=inputs, template=template,
+                  output_shapes=[(splits, Tp, H, D), (splits, Tp, H), (splits, Tp, H)],
                   output_dtypes=[mx.float32] * 3, **launch)
     merge = decode_attention.merge_kernel(CUDA)  # the decode kernels' merge: the same partials' layout
-    return merge(inputs=[*parts, sink_input], template=[("T", k_pages.dtype), ("D", D), ("SINKS", int(sinks is not None))],
+    return merge(inputs=[*parts, sink_input],
+                 template=[("T", k_pages.dtype), ("D", D), ("SINKS", int(sinks is not None))],
                  grid=(H * D, Tp, 1), threadgroup=(D, 1, 1), output_shapes=[(Tp, H, D)],
                  output_dtypes=[k_pages.dtype], init_value=init_value)[0]

@@ -22,7 +22,8 @@ from typing import Optional
 import mlx.core as mx
 
 from pagedmlx import envs
-from pagedmlx.kernels import add_rms_norm, build, check, decode_attention, decode_attention_quant, lora, prefill_attention
+from pagedmlx.kernels import (add_rms_norm, build, check, decode_attention, decode_attention_quant, lora,
+                              prefill_attention)
 from pagedmlx.kernels.dialect import CUDA
 from pagedmlx.core.kv.cache_dtype import KVQuant
 
@@ -95,7 +96,8 @@ def select_kernels(layer_specs: list[tuple[int, int, int, mx.Dtype]], query_head
     shapes = kernel_shapes(layer_specs, query_heads, backend)
     prefill_shapes = [x for x in shapes if prefill_attention.supports_prefill(x[2], x[2], x[0], x[1], x[3])]
     plan = KernelPlan(backend, decode=bool(shapes), page_write=PAGES_IN_PLACE.get(backend, False),
-                      state=state_layers and backend == CUDA, prefill=prefill and backend == CUDA and bool(prefill_shapes))
+                      state=state_layers and backend == CUDA,
+                      prefill=prefill and backend == CUDA and bool(prefill_shapes))
     if not plan.prefill:
         plan.prefill_reason = ("--no-prefill-kernel" if not prefill else "the prefill kernel is CUDA only"
                                if backend != CUDA else "no layer shape the prefill kernel takes")

@@ -92,8 +92,10 @@ def _candidate(body: Any) -> Optional[str]:
     if not _is_norm(getattr(body, "norm", None)):
         return "no nn.RMSNorm final norm"
     for layer in layers:
-        if not (_is_norm(getattr(layer, "input_layernorm", None)) and _is_norm(getattr(layer, "post_attention_layernorm", None))
-                and isinstance(getattr(layer, "self_attn", None), nn.Module) and isinstance(getattr(layer, "mlp", None), nn.Module)):
+        if not (_is_norm(getattr(layer, "input_layernorm", None))
+                and _is_norm(getattr(layer, "post_attention_layernorm", None))
+                and isinstance(getattr(layer, "self_attn", None), nn.Module)
+                and isinstance(getattr(layer, "mlp", None), nn.Module)):
             return f"a layer ({type(layer).__name__}) is not a pre-norm block of nn.RMSNorm, self_attn and mlp"
     return None
 
@@ -105,7 +107,8 @@ def _swap(body: nn.Module, backend: Optional[str]) -> list:
         if type(m) is _own_class(m):
             m.__class__ = _fused_class(type(m), call)
             swapped.append(m)
-    for norm in [body.norm, *(n for layer in body.layers for n in (layer.input_layernorm, layer.post_attention_layernorm))]:
+    for norm in [body.norm,
+                 *(n for layer in body.layers for n in (layer.input_layernorm, layer.post_attention_layernorm))]:
         norm._pagedmlx_backend = backend
     return swapped
 

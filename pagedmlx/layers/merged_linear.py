@@ -4,9 +4,10 @@ projections) as one product over their concatenated weights.
 
 On a GPU a batch-1 decode step is bound by the host's dispatch of its kernels, not by its weights' bytes
 (~9 us a launch on CUDA, 521 launches a Llama-8B step); merging takes three
-launches a layer away (see ANY_ROWS for when). The model's code is left as it is: the group's first module becomes a MergedLinear
-that computes every part's output and keeps the others for the modules that take the other parts'
-places (MergedPart), which the model calls next with the same input. It does so only inside
+launches a layer away (see ANY_ROWS for when). The model's code is left as it is: the group's first
+module becomes a MergedLinear that computes every part's output and keeps the others for the modules
+that take the other parts' places (MergedPart), which the model calls next with the same input. It
+does so only inside
 `merged_products()` (the runner's forward pass); outside it each module multiplies by its own rows of the
 merged weights (views: the very values and shapes it had), so mlx-lm's own generation on the same model
 object, the load-time check's reference included, computes exactly what it did before the merge.

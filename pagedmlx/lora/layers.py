@@ -137,7 +137,8 @@ class PunicaWrapper:
                 return kept[1]
             self._stop_sharing("a sibling was called on another input than the one its output was computed on")
         if self._on_kernel(layer, rows):
-            later = [s for s in (self.siblings or {}).get(id(layer), ()) if self.share_launches and self._on_kernel(s, rows)]
+            later = [s for s in (self.siblings or {}).get(id(layer), ())
+                     if self.share_launches and self._on_kernel(s, rows)]
             layers = [layer, *later]
             ys, parts = [], []
             for m in layers:  # a merged projection's part is read in place from its group's product
@@ -224,7 +225,8 @@ class LinearWithLoRA(nn.Module):
         if self._used[0] == key:
             return self._used[1], self._used[2]
         k_rank = step.used_columns.shape[0]
-        used = (key, self._lora_a_stacked[step.used].reshape(k_rank, -1), self._lora_b_stacked[step.used].reshape(k_rank, -1))
+        used = (key, self._lora_a_stacked[step.used].reshape(k_rank, -1),
+                self._lora_b_stacked[step.used].reshape(k_rank, -1))
         if not step.traced:  # a trace's arrays are placeholders
             self._used = used
         return used[1], used[2]

@@ -24,8 +24,8 @@ import mlx.nn as nn
 from pagedmlx.kernels import decode_attention, decode_attention_quant, page_write, prefill_attention
 from pagedmlx.core.kv.cache_dtype import KVQuant
 from pagedmlx.runner.attention_metadata import AttentionMetadata, PrefillGroup, page_rows
-from pagedmlx.runner.kv_quant import (QuantizedPages, make_pages, read_pages, rotate_kv, rotate_queries, write_quantized,
-                                      write_quantized_in_place)
+from pagedmlx.runner.kv_quant import (QuantizedPages, make_pages, read_pages, rotate_kv, rotate_queries,
+                                      write_quantized, write_quantized_in_place)
 from pagedmlx.runner.masks import length_mask
 
 def as_dtype(x: mx.array, dtype: mx.Dtype) -> mx.array:

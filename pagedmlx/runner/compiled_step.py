@@ -14,9 +14,9 @@ MLX scatters the new K/V into them (Metal, the CPU), the trace takes the pools a
 buffers: no copy) and hands the new arrays back to KVPool's lists; each new trace's first replay is
 checked against the step built as usual (ModelRunner._prove_trace). Models with recurrent-state layers
 are compiled only where the state kernels write in place too. A step of short segments (speculative
-decoding's verifying 1 + k tokens) whose tokens all run as decode rows (attention_metadata.decode_token_rows) is decode-only
-here too, on models without recurrent state, and compiled once hot (a short prompt's step is a key
-of its own that seldom comes again). Quantized KV pages are written in place where 16-bit ones are
+decoding's verifying 1 + k tokens) whose tokens all run as decode rows (attention_metadata.decode_token_rows)
+is decode-only here too, on models without recurrent state, and compiled once hot (a short prompt's step
+is a key of its own that seldom comes again). Quantized KV pages are written in place where 16-bit ones are
 (page_write.reshape_and_cache_quantized: mx.quantize, then the copy), so they compile too. Steps with
 prefill rows or a recurrent segment (a 1-token prompt) run as built. A step with adapter rows (LoRA)
 is a key by its slots and the adapters' generation (a slot's new weights: a new trace), compiled only

@@ -51,7 +51,8 @@ def kernel_path_lines(runner: Any) -> list[str]:
         quant = getattr(runner, "kv_quant", {})
         quant = {**quant, **{i: quant[plan[i].source] for i in shared if plan[i].source in quant}}
         group_quant = next((quant[i] for i in sorted(ids) if i in quant), None)
-        paths = [*_decode_paths(kernels, shapes, quant), _prefill_path(kernels, shapes, runner.prefill_heads[gi], group_quant),
+        paths = [*_decode_paths(kernels, shapes, quant),
+                 _prefill_path(kernels, shapes, runner.prefill_heads[gi], group_quant),
                  _write_path(kernels, group_quant is not None)]
         lines.append(f"{group.name} ({layers}): {_join(paths)}")
     state = next((g for g in runner.kv_cache_config.kv_cache_groups if g.is_state), None)

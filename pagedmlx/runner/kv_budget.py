@@ -85,7 +85,8 @@ def kv_cache_budget(config: EngineConfig, model: nn.Module, body: Optional[Calla
     if not on_gpu:
         nbytes = int(min(CPU_MAX_FRACTION * total, max(weights, CPU_MIN_BYTES)))
         return KVBudget(nbytes, f"CPU: the model's {weights / 1e9:.2f} GB of weights, at least "
-                                f"{CPU_MIN_BYTES / 1e9:.2f} GB, at most {CPU_MAX_FRACTION:g} of {total / 1e9:.1f} GB RAM")
+                                f"{CPU_MIN_BYTES / 1e9:.2f} GB, at most {CPU_MAX_FRACTION:g} of "
+                                f"{total / 1e9:.1f} GB RAM")
     util = config.gpu_memory_utilization
     held = max(mx.get_active_memory(), weights)
     tokens = config.max_num_batched_tokens

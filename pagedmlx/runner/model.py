@@ -10,7 +10,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.core.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec, sliding_pool_blocks
+from pagedmlx.core.kv.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec,
+                                   sliding_pool_blocks)
 from pagedmlx.kernels import build, prefill_attention, recurrent_state
 from pagedmlx.kernels.check import error_line
 from pagedmlx.kernels.selector import select_kernels, select_lora_kernel, select_quantized
@@ -27,7 +28,8 @@ from pagedmlx.runner.plan import UnsupportedModelError, model_type, plan_layers
 from pagedmlx.runner.selfcheck import LOGIT_TOLERANCE, check_paged_forward, relative_error
 from pagedmlx.runner import check_cache, warm_up
 from pagedmlx.runner.kv_budget import kv_cache_budget, weights_nbytes
-from pagedmlx.runner.state import StateLayerCache, StateMetadata, StatePool, install_regrouping, pages_budget, state_group
+from pagedmlx.runner.state import (StateLayerCache, StateMetadata, StatePool, install_regrouping, pages_budget,
+                                   state_group)
 from pagedmlx.core.sched.output import SchedulerOutput
 
 logger = logging.getLogger("pagedmlx")
@@ -262,7 +264,8 @@ class ModelRunner:
                 caches.append(PagedLayerCache(i, pool, source.md, source=source))
                 continue
             parts = {"attention": PagedLayerCache(i, pool, md.groups[self.group_of[i]]) if layer.has_pages else None,
-                     "state": StateLayerCache(i, len(layer.state.arrays), state_pool, state_md) if layer.state else None}
+                     "state": (StateLayerCache(i, len(layer.state.arrays), state_pool, state_md) if layer.state
+                               else None)}
             caches.append(CacheList(*(parts[p] for p in layer.cache_list)) if layer.cache_list
                           else parts["attention"] or parts["state"])
         return caches

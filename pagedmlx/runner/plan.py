@@ -237,8 +237,10 @@ def _state_plan(model: nn.Module, i: int, probe: _StateProbe, first: list) -> St
     arrays = probe.arrays()
     for j, (a, b) in enumerate(zip(first, arrays)):
         if a is None or b is None or a[0] != b[0] or b[0][0] != 1:
-            raise _refuse(model, i, f"state array {j} is {'never written' if a is None or b is None else 'of changing shape'}"
-                                    f" ({a and a[0]}, then {b and b[0]}): pagedmlx keeps a fixed-size state per request")
+            raise _refuse(model, i, f"state array {j} is "
+                                    f"{'never written' if a is None or b is None else 'of changing shape'}"
+                                    f" ({a and a[0]}, then {b and b[0]}): pagedmlx keeps a fixed-size state per "
+                                    "request")
     return StatePlan(owners.pop(), tuple((shape[1:], dtype) for shape, dtype in arrays))
 
 
@@ -260,6 +262,7 @@ def _check(model: nn.Module, plan: list[LayerPlan], probes: list[_Probe]) -> Non
         if p.asked_window is not None and p.asked_window not in planned:
             raise UnsupportedModelError(
                 f"model type {kind!r}: layer {i} asks for a sliding window of {p.asked_window} tokens through its "
-                f"attention mask, but its cache ({'keeps ' + str(plan[i].window) + ' tokens' if i < len(plan) and plan[i].window else 'a KVCache'}) "
+                f"attention mask, but its cache "
+                f"({'keeps ' + str(plan[i].window) + ' tokens' if i < len(plan) and plan[i].window else 'a KVCache'}) "
                 f"does not: mlx-lm applies that window in the mask, which the paged step cannot see; refusing "
                 f"rather than attending past the window")

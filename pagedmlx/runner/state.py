@@ -279,7 +279,8 @@ class StateLayerCache:
         cache.cache = list(states)
         out = call(*rebuild(rows, cache))
         if any(s is None or s.shape[0] != rows.shape[0] for s in cache.cache):
-            raise RuntimeError(f"state layer {self.layer}: the module left its state unwritten or of another batch size")
+            raise RuntimeError(f"state layer {self.layer}: the module left its state unwritten or of another "
+                               "batch size")
         return out, cache.cache
 
 

@@ -60,7 +60,8 @@ def compile_kernels(runner) -> int:
     for i, p in enumerate(runner.plan):
         if p.has_pages or p.kind == "shared":
             owner = p.source if p.kind == "shared" else i
-            kinds.setdefault((runner.plan[owner].spec, p.n_heads, runner.windows[runner.group_of[owner]], p.sinks), owner)
+            kinds.setdefault((runner.plan[owner].spec, p.n_heads, runner.windows[runner.group_of[owner]], p.sinks),
+                             owner)
     runs = 0
     for ((n_kv, dk, dv, dt), h, window, sinks), layer in kinds.items():
         k_pages, v_pages = read_pages(runner.kv_pool, layer)

@@ -18,7 +18,8 @@ PROMPT_TAIL_TOKENS = 16  # enough for "</think>" and the whitespace after it, in
 
 
 class ChatOutputParser:
-    def __init__(self, reasoning: Optional[ReasoningParser], tools: Optional[ToolParser], include_reasoning: bool = True):
+    def __init__(self, reasoning: Optional[ReasoningParser], tools: Optional[ToolParser],
+                 include_reasoning: bool = True):
         self.reasoning_parser = reasoning
         self.tool_parser = tools
         self.include_reasoning = include_reasoning
@@ -74,7 +75,8 @@ def chat_parser_factory(req: Any, parsing: ChatParsing, tokenizer: Any, params: 
     reasoning). Adjusts `params` (special tokens kept where a parser's markers are special tokens)."""
     choice = tool_choice_of(req)
     if forced:
-        tool_class: Optional[type[ToolParser]] = (NamedToolParser if isinstance(choice, ChatCompletionNamedToolChoiceParam)
+        tool_class: Optional[type[ToolParser]] = (NamedToolParser
+                                                  if isinstance(choice, ChatCompletionNamedToolChoiceParam)
                                                   else RequiredToolParser)
     elif choice == "auto" and req.tools and parsing.auto_tools:
         tool_class = TOOL_PARSERS[parsing.tool_call_parser]

@@ -315,4 +315,6 @@ def field_range(name: str) -> Optional[str]:
 
 
 from pagedmlx.server.protocol_responses import (  # noqa: E402,F401 - the response models, from here too
-    PromptTokensDetails, Usage, CompletionLogprobs, ChoiceBase, ResponseBase, CompletionChoice, CompletionResponse, TopLogprob, ChatTokenLogprob, ChatLogprobs, AssistantMessage, ChatChoice, ChatCompletionResponse, DeltaMessage, ChatChunkChoice, ChatCompletionChunk, ModelCard, ModelList)
+    PromptTokensDetails, Usage, CompletionLogprobs, ChoiceBase, ResponseBase, CompletionChoice, CompletionResponse,
+    TopLogprob, ChatTokenLogprob, ChatLogprobs, AssistantMessage, ChatChoice, ChatCompletionResponse, DeltaMessage,
+    ChatChunkChoice, ChatCompletionChunk, ModelCard, ModelList)

@@ -9,7 +9,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
-from pagedmlx.engine.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError, RequestStream, TooManyRequestsError
+from pagedmlx.engine.async_engine import (AsyncEngine, EngineDeadError, EngineShutdownError, RequestStream,
+                                          TooManyRequestsError)
 from pagedmlx.lora.request import LoRARequest
 from pagedmlx.outputs import EngineOutput, TokenLogprob
 from pagedmlx.sampling_params import SamplingParams

@@ -77,7 +77,8 @@ class ServingModels:
     def show_available_models(self) -> ModelList:
         cards = [ModelCard(id=self.base_model_name, max_model_len=self.max_model_len, root=self.base_model_name)]
         cards += [ModelCard(id=lora.lora_name, max_model_len=self.max_model_len, root=lora.lora_path,
-                            parent=lora.base_model_name or self.base_model_name) for lora in self.lora_requests.values()]
+                            parent=lora.base_model_name or self.base_model_name)
+                  for lora in self.lora_requests.values()]
         return ModelList(data=cards)
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str) -> str:

@@ -119,7 +119,8 @@ class DraftModelProposer:
     def bytes_per_block(self) -> int:
         return self.runner.bytes_per_block
 
-    def bind(self, kv_cache_manager, vocab_size: int, target_tokenizer: Any = None, draft_tokenizer: Any = None) -> None:
+    def bind(self, kv_cache_manager, vocab_size: int, target_tokenizer: Any = None,
+             draft_tokenizer: Any = None) -> None:
         """Check the pair and give the draft one page per block of the target's full-attention group."""
         if self.runner.vocab_size < vocab_size:
             raise ValueError(f"the draft model's vocabulary ({self.runner.vocab_size} tokens) is smaller than the "
@@ -188,8 +189,8 @@ class DraftModelProposer:
         starts = [w[1] for w in work]
         counts = [w[3] for w in work]
         d = self.shift
-        ids = np.fromiter((t for r, s, c in zip(reqs, starts, counts) for t in r.all_token_ids[s + d:s + c + d]), np.int32,
-                          sum(counts))
+        ids = np.fromiter((t for r, s, c in zip(reqs, starts, counts) for t in r.all_token_ids[s + d:s + c + d]),
+                          np.int32, sum(counts))
         self._catch_up_inputs(reqs, starts, counts)
         steps = [self._sample(self._batch(reqs, starts, counts, ids), None, reqs, 0)]
         alive = list(range(len(work)))  # indices into work still drafting

@@ -42,7 +42,8 @@ from pagedmlx.sample.rejection_sampler import num_accepted
 
 logger = logging.getLogger("pagedmlx")
 
-RATE_WEIGHT = 0.25  # each draft's weight in the moving average (from 1.0, seven drafts all rejected pause a request at 0.15)
+# each draft's weight in the moving average (from 1.0, seven drafts all rejected pause a request at 0.15)
+RATE_WEIGHT = 0.25
 PAUSE_TOKENS = 16
 MAX_PAUSE_TOKENS = 1024
 
@@ -200,7 +201,8 @@ class Drafter:
         if not num_draft_tokens:
             return
         lookup = request in self._from_lookup
-        state = self._lookup_acceptance.setdefault(request, _Acceptance()) if lookup else self._model_acceptance(request)
+        state = (self._lookup_acceptance.setdefault(request, _Acceptance()) if lookup
+                 else self._model_acceptance(request))
         for est in (state,) if lookup or self.prior is None else (state, self.prior):
             est.rate += RATE_WEIGHT * (num_accepted_tokens / num_draft_tokens - est.rate)
             est.count(num_accepted_tokens, num_accepted_tokens < num_draft_tokens)
@@ -241,7 +243,8 @@ def make_drafter(config: Optional[SpeculativeConfig], max_model_len: int, kv_cac
     cost = draft_proposer.weight_bytes / target_bytes if draft_proposer is not None and target_bytes else 0.0
     if cost:
         logger.info("speculative decoding: a draft token costs about %.2f of a target step (the weights' bytes); "
-                    "each request drafts the k up to %d that pays at its acceptance", cost, config.num_speculative_tokens)
+                    "each request drafts the k up to %d that pays at its acceptance", cost,
+                    config.num_speculative_tokens)
     if draft_proposer is not None and config.prompt_lookup:
         logger.info("speculative decoding: the context is looked up too (n-grams of %d-%d tokens); a request takes "
                     "the lookup's draft where it promises more tokens a step than the %s's", config.prompt_lookup_min,

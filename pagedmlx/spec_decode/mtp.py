@@ -104,9 +104,10 @@ def safetensors_keys(path: Path) -> dict[str, list[int]]:
 
 
 def read_mtp_weights(folder: str | Path) -> tuple[dict[str, mx.array], bool]:
-    """The checkpoint's (a folder, or a hub id in the local hub cache) `mtp.` tensors, keyed after `mtp.` (`fc.weight`, `layers.0.self_attn.q_proj.weight`,
-    ...), and whether its norms are zero-centred (the checkpoint's convolution weights are in the original
-    layout: mlx-lm's own rule for shifting the norms). A FileNotFoundError or ValueError naming what is missing."""
+    """The checkpoint's (a folder, or a hub id in the local hub cache) `mtp.` tensors, keyed after `mtp.`
+    (`fc.weight`, `layers.0.self_attn.q_proj.weight`, ...), and whether its norms are zero-centred (the
+    checkpoint's convolution weights are in the original layout: mlx-lm's own rule for shifting the norms).
+    A FileNotFoundError or ValueError naming what is missing."""
     from pagedmlx.loaders.loader import model_folder
 
     files = sorted((model_folder(str(folder)) or Path(folder)).glob("*.safetensors"))

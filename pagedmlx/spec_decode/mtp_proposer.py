@@ -144,7 +144,8 @@ def make_mtp_proposer(config: EngineConfig, target, verify: bool = True) -> MTPP
         raise UnsupportedModelError("speculative_config.method 'mtp': the MTP module's paged forward needs its body "
                                     "and head apart, and its load-time check refused the split")
     logger.info("speculative decoding: the model's MTP module (%s), %d draft tokens, while at most %d requests run",
-                "random weights" if source is None else f"weights from {source if isinstance(source, str) else 'a dict'}",
+                "random weights" if source is None
+                else f"weights from {source if isinstance(source, str) else 'a dict'}",
                 spec.num_speculative_tokens, spec.disable_by_batch_size)
     return proposer
 

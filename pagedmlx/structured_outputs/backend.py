@@ -1,4 +1,5 @@
-"""The grammar library's binding: llguidance (chosen over outlines-core and xgrammar for its compile time and per-step mask cost).
+"""The grammar library's binding: llguidance (chosen over outlines-core and xgrammar for its compile time
+and per-step mask cost).
 
 llguidance compiles JSON Schema, regular expressions, Lark / GBNF grammars and choices into a matcher
 that computes each step's allowed tokens as a bitmask (one bit per token id, 32 to an int32 word),

@@ -56,7 +56,8 @@ def main() -> None:
     bw = measure_bandwidth()
     print(f"device {mx.default_device()}, measured copy bandwidth {bw / 1e9:.0f} GB/s, {time.strftime('%Y-%m-%d')}")
     kernel = build.gpu_backend() is not None
-    header = f"{'case':>10} {'KV MB':>8} {'ideal ms':>9} {'kernel ms':>10} {'x ideal':>8} {'gather ms':>10} {'x ideal':>8} {'contig ms':>10} {'x ideal':>8}"
+    header = (f"{'case':>10} {'KV MB':>8} {'ideal ms':>9} {'kernel ms':>10} {'x ideal':>8} {'gather ms':>10} "
+              f"{'x ideal':>8} {'contig ms':>10} {'x ideal':>8}")
     print(header)
     rng = np.random.default_rng(0)
     for case in args.cases:

@@ -2,9 +2,10 @@
 draft_model) against mlx-lm's own `speculative_generate_step` on the same (target, draft) pair, and both
 against plain decoding (pagedmlx without speculation, mlx-lm's `generate_step`). Prompts run one after
 another (batch 1), or in pagedmlx `--batch` at a time (mlx-lm's speculative generation takes one request:
-its server turns batching off when given a draft model); the four runs interleave `--rounds` times (order rotated each round); the
-table gives each one's median output tok/s and the ratios. Greedy: every run's tokens are compared with
-mlx-lm's generate_step (exact on the CPU in float32; on a GPU they may part after a near tie).
+its server turns batching off when given a draft model); the four runs interleave `--rounds` times (order
+rotated each round); the table gives each one's median output tok/s and the ratios. Greedy: every run's
+tokens are compared with mlx-lm's generate_step (exact on the CPU in float32; on a GPU they may part after
+a near tie).
 
 The draft (`--draft`):
   layers:N   the target's first N layers with its embeddings, final norm and head (weights shared)
@@ -93,7 +94,8 @@ def scale_tail(target: nn.Module, first: int, scale: float) -> None:
                     module.weight = module.weight * scale
                 found += 1
     if found < 2 * (len(layers) - first):
-        raise SystemExit(f"--target-tail-scale: found {found} o_proj / down_proj weights in {len(layers) - first} layers")
+        raise SystemExit(f"--target-tail-scale: found {found} o_proj / down_proj weights in "
+                         f"{len(layers) - first} layers")
     mx.eval(target.parameters())
 
 
@@ -206,7 +208,8 @@ def main() -> None:
     ap.add_argument("--workload", choices=["chat", "quote"], default="chat")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
     ap.add_argument("--dequantize", action="store_true",
-                    help="unpack a quantized target (a GGUF is kept 4-bit on a GPU) before anything else, as on the CPU")
+                    help="unpack a quantized target (a GGUF is kept 4-bit on a GPU) before anything else, as on "
+                         "the CPU")
     ap.add_argument("--target-tail-scale", type=float, default=None,
                     help="with --draft layers:N: scale the target's later layers' output projections (0: draft exact)")
     ap.add_argument("--batch", type=int, default=1,
@@ -271,7 +274,8 @@ def main() -> None:
     if args.lookup:
         looks = LLM(target, tok, kv_cache_memory_gb=args.kv_cache_gb, max_num_seqs=seqs,
                     merge_projections=args.merge_projections,
-                    speculative_config={**spec, "prompt_lookup_max": args.lookup, "prompt_lookup_min": min(2, args.lookup)})
+                    speculative_config={**spec, "prompt_lookup_max": args.lookup,
+                                        "prompt_lookup_min": min(2, args.lookup)})
         look_stats, drafter = looks.engine.scheduler.spec_decoding_stats, looks.engine.drafter
 
         def ours_with_lookup():
@@ -294,13 +298,14 @@ def main() -> None:
         (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens), before))
     med = {name: statistics.median(v) for name, v in tps.items()}
     tail = "" if args.target_tail_scale is None else f" (later layers' output projections x {args.target_tail_scale:g})"
-    print(f"target {args.model or 'default (SmolLM2-135M-Instruct)'}{tail} ({args.dtype or 'as loaded'}), draft {args.draft}, "
-          f"k {args.k}, {args.workload} workload, {len(prompts)} prompts ({args.batch} at a time in pagedmlx, one at a time in "
-          f"mlx-lm), {args.max_tokens} max new "
+    print(f"target {args.model or 'default (SmolLM2-135M-Instruct)'}{tail} ({args.dtype or 'as loaded'}), "
+          f"draft {args.draft}, k {args.k}, {args.workload} workload, {len(prompts)} prompts "
+          f"({args.batch} at a time in pagedmlx, one at a time in mlx-lm), {args.max_tokens} max new "
           f"tokens, median of {args.rounds} interleaved rounds; {mx.default_device()}")
     share = {name: a / max(n, 1) for name, (a, n) in from_draft.items()}
     print(f"pagedmlx acceptance {accepted / max(drafted, 1):.2f} ({accepted}/{drafted} draft tokens, mean acceptance "
-          f"length {1 + accepted / max(drafts, 1):.2f}); tokens from the draft: pagedmlx {share['pagedmlx + draft']:.2f}, "
+          f"length {1 + accepted / max(drafts, 1):.2f}); tokens from the draft: "
+          f"pagedmlx {share['pagedmlx + draft']:.2f}, "
           f"mlx-lm {share['mlx-lm speculative_generate_step']:.2f} (a different text gives a different share)")
     if args.lookup:
         print(f"pagedmlx + draft + lookup: acceptance {look_stats.acceptance_rate:.2f}, {drafter.num_lookup_drafts} of "

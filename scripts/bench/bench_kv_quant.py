@@ -4,7 +4,8 @@ Quality (default; the real SmolLM2-135M-Instruct, float32 on the CPU unless --dt
 the perplexity of a fixed text (prompt logprobs through the engine, 128-token prefill chunks so that later
 chunks read earlier ones from the pages), greedy agreement with the `auto` pages over --max-tokens
 generated tokens for a few chat prompts (teacher-forced: along auto's answers, how often these pages'
-top-1 token is auto's; free-running: tokens equal before the first difference, and position by position), and the pool's capacity in tokens for the same memory (this model, and in bf16).
+top-1 token is auto's; free-running: tokens equal before the first difference, and position by position),
+and the pool's capacity in tokens for the same memory (this model, and in bf16).
 
 Speed (--speed, for the GPU): decode steps of a random Llama-8B (bf16) at --batch sequences of --context
 tokens, pages filled at random (a step's cost does not depend on the values), auto vs int8 vs int4 pages,
@@ -107,7 +108,8 @@ def quality(args: argparse.Namespace) -> None:
         h, dk, dv, dt = runner.plan[0].spec
         q = layer_quant(dtype, group, dk, dv)
         bf16 = bytes_per_token(h, dk, dv, 2, None) / bytes_per_token(h, dk, dv, 2, q)
-        rows.append((dtype + (", rotated" if rotate else ""), ppl, ppl / ref[0] - 1, sum(top1) / len(top1), statistics.mean(prefix), min(prefix), same,
+        rows.append((dtype + (", rotated" if rotate else ""), ppl, ppl / ref[0] - 1, sum(top1) / len(top1),
+                     statistics.mean(prefix), min(prefix), same,
                      runner.num_blocks / ref[2], bf16, q.group_size if q else "-", secs))
     print(f"\n{args.model or 'SmolLM2-135M-Instruct'} ({dt}), perplexity of a {len(ids)}-token text; greedy "
           f"{args.max_tokens} tokens x {len(prompts)} chat prompts vs auto pages; capacity vs auto at "

@@ -107,7 +107,8 @@ def main() -> None:
     name = f"random {PRESETS[args.preset]['model_type']} '{args.preset}' ({args.dtype})"
     print(f"{name} on {mx.default_device()}; {args.num_adapters} adapters of rank {args.rank} on "
           f"{'keys ' + ' '.join(args.keys) if args.keys else 'every linear layer'} of "
-          f"{'every layer' if args.num_layers < 0 else f'the last {args.num_layers} layers'}; prompt {args.prompt_len}, "
+          f"{'every layer' if args.num_layers < 0 else f'the last {args.num_layers} layers'}; "
+          f"prompt {args.prompt_len}, "
           f"gen {args.gen_len}, median of {args.repeats}; projections merged: base engine "
           f"{bool(base_engine.runner.merged_groups)}, LoRA engine {bool(lora_engine.runner.merged_groups)}")
     import random
@@ -138,7 +139,8 @@ def main() -> None:
                    ratios_decode=[m[0] / b[0] for m, b in zip(cells["mixed"], cells["base"])])
         rows.append(row)
         print(f"{batch:>5} | {med['base'][0]:>9.1f} {med['base+lora'][0]:>9.1f} {med['mixed'][0]:>9.1f}       | "
-              f"{row['ratio_decode']:>9.2f}x | {med['base'][1]:>9.1f} {med['mixed'][1]:>9.1f} {row['ratio_e2e']:>5.2f}x")
+              f"{row['ratio_decode']:>9.2f}x | {med['base'][1]:>9.1f} {med['mixed'][1]:>9.1f} "
+              f"{row['ratio_e2e']:>5.2f}x")
         print(f"      each repeat's mixed / base: {' '.join(f'{r:.2f}x' for r in row['ratios_decode'])}")
     punica = lora_engine.runner.lora_manager.punica
     print(f"LoRA rows: {'kernels/lora.py on ' + punica.kernel_backend if punica.kernel_backend else 'MLX products'}"
@@ -151,7 +153,8 @@ def main() -> None:
               f"{sum(k[-1] is not None for k in keys)} of them with adapter rows")
     if args.json:
         meta = dict(model=name, device=str(mx.default_device()), machine=platform.machine(), rank=args.rank,
-                    num_adapters=args.num_adapters, keys=args.keys, num_layers=args.num_layers, prompt_len=args.prompt_len, gen_len=args.gen_len,
+                    num_adapters=args.num_adapters, keys=args.keys, num_layers=args.num_layers,
+                    prompt_len=args.prompt_len, gen_len=args.gen_len,
                     repeats=args.repeats)
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 

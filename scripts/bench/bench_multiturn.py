@@ -101,7 +101,8 @@ def main() -> None:
         results[label] = run(eng, args.conversations, args.turns, args.growth, args.gen_len, vocab, seed=1)
         del eng
     table = Table(title="time to first token per turn (mean over conversations)")
-    for col in ("turn", "prompt tokens", "TTFT, checkpoints (s)", "served from checkpoints", "TTFT, none (s)", "speedup"):
+    for col in ("turn", "prompt tokens", "TTFT, checkpoints (s)", "served from checkpoints", "TTFT, none (s)",
+                "speedup"):
         table.add_column(col, justify="right")
     for a, b in zip(results["checkpoints"], results["none"]):
         table.add_row(str(a["turn"]), f"{a['prompt_tokens']:.0f}", f"{a['ttft_mean']:.3f}", f"{a['cached_tokens']:.0f}",

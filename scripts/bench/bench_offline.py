@@ -152,7 +152,8 @@ def roofline_step(model, batch: int, context: int, bw: float, flops: float) -> t
     kv_per_token = 2 * args.num_hidden_layers * args.num_key_value_heads * head_dim * itemsize
     kv_bytes = batch * context * kv_per_token
     total_bytes = weight_bytes + kv_bytes
-    total_flops = 2 * params * batch + 4 * batch * context * args.num_hidden_layers * args.num_attention_heads * head_dim
+    total_flops = (2 * params * batch
+                   + 4 * batch * context * args.num_hidden_layers * args.num_attention_heads * head_dim)
     return total_bytes, total_flops, max(total_bytes / bw, total_flops / flops)
 
 
@@ -217,7 +218,8 @@ def main() -> None:
     engine = LLMEngine(model, None, EngineConfig(
         block_size=args.block_size, num_blocks=num_blocks, max_num_seqs=max_b,
         max_num_batched_tokens=max(2048, args.prompt_len, args.prefill_len), long_prefill_token_threshold=0,
-        max_model_len=tokens_per_seq + 1, enable_prefix_caching=False, async_scheduling=False if args.no_async else (True if args.ab_async else None),
+        max_model_len=tokens_per_seq + 1, enable_prefix_caching=False,
+        async_scheduling=False if args.no_async else (True if args.ab_async else None),
         compile_decode=args.compile_decode, merge_projections=args.merge_projections,
         kv_cache_dtype=args.kv_cache_dtype, skinny_gemm=args.skinny_gemm))
 
@@ -311,10 +313,12 @@ def main() -> None:
     for col in ("batch", "mode", "schedule", "build", "wait", "update"):
         host.add_column(col, justify="right")
     for r in rows:
-        for mode, key in (("async" if engine.async_scheduling else "lockstep", "host_ms"), ("lockstep", "lockstep_host_ms")):
+        for mode, key in (("async" if engine.async_scheduling else "lockstep", "host_ms"),
+                          ("lockstep", "lockstep_host_ms")):
             if key in r:
                 h = r[key]
-                host.add_row(str(r["batch"]), mode, *(f"{h[k]:.2f}" for k in ("schedule_s", "build_s", "wait_s", "update_s")))
+                host.add_row(str(r["batch"]), mode,
+                             *(f"{h[k]:.2f}" for k in ("schedule_s", "build_s", "wait_s", "update_s")))
     console.print(host)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(model=name, device=str(mx.default_device()), rows=rows,

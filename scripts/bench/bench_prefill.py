@@ -150,7 +150,8 @@ def mixed(model, args, vocab: int, threshold: int, budget: int, quantum: Optiona
     out = dict(itl_p50_alone=statistics.median(alone), itl_p90_alone=q(alone, 8), dispatch_alone=clock.dispatch / 32)
     for name, seed in (("", 4), ("_warm", 5)):
         rid = f"long{seed}"
-        engine.add_request(rid, make_prompts(1, long_len, vocab, seed)[0], SamplingParams(max_tokens=1, temperature=0.0))
+        engine.add_request(rid, make_prompts(1, long_len, vocab, seed)[0],
+                           SamplingParams(max_tokens=1, temperature=0.0))
         during, dispatch, t0, ttft = [], [], time.perf_counter(), None
         while ttft is None:
             with Clock() as clock:  # time inside mx.async_eval: encoding the step (and any cuDNN graph build)
@@ -273,7 +274,8 @@ def main() -> None:
             if not args.no_peer:
                 free_memory()
                 try:
-                    rows.append(dict(case="mixed", engine="BatchGenerator", **mixed_batch_generator(model, args, vocab)))
+                    rows.append(dict(case="mixed", engine="BatchGenerator",
+                                     **mixed_batch_generator(model, args, vocab)))
                 except RuntimeError as e:  # its batch cache pads every sequence to the longest
                     console.print(f"  mixed BatchGenerator failed: {str(e)[:120]}")
                     rows.append(dict(case="mixed", engine="BatchGenerator (failed: out of memory)",
@@ -312,7 +314,8 @@ def main() -> None:
     for r in rows:
         if r["case"] == "mixed":
             continue
-        table.add_row(r["case"], r["engine"], f"{r['ttft']:.2f}", f"{r['prompt_tps']:.0f}", f"{100 * r['roofline']:.0f}%",
+        table.add_row(r["case"], r["engine"], f"{r['ttft']:.2f}", f"{r['prompt_tps']:.0f}",
+                      f"{100 * r['roofline']:.0f}%",
                       f"{r['ratio']:.2f}x" if "ratio" in r else "", f"{r['total']:.2f}",
                       f"{r['e2e_ratio']:.2f}x" if "e2e_ratio" in r else "")
     console.print(table)
@@ -332,8 +335,8 @@ def main() -> None:
                       f"{r.get('ttft_warm', nan):.2f}")
         console.print(t)
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(preset=args.preset, dtype=args.dtype, device=str(mx.default_device()),
-                                                   peak=peak, rows=rows), indent=1))
+        Path(args.json).write_text(json.dumps(dict(preset=args.preset, dtype=args.dtype,
+                                                   device=str(mx.default_device()), peak=peak, rows=rows), indent=1))
 
 
 if __name__ == "__main__":

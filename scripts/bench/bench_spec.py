@@ -64,7 +64,8 @@ EDITS = [("small", "little"), ("light", "lamp"), ("budget", "plan"), ("cups", "m
 
 def prompts_for(tokenizer, n: int, workload: str = "quote") -> list[list[int]]:
     if getattr(tokenizer, "chat_template", None) is None:  # random presets: the plain text
-        texts = QUESTIONS if workload == "chat" else [TASK.format(a=a, b=b, text=t) for t, (a, b) in zip(PASSAGES, EDITS)]
+        texts = (QUESTIONS if workload == "chat"
+                 else [TASK.format(a=a, b=b, text=t) for t, (a, b) in zip(PASSAGES, EDITS)])
         return [tokenizer.encode(texts[i % len(texts)] + " " * (i // len(texts))) for i in range(n)]
     out = []
     if workload == "chat":  # answers that quote nothing: what the adaptive rules must not lose on
@@ -127,13 +128,15 @@ def main() -> None:
                     help="draft the plain answer, each token wrong with probability P (random-weight models)")
     ap.add_argument("--mlx-lm", action="store_true", help="also mlx-lm's generate_step at batch 1")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
-    ap.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: as loaded; a preset: bfloat16)")
+    ap.add_argument("--dtype", default=None,
+                    help="float32 / bfloat16 / float16 (default: as loaded; a preset: bfloat16)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     model, tok = load_model(args.model, dtype=args.dtype)
     if args.dtype:
         model.set_dtype(getattr(mx, args.dtype))
-    print(f"loaded {args.model or 'the default model'} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    print(f"loaded {args.model or 'the default model'} in {time.perf_counter() - t0:.1f} s", file=sys.stderr,
+          flush=True)
     spec = json.loads(args.spec)
     spec.setdefault("disable_by_batch_size", max(args.batch))
     if args.rejected:  # every step drafts, unless --spec gives min_acceptance_rate (then the pauses show)
@@ -144,7 +147,8 @@ def main() -> None:
     if args.rejected:  # every draft wrong: k tokens that follow no n-gram (a token id past the text's)
         k = on.engine.drafter.config.num_speculative_tokens
         on.engine.drafter.proposer.propose = lambda req, room: [len(tok) - 1 - j for j in range(min(k, room))]
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.rejected or args.oracle is not None)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
+                            ignore_eos=args.rejected or args.oracle is not None)
     stats = on.engine.scheduler.spec_decoding_stats
     workload = f"oracle drafts (P(wrong) {args.oracle})" if args.oracle is not None else f"{args.workload} workload"
     print(f"model {args.model or 'default (SmolLM2-135M-Instruct)'} ({args.dtype or 'as loaded'}), {workload}, "

@@ -92,7 +92,8 @@ def test_result_fields_and_lines_use_vllms_names():
     assert result_fields(m, records(), 2.0, ["ttft"], goodput=False)["request_goodput"] is None
     lines = result_lines(m, 2.0, ["ttft"], max_concurrency=4, request_rate=float("inf"), goodput=True)
     assert lines[0] == "============ Serving Benchmark Result ============"
-    assert f"{'Successful requests:':<40} {3:<10}" in lines and f"{'Request goodput (req/s):':<40} {1.0:<10.2f}" in lines
+    assert (f"{'Successful requests:':<40} {3:<10}" in lines
+            and f"{'Request goodput (req/s):':<40} {1.0:<10.2f}" in lines)
     assert "---------------Time to First Token----------------" in lines
     assert not any(line.startswith("Request rate configured") for line in lines)
 
@@ -205,7 +206,8 @@ def test_sharegpt_dataset(tmp_path):
     path.write_text(json.dumps(data))
     reqs = sharegpt_requests(str(path), 3, tokenizer=tok)  # "Hi" is under 4 tokens, "c" has no reply
     assert [r.prompt for r in reqs] == ["What is the capital of France? Hello!"] * 3  # drawn again to make 3
-    assert reqs[0].expected_output_len == len(tok.encode(reply)) and reqs[0].prompt_len == len(tok.encode(reqs[0].prompt))
+    assert (reqs[0].expected_output_len == len(tok.encode(reply))
+            and reqs[0].prompt_len == len(tok.encode(reqs[0].prompt)))
     fixed = sharegpt_requests(str(path), 1, tokenizer=tok, output_len=5, as_ids=True)[0]
     assert fixed.expected_output_len == 5 and fixed.prompt == tok.encode("What is the capital of France? Hello!")
 

@@ -26,8 +26,8 @@ def test_every_preset_is_a_valid_config_of_its_mlx_lm_class(name):
     """Built (lazily: MLX makes no weight until evaluated) by its mlx-lm class."""
     model_class, args_class = _get_classes(PRESETS[name])
     args = args_class.from_dict(PRESETS[name])
-    assert len(model_class(args).layers) == PRESETS[name].get("num_hidden_layers",
-                                                              PRESETS[name].get("text_config", {}).get("num_hidden_layers"))
+    assert len(model_class(args).layers) == PRESETS[name].get(
+        "num_hidden_layers", PRESETS[name].get("text_config", {}).get("num_hidden_layers"))
     assert model_class.__module__.rsplit(".", 1)[1] == PRESETS[name]["model_type"]
     if name in FAMILIES:
         assert PRESETS[name]["model_type"] == FAMILIES[name]
@@ -84,7 +84,8 @@ def test_a_quantized_preset_quantizes_layers_embeddings_and_head_as_asked():
 
     model, tokenizer = load_model("preset:small-4bit-head8", dtype="float16")
     layer = model.model.layers[0]
-    assert isinstance(layer.self_attn.q_proj, nn.QuantizedLinear) and isinstance(layer.mlp.down_proj, nn.QuantizedLinear)
+    assert (isinstance(layer.self_attn.q_proj, nn.QuantizedLinear)
+            and isinstance(layer.mlp.down_proj, nn.QuantizedLinear))
     assert (layer.mlp.up_proj.bits, layer.mlp.up_proj.group_size, layer.mlp.up_proj.scales.dtype) == (4, 64, mx.float16)
     assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding) and model.model.embed_tokens.bits == 8
     assert isinstance(model.lm_head, nn.QuantizedLinear) and model.lm_head.bits == 8

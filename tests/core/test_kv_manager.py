@@ -273,7 +273,8 @@ def test_free_returns_every_block_and_keeps_shared_ones_until_the_last_holder():
     mgr.free(b)
     assert free_ids(mgr) == [3, 2, 4, 5, 1, 0]
     assert mgr.usage == 0.0
-    assert mgr.req_to_blocks == {} and mgr.managers[0].req_to_block_ids == {} and mgr.managers[0].num_cached_blocks == {}
+    assert (mgr.req_to_blocks == {} and mgr.managers[0].req_to_block_ids == {}
+            and mgr.managers[0].num_cached_blocks == {})
     mgr.free(b)  # freeing a request that holds nothing is a no-op
     assert free_ids(mgr) == [3, 2, 4, 5, 1, 0]
 
@@ -309,7 +310,8 @@ def test_a_sliding_group_holds_only_the_window_gemma3_27b_at_32k():
     per_token_layer = 2 * 16 * 128 * 2  # K and V, bf16
     bs, context = 16, 32 * 1024
     config = KVCacheConfig(bs, [KVCacheGroupSpec(FullAttentionSpec(), 2100, page_size_bytes=bs * 10 * per_token_layer),
-                                KVCacheGroupSpec(SlidingWindowSpec(1024), 300, page_size_bytes=bs * 52 * per_token_layer)])
+                                KVCacheGroupSpec(SlidingWindowSpec(1024), 300,
+                                                 page_size_bytes=bs * 52 * per_token_layer)])
     mgr = KVCacheManager(config)
     req = make_request("long", [1 + i % 97 for i in range(context - 8)], max_tokens=16)
     for start in range(0, req.num_tokens, 2048):  # chunked prefill, then decodes

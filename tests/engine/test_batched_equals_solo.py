@@ -182,8 +182,9 @@ def test_cached_blocks_hold_their_owners_kv():
             want_v = c.values[0, :, end - 4:end, :].transpose(1, 0, 2)
             got_k = engine.runner.kv_pool.keys[layer][block.block_id].transpose(1, 0, 2)
             got_v = engine.runner.kv_pool.values[layer][block.block_id].transpose(1, 0, 2)
-            np.testing.assert_allclose(np.array(got_k), np.array(want_k), rtol=1e-4, atol=1e-4)  # rounding only: another prompt's KV is off by O(1)
-            np.testing.assert_allclose(np.array(got_v), np.array(want_v), rtol=1e-4, atol=1e-4)  # rounding only: another prompt's KV is off by O(1)
+            # rounding only: another prompt's KV is off by O(1)
+            np.testing.assert_allclose(np.array(got_k), np.array(want_k), rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(np.array(got_v), np.array(want_v), rtol=1e-4, atol=1e-4)
 
 
 def test_mixed_step_fresh_hit_partial_resumed_and_decodes():

@@ -112,7 +112,8 @@ def _wrapper(backend: str, text: str) -> tuple[str, list[str]]:
         name, params = _signature(text, "__global__")
         for p in params:
             ptype, pname = p.rsplit(" ", 1)
-            args.append(f"*(const Shape*)bufs[{len(buffers)}]" if "Shape" in ptype else f"({ptype})bufs[{len(buffers)}]")
+            args.append(f"*(const Shape*)bufs[{len(buffers)}]" if "Shape" in ptype
+                        else f"({ptype})bufs[{len(buffers)}]")
             buffers.append(pname)
         call = "mlx::core::cu::" + name
     partial = "true" if backend == "metal" else "false"
@@ -134,8 +135,8 @@ def compile_kernel(backend: str, text: str):
     if not lib.exists():
         src = CACHE / f"{key}.cpp"
         src.write_text(code)
-        cmd = ["g++", "-std=c++20", os.environ.get("EMU_OPT", "-O1"), "-g", "-shared", "-fPIC", "-U_FORTIFY_SOURCE", "-Wno-attributes",
-               "-Wno-unknown-pragmas", "-Wno-unused", "-o", str(lib) + ".tmp", str(src)]
+        cmd = ["g++", "-std=c++20", os.environ.get("EMU_OPT", "-O1"), "-g", "-shared", "-fPIC", "-U_FORTIFY_SOURCE",
+               "-Wno-attributes", "-Wno-unknown-pragmas", "-Wno-unused", "-o", str(lib) + ".tmp", str(src)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"g++ failed on the {backend} source ({src}):\n{done.stderr[:4000]}")
@@ -205,7 +206,8 @@ class EmulatedKernel:
 def clear_kernel_caches() -> None:
     """Forget every kernel object the kernel modules keep (their lru caches), so that the next call builds
     through whatever build.make_kernel is then (the emulator, a recorder, MLX's own)."""
-    from pagedmlx.kernels import decode_attention, decode_attention_quant, lora, page_write, prefill_attention, recurrent_state
+    from pagedmlx.kernels import (decode_attention, decode_attention_quant, lora, page_write, prefill_attention,
+                                  recurrent_state)
 
     for f in (decode_attention._kernels, decode_attention.supports, decode_attention_quant._kernels,
               page_write._write_kernel, page_write._quant_write_kernel, page_write._quantizing_write_kernel,

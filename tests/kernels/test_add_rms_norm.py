@@ -128,7 +128,8 @@ def test_a_second_runner_on_the_same_model_fuses_it_too_and_a_failed_probe_keeps
     assert fused_residual.fuse_residual_norms(model, body, CUDA) is None
     classes = [type(m) for m in [*body.layers, body.norm]]
     assert fused_residual.fuse_residual_norms(model, body, CUDA) is None
-    assert [type(m) for m in [*body.layers, body.norm]] == classes and all(c.__name__.startswith("Fused") for c in classes)
+    assert ([type(m) for m in [*body.layers, body.norm]] == classes
+            and all(c.__name__.startswith("Fused") for c in classes))
     monkeypatch.setattr(fused_residual, "_probe", lambda model, body: "a probe that fails")
     assert fused_residual.fuse_residual_norms(model, body, CUDA) == "a probe that fails"
     assert [type(m) for m in [*body.layers, body.norm]] == classes  # the first runner's swaps stand

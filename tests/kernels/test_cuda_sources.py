@@ -49,7 +49,8 @@ def attention_cases():
         for d in prefill_attention.PREFILL_HEAD_DIMS:
             for g, window, sinks in ((1, 0, False), (4, 0, False), (7, 0, False), (8, 4096, True)):
                 for splits in (1, 2):
-                    RecordingCudaKernel.label = f"prefill {dt} D={d} G={g} window={window} sinks={sinks} splits={splits}"
+                    RecordingCudaKernel.label = (f"prefill {dt} D={d} G={g} window={window} sinks={sinks} "
+                                                 f"splits={splits}")
                     pages = mx.zeros((2, 1, 16, d), dt)
                     prefill_attention.paged_prefill(mx.zeros((16, g, d), dt), pages, pages, mx.zeros((1, 2), mx.int32),
                                                     mx.zeros((1, 4), mx.int32), mx.zeros((1, 2), mx.int32), 1.0, splits,
@@ -59,7 +60,8 @@ def attention_cases():
                                     (mx.float32, 128, 4, 0, False), (mx.float32, 64, 7, 4096, True)):
         for mma in (1, 0) if dt != mx.float32 else (0,):
             for splits in (1, 2):
-                RecordingCudaKernel.label = f"decode {dt} D={d} G={g} window={window} sinks={sinks} mma={mma} splits={splits}"
+                RecordingCudaKernel.label = (f"decode {dt} D={d} G={g} window={window} sinks={sinks} mma={mma} "
+                                             f"splits={splits}")
                 pages = mx.zeros((2, 2, 16, d), dt)
                 settings = decode_attention.SETTINGS["cuda"].__class__(**{
                     **decode_attention.SETTINGS["cuda"].__dict__, "mma": mma})

@@ -39,7 +39,8 @@ def test_quantized_decode_kernel_matches_the_gather_path(kernel, shape, quant, w
     assert decode_attention_quant.uses_tensor_cores(d, h // n_kv, dt, quant, BACKEND, settings) == (
         BACKEND == CUDA and kernel == "default")
     for bs in (16, 32):
-        assert check.check_decode_quantized(BACKEND, h, n_kv, d, dt, quant, bs, window, sinks, settings=settings) is None
+        assert check.check_decode_quantized(BACKEND, h, n_kv, d, dt, quant, bs, window, sinks,
+                                            settings=settings) is None
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -51,7 +52,8 @@ def test_quantized_page_write_lands_in_place_and_is_read_in_the_same_graph(shape
     for bs in (16, 32):
         assert check.check_page_write_quantized(BACKEND, n_kv, n_kv, d, dt, quant, bs) is None
         for seed in range(3):  # the quantizing write: its parts are mx.quantize's here, bit for bit
-            assert check.check_page_write_quantized(BACKEND, n_kv, n_kv, d, dt, quant, bs, seed, quantizing=True) is None
+            assert check.check_page_write_quantized(BACKEND, n_kv, n_kv, d, dt, quant, bs, seed,
+                                                    quantizing=True) is None
 
 
 @pytest.mark.skipif(BACKEND != CUDA, reason="the paged prefill kernel is CUDA only")

@@ -222,7 +222,8 @@ def test_quantized_kernels_are_checked_even_on_the_trusted_gpu(monkeypatch, capl
         assert ("prefill int8/128 H=32 kv=8 D=128", "passed" if prefill_err is None else f"failed: {prefill_err}") \
             in got.checks
         assert len(caplog.records) == sum(e is not None for e in (decode_err, write_err, quant_err, prefill_err))
-        assert ("page write int8/128 kv=8 D=128", "passed" if write_err is None else f"failed: {write_err}") in got.checks
+        assert ("page write int8/128 kv=8 D=128",
+                "passed" if write_err is None else f"failed: {write_err}") in got.checks
         assert (got.page_write_reason is None) == (write_err is None)
         if write_err is None:
             assert ("quantizing page write int8/128 kv=8 D=128",

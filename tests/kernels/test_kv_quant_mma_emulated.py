@@ -202,7 +202,8 @@ def test_the_tile_store_dequantizes_within_a_rounding(emulated_mma, dtype, D, bi
     packed, scales, biases = mx.quantize(mx.array(x.astype(np.float32)).astype(dtype), group_size=group, bits=bits)
     kernel = EmulatedKernel("cuda", "tile_store", ["packed", "scales", "biases"], ["tile"], _TILE_STORE,
                             EMU_MMA_HEADER + qmma_src.QUANT_MMA_HEADER)
-    (tile,) = kernel(inputs=[packed, scales, biases], template=[("T", dtype), ("D", D), ("QBITS", bits), ("QGROUP", group)],
+    (tile,) = kernel(inputs=[packed, scales, biases],
+                     template=[("T", dtype), ("D", D), ("QBITS", bits), ("QGROUP", group)],
                      grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(16 * D,)], output_dtypes=[dtype])
     chunks = np.arange(D // 8)
     flat = np.array(tile.astype(mx.float32)).astype(np.float64)

@@ -75,7 +75,8 @@ def test_busy_engine_on_the_kernel_equals_mlx_lm_alone(emulated, monkeypatch, tm
     stacked, real_stacks = [], LinearWithLoRA.used_stacks
     if max_rows is not None:
         monkeypatch.setattr(lora, "MAX_ROWS", max_rows)
-        monkeypatch.setattr(LinearWithLoRA, "used_stacks", lambda self, step: stacked.append(1) or real_stacks(self, step))
+        monkeypatch.setattr(LinearWithLoRA, "used_stacks",
+                            lambda self, step: stacked.append(1) or real_stacks(self, step))
     base = fresh()
     adapters = [LoRARequest(f"a{i}", i + 1, make_adapter(str(tmp_path / f"a{i}"), base, **spec))
                 for i, spec in enumerate(ADAPTER_SPECS) if not spec.get("dora")][:3]
@@ -129,7 +130,8 @@ def test_siblings_share_a_launch_only_when_called_on_the_same_input(emulated, ca
     punica = PunicaWrapper(CUDA)
     layers = [LinearWithLoRA(nn.Linear(32, out, bias=False), punica, 2, 4, mx.float32) for out in (32, 16, 24)]
     for i, layer in enumerate(layers):
-        layer.set_lora(1, LoRALayerWeights(f"l{i}", mx.random.normal((32, 4)), mx.random.normal((4, layer.output_size))))
+        layer.set_lora(1, LoRALayerWeights(f"l{i}", mx.random.normal((32, 4)),
+                                           mx.random.normal((4, layer.output_size))))
     indices = mx.array([1, 0, 1], mx.int32)
     step = lambda: LoRAStep(3, indices, mx.array([1], mx.int32), mx.array([1] * 4, mx.int32),  # noqa: E731
                             frozenset({1}), frozenset(), mx.array([0.0, 2.0]))

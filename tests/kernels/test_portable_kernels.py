@@ -133,7 +133,8 @@ def test_metal_signature_mlx_generates_declares_what_the_body_uses(kernels, dtyp
         used = {a for a in ATTRIBUTES if re.search(rf"\b{a}\b", body)}
         declared = set(re.findall(r"\[\[(\w+)\]\]", params))
         assert used and used == declared, (name, used, declared)
-        assert not {a for a in ATTRIBUTES if re.search(rf"\b{a}\b", header)}, "attributes in the header are not declared"
+        assert not {a for a in ATTRIBUTES if re.search(rf"\b{a}\b", header)}, (
+            "attributes in the header are not declared")
         assert not foreign_names(text, METAL), (name, foreign_names(text, METAL))
         assert not leftover_tokens(text)
         values = [str(v).lower() if not isinstance(v, mx.Dtype) else None for _, v in call["template"]]

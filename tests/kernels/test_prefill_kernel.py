@@ -163,8 +163,8 @@ needs_cuda = pytest.mark.skipif(build.gpu_backend() != CUDA, reason="a CUDA GPU 
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("h,n_kv,d,dtype", [(32, 8, 128, mx.bfloat16), (14, 2, 64, mx.float16), (8, 8, 128, mx.bfloat16),
-                                            (24, 8, 128, mx.float16)])
+@pytest.mark.parametrize("h,n_kv,d,dtype", [(32, 8, 128, mx.bfloat16), (14, 2, 64, mx.float16),
+                                            (8, 8, 128, mx.bfloat16), (24, 8, 128, mx.float16)])
 @pytest.mark.parametrize("window,sinks", [(None, False), (24, True), (None, True)])
 def test_the_kernel_on_the_gpu_matches_the_reference(h, n_kv, d, dtype, window, sinks):
     assert check_prefill(h, n_kv, d, dtype, 16, window, sinks) is None

@@ -55,7 +55,8 @@ def test_a_kernel_that_reads_another_group_fails_the_check(emulated):
     """Each piece's scale and bias taken from the row's first group: int4 pages in groups of 32 (four a head
     of 128) fail; the check can fail."""
     emulated.setattr(quant_src, "_QLOAD", quant_src._QLOAD.replace("piece * (128 / QBITS) / QGROUP", "0"))
-    emulated.setattr(quant_src, "REPLACEMENTS", [quant_src.REPLACEMENTS[0], (prefill_src.STAGE_LOAD, quant_src._QLOAD, 1)])
+    emulated.setattr(quant_src, "REPLACEMENTS",
+                     [quant_src.REPLACEMENTS[0], (prefill_src.STAGE_LOAD, quant_src._QLOAD, 1)])
     err = check.check_prefill(2, 1, 128, mx.bfloat16, 8, quant=KVQuant(4, 32))
     assert err is not None and "max |difference|" in err
 
@@ -132,7 +133,8 @@ def test_an_engine_on_int8_pages_decodes_through_the_scale_after_kernel(emulated
     monkeypatch.setattr(qmma_src, "REPLACEMENTS", swapped)
     model, engine = _quantized_engine(monkeypatch, [])
     assert engine.runner.kernels.decode, engine.runner.kernels.checks
-    assert "decode paged decode kernel over int8 pages (group 64) on tensor cores" in kernel_path_lines(engine.runner)[0]
+    assert ("decode paged decode kernel over int8 pages (group 64) on tensor cores"
+            in kernel_path_lines(engine.runner)[0])
     before = len(EmulatedKernel.sources)
     prompt = list(range(1, 40))
     out = _greedy_request(engine, prompt, 8)

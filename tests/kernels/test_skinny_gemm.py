@@ -143,7 +143,8 @@ def test_busy_engine_with_skinny_products_equals_mlx_lm_alone(emulated, monkeypa
     runner.skinny = True
     assert "products of 2-5 rows: skinny GEMM kernel" in "\n".join(kernel_path_lines(runner))  # the start-up lines
     rows, real = [], skinny_gemm.skinny_gemm
-    monkeypatch.setattr(skinny_gemm, "skinny_gemm", lambda x, w, b=None: rows.append(x.size // x.shape[-1]) or real(x, w, b))
+    monkeypatch.setattr(skinny_gemm, "skinny_gemm",
+                        lambda x, w, b=None: rows.append(x.size // x.shape[-1]) or real(x, w, b))
     prompts = [[t % engine.vocab_size for t in p] for p in shared_prefix_prompts(4, seed=5)]
     done = run_staggered(engine, prompts, GREEDY, seed=2)
     assert rows and min(rows) >= skinny_gemm.MIN_ROWS and max(rows) <= skinny_linear.MAX_ROWS == 5

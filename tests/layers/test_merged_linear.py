@@ -54,7 +54,8 @@ def test_linear_attention_input_projections_merge():
     assert gdn
     for attn in gdn:
         parts = [attn[n] for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")]
-        assert sum(isinstance(p, MergedLinear) for p in parts) == 1 and sum(isinstance(p, MergedPart) for p in parts) == 3
+        assert (sum(isinstance(p, MergedLinear) for p in parts) == 1
+                and sum(isinstance(p, MergedPart) for p in parts) == 3)
         owner = next(p for p in parts if isinstance(p, MergedLinear))
         with merged_products():
             assert owner.merges(mx.zeros((1, 5, owner.linear.weight.shape[1])))  # read by a concatenate and gates

@@ -56,7 +56,8 @@ def _engine(arch: str, compiled: Optional[bool], standins: bool, kv_cache_dtype:
         runner = engine.runner
         state = [p.state.owner for p in runner.plan if p.state is not None]
         runner.kernels = KernelPlan(CUDA, decode=True, page_write=True, state=bool(state))
-        runner.kv_pool.quantize_in_write = kv_cache_dtype == "int8"  # int8: the write quantizes; int4: mx.quantize first
+        # int8: the write quantizes; int4: mx.quantize first
+        runner.kv_pool.quantize_in_write = kv_cache_dtype == "int8"
         if state:  # the state kernels too, writing the state pool "in place"
             recurrent_state.install_kernels(model, state)
             runner.state_pool.in_place = True
@@ -194,7 +195,8 @@ def test_pages_a_failed_first_replay_left_unreadable_are_zeroed_and_recomputed(m
     engine = _with_traces_wrapped(monkeypatch, lambda forward: forward)
     assert leaked and engine.runner.compiled_decode is None
     assert "KV pages were lost" in caplog.text and engine.scheduler.num_preemptions > 0
-    assert all(a is not None and a.shape == b.shape for a, b in zip(engine.runner.kv_pool.keys, engine.runner.kv_pool.values)
+    assert all(a is not None and a.shape == b.shape
+               for a, b in zip(engine.runner.kv_pool.keys, engine.runner.kv_pool.values)
                if b is not None)
 
 

@@ -28,7 +28,8 @@ ON_THE_CPU = {
     "llama-tiny": [f"full (layers 0-1): {PORTABLE} (no GPU backend)"],
     "gemma3-tiny": [f"full (layers 2, 5): {PORTABLE} (no GPU backend)",
                     f"sliding 8 (layers 0-1, 3-4): {PORTABLE} (no GPU backend)"],
-    "qwen3_5-tiny": [f"full (layers 1, 3): {PORTABLE} (no GPU backend)", f"state (layers 0, 2): {STATE} (no GPU backend)"],
+    "qwen3_5-tiny": [f"full (layers 1, 3): {PORTABLE} (no GPU backend)",
+                     f"state (layers 0, 2): {STATE} (no GPU backend)"],
     "gemma4-e-tiny": [f"full (layer 2, KV shared by layer 5): {PORTABLE} (no GPU backend)",
                       f"sliding 8 (layers 0-1, 3, KV shared by layer 4): {PORTABLE} (no GPU backend)"],
 }
@@ -161,6 +162,7 @@ def test_gemma4_e2b_head_shapes_on_cuda_say_which_layers_leave_the_kernels():
                                                                                      "kernel takes")
     assert kernel_path_lines(runner) == [
         "full (layer 4, KV shared by layer 9): decode gather + SDPA (no lane layout for head_dim 512 with 8 query "
-        "heads per KV head); prefill gather + SDPA (no layer shape the prefill kernel takes); page write kernel, in place",
+        "heads per KV head); prefill gather + SDPA (no layer shape the prefill kernel takes); page write kernel, "
+        "in place",
         "sliding 512 (layers 0-3, 5, KV shared by layers 6-8): decode paged decode kernel on tensor cores; prefill "
         "gather + SDPA (no layer shape the prefill kernel takes); page write kernel, in place"]

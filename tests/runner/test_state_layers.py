@@ -117,7 +117,8 @@ def test_preempted_request_resumes_from_its_checkpoint():
     engine = state_engine(model, num_blocks=24, long_prefill_token_threshold=INTERVAL)
     rng = random.Random(8)
     prompts = {"old": [rng.randrange(1, 500) for _ in range(30)], "new": [rng.randrange(1, 500) for _ in range(40)]}
-    params = {rid: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for rid, n in (("old", 40), ("new", 16))}
+    params = {rid: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+              for rid, n in (("old", 40), ("new", 16))}
     engine.add_request("old", prompts["old"], params["old"])
     engine.step()
     engine.add_request("new", prompts["new"], params["new"])

@@ -95,7 +95,8 @@ def test_requests_choose_adapters_by_model_and_adapters_load_and_unload_at_run_t
             async with httpx.AsyncClient(timeout=30) as client:
                 async def one(model, prompt):
                     r = await client.post(url + "/v1/completions", json=dict(
-                        model=model, prompt=prompt, max_tokens=8, temperature=0, ignore_eos=True, return_token_ids=True))
+                        model=model, prompt=prompt, max_tokens=8, temperature=0, ignore_eos=True,
+                        return_token_ids=True))
                     return r.json()["choices"][0]["token_ids"]
                 return await asyncio.gather(*(one(m, p) for m, p in zip(["a0", "a1", "a2"], PROMPTS)))
 

@@ -26,15 +26,18 @@ def request(**kw) -> ChatCompletionRequest:
 
 REASONING = [  # (parser, case, text, (content, reasoning, calls), chat_template_kwargs)
     ("qwen3", "hybrid_thinking", "<think>\nThe user asks for 17 * 23. 17 * 20 = 340, 17 * 3 = 51, so 391.\n</think>\n\n"
-     "17 \u00d7 23 = **391**.", ("\n\n17 \u00d7 23 = **391**.", "\nThe user asks for 17 * 23. 17 * 20 = 340, 17 * 3 = 51, "
-                                "so 391.\n", []), None),
-    ("qwen3", "think_opened_in_the_prompt", "Okay, the user greets me. I should reply warmly.\n</think>\n\nHello! How can "
+     "17 \u00d7 23 = **391**.",
+     ("\n\n17 \u00d7 23 = **391**.", "\nThe user asks for 17 * 23. 17 * 20 = 340, 17 * 3 = 51, "
+      "so 391.\n", []), None),
+    ("qwen3", "think_opened_in_the_prompt",
+     "Okay, the user greets me. I should reply warmly.\n</think>\n\nHello! How can "
      "I help?", ("\n\nHello! How can I help?", "Okay, the user greets me. I should reply warmly.\n", []), None),
-    ("qwen3", "cut_short_while_thinking", "<think>\nLet me consider </thi", (None, "\nLet me consider </thi", []), None),
+    ("qwen3", "cut_short_while_thinking", "<think>\nLet me consider </thi", (None, "\nLet me consider </thi", []),
+     None),
     ("qwen3", "thinking_disabled", "Paris is the capital of France.", ("Paris is the capital of France.", None, []),
      {"enable_thinking": False}),
-    ("deepseek_r1", "closed_in_the_prompt", "Hi! <think> is just text here.", ("Hi! <think> is just text here.", None, []),
-     "<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+    ("deepseek_r1", "closed_in_the_prompt", "Hi! <think> is just text here.",
+     ("Hi! <think> is just text here.", None, []), "<|im_start|>assistant\n<think>\n\n</think>\n\n"),
     ("qwen3", "a_tag_mentioned_in_thinking", "I could write <tool_call> but not yet.\n</think>\n\nNo tool needed.",
      ("\n\nNo tool needed.", "I could write <tool_call> but not yet.\n", []), None),
     ("deepseek_r1", "r1_0528", "Okay, so I need to add 1 and 1.\n\nThat is 2.\n</think>\n\nThe answer is **2**.",
@@ -61,9 +64,11 @@ COMPOSED = [  # (reasoning parser, tool parser, case, text, expected)
     ("qwen3", "qwen3_coder", "qwen35_call_inside_thinking", "The user wants Lima's weather.\n\n<tool_call>\n"
      "<function=get_weather>\n<parameter=city>\nLima\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n"
      "</tool_call>", (None, "The user wants Lima's weather.\n\n", [("get_weather", '{"city": "Lima", "days": 2}')])),
-    ("qwen3", "qwen3_coder", "qwen35_think_answer", "Simple.\n</think>\n\nIt is sunny.", ("\n\nIt is sunny.", "Simple.\n", [])),
+    ("qwen3", "qwen3_coder", "qwen35_think_answer", "Simple.\n</think>\n\nIt is sunny.",
+     ("\n\nIt is sunny.", "Simple.\n", [])),
     ("deepseek_r1", "hermes", "r1_then_call", "Need the tool.\n</think>\n\n<tool_call>\n{\"name\": \"get_weather\", "
-     "\"arguments\": {\"city\": \"Bonn\"}}\n</tool_call>", (None, "Need the tool.\n", [("get_weather", '{"city": "Bonn"}')])),
+     "\"arguments\": {\"city\": \"Bonn\"}}\n</tool_call>",
+     (None, "Need the tool.\n", [("get_weather", '{"city": "Bonn"}')])),
     *[("openai_gptoss", "openai", f"gptoss_{case}", text, expected) for case, text, expected in OPENAI],
 ]
 
@@ -132,8 +137,8 @@ def test_reasoning_and_tool_calls_whole_and_streamed(served):
         reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
         args += "".join(c.function.arguments or "" for c in delta.tool_calls or [])
         finish = chunk.choices[0].finish_reason or finish
-    assert (reasoning, args, finish) == (message.model_extra["reasoning_content"], message.tool_calls[0].function.arguments,
-                                         "tool_calls")
+    assert (reasoning, args, finish) == (message.model_extra["reasoning_content"],
+                                         message.tool_calls[0].function.arguments, "tool_calls")
 
 
 def test_chat_template_kwargs_reach_the_template(served):

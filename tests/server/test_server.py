@@ -322,7 +322,8 @@ def test_logprobs_shapes(served):
     assert all(1 <= len(t) <= 3 and tok in t for tok, t in zip(e.tokens[1:], e.top_logprobs[1:]))
     chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, logprobs=2, echo=True,
                                             temperature=0, stream=True, extra_body={"ignore_eos": True}))
-    streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.token_logprobs]
+    streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for t in ch.choices[0].logprobs.token_logprobs]
     assert streamed == pytest.approx(e.token_logprobs, abs=1e-4)
     chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                                                  max_tokens=4, logprobs=True, stream=True,

@@ -135,7 +135,8 @@ def test_required_schema_is_vllms():
     assert schema["type"] == "array" and schema["minItems"] == 1
     first = schema["items"]["anyOf"][0]
     assert first["properties"]["name"] == {"type": "string", "enum": ["get_weather"]}
-    assert first["properties"]["parameters"] == WEATHER["function"]["parameters"] and first["required"] == ["name", "parameters"]
+    assert (first["properties"]["parameters"] == WEATHER["function"]["parameters"]
+            and first["required"] == ["name", "parameters"])
     named = request(tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert get_json_schema_from_tools(named.tool_choice, named.tools) == WEATHER["function"]["parameters"]
     assert get_json_schema_from_tools("auto", request().tools) is None
@@ -258,7 +259,8 @@ def test_forced_tool_choice_with_guided_decoding(served, monkeypatch):
 
 
 @pytest.mark.parametrize("body,param,words", [
-    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope', which is not in tools"),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "'nope', which is not in tools"),
     ({"tools": None, "tool_choice": "auto"}, "tool_choice", "needs tools"),
     ({"tool_choice": "always"}, "tool_choice", "Input should be 'none', 'auto' or 'required', got 'always'"),
     ({"tool_choice": 3}, "tool_choice", 'tool_choice must be "none", "auto", "required" or {"type": "function"'),

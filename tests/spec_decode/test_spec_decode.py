@@ -76,7 +76,8 @@ def as_decode_rows(monkeypatch) -> list:
     monkeypatch.setattr(ModelRunner, "kernel_kv_heads", property(lambda runner: [1] * len(runner.windows)))
     monkeypatch.setattr(attention, "decode_kernel_takes", lambda *a: False)
     rows_steps, real = [], attention_metadata.decode_token_rows
-    monkeypatch.setattr(attention_metadata, "decode_token_rows", lambda so: rows_steps.append(real(so)) or rows_steps[-1])
+    monkeypatch.setattr(attention_metadata, "decode_token_rows",
+                        lambda so: rows_steps.append(real(so)) or rows_steps[-1])
     return rows_steps
 
 
@@ -200,7 +201,8 @@ def test_a_rejected_drafts_block_is_never_cached():
     prompt = [7, 3, 99, 4, 18, 250, 6]
     ref = solo_greedy(model, prompt, 30)
     engine = engine_with(model, num_blocks=64, speculative_config=spec(min_acceptance_rate=0.0))
-    engine.drafter.proposer.propose = lambda req, room: [(t + 1) % 512 for t in ref[req.num_output_tokens:][:min(4, room)]]
+    engine.drafter.proposer.propose = lambda req, room: [(t + 1) % 512
+                                                         for t in ref[req.num_output_tokens:][:min(4, room)]]
     engine.add_request("a", prompt, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
     bs, pool = 4, engine.kv_cache_manager.block_pool
     while engine.has_unfinished_requests():
@@ -373,7 +375,8 @@ def test_the_server_streams_several_tokens_a_step():
         assert cut.usage.completion_tokens == next(i + 1 for i in range(24) if stop in tok.decode(ref[:i + 1]))
         metrics = httpx.get(served.url + "/metrics").text
         assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="tiny-llama"}' in metrics
-        accepted = float(metrics.split('vllm:spec_decode_num_accepted_tokens_total{model_name="tiny-llama"} ')[1].split()[0])
+        accepted = float(
+            metrics.split('vllm:spec_decode_num_accepted_tokens_total{model_name="tiny-llama"} ')[1].split()[0])
         assert accepted > 0
     finally:
         served.stop()
@@ -421,5 +424,6 @@ def test_smollm_busy_quoting_engine_equals_mlx_lm(smollm):
     for i, p in enumerate(prompts):
         assert_solo_greedy(done[str(i)], model, p, 48, i, stop_ids=eos)
     stats = engine.scheduler.spec_decoding_stats
-    assert stats.acceptance_rate > 0.5 and engine.scheduler.num_preemptions > 0, (stats, engine.scheduler.num_preemptions)
+    assert stats.acceptance_rate > 0.5 and engine.scheduler.num_preemptions > 0, (
+        stats, engine.scheduler.num_preemptions)
     assert_no_leaks(engine)

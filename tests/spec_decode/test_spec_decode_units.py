@@ -72,7 +72,8 @@ def test_proposer_context_grows_with_the_request():
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1, got 0"),
     ({"num_speculative_tokens": "4"}, "num_speculative_tokens must be an integer"),
-    ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, r"prompt_lookup_min \(4\) must be <="),
+    ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     r"prompt_lookup_min \(4\) must be <="),
     ({"num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_max must be an integer >= 1"),
     ({"num_speculative_tokens": 2, "bogus": 1}, "unknown field 'bogus'"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "model is required with method 'draft_model'"),
@@ -92,7 +93,8 @@ def test_config_defaults_json_cli_and_pickle():
         num_speculative_tokens=3).prompt_lookup_max) == (5, 5)  # vLLM's
     c = EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}')
     assert c.speculative_config == SpeculativeConfig("ngram", 4, 4, 4)
-    assert EngineConfig(speculative_config={"model": "[ngram]", "num_speculative_tokens": 2}).speculative_config.method == "ngram"
+    assert EngineConfig(
+        speculative_config={"model": "[ngram]", "num_speculative_tokens": 2}).speculative_config.method == "ngram"
     draft = EngineConfig(speculative_config='{"model": "org/draft", "num_speculative_tokens": 4}').speculative_config
     assert (draft.method, draft.model) == ("draft_model", "org/draft")  # vLLM's default method for a model
     assert pickle.loads(pickle.dumps(c)).speculative_config == c.speculative_config  # crosses to the core process

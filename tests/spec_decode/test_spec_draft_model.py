@@ -130,7 +130,8 @@ def test_the_draft_model_loads_from_a_name_and_through_llm():
 
     llm = LLM("random:llama-tiny", block_size=4, num_blocks=64,
               speculative_config={"model": "random:llama-tiny", "num_speculative_tokens": 2})
-    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}],
+                       SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert_solo_greedy(out[0].outputs[0].token_ids, make_model("llama"), [1, 2, 3], 8)
     stats = llm.engine.core.scheduler.spec_decoding_stats
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0  # the same random weights

@@ -38,9 +38,11 @@ def test_prompt_lookup_is_on_for_a_draft_model_only_where_asked():
 
     assert not config().prompt_lookup
     assert config(prompt_lookup_max=3).prompt_lookup and config(prompt_lookup_min=2).prompt_lookup
-    assert config(prompt_lookup=True).prompt_lookup and not config(prompt_lookup_max=3, prompt_lookup=False).prompt_lookup
+    assert (config(prompt_lookup=True).prompt_lookup
+            and not config(prompt_lookup_max=3, prompt_lookup=False).prompt_lookup)
     assert SpeculativeConfig(method="ngram", num_speculative_tokens=2).prompt_lookup
-    assert SpeculativeConfig.from_any('{"model": "m", "num_speculative_tokens": 2, "prompt_lookup": true}').prompt_lookup
+    assert SpeculativeConfig.from_any(
+        '{"model": "m", "num_speculative_tokens": 2, "prompt_lookup": true}').prompt_lookup
     kept = EngineConfig(speculative_config=config(prompt_lookup_max=3))
     assert pickle.loads(pickle.dumps(kept)).speculative_config.prompt_lookup  # to the engine process
     assert not dataclasses.replace(config(), num_speculative_tokens=2).prompt_lookup

@@ -128,8 +128,8 @@ def test_guided_batched_with_unguided_valid_and_unguided_equal_mlx_lm():
     guided_reqs = []
     for j, (name, so) in enumerate(kinds() * 2):
         sampling = dict(temperature=0) if j < len(SCHEMAS) + 2 else dict(temperature=1.0, seed=j)
-        guided_reqs.append((f"g{j}-{name}", prompts[j % 7][:20 + j], SamplingParams(max_tokens=120, structured_outputs=so,
-                                                                                  **sampling)))
+        guided_reqs.append((f"g{j}-{name}", prompts[j % 7][:20 + j],
+                            SamplingParams(max_tokens=120, structured_outputs=so, **sampling)))
     engine = tiny_engine()
     done = run(engine, reqs[:12] + guided_reqs + reqs[12:])
     for rid, prompt, _ in reqs:
@@ -297,7 +297,8 @@ def test_matcher_resyncs_by_rollback_and_catch_up():
 
 def test_n_samples_each_have_their_own_matcher():
     llm = LLM.from_engine(tiny_engine())
-    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=100, structured_outputs=guided(json=SCHEMAS["array"]))
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=100,
+                            structured_outputs=guided(json=SCHEMAS["array"]))
     outs = llm.generate([[3, 4, 5]], params)[0].outputs
     for out in outs:
         assert out.finish_reason == "stop"
@@ -331,8 +332,9 @@ def test_server_sdk_parse_returns_the_parsed_object(served):
     client = served.client()
     parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
     for i in range(3):
-        r = parse(model="tiny-llama", messages=[{"role": "user", "content": f"A pet, please ({i})"}], response_format=Pet,
-                  temperature=0, max_tokens=200, extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+        r = parse(model="tiny-llama", messages=[{"role": "user", "content": f"A pet, please ({i})"}],
+                  response_format=Pet, temperature=0, max_tokens=200,
+                  extra_body={"structured_outputs": {"disable_any_whitespace": True}})
         pet = r.choices[0].message.parsed
         assert isinstance(pet, Pet) and r.choices[0].finish_reason == "stop"
         assert Pet.model_validate_json(r.choices[0].message.content) == pet
@@ -385,7 +387,8 @@ def test_server_fields_and_streaming(served):
     ({"structured_outputs": {"json": "{nope"}}, "structured_outputs", "structured_outputs.json must be a JSON Schema"),
     ({"structured_outputs": {"structural_tag": {"x": 1}}}, "structured_outputs", "not supported"),
     ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex", "one kind"),
-    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs", "one kind"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs",
+     "one kind"),
 ])
 def test_server_400_names_the_field(served, body, param, words):
     import httpx
@@ -458,12 +461,15 @@ def test_smollm_guided_outputs_validate_and_unguided_equal_mlx_lm(smollm):
                 json=schema, disable_any_whitespace=ws)))
             names.append(name)
     prompts += [chat("What is the capital of France?"), chat("Is Paris in France? Answer yes or no."),
-                chat("Give a date in ISO format."), chat("Where is Paris? Answer with a JSON object with the keys city and country.")]
+                chat("Give a date in ISO format."),
+                chat("Where is Paris? Answer with a JSON object with the keys city and country.")]
     params += [SamplingParams(temperature=0, max_tokens=24),
-               SamplingParams(temperature=0, max_tokens=10, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+               SamplingParams(temperature=0, max_tokens=10,
+                              structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
                SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(
                    regex=r"[0-9]{4}-[0-9]{2}-[0-9]{2}")),
-               SamplingParams(temperature=0, max_tokens=120, structured_outputs=StructuredOutputsParams(json_object=True))]
+               SamplingParams(temperature=0, max_tokens=120,
+                              structured_outputs=StructuredOutputsParams(json_object=True))]
     outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     for name, out in zip(names, outs):
         assert out.finish_reason == "stop", (name, out.text)
@@ -496,7 +502,8 @@ def test_smollm_server_sdk_parse(smollm):
         r = parse(model="tiny-llama", response_format=Capital, temperature=0, max_tokens=60,
                   messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}])
         parsed = r.choices[0].message.parsed
-        assert isinstance(parsed, Capital) and "Paris" in parsed.capital, (r.choices[0].message.content, time.monotonic() - t)
+        assert isinstance(parsed, Capital) and "Paris" in parsed.capital, (r.choices[0].message.content,
+                                                                           time.monotonic() - t)
     finally:
         served.stop()
         served.async_engine.shutdown(timeout=5)

@@ -42,7 +42,8 @@ class SingleTypeKVCacheManager:
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and b is not self.block_pool.null_block)
         return max(num_new, 0) + num_revived
 
-    def allocate(self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]) -> list[KVCacheBlock]:
+    def allocate(self, request_id: str, num_tokens: int,
+                 new_computed_blocks: Sequence[KVCacheBlock]) -> list[KVCacheBlock]:
         """Take the hits and enough new blocks for `num_tokens` tokens (the caller checked room)."""
         held = self.req_to_blocks.setdefault(request_id, [])
         held_ids = self.req_to_block_ids.setdefault(request_id, [])

@@ -34,4 +34,4 @@ ADD_RMS_NORM = """
         const int d = tid + 256 * k;
         if (d < D) y[row + d] = static_cast<T>(static_cast<float>(w[d]) * static_cast<float>(static_cast<T>(v[k] * normalizer)));
     }
-"""
+"""  # noqa: E501 - kernel source text, kept verbatim

@@ -53,7 +53,7 @@ __device__ inline void cp_async16(void* dst, const void* src, bool valid) {
 }
 __device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ inline void cp_async_wait_1() { asm volatile("cp.async.wait_group 1;\n" ::); }
-"""
+"""  # noqa: E501 - kernel source text, kept verbatim
 
 ACCUMULATE_MMA = """
     // Tensor cores: per 16-token tile a warp computes S = Q K^T as a 16 x 16 (heads x tokens) tile
@@ -188,4 +188,4 @@ ACCUMULATE_MMA = """
         }
         if (t == 0) { sm_m[warp * G + g] = m; sm_l[warp * G + g] = l; }
     }
-"""
+"""  # noqa: E501 - kernel source text, kept verbatim

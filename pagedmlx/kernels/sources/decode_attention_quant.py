@@ -48,7 +48,7 @@ FUNC void dequant_row(THREAD const uint32_t (&r)[NW], THREAD float (&f)[VEC]) {
     #pragma unroll
     for (int e = 0; e < VEC; ++e) f[e] = static_cast<float>((r[e / PER] >> (QBITS * (e % PER))) & MASK) * s + b;
 }
-"""
+"""  # noqa: E501 - kernel source text, kept verbatim
 
 _LOAD_ARGS = "k_pages, v_pages, table"
 _QLOAD_ARGS = "k_pages, v_pages, k_scales, k_biases, v_scales, v_biases, table"

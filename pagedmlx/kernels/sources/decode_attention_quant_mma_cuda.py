@@ -318,7 +318,7 @@ _AFTER_VALUES = """    if (AFTER) {  // the values' sums back to their scale: S 
             acc[n][1] = fmaf(acc[n][1], v_top, v_bias);
         }
     }
-"""
+"""  # noqa: E501 - kernel source text, kept verbatim
 
 # (16-bit loop text, quantized loop text, times it occurs)
 REPLACEMENTS = [
@@ -340,7 +340,8 @@ REPLACEMENTS = [
             mma16816(acc[n], pa0, pa2, vb[0], vb[1], MT{});
             mma16816(acc[n + 1], pa0, pa2, vb[2], vb[3], MT{});
 """, 1),
-    ("    l += __shfl_xor_sync(0xffffffff, l, 1);\n", _AFTER_VALUES + "    l += __shfl_xor_sync(0xffffffff, l, 1);\n", 1),
+    ("    l += __shfl_xor_sync(0xffffffff, l, 1);\n",
+     _AFTER_VALUES + "    l += __shfl_xor_sync(0xffffffff, l, 1);\n", 1),
     ("mma16816(", "mma16816_top(", 4),
     ("    constexpr int CH = D / 8;  // 16-byte chunks per row\n", "", 1),
     (_LOAD, _QLOAD, 1),

@@ -97,4 +97,4 @@ ADD_LORA = """
             outr[o + k] = static_cast<T>(yv[k] + w);
         }
     }
-"""
+"""  # noqa: E501 - kernel source text, kept verbatim

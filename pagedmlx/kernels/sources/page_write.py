@@ -15,7 +15,7 @@ RESHAPE_AND_CACHE = """
     const size_t page_row = ((size_t)(slot / BS) * NKV + h) * BS + slot % BS;
     if (d < DK) const_cast<DEVICE P*>(k_pages)[page_row * DK + d] = static_cast<P>(static_cast<float>(keys[(t * NKV + h) * DK + d]));
     if (d < DV) const_cast<DEVICE P*>(v_pages)[page_row * DV + d] = static_cast<P>(static_cast<float>(values[(t * NKV + h) * DV + d]));
-"""
+"""  # noqa: E501 - kernel source text, kept verbatim
 
 RESHAPE_AND_CACHE_QUANT = """
     // A quantized layer's page write: mx.quantize's parts of the step's new rows (packed words

@@ -21,7 +21,7 @@ __device__ inline void skinny_mma(float (&d)[4], unsigned a0, unsigned a1, unsig
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-"""
+"""  # noqa: E501 - kernel source text, kept verbatim
 
 SKINNY_GEMM_MMA = """
     // A thread group of WARPS warps computes one 16-column tile of y for all M rows; its warps take K's 32-wide

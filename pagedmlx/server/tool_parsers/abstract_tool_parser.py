@@ -171,7 +171,8 @@ class ToolParser:
 
     def _finish(self, truncated: bool = False) -> None:
         # cut in a call, or where one may begin: the whitespace before it is no content either
-        cut = truncated and (self.mode != "text" or self.in_call or self.reader is not None or self.pos < len(self.text))
+        cut = truncated and (self.mode != "text" or self.in_call or self.reader is not None
+                             or self.pos < len(self.text))
         if truncated and self._open is not None:
             self._drop_open_call()
         if self.in_call:

@@ -1,8 +1,8 @@
 """openai: gpt-oss's harmony format, read from text (the detokenizer keeps the special tokens):
 
-    <|channel|>analysis<|message|>The user wants the weather.<|end|>
-    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>
-    ... or, answering: <|start|>assistant<|channel|>final<|message|>It is sunny.<|return|>
+  <|channel|>analysis<|message|>The user wants the weather.<|end|>
+  <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>
+  ... or, answering: <|start|>assistant<|channel|>final<|message|>It is sunny.<|return|>
 
 The analysis channel is reasoning, the final channel content, a commentary message to functions.NAME a
 call whose arguments are its body as written; other commentary (a preamble) is content. The recipient

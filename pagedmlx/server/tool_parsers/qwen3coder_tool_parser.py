@@ -164,7 +164,8 @@ class Qwen3CoderToolParser(ToolParser):
         value = value[:-1] if value.endswith("\n") else value
         typed = convert_param_value(value, param_type(self.request, self.function, self.parameter))
         sep = ", " if self.num_params else ""
-        self.arguments(f"{sep}{json.dumps(self.parameter, ensure_ascii=False)}: {json.dumps(typed, ensure_ascii=False)}")
+        self.arguments(f"{sep}{json.dumps(self.parameter, ensure_ascii=False)}: "
+                       f"{json.dumps(typed, ensure_ascii=False)}")
         self.num_params += 1
         self.pos = at + len(found) if found == self.parameter_end else at
         self.mode = "body"
