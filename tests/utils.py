@@ -235,4 +235,5 @@ def wait_healthy(url: str, alive: Callable[[], bool] = lambda: True, timeout: fl
 def fast_first(n: int, values: list, unpack: bool = True) -> list:
     """Parametrize values of which the first n run in `make test` (what CI runs); the rest are marked slow and
     run in `make test-all`. unpack: each value is a tuple of several parameters."""
-    return [v if i < n else pytest.param(*(v if unpack else (v,)), marks=pytest.mark.slow) for i, v in enumerate(values)]
+    slow = pytest.mark.slow
+    return [v if i < n else pytest.param(*(v if unpack else (v,)), marks=slow) for i, v in enumerate(values)]
