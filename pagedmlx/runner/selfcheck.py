@@ -5,7 +5,7 @@ never by importing model.py, so that the two modules are no import circle."""
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -16,6 +16,7 @@ from pagedmlx.core.kv.spec import KVCacheConfig, KVCacheGroupSpec, MambaSpec, cd
 from pagedmlx.request import Request
 from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.runner.attention import KVPool
+from pagedmlx.runner.routing import RoutingMatch, routing_match
 from pagedmlx.runner.state import StatePool
 from pagedmlx.core.sched.output import SchedulerOutput, build_scheduler_output
 
@@ -76,7 +77,16 @@ def check_paged_forward(runner: CheckedRunner, errors: Optional[dict[str, float]
     manager, pool = KVCacheManager(config, enable_caching=False), runner.make_pool(config, quantized=False)
     state_pool = runner.make_state_pool(config)
     got: dict[str, dict[int, mx.array]] = {k: {} for k in tokens}
-    dtype = None
+    with routing_match() as routes:
+        return _run(runner, tokens, steps, reqs, manager, pool, state_pool, got, routes, errors)
+
+
+def _run(runner: CheckedRunner, tokens: dict[str, list[int]], steps: list[list[tuple[str, int]]],
+         reqs: dict[str, Request], manager: KVCacheManager, pool: KVPool, state_pool: Optional[StatePool],
+         got: dict[str, dict[int, mx.array]], routes: RoutingMatch, errors: Optional[dict[str, float]]) -> Optional[str]:
+    """check_paged_forward's steps and comparisons, with the paged forward's expert routing recorded in `routes`
+    and replayed into mlx-lm's (runner/routing.py)."""
+    bs, dtype = runner.block_size, None
     for step in steps:
         for rid, n in step:
             req = reqs[rid]
@@ -88,7 +98,8 @@ def check_paged_forward(runner: CheckedRunner, errors: Optional[dict[str, float]
                                     manager.get_state_slots if state_pool is not None else None)
         rows = _compared_rows(so)
         so.logits_indices = np.asarray(sorted(rows), np.int32)
-        logits = runner.forward(so, kv_pool=pool, state_pool=state_pool)
+        with routes.record(_row_tokens(so)):
+            logits = runner.forward(so, kv_pool=pool, state_pool=state_pool)
         dtype, logits = logits.dtype, logits.astype(mx.float32)
         for j, row in enumerate(so.logits_indices.tolist()):
             rid, pos = rows[row]
@@ -98,14 +109,19 @@ def check_paged_forward(runner: CheckedRunner, errors: Optional[dict[str, float]
     tol = LOGIT_TOLERANCE.get(dtype, 6e-2)
     for rid, t in tokens.items():
         chunks = [n for s in steps for r, n in s if r == rid]
-        want = _mlx_lm_logits(runner.model, t, sorted(got[rid]), chunks)
+        want = _mlx_lm_logits(runner.model, t, sorted(got[rid]), chunks, routes.follow, rid)
+        if not routes.worst.ratio <= tol:
+            rid, pos = routes.worst.where
+            return (f"prompt {rid!r} position {pos}: the paged forward routes to other experts than mlx-lm where "
+                    f"they are no near tie (router values {routes.worst.ratio:.2e} of their scale apart > {tol:.0e})")
         err, pos = _max_error(got[rid], want)
         if errors is not None:
             errors[rid] = err
         if not err <= tol:  # NaN included
             # mlx-lm against itself, in one chunk instead of these: how far this model's logits move
             # with the order of its own sums in this dtype. Pages may differ by as much, not more.
-            noise, _ = _max_error(_mlx_lm_logits(runner.model, t, sorted(got[rid]), [sum(chunks)]), want)
+            noise, _ = _max_error(_mlx_lm_logits(runner.model, t, sorted(got[rid]), [sum(chunks)], routes.follow, rid),
+                                  want)
             if not err <= max(tol, 4 * noise):
                 return (f"prompt {rid!r} position {pos}: max relative logit difference {err:.2e} > {tol:.0e} "
                         f"(mlx-lm against itself: {noise:.2e})")
@@ -121,6 +137,15 @@ def _max_error(got: dict[int, mx.array], want: dict[int, mx.array]) -> tuple[flo
     return worst
 
 
+def _row_tokens(so) -> list[tuple[str, int]]:
+    """(request, position) of each of the step's rows."""
+    out = []
+    for i, rid in enumerate(so.req_ids):
+        start, end = int(so.query_start_loc[i]), int(so.query_start_loc[i + 1])
+        out += [(rid, int(so.seq_lens[i]) - (end - start) + r) for r in range(end - start)]
+    return out
+
+
 def _compared_rows(so) -> dict[int, tuple[str, int]]:
     """Row -> (request, position): each scheduled chunk's first and last two rows."""
     rows = {}
@@ -132,13 +157,16 @@ def _compared_rows(so) -> dict[int, tuple[str, int]]:
     return rows
 
 
-def _mlx_lm_logits(model, tokens: list[int], positions: list[int], chunks: list[int]) -> dict[int, mx.array]:
-    """mlx-lm's own logits at `positions`, running `tokens` through its caches in the same chunks."""
+def _mlx_lm_logits(model, tokens: list[int], positions: list[int], chunks: list[int], follow: Callable,
+                   rid: str) -> dict[int, mx.array]:
+    """mlx-lm's own logits at `positions`, running `tokens` through its caches in the same chunks, each chunk
+    inside `follow(rows)` (RoutingMatch.follow: request `rid`'s routing on pages)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     cache, out, start = make_prompt_cache(model), {}, 0
     for n in chunks:
-        logits = model(mx.array([tokens[start:start + n]]), cache=cache)[0].astype(mx.float32)
+        with follow([(rid, p) for p in range(start, start + n)]):
+            logits = model(mx.array([tokens[start:start + n]]), cache=cache)[0].astype(mx.float32)
         for pos in positions:
             if start <= pos < start + n:
                 out[pos] = logits[pos - start]
