@@ -83,7 +83,8 @@ def check_paged_forward(runner: CheckedRunner, errors: Optional[dict[str, float]
 
 def _run(runner: CheckedRunner, tokens: dict[str, list[int]], steps: list[list[tuple[str, int]]],
          reqs: dict[str, Request], manager: KVCacheManager, pool: KVPool, state_pool: Optional[StatePool],
-         got: dict[str, dict[int, mx.array]], routes: RoutingMatch, errors: Optional[dict[str, float]]) -> Optional[str]:
+         got: dict[str, dict[int, mx.array]], routes: RoutingMatch,
+         errors: Optional[dict[str, float]]) -> Optional[str]:
     """check_paged_forward's steps and comparisons, with the paged forward's expert routing recorded in `routes`
     and replayed into mlx-lm's (runner/routing.py)."""
     bs, dtype = runner.block_size, None
