@@ -19,6 +19,7 @@ def install(step_sleep: float) -> None:
     loader = types.ModuleType("pagedmlx.loaders.loader")
     loader.load_model = load_model
     loader.generation_defaults = lambda name: {}
+    loader.weights_path = lambda name: None  # no files behind it: its check is never kept
     sys.modules["pagedmlx.loaders.loader"] = loader  # no real model: the CLI and the core load through this
     from pagedmlx.engine import core_proc as proc
     from pagedmlx.engine.core import EngineCore

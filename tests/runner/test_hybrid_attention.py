@@ -141,14 +141,14 @@ def test_negative_control_dropping_the_window_gives_other_tokens(monkeypatch):
                         lambda table, seq_lens, q, bs, window: (table[:, :cdiv(int(seq_lens.max()), bs)], seq_lens))
     with pytest.raises(UnsupportedModelError, match="different logits on pages"):  # the load-time check sees it
         _mismatches("gemma3-tiny")
-    monkeypatch.setattr("pagedmlx.runner.model.ModelRunner._verify_against_mlx_lm", lambda self: None)
+    monkeypatch.setattr("pagedmlx.runner.model.ModelRunner._verify_against_mlx_lm", lambda self, key=None: None)
     assert _mismatches("gemma3-tiny") > 0
 
 
 def test_negative_control_dropping_the_sinks_gives_other_tokens(monkeypatch):
     real = attention.PagedLayerCache.attention
     monkeypatch.setattr(attention.PagedLayerCache, "attention", lambda self, q, scale, sinks=None: real(self, q, scale))
-    monkeypatch.setattr("pagedmlx.runner.model.ModelRunner._verify_against_mlx_lm", lambda self: None)
+    monkeypatch.setattr("pagedmlx.runner.model.ModelRunner._verify_against_mlx_lm", lambda self, key=None: None)
     assert _mismatches("gpt-oss-tiny") > 0
 
 

@@ -227,7 +227,7 @@ def test_negative_control_rows_as_independent_sequences_give_other_tokens(arch, 
     model = make_model(arch)
     with pytest.raises(UnsupportedModelError, match="different logits on pages"):  # the load-time check sees it
         state_engine(model)
-    monkeypatch.setattr("pagedmlx.runner.model.ModelRunner._verify_against_mlx_lm", lambda self: None)
+    monkeypatch.setattr("pagedmlx.runner.model.ModelRunner._verify_against_mlx_lm", lambda self, key=None: None)
     prompts = shared_prefix_prompts(6, seed=1)
     done = run_staggered(state_engine(model, num_blocks=200), prompts, GREEDY, seed=1)
     assert sum(solo_mismatch(done[str(i)], model, p, GREEDY.max_tokens) is not None for i, p in enumerate(prompts)) > 0
