@@ -177,6 +177,8 @@ class _NVRTC:
 
 _nvrtc: Optional[_NVRTC] = None
 _nvrtc_failed = False
+# Kernel variants this process met: found in the cache, or compiled and written now.
+stats = {"found": 0, "compiled": 0}
 
 
 def _compiler() -> Optional[_NVRTC]:
@@ -194,6 +196,7 @@ def write_module(cache_dir: Path, module_name: str, kernel_name: str, source: st
     """Compile `source` and write it where MLX reads module_name from, unless it is there. True: written now."""
     path = ptx_path(cache_dir, module_name)
     if path.exists():
+        stats["found"] += 1
         return False
     nvrtc = _compiler()
     if nvrtc is None:
@@ -205,7 +208,16 @@ def write_module(cache_dir: Path, module_name: str, kernel_name: str, source: st
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_bytes(cubin)
     tmp.replace(path)
+    stats["compiled"] += 1
     return True
+
+
+def stats_line() -> Optional[str]:
+    """For the start-up lines: how many kernel variants came from the disk cache; None where none was met."""
+    if not stats["found"] and not stats["compiled"]:
+        return None
+    return (f"kernel cache {ptx_cache_dir()}: {stats['found']} kernel variants loaded, {stats['compiled']} compiled "
+            f"and kept")
 
 
 class CachedCudaKernel:

@@ -10,7 +10,7 @@ import time
 import mlx.core as mx
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.kernels import prefill_attention
+from pagedmlx.kernels import disk_cache, prefill_attention
 from pagedmlx.runner.attention import decode_kernel_takes, paged_decode, warm_up_prefill
 from pagedmlx.runner.attention_metadata import WARM_UP_MAX_KEYS, chunked_prefill_groups
 from pagedmlx.runner.kv_quant import QuantizedPages, read_pages
@@ -32,6 +32,8 @@ def warm_up(runner, config: EngineConfig, max_model_len: int) -> None:
         except Exception:  # noqa: BLE001 - an optimisation: serving goes on
             logger.warning("compiling the paged kernels failed; they will be compiled when first run",
                            exc_info=True)
+    if (kept := disk_cache.stats_line()) is not None:
+        logger.info(kept)
     enabled = config.warm_up_attention
     chunk = config.long_prefill_token_threshold
     if enabled is None:  # where shapes are padded, and chunks beside decodes call SDPA

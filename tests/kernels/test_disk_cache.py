@@ -74,11 +74,15 @@ class FakeNVRTC:
 def test_a_module_is_written_once_with_its_kernel_name(tmp_path, monkeypatch):
     fake = FakeNVRTC()
     monkeypatch.setattr(disk_cache, "_compiler", lambda: fake)
+    monkeypatch.setattr(disk_cache, "stats", {"found": 0, "compiled": 0})
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+    assert disk_cache.stats_line() is None
     assert disk_cache.write_module(tmp_path, "mod_1f", "mlx::core::cu::custom_kernel_k", "src")
     assert (tmp_path / "mod_1f.ptx").read_bytes() == b"\x7fELF cubin"
     assert (tmp_path / "mod_1f.txt").read_text() == "mlx::core::cu::custom_kernel_k\t_ZN3mlx4core2cucustom_kernel_k\n"
     assert not disk_cache.write_module(tmp_path, "mod_1f", "mlx::core::cu::custom_kernel_k", "src")
     assert fake.sources == ["src"] and sorted(p.name for p in tmp_path.iterdir()) == ["mod_1f.ptx", "mod_1f.txt"]
+    assert disk_cache.stats_line() == f"kernel cache {tmp_path}: 1 kernel variants loaded, 1 compiled and kept"
 
 
 def test_each_variant_is_seeded_once_under_mlxs_module_name(tmp_path, monkeypatch):
