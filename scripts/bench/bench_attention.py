@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pagedmlx.kernels import build, decode_attention  # noqa: E402
 from pagedmlx.runner.attention import _gather  # noqa: E402
-from scripts.bench.timing import measure_bandwidth, timed_chain  # noqa: E402
+from pagedmlx.bench.timing import measure_bandwidth, timed_chain  # noqa: E402
 
 
 # (threads, unroll, prefetch, vectors per lane, heads per block, tensor cores): see decode_attention.Settings.

@@ -128,7 +128,7 @@ def run_generate_step(model, prompt, gen_len: int) -> float:
 def measure_machine() -> tuple[float, float]:
     """(copy bandwidth in bytes/s, matmul FLOP/s), measured now on the default device
     (bf16 on a GPU, float32 on the CPU)."""
-    from scripts.bench.timing import measure_bandwidth, timed
+    from pagedmlx.bench.timing import measure_bandwidth, timed
 
     gpu = mx.default_device() == mx.gpu
     n = 8192 if gpu else 1024

@@ -94,6 +94,7 @@ def test_a_quantized_preset_quantizes_layers_embeddings_and_head_as_asked():
     assert {model8.model.embed_tokens.bits, model8.lm_head.bits, model8.model.layers[1].mlp.gate_proj.bits} == {8}
 
 
+@pytest.mark.slow  # a benchmark process of its own
 def test_bench_offline_takes_a_quantization(tmp_path):
     import subprocess
     import sys

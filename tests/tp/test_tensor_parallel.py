@@ -99,6 +99,7 @@ def test_two_ranks_offline_equal_single_process():
         assert all("1 KV head per layer" in line for line in lines)  # 2 KV heads, split in two
 
 
+@pytest.mark.slow  # waits out a timeout
 def test_hung_rank_fails_the_run_within_the_timeout():
     t0 = time.monotonic()
     proc = start_ranks("offline", os.devnull, env={"TP_HANG_AT_STEP": "3", "TP_TIMEOUT": "2"},
