@@ -20,13 +20,14 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
-# What CI runs (a few minutes on 2 cores); `make test-all` adds the slow, stress and GPU tests (GPU ones skip
-# where there is none).
+# What CI runs (a few minutes on 2 cores, two test workers); `make test-all` adds the slow, stress and GPU tests
+# (GPU ones skip where there is none).
+WORKERS ?= 2
 test: lint
-	$(RUN) $(PY) -m pytest -m "not slow and not stress and not gpu" $(ARGS)
+	$(RUN) $(PY) -m pytest -n $(WORKERS) -m "not slow and not stress and not gpu" $(ARGS)
 
 test-all: lint
-	$(RUN) $(PY) -m pytest $(ARGS)
+	$(RUN) $(PY) -m pytest -n $(WORKERS) $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

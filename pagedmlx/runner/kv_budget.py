@@ -50,6 +50,11 @@ def weights_nbytes(model: nn.Module) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
+def held_bytes(model: nn.Module) -> int:
+    """What this process holds on the device before the pool: the weights and all else allocated."""
+    return max(mx.get_active_memory(), weights_nbytes(model))
+
+
 def step_peak_bytes(body: Optional[Callable], head: Optional[Callable], tokens: int, sampled: int) -> Optional[int]:
     """Bytes one step of `tokens` rows (`sampled` of them through the LM head) allocates beyond what is held,
     from a forward through the model's own path (no pages); None where that path does not run alone."""
@@ -88,7 +93,7 @@ def kv_cache_budget(config: EngineConfig, model: nn.Module, body: Optional[Calla
                                 f"{CPU_MIN_BYTES / 1e9:.2f} GB, at most {CPU_MAX_FRACTION:g} of "
                                 f"{total / 1e9:.1f} GB RAM")
     util = config.gpu_memory_utilization
-    held = max(mx.get_active_memory(), weights)
+    held = held_bytes(model)
     tokens = config.max_num_batched_tokens
     peak = step_peak_bytes(body, head, tokens, min(config.max_num_seqs, tokens))
     peak_text = f"{peak / 1e9:.2f} GB a {tokens}-token step's peak"

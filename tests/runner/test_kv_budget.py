@@ -20,7 +20,7 @@ def test_gpu_sizing_is_the_fraction_less_what_is_held_less_the_profiled_step(mon
     assert peak is not None and peak > 64 * model.args.hidden_size * 4  # at least the hidden states it made
     config = EngineConfig(max_num_batched_tokens=64, gpu_memory_utilization=0.5)
     monkeypatch.setattr(kv_budget, "device_memory", lambda on_gpu: (8 * 10**9, "device memory"))
-    monkeypatch.setattr(kv_budget, "weights_nbytes", lambda model: 10**9)  # weights of 1 GB held
+    monkeypatch.setattr(kv_budget, "held_bytes", lambda model: 10**9)  # weights and all else: 1 GB
     budget = kv_budget.kv_cache_budget(config, model, body, head, on_gpu=True)
     assert abs(budget.nbytes - (4 * 10**9 - 10**9 - peak)) < 2**20  # the peak measured again, to a MiB
     assert "gpu_memory_utilization 0.5 x 8.0 GB device memory - 1.00 GB held" in budget.how
@@ -29,7 +29,7 @@ def test_gpu_sizing_is_the_fraction_less_what_is_held_less_the_profiled_step(mon
 def test_a_fraction_that_leaves_nothing_is_refused_by_name(monkeypatch):
     model = make_model("llama")
     monkeypatch.setattr(kv_budget, "device_memory", lambda on_gpu: (10**9, "device memory"))
-    monkeypatch.setattr(kv_budget, "weights_nbytes", lambda model: 10**9)
+    monkeypatch.setattr(kv_budget, "held_bytes", lambda model: 10**9)
     with pytest.raises(ValueError, match="no memory left for KV pages.*--gpu-memory-utilization"):
         kv_budget.kv_cache_budget(EngineConfig(gpu_memory_utilization=0.5), model, *split_lm_head(model), on_gpu=True)
 
