@@ -22,7 +22,6 @@ import threading
 from typing import Any, Callable, Optional
 
 from pagedmlx.engine.core_info import CoreInfo
-from pagedmlx.engine.core_loop import CoreLoop
 
 logger = logging.getLogger("pagedmlx")
 
@@ -54,6 +53,8 @@ class CoreThread:
             self.thread.join(timeout)
 
     def _run(self) -> None:
+        from pagedmlx.engine.core_loop import CoreLoop  # the model's side: not imported by a front end of a process
+
         try:
             CoreLoop(self.core, self.inbox, self._receive).run()
         except BaseException as exc:  # noqa: BLE001 - whatever killed the loop, the front end must hear of it
@@ -70,7 +71,8 @@ class CoreProcess:
     private temporary folder). The process exits when this one does (it watches its parent)."""
 
     def __init__(self, config: Any, *, distributed: bool = False, tp: Optional[int] = None, tp_timeout: float = 60.0,
-                 argv: Optional[list[str]] = None, log_level: str = "info"):
+                 argv: Optional[list[str]] = None, log_level: str = "info",
+                 while_starting: Optional[Callable[[], None]] = None):
         """config: the EngineConfig to build. distributed: tensor parallelism (`tp` ranks, or a
         launcher's); the process becomes rank 0 and `argv` starts the others (`--tp N`)."""
         import zmq
@@ -94,6 +96,8 @@ class CoreProcess:
         self.proc.start()
         self.thread: Optional[threading.Thread] = None
         try:
+            if while_starting is not None:  # the front end's own start-up, beside the core's
+                while_starting()
             self.info: CoreInfo = self._wait_ready()
         except BaseException:
             self.join(timeout=5)

@@ -118,18 +118,26 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _start_engine(args: argparse.Namespace, config: Any, distributed: bool):
-    from pagedmlx.engine.async_engine import AsyncEngine
-    from pagedmlx.engine.core_client import CoreProcess
+    from pagedmlx.engine.core_client import CoreProcess  # light: the core process starts before the rest is imported
 
     if args.engine_process:
         argv = list(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
         core = CoreProcess(config, distributed=distributed, tp=args.tp, tp_timeout=args.tp_timeout, argv=argv,
-                           log_level=args.log_level)
+                           log_level=args.log_level, while_starting=_import_server)
     else:
         from pagedmlx.engine.llm_engine import LLMEngine
 
         core = LLMEngine.from_config(config).core
+    from pagedmlx.engine.async_engine import AsyncEngine
+
     return AsyncEngine(core, max_waiting=args.max_waiting)
+
+
+def _import_server() -> None:
+    """The front end's modules, imported while the engine core loads the model (seconds of a start)."""
+    import pagedmlx.engine.async_engine  # noqa: F401
+    import pagedmlx.server.api  # noqa: F401
+    import pagedmlx.server.http_server  # noqa: F401
 
 
 def served_model_name(args: argparse.Namespace, model: str | None) -> str:
