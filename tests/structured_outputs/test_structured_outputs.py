@@ -14,7 +14,7 @@ import time
 
 import jsonschema
 import pytest
-from utils import ARCHS, assert_no_leaks, assert_solo_greedy, make_model, make_prompts, make_tokenizer, solo_greedy
+from utils import ARCHS, assert_no_leaks, assert_solo_greedy, make_model, make_prompts, make_tokenizer, solo_greedy, run_to_completion
 
 from pagedmlx import LLM, SamplingParams, StructuredOutputsParams
 from pagedmlx.config import EngineConfig
@@ -76,12 +76,7 @@ def tiny_engine(**kw) -> LLMEngine:
 def run(engine: LLMEngine, requests: list[tuple[str, list[int], SamplingParams]]) -> dict:
     for rid, prompt, params in requests:
         engine.add_request(rid, prompt, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
+    return run_to_completion(engine)
 
 
 # ---- parameters -----------------------------------------------------------------------------------
