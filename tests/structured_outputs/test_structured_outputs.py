@@ -14,7 +14,8 @@ import time
 
 import jsonschema
 import pytest
-from utils import ARCHS, assert_no_leaks, assert_solo_greedy, make_model, make_prompts, make_tokenizer, solo_greedy, run_to_completion
+from utils import (ARCHS, assert_no_leaks, assert_solo_greedy, make_model, make_prompts, make_tokenizer, solo_greedy,
+                   run_to_completion)
 
 from pagedmlx import LLM, SamplingParams, StructuredOutputsParams
 from pagedmlx.config import EngineConfig
