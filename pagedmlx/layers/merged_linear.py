@@ -248,6 +248,8 @@ def _merge_group(parent: nn.Module, names: tuple[str, ...], mods: list[nn.Module
     sizes = [m.weight.shape[0] for m in mods]
     in_dims = mods[0].weight.shape[1] * (32 // mods[0].bits if isinstance(mods[0], nn.QuantizedLinear) else 1)
     dtype = mods[0].scales.dtype if isinstance(mods[0], nn.QuantizedLinear) else mods[0].weight.dtype
+    if not mx.issubdtype(dtype, mx.floating):  # microscaled modes (mxfp4, nvfp4): scales are 8-bit exponents
+        dtype = mx.float32
     x = mx.random.normal((1, 2, in_dims), key=mx.random.key(0)).astype(dtype)
     want = [m(x) for m in mods]
     got = mx.split(linear(x), [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)], axis=-1)

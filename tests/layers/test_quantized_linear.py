@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from utils import make_prompts, run_staggered, solo_greedy
+from utils import assert_solo_greedy, make_prompts, run_staggered, solo_greedy
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine.llm_engine import LLMEngine
@@ -81,3 +81,52 @@ def test_mlx_lm_on_the_same_model_object_runs_as_before(monkeypatch):
     shapes = _spy(monkeypatch)
     assert mx.array_equal(model(mx.array([[1, 2, 3, 4]])), want)
     assert shapes and all(s[:2] == (1, 4) for s in shapes)
+
+
+# Every quantization mlx-lm's convert writes: affine at 4 and 8 bits and group sizes 32 / 64 / 128, a mixed
+# conversion (8-bit embeddings and head over a 4-bit body), and MLX's microscaled modes (mxfp4 for gpt-oss).
+QUANTIZATIONS = {
+    "affine4-g32": dict(bits=4, group_size=32), "affine4-g64": dict(bits=4, group_size=64),
+    "affine4-g128": dict(bits=4, group_size=128), "affine8-g64": dict(bits=8, group_size=64),
+    "mixed-8head-4body": dict(bits=4, group_size=64, head_bits=8),
+    "mxfp4": dict(mode="mxfp4", bits=4, group_size=32), "mxfp8": dict(mode="mxfp8", bits=8, group_size=32),
+    "nvfp4": dict(mode="nvfp4", bits=4, group_size=16),
+}
+WIDE_LLAMA = dict(model_type="llama", hidden_size=256, num_hidden_layers=2, intermediate_size=512,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512, rms_norm_eps=1e-5,
+                  tie_word_embeddings=False)
+
+
+def _converted(q: dict) -> nn.Module:
+    """A random llama (widths every group size divides) quantized as mlx-lm's convert does with these settings."""
+    from pagedmlx.loaders.random_model import build_model
+
+    model = build_model(WIDE_LLAMA, seed=3)
+    mode, bits, group = q.get("mode", "affine"), q["bits"], q["group_size"]
+    head_bits = q.get("head_bits")
+    if head_bits:
+        nn.quantize(model, group_size=group, bits=head_bits, mode=mode,
+                    class_predicate=lambda path, m: path in ("model.embed_tokens", "lm_head"))
+    nn.quantize(model, group_size=group, bits=bits, mode=mode,
+                class_predicate=lambda path, m: hasattr(m, "to_quantized") and not isinstance(
+                    m, (nn.QuantizedLinear, nn.QuantizedEmbedding)))
+    return model
+
+
+@pytest.mark.parametrize("name", list(QUANTIZATIONS))
+def test_every_quantization_mlx_lm_writes_gives_mlx_lm_tokens_busy(name):
+    """A busy engine (staggered arrivals, shared prefixes, chunked prompts, merged projections) on each
+    quantization gives every request mlx-lm's generate_step tokens for its prompt alone."""
+    model = _converted(QUANTIZATIONS[name])
+    assert type(model.model.layers[0].mlp.down_proj) is nn.QuantizedLinear
+    if QUANTIZATIONS[name].get("head_bits"):
+        layers = (model.lm_head, model.model.embed_tokens, model.model.layers[0].mlp.down_proj)
+        assert [m.bits for m in layers] == [8, 8, 4]
+    prompts = [p[:48] for p in make_prompts(10, WIDE_LLAMA["vocab_size"], seed=7)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=256, max_num_batched_tokens=48,
+                                                 long_prefill_token_threshold=16, max_num_seqs=8,
+                                                 merge_projections=True))
+    done = run_staggered(engine, prompts, params, seed=4)
+    for i, p in enumerate(prompts):
+        assert_solo_greedy(done[str(i)], model, p, params.max_tokens, f"{name} request {i}")
