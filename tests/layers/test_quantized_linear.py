@@ -130,3 +130,21 @@ def test_every_quantization_mlx_lm_writes_gives_mlx_lm_tokens_busy(name):
     done = run_staggered(engine, prompts, params, seed=4)
     for i, p in enumerate(prompts):
         assert_solo_greedy(done[str(i)], model, p, params.max_tokens, f"{name} request {i}")
+
+
+@pytest.mark.parametrize("arch", ["gemma4-e-tiny", "gemma4-moe-tiny", "qwen3_5_moe-tiny", "gpt-oss-tiny"])
+def test_quantized_families_give_mlx_lm_tokens_busy(arch):
+    """The seed's families at 4 bits (Gemma 4 with shared KV and sliding windows, its MoE, Qwen3.6's hybrid MoE
+    with recurrent layers; gpt-oss in mxfp4 as it ships): busy equals mlx-lm alone."""
+    model = random_model(arch)
+    mode = dict(mode="mxfp4", group_size=32, bits=4) if arch.startswith("gpt-oss") else dict(group_size=32, bits=4)
+    nn.quantize(model, **mode, class_predicate=lambda path, m: hasattr(m, "to_quantized") and
+                m.weight.shape[-1] % 32 == 0)
+    vocab = RANDOM_ARCHS[arch].get("vocab_size") or RANDOM_ARCHS[arch]["text_config"]["vocab_size"]
+    prompts = [p[:40] for p in make_prompts(8, vocab, seed=11)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=512, max_num_batched_tokens=48,
+                                                 long_prefill_token_threshold=16, max_num_seqs=8))
+    done = run_staggered(engine, prompts, params, seed=6)
+    for i, p in enumerate(prompts):
+        assert_solo_greedy(done[str(i)], model, p, params.max_tokens, f"{arch} request {i}")
