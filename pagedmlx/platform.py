@@ -128,6 +128,14 @@ def slow_blas_warning() -> Optional[str]:
     return None
 
 
+def warn_if_slow_blas() -> None:
+    """Log slow_blas_warning's line, where there is one (an engine's start)."""
+    if (line := slow_blas_warning()) is not None:
+        import logging
+
+        logging.getLogger("pagedmlx").warning(line)
+
+
 def _maps() -> str:
     try:
         return Path("/proc/self/maps").read_text()

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from pagedmlx.platform import slow_blas_warning
+from pagedmlx.platform import warn_if_slow_blas
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine.prompt_logprobs import prompt_logprobs, record_prompt_logprobs
 from pagedmlx.engine.step import LaunchedStep, StepStats
@@ -44,7 +44,7 @@ class EngineCore:
     def __init__(self, model: nn.Module, tokenizer: Any, config: Optional[EngineConfig] = None,
                  verify_model: bool = True, model_identity: Optional[str] = None):
         self.config, self.model, self.model_identity = config or EngineConfig(), model, model_identity
-        logger.warning(blas) if (blas := slow_blas_warning()) else None  # MLX's reference BLAS on the CPU
+        warn_if_slow_blas()  # MLX's reference BLAS on the CPU: the fix, in one line
         if self.config.dtype is not None:  # quantized weights keep their packed form
             model.set_dtype(getattr(mx, self.config.dtype))
         self.tokenizer = tokenizer
