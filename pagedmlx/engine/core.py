@@ -43,11 +43,11 @@ __all__ = ["DEFAULT_MAX_MODEL_LEN", "EngineCore", "LaunchedStep", "StepStats"]
 class EngineCore:
     def __init__(self, model: nn.Module, tokenizer: Any, config: Optional[EngineConfig] = None,
                  verify_model: bool = True, model_identity: Optional[str] = None):
-        self.config, self.model, self.model_identity = config or EngineConfig(), model, model_identity
+        self.config, self.model, self.tokenizer = config or EngineConfig(), model, tokenizer
+        self.model_identity = model_identity  # what names the weights: their check may be kept (runner/check_cache.py)
         warn_if_slow_blas()  # MLX's reference BLAS on the CPU: the fix, in one line
         if self.config.dtype is not None:  # quantized weights keep their packed form
             model.set_dtype(getattr(mx, self.config.dtype))
-        self.tokenizer = tokenizer
         self.draft_proposer, self._draft_tokenizer = make_proposer(self.config, verify_model, model)  # or None
         self.runner = self.make_runner(verify_model)
         self.keeps_hidden = hasattr(self.draft_proposer, "observe_step")  # an MTP module reads the hidden states
@@ -262,10 +262,9 @@ class EngineCore:
             return None
 
     def _can_overlap(self) -> bool:
-        """Overlap unless penalties need every earlier token on the host, or a guided request's
-        grammar needs its previous token before its next mask, or requests speculate (their drafts
-        follow the tokens the previous step accepted), or fewer requests run than
-        config.async_min_batch (for why batch 1 overlaps too)."""
+        """Overlap unless penalties need every earlier token on the host, or a guided request's grammar needs its
+        previous token before its next mask, or requests speculate (their drafts follow the tokens the previous
+        step accepted), or fewer requests run than config.async_min_batch."""
         running = self.scheduler.running
         return (self.async_scheduling and len(running) >= self.config.async_min_batch
                 and not self._speculating()
