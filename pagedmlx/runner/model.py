@@ -22,11 +22,12 @@ from pagedmlx.layers.fused_residual import fuse_norms, fused_residuals
 from pagedmlx.runner.lm_head import split_lm_head
 from pagedmlx.layers.merged_linear import merge_projections, merged_products
 from pagedmlx.layers.quantized_linear import flat_rows, flatten_quantized
-from pagedmlx.layers.skinny_linear import drop_skinny_gemm, skinny_products, use_skinny_gemm
+from pagedmlx.layers.skinny_linear import skinny_products, use_skinny_gemm
 from pagedmlx.runner.attention_metadata import (StepMetadata, sdpa_shape_quantum)
 from pagedmlx.runner.plan import UnsupportedModelError, model_type, plan_layers
-from pagedmlx.runner.selfcheck import LOGIT_TOLERANCE, check_paged_forward, relative_error
+from pagedmlx.runner.selfcheck import LOGIT_TOLERANCE, relative_error
 from pagedmlx.runner import check_cache, warm_up
+from pagedmlx.runner.verify import verify_against_mlx_lm
 from pagedmlx.runner.kv_budget import kv_cache_budget, weights_nbytes
 from pagedmlx.runner.state import (StateLayerCache, StateMetadata, StatePool, install_regrouping, pages_budget,
                                    state_group)
@@ -360,44 +361,5 @@ class ModelRunner:
                 return self._head(hidden[logits_indices, 0])  # (S, H): one matrix (layers/quantized_linear.py)
             return self.model(inputs, cache=caches)[logits_indices][:, 0, :]
 
-    def _check(self) -> Optional[str]:  # a kernel that fails to build or run counts as a disagreement
-        try:
-            return check_paged_forward(self)
-        except Exception as exc:  # noqa: BLE001 - MLX raises when a kernel is built or run
-            return error_line(exc)
-
     def _verify_against_mlx_lm(self, key: Optional[str] = None) -> None:
-        """Run a short busy schedule on scratch pages and compare with mlx-lm's own caches. A split head
-        that disagrees gives way to the whole model call before any kernel is blamed (a head that is not
-        plain would otherwise switch right kernels off); kernels that still disagree are switched off,
-        and the split tried again without them; a model whose pages still disagree is refused. A pass kept under
-        `key` (runner/check_cache.py) is not run again."""
-        if check_cache.passed(key):
-            return logger.info("the model's load-time check passed here before with this setup: not run again")
-        err = self._check()
-        if err is None:
-            check_cache.record_pass(key)
-        if err is not None and self.skinny:  # our own products give way first (layers/skinny_linear.py)
-            logger.warning("few-row products left to MLX's matmul: the paged forward disagrees with them (%s)", err)
-            self.skinny = drop_skinny_gemm(self.model)
-            err = self._check()
-        if err is not None and self.fused_norms:  # the fused residual adds give way first (layers/fused_residual.py)
-            logger.warning("residual adds not fused with their norms: the paged forward disagrees with them (%s)", err)
-            self.fused_norms = False
-            err = self._check()
-        split = self._body, self._head
-        if err is not None and self._head is not None:
-            self._body = self._head = None
-            err = self._check()
-        if err is not None and self.kernels.enabled:  # the portable paths may be right
-            self.kernels = self.kernels.switch_off(f"the model's paged forward disagrees with mlx-lm ({err})")
-            if split[1] is not None:
-                self._body, self._head = split
-            err = self._check()
-            if err is not None and self._head is not None:
-                self._body = self._head = None
-                err = self._check()
-        if err is not None:
-            raise UnsupportedModelError(
-                f"model type {model_type(self.model)!r} gives different logits on pages than with "
-                f"mlx-lm's own cache ({err}); refusing to serve wrong tokens")
+        verify_against_mlx_lm(self, key)  # runner/verify.py

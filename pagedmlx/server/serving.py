@@ -1,5 +1,5 @@
-"""From an OpenAI request to engine requests, and from engine outputs to OpenAI responses:
-whole (non-streaming) or as server-sent-event chunks."""
+"""From an OpenAI request to engine requests, and from engine outputs to OpenAI responses: whole (non-streaming)
+or as server-sent-event chunks."""
 
 from __future__ import annotations
 
@@ -234,9 +234,9 @@ class Serving:
 
     async def echo_logprobs(self, prep: Prepared, index: int, out: EngineOutput, echo: str,
                             lps: Optional[list[TokenLogprob]]) -> Optional[CompletionLogprobs]:
-        """OpenAI's echo with logprobs: the prompt's tokens (the first without a logprob, as vLLM),
-        then the completion's `lps`, offsets counted over the echoed text and the completion. The
-        prompt's (a token and its top k each) are decoded in the tokenizing pool, off the event loop."""
+        """OpenAI's echo with logprobs: the prompt's tokens (the first without a logprob, as vLLM), then the
+        completion's `lps`, offsets counted over the echoed text and the completion. The prompt's (a token and its
+        top k each) are decoded in the tokenizing pool, off the event loop."""
         if out.prompt_logprobs is None:
             return self.completion_logprobs(lps, len(echo))
         return await self.prompts.run(self._merge_prompt_logprobs, prep, index, out, lps)
@@ -356,9 +356,9 @@ class Serving:
     async def _sse(self, req: SamplingRequest, prep: Prepared, stream: RequestStream, firsts: list,
                    chunk: Callable[[int, EngineOutput], Awaitable[Optional[bytes]]],
                    usage_chunk: Callable[[Usage], Any]) -> AsyncIterator[bytes]:
-        """The events: the chunks, an optional usage chunk, then [DONE]. The outputs a stream holds
-        when its turn comes go out as one chunk per sample (sse.coalesce). An engine error ends the
-        stream with an error event (then [DONE]); a dropped connection aborts the request."""
+        """The events: the chunks, an optional usage chunk, then [DONE]. The outputs a stream holds when its turn
+        comes go out as one chunk per sample (sse.coalesce). An engine error ends the stream with an error event
+        (then [DONE]); a dropped connection aborts the request."""
         finals: dict[int, EngineOutput] = {}
         cut = failed = False
         try:

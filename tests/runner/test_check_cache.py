@@ -11,7 +11,7 @@ from utils import make_model
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine.llm_engine import LLMEngine
 from pagedmlx.runner import check_cache, selfcheck
-from pagedmlx.runner import model as runner_model
+from pagedmlx.runner import verify
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ def checks(tmp_path, monkeypatch):
         runs.append(runner)
         return real(runner, *args, **kwargs)
 
-    monkeypatch.setattr(runner_model, "check_paged_forward", counted)
+    monkeypatch.setattr(verify, "check_paged_forward", counted)
     return runs
 
 

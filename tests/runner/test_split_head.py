@@ -12,6 +12,7 @@ from utils import make_model
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.kernels.selector import KernelPlan
+from pagedmlx.runner import verify
 from pagedmlx.runner.model import ModelRunner
 
 
@@ -40,10 +41,10 @@ def _faulty(runner: ModelRunner, fault: str):
 
 
 @pytest.mark.parametrize("fault", ["head", "kernel"])
-def test_verification_blames_the_part_that_disagrees(fault, caplog):
+def test_verification_blames_the_part_that_disagrees(fault, caplog, monkeypatch):
     runner = ModelRunner(make_model("gemma4-e-tiny"), EngineConfig(block_size=4, num_blocks=64), verify=False)
     runner.kernels = dataclasses.replace(KernelPlan("cuda"), decode=True)
-    runner._check = _faulty(runner, fault)
+    monkeypatch.setattr(verify, "check_paged_forward", lambda r, check=_faulty(runner, fault): check())
     runner._verify_against_mlx_lm()
     if fault == "head":
         assert runner.kernels.decode and runner.kernels.reason is None and runner._head is None
