@@ -168,8 +168,7 @@ class Serving:
             raise APIError(400, str(exc), param=prep.prompt_field if first == "prompt" else
                            _ENGINE_ERROR_FIELDS.get(first))
 
-    def note_cut(self, out: EngineOutput) -> bool:
-        """Whether `out` is a request aborted by the drain deadline."""
+    def note_cut(self, out: EngineOutput) -> bool:  # a request aborted by the drain deadline
         return out.finish_reason == "abort" and self.engine.stopping
 
     # ---- responses out -----------------------------------------------------------------------
