@@ -77,7 +77,8 @@ def announce(runner: ModelRunner, group: mx.distributed.Group) -> list[str]:
              f" = {nb} blocks x {runner.block_size} tokens, {heads} KV head{'s' * (heads != 1)} per layer"
              for r, (w, kv, nb, heads, dev, pid) in enumerate(table)]
     if len({row[2] for row in table}) != 1:
-        raise RuntimeError("tensor parallel: the ranks' page pools differ in size:\n  " + "\n  ".join(lines))
+        raise RuntimeError("tensor parallel: the ranks' page pools differ in size (each sized its own from its memory: "
+                           "give --kv-cache-gb or --num-blocks):\n  " + "\n  ".join(lines))
     return lines
 
 
