@@ -227,21 +227,25 @@ class CachedCudaKernel:
                  source: str, header: str):
         self.kernel, self.name, self.source, self.header = kernel, name, source, header
         self.input_names, self.output_names = list(input_names), list(output_names)
+        # The inputs whose rank changes the signature MLX generates (a 0-d input gets no shape arguments).
+        self._shaped = [i for i, n in enumerate(input_names)
+                        if any(f"{n}_{what}" in source for what in ("shape", "strides", "ndim"))]
         self._seen: set = set()
 
     def __call__(self, *, inputs: Sequence[Any], output_dtypes: Sequence[Any], template: Optional[Sequence] = None,
                  **kwargs: Any) -> Any:
-        template = list(template or [])
-        arrays = [x if isinstance(x, mx.array) else mx.array(x) for x in inputs]
-        key = (tuple((x.dtype, x.ndim > 0) for x in arrays), tuple(output_dtypes),
-               tuple((n, v if not isinstance(v, bool) else ("b", v)) for n, v in template))
-        if key not in self._seen:
+        try:  # a few microseconds a launch: the variant's key
+            key = (tuple([x.dtype for x in inputs]), tuple([inputs[i].ndim > 0 for i in self._shaped]),
+                   tuple(output_dtypes), tuple(template or ()))
+        except (AttributeError, TypeError):  # a Python scalar among the inputs, or a list in the template
+            key = None
+        if key is None or key not in self._seen:
             self._seen.add(key)
-            self._seed(arrays, output_dtypes, template)
-        return self.kernel(inputs=inputs, output_dtypes=output_dtypes, template=template or None, **kwargs)
+            arrays = [x if isinstance(x, mx.array) else mx.array(x) for x in inputs]
+            self._seed(arrays, output_dtypes, list(template or []))
+        return self.kernel(inputs=inputs, output_dtypes=output_dtypes, template=template, **kwargs)
 
     def _seed(self, arrays: list, output_dtypes: Sequence[Any], template: list) -> None:
-        cache_dir = ptx_cache_dir()
         if not envs.MLX_PTX_CACHE_DIR:
             return
         func = "custom_kernel_" + self.name + template_hash(template)
@@ -249,7 +253,7 @@ class CachedCudaKernel:
                         self.output_names, output_dtypes, template)
         module_name = f"{func}_{std_hash(source):x}"
         try:
-            if write_module(cache_dir, module_name, "mlx::core::cu::" + func, source):
+            if write_module(ptx_cache_dir(), module_name, "mlx::core::cu::" + func, source):
                 logger.debug("kernel %s compiled into the disk cache", module_name)
         except Exception:  # noqa: BLE001 - MLX compiles it as before
             logger.info("could not keep kernel %s on disk", func, exc_info=True)
