@@ -9,7 +9,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 # The kernels against the portable path (they skip without a GPU): paged decode, the page write, every
 # setting bench_attention sweeps (QUICK: not those), the prefill kernel, the recurrent-state kernels, quantized
 # pages, and the kernel cache's rendering against MLX's own.
-python3 -m pytest -q -rf -p no:cacheprovider -m "gpu or not gpu" tests/kernels/test_gpu_kernels.py \
+python3 -m pytest -q -rf -p no:cacheprovider tests/kernels/test_gpu_kernels.py \
   tests/kernels/test_prefill_kernel.py tests/kernels/test_state_kernels.py tests/kernels/test_gpu_kv_quant.py \
   tests/kernels/test_disk_cache.py ${QUICK:+-k "not every_setting"} 2>&1 | tee "$OUT/kernel_check.txt"
 python3 scripts/bench/bench_offline.py --preset llama-8b --dtype bfloat16 --batch-sizes $BATCHES --roofline --ab-async \
