@@ -85,10 +85,10 @@ def chat_parsing(args: argparse.Namespace, tokenizer: Any) -> Any:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from pagedmlx.platform import import_mlx_lm
     from pagedmlx.server.file_limit import raise_file_limit
 
-    import_mlx_lm()  # first: keep the operator's open-file limit (file_limit.py)
+    # mlx-lm is imported later (pagedmlx.platform.import_mlx_lm, which keeps the operator's open-file limit: see
+    # file_limit.py), once the engine-core process has started: nothing before that imports it.
     nofile = raise_file_limit()
     from rich.console import Console
 
@@ -135,6 +135,9 @@ def _start_engine(args: argparse.Namespace, config: Any, distributed: bool):
 
 def _import_server() -> None:
     """The front end's modules, imported while the engine core loads the model (seconds of a start)."""
+    from pagedmlx.platform import import_mlx_lm
+
+    import_mlx_lm()  # first: keep the operator's open-file limit (file_limit.py)
     import pagedmlx.engine.async_engine  # noqa: F401
     import pagedmlx.server.api  # noqa: F401
     import pagedmlx.server.http_server  # noqa: F401
