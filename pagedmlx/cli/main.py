@@ -201,9 +201,9 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = make_parser().parse_args(argv)
-    if argv is None:  # a process of its own: OpenBLAS for MLX's CPU backend
+    if argv is None:  # a process of its own: OpenBLAS for MLX's CPU backend, before anything else is imported
         reexec_with_openblas(sys.argv[1:])
+    args = make_parser().parse_args(argv)
     return SUBCOMMANDS[args.command][1](args)
 
 
