@@ -91,12 +91,8 @@ def openblas_to_preload(maps: Optional[str] = None) -> Optional[str]:
     path = next((p for p in OPENBLAS if os.path.exists(p)), None)
     if path is None or not sys.platform.startswith("linux"):
         return None
-    if maps is None:
-        try:
-            maps = Path("/proc/self/maps").read_text()
-        except OSError:
-            return None
-    return None if "libopenblas" in maps else path
+    maps = _maps() if maps is None else maps
+    return None if not maps or "libopenblas" in maps else path
 
 
 def reexec_with_openblas(argv: Sequence[str]) -> None:
@@ -116,16 +112,15 @@ def slow_blas_warning() -> Optional[str]:
     """What to tell a user whose engine multiplies on the CPU with MLX's reference BLAS; None where that is not so."""
     import mlx.core as mx
 
-    if mx.default_device() != mx.cpu or not sys.platform.startswith("linux"):
+    maps = _maps()
+    if mx.default_device() != mx.cpu or not sys.platform.startswith("linux") or not maps or "libopenblas" in maps:
         return None
-    path = openblas_to_preload()
+    path = openblas_to_preload(maps)
     if path is not None:
         return (f"MLX's CPU backend multiplies with its reference BLAS in this process: start Python with "
                 f"LD_PRELOAD={path} for 2-3x the speed (the `pagedmlx` command and `make` do it for you)")
-    if not any(os.path.exists(p) for p in OPENBLAS) and "libopenblas" not in _maps():
-        return ("MLX's CPU backend multiplies with its reference BLAS: install OpenBLAS (Debian/Ubuntu: "
-                "apt-get install libopenblas0-pthread) and preload it (LD_PRELOAD) for 2-3x the speed")
-    return None
+    return ("MLX's CPU backend multiplies with its reference BLAS: install OpenBLAS (Debian/Ubuntu: "
+            "apt-get install libopenblas0-pthread) and preload it (LD_PRELOAD) for 2-3x the speed")
 
 
 def warn_if_slow_blas() -> None:

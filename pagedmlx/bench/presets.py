@@ -78,12 +78,13 @@ PRESETS["gemma4-e2b-16l"] = dict(
 
 @dataclass(frozen=True)
 class Quantization:
-    """Affine weight quantization of a preset: `bits` for the layers, `head_bits` for the embeddings and the LM
-    head (None: `bits`)."""
+    """Weight quantization of a preset: `bits` for the layers, `head_bits` for the embeddings and the LM head (None:
+    `bits`); `mode` is MLX's (affine, or a microscaled mxfp4 / mxfp8 / nvfp4 with its own group size)."""
 
     bits: int
     group_size: int = 64
     head_bits: Optional[int] = None
+    mode: str = "affine"
 
     @property
     def suffix(self) -> str:
@@ -127,10 +128,10 @@ def quantize_model(model, q: Quantization) -> None:
             return False
         verdict = own(path, m) if own is not None else True
         if verdict is True and q.head_bits and (isinstance(m, nn.Embedding) or path.split(".")[-1] == "lm_head"):
-            return dict(group_size=q.group_size, bits=q.head_bits, mode="affine")
+            return dict(group_size=q.group_size, bits=q.head_bits, mode=q.mode)
         return verdict
 
-    nn.quantize(model, q.group_size, q.bits, mode="affine", class_predicate=predicate)
+    nn.quantize(model, q.group_size, q.bits, mode=q.mode, class_predicate=predicate)
     mx.eval(model.parameters())
 
 

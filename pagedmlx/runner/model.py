@@ -226,7 +226,7 @@ class ModelRunner:
 
         n = config.num_blocks
         if n is None:  # the most full-group blocks whose groups fit the memory budget (after the state slots)
-            budget, lo, hi = pages_budget(self.kv_budget.nbytes, self.kv_budget.how, state, config), 2, 1 << 40
+            budget, lo, hi = pages_budget(self.kv_budget, state, config), 2, 1 << 40
             while lo < hi:
                 mid = (lo + hi + 1) // 2
                 lo, hi = (mid, hi) if sum(c * b for c, b in zip(sized(mid), bpb)) <= budget else (lo, mid - 1)

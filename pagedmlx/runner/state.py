@@ -57,8 +57,9 @@ def state_group(plan: list[LayerPlan], config: EngineConfig) -> Optional[KVCache
                             sum(plan[i].state.nbytes for i in layers))
 
 
-def pages_budget(budget: int, how: str, state: Optional[KVCacheGroupSpec], config: EngineConfig) -> int:
-    """Bytes of the KV budget (`how`: how it was sized) left for pages once the state slots are counted."""
+def pages_budget(budget: Any, state: Optional[KVCacheGroupSpec], config: EngineConfig) -> int:
+    """Bytes of the KV budget (runner/kv_budget.py's KVBudget) left for pages once the state slots are counted."""
+    how, budget = budget.how, budget.nbytes
     if state is None:
         return budget
     state_bytes = state.num_blocks * state.page_size_bytes

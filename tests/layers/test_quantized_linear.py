@@ -10,17 +10,18 @@ import mlx.nn as nn
 import pytest
 from utils import assert_solo_greedy, make_prompts, run_staggered, solo_greedy
 
+from pagedmlx.bench.presets import Quantization, quantize_model
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine.llm_engine import LLMEngine
-from pagedmlx.loaders.random_model import RANDOM_ARCHS, random_model
+from pagedmlx.loaders.random_model import RANDOM_ARCHS, build_model, random_model
 from pagedmlx.layers.merged_linear import MergedLinear
 from pagedmlx.layers.quantized_linear import FlatQuantizedLinear, flat_rows, flatten_quantized
 from pagedmlx.sampling_params import SamplingParams
 
 
-def _quantized(arch: str, **kwargs) -> nn.Module:
+def _quantized(arch: str, bits: int = 4) -> nn.Module:
     model = random_model(arch, 0)
-    nn.quantize(model, group_size=32, bits=kwargs.get("bits", 4))
+    quantize_model(model, Quantization(bits, 32))
     return model
 
 
@@ -86,40 +87,24 @@ def test_mlx_lm_on_the_same_model_object_runs_as_before(monkeypatch):
 # Every quantization mlx-lm's convert writes: affine at 4 and 8 bits and group sizes 32 / 64 / 128, a mixed
 # conversion (8-bit embeddings and head over a 4-bit body), and MLX's microscaled modes (mxfp4 for gpt-oss).
 QUANTIZATIONS = {
-    "affine4-g32": dict(bits=4, group_size=32), "affine4-g64": dict(bits=4, group_size=64),
-    "affine4-g128": dict(bits=4, group_size=128), "affine8-g64": dict(bits=8, group_size=64),
-    "mixed-8head-4body": dict(bits=4, group_size=64, head_bits=8),
-    "mxfp4": dict(mode="mxfp4", bits=4, group_size=32), "mxfp8": dict(mode="mxfp8", bits=8, group_size=32),
-    "nvfp4": dict(mode="nvfp4", bits=4, group_size=16),
+    "affine4-g32": Quantization(4, 32), "affine4-g64": Quantization(4, 64), "affine4-g128": Quantization(4, 128),
+    "affine8-g64": Quantization(8, 64), "mixed-8head-4body": Quantization(4, 64, head_bits=8),
+    "mxfp4": Quantization(4, 32, mode="mxfp4"), "mxfp8": Quantization(8, 32, mode="mxfp8"),
+    "nvfp4": Quantization(4, 16, mode="nvfp4"),
 }
 WIDE_LLAMA = dict(model_type="llama", hidden_size=256, num_hidden_layers=2, intermediate_size=512,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=512, rms_norm_eps=1e-5,
                   tie_word_embeddings=False)
 
 
-def _converted(q: dict) -> nn.Module:
-    """A random llama (widths every group size divides) quantized as mlx-lm's convert does with these settings."""
-    from pagedmlx.loaders.random_model import build_model
-
-    model = build_model(WIDE_LLAMA, seed=3)
-    mode, bits, group = q.get("mode", "affine"), q["bits"], q["group_size"]
-    head_bits = q.get("head_bits")
-    if head_bits:
-        nn.quantize(model, group_size=group, bits=head_bits, mode=mode,
-                    class_predicate=lambda path, m: path in ("model.embed_tokens", "lm_head"))
-    nn.quantize(model, group_size=group, bits=bits, mode=mode,
-                class_predicate=lambda path, m: hasattr(m, "to_quantized") and not isinstance(
-                    m, (nn.QuantizedLinear, nn.QuantizedEmbedding)))
-    return model
-
-
 @pytest.mark.parametrize("name", list(QUANTIZATIONS))
 def test_every_quantization_mlx_lm_writes_gives_mlx_lm_tokens_busy(name):
     """A busy engine (staggered arrivals, shared prefixes, chunked prompts, merged projections) on each
     quantization gives every request mlx-lm's generate_step tokens for its prompt alone."""
-    model = _converted(QUANTIZATIONS[name])
+    model = build_model(WIDE_LLAMA, seed=3)
+    quantize_model(model, QUANTIZATIONS[name])  # as the quantized presets and mlx-lm's convert do
     assert type(model.model.layers[0].mlp.down_proj) is nn.QuantizedLinear
-    if QUANTIZATIONS[name].get("head_bits"):
+    if QUANTIZATIONS[name].head_bits:
         layers = (model.lm_head, model.model.embed_tokens, model.model.layers[0].mlp.down_proj)
         assert [m.bits for m in layers] == [8, 8, 4]
     prompts = [p[:48] for p in make_prompts(10, WIDE_LLAMA["vocab_size"], seed=7)]
@@ -137,9 +122,7 @@ def test_quantized_families_give_mlx_lm_tokens_busy(arch):
     """The seed's families at 4 bits (Gemma 4 with shared KV and sliding windows, its MoE, Qwen3.6's hybrid MoE
     with recurrent layers; gpt-oss in mxfp4 as it ships): busy equals mlx-lm alone."""
     model = random_model(arch)
-    mode = dict(mode="mxfp4", group_size=32, bits=4) if arch.startswith("gpt-oss") else dict(group_size=32, bits=4)
-    nn.quantize(model, **mode, class_predicate=lambda path, m: hasattr(m, "to_quantized") and
-                m.weight.shape[-1] % 32 == 0)
+    quantize_model(model, Quantization(4, 32, mode="mxfp4" if arch.startswith("gpt-oss") else "affine"))
     vocab = RANDOM_ARCHS[arch].get("vocab_size") or RANDOM_ARCHS[arch]["text_config"]["vocab_size"]
     prompts = [p[:40] for p in make_prompts(8, vocab, seed=11)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
