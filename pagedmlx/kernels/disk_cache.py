@@ -237,12 +237,11 @@ class CachedCudaKernel:
         try:  # a few microseconds a launch: the variant's key
             key = (tuple([x.dtype for x in inputs]), tuple([inputs[i].ndim > 0 for i in self._shaped]),
                    tuple(output_dtypes), tuple(template or ()))
-        except (AttributeError, TypeError):  # a Python scalar among the inputs, or a list in the template
-            key = None
-        if key is None or key not in self._seen:
+        except (AttributeError, TypeError):  # a Python scalar among the inputs, or a list in the template:
+            key = None  # MLX builds this variant itself, as it always has
+        if key is not None and key not in self._seen:
             self._seen.add(key)
-            arrays = [x if isinstance(x, mx.array) else mx.array(x) for x in inputs]
-            self._seed(arrays, output_dtypes, list(template or []))
+            self._seed(inputs, output_dtypes, list(template or []))
         return self.kernel(inputs=inputs, output_dtypes=output_dtypes, template=template, **kwargs)
 
     def _seed(self, arrays: list, output_dtypes: Sequence[Any], template: list) -> None:
