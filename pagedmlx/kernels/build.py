@@ -12,6 +12,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from pagedmlx import envs
 from pagedmlx.kernels.dialect import CUDA, METAL
 from pagedmlx.kernels.disk_cache import CachedCudaKernel
 from pagedmlx.platform import gpu_backend_name
@@ -30,6 +31,8 @@ def make_kernel(backend: str, name: str, inputs: list[str], outputs: list[str], 
     name = f"{name}_{hashlib.sha1((header + source).encode()).hexdigest()[:10]}"
     if backend == CUDA:
         kernel = mx.fast.cuda_kernel(name, inputs, outputs, source, header=header)
+        if not envs.MLX_PTX_CACHE_DIR:  # no folder MLX reads modules from: nothing to keep
+            return kernel
         return CachedCudaKernel(kernel, name, inputs, outputs, source, header)
     return mx.fast.metal_kernel(name, inputs, outputs, source, header=header)
 
