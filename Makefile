@@ -16,6 +16,8 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[test]"
+	# The vision extra without its own dependencies (audio, datasets, opencv: ~250 MB the image path never imports)
+	$(PY) -m pip install -q --no-deps "mlx-vlm==0.7.10"
 	touch $@
 
 setup: $(VENV)/.installed

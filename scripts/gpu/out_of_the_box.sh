@@ -2,6 +2,8 @@
 # `pagedmlx serve MODEL` as a new user starts it, on the GPU machine (after scripts/gpu/env.sh): the time to a
 # healthy server on a cold kernel cache and again on a warm one, then out tok/s and TTFT at CLIENTS concurrent
 # clients with the default KV pool (sized by --gpu-memory-utilization) against --kv-cache-gb KV_GB; a table last.
+# The model is written once as an mlx-lm folder (scripts/export_mlx_model.py) so that mlx_lm.server's start is
+# timed on the very same files; "ready" is the first answered one-token completion, for both servers.
 #   bash scripts/gpu/out_of_the_box.sh            MODEL (default preset:llama-8b), CLIENTS (256), KV_GB (30)
 set -u
 export PYTHONUNBUFFERED=1
@@ -9,13 +11,23 @@ OUT=${OUT:-/tmp/ootb}; mkdir -p "$OUT"
 MODEL=${MODEL:-preset:llama-8b}; CLIENTS=${CLIENTS:-256}; KV_GB=${KV_GB:-30}; PORT=8011
 export PAGEDMLX_CACHE_DIR=${PAGEDMLX_CACHE_DIR:-$OUT/cache}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; date -u
-serve() {  # name, extra flags...: start, wait for /health, record seconds
+DIR=$OUT/model
+[ -f "$DIR/config.json" ] || python3 scripts/export_mlx_model.py "$MODEL" "$DIR" --dtype bfloat16 > "$OUT/export.log" 2>&1 \
+  || { tail -5 "$OUT/export.log"; exit 1; }
+answered() {  # one-token completion answered by the server on $PORT
+  python3 -c "import httpx,sys; r = httpx.post('http://127.0.0.1:$PORT/v1/completions', timeout=5,
+    json={'model': '$DIR', 'prompt': 'Hi', 'max_tokens': 1}); sys.exit(r.status_code != 200)" 2>/dev/null
+}
+serve() {  # name, extra flags...: start, wait for an answer, record seconds
   local name=$1; shift
   local t0=$(date +%s.%N)
-  python3 -m pagedmlx.cli serve "$MODEL" --dtype bfloat16 --port $PORT "$@" > "$OUT/$name.log" 2>&1 &
+  if [ "$name" = mlx-lm ]; then
+    python3 -m mlx_lm server --model "$DIR" --port $PORT > "$OUT/$name.log" 2>&1 &
+  else
+    python3 -m pagedmlx.cli serve "$DIR" --served-model-name "$DIR" --port $PORT "$@" > "$OUT/$name.log" 2>&1 &
+  fi
   SERVER=$!
-  until python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$PORT/health').status_code != 200)" \
-      2>/dev/null; do
+  until answered; do
     kill -0 $SERVER 2>/dev/null || { echo "$name: server exited"; tail -5 "$OUT/$name.log"; return 1; }
     sleep 0.5
   done
@@ -28,6 +40,8 @@ load() {  # name
     --random-output-len 64 --ignore-eos --num-prompts $((CLIENTS * 2)) --max-concurrency $CLIENTS --num-processes 4 \
     --disable-tqdm --save-result --result-dir "$OUT" --result-filename "$1.json" 2>&1 | tail -4
 }
+serve mlx-lm && stop
+serve mlx-lm && stop
 serve cold && stop
 serve warm && load default && stop
 serve pool --kv-cache-gb "$KV_GB" && load pool && stop
