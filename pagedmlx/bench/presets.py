@@ -76,6 +76,14 @@ PRESETS["gemma4-e2b-16l"] = dict(
     tie_word_embeddings=True)
 
 
+# Gemma 4 E4B's widths, all 42 layers (18 of them KV-shared): hidden 2560, 8 heads over 2 KV heads, MLP 10240;
+# the seed's first model ("a Gemma-4-E4B-like shape" of the quantized benchmarks: preset:gemma4-e4b-4bit).
+PRESETS["gemma4-e4b"] = dict(
+    model_type="gemma4_text", hidden_size=2560, num_hidden_layers=42, intermediate_size=10240, num_attention_heads=8,
+    head_dim=256, global_head_dim=512, num_key_value_heads=2, num_kv_shared_layers=18, hidden_size_per_layer_input=256,
+    vocab_size=262144, vocab_size_per_layer_input=262144, sliding_window=512, sliding_window_pattern=6,
+    final_logit_softcapping=30.0, rms_norm_eps=1e-6, max_position_embeddings=131072, tie_word_embeddings=True)
+
 @dataclass(frozen=True)
 class Quantization:
     """Weight quantization of a preset: `bits` for the layers, `head_bits` for the embeddings and the LM head (None:

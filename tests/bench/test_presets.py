@@ -18,7 +18,8 @@ from pagedmlx.loaders.loader import generation_defaults, load_model
 from pagedmlx.loaders.random_model import tiny_tokenizer
 
 FAMILIES = {"llama-8b": "llama", "gemma3-27b-16l": "gemma3_text", "gemma4-e2b-16l": "gemma4_text",
-            "qwen3.5-27b-16l": "qwen3_5", "qwen3.5-35b-a3b-16l": "qwen3_5_moe", "qwen3.6-35b-a3b-16l": "qwen3_5_moe"}
+            "gemma4-e4b": "gemma4_text", "qwen3.5-27b-16l": "qwen3_5", "qwen3.5-35b-a3b-16l": "qwen3_5_moe",
+            "qwen3.6-35b-a3b-16l": "qwen3_5_moe"}
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
