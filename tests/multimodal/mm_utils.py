@@ -1,0 +1,87 @@
+"""Tiny random-weight vision-language models (mlx-vlm classes), a processor for them, and mlx-vlm's own greedy
+generation as the reference."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from utils import Greedy
+
+from pagedmlx.loaders.random_model import tiny_tokenizer
+from pagedmlx.multimodal.loader import build_vlm
+
+BOI, EOI, IMAGE = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
+VOCAB = 512
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}" + BOI + "{% else %}{{ p['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+# Gemma 3: 16x16 images in 4x4 patches, pooled to 2x2 = 4 image tokens; 6 text layers, sliding window 8.
+GEMMA3_VLM = dict(
+    model_type="gemma3", hidden_size=64, image_token_index=VOCAB - 1, pad_token_id=0, vocab_size=VOCAB,
+    text_config=dict(model_type="gemma3_text", hidden_size=64, num_hidden_layers=6, intermediate_size=128,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, sliding_window=8,
+                     sliding_window_pattern=3, mm_tokens_per_image=4, rms_norm_eps=1e-6, query_pre_attn_scalar=16,
+                     max_position_embeddings=4096, rope_global_base_freq=1e6, rope_local_base_freq=1e4),
+    vision_config=dict(model_type="siglip_vision_model", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                       num_attention_heads=2, patch_size=4, image_size=16, layer_norm_eps=1e-6))
+
+
+@functools.lru_cache(maxsize=None)
+def gemma3_vlm(seed: int = 0):
+    return build_vlm(copy.deepcopy(GEMMA3_VLM), seed)
+
+
+def gemma3_processor():
+    """mlx-vlm's Gemma3Processor over the tiny tokenizer with Gemma's three image tokens (ids 509-511)."""
+    from mlx_vlm.models.gemma3.processing_gemma3 import Gemma3Processor
+    from transformers.models.gemma3 import Gemma3ImageProcessorPil
+
+    hf = copy.deepcopy(tiny_tokenizer(VOCAB - 3)._tokenizer)
+    hf.add_special_tokens({"additional_special_tokens": [BOI, EOI, IMAGE]})
+    hf.boi_token, hf.eoi_token, hf.image_token = BOI, EOI, IMAGE
+    hf.image_token_id = hf.convert_tokens_to_ids(IMAGE)
+    hf.chat_template = CHAT_TEMPLATE
+    assert hf.image_token_id == VOCAB - 1 and len(hf) == VOCAB
+    image_processor = Gemma3ImageProcessorPil(size={"height": 16, "width": 16}, do_pan_and_scan=False)
+    return Gemma3Processor(image_processor, hf, image_seq_length=4, chat_template=CHAT_TEMPLATE)
+
+
+def image(seed: int, size: tuple[int, int] = (24, 20)):
+    """A random RGB PIL image."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), "RGB")
+
+
+def vlm_greedy(vlm, prompt: list[int], pixel_values: Optional[mx.array], max_tokens: int, **kwargs) -> Greedy:
+    """mlx-vlm's own greedy generation for one prompt (with its images' pixel values) alone."""
+    from mlx_vlm.generate.ar import generate_step
+
+    out = Greedy()
+    steps = generate_step(mx.array(prompt)[None], vlm, pixel_values, mx.ones((1, len(prompt)), mx.int32),
+                          max_tokens=max_tokens, temperature=0.0,
+                          **kwargs)
+    for (tok, logprobs), _ in zip(steps, range(max_tokens)):
+        out.add(int(tok), logprobs)
+    return out
+
+
+def vlm_reference(vlm, pixel_values: Optional[mx.array], **kwargs):
+    """A greedy_mismatch reference: mlx-vlm's continuation of a prompt that starts with these images' prompt."""
+    return lambda prompt, max_tokens: vlm_greedy(vlm, prompt, pixel_values, max_tokens, **kwargs)
+
+
+def pixels_of(features) -> Optional[mx.array]:
+    """The pixel values of a request's features, stacked as mlx-vlm takes them (None: no image)."""
+    if not features:
+        return None
+    return mx.concatenate([f.data["pixel_values"].mx() for f in features])
