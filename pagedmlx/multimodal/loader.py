@@ -34,8 +34,9 @@ def is_vlm(model: Any) -> bool:
 
 def build_vlm(config: dict, seed: int = 0, scale: float = 2.0) -> nn.Module:
     """A random-weight float32 mlx-vlm model from a config dict (text_config and vision_config inside), seeded;
-    weights scaled as loaders/random_model.py's (decisive logits)."""
-    from mlx.utils import tree_map
+    weights scaled as loaders/random_model.py's (decisive logits). Projections that mlx-vlm initialises to ones
+    (Gemma 3's mm_input_projection_weight) are drawn at random: all-ones would give every image row one value."""
+    from mlx.utils import tree_map_with_path
     from mlx_vlm.utils import get_model_and_args, update_module_configs
 
     arch, _ = get_model_and_args(config)
@@ -43,7 +44,12 @@ def build_vlm(config: dict, seed: int = 0, scale: float = 2.0) -> nn.Module:
     model_config = update_module_configs(model_config, arch, config, ["text", "vision", "audio"])
     mx.random.seed(seed)
     model = arch.Model(model_config)
-    model.update(tree_map(lambda p: p * scale, model.parameters()))
+    def init(path: str, p: mx.array) -> mx.array:
+        if path.endswith("projection_weight"):
+            return mx.random.normal(p.shape) * p.shape[0] ** -0.5
+        return p * scale
+
+    model.update(tree_map_with_path(init, model.parameters()))
     mx.eval(model.parameters())
     return model
 

@@ -1,0 +1,138 @@
+"""Images in the paged batch on a tiny random-weight Gemma 3 (mlx-vlm's classes): every request's greedy tokens
+equal mlx-vlm's own generation for it alone, whatever shares its steps (issue 51)."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import msgspec
+import pytest
+
+from mm_utils import BOI, gemma3_processor, gemma3_vlm, image, pixels_of, vlm_reference
+from utils import greedy_mismatch, run_to_completion
+
+from pagedmlx.config import EngineConfig
+from pagedmlx.engine.llm_engine import LLMEngine
+from pagedmlx.engine.messages import AddRequest, decode, encode
+from pagedmlx.multimodal import split_vlm, vlm_processor
+from pagedmlx.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def make_engine(**config):
+    vlm = gemma3_vlm()
+    text, encoder = split_vlm(vlm)
+    processor, tokenizer = vlm_processor(gemma3_processor(), encoder)
+    config = {"block_size": 4, "num_blocks": 96, "max_num_batched_tokens": 24, **config}
+    return LLMEngine(text, tokenizer, EngineConfig(**config), mm_encoder=encoder), processor, vlm
+
+
+def check(vlm, done, prompts):
+    for rid, (ids, features) in prompts.items():
+        got = list(done[rid].token_ids)
+        why = greedy_mismatch(got, ids, GREEDY.max_tokens, vlm_reference(vlm, pixels_of(features)))
+        assert why is None, f"{rid}: {why}"
+
+
+def test_busy_equals_solo_with_images_text_chunks_and_preemption():
+    """Requests with one or two images of several sizes, text-only ones beside them, staggered arrivals, chunks that
+    split images (24-token budget, 4-token images at odd offsets), a pool small enough to preempt."""
+    engine, processor, vlm = make_engine(num_blocks=40, max_num_seqs=6)
+    texts = [(f"Describe {BOI} now.", [image(1, (24, 20))]),
+             (f"The quick brown fox {BOI} jumps {BOI} over", [image(2, (40, 16)), image(3, (9, 30))]),
+             ("Hello, world! How are you today?", []),
+             (f"{BOI} What is the capital of France?", [image(4, (16, 16))]),
+             ("Paged attention keeps the KV cache in fixed-size blocks.", []),
+             (f"Paris is {BOI}{BOI} the capital", [image(5, (33, 21)), image(1, (24, 20))]),
+             (f"Hello {BOI} world", [image(6, (64, 48))])]
+    prompts = {}
+    for i, (text, images) in enumerate(texts):
+        prompts[f"r{i}"] = processor.process(text, images)
+    done = {}
+    for i, (rid, (ids, features)) in enumerate(prompts.items()):
+        engine.add_request(rid, ids, GREEDY, mm_features=features)
+        if i % 2:
+            for out in engine.step() + engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+    done.update(run_to_completion(engine))
+    assert engine.scheduler.num_preemptions > 0
+    distinct = {f.identifier for _, features in prompts.values() for f in features}
+    assert len(distinct) == 6  # r5's second image is r0's: the same pixels, the same identifier
+    assert engine.runner.mm.num_encoded >= 6
+    check(vlm, done, prompts)
+    assert not engine.runner.mm.encoder_cache and not engine.scheduler.encoder_cache_manager.cached
+
+
+def test_prefix_hit_shares_pages_of_the_same_image_only():
+    """The same text and image again: a prefix hit past the image, the same tokens. The same text with another
+    image: no page after the image's first block is shared, and the tokens differ."""
+    engine, processor, vlm = make_engine()
+    text = f"The quick brown fox jumps over {BOI} the lazy dog. What is it?"
+    prompts = {"a": processor.process(text, [image(1)])}
+    engine.add_request("a", prompts["a"][0], GREEDY, mm_features=prompts["a"][1])
+    done = run_to_completion(engine)
+    offset = prompts["a"][1][0].mm_position.offset
+    prompts["b"] = processor.process(text, [image(1)])
+    prompts["c"] = processor.process(text, [image(7)])
+    assert prompts["b"][0] == prompts["c"][0]  # the same token ids: only the image tells them apart
+    engine.add_request("b", prompts["b"][0], GREEDY, mm_features=prompts["b"][1])
+    done.update(run_to_completion(engine))
+    engine.add_request("c", prompts["c"][0], GREEDY, mm_features=prompts["c"][1])
+    done.update(run_to_completion(engine))
+    assert done["b"].num_cached_tokens > offset + 4
+    assert done["c"].num_cached_tokens <= offset
+    assert list(done["a"].token_ids) == list(done["b"].token_ids)
+    assert list(done["a"].token_ids) != list(done["c"].token_ids)
+    check(vlm, done, prompts)
+
+
+def test_chat_with_a_data_url_image_equals_generate():
+    from pagedmlx import LLM
+
+    llm = LLM(gemma3_vlm(), tokenizer=gemma3_processor(), block_size=4, num_blocks=64, max_num_batched_tokens=16)
+    buf = io.BytesIO()
+    image(3, (30, 20)).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hello "},
+                                             {"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": " what is this?"}]}]
+    chat = llm.chat(messages, GREEDY)[0]
+    ids, features = llm.mm_processor.process_chat(messages)
+    assert list(chat.prompt_token_ids) == ids and len(features) == 1
+    prompt = "<|im_start|>user\nHello " + BOI + " what is this?<|im_end|>\n<|im_start|>assistant\n"
+    gen = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image(3, (30, 20))}}, GREEDY)[0]
+    assert list(chat.outputs[0].token_ids) == list(gen.outputs[0].token_ids)
+    assert greedy_mismatch(list(gen.outputs[0].token_ids), ids, GREEDY.max_tokens,
+                           vlm_reference(gemma3_vlm(), pixels_of(features))) is None
+
+
+def test_features_cross_the_process_boundary():
+    _, processor, _ = make_engine()
+    ids, features = processor.process(f"Hello {BOI} world", [image(2)])
+    add = AddRequest("x", [("x", ids, GREEDY)], mm_features=[features])
+    frames = encode(("add", add))
+    (kind, got) = decode(frames)
+    assert kind == "add" and got.mm_features == [features]
+    back = got.mm_features[0][0].data["pixel_values"]
+    assert back.numpy().tobytes() == features[0].data["pixel_values"].numpy().tobytes()
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(features[0]), type=type(features[0])) == features[0]
+
+
+def test_bad_image_requests_are_refused_by_name():
+    engine, processor, _ = make_engine()
+    ids, features = processor.process(f"Hello {BOI} world", [image(2)])
+    moved = [msgspec.structs.replace(features[0], mm_position=type(features[0].mm_position)(0, 4))]
+    with pytest.raises(ValueError, match="not only the image token"):
+        engine.add_request("bad", ids, GREEDY, mm_features=moved)
+    text_only = LLMEngine(split_vlm(gemma3_vlm())[0], engine.tokenizer, EngineConfig(block_size=4, num_blocks=32))
+    with pytest.raises(ValueError, match="takes no images"):
+        text_only.add_request("t", ids, GREEDY, mm_features=features)
+    with pytest.raises(ValueError, match="data: URLs"):
+        processor.process_chat([{"role": "user", "content": [{"type": "image_url",
+                                                               "image_url": {"url": "http://x/y.png"}}]}])
+    with pytest.raises(ValueError, match="not a readable image"):
+        processor.process_chat([{"role": "user", "content": [{"type": "image_url",
+                                                               "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
