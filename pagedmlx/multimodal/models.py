@@ -6,7 +6,8 @@ config this module cannot reproduce exactly is refused by name (UnsupportedMulti
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -39,6 +40,11 @@ class VisionEncoder:
         index = mx.put_along_axis(index, image_rows, mx.arange(t, t + image_rows.shape[0]), axis=0)
         embeds = mx.take(mx.concatenate([embeds, image_embeds.astype(embeds.dtype)]), index, axis=0)
         return {"input_embeddings": embeds[:, None, :]}
+
+    @contextlib.contextmanager
+    def forward_context(self, body: nn.Module) -> Iterator[None]:
+        """Around the text model's call on a step with image rows (the graph is built inside)."""
+        yield
 
 
 class Gemma3Vision(VisionEncoder):
@@ -82,7 +88,26 @@ class Gemma4Vision(VisionEncoder):
 
     def input_embeddings(self, body: nn.Module, input_ids: mx.array, image_rows: mx.array,
                          image_embeds: mx.array) -> dict[str, Any]:
-        raise UnsupportedMultiModalError("gemma4: image rows are not spliced yet")
+        """Text rows embed_tokens * embed_scale and image rows as projected, as mlx-vlm's get_input_embeddings;
+        forward_context has mlx-lm's body scale by 1.0 (x * s / s is not always x). Per-layer inputs from the
+        token ids with image rows as token 0."""
+        embeds = body.embed_tokens(input_ids) * body.embed_scale
+        t = input_ids.shape[0]
+        index = mx.put_along_axis(mx.arange(t), image_rows, mx.arange(t, t + image_rows.shape[0]), axis=0)
+        embeds = mx.take(mx.concatenate([embeds, image_embeds.astype(embeds.dtype)]), index, axis=0)
+        kwargs = {"input_embeddings": embeds[:, None, :]}
+        if body.hidden_size_per_layer_input:
+            text_ids = mx.put_along_axis(input_ids, image_rows, mx.zeros(image_rows.shape, input_ids.dtype), axis=0)
+            kwargs["per_layer_inputs"] = body._get_per_layer_inputs(text_ids[:, None])
+        return kwargs
+
+    @contextlib.contextmanager
+    def forward_context(self, body: nn.Module) -> Iterator[None]:
+        scale, body.embed_scale = body.embed_scale, 1.0
+        try:
+            yield
+        finally:
+            body.embed_scale = scale
 
 
 FAMILIES = {"gemma3": Gemma3Vision, "gemma4": Gemma4Vision}

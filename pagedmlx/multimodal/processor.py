@@ -44,18 +44,17 @@ class MultiModalProcessor:
         out = self.hf_processor(text=[prompt], images=[images], add_special_tokens=add_special_tokens)
         ids = np.asarray(out["input_ids"]).reshape(-1).astype(np.int64).tolist()
         runs = placeholder_runs(ids, self.image_token_id)
-        per_image = {k: np.asarray(v) for k, v in out.items() if k not in _TEXT_KEYS and v is not None
-                     and hasattr(v, "shape") and len(getattr(v, "shape", ())) > 0}
+        per_image = {k: _items(v) for k, v in out.items() if k not in _TEXT_KEYS and _items(v) is not None}
         if not runs:
             raise ValueError(f"the prompt has no image marker for its {len(images)} images (the processor expanded "
                              f"none into image token {self.image_token_id})")
-        bad = {k: v.shape[0] for k, v in per_image.items() if v.shape[0] != len(runs)}
+        bad = {k: len(v) for k, v in per_image.items() if len(v) != len(runs)}
         if bad or "pixel_values" not in per_image:
             raise ValueError(f"{len(runs)} placeholder runs of image token {self.image_token_id} for processed "
-                             f"arrays {({k: v.shape for k, v in per_image.items()})}")
+                             f"arrays of {({k: len(v) for k, v in per_image.items()})} items")
         features = []
         for i, (offset, length) in enumerate(runs):
-            data = {k: TensorData.from_array(v[i:i + 1]) for k, v in per_image.items()}
+            data = {k: TensorData.from_array(v[i][None]) for k, v in per_image.items()}
             features.append(MultiModalFeatureSpec(data, "image", content_hash(data, self.hash_salt),
                                                   PlaceholderRange(offset, length)))
         return ids, features
@@ -74,6 +73,17 @@ class MultiModalProcessor:
         text = template_owner.apply_chat_template(conversation, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt, **kwargs)
         return self.process(text, images, add_special_tokens=False)
+
+
+def _items(value: Any) -> Optional[list[np.ndarray]]:
+    """A processed output as per-image arrays: a batched array's rows, or a list of arrays (images of other
+    shapes); None for what is not an array."""
+    if isinstance(value, (list, tuple)):
+        items = [np.asarray(v) for v in value]
+        return items if items and all(a.ndim > 0 and a.dtype.kind in "fiub" for a in items) else None
+    if hasattr(value, "shape") and len(value.shape) > 0:
+        return list(np.asarray(value))
+    return None
 
 
 def placeholder_runs(token_ids: Sequence[int], image_token_id: int) -> list[tuple[int, int]]:

@@ -59,3 +59,7 @@ class MultiModalRunner:
         image_rows = mx.array(np.concatenate(rows).astype(np.int32))
         image_embeds = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces)
         return self.encoder.input_embeddings(self.body, input_ids, image_rows, image_embeds)
+
+    def forward_context(self):
+        """The family's context around the text model's call on a step with image rows."""
+        return self.encoder.forward_context(self.body)

@@ -4,8 +4,9 @@ generation as the reference."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import mlx.core as mx
 import numpy as np
@@ -54,6 +55,54 @@ def gemma3_processor():
     return Gemma3Processor(image_processor, hf, image_seq_length=4, chat_template=CHAT_TEMPLATE)
 
 
+# Gemma 4 ("E" style: per-layer inputs, a KV-shared tail): 4x4 patches pooled 2x2, up to 16 image tokens per image
+# (an image's count follows its aspect ratio); its image token is also the prompt's marker.
+VIDEO = "<|video|>"
+GEMMA4_VLM = dict(
+    model_type="gemma4", hidden_size=64, image_token_id=VOCAB - 1, boi_token_id=VOCAB - 3, eoi_token_id=VOCAB - 2,
+    audio_token_id=VOCAB, vocab_size=VOCAB, pad_token_id=0,
+    text_config=dict(model_type="gemma4_text", hidden_size=64, num_hidden_layers=6, intermediate_size=128,
+                     num_attention_heads=4, head_dim=16, global_head_dim=32, num_key_value_heads=1,
+                     num_kv_shared_layers=2, hidden_size_per_layer_input=16, vocab_size=VOCAB,
+                     vocab_size_per_layer_input=VOCAB, sliding_window=8, sliding_window_pattern=3,
+                     final_logit_softcapping=30.0, use_double_wide_mlp=True, max_position_embeddings=4096,
+                     rms_norm_eps=1e-6),
+    vision_config=dict(model_type="gemma4_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=2, head_dim=16, global_head_dim=16, patch_size=4,
+                       pooling_kernel_size=2, default_output_length=16, position_embedding_size=64))
+
+
+@functools.lru_cache(maxsize=None)
+def gemma4_vlm(seed: int = 0):
+    return build_vlm(copy.deepcopy(GEMMA4_VLM), seed)
+
+
+def gemma4_processor():
+    """mlx-vlm's Gemma4Processor over the tiny tokenizer: <|video|>, boi, eoi, image as ids 508-511."""
+    from mlx_vlm.models.gemma4.processing_gemma4 import Gemma4ImageProcessor, Gemma4Processor
+
+    hf = copy.deepcopy(tiny_tokenizer(VOCAB - 4)._tokenizer)
+    hf.add_special_tokens({"additional_special_tokens": [VIDEO, BOI, EOI, IMAGE]})
+    hf.boi_token, hf.eoi_token, hf.image_token = BOI, EOI, IMAGE
+    hf.image_token_id = hf.convert_tokens_to_ids(IMAGE)
+    hf.chat_template = CHAT_TEMPLATE.replace(BOI, IMAGE)
+    assert hf.image_token_id == VOCAB - 1 and len(hf) == VOCAB
+    image_processor = Gemma4ImageProcessor(patch_size=4, max_soft_tokens=16, pooling_kernel_size=2)
+    return Gemma4Processor(image_processor, hf, image_seq_length=16, chat_template=hf.chat_template)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str
+    vlm: Callable
+    processor: Callable
+    marker: str  # what a prompt's text holds per image
+
+
+FAMILIES = {"gemma3": Family("gemma3", gemma3_vlm, gemma3_processor, BOI),
+            "gemma4": Family("gemma4", gemma4_vlm, gemma4_processor, IMAGE)}
+
+
 def image(seed: int, size: tuple[int, int] = (24, 20)):
     """A random RGB PIL image."""
     from PIL import Image
@@ -80,8 +129,12 @@ def vlm_reference(vlm, pixel_values: Optional[mx.array], **kwargs):
     return lambda prompt, max_tokens: vlm_greedy(vlm, prompt, pixel_values, max_tokens, **kwargs)
 
 
-def pixels_of(features) -> Optional[mx.array]:
-    """The pixel values of a request's features, stacked as mlx-vlm takes them (None: no image)."""
+def pixels_of(features) -> Union[None, mx.array, list]:
+    """The pixel values of a request's features as mlx-vlm takes them: stacked, or a list where shapes differ
+    (None: no image)."""
     if not features:
         return None
-    return mx.concatenate([f.data["pixel_values"].mx() for f in features])
+    items = [f.data["pixel_values"].mx() for f in features]
+    if len({a.shape for a in items}) > 1:
+        return [a[0] for a in items]
+    return mx.concatenate(items)

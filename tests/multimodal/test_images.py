@@ -1,15 +1,16 @@
-"""Images in the paged batch on a tiny random-weight Gemma 3 (mlx-vlm's classes): every request's greedy tokens
-equal mlx-vlm's own generation for it alone, whatever shares its steps (issue 51)."""
+"""Images in the paged batch on tiny random-weight Gemma 3 and Gemma 4 models (mlx-vlm's classes): every request's
+greedy tokens equal mlx-vlm's own generation for it alone, whatever shares its steps (issue 51)."""
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 
 import msgspec
 import pytest
 
-from mm_utils import BOI, gemma3_processor, gemma3_vlm, image, pixels_of, vlm_reference
+from mm_utils import FAMILIES, Family, gemma3_processor, gemma3_vlm, image, pixels_of, vlm_reference
 from utils import greedy_mismatch, run_to_completion
 
 from pagedmlx.config import EngineConfig
@@ -21,10 +22,15 @@ from pagedmlx.sampling_params import SamplingParams
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
-def make_engine(**config):
-    vlm = gemma3_vlm()
+@pytest.fixture(params=list(FAMILIES))
+def family(request) -> Family:
+    return FAMILIES[request.param]
+
+
+def make_engine(family: Family = FAMILIES["gemma3"], **config):
+    vlm = family.vlm()
     text, encoder = split_vlm(vlm)
-    processor, tokenizer = vlm_processor(gemma3_processor(), encoder)
+    processor, tokenizer = vlm_processor(family.processor(), encoder)
     config = {"block_size": 4, "num_blocks": 96, "max_num_batched_tokens": 24, **config}
     return LLMEngine(text, tokenizer, EngineConfig(**config), mm_encoder=encoder), processor, vlm
 
@@ -36,10 +42,12 @@ def check(vlm, done, prompts):
         assert why is None, f"{rid}: {why}"
 
 
-def test_busy_equals_solo_with_images_text_chunks_and_preemption():
+def test_busy_equals_solo_with_images_text_chunks_and_preemption(family):
     """Requests with one or two images of several sizes, text-only ones beside them, staggered arrivals, chunks that
-    split images (24-token budget, 4-token images at odd offsets), a pool small enough to preempt."""
-    engine, processor, vlm = make_engine(num_blocks=40, max_num_seqs=6)
+    split images (24-token budget; Gemma 3's images are 4 tokens, Gemma 4's up to 16), a pool small enough to
+    preempt."""
+    engine, processor, vlm = make_engine(family, num_blocks=40 if family.name == "gemma3" else 40, max_num_seqs=6)
+    BOI = family.marker
     texts = [(f"Describe {BOI} now.", [image(1, (24, 20))]),
              (f"The quick brown fox {BOI} jumps {BOI} over", [image(2, (40, 16)), image(3, (9, 30))]),
              ("Hello, world! How are you today?", []),
@@ -66,27 +74,34 @@ def test_busy_equals_solo_with_images_text_chunks_and_preemption():
     assert not engine.runner.mm.encoder_cache and not engine.scheduler.encoder_cache_manager.cached
 
 
-def test_prefix_hit_shares_pages_of_the_same_image_only():
+def test_prefix_hit_shares_pages_of_the_same_image_only(family):
     """The same text and image again: a prefix hit past the image, the same tokens. The same text with another
     image: no page after the image's first block is shared, and the tokens differ."""
-    engine, processor, vlm = make_engine()
+    engine, processor, vlm = make_engine(family)
+    BOI = family.marker
     text = f"The quick brown fox jumps over {BOI} the lazy dog. What is it?"
     prompts = {"a": processor.process(text, [image(1)])}
-    engine.add_request("a", prompts["a"][0], GREEDY, mm_features=prompts["a"][1])
+    params = dataclasses.replace(GREEDY, logprobs=0)
+    engine.add_request("a", prompts["a"][0], params, mm_features=prompts["a"][1])
     done = run_to_completion(engine)
     offset = prompts["a"][1][0].mm_position.offset
     prompts["b"] = processor.process(text, [image(1)])
     prompts["c"] = processor.process(text, [image(7)])
     assert prompts["b"][0] == prompts["c"][0]  # the same token ids: only the image tells them apart
-    engine.add_request("b", prompts["b"][0], GREEDY, mm_features=prompts["b"][1])
+    engine.add_request("b", prompts["b"][0], params, mm_features=prompts["b"][1])
     done.update(run_to_completion(engine))
-    engine.add_request("c", prompts["c"][0], GREEDY, mm_features=prompts["c"][1])
+    engine.add_request("c", prompts["c"][0], params, mm_features=prompts["c"][1])
     done.update(run_to_completion(engine))
-    assert done["b"].num_cached_tokens > offset + 4
+    assert done["b"].num_cached_tokens >= prompts["b"][1][0].mm_position.end
     assert done["c"].num_cached_tokens <= offset
-    assert list(done["a"].token_ids) == list(done["b"].token_ids)
-    assert list(done["a"].token_ids) != list(done["c"].token_ids)
     check(vlm, done, prompts)
+    assert list(done["a"].token_ids) == list(done["b"].token_ids)
+
+    def first_logprobs(rid):  # the first token's, a step computed with the image in context
+        return [lp.logprob for lp in done[rid].logprobs[:1]]
+    assert first_logprobs("a") == pytest.approx(first_logprobs("b"), abs=1e-4)
+    assert (list(done["a"].token_ids) != list(done["c"].token_ids)
+            or first_logprobs("a") != pytest.approx(first_logprobs("c"), abs=1e-3))
 
 
 def test_chat_with_a_data_url_image_equals_generate():
@@ -102,7 +117,8 @@ def test_chat_with_a_data_url_image_equals_generate():
     chat = llm.chat(messages, GREEDY)[0]
     ids, features = llm.mm_processor.process_chat(messages)
     assert list(chat.prompt_token_ids) == ids and len(features) == 1
-    prompt = "<|im_start|>user\nHello " + BOI + " what is this?<|im_end|>\n<|im_start|>assistant\n"
+    marker = FAMILIES["gemma3"].marker
+    prompt = f"<|im_start|>user\nHello {marker} what is this?<|im_end|>\n<|im_start|>assistant\n"
     gen = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image(3, (30, 20))}}, GREEDY)[0]
     assert list(chat.outputs[0].token_ids) == list(gen.outputs[0].token_ids)
     assert greedy_mismatch(list(gen.outputs[0].token_ids), ids, GREEDY.max_tokens,
@@ -111,7 +127,7 @@ def test_chat_with_a_data_url_image_equals_generate():
 
 def test_features_cross_the_process_boundary():
     _, processor, _ = make_engine()
-    ids, features = processor.process(f"Hello {BOI} world", [image(2)])
+    ids, features = processor.process(f"Hello {FAMILIES['gemma3'].marker} world", [image(2)])
     add = AddRequest("x", [("x", ids, GREEDY)], mm_features=[features])
     frames = encode(("add", add))
     (kind, got) = decode(frames)
@@ -123,7 +139,7 @@ def test_features_cross_the_process_boundary():
 
 def test_bad_image_requests_are_refused_by_name():
     engine, processor, _ = make_engine()
-    ids, features = processor.process(f"Hello {BOI} world", [image(2)])
+    ids, features = processor.process(f"Hello {FAMILIES['gemma3'].marker} world", [image(2)])
     moved = [msgspec.structs.replace(features[0], mm_position=type(features[0].mm_position)(0, 4))]
     with pytest.raises(ValueError, match="not only the image token"):
         engine.add_request("bad", ids, GREEDY, mm_features=moved)
