@@ -20,8 +20,8 @@ logger = logging.getLogger("pagedmlx")
 class RefusedVision(VisionEncoder):
     """A vision-language model served text-only: every request with images gets `reason`."""
 
-    def __init__(self, model_type: str, reason: str):
-        self.model_type, self.reason = model_type, reason
+    def __init__(self, model_type: str, reason: str, image_token_id: int = -1):
+        self.model_type, self.reason, self.image_token_id = model_type, reason, image_token_id
 
     def encode(self, feature, dtype):
         raise UnsupportedMultiModalError(self.reason)
@@ -77,7 +77,9 @@ def encoder_or_refusal(vlm: nn.Module) -> VisionEncoder:
         return vision_encoder(vlm)
     except UnsupportedMultiModalError as exc:
         logger.warning("%s; serving text only", exc)
-        return RefusedVision(getattr(vlm.config, "model_type", "?"), str(exc))
+        config = vlm.config
+        token = getattr(config, "image_token_index", getattr(config, "image_token_id", -1))
+        return RefusedVision(getattr(config, "model_type", "?"), str(exc), token)
 
 
 def read_config(model: Optional[str]) -> Optional[dict]:
@@ -120,8 +122,14 @@ def load_mm_processor(model: Optional[str]):
     from mlx_vlm.utils import load_processor
 
     token = config.get("image_token_index", config.get("image_token_id"))
-    return MultiModalProcessor(load_processor(Path(model), add_detokenizer=False), token, config.get("model_type", ""),
-                               hash_salt=(config.get("model_type", ""),))
+    try:
+        hf_processor = load_processor(Path(model), add_detokenizer=False)
+    except Exception as exc:  # noqa: BLE001 - missing processor files, a transformers version without the class
+        logger.warning("images: cannot load the processor of %r (%s: %s); prompts take no images", model,
+                       type(exc).__name__, exc)
+        return None
+    model_type = config.get("model_type", "")
+    return MultiModalProcessor(hf_processor, token, model_type, hash_salt=(model_type,))
 
 
 def _vision_parameters(vlm: nn.Module) -> list:

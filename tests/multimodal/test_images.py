@@ -152,3 +152,58 @@ def test_bad_image_requests_are_refused_by_name():
     with pytest.raises(ValueError, match="not a readable image"):
         processor.process_chat([{"role": "user", "content": [{"type": "image_url",
                                                                "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+
+
+def test_an_mlx_vlm_folder_loads_text_on_pages_and_the_tower_from_mlx_vlm(tmp_path):
+    """config.json with a vision_config and mlx-vlm's weight names: mlx-lm's class runs the text model (it drops
+    the vision weights), mlx-vlm's gives the tower; the tokens equal the in-process model's."""
+    import json
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from mm_utils import GEMMA3_VLM
+    from pagedmlx.engine.core import EngineCore
+    from pagedmlx.multimodal.models import Gemma3Vision
+
+    vlm = gemma3_vlm()
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(vlm.parameters())))
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA3_VLM))
+    engine, processor, _ = make_engine()
+    core = EngineCore.from_config(EngineConfig(model=str(tmp_path), block_size=4, num_blocks=96,
+                                               max_num_batched_tokens=24), engine.tokenizer)
+    assert isinstance(core.mm_encoder, Gemma3Vision) and core.runner.mm is not None
+    ids, features = processor.process(f"Hello {FAMILIES['gemma3'].marker} world, what is", [image(5)])
+    engine.add_request("a", ids, GREEDY, mm_features=features)
+    core.add_request("a", ids, GREEDY, mm_features=features)
+    want = list(run_to_completion(engine)["a"].token_ids)
+    got = []
+    while core.has_unfinished_requests():
+        got += [t for out in core.step() for t in out.new_token_ids]
+    assert got == want
+
+
+def test_families_whose_images_need_more_are_served_text_only():
+    """Gemma 4 with bidirectional attention over image tokens: text requests run, image requests get the reason.
+    Qwen3.5 (M-RoPE) and families without an adapter are refused by name."""
+    import copy
+    import types
+
+    from mm_utils import GEMMA4_VLM, gemma4_processor
+    from pagedmlx.multimodal.loader import RefusedVision, build_vlm
+    from pagedmlx.multimodal.models import UnsupportedMultiModalError, vision_encoder
+
+    cfg = copy.deepcopy(GEMMA4_VLM)
+    cfg["text_config"]["use_bidirectional_attention"] = "vision"
+    text, encoder = split_vlm(build_vlm(cfg))
+    assert isinstance(encoder, RefusedVision)
+    processor, tokenizer = vlm_processor(gemma4_processor(), encoder)
+    engine = LLMEngine(text, tokenizer, EngineConfig(block_size=4, num_blocks=64), mm_encoder=encoder)
+    ids, features = processor.process(f"Hello {FAMILIES['gemma4'].marker} world", [image(2)])
+    with pytest.raises(ValueError, match="bidirectional"):
+        engine.add_request("img", ids, GREEDY, mm_features=features)
+    engine.add_request("txt", processor.process("Hello world")[0], GREEDY)
+    assert len(run_to_completion(engine)["txt"].token_ids) == GREEDY.max_tokens
+    for model_type, why in (("qwen3_5", "M-RoPE"), ("llava", "not served")):
+        with pytest.raises(UnsupportedMultiModalError, match=why):
+            vision_encoder(types.SimpleNamespace(config=types.SimpleNamespace(model_type=model_type)))
