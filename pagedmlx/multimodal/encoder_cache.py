@@ -23,14 +23,16 @@ class EncoderCacheManager:
         self._freed: list[str] = []
         self._step_encoded: set[str] = set()
         self._step_budget = encoder_budget
+        self._step_images = False  # a request trimmed this step reaches an image's tokens
 
     @property
-    def active(self) -> bool:
-        """Images cached or waiting to be dropped: a step's output carries them."""
-        return bool(self.cached or self._freed)
+    def needs_update(self) -> bool:
+        """This step reaches image tokens or has images to drop: update() fills its output (text-only steps skip
+        it)."""
+        return self._step_images or bool(self._freed)
 
     def begin_step(self) -> None:
-        self._step_encoded, self._step_budget = set(), self.encoder_budget
+        self._step_encoded, self._step_budget, self._step_images = set(), self.encoder_budget, False
 
     def trim(self, request: Request, num_computed: int, num_new_tokens: int) -> int:
         """num_new_tokens cut, where needed, so that the images whose tokens it reaches can be encoded this step:
@@ -41,7 +43,10 @@ class EncoderCacheManager:
             pos = f.mm_position
             if pos.offset >= end:
                 break
-            if pos.end <= num_computed or f.identifier in self.cached or f.identifier in self._step_encoded:
+            if pos.end <= num_computed:
+                continue
+            self._step_images = True
+            if f.identifier in self.cached or f.identifier in self._step_encoded:
                 continue
             if pos.length > self._step_budget and self._step_encoded:
                 return max(0, pos.offset - num_computed)

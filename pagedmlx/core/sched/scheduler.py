@@ -240,7 +240,7 @@ class Scheduler:
             scheduled, kv.get_block_ids, self.block_size, [r.request_id for r in preempted], self.finished_req_ids,
             kv.get_state_slots if kv.state_manager is not None else None, spec_decode_tokens)
         self.finished_req_ids = set()
-        if scheduled and self.encoder_cache_manager.active or any(req.mm_features for req, _ in scheduled):
+        if scheduled and self.encoder_cache_manager.needs_update:
             out.mm_features, out.free_encoder_mm_hashes = self.encoder_cache_manager.update(scheduled)
         for req, n in scheduled:
             req.num_computed_tokens += n
