@@ -207,3 +207,30 @@ def test_families_whose_images_need_more_are_served_text_only():
     for model_type, why in (("qwen3_5", "M-RoPE"), ("llava", "not served")):
         with pytest.raises(UnsupportedMultiModalError, match=why):
             vision_encoder(types.SimpleNamespace(config=types.SimpleNamespace(model_type=model_type)))
+
+
+def test_the_block_inspector_marks_pages_of_image_tokens():
+    from pagedmlx.blocks.snapshot import expand_ranges, kv_snapshot
+    from pagedmlx.blocks.view import IMAGE_CELL, render
+
+    engine, processor, _ = make_engine()
+    marker = FAMILIES["gemma3"].marker
+    ids, features = processor.process(f"The quick brown fox jumps over {marker} the lazy dog.", [image(1)])
+    engine.add_request("img", ids, GREEDY, mm_features=features)
+    engine.add_request("txt", processor.process("The quick brown fox jumps over the lazy dog.")[0], GREEDY)
+    engine.step()
+    snap = kv_snapshot(engine)
+    rows = {r["id"]: r for r in snap["requests"]}
+    table = engine.kv_cache_manager.get_block_ids("img")[0]
+    pos = features[0].mm_position
+    want = sorted({table[t // 4] for t in range(pos.offset, pos.end)})
+    assert expand_ranges(rows["img"]["image_blocks"]) == want and rows["img"]["images"] == 1
+    assert rows["txt"]["image_blocks"] == "" and sorted(expand_ranges(snap["image_blocks"])) == want
+    run_to_completion(engine)
+    snap = kv_snapshot(engine)
+    assert sorted(expand_ranges(snap["image_blocks"])) == want  # cached under keys that name the image
+    from rich.console import Console
+
+    console = Console(record=True, width=100)
+    console.print(render(snap))
+    assert IMAGE_CELL in console.export_text()
