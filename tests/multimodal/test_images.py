@@ -234,3 +234,35 @@ def test_the_block_inspector_marks_pages_of_image_tokens():
     console = Console(record=True, width=100)
     console.print(render(snap))
     assert IMAGE_CELL in console.export_text()
+
+
+@pytest.mark.parametrize("dropped", [False, True])
+def test_a_prefix_hit_that_ends_inside_an_image_splices_the_image_tail(family, dropped):
+    """A's first chunk ends inside its image past a block boundary, then A is aborted: B (the same prompt) hits
+    A's cached blocks up to the middle of the image and splices only the image's tail rows (from A's embeddings,
+    which the runner still holds: an image is dropped only once no scheduled request needs it; `dropped`: a text
+    request's steps between have the runner drop them, and B encodes the image again)."""
+    marker = family.marker
+    _, processor, _ = make_engine(family)
+    for n in range(12):  # a prompt whose image starts one token into a block and spans the next
+        text = f"The quick fox{'!' * n} {marker} jumps over the lazy dog."
+        ids, features = processor.process(text, [image(4, (32, 32))])
+        pos = features[0].mm_position
+        if pos.offset % 4 == 1 and pos.length >= 4:
+            break
+    else:
+        pytest.skip("no prompt puts the image one token into a block")
+    cut = pos.offset + 3  # a block boundary, 2 or more image tokens in
+    engine, _, vlm = make_engine(family, max_num_batched_tokens=cut)
+    engine.add_request("a", ids, GREEDY, mm_features=features)
+    engine.step()
+    engine.abort_request(["a"])
+    if dropped:
+        engine.add_request("t", processor.process("Hello, world!")[0], GREEDY)
+        run_to_completion(engine)
+        assert not engine.runner.mm.encoder_cache
+    engine.add_request("b", ids, GREEDY, mm_features=features)
+    done = run_to_completion(engine)
+    assert done["b"].num_cached_tokens == cut and pos.offset < cut < pos.end
+    assert engine.runner.mm.num_encoded == 1 + dropped and not engine.runner.mm.encoder_cache
+    check(vlm, done, {"b": (ids, features)})
