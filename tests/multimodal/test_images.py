@@ -202,6 +202,9 @@ def test_families_whose_images_need_more_are_served_text_only():
     ids, features = processor.process(f"Hello {FAMILIES['gemma4'].marker} world", [image(2)])
     with pytest.raises(ValueError, match="bidirectional"):
         engine.add_request("img", ids, GREEDY, mm_features=features)
+    from pagedmlx.engine.core_info import image_support
+
+    assert image_support(engine.core) == (False, encoder.reason)
     engine.add_request("txt", processor.process("Hello world")[0], GREEDY)
     assert len(run_to_completion(engine)["txt"].token_ids) == GREEDY.max_tokens
     for model_type, why in (("qwen3_5", "M-RoPE"), ("llava", "not served")):

@@ -42,6 +42,8 @@ def test_features_reach_a_core_process(tmp_path):
 
     ae = AsyncEngine(CoreProcess(EngineConfig(model=str(tmp_path), **CONFIG)))
     try:
+        assert ae.info.takes_images and not ae.info.images_refused
+
         async def one(i: int, ids: list[int], features: list) -> list[int]:
             outs = [o async for o in ae.generate({"prompt_token_ids": ids, "mm_features": features}, GREEDY, str(i))]
             return list(outs[-1].outputs[0].token_ids)
