@@ -7,12 +7,15 @@ config this module cannot reproduce exactly is refused by name (UnsupportedMulti
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Iterator, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from pagedmlx.multimodal.inputs import MultiModalFeatureSpec
+
+logger = logging.getLogger("pagedmlx")
 
 
 class UnsupportedMultiModalError(ValueError):
@@ -57,6 +60,11 @@ class Gemma3Vision(VisionEncoder):
         self.image_token_id = config.image_token_index
         self.tower, self.projector = vlm.vision_tower, vlm.multi_modal_projector
         self.hidden_size = config.hidden_size
+        text_hidden = config.text_config.hidden_size
+        if self.hidden_size != text_hidden:  # mlx-vlm's default 2048 where config.json has no top-level hidden_size
+            logger.warning("gemma3: image features are divided by sqrt(hidden_size=%d) as mlx-vlm does, while the "
+                           "text model multiplies by sqrt(%d): image rows are %.3fx what cancels exactly (as in "
+                           "mlx-vlm)", self.hidden_size, text_hidden, (text_hidden / self.hidden_size) ** 0.5)
 
     def encode(self, feature: MultiModalFeatureSpec, dtype: mx.Dtype) -> mx.array:
         pixels = _item(feature, "pixel_values")
