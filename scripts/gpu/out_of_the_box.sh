@@ -11,15 +11,16 @@ OUT=${OUT:-/tmp/ootb}; mkdir -p "$OUT"
 MODEL=${MODEL:-preset:llama-8b}; CLIENTS=${CLIENTS:-256}; KV_GB=${KV_GB:-30}; PORT=8011
 export PAGEDMLX_CACHE_DIR=${PAGEDMLX_CACHE_DIR:-$OUT/cache}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; date -u
-DIR=$OUT/model
+DIR=${MODEL_DIR:-$OUT/model}  # MODEL_DIR: a folder kept between calls
 [ -f "$DIR/config.json" ] || python3 scripts/export_mlx_model.py "$MODEL" "$DIR" --dtype bfloat16 > "$OUT/export.log" 2>&1 \
   || { tail -5 "$OUT/export.log"; exit 1; }
 answered() {  # one-token completion answered by the server on $PORT
   python3 -c "import httpx,sys; r = httpx.post('http://127.0.0.1:$PORT/v1/completions', timeout=5,
     json={'model': '$DIR', 'prompt': 'Hi', 'max_tokens': 1}); sys.exit(r.status_code != 200)" 2>/dev/null
 }
-serve() {  # name, extra flags...: start, wait for an answer, record seconds
+serve() {  # name, extra flags...: start on a port of its own, wait for an answer, record seconds
   local name=$1; shift
+  PORT=$((PORT + 1))
   local t0=$(date +%s.%N)
   if [ "$name" = mlx-lm ]; then
     python3 -m mlx_lm server --model "$DIR" --port $PORT > "$OUT/$name.log" 2>&1 &
@@ -34,7 +35,9 @@ serve() {  # name, extra flags...: start, wait for an answer, record seconds
   echo "$name ready $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s" | tee -a "$OUT/ready.txt"
   grep -m1 "KV pool" "$OUT/$name.log"
 }
-stop() { kill -INT $SERVER; wait $SERVER 2>/dev/null; }
+stop() {  # the server and its engine-core process
+  pkill -9 -P $SERVER 2>/dev/null; kill -9 $SERVER 2>/dev/null; wait $SERVER 2>/dev/null
+}
 load() {  # name
   timeout 240 python3 -m pagedmlx.cli bench serve --port $PORT --dataset-name random --random-input-len 100 \
     --random-output-len 64 --ignore-eos --num-prompts $((CLIENTS * 2)) --max-concurrency $CLIENTS --num-processes 4 \
