@@ -24,8 +24,8 @@ class UnsupportedMultiModalError(ValueError):
 
 class VisionEncoder:
     """One family's image path: `encode` turns one image's processed inputs into the rows that replace its
-    placeholder tokens in the language model's input embeddings; `step_kwargs` adds what else the text model
-    takes on a step with image rows (None: nothing)."""
+    placeholder tokens in the language model's input embeddings; `input_embeddings` gives the text model's keyword
+    arguments for a step with image rows, and `forward_context` wraps its call."""
 
     model_type: str = ""
     image_token_id: int = -1
@@ -37,12 +37,7 @@ class VisionEncoder:
                          image_embeds: mx.array) -> dict[str, Any]:
         """The keyword arguments of mlx-lm's text model body for a step: input_ids (T,) with image rows
         image_rows (K,) taking image_embeds (K, hidden), one take over the step's rows."""
-        embeds = body.embed_tokens(input_ids)
-        t = input_ids.shape[0]
-        index = mx.arange(t)
-        index = mx.put_along_axis(index, image_rows, mx.arange(t, t + image_rows.shape[0]), axis=0)
-        embeds = mx.take(mx.concatenate([embeds, image_embeds.astype(embeds.dtype)]), index, axis=0)
-        return {"input_embeddings": embeds[:, None, :]}
+        return {"input_embeddings": splice(body.embed_tokens(input_ids), image_rows, image_embeds)[:, None, :]}
 
     @contextlib.contextmanager
     def forward_context(self, body: nn.Module) -> Iterator[None]:
@@ -99,10 +94,7 @@ class Gemma4Vision(VisionEncoder):
         """Text rows embed_tokens * embed_scale and image rows as projected, as mlx-vlm's get_input_embeddings;
         forward_context has mlx-lm's body scale by 1.0 (x * s / s is not always x). Per-layer inputs from the
         token ids with image rows as token 0."""
-        embeds = body.embed_tokens(input_ids) * body.embed_scale
-        t = input_ids.shape[0]
-        index = mx.put_along_axis(mx.arange(t), image_rows, mx.arange(t, t + image_rows.shape[0]), axis=0)
-        embeds = mx.take(mx.concatenate([embeds, image_embeds.astype(embeds.dtype)]), index, axis=0)
+        embeds = splice(body.embed_tokens(input_ids) * body.embed_scale, image_rows, image_embeds)
         kwargs = {"input_embeddings": embeds[:, None, :]}
         if body.hidden_size_per_layer_input:
             text_ids = mx.put_along_axis(input_ids, image_rows, mx.zeros(image_rows.shape, input_ids.dtype), axis=0)
@@ -116,6 +108,13 @@ class Gemma4Vision(VisionEncoder):
             yield
         finally:
             body.embed_scale = scale
+
+
+def splice(embeds: mx.array, image_rows: mx.array, image_embeds: mx.array) -> mx.array:
+    """embeds (T, H) with rows image_rows (K,) replaced by image_embeds (K, H): one take over the step's rows."""
+    t = embeds.shape[0]
+    index = mx.put_along_axis(mx.arange(t), image_rows, mx.arange(t, t + image_rows.shape[0]), axis=0)
+    return mx.take(mx.concatenate([embeds, image_embeds.astype(embeds.dtype)]), index, axis=0)
 
 
 FAMILIES = {"gemma3": Gemma3Vision, "gemma4": Gemma4Vision}
