@@ -82,12 +82,21 @@ def encoder_or_refusal(vlm: nn.Module) -> VisionEncoder:
         return RefusedVision(getattr(config, "model_type", "?"), str(exc), token)
 
 
-def read_config(model: Optional[str]) -> Optional[dict]:
-    """config.json of a local model folder, or None."""
-    if model is None:
+def model_dir(model: Optional[str]) -> Optional[Path]:
+    """The local folder of a model folder or hub id (loaders/loader.py's model_folder), or None (random, GGUF,
+    PyPI models)."""
+    if model is None or model.endswith(".gguf") or ":" in model.split("/")[0]:
         return None
-    path = Path(model) / "config.json"
-    if not path.is_file():
+    from pagedmlx.loaders.loader import model_folder
+
+    return model_folder(model)
+
+
+def read_config(model: Optional[str]) -> Optional[dict]:
+    """config.json of a model's local folder, or None."""
+    folder = model_dir(model)
+    path = folder / "config.json" if folder is not None else None
+    if path is None or not path.is_file():
         return None
     return json.loads(path.read_text())
 
@@ -101,7 +110,7 @@ def load_vision_encoder(model: Optional[str]) -> Optional[VisionEncoder]:
     from mlx_vlm.utils import load_model
 
     try:
-        vlm = load_model(Path(model), lazy=True)
+        vlm = load_model(model_dir(model), lazy=True)
     except Exception as exc:  # noqa: BLE001 - an mlx-vlm version without the family, a missing file, ...
         reason = f"images: mlx-vlm cannot load {model!r} ({type(exc).__name__}: {exc})"
         logger.warning("%s; serving text only", reason)
@@ -123,7 +132,7 @@ def load_mm_processor(model: Optional[str]):
 
     token = config.get("image_token_index", config.get("image_token_id"))
     try:
-        hf_processor = load_processor(Path(model), add_detokenizer=False)
+        hf_processor = load_processor(model_dir(model), add_detokenizer=False)
     except Exception as exc:  # noqa: BLE001 - missing processor files, a transformers version without the class
         logger.warning("images: cannot load the processor of %r (%s: %s); prompts take no images", model,
                        type(exc).__name__, exc)
