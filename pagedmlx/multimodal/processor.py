@@ -41,7 +41,11 @@ class MultiModalProcessor:
         images = [to_pil(im, f"image {i}") for i, im in enumerate(images)]
         if not images:
             return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)), []
-        out = self.hf_processor(text=[prompt], images=[images], add_special_tokens=add_special_tokens)
+        try:
+            out = self.hf_processor(text=[prompt], images=[images], add_special_tokens=add_special_tokens)
+        except Exception as exc:  # noqa: BLE001 - processors raise ValueError, TypeError, IndexError, ...
+            raise ValueError(f"the model's processor refused the prompt with {len(images)} images "
+                             f"({type(exc).__name__}: {exc})") from None
         ids = np.asarray(out["input_ids"]).reshape(-1).astype(np.int64).tolist()
         runs = placeholder_runs(ids, self.image_token_id)
         per_image = {k: _items(v) for k, v in out.items() if k not in _TEXT_KEYS and _items(v) is not None}

@@ -146,6 +146,21 @@ def test_bad_image_requests_are_refused_by_name():
     text_only = LLMEngine(split_vlm(gemma3_vlm())[0], engine.tokenizer, EngineConfig(block_size=4, num_blocks=32))
     with pytest.raises(ValueError, match="takes no images"):
         text_only.add_request("t", ids, GREEDY, mm_features=features)
+    from pagedmlx import LLM
+
+    llm = LLM(split_vlm(gemma3_vlm())[0], engine.tokenizer, block_size=4, num_blocks=32)
+    with pytest.raises(ValueError, match="takes no images"):
+        llm.generate({"prompt": "Hello", "multi_modal_data": {"image": image(2)}}, GREEDY)
+    with pytest.raises(ValueError, match="takes no images"):
+        llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": image(2)}]}], GREEDY)
+    mm_llm = LLM(gemma3_vlm(), tokenizer=gemma3_processor(), block_size=4, num_blocks=32)
+    with pytest.raises(ValueError, match="'image' only"):
+        mm_llm.generate({"prompt": "Hello", "multi_modal_data": {"video": [image(2)]}}, GREEDY)
+    with pytest.raises(ValueError, match="as 'prompt'"):
+        mm_llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": image(2)}}, GREEDY)
+    with pytest.raises(ValueError, match="processor refused the prompt with 1 images"):
+        mm_llm.generate({"prompt": "Hello", "multi_modal_data": {"image": image(2)}}, GREEDY)
+    assert not mm_llm.engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="data: URLs"):
         processor.process_chat([{"role": "user", "content": [{"type": "image_url",
                                                                "image_url": {"url": "http://x/y.png"}}]}])
