@@ -1,4 +1,5 @@
-"""Images in the paged batch (issue 51): vision-language models whose language model runs on pages.
+"""Multimodal inputs (images), issue 51: vision-language models whose language model runs on pages.
+media.py (the server's) loads and checks the images of OpenAI content parts; the rest is the engine's.
 
 Interface for a front end (the server, LLM):
 
