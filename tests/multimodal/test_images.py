@@ -222,6 +222,17 @@ def test_families_whose_images_need_more_are_served_text_only():
     assert image_support(engine.core) == (False, encoder.reason)
     engine.add_request("txt", processor.process("Hello world")[0], GREEDY)
     assert len(run_to_completion(engine)["txt"].token_ids) == GREEDY.max_tokens
+    from mm_utils import QWEN35_VLM
+    from utils import mlx_lm_greedy
+
+    text, encoder = split_vlm(build_vlm(copy.deepcopy(QWEN35_VLM)))
+    assert isinstance(encoder, RefusedVision) and "M-RoPE" in encoder.reason
+    engine = LLMEngine(text, tokenizer, EngineConfig(block_size=4, num_blocks=64), mm_encoder=encoder)
+    with pytest.raises(ValueError, match="M-RoPE"):
+        engine.add_request("img", ids, GREEDY, mm_features=features)
+    prompt = processor.process("Hello world, how are you today?")[0]
+    engine.add_request("txt", prompt, GREEDY)
+    assert list(run_to_completion(engine)["txt"].token_ids) == mlx_lm_greedy(text, prompt, GREEDY.max_tokens).tokens
     for model_type, why in (("qwen3_5", "M-RoPE"), ("llava", "not served")):
         with pytest.raises(UnsupportedMultiModalError, match=why):
             vision_encoder(types.SimpleNamespace(config=types.SimpleNamespace(model_type=model_type)))
