@@ -295,3 +295,22 @@ def test_a_prefix_hit_that_ends_inside_an_image_splices_the_image_tail(family, d
     assert done["b"].num_cached_tokens == cut and pos.offset < cut < pos.end
     assert engine.runner.mm.num_encoded == 1 + dropped and not engine.runner.mm.encoder_cache
     check(vlm, done, {"b": (ids, features)})
+
+
+def test_a_failed_encode_fails_its_step_and_the_next_request_encodes_again(monkeypatch):
+    engine, processor, vlm = make_engine()
+    ids, features = processor.process(f"Hello {FAMILIES['gemma3'].marker} world, what is", [image(8)])
+    encoder = engine.runner.mm.encoder
+    real = encoder.encode_stacked
+
+    def broken(*args):
+        raise RuntimeError("tower broke")
+    monkeypatch.setattr(encoder, "encode_stacked", broken)
+    engine.add_request("a", ids, GREEDY, mm_features=features)
+    done = run_to_completion(engine)
+    assert done["a"].finish_reason == "error" and "tower broke" in done["a"].error
+    assert not engine.runner.mm.encoder_cache and not engine.scheduler.encoder_cache_manager.cached
+    monkeypatch.setattr(encoder, "encode_stacked", real)
+    engine.add_request("b", ids, GREEDY, mm_features=features)
+    done = run_to_completion(engine)
+    check(vlm, done, {"b": (ids, features)})
