@@ -30,6 +30,10 @@ class VisionEncoder:
 
     model_type: str = ""
     image_token_id: int = -1
+    modules: tuple = ()  # the mlx-vlm modules it runs (tower, projector)
+
+    def parameters(self) -> list:
+        return [m.parameters() for m in self.modules]
 
     def encode(self, feature: MultiModalFeatureSpec, dtype: mx.Dtype) -> mx.array:
         """One image's rows (length, hidden)."""
@@ -72,6 +76,7 @@ class Gemma3Vision(VisionEncoder):
         self.model_type = config.model_type
         self.image_token_id = config.image_token_index
         self.tower, self.projector = vlm.vision_tower, vlm.multi_modal_projector
+        self.modules = (self.tower, self.projector)
         self.hidden_size = config.hidden_size
         text_hidden = config.text_config.hidden_size
         if self.hidden_size != text_hidden:  # mlx-vlm's default 2048 where config.json has no top-level hidden_size
@@ -96,6 +101,7 @@ class Gemma4Vision(VisionEncoder):
         self.model_type = config.model_type
         self.image_token_id = config.image_token_id
         self.tower, self.embedder = vlm.vision_tower, vlm.embed_vision
+        self.modules = (self.tower, self.embedder)
         bidirectional = getattr(config.text_config, "use_bidirectional_attention", None)
         if bidirectional:
             raise UnsupportedMultiModalError(
