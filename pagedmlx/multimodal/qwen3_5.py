@@ -14,7 +14,7 @@ import mlx.nn as nn
 
 from pagedmlx.multimodal import mrope
 from pagedmlx.multimodal.inputs import MultiModalFeatureSpec
-from pagedmlx.multimodal.models import VisionEncoder, _stacked
+from pagedmlx.multimodal.models import UnsupportedMultiModalError, VisionEncoder, _stacked
 
 
 class MRoPERows:
@@ -54,7 +54,11 @@ class Qwen35Vision(VisionEncoder):
         self.modules = (self.tower,)
         self.spatial_merge_size = config.vision_config.spatial_merge_size
         layers = vlm.language_model.model.layers
-        self.rotary = next(layer.self_attn.rotary_emb for layer in layers if hasattr(layer, "self_attn"))
+        self.rotary = next((layer.self_attn.rotary_emb for layer in layers
+                            if hasattr(getattr(layer, "self_attn", None), "rotary_emb")), None)
+        if self.rotary is None:
+            raise UnsupportedMultiModalError(f"{self.model_type}: mlx-vlm's model has no attention layer with a "
+                                             "rotary embedding to rotate image rows by")
         self.rows = MRoPERows()
 
     def annotate(self, features: list[MultiModalFeatureSpec]) -> list[MultiModalFeatureSpec]:
