@@ -111,34 +111,19 @@ def qwen35_vlm(seed: int = 0):
     return build_vlm(copy.deepcopy(QWEN35_VLM), seed)
 
 
-class Qwen35Processor:
-    """Qwen3-VL's processor minus its video half (which needs torchvision here): images through transformers'
-    Qwen2-VL image processor (4x4 patches, 2x2 merged, at most 32x32 pixels), each <|image_pad|> expanded to its
-    image's merged patches, as Qwen3VLProcessor does."""
+def qwen35_processor():
+    """mlx-vlm's (torch-free) Qwen3VLProcessor over the tiny tokenizer: 4x4 patches, 2x2 merged, at most 32x32
+    pixels; <|vision_end|>, <|vision_start|>, <|video_pad|>, <|image_pad|> as ids 508-511."""
+    from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import Qwen3VLImageProcessor, Qwen3VLProcessor
 
-    def __init__(self):
-        from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
-
-        hf = copy.deepcopy(tiny_tokenizer(VOCAB - 4)._tokenizer)
-        hf.add_special_tokens({"additional_special_tokens": ["<|vision_end|>", "<|vision_start|>", "<|video_pad|>",
-                                                            "<|image_pad|>"]})
-        assert hf.convert_tokens_to_ids("<|image_pad|>") == QWEN35_VLM["image_token_id"] and len(hf) == VOCAB
-        hf.chat_template = CHAT_TEMPLATE.replace(BOI, QWEN_MARKER)
-        self.tokenizer, self.chat_template = hf, hf.chat_template
-        self.image_processor = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
-                                                        min_pixels=8 * 8, max_pixels=32 * 32)
-
-    def apply_chat_template(self, *args, **kwargs):
-        return self.tokenizer.apply_chat_template(*args, **kwargs)
-
-    def __call__(self, text, images, add_special_tokens=True):
-        out = self.image_processor([im for batch in images for im in batch])
-        grid = np.asarray(out["image_grid_thw"])
-        counts = iter((grid.prod(axis=1) // 4).tolist())
-        parts = text[0].split("<|image_pad|>")
-        prompt = parts[0] + "".join("<|image_pad|>" * next(counts) + part for part in parts[1:])
-        ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
-        return {"input_ids": [ids], "pixel_values": np.asarray(out["pixel_values"]), "image_grid_thw": grid}
+    hf = copy.deepcopy(tiny_tokenizer(VOCAB - 4)._tokenizer)
+    hf.add_special_tokens({"additional_special_tokens": ["<|vision_end|>", "<|vision_start|>", "<|video_pad|>",
+                                                        "<|image_pad|>"]})
+    assert hf.convert_tokens_to_ids("<|image_pad|>") == QWEN35_VLM["image_token_id"] and len(hf) == VOCAB
+    image_processor = Qwen3VLImageProcessor(patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=8 * 8,
+                                            max_pixels=32 * 32)
+    return Qwen3VLProcessor(image_processor=image_processor, tokenizer=hf,
+                            chat_template=CHAT_TEMPLATE.replace(BOI, QWEN_MARKER))
 
 
 QWEN_MARKER = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -167,7 +152,7 @@ class Family:
 
 FAMILIES = {"gemma3": Family("gemma3", gemma3_vlm, gemma3_processor, BOI),
             "gemma4": Family("gemma4", gemma4_vlm, gemma4_processor, IMAGE),
-            "qwen3_5": Family("qwen3_5", qwen35_vlm, Qwen35Processor, QWEN_MARKER, stacked_reference_inputs)}
+            "qwen3_5": Family("qwen3_5", qwen35_vlm, qwen35_processor, QWEN_MARKER, stacked_reference_inputs)}
 
 
 def family_reference(family: Family, vlm, features):

@@ -10,7 +10,7 @@ import io
 import msgspec
 import pytest
 
-from mm_utils import FAMILIES, Family, family_reference, gemma3_processor, gemma3_vlm, image, pixels_of, vlm_reference
+from mm_utils import FAMILIES, Family, family_reference, gemma3_processor, gemma3_vlm, image
 from utils import greedy_mismatch, run_to_completion
 
 from pagedmlx.config import EngineConfig
@@ -104,10 +104,10 @@ def test_prefix_hit_shares_pages_of_the_same_image_only(family):
             or first_logprobs("a") != pytest.approx(first_logprobs("c"), abs=1e-3))
 
 
-def test_chat_with_a_data_url_image_equals_generate():
+def test_chat_with_a_data_url_image_equals_generate(family):
     from pagedmlx import LLM
 
-    llm = LLM(gemma3_vlm(), tokenizer=gemma3_processor(), block_size=4, num_blocks=64, max_num_batched_tokens=16)
+    llm = LLM(family.vlm(), tokenizer=family.processor(), block_size=4, num_blocks=64, max_num_batched_tokens=16)
     buf = io.BytesIO()
     image(3, (30, 20)).save(buf, format="PNG")
     url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
@@ -117,12 +117,11 @@ def test_chat_with_a_data_url_image_equals_generate():
     chat = llm.chat(messages, GREEDY)[0]
     ids, features = llm.mm_processor.process_chat(messages)
     assert list(chat.prompt_token_ids) == ids and len(features) == 1
-    marker = FAMILIES["gemma3"].marker
-    prompt = f"<|im_start|>user\nHello {marker} what is this?<|im_end|>\n<|im_start|>assistant\n"
+    prompt = f"<|im_start|>user\nHello {family.marker} what is this?<|im_end|>\n<|im_start|>assistant\n"
     gen = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image(3, (30, 20))}}, GREEDY)[0]
     assert list(chat.outputs[0].token_ids) == list(gen.outputs[0].token_ids)
     assert greedy_mismatch(list(gen.outputs[0].token_ids), ids, GREEDY.max_tokens,
-                           vlm_reference(gemma3_vlm(), pixels_of(features))) is None
+                           family_reference(family, family.vlm(), features)) is None
 
 
 def test_features_cross_the_process_boundary():
