@@ -12,7 +12,8 @@ from typing import Any, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from pagedmlx.multimodal.models import UnsupportedMultiModalError, VisionEncoder, vision_encoder
+from pagedmlx.multimodal.families import vision_encoder
+from pagedmlx.multimodal.models import UnsupportedMultiModalError, VisionEncoder
 
 logger = logging.getLogger("pagedmlx")
 
@@ -82,12 +83,21 @@ def encoder_or_refusal(vlm: nn.Module) -> VisionEncoder:
         return RefusedVision(getattr(config, "model_type", "?"), str(exc), token)
 
 
-def read_config(model: Optional[str]) -> Optional[dict]:
-    """config.json of a local model folder, or None."""
-    if model is None:
+def model_dir(model: Optional[str]) -> Optional[Path]:
+    """The local folder of a model folder or hub id (loaders/loader.py's model_folder), or None (random, GGUF,
+    PyPI models)."""
+    if model is None or model.endswith(".gguf") or ":" in model.split("/")[0]:
         return None
-    path = Path(model) / "config.json"
-    if not path.is_file():
+    from pagedmlx.loaders.loader import model_folder
+
+    return model_folder(model)
+
+
+def read_config(model: Optional[str]) -> Optional[dict]:
+    """config.json of a model's local folder, or None."""
+    folder = model_dir(model)
+    path = folder / "config.json" if folder is not None else None
+    if path is None or not path.is_file():
         return None
     return json.loads(path.read_text())
 
@@ -98,17 +108,17 @@ def load_vision_encoder(model: Optional[str]) -> Optional[VisionEncoder]:
     config = read_config(model)
     if not config or not config.get("vision_config"):
         return None
-    from mlx_vlm.utils import load_model
-
     try:
-        vlm = load_model(Path(model), lazy=True)
-    except Exception as exc:  # noqa: BLE001 - an mlx-vlm version without the family, a missing file, ...
-        reason = f"images: mlx-vlm cannot load {model!r} ({type(exc).__name__}: {exc})"
+        from mlx_vlm.utils import load_model
+
+        vlm = load_model(model_dir(model), lazy=True)
+    except Exception as exc:  # noqa: BLE001 - no mlx-vlm (the vision extra), a version without the family, ...
+        reason = f"images: mlx-vlm cannot load {model!r} ({type(exc).__name__}: {exc}; pip install 'pagedmlx[vision]')"
         logger.warning("%s; serving text only", reason)
-        return RefusedVision(config.get("model_type", "?"), reason)
+        return RefusedVision(config.get("model_type", "?"), reason,
+                             config.get("image_token_index", config.get("image_token_id", -1)))
     encoder = encoder_or_refusal(vlm)
-    if not isinstance(encoder, RefusedVision):
-        mx.eval([p for _, p in _vision_parameters(vlm)])
+    mx.eval(encoder.parameters())  # the tower and projector only: the language model (and an audio tower) stay unread
     return encoder
 
 
@@ -119,11 +129,11 @@ def load_mm_processor(model: Optional[str]):
     config = read_config(model)
     if not config or not config.get("vision_config"):
         return None
-    from mlx_vlm.utils import load_processor
-
     token = config.get("image_token_index", config.get("image_token_id"))
     try:
-        hf_processor = load_processor(Path(model), add_detokenizer=False)
+        from mlx_vlm.utils import load_processor
+
+        hf_processor = load_processor(model_dir(model), add_detokenizer=False)
     except Exception as exc:  # noqa: BLE001 - missing processor files, a transformers version without the class
         logger.warning("images: cannot load the processor of %r (%s: %s); prompts take no images", model,
                        type(exc).__name__, exc)
@@ -131,8 +141,3 @@ def load_mm_processor(model: Optional[str]):
     model_type = config.get("model_type", "")
     return MultiModalProcessor(hf_processor, token, model_type, hash_salt=(model_type,))
 
-
-def _vision_parameters(vlm: nn.Module) -> list:
-    from mlx.utils import tree_flatten
-
-    return [(k, v) for k, v in tree_flatten(vlm.parameters()) if not k.startswith("language_model.")]

@@ -7,8 +7,9 @@ config this module cannot reproduce exactly is refused by name (UnsupportedMulti
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -24,30 +25,53 @@ class UnsupportedMultiModalError(ValueError):
 
 class VisionEncoder:
     """One family's image path: `encode` turns one image's processed inputs into the rows that replace its
-    placeholder tokens in the language model's input embeddings; `step_kwargs` adds what else the text model
-    takes on a step with image rows (None: nothing)."""
+    placeholder tokens in the language model's input embeddings; `input_embeddings` gives the text model's keyword
+    arguments for a step with image rows, and `forward_context` wraps its call."""
 
     model_type: str = ""
     image_token_id: int = -1
+    modules: tuple = ()  # the mlx-vlm modules it runs (tower, projector)
 
-    def encode(self, feature: MultiModalFeatureSpec, dtype: mx.Dtype) -> mx.array:  # (length, hidden)
+    def parameters(self) -> list:
+        return [m.parameters() for m in self.modules]
+
+    def encode(self, feature: MultiModalFeatureSpec, dtype: mx.Dtype) -> mx.array:
+        """One image's rows (length, hidden)."""
+        return self.encode_batch([feature], dtype)[0]
+
+    def encode_batch(self, features: list[MultiModalFeatureSpec], dtype: mx.Dtype) -> list[mx.array]:
+        """Several images' rows: one tower call per set of images whose inputs share their shapes (a step's
+        images run together, as vLLM's encoder inputs of a step do)."""
+        out: list = [None] * len(features)
+        groups: dict = {}
+        for i, f in enumerate(features):
+            groups.setdefault(tuple((k, t.dtype, t.shape) for k, t in sorted(f.data.items())), []).append(i)
+        for idx in groups.values():
+            for i, rows in zip(idx, self.encode_stacked([features[i] for i in idx], dtype)):
+                out[i] = rows
+        return out
+
+    def encode_stacked(self, features: list[MultiModalFeatureSpec], dtype: mx.Dtype) -> list[mx.array]:
+        """The rows of images whose inputs share their shapes, in one call of the tower."""
         raise NotImplementedError
 
     def input_embeddings(self, body: nn.Module, input_ids: mx.array, image_rows: mx.array,
                          image_embeds: mx.array) -> dict[str, Any]:
         """The keyword arguments of mlx-lm's text model body for a step: input_ids (T,) with image rows
         image_rows (K,) taking image_embeds (K, hidden), one take over the step's rows."""
-        embeds = body.embed_tokens(input_ids)
-        t = input_ids.shape[0]
-        index = mx.arange(t)
-        index = mx.put_along_axis(index, image_rows, mx.arange(t, t + image_rows.shape[0]), axis=0)
-        embeds = mx.take(mx.concatenate([embeds, image_embeds.astype(embeds.dtype)]), index, axis=0)
-        return {"input_embeddings": embeds[:, None, :]}
+        return {"input_embeddings": splice(body.embed_tokens(input_ids), image_rows, image_embeds)[:, None, :]}
 
     @contextlib.contextmanager
-    def forward_context(self, body: nn.Module) -> Iterator[None]:
-        """Around the text model's call on a step with image rows (the graph is built inside)."""
+    def forward_context(self, body: nn.Module, so: Any = None) -> Iterator[None]:
+        """Around the text model's call on a step with image rows (the graph is built inside); so: the step."""
         yield
+
+    def annotate(self, features: list[MultiModalFeatureSpec]) -> list[MultiModalFeatureSpec]:
+        """A request's features as the core keeps them (M-RoPE families add their positions)."""
+        return features
+
+    def install(self, model: nn.Module) -> None:
+        """Changes to mlx-lm's text model the family needs (once, when the runner takes the encoder)."""
 
 
 class Gemma3Vision(VisionEncoder):
@@ -59,6 +83,7 @@ class Gemma3Vision(VisionEncoder):
         self.model_type = config.model_type
         self.image_token_id = config.image_token_index
         self.tower, self.projector = vlm.vision_tower, vlm.multi_modal_projector
+        self.modules = (self.tower, self.projector)
         self.hidden_size = config.hidden_size
         text_hidden = config.text_config.hidden_size
         if self.hidden_size != text_hidden:  # mlx-vlm's default 2048 where config.json has no top-level hidden_size
@@ -66,11 +91,11 @@ class Gemma3Vision(VisionEncoder):
                            "text model multiplies by sqrt(%d): image rows are %.3fx what cancels exactly (as in "
                            "mlx-vlm)", self.hidden_size, text_hidden, (text_hidden / self.hidden_size) ** 0.5)
 
-    def encode(self, feature: MultiModalFeatureSpec, dtype: mx.Dtype) -> mx.array:
-        pixels = _item(feature, "pixel_values")
+    def encode_stacked(self, features: list[MultiModalFeatureSpec], dtype: mx.Dtype) -> list[mx.array]:
+        pixels = stacked(features, "pixel_values")
         hidden, _, _ = self.tower(pixels.transpose(0, 2, 3, 1).astype(dtype), output_hidden_states=True)
-        features = self.projector(hidden)
-        return (features / (self.hidden_size ** 0.5)).astype(dtype)[0]
+        rows = (self.projector(hidden) / (self.hidden_size ** 0.5)).astype(dtype)
+        return [rows[i] for i in range(len(features))]
 
 
 class Gemma4Vision(VisionEncoder):
@@ -83,26 +108,28 @@ class Gemma4Vision(VisionEncoder):
         self.model_type = config.model_type
         self.image_token_id = config.image_token_id
         self.tower, self.embedder = vlm.vision_tower, vlm.embed_vision
+        self.modules = (self.tower, self.embedder)
         bidirectional = getattr(config.text_config, "use_bidirectional_attention", None)
         if bidirectional:
             raise UnsupportedMultiModalError(
                 f"gemma4: text_config.use_bidirectional_attention={bidirectional!r} attends image tokens "
                 "bidirectionally; paged attention is causal, so images are not served for this model")
 
-    def encode(self, feature: MultiModalFeatureSpec, dtype: mx.Dtype) -> mx.array:
-        pixels = _item(feature, "pixel_values")
-        positions = _item(feature, "image_position_ids", required=False)
-        return self.embedder(self.tower(pixels, positions)).astype(dtype)[0]
+    def encode_stacked(self, features: list[MultiModalFeatureSpec], dtype: mx.Dtype) -> list[mx.array]:
+        """The tower drops each image's padding and concatenates the images' rows: (1, sum of lengths, hidden)."""
+        positions = stacked(features, "image_position_ids") if "image_position_ids" in features[0].data else None
+        rows = self.embedder(self.tower(stacked(features, "pixel_values"), positions)).astype(dtype)[0]
+        ends = list(itertools.accumulate(f.mm_position.length for f in features))
+        if rows.shape[0] != ends[-1]:
+            raise ValueError(f"gemma4: the tower gives {rows.shape[0]} rows for {ends[-1]} placeholder tokens")
+        return [rows[end - f.mm_position.length:end] for f, end in zip(features, ends)]
 
     def input_embeddings(self, body: nn.Module, input_ids: mx.array, image_rows: mx.array,
                          image_embeds: mx.array) -> dict[str, Any]:
         """Text rows embed_tokens * embed_scale and image rows as projected, as mlx-vlm's get_input_embeddings;
         forward_context has mlx-lm's body scale by 1.0 (x * s / s is not always x). Per-layer inputs from the
         token ids with image rows as token 0."""
-        embeds = body.embed_tokens(input_ids) * body.embed_scale
-        t = input_ids.shape[0]
-        index = mx.put_along_axis(mx.arange(t), image_rows, mx.arange(t, t + image_rows.shape[0]), axis=0)
-        embeds = mx.take(mx.concatenate([embeds, image_embeds.astype(embeds.dtype)]), index, axis=0)
+        embeds = splice(body.embed_tokens(input_ids) * body.embed_scale, image_rows, image_embeds)
         kwargs = {"input_embeddings": embeds[:, None, :]}
         if body.hidden_size_per_layer_input:
             text_ids = mx.put_along_axis(input_ids, image_rows, mx.zeros(image_rows.shape, input_ids.dtype), axis=0)
@@ -110,7 +137,7 @@ class Gemma4Vision(VisionEncoder):
         return kwargs
 
     @contextlib.contextmanager
-    def forward_context(self, body: nn.Module) -> Iterator[None]:
+    def forward_context(self, body: nn.Module, so: Any = None) -> Iterator[None]:
         scale, body.embed_scale = body.embed_scale, 1.0
         try:
             yield
@@ -118,33 +145,17 @@ class Gemma4Vision(VisionEncoder):
             body.embed_scale = scale
 
 
-FAMILIES = {"gemma3": Gemma3Vision, "gemma4": Gemma4Vision}
-
-# Families mlx-vlm serves whose images need what the paged text model does not do (yet).
-REFUSED = {
-    "qwen3_5": "Qwen3.5 / 3.6 vision needs M-RoPE (3-D positions for image tokens); the paged text model "
-               "applies 1-D positions",
-    "qwen3_5_moe": "Qwen3.5 / 3.6 vision needs M-RoPE (3-D positions for image tokens); the paged text model "
-                   "applies 1-D positions",
-}
+def splice(embeds: mx.array, image_rows: mx.array, image_embeds: mx.array) -> mx.array:
+    """embeds (T, H) with rows image_rows (K,) replaced by image_embeds (K, H): one take over the step's rows."""
+    t = embeds.shape[0]
+    index = mx.put_along_axis(mx.arange(t), image_rows, mx.arange(t, t + image_rows.shape[0]), axis=0)
+    return mx.take(mx.concatenate([embeds, image_embeds.astype(embeds.dtype)]), index, axis=0)
 
 
-def vision_encoder(vlm: nn.Module) -> VisionEncoder:
-    """The family adapter of an mlx-vlm model (UnsupportedMultiModalError naming why, if none)."""
-    model_type = getattr(getattr(vlm, "config", None), "model_type", None) or getattr(vlm, "model_type", None)
-    if model_type in REFUSED:
-        raise UnsupportedMultiModalError(f"images are not served for model type {model_type!r}: {REFUSED[model_type]}")
-    family = FAMILIES.get(model_type)
-    if family is None:
-        raise UnsupportedMultiModalError(f"images are not served for model type {model_type!r} yet (served: "
-                                         f"{', '.join(sorted(FAMILIES))})")
-    return family(vlm)
-
-
-def _item(feature: MultiModalFeatureSpec, name: str, required: bool = True) -> Optional[mx.array]:
-    t = feature.data.get(name)
-    if t is None:
-        if required:
-            raise ValueError(f"image {feature.identifier[:12]}: its processed inputs lack {name!r}")
-        return None
-    return t.mx()
+def stacked(features: list[MultiModalFeatureSpec], name: str) -> mx.array:
+    """The images' inputs `name` along the batch axis (each feature holds one image: a leading axis of 1)."""
+    missing = [f.identifier[:12] for f in features if name not in f.data]
+    if missing:
+        raise ValueError(f"images {missing}: their processed inputs lack {name!r}")
+    arrays = [f.data[name].mx() for f in features]
+    return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays)

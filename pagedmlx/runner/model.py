@@ -306,6 +306,8 @@ class ModelRunner:
         which fails again whenever a later step reads it. If so, every page and state is zeroed (their
         contents are lost: the engine has every running request recompute) and True is returned.
         Pages written in place (CUDA) keep their arrays: the failed step's rows are simply uncached."""
+        if self.mm is not None:  # images' rows the failed step encoded may hold its graph: encoded again when needed
+            self.mm.encoder_cache.clear()
         if self.pages_in_place:
             return False
         try:
@@ -347,7 +349,7 @@ class ModelRunner:
         mm = self.mm.step_kwargs(so, inputs) if so.mm_features or so.free_encoder_mm_hashes else {}  # images
         # each row's adapter slot, for the wrapped layers while the graph is built
         with (self.lora_manager.step(lora, md.extra) if lora is not None else contextlib.nullcontext(),
-              self.mm.forward_context() if mm else contextlib.nullcontext()):
+              self.mm.forward_context(so) if mm else contextlib.nullcontext()):
             logits = self.logits(inputs[:, None], caches, md.logits_indices, **mm)
         if self.pages_in_place:
             mx.async_eval(logits)

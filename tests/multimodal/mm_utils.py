@@ -91,16 +91,74 @@ def gemma4_processor():
     return Gemma4Processor(image_processor, hf, image_seq_length=16, chat_template=hf.chat_template)
 
 
+# Qwen3.5 (Gated DeltaNet + M-RoPE attention): its images are refused, its text serves.
+QWEN35_VLM = dict(
+    model_type="qwen3_5", vocab_size=VOCAB, image_token_id=VOCAB - 1, video_token_id=VOCAB - 2,
+    vision_start_token_id=VOCAB - 3, vision_end_token_id=VOCAB - 4,
+    text_config=dict(model_type="qwen3_5_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_value_heads=4,
+                     linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=32,
+                     linear_conv_kernel_dim=4, full_attention_interval=2, vocab_size=VOCAB, rms_norm_eps=1e-6,
+                     tie_word_embeddings=False, max_position_embeddings=4096,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                      "mrope_section": [2, 1, 1], "mrope_interleaved": True}),
+    vision_config=dict(model_type="qwen3_5", depth=2, hidden_size=32, intermediate_size=64, out_hidden_size=64,
+                       num_heads=2, patch_size=4, spatial_patch_size=4, num_position_embeddings=16))
+
+
+@functools.lru_cache(maxsize=None)
+def qwen35_vlm(seed: int = 0):
+    return build_vlm(copy.deepcopy(QWEN35_VLM), seed)
+
+
+def qwen35_processor():
+    """mlx-vlm's (torch-free) Qwen3VLProcessor over the tiny tokenizer: 4x4 patches, 2x2 merged, at most 32x32
+    pixels; <|vision_end|>, <|vision_start|>, <|video_pad|>, <|image_pad|> as ids 508-511."""
+    from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import Qwen3VLImageProcessor, Qwen3VLProcessor
+
+    hf = copy.deepcopy(tiny_tokenizer(VOCAB - 4)._tokenizer)
+    hf.add_special_tokens({"additional_special_tokens": ["<|vision_end|>", "<|vision_start|>", "<|video_pad|>",
+                                                        "<|image_pad|>"]})
+    assert hf.convert_tokens_to_ids("<|image_pad|>") == QWEN35_VLM["image_token_id"] and len(hf) == VOCAB
+    image_processor = Qwen3VLImageProcessor(patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=8 * 8,
+                                            max_pixels=32 * 32)
+    return Qwen3VLProcessor(image_processor=image_processor, tokenizer=hf,
+                            chat_template=CHAT_TEMPLATE.replace(BOI, QWEN_MARKER))
+
+
+QWEN_MARKER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def stacked_reference_inputs(features) -> tuple[Optional[mx.array], dict]:
+    """Qwen-VL style: every image's patches in one array, and image_grid_thw."""
+    if not features:
+        return None, {}
+    grid = mx.concatenate([f.data["image_grid_thw"].mx() for f in features])
+    return mx.concatenate([f.data["pixel_values"].mx() for f in features]), {"image_grid_thw": grid}
+
+
+def batched_reference_inputs(features) -> tuple[Union[None, mx.array, list], dict]:
+    return pixels_of(features), {}
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     name: str
     vlm: Callable
     processor: Callable
     marker: str  # what a prompt's text holds per image
+    reference_inputs: Callable = batched_reference_inputs  # features -> (pixel values, kwargs) for mlx-vlm
 
 
 FAMILIES = {"gemma3": Family("gemma3", gemma3_vlm, gemma3_processor, BOI),
-            "gemma4": Family("gemma4", gemma4_vlm, gemma4_processor, IMAGE)}
+            "gemma4": Family("gemma4", gemma4_vlm, gemma4_processor, IMAGE),
+            "qwen3_5": Family("qwen3_5", qwen35_vlm, qwen35_processor, QWEN_MARKER, stacked_reference_inputs)}
+
+
+def family_reference(family: Family, vlm, features):
+    """mlx-vlm's greedy continuation reference for a prompt with these images (greedy_mismatch's)."""
+    pixels, kwargs = family.reference_inputs(features)
+    return vlm_reference(vlm, pixels, **kwargs)
 
 
 def image(seed: int, size: tuple[int, int] = (24, 20)):
