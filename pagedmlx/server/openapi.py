@@ -11,7 +11,7 @@ from fastapi.openapi.utils import get_openapi
 
 from pydantic import BaseModel
 
-from pagedmlx.server.protocol import MAX_TOKEN_ID, ChatCompletionChunk, ErrorResponse
+from pagedmlx.server.protocol import MAX_TOKEN_ID, ChatCompletionChunk, ErrorResponse, ImageURLPart, TextPart
 
 ERRORS = {
     400: "Invalid request: a field's type or range, an unknown token id, a prompt or chat that does not fit the "
@@ -32,7 +32,8 @@ SSE_DOC = ("With `stream: true`: server-sent events, one `data: <chunk JSON>` li
            "An engine failure, or a server going away, ends the stream with `data: <error JSON>` (OpenAI's error "
            "body) before `data: [DONE]`; a request cut by the drain deadline ends with finish_reason `abort`. "
            "The schema describes one event.")
-EXTRA_MODELS = (ChatCompletionChunk,)  # referenced from event streams only: FastAPI would leave them out
+# Referenced from event streams and content parts only: FastAPI would leave them out
+EXTRA_MODELS = (ChatCompletionChunk, TextPart, ImageURLPart)
 
 
 def _ref(model: type[BaseModel]) -> dict:

@@ -14,9 +14,9 @@ from pagedmlx.engine.async_engine import (AsyncEngine, EngineDeadError, EngineSh
 from pagedmlx.lora.request import LoRARequest
 from pagedmlx.outputs import EngineOutput, TokenLogprob
 from pagedmlx.sampling_params import SamplingParams
+from pagedmlx.server.chat_media import ChatPrompts, MediaOptions
 from pagedmlx.server.chat_parsing import ChatOutputParser, chat_parser_factory
-from pagedmlx.server.chat_tools import (ChatParsing, attach_tool_constraint, check_tool_request, template_kwargs,
-                                        tool_text_length)
+from pagedmlx.server.chat_tools import ChatParsing, attach_tool_constraint, check_tool_request
 from pagedmlx.server.prompts import PromptEncoder
 from pagedmlx.server.serving_models import ServingModels
 from pagedmlx.server.sse import ChunkTemplate, coalesce, event
@@ -55,6 +55,7 @@ class Prepared:
     chat_parser: Optional[Callable[[], ChatOutputParser]] = None  # tools / reasoning: one parser per choice
     lora_request: Optional[LoRARequest] = None  # the adapter `model` names
     model_name: str = ""  # what responses say in `model`: the base model's name or the adapter's
+    mm_features: Optional[list] = None  # a chat's images, processed (multimodal/inputs.py)
 
     @property
     def n(self) -> int:
@@ -67,7 +68,8 @@ def _lp(x: float) -> float:
 
 class Serving:
     def __init__(self, engine: AsyncEngine, model_name: str, limits: ServerLimits,
-                 parsing: Optional[ChatParsing] = None, models: Optional[ServingModels] = None):
+                 parsing: Optional[ChatParsing] = None, models: Optional[ServingModels] = None,
+                 media: Optional[MediaOptions] = None):
         self.engine = engine
         self.model_name = model_name
         self.models = models or ServingModels(engine, model_name, engine.max_model_len)
@@ -77,6 +79,7 @@ class Serving:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self.prompts = PromptEncoder(self.tokenizer, self.max_model_len)
+        self.chat_prompts = ChatPrompts(self.prompts, engine, media or MediaOptions())
         self.num_cut = 0  # responses ended by the drain deadline (finish_reason "abort")
         self._token_text: dict[int, str] = {}
 
@@ -116,10 +119,9 @@ class Serving:
         lora = self.check_model(req)
         self._need_tokenizer("chat")
         check_tool_request(req, self.parsing)
-        kwargs = template_kwargs(req)
-        messages = [m.to_template_dict() for m in req.messages]
-        ids = self.prompts.apply_chat_template(messages, req.add_generation_prompt, tool_text_length(req), **kwargs)
+        ids, features = self.chat_prompts.prompt(req)
         prep = self._prepare(req, [ids], "messages", lora)
+        prep.mm_features = features
         forced = attach_tool_constraint(req, prep.params)
         prep.chat_parser = chat_parser_factory(req, self.parsing, self.tokenizer, prep.params, forced, ids)
         return prep

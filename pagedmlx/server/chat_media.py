@@ -1,0 +1,106 @@
+"""The images of a chat request: its image parts counted against --limit-mm-per-prompt, loaded and checked
+(multimodal/media.py), and the messages for the chat template with a placeholder where each stood. This
+runs in the tokenizing pool (prompts.py), never on the event loop: decoding a large image takes a while."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from pagedmlx.multimodal.media import MediaConnector, MediaError
+from pagedmlx.server.chat_tools import template_kwargs, tool_text_length
+from pagedmlx.server.prompts import PromptEncoder
+from pagedmlx.server.protocol import APIError, ChatCompletionRequest
+
+MODALITIES = ("image",)
+DEFAULT_LIMIT_MM_PER_PROMPT = {"image": 8}
+VISION_MAX_BODY_BYTES = 32 << 20  # --max-body-bytes' default for a model that takes images (base64: 4/3 the bytes)
+
+
+def parse_limit_mm_per_prompt(text: str) -> dict[str, int]:
+    """vLLM's --limit-mm-per-prompt: JSON such as '{"image": 4}' (0 turns images off); ValueError saying why."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"must be JSON such as '{{\"image\": 4}}' ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError("must be a JSON object such as '{\"image\": 4}'")
+    for key, count in value.items():
+        if key not in MODALITIES:
+            raise ValueError(f"{key!r}: the modalities served are {', '.join(MODALITIES)}")
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise ValueError(f"{key!r}: the limit must be an integer >= 0, got {count!r}")
+    return {**DEFAULT_LIMIT_MM_PER_PROMPT, **value}
+
+
+@dataclass(frozen=True)
+class MediaOptions:
+    """The server's media options: where file:// URLs may read (--allowed-local-media-path) and how many
+    images one request may carry (--limit-mm-per-prompt)."""
+
+    allowed_local_media_path: Optional[Path] = None
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_LIMIT_MM_PER_PROMPT))
+
+    def connector(self) -> MediaConnector:
+        return MediaConnector(self.allowed_local_media_path)
+
+    @property
+    def image_limit(self) -> int:
+        return self.limit_mm_per_prompt.get("image", DEFAULT_LIMIT_MM_PER_PROMPT["image"])
+
+    def describe(self) -> str:
+        where = f"file:// under {self.allowed_local_media_path}" if self.allowed_local_media_path else "no local files"
+        return f"at most {self.image_limit} a request; data: URLs, {where}"
+
+
+def mm_processor(async_engine: Any) -> Any:
+    """The served model's multimodal processor (None: the model takes no images)."""
+    return getattr(async_engine.info, "mm_processor", None)
+
+
+def takes_images(async_engine: Any) -> bool:
+    return mm_processor(async_engine) is not None
+
+
+def chat_messages(req: ChatCompletionRequest, vision: bool, media: Optional[MediaConnector],
+                  limit: int) -> tuple[list[dict], list[Any]]:
+    """The messages for the chat template and the images of their image parts, in order (PIL images, RGB).
+    A text-only model (`vision` False) refuses image parts; a part over `limit` or one that gives no
+    usable image is a 400 naming it (`messages[0].content[1].image_url`)."""
+    messages = [m.to_template_dict(i, images=vision) for i, m in enumerate(req.messages)]
+    parts = [p for i, m in enumerate(req.messages) for p in m.image_parts(i)]
+    if not parts:
+        return messages, []
+    if len(parts) > limit:
+        param = parts[limit][0]
+        raise APIError(400, f"{param}: at most {limit} image{'s' if limit != 1 else ''} may be sent in one request "
+                       f"(--limit-mm-per-prompt), got {len(parts)}", param=param)
+    media = media or MediaConnector()
+    images = []
+    for param, part in parts:
+        param += ".image_url"
+        try:
+            images.append(media.fetch_image(part.url, param))
+        except MediaError as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
+    return messages, images
+
+
+class ChatPrompts:
+    """A chat request's prompt: its token ids and, where it carries images, their processed features."""
+
+    def __init__(self, prompts: PromptEncoder, async_engine: Any, media: MediaOptions):
+        self.prompts = prompts
+        self.processor = mm_processor(async_engine)  # None: a text-only model
+        self.media, self.connector = media, media.connector()
+
+    def prompt(self, req: ChatCompletionRequest) -> tuple[list[int], Optional[list]]:
+        kwargs = template_kwargs(req)
+        messages, images = chat_messages(req, self.processor is not None, self.connector, self.media.image_limit)
+        if not images:
+            ids = self.prompts.apply_chat_template(messages, req.add_generation_prompt, tool_text_length(req),
+                                                   **kwargs)
+            return ids, None
+        raise APIError(400, "images are not served yet", param="messages")
