@@ -98,19 +98,22 @@ class MediaConnector:
                              param)
         path = Path(url2pathname(unquote(parts.path))).resolve()  # symlinks and .. resolved before the check
         if not path.is_relative_to(root):
-            raise MediaError(f"the file must be under --allowed-local-media-path ({root})", param)
+            raise MediaError("the file must be under the folder the server allows (--allowed-local-media-path)", param)
         try:
             # O_NONBLOCK: a FIFO or a device in the folder must not hold the request (it is refused below)
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except OSError as exc:
             raise MediaError(f"cannot read the file ({exc.strerror})", param) from None
-        with os.fdopen(fd, "rb") as f:
+        try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
                 raise MediaError("the path is not a regular file", param)
             if info.st_size > self.max_image_bytes:
                 raise MediaError(f"the image is larger than {self.max_image_bytes} bytes", param)
-            data = f.read(self.max_image_bytes + 1)
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                data = f.read(self.max_image_bytes + 1)
+        finally:
+            os.close(fd)
         if len(data) > self.max_image_bytes:
             raise MediaError(f"the image is larger than {self.max_image_bytes} bytes", param)
         return data
@@ -128,7 +131,7 @@ class MediaConnector:
                 with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as probe:
                     width, height = probe.size
                     if width * height > self.max_image_pixels:
-                        raise MediaError(f"the image is {width} x {height} pixels, more than the limit of "
+                        raise MediaError(f"the image is {width} x {height} pixels, over the limit of "
                                          f"{self.max_image_pixels} pixels", param)
                     probe.verify()  # chunk checksums (PNG); then the whole image is decoded anew
                 with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as image:
