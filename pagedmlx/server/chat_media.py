@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from jinja2 import TemplateError
+
 from pagedmlx.multimodal.media import MediaConnector, MediaError
 from pagedmlx.server.chat_tools import template_kwargs, tool_text_length
 from pagedmlx.server.prompts import PromptEncoder
@@ -55,24 +57,18 @@ class MediaOptions:
         return f"at most {self.image_limit} a request; data: URLs, {where}"
 
 
-def mm_processor(async_engine: Any) -> Any:
-    """The served model's multimodal processor (None: the model takes no images)."""
-    return getattr(async_engine.info, "mm_processor", None)
-
-
-def takes_images(async_engine: Any) -> bool:
-    return mm_processor(async_engine) is not None
 
 
 def chat_messages(req: ChatCompletionRequest, vision: bool, media: Optional[MediaConnector],
-                  limit: int) -> tuple[list[dict], list[Any]]:
-    """The messages for the chat template and the images of their image parts, in order (PIL images, RGB).
-    A text-only model (`vision` False) refuses image parts; a part over `limit` or one that gives no
-    usable image is a 400 naming it (`messages[0].content[1].image_url`)."""
+                  limit: int) -> tuple[list[dict], int]:
+    """The messages for the chat template, each image part as {"type": "image_pil", "image_pil": <PIL image,
+    RGB>} (the engine's processor takes them so), and the number of images. A text-only model (`vision`
+    False) refuses image parts; a part over `limit` or one that gives no usable image is a 400 naming it
+    (`messages[0].content[1].image_url`)."""
     messages = [m.to_template_dict(i, images=vision) for i, m in enumerate(req.messages)]
     parts = [p for i, m in enumerate(req.messages) for p in m.image_parts(i)]
     if not parts:
-        return messages, []
+        return messages, 0
     if len(parts) > limit:
         param = parts[limit][0]
         raise APIError(400, f"{param}: at most {limit} image{'s' if limit != 1 else ''} may be sent in one request "
@@ -80,27 +76,37 @@ def chat_messages(req: ChatCompletionRequest, vision: bool, media: Optional[Medi
     media = media or MediaConnector()
     images = []
     for param, part in parts:
-        param += ".image_url"
         try:
-            images.append(media.fetch_image(part.url, param))
+            images.append(media.fetch_image(part.url, param + ".image_url"))
         except MediaError as exc:
             raise APIError(400, str(exc), param=exc.param) from None
-    return messages, images
+    loaded = iter(images)
+    for message in messages:
+        if isinstance(message["content"], list):
+            message["content"] = [{"type": "image_pil", "image_pil": next(loaded)} if p["type"] == "image" else p
+                                  for p in message["content"]]
+    return messages, len(images)
 
 
 class ChatPrompts:
-    """A chat request's prompt: its token ids and, where it carries images, their processed features."""
+    """A chat request's prompt: its token ids and, where it carries images, their processed features
+    (`processor`: the model's MultiModalProcessor, pagedmlx/multimodal/; None for a text-only model)."""
 
-    def __init__(self, prompts: PromptEncoder, async_engine: Any, media: MediaOptions):
-        self.prompts = prompts
-        self.processor = mm_processor(async_engine)  # None: a text-only model
+    def __init__(self, prompts: PromptEncoder, processor: Any, media: MediaOptions):
+        self.prompts, self.processor = prompts, processor
         self.media, self.connector = media, media.connector()
 
     def prompt(self, req: ChatCompletionRequest) -> tuple[list[int], Optional[list]]:
         kwargs = template_kwargs(req)
-        messages, images = chat_messages(req, self.processor is not None, self.connector, self.media.image_limit)
-        if not images:
+        messages, num_images = chat_messages(req, self.processor is not None, self.connector, self.media.image_limit)
+        if not num_images:
             ids = self.prompts.apply_chat_template(messages, req.add_generation_prompt, tool_text_length(req),
                                                    **kwargs)
             return ids, None
-        raise APIError(400, "images are not served yet", param="messages")
+        self.prompts.check_messages_fit(messages, tool_text_length(req))
+        try:
+            ids, features = self.processor.process_chat(messages, add_generation_prompt=req.add_generation_prompt,
+                                                        tools=kwargs.pop("tools", None), chat_template_kwargs=kwargs)
+        except (ValueError, TypeError, TemplateError) as exc:  # the model's processor or template refuses them
+            raise APIError(400, f"the model's processor failed on these messages: {exc}", param="messages") from None
+        return list(ids), list(features)

@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedmlx.server.protocol import APIError, field_range
 
 logger = logging.getLogger("pagedmlx.server")
+RETRY_AFTER_503 = "5"  # seconds: a stopping server's supervisor restarts it in about that
 
 
 class ASCIIJSONResponse(JSONResponse):
@@ -22,6 +23,15 @@ class ASCIIJSONResponse(JSONResponse):
 
     def render(self, content: Any) -> bytes:
         return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+def unavailable(exc: Exception) -> APIError:
+    return APIError(503, str(exc), type="server_error", code=503, headers={"Retry-After": RETRY_AFTER_503})
+
+
+def error_json(message: str, status: int) -> str:
+    """An error event of a stream: OpenAI's error body as JSON."""
+    return json.dumps(APIError(status, message, type="server_error").response_body())
 
 
 def error_response(err: APIError) -> JSONResponse:

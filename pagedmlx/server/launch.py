@@ -239,13 +239,13 @@ def _serve(args: argparse.Namespace, async_engine: Any, console: Any, nofile: tu
     from pagedmlx.server.file_limit import RESERVED_FDS
     from pagedmlx.server.http_server import EngineWatch, make_server, max_connections
     from pagedmlx.server.serving import ServerLimits
+    from pagedmlx.multimodal import load_mm_processor
+    from pagedmlx.server.chat_media import VISION_MAX_BODY_BYTES
 
     info = async_engine.info
     name = served_model_name(args, info.model)
-    from pagedmlx.server.chat_media import VISION_MAX_BODY_BYTES, takes_images
-
-    vision, media = takes_images(async_engine), media_options(args)
-    body = args.max_body_bytes or (VISION_MAX_BODY_BYTES if vision else ServerLimits.max_body_bytes)
+    mm_processor, media = load_mm_processor(info.model), media_options(args)  # None: a text-only model
+    body = args.max_body_bytes or (VISION_MAX_BODY_BYTES if mm_processor else ServerLimits.max_body_bytes)
     limits = ServerLimits(max_body_bytes=body, max_n=args.max_n, max_tokens=args.max_tokens_cap,
                           header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                           max_connections=args.max_connections)
@@ -266,7 +266,8 @@ def _serve(args: argparse.Namespace, async_engine: Any, console: Any, nofile: tu
         hard_exit(1, "stopped: bad LoRA options")
         return 1
     app = build_app(async_engine, name, api_key=api_key, limits=limits, drain_timeout=args.drain_timeout,
-                    admin_key=admin_key, parsing=parsing, models=models, media=media)
+                    admin_key=admin_key, parsing=parsing, models=models, media=media,
+                    mm_processor=mm_processor)
     url = f"http://{args.host}:{args.port}/v1"
     where = (f"a process of its own (pid {info.pid})" if async_engine.engine is None
              else "a thread of the server's process")
@@ -280,7 +281,7 @@ def _serve(args: argparse.Namespace, async_engine: Any, console: Any, nofile: tu
         console.print(f"    {line}", soft_wrap=True, markup=False, highlight=False)
     console.print(f"  sampling defaults: {defaults_line(info.generation_defaults, info.model)}")
     console.print(f"  tool calls: {parsing.describe()}; reasoning parser: {parsing.reasoning_parser or 'none'}")
-    if vision:
+    if mm_processor is not None:
         console.print(f"  images: {media.describe()}; request bodies up to {body} bytes")
     if info.max_loras:
         console.print(f"  LoRA: {', '.join(models.lora_requests) or 'no adapters yet'}; max_loras {info.max_loras}, "
