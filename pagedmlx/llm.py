@@ -22,7 +22,9 @@ from pagedmlx.request import fan_out
 from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.tp.group import launched_backend
 
-# A prompt as vLLM takes it: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}.
+# A prompt as vLLM takes it: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}; with images,
+# {"prompt": text, "multi_modal_data": {"image": image or [images]}} (PIL images or data: URLs; the text holds the
+# model's image marker per image, e.g. Gemma's <start_of_image>).
 PromptInput = Union[str, Sequence[int], dict]
 
 
@@ -32,14 +34,24 @@ class LLM:
                  **config: Any):
         """model: an mlx-lm folder or hub name, a .gguf file, `random:<arch>`, None (the default
         model), or an nn.Module with its tokenizer. tp is an alias of tensor_parallel_size; the
-        other keywords are EngineConfig fields (block_size, max_num_seqs, kv_cache_memory_gb, ...)."""
+        other keywords are EngineConfig fields (block_size, max_num_seqs, kv_cache_memory_gb, ...).
+        An mlx-vlm model object (or a folder of an mlx-vlm checkpoint) serves images too: its tokenizer is then
+        its processor (pagedmlx/multimodal/)."""
+        from pagedmlx.multimodal import load_mm_processor, split_vlm, vlm_processor
+
         size = tp or tensor_parallel_size
+        self.mm_processor = None
         if size > 1 or launched_backend() is not None:
             self.engine = _tp_engine(model, tokenizer, size, tp_timeout, config)
         elif isinstance(model, nn.Module):
-            self.engine = LLMEngine(model, tokenizer, EngineConfig(**config))
+            mm_encoder = None
+            if "vision_tower" in model:
+                model, mm_encoder = split_vlm(model)
+                self.mm_processor, tokenizer = vlm_processor(tokenizer, mm_encoder)
+            self.engine = LLMEngine(model, tokenizer, EngineConfig(**config), mm_encoder=mm_encoder)
         else:
             self.engine = LLMEngine.from_config(EngineConfig(model=model, **config), tokenizer)
+            self.mm_processor = load_mm_processor(model) if isinstance(model, str) else None
         self.tokenizer = self.engine.tokenizer
         self._counter = itertools.count()
 
@@ -47,6 +59,7 @@ class LLM:
     def from_engine(cls, engine: LLMEngine) -> "LLM":
         llm = cls.__new__(cls)
         llm.engine, llm.tokenizer, llm._counter = engine, engine.tokenizer, itertools.count()
+        llm.mm_processor = None
         return llm
 
     def get_tokenizer(self) -> Any:
@@ -76,10 +89,11 @@ class LLM:
         requests = []  # (request id, prompt text or None, sample ids, adapter, detokenize)
         try:
             for prompt, p, lora in zip(prompts, params, loras):
-                rid, (text, ids) = str(next(self._counter)), _unpack(prompt)
+                rid, (text, ids, features) = str(next(self._counter)), self._unpack(prompt)
                 requests.append((rid, text, [], lora, p.detokenize))
                 for child_id, child_prompt, child_params in fan_out(rid, [ids if ids is not None else text], p):
-                    self.engine.add_request(child_id, child_prompt, child_params, lora_request=lora)
+                    self.engine.add_request(child_id, child_prompt, child_params, lora_request=lora,
+                                            mm_features=features)
                     requests[-1][2].append(child_id)
         except BaseException:  # a refused prompt: the call adds nothing
             self.engine.abort_request([c for _, _, children, _, _ in requests for c in children])
@@ -92,11 +106,43 @@ class LLM:
     def chat(self, messages: Union[list[dict], Sequence[list[dict]]],
              sampling_params: Optional[SamplingParams] = None, use_tqdm: Optional[bool] = None,
              add_generation_prompt: bool = True, lora_request: Optional[LoRARequest] = None) -> list[RequestOutput]:
-        """One conversation (a list of messages) or several, through the tokenizer's chat template."""
+        """One conversation (a list of messages) or several, through the tokenizer's chat template. Messages may
+        hold OpenAI image parts ({"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}) or PIL
+        images ({"type": "image_pil", "image_pil": img}) where the model takes images."""
+        from pagedmlx.multimodal import has_images
+
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
-                   for c in conversations]
-        return self.generate([{"prompt_token_ids": p} for p in prompts], sampling_params, use_tqdm, lora_request)
+        prompts = []
+        for c in conversations:
+            if has_images(c):
+                if self.mm_processor is None:
+                    raise ValueError("this model takes no images (load an mlx-vlm checkpoint or model to send them)")
+                ids, features = self.mm_processor.process_chat(c, add_generation_prompt)
+                prompts.append({"prompt_token_ids": ids, "mm_features": features})
+            else:
+                prompts.append({"prompt_token_ids": self.tokenizer.apply_chat_template(
+                    c, add_generation_prompt=add_generation_prompt)})
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+
+    def _unpack(self, prompt: PromptInput) -> tuple[Optional[str], Optional[list[int]], Optional[list]]:
+        """(text, token ids, image features) of one prompt; images go through the model's processor."""
+        if isinstance(prompt, dict) and "mm_features" in prompt:
+            return None, list(prompt["prompt_token_ids"]), list(prompt["mm_features"] or ()) or None
+        if isinstance(prompt, dict) and "multi_modal_data" in prompt:
+            text, data = prompt.get("prompt"), prompt["multi_modal_data"] or {}
+            if not isinstance(text, str) or set(prompt) != {"prompt", "multi_modal_data"}:
+                raise ValueError("a prompt with multi_modal_data takes its text as 'prompt' (a string), got keys "
+                                 f"{sorted(prompt)}")
+            unknown = set(data) - {"image"}
+            if unknown:
+                raise ValueError(f"multi_modal_data takes 'image' only, got {sorted(unknown)}")
+            if self.mm_processor is None:
+                raise ValueError("this model takes no images (load an mlx-vlm checkpoint or model to send them)")
+            images = data.get("image")
+            images = list(images) if isinstance(images, (list, tuple)) else [] if images is None else [images]
+            ids, features = self.mm_processor.process(text, images)
+            return text, ids, features or None
+        return (*_unpack(prompt), None)
 
     def close(self) -> None:
         """Let the other tensor-parallel ranks exit (nothing to do for one process)."""

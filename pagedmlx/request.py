@@ -13,6 +13,7 @@ from pagedmlx.sampling_params import MAX_SEED, SamplingParams
 if TYPE_CHECKING:
     from pagedmlx.core.kv.block_hash import BlockHash
     from pagedmlx.lora.request import LoRARequest
+    from pagedmlx.multimodal.inputs import MultiModalFeatureSpec
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
@@ -54,6 +55,7 @@ class Request:
         priority: int = 0,
         cache_salt: Optional[str] = None,
         lora_request: Optional[LoRARequest] = None,
+        mm_features: Optional[Sequence[MultiModalFeatureSpec]] = None,
     ):
         if not prompt_token_ids:
             raise ValueError("prompt must hold at least one token")
@@ -65,6 +67,8 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.lora_request = lora_request  # the adapter its rows run with (pagedmlx/lora/), or None
+        # Images: content hash, placeholder range in the prompt, processed inputs (pagedmlx/multimodal/), in order.
+        self.mm_features: list[MultiModalFeatureSpec] = list(mm_features or ())
         self.status = RequestStatus.WAITING
         self.stop_reason: Any = None  # the stop token id or stop string that ended it
         self.output_token_ids: list[int] = []

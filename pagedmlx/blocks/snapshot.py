@@ -17,6 +17,9 @@ Block states, one character per block in `block_states`:
               (until the pool hands its page out again: lazy eviction)
   "u" in use  held by one request
   "s" shared  held by more than one request (a prefix-cache hit)
+
+`image_blocks` (and each request's): the first group's blocks that hold image placeholder tokens (pagedmlx/
+multimodal/), held by a request or cached under a key that names an image.
 """
 
 from __future__ import annotations
@@ -76,7 +79,19 @@ def _natural(text: str) -> tuple:
     return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", text))
 
 
-def _request_row(req: Any, block_ids: list[int], held: dict) -> dict:
+def image_block_ids(req: Any, block_ids: list[int], block_size: int) -> list[int]:
+    """The blocks of a request's block table that hold placeholder tokens of its images."""
+    spans = [(f.mm_position.offset, f.mm_position.end) for f in getattr(req, "mm_features", ())]
+    return [b for j, b in enumerate(block_ids)
+            if any(a < (j + 1) * block_size and e > j * block_size for a, e in spans)]
+
+
+def _cached_image_blocks(pool: Any) -> list[int]:
+    return [b.block_id for h, b in pool.cached_block_hash_to_block.items()
+            if h.extra_keys and any(isinstance(k, tuple) and k[:1] == ("mm",) for k in h.extra_keys)]
+
+
+def _request_row(req: Any, block_ids: list[int], held: dict, block_size: int) -> dict:
     return {
         "id": req.request_id,
         "state": req.status.name.lower(),
@@ -90,6 +105,8 @@ def _request_row(req: Any, block_ids: list[int], held: dict) -> dict:
         "blocks": len(block_ids),
         "shared_blocks": sum(1 for b in block_ids if held[b].ref_cnt > 1),
         "block_table": compress_ranges(block_ids),
+        "images": len(getattr(req, "mm_features", ())),
+        "image_blocks": compress_ranges(image_block_ids(req, block_ids, block_size)),
     }
 
 
@@ -157,7 +174,10 @@ def kv_snapshot(engine: Any, top_shared: int = 10, block_text: bool = True) -> d
             groups[-1]["state"] = _state_summary(manager)
     pool, manager, held, states = kv.block_pool, kv.managers[0], group_held[0], groups[0]["block_states"]
 
-    requests = [_request_row(r, kv.get_block_ids(r.request_id)[0], held) for r in (*sched.running, *sched.waiting)]
+    requests = [_request_row(r, kv.get_block_ids(r.request_id)[0], held, kv.block_size)
+                for r in (*sched.running, *sched.waiting)]
+    image_blocks = {b for r in requests for b in expand_ranges(r["image_blocks"])}
+    image_blocks.update(_cached_image_blocks(pool))
 
     most_shared = sorted((b for b in held.values() if b.ref_cnt > 1), key=lambda b: (-b.ref_cnt, b.block_id))
     most_shared = most_shared[:top_shared]
@@ -199,5 +219,6 @@ def kv_snapshot(engine: Any, top_shared: int = 10, block_text: bool = True) -> d
         "requests": requests,
         "most_shared": shared_rows,
         "block_states": states,
+        "image_blocks": compress_ranges(sorted(image_blocks)),
         "legend": STATE_NAMES,
     }

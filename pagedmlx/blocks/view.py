@@ -18,10 +18,11 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from pagedmlx.blocks.snapshot import CACHED, FREE, IN_USE, SHARED, STATE_NAMES, kv_snapshot
+from pagedmlx.blocks.snapshot import CACHED, FREE, IN_USE, SHARED, STATE_NAMES, expand_ranges, kv_snapshot
 
 STYLES = {FREE: "grey42", CACHED: "dodger_blue1", IN_USE: "green3", SHARED: "dark_orange"}
 CELL = "■"
+IMAGE_CELL = "▣"  # a block holding image placeholder tokens (in its state's colour)
 PRIORITY = (SHARED, IN_USE, CACHED, FREE)  # breaks ties when one cell stands for several blocks
 Source = Union[str, Any]  # a server URL, an LLMEngine or an AsyncEngine
 
@@ -157,7 +158,7 @@ def requests_table(snap: dict, width: int = 100, max_rows: int = 20) -> Table:
                  "cached": r["cached_tokens"], "blocks": r["blocks"],
                  "shared": f"[{STYLES[SHARED]}]{r['shared_blocks']}[/]" if r["shared_blocks"] else "0"}
         state = (r["state"] + (f" ×{r['preemptions']}" if r["preemptions"] else "")
-                 + (" guided" if r.get("guided") else ""))
+                 + (" guided" if r.get("guided") else "") + (f" {r['images']} img" if r.get("images") else ""))
         table.add_row(short_id(r["id"]), state, *(str(cells[n]) for n in numbers),
                       r["block_table"].replace(",", ", ") or "-")
     return table
@@ -200,18 +201,21 @@ def pool_picture(snap: dict, width: int = 100, max_rows: int = 32) -> Panel:
     states = snap["block_states"]
     cols, per_cell = grid_shape(len(states), width, max_rows)
     cells = cell_states(states, per_cell)
+    images = {b // per_cell for b in expand_ranges(snap.get("image_blocks", ""))}
     label = len(str(len(states)))
     text = Text()
     for row in range(0, len(cells), cols):
         text.append(f"{row * per_cell:>{label}} ", style="grey50")
-        for state in cells[row:row + cols]:
-            text.append(CELL, style=STYLES[state])
+        for i, state in enumerate(cells[row:row + cols], row):
+            text.append(IMAGE_CELL if i in images else CELL, style=STYLES[state])
         text.append("\n")
     counts = Counter(states)
     legend = Text()
     for state in (FREE, CACHED, IN_USE, SHARED):
         legend.append(f"{CELL} ", style=STYLES[state])
         legend.append(f"{STATE_NAMES[state]} {counts[state]}   ")
+    if images:
+        legend.append(f"{IMAGE_CELL} image tokens {len(expand_ranges(snap['image_blocks']))}   ")
     if per_cell > 1:
         legend.append(f"(1 cell = {per_cell} blocks: the state most of them are in)", style="italic")
     return Panel(Group(text, legend), title="pool: one cell per block" if per_cell == 1 else "pool", expand=False)

@@ -28,7 +28,7 @@ from pagedmlx.engine.core_client import CoreProcess, CoreThread
 from pagedmlx.engine.core import EngineCore
 from pagedmlx.engine.core_info import CoreInfo
 from pagedmlx.engine.messages import AddRequest
-from pagedmlx.engine.llm_engine import LLMEngine, PromptType, encode_prompt
+from pagedmlx.engine.llm_engine import LLMEngine, PromptType, encode_prompt, prompt_mm_features
 from pagedmlx.lora.request import LoRARequest
 from pagedmlx.engine.output_processor import OutputProcessor
 from pagedmlx.outputs import EngineCoreOutput, EngineOutput, RequestOutput, RequestOutputBuilder
@@ -149,7 +149,9 @@ class AsyncEngine:
                 f"too many requests waiting ({self.num_waiting()} >= max_waiting {self.max_waiting})")
         if request_id in self._adds:
             raise ValueError(f"request id {request_id!r} is already in use")
-        children = [(rid, encode_prompt(self.tokenizer, p), cp) for rid, p, cp in fan_out(request_id, prompts, params)]
+        fanned = fan_out(request_id, prompts, params)
+        children = [(rid, encode_prompt(self.tokenizer, p), cp) for rid, p, cp in fanned]
+        mm_features = [prompt_mm_features(p) or [] for _, p, _ in fanned]  # a prompt's images (processed dicts)
         ids = [c[0] for c in children]
         try:
             for rid, prompt, child_params in children:
@@ -165,7 +167,8 @@ class AsyncEngine:
         accepted = loop.create_future()
         self._adds[request_id] = (accepted, ids)
         self._num_pending_adds += len(ids)
-        self.client.send(("add", AddRequest(request_id, children, priority, cache_salt, arrival, lora_request)))
+        self.client.send(("add", AddRequest(request_id, children, priority, cache_salt, arrival, lora_request,
+                                            mm_features if any(mm_features) else None)))
         try:
             await accepted
         except asyncio.CancelledError:

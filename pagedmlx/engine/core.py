@@ -22,6 +22,7 @@ from pagedmlx.engine.step import LaunchedStep, StepStats
 from pagedmlx.kernels.check import error_line
 from pagedmlx.core.kv.manager import KVCacheManager
 from pagedmlx.lora.request import LoRARequest
+from pagedmlx.multimodal.engine import attach_encoder, check_mm_request
 from pagedmlx.outputs import EngineCoreOutput, TokenLogprob
 from pagedmlx.request import Request, RequestStatus
 from pagedmlx.runner.model import ModelRunner, PagesLost, weights_nbytes
@@ -42,7 +43,7 @@ __all__ = ["DEFAULT_MAX_MODEL_LEN", "EngineCore", "LaunchedStep", "StepStats"]
 
 class EngineCore:
     def __init__(self, model: nn.Module, tokenizer: Any, config: Optional[EngineConfig] = None,
-                 verify_model: bool = True, model_identity: Optional[str] = None):
+                 verify_model: bool = True, model_identity: Optional[str] = None, mm_encoder: Any = None):
         self.config, self.model, self.tokenizer = config or EngineConfig(), model, tokenizer
         self.model_identity = model_identity  # what names the weights: their check may be kept (runner/check_cache.py)
         warn_if_slow_blas()  # MLX's reference BLAS on the CPU: the fix, in one line
@@ -50,6 +51,7 @@ class EngineCore:
             model.set_dtype(getattr(mx, self.config.dtype))
         self.draft_proposer, self._draft_tokenizer = make_proposer(self.config, verify_model, model)  # or None
         self.runner = self.make_runner(verify_model)
+        self.mm_encoder = attach_encoder(self.runner, mm_encoder)  # images (pagedmlx/multimodal/), or None
         self.keeps_hidden = hasattr(self.draft_proposer, "observe_step")  # an MTP module reads the hidden states
         if self.keeps_hidden:
             if not isinstance(self.runner, ModelRunner):
@@ -104,11 +106,13 @@ class EngineCore:
     def from_config(cls, config: EngineConfig, tokenizer: Any = None) -> "EngineCore":
         """Load config.model (with its own tokenizer, unless one is given) and build the engine."""
         from pagedmlx.loaders.loader import load_model, weights_path
+        from pagedmlx.multimodal.loader import load_vision_encoder
         from pagedmlx.runner.check_cache import model_identity
 
         model, loaded_tokenizer = load_model(config.model, dtype=config.dtype)
         identity = model_identity(config.model, config.dtype, weights_path(config.model))
-        engine = cls(model, tokenizer or loaded_tokenizer, config, model_identity=identity)
+        engine = cls(model, tokenizer or loaded_tokenizer, config, model_identity=identity,
+                     mm_encoder=load_vision_encoder(config.model))
         engine.load_generation_defaults(config.model)
         return engine
 
@@ -133,8 +137,6 @@ class EngineCore:
             logger.warning("max_model_len %d exceeds the KV pool (%d tokens); capping it", limit, capacity)
         return min(limit, capacity)
 
-    # ---- requests ---------------------------------------------------------------------------
-
     def check_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
         ids = list(prompt_token_ids)
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
@@ -144,25 +146,25 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: Optional[SamplingParams] = None,
                     priority: int = 0, arrival_time: Optional[float] = None,
-                    cache_salt: Optional[str] = None, lora_request: Optional[LoRARequest] = None) -> Request:
-        """Queue a request (token ids: text is the front end's). A bad request raises ValueError,
-        an adapter that cannot be served too (its LoRAError says why)."""
+                    cache_salt: Optional[str] = None, lora_request: Optional[LoRARequest] = None,
+                    mm_features: Optional[Sequence[Any]] = None) -> Request:
+        """Queue a request (token ids: text is the front end's; mm_features: its images, multimodal/inputs.py).
+        A bad request raises ValueError, an adapter that cannot be served too (its LoRAError says why)."""
         params = params or SamplingParams()
         if lora_request is not None:
             self.add_lora(lora_request)
         bad_bias = [t for t in params.logit_bias if t >= self.vocab_size]
         if bad_bias:
             raise ValueError(f"logit_bias keys must be token ids in [0, {self.vocab_size}), got {bad_bias[:5]}")
-        request = Request(request_id, self.check_prompt(prompt_token_ids), params, self.eos_token_ids,
-                          arrival_time=arrival_time, priority=priority, cache_salt=cache_salt,
-                          lora_request=lora_request)
+        ids = self.check_prompt(prompt_token_ids)
+        request = Request(request_id, ids, params, self.eos_token_ids, arrival_time=arrival_time, priority=priority,
+                          cache_salt=cache_salt, lora_request=lora_request,
+                          mm_features=check_mm_request(self.mm_encoder, ids, mm_features))
         self.structured_output_manager.add_request(request)  # guided decoding: compile its grammar off the step loop
         self.scheduler.add_request(request)
         if params.prompt_logprobs is not None:
             self._prompt_lps[request_id] = []
         return request
-
-    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ---------------------------
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Read and check an adapter (ValueError saying why it cannot be served); False if loaded."""
@@ -190,8 +192,6 @@ class EngineCore:
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
-
-    # ---- the step ---------------------------------------------------------------------------
 
     @property
     def has_step_in_flight(self) -> bool:

@@ -25,13 +25,24 @@ class CoreInfo:
     pid: int = 0
     max_loras: int = 0  # LoRA adapters among running requests (0: LoRA not enabled)
     max_lora_rank: int = 0
+    # Images (pagedmlx/multimodal/): the core serves them, or why a vision-language model serves text only
+    takes_images: bool = False
+    images_refused: str = ""
 
     @classmethod
     def of(cls, core: Any) -> "CoreInfo":
         return cls(core.max_model_len, core.vocab_size, dict(core.generation_defaults), core.tokenizer,
                    core.config.model, core.config.max_num_seqs, kv_pool_line(core),
                    list(getattr(core, "rank_lines", [])), kernel_lines(core), backend_name(), os.getpid(),
-                   core.config.max_loras if core.config.enable_lora else 0, core.config.max_lora_rank)
+                   core.config.max_loras if core.config.enable_lora else 0, core.config.max_lora_rank,
+                   *image_support(core))
+
+
+def image_support(core: Any) -> tuple[bool, str]:
+    """(takes_images, images_refused) of a core."""
+    encoder = getattr(core, "mm_encoder", None)
+    reason = getattr(encoder, "reason", "")
+    return encoder is not None and not reason, reason
 
 
 def kernel_lines(engine: Any) -> list[str]:

@@ -88,9 +88,10 @@ class CoreLoop:
         added: list[str] = []
         error = None
         try:
-            for rid, prompt, params in add.children:
+            for i, (rid, prompt, params) in enumerate(add.children):
                 self.core.add_request(rid, prompt, params, priority=add.priority, arrival_time=add.arrival_time,
-                                      cache_salt=add.cache_salt, lora_request=add.lora_request)
+                                      cache_salt=add.cache_salt, lora_request=add.lora_request,
+                                      mm_features=add.mm_features[i] if add.mm_features else None)
                 added.append(rid)
         except Exception as exc:  # noqa: BLE001 - a bad request: its caller hears why
             self.core.abort_request(added)

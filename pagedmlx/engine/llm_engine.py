@@ -18,11 +18,23 @@ from pagedmlx.outputs import EngineCoreOutput, EngineOutput
 from pagedmlx.request import Request
 from pagedmlx.sampling_params import SamplingParams
 
-PromptType = Union[str, Sequence[int]]
+# Text, token ids, or a processed multimodal prompt {"prompt_token_ids": ids, "mm_features": [...]}
+# (pagedmlx/multimodal/: MultiModalProcessor.process / process_chat give its two parts).
+PromptType = Union[str, Sequence[int], dict]
+
+
+def prompt_mm_features(prompt: PromptType) -> Optional[list]:
+    """The features of a processed multimodal prompt (None for text or token ids)."""
+    return list(prompt.get("mm_features") or ()) or None if isinstance(prompt, dict) else None
 
 
 def encode_prompt(tokenizer: Any, prompt: PromptType) -> list[int]:
     """A prompt's token ids: text through the tokenizer, ids as given (the core checks their range)."""
+    if isinstance(prompt, dict):
+        unknown = set(prompt) - {"prompt_token_ids", "mm_features"}
+        if unknown or "prompt_token_ids" not in prompt:
+            raise ValueError(f"a processed prompt takes 'prompt_token_ids' and 'mm_features', got {sorted(prompt)}")
+        return list(prompt["prompt_token_ids"])
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("this engine has no tokenizer: give prompts as token ids")
@@ -35,9 +47,11 @@ class LLMEngine:
 
     def __init__(self, model: Optional[nn.Module] = None, tokenizer: Any = None,
                  config: Optional[EngineConfig] = None, verify_model: bool = True, *,
-                 core: Optional[EngineCore] = None):
-        """An engine over `model` (an mlx-lm model) and its tokenizer, or over a ready `core`."""
-        self.core = core if core is not None else EngineCore(model, tokenizer, config, verify_model)
+                 core: Optional[EngineCore] = None, mm_encoder: Any = None):
+        """An engine over `model` (an mlx-lm model) and its tokenizer, or over a ready `core`. mm_encoder: the
+        image path of a vision-language model (pagedmlx/multimodal/loader.py's split_vlm), None: text only."""
+        self.core = core if core is not None else EngineCore(model, tokenizer, config, verify_model,
+                                                             mm_encoder=mm_encoder)
         self.tokenizer = self.core.tokenizer
         self.processor = OutputProcessor(self.tokenizer)
 
@@ -63,12 +77,16 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
                     priority: int = 0, arrival_time: Optional[float] = None,
-                    cache_salt: Optional[str] = None, lora_request: Optional[LoRARequest] = None) -> Request:
+                    cache_salt: Optional[str] = None, lora_request: Optional[LoRARequest] = None,
+                    mm_features: Optional[Sequence[Any]] = None) -> Request:
+        """mm_features: the prompt's images (or give `prompt` as a processed multimodal prompt dict)."""
         params = params or SamplingParams()
         ids = encode_prompt(self.tokenizer, prompt)
+        mm_features = mm_features or prompt_mm_features(prompt)
         self.processor.add_request(request_id, ids, params)
         try:
-            return self.core.add_request(request_id, ids, params, priority, arrival_time, cache_salt, lora_request)
+            return self.core.add_request(request_id, ids, params, priority, arrival_time, cache_salt, lora_request,
+                                         mm_features)
         except BaseException:
             self.processor.forget([request_id])
             raise

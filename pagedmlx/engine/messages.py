@@ -27,6 +27,7 @@ from typing import Optional
 import msgspec
 
 from pagedmlx.lora.request import LoRARequest
+from pagedmlx.multimodal.inputs import MultiModalFeatureSpec
 from pagedmlx.outputs import EngineCoreOutput
 from pagedmlx.sampling_params import SamplingParams
 
@@ -38,6 +39,7 @@ class AddRequest(msgspec.Struct, array_like=True):
     cache_salt: Optional[str] = None
     arrival_time: float = 0.0  # time.monotonic() in the front end (a clock every process shares)
     lora_request: Optional[LoRARequest] = None  # the adapter every child runs with
+    mm_features: Optional[list[list[MultiModalFeatureSpec]]] = None  # per child: its images (None: text only)
 
 
 _MSGPACK_BODIES = {"add": tuple[AddRequest], "abort": tuple[list[str]],

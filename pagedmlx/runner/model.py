@@ -113,6 +113,7 @@ class ModelRunner:
             recurrent_state.install_kernels(model, [p.state.owner for p in self.plan if p.state is not None])
         self.state_pool: Optional[StatePool] = None
         self.lora_manager = None  # after the check below: it runs the base model
+        self.mm = None  # images: a MultiModalRunner (pagedmlx/multimodal/runner.py), set by the engine
         self.compiled_decode: Optional[CompiledDecode] = None
         self.keep_hidden = False  # logits() keeps the body's output (T, 1, H) in last_hidden
         self.last_hidden: Optional[mx.array] = None
@@ -281,7 +282,8 @@ class ModelRunner:
         dispatched (mx.async_eval) before this returns: MLX sees no dependency between one step's
         page reads and the next step's writes, so steps must reach the device in order."""
         lora = self.lora_manager.prepare_step(so.lora_int_ids, so.num_scheduled_tokens) if self.lora_manager else None
-        if self.compiled_decode is not None and kv_pool is None and self.compiled_decode.takes(so):
+        compiled = self.compiled_decode is not None and kv_pool is None and not so.mm_features
+        if compiled and self.compiled_decode.takes(so):
             try:
                 logits = self.compiled_decode(so, prev_sampled, lora)
                 if logits is not None and self.compiled_decode.new_trace and not self.pages_in_place:
@@ -342,24 +344,27 @@ class ModelRunner:
         if md.placeholder_rows is not None:
             inputs = mx.put_along_axis(inputs, md.placeholder_rows,
                                        prev_sampled[md.placeholder_src].astype(inputs.dtype), axis=0)
+        mm = self.mm.step_kwargs(so, inputs) if so.mm_features or so.free_encoder_mm_hashes else {}  # images
         # each row's adapter slot, for the wrapped layers while the graph is built
-        with self.lora_manager.step(lora, md.extra) if lora is not None else contextlib.nullcontext():
-            logits = self.logits(inputs[:, None], caches, md.logits_indices)
+        with (self.lora_manager.step(lora, md.extra) if lora is not None else contextlib.nullcontext(),
+              self.mm.forward_context() if mm else contextlib.nullcontext()):
+            logits = self.logits(inputs[:, None], caches, md.logits_indices, **mm)
         if self.pages_in_place:
             mx.async_eval(logits)
         return logits
 
-    def logits(self, inputs: mx.array, caches: list, logits_indices: mx.array) -> mx.array:
-        """The model over inputs (T, 1) on `caches`; logits (S, V) of the rows logits_indices."""
+    def logits(self, inputs: mx.array, caches: list, logits_indices: mx.array, **kwargs) -> mx.array:
+        """The model over inputs (T, 1) on `caches`; logits (S, V) of the rows logits_indices. kwargs: the text
+        model's other inputs (input_embeddings of a step with image rows)."""
         with (merged_products() if self.merges else contextlib.nullcontext(), flat_rows(),
               fused_residuals() if self.fused_norms else contextlib.nullcontext(),
               skinny_products() if self.skinny else contextlib.nullcontext()):
             if self._head is not None:
-                hidden = self._body(inputs, cache=caches)
+                hidden = self._body(inputs, cache=caches, **kwargs)
                 if self.keep_hidden:  # every row's final hidden state, for an MTP module (spec_decode/mtp_proposer.py)
                     self.last_hidden = hidden
                 return self._head(hidden[logits_indices, 0])  # (S, H): one matrix (layers/quantized_linear.py)
-            return self.model(inputs, cache=caches)[logits_indices][:, 0, :]
+            return self.model(inputs, cache=caches, **kwargs)[logits_indices][:, 0, :]
 
     def _verify_against_mlx_lm(self, key: Optional[str] = None) -> None:
         verify_against_mlx_lm(self, key)  # runner/verify.py

@@ -45,8 +45,8 @@ def _field_layout() -> list[tuple[str, str]]:
              "set[str]": "nameset"}
     layout = []
     for f in dataclasses.fields(SchedulerOutput):
-        if f.name == "device_drafts":  # rank 0's device array: TPDriver.forward inlines the drafts first
-            continue
+        if f.name in ("device_drafts", "mm_features"):  # rank 0's device array: TPDriver.forward inlines the drafts
+            continue  # first; images are not served with tensor parallelism (multimodal/engine.py refuses them)
         t = str(f.type).replace(" ", "")
         if t not in kinds:
             raise TypeError(f"tensor parallelism cannot send SchedulerOutput.{f.name} of type {t}")

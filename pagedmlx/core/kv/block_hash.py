@@ -38,9 +38,23 @@ def hash_request_blocks(
     block_size: int,
     existing: list[BlockHash],
     extra_keys: Optional[tuple] = None,
+    mm_features: Sequence = (),
 ) -> None:
-    """Append to `existing` the hashes of the full blocks of `token_ids` not hashed yet."""
+    """Append to `existing` the hashes of the full blocks of `token_ids` not hashed yet. mm_features: the
+    request's images (multimodal/inputs.py), whose identifiers join the keys of the blocks holding their tokens."""
     parent = existing[-1] if existing else None
     for start in range(len(existing) * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra_keys)
+        keys = extra_keys
+        if mm_features:
+            keys = mm_extra_keys(mm_features, start, start + block_size, extra_keys)
+        parent = hash_block_tokens(parent, token_ids[start:start + block_size], keys)
         existing.append(parent)
+
+
+def mm_extra_keys(mm_features: Sequence, start: int, end: int, extra_keys: Optional[tuple]) -> Optional[tuple]:
+    """vLLM's mm extra keys: the identifiers of the images with placeholder tokens in [start, end), after the
+    request's other keys. The same text with another image never shares the block; the same image does."""
+    ids = tuple(f.identifier for f in mm_features if f.mm_position.offset < end and f.mm_position.end > start)
+    if not ids:
+        return extra_keys
+    return (extra_keys or ()) + (("mm",) + ids,)

@@ -97,7 +97,7 @@ class KVCacheManager:
         """Hash the request's newly full blocks (each block is hashed once, stored on the request)."""
         if self.enable_caching:
             hash_request_blocks(request.all_token_ids, self.block_size, request.block_hashes,
-                                self._extra_keys(request))
+                                self._extra_keys(request), request.mm_features)
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """The longest prefix of the request that every group has cached, as each group's blocks

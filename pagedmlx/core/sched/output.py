@@ -64,6 +64,10 @@ class SchedulerOutput:
     draft_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)  # finished since the previous step
+    # Images (pagedmlx/multimodal/): per request, those whose placeholder tokens this step computes (the runner
+    # encodes the ones it does not hold and splices their rows), and the identifiers it drops once the step is built.
+    mm_features: dict = field(default_factory=dict)  # request id -> [MultiModalFeatureSpec]
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -18,6 +18,7 @@ from pagedmlx.config import EngineConfig
 from pagedmlx.core.kv.manager import KVCacheManager, cdiv
 from pagedmlx.request import Request, RequestStatus
 from pagedmlx.core.sched.output import SchedulerOutput, build_scheduler_output
+from pagedmlx.multimodal.encoder_cache import EncoderCacheManager
 from pagedmlx.spec_decode.metrics import SpecDecodingStats
 
 logger = logging.getLogger("pagedmlx")
@@ -85,6 +86,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order (see _preemption_victim)
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.encoder_cache_manager = EncoderCacheManager(config.max_num_batched_tokens)  # images (multimodal/)
         spec = config.speculative_config
         self.spec_decoding_stats = SpecDecodingStats.new(spec.num_speculative_tokens) if spec is not None else None
 
@@ -128,6 +130,7 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         request.structured_output_request = None  # guided decoding: its matcher goes with it
+        self.encoder_cache_manager.free(request)
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -150,7 +153,8 @@ class Scheduler:
         n = request.num_tokens_with_placeholders + len(request.spec_token_ids) - num_computed
         if cap > 0:
             n = min(n, cap)
-        return min(n, budget)
+        n = min(n, budget)
+        return self.encoder_cache_manager.trim(request, num_computed, n) if request.mm_features else n
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -158,6 +162,7 @@ class Scheduler:
         scheduled_ids: set[str] = set()
         preempted: list[Request] = []
         spec_decode_tokens: dict[str, list[int]] = {}  # speculative decoding: drafts verified this step
+        self.encoder_cache_manager.begin_step()
 
         # Running requests first: decodes, then unfinished prefill chunks.
         decodes = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
@@ -213,8 +218,8 @@ class Scheduler:
                 continue
             hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(req)
             n = self._num_new_tokens(req, budget, num_hit_tokens, cap)
-            if self.kv_cache_manager.allocate_slots(req, n, num_new_computed_tokens=num_hit_tokens,
-                                                    new_computed_blocks=hits) is None:
+            if (n <= 0 and req.mm_features) or self.kv_cache_manager.allocate_slots(
+                    req, n, num_new_computed_tokens=num_hit_tokens, new_computed_blocks=hits) is None:
                 break
             self.waiting.pop()
             self.kv_cache_manager.record_prefix_query(req, num_hit_tokens)
@@ -235,6 +240,8 @@ class Scheduler:
             scheduled, kv.get_block_ids, self.block_size, [r.request_id for r in preempted], self.finished_req_ids,
             kv.get_state_slots if kv.state_manager is not None else None, spec_decode_tokens)
         self.finished_req_ids = set()
+        if scheduled and self.encoder_cache_manager.needs_update:
+            out.mm_features, out.free_encoder_mm_hashes = self.encoder_cache_manager.update(scheduled)
         for req, n in scheduled:
             req.num_computed_tokens += n
         return out
@@ -280,6 +287,7 @@ class Scheduler:
         """Preemption by recompute: free the pages (their hashes stay cached) and requeue at the head."""
         self.running.remove(request)
         self.kv_cache_manager.free(request)
+        self.encoder_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []

@@ -1,0 +1,96 @@
+"""The encoder cache's accounting in the scheduler (vLLM's EncoderCacheManager): which images' embeddings the
+runner holds, for which requests, and how many image tokens a step may encode (the encoder budget).
+
+An image is encoded whole the first time a step schedules any of its placeholder tokens; its embeddings stay
+(keyed by its content hash) while a request still has placeholder tokens of it to compute, so a chunked prefill
+splices the rest from the cache and two requests with the same image encode it once. The runner holds the arrays
+(multimodal/runner.py); it encodes whatever a step needs that it does not hold, and drops what
+SchedulerOutput.free_encoder_mm_hashes names once that step is built."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from pagedmlx.multimodal.inputs import MultiModalFeatureSpec
+from pagedmlx.request import Request
+
+
+class EncoderCacheManager:
+    def __init__(self, encoder_budget: int):
+        """encoder_budget: image tokens a step may encode (an image larger than it still goes, alone in its step)."""
+        self.encoder_budget = encoder_budget
+        self.cached: dict[str, set[str]] = {}  # identifier -> ids of the requests that still need it
+        self._freed: list[str] = []
+        self._step_encoded: set[str] = set()
+        self._step_budget = encoder_budget
+        self._step_images = False  # a request trimmed this step reaches an image's tokens
+
+    @property
+    def needs_update(self) -> bool:
+        """This step reaches image tokens or has images to drop: update() fills its output (text-only steps skip
+        it)."""
+        return self._step_images or bool(self._freed)
+
+    def begin_step(self) -> None:
+        self._step_encoded, self._step_budget, self._step_images = set(), self.encoder_budget, False
+
+    def trim(self, request: Request, num_computed: int, num_new_tokens: int) -> int:
+        """num_new_tokens cut, where needed, so that the images whose tokens it reaches can be encoded this step:
+        those not cached cost their length of the step's budget; the first image past the budget ends the chunk
+        before its placeholder (unless it is the step's first image: any image can be encoded alone)."""
+        end = num_computed + num_new_tokens
+        for f in request.mm_features:
+            pos = f.mm_position
+            if pos.offset >= end:
+                break
+            if pos.end <= num_computed:
+                continue
+            self._step_images = True
+            if f.identifier in self.cached or f.identifier in self._step_encoded:
+                continue
+            if pos.length > self._step_budget and self._step_encoded:
+                return max(0, pos.offset - num_computed)
+            self._step_budget -= pos.length
+            self._step_encoded.add(f.identifier)
+        return num_new_tokens
+
+    def update(self, scheduled: list[tuple[Request, int]]) -> tuple[dict[str, list[MultiModalFeatureSpec]], list[str]]:
+        """After the step is scheduled (before num_computed_tokens advances): per request, the images whose tokens
+        the step computes (the runner's SchedulerOutput.mm_features), and the identifiers the runner may drop once
+        the step is built (no request needs them after it)."""
+        step: dict[str, list[MultiModalFeatureSpec]] = {}
+        done: list[tuple[str, str]] = []
+        for req, n in scheduled:
+            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            for f in req.mm_features:
+                pos = f.mm_position
+                if pos.offset >= end:
+                    break
+                if pos.end <= start:
+                    continue
+                step.setdefault(req.request_id, []).append(f)
+                self.cached.setdefault(f.identifier, set()).add(req.request_id)
+                if pos.end <= end:
+                    done.append((f.identifier, req.request_id))
+        for identifier, rid in done:
+            self._release(identifier, rid)
+        return step, self.take_freed()
+
+    def free(self, request: Request) -> None:
+        """The request finished or was preempted: it needs none of its images (a preempted one encodes again)."""
+        for f in request.mm_features:
+            self._release(f.identifier, request.request_id)
+
+    def take_freed(self) -> list[str]:
+        freed = [i for i in dict.fromkeys(self._freed) if i not in self.cached]
+        self._freed = []
+        return freed
+
+    def _release(self, identifier: str, request_id: str) -> None:
+        refs: Optional[set[str]] = self.cached.get(identifier)
+        if refs is None:
+            return
+        refs.discard(request_id)
+        if not refs:
+            del self.cached[identifier]
+            self._freed.append(identifier)

@@ -1,0 +1,149 @@
+"""Per family: the vision tower and projector of an mlx-vlm model, and the rows they give the language model.
+
+mlx-vlm's `Model.get_input_embeddings` is the reference: what it puts in an image token's row is what `encode`
+returns here, in the units of mlx-lm's `input_embeddings` (before the text model's own scaling). A family or a
+config this module cannot reproduce exactly is refused by name (UnsupportedMultiModalError), never approximated."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from pagedmlx.multimodal.inputs import MultiModalFeatureSpec
+
+logger = logging.getLogger("pagedmlx")
+
+
+class UnsupportedMultiModalError(ValueError):
+    """A vision-language model whose images this engine cannot serve exactly; the text model may still serve."""
+
+
+class VisionEncoder:
+    """One family's image path: `encode` turns one image's processed inputs into the rows that replace its
+    placeholder tokens in the language model's input embeddings; `input_embeddings` gives the text model's keyword
+    arguments for a step with image rows, and `forward_context` wraps its call."""
+
+    model_type: str = ""
+    image_token_id: int = -1
+
+    def encode(self, feature: MultiModalFeatureSpec, dtype: mx.Dtype) -> mx.array:  # (length, hidden)
+        raise NotImplementedError
+
+    def input_embeddings(self, body: nn.Module, input_ids: mx.array, image_rows: mx.array,
+                         image_embeds: mx.array) -> dict[str, Any]:
+        """The keyword arguments of mlx-lm's text model body for a step: input_ids (T,) with image rows
+        image_rows (K,) taking image_embeds (K, hidden), one take over the step's rows."""
+        return {"input_embeddings": splice(body.embed_tokens(input_ids), image_rows, image_embeds)[:, None, :]}
+
+    @contextlib.contextmanager
+    def forward_context(self, body: nn.Module) -> Iterator[None]:
+        """Around the text model's call on a step with image rows (the graph is built inside)."""
+        yield
+
+
+class Gemma3Vision(VisionEncoder):
+    """Gemma 3: SigLIP tower, average-pooled and projected; mlx-vlm divides the features by sqrt(hidden_size)
+    (its config's) because the text model multiplies every input row by sqrt(hidden_size)."""
+
+    def __init__(self, vlm: nn.Module):
+        config = vlm.config
+        self.model_type = config.model_type
+        self.image_token_id = config.image_token_index
+        self.tower, self.projector = vlm.vision_tower, vlm.multi_modal_projector
+        self.hidden_size = config.hidden_size
+        text_hidden = config.text_config.hidden_size
+        if self.hidden_size != text_hidden:  # mlx-vlm's default 2048 where config.json has no top-level hidden_size
+            logger.warning("gemma3: image features are divided by sqrt(hidden_size=%d) as mlx-vlm does, while the "
+                           "text model multiplies by sqrt(%d): image rows are %.3fx what cancels exactly (as in "
+                           "mlx-vlm)", self.hidden_size, text_hidden, (text_hidden / self.hidden_size) ** 0.5)
+
+    def encode(self, feature: MultiModalFeatureSpec, dtype: mx.Dtype) -> mx.array:
+        pixels = _item(feature, "pixel_values")
+        hidden, _, _ = self.tower(pixels.transpose(0, 2, 3, 1).astype(dtype), output_hidden_states=True)
+        features = self.projector(hidden)
+        return (features / (self.hidden_size ** 0.5)).astype(dtype)[0]
+
+
+class Gemma4Vision(VisionEncoder):
+    """Gemma 4: the tower takes pixel patches and their positions; embed_vision projects. mlx-vlm feeds the
+    projected rows unscaled while it scales text rows by embed_scale before the text model, and takes the
+    per-layer inputs of image rows from token 0: a step with image rows does the same (multimodal/runner.py)."""
+
+    def __init__(self, vlm: nn.Module):
+        config = vlm.config
+        self.model_type = config.model_type
+        self.image_token_id = config.image_token_id
+        self.tower, self.embedder = vlm.vision_tower, vlm.embed_vision
+        bidirectional = getattr(config.text_config, "use_bidirectional_attention", None)
+        if bidirectional:
+            raise UnsupportedMultiModalError(
+                f"gemma4: text_config.use_bidirectional_attention={bidirectional!r} attends image tokens "
+                "bidirectionally; paged attention is causal, so images are not served for this model")
+
+    def encode(self, feature: MultiModalFeatureSpec, dtype: mx.Dtype) -> mx.array:
+        pixels = _item(feature, "pixel_values")
+        positions = _item(feature, "image_position_ids", required=False)
+        return self.embedder(self.tower(pixels, positions)).astype(dtype)[0]
+
+    def input_embeddings(self, body: nn.Module, input_ids: mx.array, image_rows: mx.array,
+                         image_embeds: mx.array) -> dict[str, Any]:
+        """Text rows embed_tokens * embed_scale and image rows as projected, as mlx-vlm's get_input_embeddings;
+        forward_context has mlx-lm's body scale by 1.0 (x * s / s is not always x). Per-layer inputs from the
+        token ids with image rows as token 0."""
+        embeds = splice(body.embed_tokens(input_ids) * body.embed_scale, image_rows, image_embeds)
+        kwargs = {"input_embeddings": embeds[:, None, :]}
+        if body.hidden_size_per_layer_input:
+            text_ids = mx.put_along_axis(input_ids, image_rows, mx.zeros(image_rows.shape, input_ids.dtype), axis=0)
+            kwargs["per_layer_inputs"] = body._get_per_layer_inputs(text_ids[:, None])
+        return kwargs
+
+    @contextlib.contextmanager
+    def forward_context(self, body: nn.Module) -> Iterator[None]:
+        scale, body.embed_scale = body.embed_scale, 1.0
+        try:
+            yield
+        finally:
+            body.embed_scale = scale
+
+
+def splice(embeds: mx.array, image_rows: mx.array, image_embeds: mx.array) -> mx.array:
+    """embeds (T, H) with rows image_rows (K,) replaced by image_embeds (K, H): one take over the step's rows."""
+    t = embeds.shape[0]
+    index = mx.put_along_axis(mx.arange(t), image_rows, mx.arange(t, t + image_rows.shape[0]), axis=0)
+    return mx.take(mx.concatenate([embeds, image_embeds.astype(embeds.dtype)]), index, axis=0)
+
+
+FAMILIES = {"gemma3": Gemma3Vision, "gemma4": Gemma4Vision}
+
+# Families mlx-vlm serves whose images need what the paged text model does not do (yet).
+REFUSED = {
+    "qwen3_5": "Qwen3.5 / 3.6 vision needs M-RoPE (3-D positions for image tokens); the paged text model "
+               "applies 1-D positions",
+    "qwen3_5_moe": "Qwen3.5 / 3.6 vision needs M-RoPE (3-D positions for image tokens); the paged text model "
+                   "applies 1-D positions",
+}
+
+
+def vision_encoder(vlm: nn.Module) -> VisionEncoder:
+    """The family adapter of an mlx-vlm model (UnsupportedMultiModalError naming why, if none)."""
+    model_type = getattr(getattr(vlm, "config", None), "model_type", None) or getattr(vlm, "model_type", None)
+    if model_type in REFUSED:
+        raise UnsupportedMultiModalError(f"images are not served for model type {model_type!r}: {REFUSED[model_type]}")
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise UnsupportedMultiModalError(f"images are not served for model type {model_type!r} yet (served: "
+                                         f"{', '.join(sorted(FAMILIES))})")
+    return family(vlm)
+
+
+def _item(feature: MultiModalFeatureSpec, name: str, required: bool = True) -> Optional[mx.array]:
+    t = feature.data.get(name)
+    if t is None:
+        if required:
+            raise ValueError(f"image {feature.identifier[:12]}: its processed inputs lack {name!r}")
+        return None
+    return t.mx()

@@ -1,0 +1,65 @@
+"""The runner's side of images: the encoder cache's arrays and the input embeddings of a step with image rows.
+
+A step without images never comes here (ModelRunner checks SchedulerOutput.mm_features): text-only steps are
+built exactly as before."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from pagedmlx.core.sched.output import SchedulerOutput
+from pagedmlx.multimodal.models import VisionEncoder
+
+logger = logging.getLogger("pagedmlx")
+
+
+class MultiModalRunner:
+    def __init__(self, encoder: VisionEncoder, body: nn.Module):
+        """encoder: the family's vision path (multimodal/models.py); body: mlx-lm's text model body (the module
+        with embed_tokens that takes input_embeddings)."""
+        self.encoder, self.body = encoder, body
+        self.encoder_cache: dict[str, mx.array] = {}  # identifier -> (length, hidden) rows to splice
+        self.num_encoded = 0  # images run through the vision tower (tests and stats)
+
+    def step_kwargs(self, so: SchedulerOutput, input_ids: mx.array) -> dict[str, Any]:
+        """The text model's keyword arguments for a step with image rows: each image the step reaches is encoded
+        once (unless cached), and its rows among the step's replace those tokens' embeddings."""
+        rows, pieces = [], []
+        starts = (so.seq_lens - np.asarray(so.num_scheduled_tokens)).tolist()
+        index = {rid: i for i, rid in enumerate(so.req_ids)}
+        dtype = self.body.embed_tokens.weight.dtype if hasattr(self.body.embed_tokens, "weight") else mx.float32
+        if dtype not in (mx.float32, mx.float16, mx.bfloat16):  # quantized embedding: its scales' dtype
+            dtype = self.body.embed_tokens.scales.dtype
+        for rid, features in so.mm_features.items():
+            i = index[rid]
+            start, n, row0 = starts[i], so.num_scheduled_tokens[i], int(so.query_start_loc[i])
+            for f in features:
+                a, b = max(start, f.mm_position.offset), min(start + n, f.mm_position.end)
+                if a >= b:
+                    continue
+                embeds = self.encoder_cache.get(f.identifier)
+                if embeds is None:
+                    embeds = self.encoder.encode(f, dtype)
+                    if embeds.shape[0] != f.mm_position.length:
+                        raise ValueError(f"image {f.identifier[:12]}: the encoder gives {embeds.shape[0]} rows for "
+                                         f"{f.mm_position.length} placeholder tokens")
+                    self.encoder_cache[f.identifier] = embeds
+                    self.num_encoded += 1
+                rows.append(np.arange(row0 + a - start, row0 + b - start))
+                pieces.append(embeds[a - f.mm_position.offset:b - f.mm_position.offset])
+        for identifier in so.free_encoder_mm_hashes:
+            self.encoder_cache.pop(identifier, None)
+        if not rows:
+            return {}
+        image_rows = mx.array(np.concatenate(rows).astype(np.int32))
+        image_embeds = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces)
+        return self.encoder.input_embeddings(self.body, input_ids, image_rows, image_embeds)
+
+    def forward_context(self):
+        """The family's context around the text model's call on a step with image rows."""
+        return self.encoder.forward_context(self.body)
