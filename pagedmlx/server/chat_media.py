@@ -59,14 +59,17 @@ class MediaOptions:
 
 
 
-def chat_messages(req: ChatCompletionRequest, vision: bool, media: Optional[MediaConnector],
-                  limit: int) -> tuple[list[dict], int]:
+def chat_messages(req: ChatCompletionRequest, media: Optional[MediaConnector], limit: int,
+                  refused: Optional[str] = None) -> tuple[list[dict], int]:
     """The messages for the chat template, each image part as {"type": "image_pil", "image_pil": <PIL image,
-    RGB>} (the engine's processor takes them so), and the number of images. A text-only model (`vision`
-    False) refuses image parts; a part over `limit` or one that gives no usable image is a 400 naming it
-    (`messages[0].content[1].image_url`)."""
-    messages = [m.to_template_dict(i, images=vision) for i, m in enumerate(req.messages)]
+    RGB>} (the engine's processor takes them so), and the number of images. `refused`: why this model takes
+    no images (None: it takes them). A part refused, over `limit` or that gives no usable image is a 400
+    naming it (`messages[0].content[1].image_url`)."""
     parts = [p for i, m in enumerate(req.messages) for p in m.image_parts(i)]
+    if parts and refused is not None:
+        raise APIError(400, f"{parts[0][0]}: this model takes no images ({refused}): send text content parts only",
+                       param=parts[0][0])
+    messages = [m.to_template_dict(i, images=bool(parts)) for i, m in enumerate(req.messages)]
     if not parts:
         return messages, 0
     if len(parts) > limit:
@@ -90,15 +93,17 @@ def chat_messages(req: ChatCompletionRequest, vision: bool, media: Optional[Medi
 
 class ChatPrompts:
     """A chat request's prompt: its token ids and, where it carries images, their processed features
-    (`processor`: the model's MultiModalProcessor, pagedmlx/multimodal/; None for a text-only model)."""
+    (`processor`: the model's MultiModalProcessor, pagedmlx/multimodal/; None for a text-only model;
+    `info`: the engine's CoreInfo, which says whether the core serves images)."""
 
-    def __init__(self, prompts: PromptEncoder, processor: Any, media: MediaOptions):
+    def __init__(self, prompts: PromptEncoder, processor: Any, media: MediaOptions, info: Any = None):
         self.prompts, self.processor = prompts, processor
         self.media, self.connector = media, media.connector()
+        self.refused = images_refused(processor, info)
 
     def prompt(self, req: ChatCompletionRequest) -> tuple[list[int], Optional[list]]:
         kwargs = template_kwargs(req)
-        messages, num_images = chat_messages(req, self.processor is not None, self.connector, self.media.image_limit)
+        messages, num_images = chat_messages(req, self.connector, self.media.image_limit, self.refused)
         if not num_images:
             ids = self.prompts.apply_chat_template(messages, req.add_generation_prompt, tool_text_length(req),
                                                    **kwargs)
@@ -110,3 +115,12 @@ class ChatPrompts:
         except (ValueError, TypeError, TemplateError) as exc:  # the model's processor or template refuses them
             raise APIError(400, f"the model's processor failed on these messages: {exc}", param="messages") from None
         return list(ids), list(features)
+
+
+def images_refused(processor: Any, info: Any) -> Optional[str]:
+    """Why chat images are refused (None: they are served): no processor, or a core that does not take them."""
+    if getattr(info, "images_refused", ""):
+        return info.images_refused
+    if processor is None or (info is not None and not getattr(info, "takes_images", True)):
+        return "it is a text-only model"
+    return None

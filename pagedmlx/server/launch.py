@@ -244,7 +244,8 @@ def _serve(args: argparse.Namespace, async_engine: Any, console: Any, nofile: tu
 
     info = async_engine.info
     name = served_model_name(args, info.model)
-    mm_processor, media = load_mm_processor(info.model), media_options(args)  # None: a text-only model
+    mm_processor = load_mm_processor(info.model) if info.takes_images else None  # None: text only
+    media = media_options(args)
     body = args.max_body_bytes or (VISION_MAX_BODY_BYTES if mm_processor else ServerLimits.max_body_bytes)
     limits = ServerLimits(max_body_bytes=body, max_n=args.max_n, max_tokens=args.max_tokens_cap,
                           header_timeout=args.header_timeout, body_timeout=args.body_timeout,
@@ -281,8 +282,9 @@ def _serve(args: argparse.Namespace, async_engine: Any, console: Any, nofile: tu
         console.print(f"    {line}", soft_wrap=True, markup=False, highlight=False)
     console.print(f"  sampling defaults: {defaults_line(info.generation_defaults, info.model)}")
     console.print(f"  tool calls: {parsing.describe()}; reasoning parser: {parsing.reasoning_parser or 'none'}")
-    if mm_processor is not None:
-        console.print(f"  images: {media.describe()}; request bodies up to {body} bytes")
+    if mm_processor is not None or info.images_refused:
+        console.print(f"  images: {media.describe()}; request bodies up to {body} bytes" if mm_processor else
+                      f"  images: refused ({info.images_refused})", soft_wrap=True)
     if info.max_loras:
         console.print(f"  LoRA: {', '.join(models.lora_requests) or 'no adapters yet'}; max_loras {info.max_loras}, "
                       f"max_lora_rank {info.max_lora_rank}; run-time loading "

@@ -287,8 +287,8 @@ class ChatMessage(OpenAIModel):
                 elif isinstance(part, ImageURLPart) and images:
                     parts.append({"type": "image"})
                 elif isinstance(part, ImageURLPart):
-                    raise APIError(400, f"{param}: this model takes no images (it is a text-only model): send "
-                                   f"text content parts only", param=param)
+                    raise APIError(400, f"{param}: this model takes no images: send text content parts only",
+                                   param=param)
                 else:
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                     raise APIError(400, f"{param}: content parts of type {str(kind)[:40]!r} are not supported "

@@ -78,7 +78,7 @@ class Serving:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self.prompts = PromptEncoder(self.tokenizer, self.max_model_len)
-        self.chat_prompts = ChatPrompts(self.prompts, mm_processor, media or MediaOptions())
+        self.chat_prompts = ChatPrompts(self.prompts, mm_processor, media or MediaOptions(), engine.info)
         self.num_cut = 0  # responses ended by the drain deadline (finish_reason "abort")
         self._token_text: dict[int, str] = {}
 

@@ -1,5 +1,6 @@
-"""Chat images over HTTP: every bad image part is a 400 naming the part and the server goes on serving; a
-text-only model refuses images; --allowed-local-media-path and --limit-mm-per-prompt."""
+"""Chat images over HTTP, on a tiny random-weight Gemma 3 served in-process: every bad image part is a 400 naming
+the part and the server goes on serving; a text-only model refuses images; --allowed-local-media-path and
+--limit-mm-per-prompt; an OpenAI SDK chat with base64 images gives the offline engine's tokens exactly."""
 
 from __future__ import annotations
 
@@ -8,18 +9,29 @@ import io
 
 import httpx
 import pytest
+from mm_utils import gemma3_processor, gemma3_vlm, image
 from PIL import Image
 from server_utils import MODEL, Served, error_of, make_engine
+from utils import run_to_completion
 
+from pagedmlx.config import EngineConfig
+from pagedmlx.engine.llm_engine import LLMEngine
+from pagedmlx.multimodal import split_vlm, vlm_processor
+from pagedmlx.sampling_params import SamplingParams
 from pagedmlx.server.chat_media import MediaOptions, parse_limit_mm_per_prompt
 from pagedmlx.server.serving import ServerLimits
 
 MIB = 1 << 20
+CONFIG = dict(block_size=4, num_blocks=128, max_num_batched_tokens=24)
 
 
 def png_bytes(size=(24, 20), color=(200, 30, 60)) -> bytes:
+    return encode(Image.new("RGB", size, color))
+
+
+def encode(picture: Image.Image, fmt: str = "PNG") -> bytes:
     buf = io.BytesIO()
-    Image.new("RGB", size, color).save(buf, "PNG")
+    picture.save(buf, fmt)
     return buf.getvalue()
 
 
@@ -37,15 +49,21 @@ def image_part(url: str) -> dict:
 
 
 class RecordingProcessor:
-    """Stands in for the model's MultiModalProcessor: records what the server gives it."""
+    """The model's MultiModalProcessor, recording the messages the server gives it."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.calls = tokenizer, []
+    def __init__(self, processor):
+        self.processor, self.calls = processor, []
 
-    def process_chat(self, messages, add_generation_prompt=True, chat_template_kwargs=None, tools=None):
+    def process_chat(self, messages, **kwargs):
         self.calls.append(messages)
-        text = " ".join(p["text"] for m in messages for p in m["content"] if p["type"] == "text")
-        return self.tokenizer.encode(text), []
+        return self.processor.process_chat(messages, **kwargs)
+
+
+def vision_engine() -> tuple[LLMEngine, object]:
+    """A tiny random-weight Gemma 3 engine and its MultiModalProcessor."""
+    text, encoder = split_vlm(gemma3_vlm())
+    processor, tokenizer = vlm_processor(gemma3_processor(), encoder)
+    return LLMEngine(text, tokenizer, EngineConfig(**CONFIG), mm_encoder=encoder), processor
 
 
 @pytest.fixture(scope="module")
@@ -59,11 +77,11 @@ def media_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vision(media_dir):
-    engine = make_engine()
-    processor = RecordingProcessor(engine.tokenizer)
-    s = Served(engine, limits=ServerLimits(max_body_bytes=4 * MIB, max_n=4), mm_processor=processor,
+    engine, processor = vision_engine()
+    recording = RecordingProcessor(processor)
+    s = Served(engine, limits=ServerLimits(max_body_bytes=4 * MIB, max_n=4), mm_processor=recording,
                media=MediaOptions(media_dir / "allowed", parse_limit_mm_per_prompt('{"image": 2}')))
-    s.processor = processor
+    s.processor = recording
     yield s
     s.stop()
 
@@ -140,9 +158,10 @@ def test_good_images_reach_the_processor_in_order(vision, media_dir):
 def test_the_server_keeps_serving_after_bad_payloads(vision):
     for case in ("truncated png", "text as an image", "too many images"):
         assert httpx.post(vision.url + "/v1/chat/completions", json=chat(*BAD[case][0])).status_code == 400
-    r = vision.client().chat.completions.create(model=MODEL, max_tokens=3,
-                                               messages=[{"role": "user", "content": "still there?"}])
-    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+    for content in ("still there?", [{"type": "text", "text": "and with "}, image_part(data_url(png_bytes()))]):
+        r = vision.client().chat.completions.create(model=MODEL, max_tokens=3, temperature=0,
+                                                   messages=[{"role": "user", "content": content}])
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
 
 
 @pytest.mark.parametrize("part", [image_part(data_url(png_bytes())), {"type": "image_url", "image_url": "data:,"},
@@ -150,7 +169,8 @@ def test_the_server_keeps_serving_after_bad_payloads(vision):
 def test_a_text_only_model_refuses_images(text_only, part):
     r = httpx.post(text_only.url + "/v1/chat/completions", json=chat(part))
     err = error_of(r)
-    assert r.status_code == 400 and err["param"] == PART1 and "takes no images" in err["message"], err
+    assert r.status_code == 400 and err["param"] == PART1 and "takes no images (it is a text-only model)" \
+        in err["message"], err
 
 
 def test_limit_mm_per_prompt_parses_as_vllm():
@@ -160,3 +180,41 @@ def test_limit_mm_per_prompt_parses_as_vllm():
                        ("[1]", "JSON object"), ("image=4", "JSON")]:
         with pytest.raises(ValueError, match=words):
             parse_limit_mm_per_prompt(bad)
+
+
+IMAGES = {"one image": [(3, (30, 20))], "another image": [(4, (16, 40))], "two images": [(4, (16, 40)), (3, (30, 20))]}
+
+
+def _contents(images: list) -> tuple[list[dict], list[dict]]:
+    """One user message with these images between texts: as the client sends it (base64 PNGs) and as the offline
+    engine's processor takes it (the PIL images themselves)."""
+    sent, offline = [{"type": "text", "text": "Hello "}], [{"type": "text", "text": "Hello "}]
+    for seed, size in images:
+        sent.append(image_part(data_url(encode(image(seed, size)))))
+        offline.append({"type": "image_pil", "image_pil": image(seed, size)})
+    tail = {"type": "text", "text": " what is this?"}
+    return sent + [tail], offline + [tail]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_openai_sdk_chat_with_base64_images_gives_the_offline_tokens(vision, stream):
+    """The served prompt ids and greedy tokens equal an offline engine's for the same images and text, exactly."""
+    engine, processor = vision_engine()
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    client, prompts, got = vision.client(), {}, {}
+    for name, images in IMAGES.items():
+        sent, offline = _contents(images)
+        prompts[name], features = processor.process_chat([{"role": "user", "content": offline}])
+        engine.add_request(name, prompts[name], params, mm_features=features)
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": sent}], max_tokens=8, temperature=0,
+                  extra_body={"return_token_ids": True, "ignore_eos": True})
+        if stream:
+            chunks = list(client.chat.completions.create(stream=True, **kw))
+            got[name] = [t for c in chunks if c.choices for t in getattr(c.choices[0], "token_ids", None) or []]
+        else:
+            r = client.chat.completions.create(**kw)
+            got[name] = r.choices[0].token_ids
+            assert r.prompt_token_ids == prompts[name] and r.usage.prompt_tokens == len(prompts[name])
+    want = {rid: list(out.token_ids) for rid, out in run_to_completion(engine).items()}
+    assert got == want
+    assert len({tuple(t) for t in got.values()}) == len(IMAGES), "different images, different tokens"
