@@ -121,6 +121,8 @@ def images_refused(processor: Any, info: Any) -> Optional[str]:
     """Why chat images are refused (None: they are served): no processor, or a core that does not take them."""
     if getattr(info, "images_refused", ""):
         return info.images_refused
-    if processor is None or (info is not None and not getattr(info, "takes_images", True)):
+    if info is not None and not getattr(info, "takes_images", True):
         return "it is a text-only model"
+    if processor is None:
+        return "the server could not load the model's image processor"
     return None

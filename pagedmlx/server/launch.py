@@ -282,9 +282,9 @@ def _serve(args: argparse.Namespace, async_engine: Any, console: Any, nofile: tu
         console.print(f"    {line}", soft_wrap=True, markup=False, highlight=False)
     console.print(f"  sampling defaults: {defaults_line(info.generation_defaults, info.model)}")
     console.print(f"  tool calls: {parsing.describe()}; reasoning parser: {parsing.reasoning_parser or 'none'}")
-    if mm_processor is not None or info.images_refused:
+    if info.takes_images or info.images_refused:
         console.print(f"  images: {media.describe()}; request bodies up to {body} bytes" if mm_processor else
-                      f"  images: refused ({info.images_refused})", soft_wrap=True)
+                      f"  images: refused ({info.images_refused or 'no image processor'})", soft_wrap=True)
     if info.max_loras:
         console.print(f"  LoRA: {', '.join(models.lora_requests) or 'no adapters yet'}; max_loras {info.max_loras}, "
                       f"max_lora_rank {info.max_lora_rank}; run-time loading "

@@ -218,3 +218,17 @@ def test_an_openai_sdk_chat_with_base64_images_gives_the_offline_tokens(vision, 
     want = {rid: list(out.token_ids) for rid, out in run_to_completion(engine).items()}
     assert got == want
     assert len({tuple(t) for t in got.values()}) == len(IMAGES), "different images, different tokens"
+
+
+def test_refusals_say_why():
+    from pagedmlx.engine.core_info import CoreInfo
+    from pagedmlx.server.chat_media import images_refused
+
+    def info(takes: bool, refused: str = "") -> CoreInfo:
+        return CoreInfo(256, 512, {}, None, None, 1, "", takes_images=takes, images_refused=refused)
+
+    processor = object()
+    assert images_refused(processor, info(True)) is None
+    assert images_refused(None, info(False)) == "it is a text-only model"
+    assert images_refused(None, info(False, "Qwen3.5's M-RoPE")) == "Qwen3.5's M-RoPE"
+    assert images_refused(None, info(True)) == "the server could not load the model's image processor"
