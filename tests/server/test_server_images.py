@@ -4,10 +4,14 @@ the part and the server goes on serving; a text-only model refuses images; --all
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
+import threading
+import time
 
 import httpx
+import numpy as np
 import pytest
 from mm_utils import gemma3_processor, gemma3_vlm, image
 from PIL import Image
@@ -15,10 +19,12 @@ from server_utils import MODEL, Served, error_of, make_engine
 from utils import run_to_completion
 
 from pagedmlx.config import EngineConfig
+from pagedmlx.engine.core_info import CoreInfo
 from pagedmlx.engine.llm_engine import LLMEngine
 from pagedmlx.multimodal import split_vlm, vlm_processor
+from pagedmlx.multimodal.media import MediaConnector
 from pagedmlx.sampling_params import SamplingParams
-from pagedmlx.server.chat_media import MediaOptions, parse_limit_mm_per_prompt
+from pagedmlx.server.chat_media import MediaOptions, images_refused, parse_limit_mm_per_prompt
 from pagedmlx.server.serving import ServerLimits
 
 MIB = 1 << 20
@@ -132,8 +138,6 @@ def test_bad_image_parts_are_400_naming_the_part(vision, media_dir, case, stream
 
 
 def test_a_file_url_without_the_flag_is_refused(vision, media_dir, monkeypatch):
-    from pagedmlx.multimodal.media import MediaConnector
-
     monkeypatch.setattr(vision.app.state.serving.chat_prompts, "connector", MediaConnector())
     r = httpx.post(vision.url + "/v1/chat/completions", json=chat(image_part(f"file://{media_dir}/allowed/cat.png")))
     err = error_of(r)
@@ -220,10 +224,45 @@ def test_an_openai_sdk_chat_with_base64_images_gives_the_offline_tokens(vision, 
     assert len({tuple(t) for t in got.values()}) == len(IMAGES), "different images, different tokens"
 
 
-def test_refusals_say_why():
-    from pagedmlx.engine.core_info import CoreInfo
-    from pagedmlx.server.chat_media import images_refused
+def test_images_decode_off_the_event_loop(vision, monkeypatch):
+    """Four requests with a 900 x 900 noise PNG each (2.4 MB) at once: decoded in the tokenizing pool, while /health
+    goes on answering."""
+    threads, decode = set(), MediaConnector.decode_image
 
+    def recording(self, data, param="image"):
+        threads.add(threading.current_thread().name)
+        return decode(self, data, param)
+
+    monkeypatch.setattr(MediaConnector, "decode_image", recording)
+    noise = np.random.default_rng(0).integers(0, 256, (900, 900, 3), dtype=np.uint8)
+    body = chat(image_part(data_url(encode(Image.fromarray(noise)))), max_tokens=1)
+    slowest = 0.0
+
+    async def main() -> list[int]:
+        nonlocal slowest
+        stop = asyncio.Event()
+        async with httpx.AsyncClient(timeout=60) as client:
+            async def poll():
+                nonlocal slowest
+                while not stop.is_set():
+                    t = time.monotonic()
+                    assert (await client.get(vision.url + "/health")).status_code == 200
+                    slowest = max(slowest, time.monotonic() - t)
+                    await asyncio.sleep(0.02)
+
+            poller = asyncio.create_task(poll())
+            responses = await asyncio.gather(*(client.post(vision.url + "/v1/chat/completions", json=body)
+                                               for _ in range(4)))
+            stop.set()
+            await poller
+        return [r.status_code for r in responses]
+
+    assert asyncio.run(main()) == [200] * 4
+    assert threads and all(name.startswith("pagedmlx-tokenize") for name in threads), threads
+    assert slowest < 1.0, slowest
+
+
+def test_refusals_say_why():
     def info(takes: bool, refused: str = "") -> CoreInfo:
         return CoreInfo(256, 512, {}, None, None, 1, "", takes_images=takes, images_refused=refused)
 
