@@ -1,6 +1,7 @@
 """The images of a chat request: its image parts counted against --limit-mm-per-prompt, loaded and checked
-(multimodal/media.py), and the messages for the chat template with a placeholder where each stood. This
-runs in the tokenizing pool (prompts.py), never on the event loop: decoding a large image takes a while."""
+(multimodal/media.py), and handed with the messages to the model's processor (pagedmlx/multimodal/), which
+gives the prompt's token ids and the images' features. This runs in the tokenizing pool (prompts.py), never
+on the event loop: decoding a large image takes a while."""
 
 from __future__ import annotations
 
@@ -55,8 +56,6 @@ class MediaOptions:
     def describe(self) -> str:
         where = f"file:// under {self.allowed_local_media_path}" if self.allowed_local_media_path else "no local files"
         return f"at most {self.image_limit} a request; data: URLs, {where}"
-
-
 
 
 def chat_messages(req: ChatCompletionRequest, media: Optional[MediaConnector], limit: int,

@@ -4,6 +4,7 @@ own by default, engine/core_client.py), the app (api.py) and the HTTP server (ht
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from typing import Any, Callable
@@ -89,8 +90,6 @@ def add_media_args(p: argparse.ArgumentParser) -> None:
 
 
 def _folder(text: str) -> str:
-    import os
-
     if not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not a folder")
     return os.path.realpath(text)

@@ -271,3 +271,13 @@ def test_refusals_say_why():
     assert images_refused(None, info(False)) == "it is a text-only model"
     assert images_refused(None, info(False, "Qwen3.5's M-RoPE")) == "Qwen3.5's M-RoPE"
     assert images_refused(None, info(True)) == "the server could not load the model's image processor"
+
+
+def test_n_samples_carry_the_images(vision):
+    r = vision.client().chat.completions.create(
+        model=MODEL, n=2, max_tokens=4, temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True},
+        messages=[{"role": "user", "content": _contents(IMAGES["one image"])[0]}])
+    solo = vision.client().chat.completions.create(
+        model=MODEL, max_tokens=4, temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True},
+        messages=[{"role": "user", "content": _contents(IMAGES["one image"])[0]}])
+    assert [c.token_ids for c in r.choices] == [solo.choices[0].token_ids] * 2
