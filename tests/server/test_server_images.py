@@ -7,15 +7,21 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
+import mlx.core as mx
 import numpy as np
 import pytest
-from mm_utils import gemma3_processor, gemma3_vlm, image
+from mlx.utils import tree_flatten
+from mm_utils import GEMMA3_VLM, gemma3_processor, gemma3_vlm, image
 from PIL import Image
-from server_utils import MODEL, Served, error_of, make_engine
+from server_utils import MODEL, Served, error_of, free_port, make_engine
 from utils import run_to_completion
 
 from pagedmlx.config import EngineConfig
@@ -281,3 +287,50 @@ def test_n_samples_carry_the_images(vision):
         model=MODEL, max_tokens=4, temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True},
         messages=[{"role": "user", "content": _contents(IMAGES["one image"])[0]}])
     assert [c.token_ids for c in r.choices] == [solo.choices[0].token_ids] * 2
+
+
+def save_gemma3_folder(folder) -> None:
+    """The tiny Gemma 3 as an mlx-vlm checkpoint folder: weights, config and its processor's files."""
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(gemma3_vlm().parameters())))
+    (folder / "config.json").write_text(json.dumps(GEMMA3_VLM))
+    gemma3_processor().save_pretrained(str(folder))
+    # Gemma3Processor reads its image tokens as named tokenizer attributes (a real Gemma checkpoint names them so)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["extra_special_tokens"] = dict(zip(("boi_token", "eoi_token", "image_token"),
+                                              config["extra_special_tokens"]))
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.slow
+def test_pagedmlx_serve_takes_images(tmp_path, media_dir):
+    """`pagedmlx serve` on an mlx-vlm folder: the API process loads the processor, the flags apply, the features
+    cross to the engine-core process, and the same image twice shares its pages."""
+    save_gemma3_folder(tmp_path)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "pagedmlx.cli", "serve", str(tmp_path), "--port", str(port),
+                             "--block-size", "4", "--num-blocks", "128", "--max-model-len", "256",
+                             "--served-model-name", MODEL, "--allowed-local-media-path", str(media_dir / "allowed"),
+                             "--limit-mm-per-prompt", '{"image": 1}'], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        cat = image_part(f"file://{media_dir}/allowed/cat.png")
+        usage = [httpx.post(url + "/v1/chat/completions", json=chat(cat, max_tokens=2), timeout=60).json()["usage"]
+                 for _ in range(2)]
+        assert usage[0]["prompt_tokens"] == usage[1]["prompt_tokens"] > usage[1]["prompt_tokens_details"][
+            "cached_tokens"] > usage[0]["prompt_tokens_details"]["cached_tokens"]
+        r = httpx.post(url + "/v1/chat/completions", json=chat(cat, cat), timeout=60)
+        assert r.status_code == 400 and "at most 1 image may be sent" in error_of(r)["message"]
+    finally:
+        proc.send_signal(2)
+        _, err = proc.communicate(timeout=60)
+    allowed = os.path.realpath(media_dir / "allowed")
+    assert f"images: at most 1 a request; data: URLs, file:// under {allowed}; request bodies up to 33554432 " \
+           f"bytes" in err, err
