@@ -107,17 +107,17 @@ def load_vision_encoder(model: Optional[str]) -> Optional[VisionEncoder]:
     config = read_config(model)
     if not config or not config.get("vision_config"):
         return None
-    from mlx_vlm.utils import load_model
-
     try:
+        from mlx_vlm.utils import load_model
+
         vlm = load_model(model_dir(model), lazy=True)
-    except Exception as exc:  # noqa: BLE001 - an mlx-vlm version without the family, a missing file, ...
-        reason = f"images: mlx-vlm cannot load {model!r} ({type(exc).__name__}: {exc})"
+    except Exception as exc:  # noqa: BLE001 - no mlx-vlm (the vision extra), a version without the family, ...
+        reason = f"images: mlx-vlm cannot load {model!r} ({type(exc).__name__}: {exc}; pip install 'pagedmlx[vision]')"
         logger.warning("%s; serving text only", reason)
-        return RefusedVision(config.get("model_type", "?"), reason)
+        return RefusedVision(config.get("model_type", "?"), reason,
+                             config.get("image_token_index", config.get("image_token_id", -1)))
     encoder = encoder_or_refusal(vlm)
-    if not isinstance(encoder, RefusedVision):
-        mx.eval([p for _, p in _vision_parameters(vlm)])
+    mx.eval(encoder.parameters())  # the tower and projector only: the language model (and an audio tower) stay unread
     return encoder
 
 
@@ -128,10 +128,10 @@ def load_mm_processor(model: Optional[str]):
     config = read_config(model)
     if not config or not config.get("vision_config"):
         return None
-    from mlx_vlm.utils import load_processor
-
     token = config.get("image_token_index", config.get("image_token_id"))
     try:
+        from mlx_vlm.utils import load_processor
+
         hf_processor = load_processor(model_dir(model), add_detokenizer=False)
     except Exception as exc:  # noqa: BLE001 - missing processor files, a transformers version without the class
         logger.warning("images: cannot load the processor of %r (%s: %s); prompts take no images", model,
@@ -140,8 +140,3 @@ def load_mm_processor(model: Optional[str]):
     model_type = config.get("model_type", "")
     return MultiModalProcessor(hf_processor, token, model_type, hash_salt=(model_type,))
 
-
-def _vision_parameters(vlm: nn.Module) -> list:
-    from mlx.utils import tree_flatten
-
-    return [(k, v) for k, v in tree_flatten(vlm.parameters()) if not k.startswith("language_model.")]

@@ -7,8 +7,9 @@ config this module cannot reproduce exactly is refused by name (UnsupportedMulti
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -29,8 +30,29 @@ class VisionEncoder:
 
     model_type: str = ""
     image_token_id: int = -1
+    modules: tuple = ()  # the mlx-vlm modules it runs (tower, projector)
 
-    def encode(self, feature: MultiModalFeatureSpec, dtype: mx.Dtype) -> mx.array:  # (length, hidden)
+    def parameters(self) -> list:
+        return [m.parameters() for m in self.modules]
+
+    def encode(self, feature: MultiModalFeatureSpec, dtype: mx.Dtype) -> mx.array:
+        """One image's rows (length, hidden)."""
+        return self.encode_batch([feature], dtype)[0]
+
+    def encode_batch(self, features: list[MultiModalFeatureSpec], dtype: mx.Dtype) -> list[mx.array]:
+        """Several images' rows: one tower call per set of images whose inputs share their shapes (a step's
+        images run together, as vLLM's encoder inputs of a step do)."""
+        out: list = [None] * len(features)
+        groups: dict = {}
+        for i, f in enumerate(features):
+            groups.setdefault(tuple((k, t.dtype, t.shape) for k, t in sorted(f.data.items())), []).append(i)
+        for idx in groups.values():
+            for i, rows in zip(idx, self.encode_stacked([features[i] for i in idx], dtype)):
+                out[i] = rows
+        return out
+
+    def encode_stacked(self, features: list[MultiModalFeatureSpec], dtype: mx.Dtype) -> list[mx.array]:
+        """The rows of images whose inputs share their shapes, in one call of the tower."""
         raise NotImplementedError
 
     def input_embeddings(self, body: nn.Module, input_ids: mx.array, image_rows: mx.array,
@@ -54,6 +76,7 @@ class Gemma3Vision(VisionEncoder):
         self.model_type = config.model_type
         self.image_token_id = config.image_token_index
         self.tower, self.projector = vlm.vision_tower, vlm.multi_modal_projector
+        self.modules = (self.tower, self.projector)
         self.hidden_size = config.hidden_size
         text_hidden = config.text_config.hidden_size
         if self.hidden_size != text_hidden:  # mlx-vlm's default 2048 where config.json has no top-level hidden_size
@@ -61,11 +84,11 @@ class Gemma3Vision(VisionEncoder):
                            "text model multiplies by sqrt(%d): image rows are %.3fx what cancels exactly (as in "
                            "mlx-vlm)", self.hidden_size, text_hidden, (text_hidden / self.hidden_size) ** 0.5)
 
-    def encode(self, feature: MultiModalFeatureSpec, dtype: mx.Dtype) -> mx.array:
-        pixels = _item(feature, "pixel_values")
+    def encode_stacked(self, features: list[MultiModalFeatureSpec], dtype: mx.Dtype) -> list[mx.array]:
+        pixels = _stacked(features, "pixel_values")
         hidden, _, _ = self.tower(pixels.transpose(0, 2, 3, 1).astype(dtype), output_hidden_states=True)
-        features = self.projector(hidden)
-        return (features / (self.hidden_size ** 0.5)).astype(dtype)[0]
+        rows = (self.projector(hidden) / (self.hidden_size ** 0.5)).astype(dtype)
+        return [rows[i] for i in range(len(features))]
 
 
 class Gemma4Vision(VisionEncoder):
@@ -78,16 +101,21 @@ class Gemma4Vision(VisionEncoder):
         self.model_type = config.model_type
         self.image_token_id = config.image_token_id
         self.tower, self.embedder = vlm.vision_tower, vlm.embed_vision
+        self.modules = (self.tower, self.embedder)
         bidirectional = getattr(config.text_config, "use_bidirectional_attention", None)
         if bidirectional:
             raise UnsupportedMultiModalError(
                 f"gemma4: text_config.use_bidirectional_attention={bidirectional!r} attends image tokens "
                 "bidirectionally; paged attention is causal, so images are not served for this model")
 
-    def encode(self, feature: MultiModalFeatureSpec, dtype: mx.Dtype) -> mx.array:
-        pixels = _item(feature, "pixel_values")
-        positions = _item(feature, "image_position_ids", required=False)
-        return self.embedder(self.tower(pixels, positions)).astype(dtype)[0]
+    def encode_stacked(self, features: list[MultiModalFeatureSpec], dtype: mx.Dtype) -> list[mx.array]:
+        """The tower drops each image's padding and concatenates the images' rows: (1, sum of lengths, hidden)."""
+        positions = _stacked(features, "image_position_ids") if "image_position_ids" in features[0].data else None
+        rows = self.embedder(self.tower(_stacked(features, "pixel_values"), positions)).astype(dtype)[0]
+        ends = list(itertools.accumulate(f.mm_position.length for f in features))
+        if rows.shape[0] != ends[-1]:
+            raise ValueError(f"gemma4: the tower gives {rows.shape[0]} rows for {ends[-1]} placeholder tokens")
+        return [rows[end - f.mm_position.length:end] for f, end in zip(features, ends)]
 
     def input_embeddings(self, body: nn.Module, input_ids: mx.array, image_rows: mx.array,
                          image_embeds: mx.array) -> dict[str, Any]:
@@ -140,10 +168,10 @@ def vision_encoder(vlm: nn.Module) -> VisionEncoder:
     return family(vlm)
 
 
-def _item(feature: MultiModalFeatureSpec, name: str, required: bool = True) -> Optional[mx.array]:
-    t = feature.data.get(name)
-    if t is None:
-        if required:
-            raise ValueError(f"image {feature.identifier[:12]}: its processed inputs lack {name!r}")
-        return None
-    return t.mx()
+def _stacked(features: list[MultiModalFeatureSpec], name: str) -> mx.array:
+    """The images' inputs `name` along the batch axis (each feature holds one image: a leading axis of 1)."""
+    missing = [f.identifier[:12] for f in features if name not in f.data]
+    if missing:
+        raise ValueError(f"images {missing}: their processed inputs lack {name!r}")
+    arrays = [f.data[name].mx() for f in features]
+    return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays)

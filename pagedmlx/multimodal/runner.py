@@ -35,23 +35,25 @@ class MultiModalRunner:
         dtype = self.body.embed_tokens.weight.dtype if hasattr(self.body.embed_tokens, "weight") else mx.float32
         if dtype not in (mx.float32, mx.float16, mx.bfloat16):  # quantized embedding: its scales' dtype
             dtype = self.body.embed_tokens.scales.dtype
+        spans = []  # (feature, first step row, first and last + 1 of its placeholder tokens in the step)
         for rid, features in so.mm_features.items():
             i = index[rid]
             start, n, row0 = starts[i], so.num_scheduled_tokens[i], int(so.query_start_loc[i])
             for f in features:
                 a, b = max(start, f.mm_position.offset), min(start + n, f.mm_position.end)
-                if a >= b:
-                    continue
-                embeds = self.encoder_cache.get(f.identifier)
-                if embeds is None:
-                    embeds = self.encoder.encode(f, dtype)
-                    if embeds.shape[0] != f.mm_position.length:
-                        raise ValueError(f"image {f.identifier[:12]}: the encoder gives {embeds.shape[0]} rows for "
-                                         f"{f.mm_position.length} placeholder tokens")
-                    self.encoder_cache[f.identifier] = embeds
-                    self.num_encoded += 1
-                rows.append(np.arange(row0 + a - start, row0 + b - start))
-                pieces.append(embeds[a - f.mm_position.offset:b - f.mm_position.offset])
+                if a < b:
+                    spans.append((f, row0 + a - start, a, b))
+        new = list({f.identifier: f for f, *_ in spans if f.identifier not in self.encoder_cache}.values())
+        if new:  # the step's images not held yet, encoded together
+            for f, embeds in zip(new, self.encoder.encode_batch(new, dtype)):
+                if embeds.shape[0] != f.mm_position.length:
+                    raise ValueError(f"image {f.identifier[:12]}: the encoder gives {embeds.shape[0]} rows for "
+                                     f"{f.mm_position.length} placeholder tokens")
+                self.encoder_cache[f.identifier] = embeds
+            self.num_encoded += len(new)
+        for f, row, a, b in spans:
+            rows.append(np.arange(row, row + b - a))
+            pieces.append(self.encoder_cache[f.identifier][a - f.mm_position.offset:b - f.mm_position.offset])
         for identifier in so.free_encoder_mm_hashes:
             self.encoder_cache.pop(identifier, None)
         if not rows:

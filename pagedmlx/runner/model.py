@@ -306,6 +306,8 @@ class ModelRunner:
         which fails again whenever a later step reads it. If so, every page and state is zeroed (their
         contents are lost: the engine has every running request recompute) and True is returned.
         Pages written in place (CUDA) keep their arrays: the failed step's rows are simply uncached."""
+        if self.mm is not None:  # images' rows the failed step encoded may hold its graph: encoded again when needed
+            self.mm.encoder_cache.clear()
         if self.pages_in_place:
             return False
         try:

@@ -91,6 +91,21 @@ def gemma4_processor():
     return Gemma4Processor(image_processor, hf, image_seq_length=16, chat_template=hf.chat_template)
 
 
+# Qwen3.5 (Gated DeltaNet + M-RoPE attention): its images are refused, its text serves.
+QWEN35_VLM = dict(
+    model_type="qwen3_5", vocab_size=VOCAB, image_token_id=VOCAB - 1, video_token_id=VOCAB - 2,
+    vision_start_token_id=VOCAB - 3, vision_end_token_id=VOCAB - 4,
+    text_config=dict(model_type="qwen3_5_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_value_heads=4,
+                     linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=32,
+                     linear_conv_kernel_dim=4, full_attention_interval=2, vocab_size=VOCAB, rms_norm_eps=1e-6,
+                     tie_word_embeddings=False, max_position_embeddings=4096,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                      "mrope_section": [2, 1, 1], "mrope_interleaved": True}),
+    vision_config=dict(model_type="qwen3_5", depth=2, hidden_size=32, intermediate_size=64, out_hidden_size=64,
+                       num_heads=2, patch_size=4, spatial_patch_size=4, num_position_embeddings=16))
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     name: str

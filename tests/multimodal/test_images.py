@@ -222,6 +222,17 @@ def test_families_whose_images_need_more_are_served_text_only():
     assert image_support(engine.core) == (False, encoder.reason)
     engine.add_request("txt", processor.process("Hello world")[0], GREEDY)
     assert len(run_to_completion(engine)["txt"].token_ids) == GREEDY.max_tokens
+    from mm_utils import QWEN35_VLM
+    from utils import mlx_lm_greedy
+
+    text, encoder = split_vlm(build_vlm(copy.deepcopy(QWEN35_VLM)))
+    assert isinstance(encoder, RefusedVision) and "M-RoPE" in encoder.reason
+    engine = LLMEngine(text, tokenizer, EngineConfig(block_size=4, num_blocks=64), mm_encoder=encoder)
+    with pytest.raises(ValueError, match="M-RoPE"):
+        engine.add_request("img", ids, GREEDY, mm_features=features)
+    prompt = processor.process("Hello world, how are you today?")[0]
+    engine.add_request("txt", prompt, GREEDY)
+    assert list(run_to_completion(engine)["txt"].token_ids) == mlx_lm_greedy(text, prompt, GREEDY.max_tokens).tokens
     for model_type, why in (("qwen3_5", "M-RoPE"), ("llava", "not served")):
         with pytest.raises(UnsupportedMultiModalError, match=why):
             vision_encoder(types.SimpleNamespace(config=types.SimpleNamespace(model_type=model_type)))
@@ -283,4 +294,23 @@ def test_a_prefix_hit_that_ends_inside_an_image_splices_the_image_tail(family, d
     done = run_to_completion(engine)
     assert done["b"].num_cached_tokens == cut and pos.offset < cut < pos.end
     assert engine.runner.mm.num_encoded == 1 + dropped and not engine.runner.mm.encoder_cache
+    check(vlm, done, {"b": (ids, features)})
+
+
+def test_a_failed_encode_fails_its_step_and_the_next_request_encodes_again(monkeypatch):
+    engine, processor, vlm = make_engine()
+    ids, features = processor.process(f"Hello {FAMILIES['gemma3'].marker} world, what is", [image(8)])
+    encoder = engine.runner.mm.encoder
+    real = encoder.encode_stacked
+
+    def broken(*args):
+        raise RuntimeError("tower broke")
+    monkeypatch.setattr(encoder, "encode_stacked", broken)
+    engine.add_request("a", ids, GREEDY, mm_features=features)
+    done = run_to_completion(engine)
+    assert done["a"].finish_reason == "error" and "tower broke" in done["a"].error
+    assert not engine.runner.mm.encoder_cache and not engine.scheduler.encoder_cache_manager.cached
+    monkeypatch.setattr(encoder, "encode_stacked", real)
+    engine.add_request("b", ids, GREEDY, mm_features=features)
+    done = run_to_completion(engine)
     check(vlm, done, {"b": (ids, features)})
