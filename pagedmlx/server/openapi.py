@@ -16,7 +16,8 @@ from pagedmlx.server.protocol import MAX_TOKEN_ID, ChatCompletionChunk, ErrorRes
 ERRORS = {
     400: "Invalid request: a field's type or range, an unknown token id, a prompt or chat that does not fit the "
          "context, text the tokenizer cannot take, a tool_choice this server cannot honour (an unknown function, "
-         "\"auto\" without --enable-auto-tool-choice). `error.param` names the field.",
+         "\"auto\" without --enable-auto-tool-choice), an image part the server cannot use (not an image, truncated, "
+         "too large, too many, a remote URL, a model without images). `error.param` names the field or part.",
     401: "Missing or wrong API key (`Authorization: Bearer <key>`); on the LoRA admin routes, not the admin key.",
     403: "Loading LoRA adapters at run time is off: the server has no admin key (--admin-key).",
     404: "Unknown model (or LoRA adapter).",
