@@ -94,6 +94,9 @@ def test_a_decompression_bomb_is_refused_unread():
     with pytest.raises(MediaError, match="9000 x 9000 pixels, over the limit of 67108864 pixels"):
         MediaConnector().fetch_image(data_url(bomb), PART)
     assert time.monotonic() - t < 0.5
+    # Over twice Pillow's own limit, Pillow refuses it as it opens it
+    with pytest.raises(MediaError, match="over the limit of 67108864 pixels"):
+        MediaConnector().fetch_image(data_url(encode(Image.new("1", (14_000, 14_000)), "PNG")), PART)
 
 
 @pytest.fixture
