@@ -23,19 +23,24 @@ VISION_MAX_BODY_BYTES = 32 << 20  # --max-body-bytes' default for a model that t
 
 
 def parse_limit_mm_per_prompt(text: str) -> dict[str, int]:
-    """vLLM's --limit-mm-per-prompt: JSON such as '{"image": 4}' (0 turns images off); ValueError saying why."""
+    """vLLM's --limit-mm-per-prompt: JSON such as '{"image": 4}' (0 turns images off), or vLLM's newer form
+    '{"image": {"count": 4, "width": 512, "height": 512}}' (the sizes are vLLM's memory-profiling hints, unused
+    here); ValueError saying why."""
     try:
         value = json.loads(text)
     except ValueError as exc:
         raise ValueError(f"must be JSON such as '{{\"image\": 4}}' ({exc})") from None
     if not isinstance(value, dict):
         raise ValueError("must be a JSON object such as '{\"image\": 4}'")
-    for key, count in value.items():
+    limits = {}
+    for key, limit in value.items():
         if key not in MODALITIES:
             raise ValueError(f"{key!r}: the modalities served are {', '.join(MODALITIES)}")
+        count = limit.get("count") if isinstance(limit, dict) else limit
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-            raise ValueError(f"{key!r}: the limit must be an integer >= 0, got {count!r}")
-    return {**DEFAULT_LIMIT_MM_PER_PROMPT, **value}
+            raise ValueError(f"{key!r}: the limit must be an integer >= 0 (or {{\"count\": N}}), got {limit!r}")
+        limits[key] = count
+    return {**DEFAULT_LIMIT_MM_PER_PROMPT, **limits}
 
 
 @dataclass(frozen=True)

@@ -186,8 +186,9 @@ def test_a_text_only_model_refuses_images(text_only, part):
 def test_limit_mm_per_prompt_parses_as_vllm():
     assert parse_limit_mm_per_prompt('{"image": 4}') == {"image": 4}
     assert parse_limit_mm_per_prompt("{}") == {"image": 8}
+    assert parse_limit_mm_per_prompt('{"image": {"count": 3, "width": 512, "height": 512}}') == {"image": 3}
     for bad, words in [('{"video": 1}', "modalities served are image"), ('{"image": -1}', ">= 0"),
-                       ("[1]", "JSON object"), ("image=4", "JSON")]:
+                       ('{"image": {"width": 5}}', ">= 0"), ("[1]", "JSON object"), ("image=4", "JSON")]:
         with pytest.raises(ValueError, match=words):
             parse_limit_mm_per_prompt(bad)
 
