@@ -9,9 +9,10 @@ SchedulerOutput.free_encoder_mm_hashes names once that step is built."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from pagedmlx.multimodal.inputs import MultiModalFeatureSpec
+from pagedmlx.multimodal.mrope import step_rope_positions, uses_mrope
 from pagedmlx.request import Request
 
 
@@ -24,6 +25,7 @@ class EncoderCacheManager:
         self._step_encoded: set[str] = set()
         self._step_budget = encoder_budget
         self._step_images = False  # a request trimmed this step reaches an image's tokens
+        self.mrope_requests: set[str] = set()  # unfinished requests whose images take M-RoPE positions
 
     @property
     def needs_update(self) -> bool:
@@ -76,8 +78,21 @@ class EncoderCacheManager:
             self._release(identifier, rid)
         return step, self.take_freed()
 
+    def add_request(self, request: Request) -> None:
+        if uses_mrope(request.mm_features):
+            self.mrope_requests.add(request.request_id)
+
+    def rope_positions(self, out: Any, requests: dict[str, Request]) -> None:
+        """A step's M-RoPE positions (multimodal/mrope.py), where one of its requests has such images."""
+        features = [requests[rid].mm_features if rid in self.mrope_requests else [] for rid in out.req_ids]
+        if any(features):
+            out.rope_positions, out.mrope_rows, out.mrope_positions = step_rope_positions(
+                out.positions, out.query_start_loc, features)
+
     def free(self, request: Request) -> None:
         """The request finished or was preempted: it needs none of its images (a preempted one encodes again)."""
+        if request.is_finished:
+            self.mrope_requests.discard(request.request_id)
         for f in request.mm_features:
             self._release(f.identifier, request.request_id)
 

@@ -25,6 +25,7 @@ def attach_encoder(runner: Any, encoder: Optional[VisionEncoder]) -> Optional[Vi
         raise UnsupportedMultiModalError(f"{encoder.model_type}: the text model has no embed_tokens body to take "
                                          "input embeddings")
     runner.mm = MultiModalRunner(encoder, body)
+    encoder.install(runner.model)
     return encoder
 
 
@@ -46,4 +47,4 @@ def check_mm_request(encoder: Optional[VisionEncoder], prompt_token_ids: Sequenc
         if wrong:
             raise ValueError(f"mm_features[{i}]: its placeholder range [{pos.offset}, {pos.end}) holds token ids "
                              f"{wrong[:3]}, not only the image token {encoder.image_token_id}")
-    return features
+    return encoder.annotate(features)

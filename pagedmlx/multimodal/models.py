@@ -62,9 +62,16 @@ class VisionEncoder:
         return {"input_embeddings": splice(body.embed_tokens(input_ids), image_rows, image_embeds)[:, None, :]}
 
     @contextlib.contextmanager
-    def forward_context(self, body: nn.Module) -> Iterator[None]:
-        """Around the text model's call on a step with image rows (the graph is built inside)."""
+    def forward_context(self, body: nn.Module, so: Any = None) -> Iterator[None]:
+        """Around the text model's call on a step with image rows (the graph is built inside); so: the step."""
         yield
+
+    def annotate(self, features: list[MultiModalFeatureSpec]) -> list[MultiModalFeatureSpec]:
+        """A request's features as the core keeps them (M-RoPE families add their positions)."""
+        return features
+
+    def install(self, model: nn.Module) -> None:
+        """Changes to mlx-lm's text model the family needs (once, when the runner takes the encoder)."""
 
 
 class Gemma3Vision(VisionEncoder):
@@ -130,7 +137,7 @@ class Gemma4Vision(VisionEncoder):
         return kwargs
 
     @contextlib.contextmanager
-    def forward_context(self, body: nn.Module) -> Iterator[None]:
+    def forward_context(self, body: nn.Module, so: Any = None) -> Iterator[None]:
         scale, body.embed_scale = body.embed_scale, 1.0
         try:
             yield
@@ -145,15 +152,16 @@ def splice(embeds: mx.array, image_rows: mx.array, image_embeds: mx.array) -> mx
     return mx.take(mx.concatenate([embeds, image_embeds.astype(embeds.dtype)]), index, axis=0)
 
 
-FAMILIES = {"gemma3": Gemma3Vision, "gemma4": Gemma4Vision}
+def _qwen35(vlm: nn.Module) -> VisionEncoder:
+    from pagedmlx.multimodal.qwen3_5 import Qwen35Vision
+
+    return Qwen35Vision(vlm)
+
+
+FAMILIES = {"gemma3": Gemma3Vision, "gemma4": Gemma4Vision, "qwen3_5": _qwen35, "qwen3_5_moe": _qwen35}
 
 # Families mlx-vlm serves whose images need what the paged text model does not do (yet).
-REFUSED = {
-    "qwen3_5": "Qwen3.5 / 3.6 vision needs M-RoPE (3-D positions for image tokens); the paged text model "
-               "applies 1-D positions",
-    "qwen3_5_moe": "Qwen3.5 / 3.6 vision needs M-RoPE (3-D positions for image tokens); the paged text model "
-                   "applies 1-D positions",
-}
+REFUSED: dict[str, str] = {}
 
 
 def vision_encoder(vlm: nn.Module) -> VisionEncoder:

@@ -48,7 +48,7 @@ class MultiModalProcessor:
                              f"({type(exc).__name__}: {exc})") from None
         ids = np.asarray(out["input_ids"]).reshape(-1).astype(np.int64).tolist()
         runs = placeholder_runs(ids, self.image_token_id)
-        per_image = {k: _items(v) for k, v in out.items() if k not in _TEXT_KEYS and _items(v) is not None}
+        per_image = _per_image(out)
         if not runs:
             raise ValueError(f"the prompt has no image marker for its {len(images)} images (the processor expanded "
                              f"none into image token {self.image_token_id})")
@@ -58,7 +58,7 @@ class MultiModalProcessor:
                              f"arrays of {({k: len(v) for k, v in per_image.items()})} items")
         features = []
         for i, (offset, length) in enumerate(runs):
-            data = {k: TensorData.from_array(v[i][None]) for k, v in per_image.items()}
+            data = {k: TensorData.from_array(v[i]) for k, v in per_image.items()}
             features.append(MultiModalFeatureSpec(data, "image", content_hash(data, self.hash_salt),
                                                   PlaceholderRange(offset, length)))
         return ids, features
@@ -79,14 +79,28 @@ class MultiModalProcessor:
         return self.process(text, images, add_special_tokens=False)
 
 
+def _per_image(out: Any) -> dict[str, list[np.ndarray]]:
+    """A processor's image outputs cut per image, each with a leading axis to concatenate along: a batched array's
+    rows (1, ...) or a list's arrays (images of other shapes); where the processor gives image_grid_thw (Qwen-VL
+    style), the arrays that hold every image's patches in one go are cut by each image's t * h * w patches."""
+    per_image = {k: items for k, v in out.items() if k not in _TEXT_KEYS and (items := _items(v)) is not None}
+    grid = out.get("image_grid_thw") if hasattr(out, "get") else None
+    if grid is not None:
+        ends = np.cumsum(np.prod(np.asarray(grid), axis=1))
+        for k, v in out.items():
+            if k != "image_grid_thw" and k in per_image and np.asarray(v).shape[0] == ends[-1] != len(ends):
+                a = np.asarray(v)
+                per_image[k] = [a[start:end] for start, end in zip(np.concatenate([[0], ends[:-1]]), ends)]
+    return per_image
+
+
 def _items(value: Any) -> Optional[list[np.ndarray]]:
-    """A processed output as per-image arrays: a batched array's rows, or a list of arrays (images of other
-    shapes); None for what is not an array."""
     if isinstance(value, (list, tuple)):
         items = [np.asarray(v) for v in value]
-        return items if items and all(a.ndim > 0 and a.dtype.kind in "fiub" for a in items) else None
+        return [a[None] for a in items] if items and all(a.ndim > 0 and a.dtype.kind in "fiub" for a in items) \
+            else None
     if hasattr(value, "shape") and len(value.shape) > 0:
-        return list(np.asarray(value))
+        return [a[None] for a in np.asarray(value)]
     return None
 
 

@@ -62,6 +62,6 @@ class MultiModalRunner:
         image_embeds = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces)
         return self.encoder.input_embeddings(self.body, input_ids, image_rows, image_embeds)
 
-    def forward_context(self):
+    def forward_context(self, so: SchedulerOutput):
         """The family's context around the text model's call on a step with image rows."""
-        return self.encoder.forward_context(self.body)
+        return self.encoder.forward_context(self.body, so)

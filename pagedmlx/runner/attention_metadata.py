@@ -234,7 +234,8 @@ class StepMetadata:
         int arrays uploaded with the rest (StepMetadata.extra)."""
         kernel_kv_heads = kernel_kv_heads or [0] * len(windows)
         prefill_heads = prefill_heads or [None] * len(windows)
-        host = dict(input_ids=so.input_ids, positions=so.positions, logits_indices=so.logits_indices,
+        positions = so.rope_positions if len(so.rope_positions) else so.positions  # RoPE's (M-RoPE: shifted)
+        host = dict(input_ids=so.input_ids, positions=positions, logits_indices=so.logits_indices,
                     **{f"extra.{k}": v for k, v in (extra or {}).items()})
         if len(so.placeholder_rows):
             host.update(placeholder_rows=so.placeholder_rows, placeholder_src=so.placeholder_src)

@@ -86,7 +86,8 @@ class CompiledDecode:
         """The step's logits through its key's trace; None where the key is not hot yet (build the step).
         lora: the step's adapter rows (LoRAModelManager.prepare_step), None without."""
         r = self.runner
-        host = dict(input_ids=so.input_ids, positions=so.positions, logits_indices=so.logits_indices)
+        positions = so.rope_positions if len(so.rope_positions) else so.positions  # RoPE's (M-RoPE: shifted)
+        host = dict(input_ids=so.input_ids, positions=positions, logits_indices=so.logits_indices)
         if len(so.placeholder_rows):
             host.update(placeholder_rows=so.placeholder_rows, placeholder_src=so.placeholder_src)
         builders = [_GroupBuilder(so, g, r.block_size, w, r.kernel_kv_heads[g], r.kernels.page_write,

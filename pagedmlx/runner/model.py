@@ -349,7 +349,7 @@ class ModelRunner:
         mm = self.mm.step_kwargs(so, inputs) if so.mm_features or so.free_encoder_mm_hashes else {}  # images
         # each row's adapter slot, for the wrapped layers while the graph is built
         with (self.lora_manager.step(lora, md.extra) if lora is not None else contextlib.nullcontext(),
-              self.mm.forward_context() if mm else contextlib.nullcontext()):
+              self.mm.forward_context(so) if mm else contextlib.nullcontext()):
             logits = self.logits(inputs[:, None], caches, md.logits_indices, **mm)
         if self.pages_in_place:
             mx.async_eval(logits)

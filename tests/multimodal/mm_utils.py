@@ -106,16 +106,74 @@ QWEN35_VLM = dict(
                        num_heads=2, patch_size=4, spatial_patch_size=4, num_position_embeddings=16))
 
 
+@functools.lru_cache(maxsize=None)
+def qwen35_vlm(seed: int = 0):
+    return build_vlm(copy.deepcopy(QWEN35_VLM), seed)
+
+
+class Qwen35Processor:
+    """Qwen3-VL's processor minus its video half (which needs torchvision here): images through transformers'
+    Qwen2-VL image processor (4x4 patches, 2x2 merged, at most 32x32 pixels), each <|image_pad|> expanded to its
+    image's merged patches, as Qwen3VLProcessor does."""
+
+    def __init__(self):
+        from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
+        hf = copy.deepcopy(tiny_tokenizer(VOCAB - 4)._tokenizer)
+        hf.add_special_tokens({"additional_special_tokens": ["<|vision_end|>", "<|vision_start|>", "<|video_pad|>",
+                                                            "<|image_pad|>"]})
+        assert hf.convert_tokens_to_ids("<|image_pad|>") == QWEN35_VLM["image_token_id"] and len(hf) == VOCAB
+        hf.chat_template = CHAT_TEMPLATE.replace(BOI, QWEN_MARKER)
+        self.tokenizer, self.chat_template = hf, hf.chat_template
+        self.image_processor = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
+                                                        min_pixels=8 * 8, max_pixels=32 * 32)
+
+    def apply_chat_template(self, *args, **kwargs):
+        return self.tokenizer.apply_chat_template(*args, **kwargs)
+
+    def __call__(self, text, images, add_special_tokens=True):
+        out = self.image_processor([im for batch in images for im in batch])
+        grid = np.asarray(out["image_grid_thw"])
+        counts = iter((grid.prod(axis=1) // 4).tolist())
+        parts = text[0].split("<|image_pad|>")
+        prompt = parts[0] + "".join("<|image_pad|>" * next(counts) + part for part in parts[1:])
+        ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+        return {"input_ids": [ids], "pixel_values": np.asarray(out["pixel_values"]), "image_grid_thw": grid}
+
+
+QWEN_MARKER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def stacked_reference_inputs(features) -> tuple[Optional[mx.array], dict]:
+    """Qwen-VL style: every image's patches in one array, and image_grid_thw."""
+    if not features:
+        return None, {}
+    grid = mx.concatenate([f.data["image_grid_thw"].mx() for f in features])
+    return mx.concatenate([f.data["pixel_values"].mx() for f in features]), {"image_grid_thw": grid}
+
+
+def batched_reference_inputs(features) -> tuple[Union[None, mx.array, list], dict]:
+    return pixels_of(features), {}
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     name: str
     vlm: Callable
     processor: Callable
     marker: str  # what a prompt's text holds per image
+    reference_inputs: Callable = batched_reference_inputs  # features -> (pixel values, kwargs) for mlx-vlm
 
 
 FAMILIES = {"gemma3": Family("gemma3", gemma3_vlm, gemma3_processor, BOI),
-            "gemma4": Family("gemma4", gemma4_vlm, gemma4_processor, IMAGE)}
+            "gemma4": Family("gemma4", gemma4_vlm, gemma4_processor, IMAGE),
+            "qwen3_5": Family("qwen3_5", qwen35_vlm, Qwen35Processor, QWEN_MARKER, stacked_reference_inputs)}
+
+
+def family_reference(family: Family, vlm, features):
+    """mlx-vlm's greedy continuation reference for a prompt with these images (greedy_mismatch's)."""
+    pixels, kwargs = family.reference_inputs(features)
+    return vlm_reference(vlm, pixels, **kwargs)
 
 
 def image(seed: int, size: tuple[int, int] = (24, 20)):

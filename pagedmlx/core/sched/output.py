@@ -68,6 +68,11 @@ class SchedulerOutput:
     # encodes the ones it does not hold and splices their rows), and the identifiers it drops once the step is built.
     mm_features: dict = field(default_factory=dict)  # request id -> [MultiModalFeatureSpec]
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
+    # M-RoPE (multimodal/mrope.py), where a scheduled request has such images: each row's RoPE position (empty: the
+    # positions above), and the rows of image tokens with their (t, h, w) positions.
+    rope_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # (T,)
+    mrope_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # (K,)
+    mrope_positions: np.ndarray = field(default_factory=lambda: np.zeros((3, 0), np.int32))  # (3, K)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

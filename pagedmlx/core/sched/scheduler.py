@@ -110,6 +110,7 @@ class Scheduler:
                                  f"max_model_len={self.max_model_len}), whose KV needs {needed} blocks, but the "
                                  f"pool has only {have}")
         self.requests[request.request_id] = request
+        self.encoder_cache_manager.add_request(request)
         self.waiting.add(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
@@ -242,6 +243,8 @@ class Scheduler:
         self.finished_req_ids = set()
         if scheduled and self.encoder_cache_manager.needs_update:
             out.mm_features, out.free_encoder_mm_hashes = self.encoder_cache_manager.update(scheduled)
+        if scheduled and self.encoder_cache_manager.mrope_requests:
+            self.encoder_cache_manager.rope_positions(out, self.requests)
         for req, n in scheduled:
             req.num_computed_tokens += n
         return out
