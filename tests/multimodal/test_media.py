@@ -143,3 +143,15 @@ def test_a_file_url_names_this_machine(media_dir):
 def test_the_allowed_path_must_be_a_folder(tmp_path):
     with pytest.raises(ValueError, match="not a folder"):
         MediaConnector(tmp_path / "nowhere")
+
+
+def test_offline_chat_images_decode_as_the_servers():
+    """The processor's own image parts (LLM.chat: data: URLs, PIL images) go through the same decoding and checks:
+    a transparent image is the same RGB picture offline and served, a truncated one is refused offline too."""
+    from pagedmlx.multimodal.processor import decode_image_url, to_pil
+
+    rgba = Image.new("RGBA", (8, 8), (10, 20, 30, 0))
+    served = MediaConnector().fetch_image(data_url(encode(rgba)), PART)
+    assert decode_image_url(data_url(encode(rgba))).tobytes() == served.tobytes() == to_pil(rgba).tobytes()
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        decode_image_url(data_url(png()[:-30]))
