@@ -12,7 +12,8 @@ from typing import Any, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from pagedmlx.multimodal.models import UnsupportedMultiModalError, VisionEncoder, vision_encoder
+from pagedmlx.multimodal.families import vision_encoder
+from pagedmlx.multimodal.models import UnsupportedMultiModalError, VisionEncoder
 
 logger = logging.getLogger("pagedmlx")
 

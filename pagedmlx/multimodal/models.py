@@ -92,7 +92,7 @@ class Gemma3Vision(VisionEncoder):
                            "mlx-vlm)", self.hidden_size, text_hidden, (text_hidden / self.hidden_size) ** 0.5)
 
     def encode_stacked(self, features: list[MultiModalFeatureSpec], dtype: mx.Dtype) -> list[mx.array]:
-        pixels = _stacked(features, "pixel_values")
+        pixels = stacked(features, "pixel_values")
         hidden, _, _ = self.tower(pixels.transpose(0, 2, 3, 1).astype(dtype), output_hidden_states=True)
         rows = (self.projector(hidden) / (self.hidden_size ** 0.5)).astype(dtype)
         return [rows[i] for i in range(len(features))]
@@ -117,8 +117,8 @@ class Gemma4Vision(VisionEncoder):
 
     def encode_stacked(self, features: list[MultiModalFeatureSpec], dtype: mx.Dtype) -> list[mx.array]:
         """The tower drops each image's padding and concatenates the images' rows: (1, sum of lengths, hidden)."""
-        positions = _stacked(features, "image_position_ids") if "image_position_ids" in features[0].data else None
-        rows = self.embedder(self.tower(_stacked(features, "pixel_values"), positions)).astype(dtype)[0]
+        positions = stacked(features, "image_position_ids") if "image_position_ids" in features[0].data else None
+        rows = self.embedder(self.tower(stacked(features, "pixel_values"), positions)).astype(dtype)[0]
         ends = list(itertools.accumulate(f.mm_position.length for f in features))
         if rows.shape[0] != ends[-1]:
             raise ValueError(f"gemma4: the tower gives {rows.shape[0]} rows for {ends[-1]} placeholder tokens")
@@ -152,31 +152,7 @@ def splice(embeds: mx.array, image_rows: mx.array, image_embeds: mx.array) -> mx
     return mx.take(mx.concatenate([embeds, image_embeds.astype(embeds.dtype)]), index, axis=0)
 
 
-def _qwen35(vlm: nn.Module) -> VisionEncoder:
-    from pagedmlx.multimodal.qwen3_5 import Qwen35Vision
-
-    return Qwen35Vision(vlm)
-
-
-FAMILIES = {"gemma3": Gemma3Vision, "gemma4": Gemma4Vision, "qwen3_5": _qwen35, "qwen3_5_moe": _qwen35}
-
-# Families mlx-vlm serves whose images need what the paged text model does not do (yet).
-REFUSED: dict[str, str] = {}
-
-
-def vision_encoder(vlm: nn.Module) -> VisionEncoder:
-    """The family adapter of an mlx-vlm model (UnsupportedMultiModalError naming why, if none)."""
-    model_type = getattr(getattr(vlm, "config", None), "model_type", None) or getattr(vlm, "model_type", None)
-    if model_type in REFUSED:
-        raise UnsupportedMultiModalError(f"images are not served for model type {model_type!r}: {REFUSED[model_type]}")
-    family = FAMILIES.get(model_type)
-    if family is None:
-        raise UnsupportedMultiModalError(f"images are not served for model type {model_type!r} yet (served: "
-                                         f"{', '.join(sorted(FAMILIES))})")
-    return family(vlm)
-
-
-def _stacked(features: list[MultiModalFeatureSpec], name: str) -> mx.array:
+def stacked(features: list[MultiModalFeatureSpec], name: str) -> mx.array:
     """The images' inputs `name` along the batch axis (each feature holds one image: a leading axis of 1)."""
     missing = [f.identifier[:12] for f in features if name not in f.data]
     if missing:

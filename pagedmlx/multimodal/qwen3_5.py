@@ -14,7 +14,7 @@ import mlx.nn as nn
 
 from pagedmlx.multimodal import mrope
 from pagedmlx.multimodal.inputs import MultiModalFeatureSpec
-from pagedmlx.multimodal.models import UnsupportedMultiModalError, VisionEncoder, _stacked
+from pagedmlx.multimodal.models import UnsupportedMultiModalError, VisionEncoder, stacked
 
 
 class MRoPERows:
@@ -65,8 +65,8 @@ class Qwen35Vision(VisionEncoder):
         return mrope.annotate(features, self.spatial_merge_size)
 
     def encode_stacked(self, features: list[MultiModalFeatureSpec], dtype: mx.Dtype) -> list[mx.array]:
-        pixels = _stacked(features, "pixel_values").astype(self.tower.patch_embed.proj.weight.dtype)
-        hidden, _ = self.tower(pixels, _stacked(features, "image_grid_thw"))
+        pixels = stacked(features, "pixel_values").astype(self.tower.patch_embed.proj.weight.dtype)
+        hidden, _ = self.tower(pixels, stacked(features, "image_grid_thw"))
         rows = hidden.astype(dtype)
         ends = list(itertools.accumulate(f.mm_position.length for f in features))
         if rows.shape[0] != ends[-1]:

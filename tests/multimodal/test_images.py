@@ -206,7 +206,8 @@ def test_families_whose_images_need_more_are_served_text_only():
 
     from mm_utils import GEMMA4_VLM, gemma4_processor
     from pagedmlx.multimodal.loader import RefusedVision, build_vlm
-    from pagedmlx.multimodal.models import UnsupportedMultiModalError, vision_encoder
+    from pagedmlx.multimodal.families import vision_encoder
+    from pagedmlx.multimodal.models import UnsupportedMultiModalError
 
     cfg = copy.deepcopy(GEMMA4_VLM)
     cfg["text_config"]["use_bidirectional_attention"] = "vision"
