@@ -7,9 +7,6 @@ runs of the image token, cuts the processed arrays per image and hashes them."""
 
 from __future__ import annotations
 
-import base64
-import binascii
-import io
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -146,32 +143,22 @@ def chat_parts(messages: Sequence[dict]) -> tuple[list[dict], list[Any]]:
 
 
 def decode_image_url(url: Any, where: str = "image_url") -> Any:
-    """A data: URL (base64) as a PIL image; other URLs are refused (no fetching here)."""
-    if not isinstance(url, str) or not url.startswith("data:"):
-        raise ValueError(f"{where}: only data: URLs with base64 images are taken here, got "
-                         f"{str(url)[:40]!r}")
-    header, _, payload = url.partition(",")
-    if not header.endswith(";base64"):
-        raise ValueError(f"{where}: a data: URL must be base64 (data:image/png;base64,...)")
-    try:
-        raw = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise ValueError(f"{where}: the data: URL's base64 does not decode ({exc})") from None
-    from PIL import Image
+    """A data: URL (base64) as an RGB PIL image, decoded and checked as the server does (media.py); other URLs
+    are refused (no fetching here). MediaError (a ValueError) naming `where` otherwise."""
+    from pagedmlx.multimodal.media import MediaConnector
 
-    try:
-        image = Image.open(io.BytesIO(raw))
-        image.load()
-    except Exception as exc:  # noqa: BLE001 - PIL raises many kinds
-        raise ValueError(f"{where}: not a readable image ({type(exc).__name__}: {exc})") from None
-    return image
+    if not isinstance(url, str):
+        raise ValueError(f"{where}: an image URL must be a string, got {type(url).__name__}")
+    return MediaConnector().fetch_image(url, where)
 
 
 def to_pil(image: Any, where: str = "image") -> Any:
     from PIL import Image
 
     if isinstance(image, Image.Image):
-        return image.convert("RGB") if image.mode != "RGB" else image
+        from pagedmlx.multimodal.media import to_rgb
+
+        return to_rgb(image) if image.mode != "RGB" else image  # transparency over white, as the server
     if isinstance(image, str):
         return decode_image_url(image, where)
     raise ValueError(f"{where}: expected a PIL image or a data: URL, got {type(image).__name__}")

@@ -20,14 +20,15 @@ from sse_starlette import EventSourceResponse
 from pagedmlx.engine.async_engine import AsyncEngine
 from pagedmlx.blocks.snapshot import kv_snapshot
 from pagedmlx.server import openapi
+from pagedmlx.server.chat_media import MediaOptions
 from pagedmlx.server.chat_tools import ChatParsing
-from pagedmlx.server.errors import ASCIIJSONResponse, add_error_handlers
+from pagedmlx.server.errors import RETRY_AFTER_503, ASCIIJSONResponse, add_error_handlers, unavailable
 from pagedmlx.server.metrics import EngineSnapshot, ServerMetrics
 from pagedmlx.server.middleware import BodyLimits
 from pagedmlx.server.protocol import (APIError, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                       CompletionRequest, CompletionResponse, ModelList)
 from pagedmlx.server.protocol_responses import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
-from pagedmlx.server.serving import RETRY_AFTER_503, Serving, ServerLimits, unavailable
+from pagedmlx.server.serving import Serving, ServerLimits
 from pagedmlx.server.serving_models import ServingModels
 
 logger = logging.getLogger("pagedmlx.server")
@@ -45,19 +46,22 @@ class Health(BaseModel):
 def build_app(async_engine: AsyncEngine, model_name: str, api_key: Optional[str] = None,
               max_waiting: Optional[int] = None, limits: Optional[ServerLimits] = None,
               drain_timeout: float = 30.0, shutdown_engine: bool = True, admin_key: Optional[str] = None,
-              parsing: Optional[ChatParsing] = None, models: Optional[ServingModels] = None) -> FastAPI:
+              parsing: Optional[ChatParsing] = None, models: Optional[ServingModels] = None,
+              media: Optional[MediaOptions] = None, mm_processor: Any = None) -> FastAPI:
     """The server's app. `max_waiting` caps requests waiting in the engine (429 beyond it);
     `limits` caps body size and time, n, prompts and max_tokens; on shutdown the app drains the engine for
     up to `drain_timeout` seconds (unless shutdown_engine is False). `api_key` guards /v1; `admin_key`
     (also good for /v1) alone unlocks the prompt text of KV blocks in /v1/engine/kv. `parsing`: the tool
     call and reasoning parsers of chat responses (chat_tools.py). `models`: the base model and the LoRA
     adapters requests may name (serving_models.py; its --lora-modules loaded by the caller); where the
-    engine has LoRA enabled, /v1/load_lora_adapter and /v1/unload_lora_adapter take the admin key."""
+    engine has LoRA enabled, /v1/load_lora_adapter and /v1/unload_lora_adapter take the admin key.
+    `media`: where chat images may come from and how many a request may carry (chat_media.py);
+    `mm_processor`: the model's MultiModalProcessor (pagedmlx/multimodal/; None: a text-only model)."""
     limits = limits or ServerLimits()
     if max_waiting is not None:
         async_engine.max_waiting = max_waiting
     models = models or ServingModels(async_engine, model_name, async_engine.max_model_len)
-    serving = Serving(async_engine, model_name, limits, parsing, models)
+    serving = Serving(async_engine, model_name, limits, parsing, models, media, mm_processor)
     metrics = ServerMetrics(model_name)
     async_engine.add_listener(metrics.on_output)
     keys = [k.encode() for k in (api_key, admin_key) if k]

@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedmlx.server.protocol import APIError, field_range
 
 logger = logging.getLogger("pagedmlx.server")
+RETRY_AFTER_503 = "5"  # seconds: a stopping server's supervisor restarts it in about that
 
 
 class ASCIIJSONResponse(JSONResponse):
@@ -22,6 +23,15 @@ class ASCIIJSONResponse(JSONResponse):
 
     def render(self, content: Any) -> bytes:
         return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+def unavailable(exc: Exception) -> APIError:
+    return APIError(503, str(exc), type="server_error", code=503, headers={"Retry-After": RETRY_AFTER_503})
+
+
+def error_json(message: str, status: int) -> str:
+    """An error event of a stream: OpenAI's error body as JSON."""
+    return json.dumps(APIError(status, message, type="server_error").response_body())
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -33,7 +43,7 @@ def _is_label(part: Any) -> bool:
     return isinstance(part, str) and ("[" in part or part in _UNION_TAGS)
 
 
-_UNION_TAGS = {"text", "texts", "token_ids", "token_lists", "one", "list", "other", "named"}
+_UNION_TAGS = {"text", "texts", "token_ids", "token_lists", "one", "list", "other", "named", "image", "object"}
 _RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
 
 
@@ -42,11 +52,16 @@ def _quote(value: Any) -> str:
     return text if len(text) <= 80 else text[:80] + "..."
 
 
-def _message(loc: list[str], error: dict) -> str:
+def _path(loc: list) -> str:
+    """A location as a client writes it: messages[0].content[1].image_url."""
+    return "".join(f"[{x}]" if isinstance(x, int) else f".{x}" if i else str(x) for i, x in enumerate(loc))
+
+
+def _message(loc: list, error: dict) -> str:
     """'temperature must be in [0.0, 100.0], got 150'; else pydantic's words, with the value sent."""
     value = error.get("input")
-    where = ".".join(loc) or "body"
-    allowed = field_range(loc[0]) if len(loc) == 1 and error.get("type") in _RANGE_ERRORS else None
+    where = _path(loc) or "body"
+    allowed = field_range(str(loc[0])) if len(loc) == 1 and error.get("type") in _RANGE_ERRORS else None
     if allowed is not None:
         return f"{where} must be {'in ' if allowed[0] in '[(' else ''}{allowed}, got {_quote(value)}"
     message = f"{where}: {error.get('msg', 'invalid value').removeprefix('Value error, ')}"
@@ -58,7 +73,7 @@ def _message(loc: list[str], error: dict) -> str:
 def validation_error(request: Request, exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {}
-    loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _is_label(x)]
+    loc = [x for x in first.get("loc", ()) if x != "body" and not _is_label(x)]
     if first.get("type") == "json_invalid":
         return APIError(400, f"Invalid JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}")
     content_type = request.headers.get("content-type", "")
@@ -68,7 +83,7 @@ def validation_error(request: Request, exc: RequestValidationError) -> APIError:
     message = _message(loc, first)
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more errors)"
-    return APIError(400, message, param=loc[0] if loc else None)
+    return APIError(400, message, param=str(loc[0]) if loc else None)
 
 
 def add_error_handlers(app: FastAPI) -> None:

@@ -4,6 +4,7 @@ own by default, engine/core_client.py), the app (api.py) and the HTTP server (ht
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from typing import Any, Callable
@@ -39,7 +40,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-waiting", type=positive(int), default=1024, help="waiting requests before 429 (default 1024)")
     p.add_argument("--max-n", type=positive(int), default=16, help="largest n accepted")
     p.add_argument("--max-tokens-cap", type=positive(int), default=None, help="largest max_tokens accepted")
-    p.add_argument("--max-body-bytes", type=positive(int), default=1 << 20, help="largest request body (default 1 MiB)")
+    p.add_argument("--max-body-bytes", type=positive(int), default=None,
+                   help="largest request body (default 1 MiB; 32 MiB for a model that takes images)")
     p.add_argument("--max-connections", type=positive(int), default=None,
                    help="open connections at most; beyond it the longest-idle one is closed, or with none idle "
                         "the new one gets 503 (default: 4096, less if the open-file limit is lower)")
@@ -57,6 +59,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp-timeout", type=positive(float), default=60.0,
                    help="seconds a step may wait on the other ranks before the server gives up (default 60)")
     add_chat_parsing_args(p)
+    add_media_args(p)
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine core in a process of its own, beside the HTTP front end (default); "
                         "--no-engine-process steps it in a thread of the server's process")
@@ -73,6 +76,39 @@ def add_chat_parsing_args(p: argparse.ArgumentParser) -> None:
                    help=f"the model's tool call format: {', '.join(TOOL_PARSERS)} (implies --enable-auto-tool-choice)")
     p.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS), metavar="NAME",
                    help=f"split the model's reasoning into reasoning_content: {', '.join(REASONING_PARSERS)}")
+
+
+def add_media_args(p: argparse.ArgumentParser) -> None:
+    from pagedmlx.server.chat_media import DEFAULT_LIMIT_MM_PER_PROMPT
+
+    p.add_argument("--allowed-local-media-path", type=_folder, default=None, metavar="DIR",
+                   help="chat image parts may name image files under DIR as file:// URLs (default: no local "
+                        "files). Remote http(s) URLs are never fetched: send images as data: URLs")
+    p.add_argument("--limit-mm-per-prompt", type=_limit_mm, default=None, metavar="JSON",
+                   help=f"the most images one request may carry, as JSON: '{{\"image\": 4}}' (default "
+                        f"{DEFAULT_LIMIT_MM_PER_PROMPT['image']}; 0: no images)")
+
+
+def _folder(text: str) -> str:
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a folder")
+    return os.path.realpath(text)
+
+
+def _limit_mm(text: str) -> dict[str, int]:
+    from pagedmlx.server.chat_media import parse_limit_mm_per_prompt
+
+    try:
+        return parse_limit_mm_per_prompt(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc))
+
+
+def media_options(args: argparse.Namespace) -> Any:
+    from pagedmlx.server.chat_media import MediaOptions
+
+    return MediaOptions(args.allowed_local_media_path, **({"limit_mm_per_prompt": args.limit_mm_per_prompt}
+                                                          if args.limit_mm_per_prompt else {}))
 
 
 def chat_parsing(args: argparse.Namespace, tokenizer: Any) -> Any:
@@ -202,10 +238,15 @@ def _serve(args: argparse.Namespace, async_engine: Any, console: Any, nofile: tu
     from pagedmlx.server.file_limit import RESERVED_FDS
     from pagedmlx.server.http_server import EngineWatch, make_server, max_connections
     from pagedmlx.server.serving import ServerLimits
+    from pagedmlx.multimodal import load_mm_processor
+    from pagedmlx.server.chat_media import VISION_MAX_BODY_BYTES
 
     info = async_engine.info
     name = served_model_name(args, info.model)
-    limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_n=args.max_n, max_tokens=args.max_tokens_cap,
+    mm_processor = load_mm_processor(info.model) if info.takes_images else None  # None: text only
+    media = media_options(args)
+    body = args.max_body_bytes or (VISION_MAX_BODY_BYTES if mm_processor else ServerLimits.max_body_bytes)
+    limits = ServerLimits(max_body_bytes=body, max_n=args.max_n, max_tokens=args.max_tokens_cap,
                           header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                           max_connections=args.max_connections)
     api_key = args.api_key or envs.PAGEDMLX_API_KEY or None
@@ -225,7 +266,8 @@ def _serve(args: argparse.Namespace, async_engine: Any, console: Any, nofile: tu
         hard_exit(1, "stopped: bad LoRA options")
         return 1
     app = build_app(async_engine, name, api_key=api_key, limits=limits, drain_timeout=args.drain_timeout,
-                    admin_key=admin_key, parsing=parsing, models=models)
+                    admin_key=admin_key, parsing=parsing, models=models, media=media,
+                    mm_processor=mm_processor)
     url = f"http://{args.host}:{args.port}/v1"
     where = (f"a process of its own (pid {info.pid})" if async_engine.engine is None
              else "a thread of the server's process")
@@ -239,6 +281,9 @@ def _serve(args: argparse.Namespace, async_engine: Any, console: Any, nofile: tu
         console.print(f"    {line}", soft_wrap=True, markup=False, highlight=False)
     console.print(f"  sampling defaults: {defaults_line(info.generation_defaults, info.model)}")
     console.print(f"  tool calls: {parsing.describe()}; reasoning parser: {parsing.reasoning_parser or 'none'}")
+    if info.takes_images or info.images_refused:
+        console.print(f"  images: {media.describe()}; request bodies up to {body} bytes" if mm_processor else
+                      f"  images: refused ({info.images_refused or 'no image processor'})", soft_wrap=True)
     if info.max_loras:
         console.print(f"  LoRA: {', '.join(models.lora_requests) or 'no adapters yet'}; max_loras {info.max_loras}, "
                       f"max_lora_rank {info.max_lora_rank}; run-time loading "

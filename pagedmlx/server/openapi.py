@@ -11,12 +11,13 @@ from fastapi.openapi.utils import get_openapi
 
 from pydantic import BaseModel
 
-from pagedmlx.server.protocol import MAX_TOKEN_ID, ChatCompletionChunk, ErrorResponse
+from pagedmlx.server.protocol import MAX_TOKEN_ID, ChatCompletionChunk, ErrorResponse, ImageURLPart, TextPart
 
 ERRORS = {
     400: "Invalid request: a field's type or range, an unknown token id, a prompt or chat that does not fit the "
          "context, text the tokenizer cannot take, a tool_choice this server cannot honour (an unknown function, "
-         "\"auto\" without --enable-auto-tool-choice). `error.param` names the field.",
+         "\"auto\" without --enable-auto-tool-choice), an image part the server cannot use (not an image, truncated, "
+         "too large, too many, a remote URL, a model without images). `error.param` names the field or part.",
     401: "Missing or wrong API key (`Authorization: Bearer <key>`); on the LoRA admin routes, not the admin key.",
     403: "Loading LoRA adapters at run time is off: the server has no admin key (--admin-key).",
     404: "Unknown model (or LoRA adapter).",
@@ -32,7 +33,8 @@ SSE_DOC = ("With `stream: true`: server-sent events, one `data: <chunk JSON>` li
            "An engine failure, or a server going away, ends the stream with `data: <error JSON>` (OpenAI's error "
            "body) before `data: [DONE]`; a request cut by the drain deadline ends with finish_reason `abort`. "
            "The schema describes one event.")
-EXTRA_MODELS = (ChatCompletionChunk,)  # referenced from event streams only: FastAPI would leave them out
+# Referenced from event streams and content parts only: FastAPI would leave them out
+EXTRA_MODELS = (ChatCompletionChunk, TextPart, ImageURLPart)
 
 
 def _ref(model: type[BaseModel]) -> dict:

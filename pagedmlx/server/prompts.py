@@ -68,11 +68,14 @@ class PromptEncoder:
             raise APIError(400, f"{field}: the tokenizer could not encode it ({type(exc).__name__}: {exc})",
                            param=field) from None
 
+    def check_messages_fit(self, messages: list[dict], extra_chars: int = 0) -> None:
+        self.check_fits("".join(_texts(m.get("content")) for m in messages), "messages", extra_chars)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool, extra_chars: int = 0,
                             **kwargs: Any) -> list[int]:
         """`extra_chars`: text the template adds beyond the messages' content (tools, earlier calls);
         `kwargs`: the template's other arguments (tools, chat_template_kwargs)."""
-        self.check_fits("".join(_texts(m.get("content")) for m in messages), "messages", extra_chars)
+        self.check_messages_fit(messages, extra_chars)
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as exc:  # noqa: BLE001 - a template that refuses these messages

@@ -207,16 +207,50 @@ class TextPart(OpenAIModel):
     text: Text
 
 
+class ImageURL(OpenAIModel):
+    url: NonEmptyText = Field(description="A data URL (data:image/png;base64,...), or a file:// URL under the "
+                              "server's --allowed-local-media-path. http(s) URLs are refused (400).")
+    detail: Optional[Literal["auto", "low", "high"]] = None  # accepted; the model's processor sizes the image
+
+
+def _image_url_kind(value: Any) -> Optional[str]:
+    return "one" if isinstance(value, str) else "object" if isinstance(value, (dict, ImageURL)) else None
+
+
+class ImageURLPart(OpenAIModel):
+    """OpenAI's image part; also with `image_url` a plain URL string (vLLM's form) and as the Responses
+    API's `input_image`."""
+
+    type: Literal["image_url", "input_image"]
+    image_url: _tagged(_image_url_kind, "image_url must be an object with a url, or a URL string",
+                       one=NonEmptyText, object=ImageURL)
+
+    @property
+    def url(self) -> str:
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+
+
+IMAGE_PART_TYPES = ("image_url", "input_image")
+
+
 def _part_kind(value: Any) -> Optional[str]:
-    if isinstance(value, TextPart) or (isinstance(value, dict) and value.get("type") == "text"):
-        return "text"
-    return "other" if isinstance(value, dict) else None
+    if isinstance(value, (TextPart, ImageURLPart)):
+        return "text" if isinstance(value, TextPart) else "image"
+    if not isinstance(value, dict):
+        return None
+    kind = value.get("type")
+    return "text" if kind == "text" else "image" if kind in IMAGE_PART_TYPES else "other"
 
 
-# Other kinds of part (images, audio) parse, so that the refusal can name them; the document
-# lists text parts only, the one kind served.
-ContentPart = Annotated[_tagged(_part_kind, "a content part must be an object", text=TextPart,
-                                other=dict[str, Any]), WithJsonSchema(TextPart.model_json_schema())]
+def _component(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+# Other kinds of part (audio, video, files) parse, so that the refusal can name them; the document
+# lists the kinds served (openapi.py adds their schemas).
+ContentPart = Annotated[_tagged(_part_kind, "a content part must be an object", text=TextPart, image=ImageURLPart,
+                                other=dict[str, Any]),
+                        WithJsonSchema({"anyOf": [_component("TextPart"), _component("ImageURLPart")]})]
 Content = _tagged(_str_or_list, "content must be a string or a list of content parts", one=Text,
                   list=list[ContentPart])
 # A role is a name: a role string cannot smuggle template control tokens into the prompt.
@@ -232,16 +266,35 @@ class ChatMessage(OpenAIModel):
     reasoning_content: Optional[Text] = None  # an assistant's reasoning, for templates that show it (vLLM)
     reasoning: Optional[Text] = None  # vLLM's newer name of reasoning_content
 
-    def to_template_dict(self) -> dict:
+    def image_parts(self, index: int) -> list[tuple[str, ImageURLPart]]:
+        """(its name, as `messages[0].content[1]`, the part) of each image part; `index`: this message's."""
+        if not isinstance(self.content, list):
+            return []
+        return [(f"messages[{index}].content[{j}]", p) for j, p in enumerate(self.content)
+                if isinstance(p, ImageURLPart)]
+
+    def to_template_dict(self, index: int = 0, images: bool = False) -> dict:
+        """The message for the chat template. With `images` (a vision model), a content that holds
+        images stays a list of parts, each image as {"type": "image"} (the form the chat templates of
+        vision models take); without, image parts are refused. `index`: this message's, for errors."""
         content = self.content
         if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not isinstance(part, TextPart):
+            parts: list[dict] = []
+            for j, part in enumerate(content):
+                param = f"messages[{index}].content[{j}]"
+                if isinstance(part, TextPart):
+                    parts.append({"type": "text", "text": part.text})
+                elif isinstance(part, ImageURLPart) and images:
+                    parts.append({"type": "image"})
+                elif isinstance(part, ImageURLPart):
+                    raise APIError(400, f"{param}: this model takes no images: send text content parts only",
+                                   param=param)
+                else:
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise APIError(400, f"only text content parts are supported, got {kind!r}", param="messages")
-                texts.append(part.text)
-            content = "\n".join(texts)
+                    raise APIError(400, f"{param}: content parts of type {str(kind)[:40]!r} are not supported "
+                                   f"(text and image_url are)", param=param)
+            has_images = any(p["type"] == "image" for p in parts)
+            content = parts if has_images else "\n".join(p["text"] for p in parts)
         message = {"role": self.role, "content": content or ""}
         for key in ("name", "tool_call_id"):
             if getattr(self, key) is not None:

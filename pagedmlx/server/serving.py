@@ -3,7 +3,6 @@ or as server-sent-event chunks."""
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -14,9 +13,10 @@ from pagedmlx.engine.async_engine import (AsyncEngine, EngineDeadError, EngineSh
 from pagedmlx.lora.request import LoRARequest
 from pagedmlx.outputs import EngineOutput, TokenLogprob
 from pagedmlx.sampling_params import SamplingParams
+from pagedmlx.server.chat_media import ChatPrompts, MediaOptions
 from pagedmlx.server.chat_parsing import ChatOutputParser, chat_parser_factory
-from pagedmlx.server.chat_tools import (ChatParsing, attach_tool_constraint, check_tool_request, template_kwargs,
-                                        tool_text_length)
+from pagedmlx.server.chat_tools import ChatParsing, attach_tool_constraint, check_tool_request
+from pagedmlx.server.errors import error_json, unavailable
 from pagedmlx.server.prompts import PromptEncoder
 from pagedmlx.server.serving_models import ServingModels
 from pagedmlx.server.sse import ChunkTemplate, coalesce, event
@@ -27,7 +27,6 @@ from pagedmlx.server.protocol import (APIError, AssistantMessage, ChatChoice, Ch
                                       PromptTokensDetails, SamplingRequest, TopLogprob, Usage)
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
-RETRY_AFTER_503 = "5"  # seconds: a stopping server's supervisor restarts it in about that
 _ENGINE_ERROR_FIELDS = {"logit_bias": "logit_bias", "stop": "stop", "structured_outputs": "structured_outputs",
                         "adapter": "model"}  # an engine ValueError's first word
 
@@ -55,6 +54,7 @@ class Prepared:
     chat_parser: Optional[Callable[[], ChatOutputParser]] = None  # tools / reasoning: one parser per choice
     lora_request: Optional[LoRARequest] = None  # the adapter `model` names
     model_name: str = ""  # what responses say in `model`: the base model's name or the adapter's
+    mm_features: Optional[list] = None  # a chat's images, processed (multimodal/inputs.py)
 
     @property
     def n(self) -> int:
@@ -67,7 +67,8 @@ def _lp(x: float) -> float:
 
 class Serving:
     def __init__(self, engine: AsyncEngine, model_name: str, limits: ServerLimits,
-                 parsing: Optional[ChatParsing] = None, models: Optional[ServingModels] = None):
+                 parsing: Optional[ChatParsing] = None, models: Optional[ServingModels] = None,
+                 media: Optional[MediaOptions] = None, mm_processor: Any = None):
         self.engine = engine
         self.model_name = model_name
         self.models = models or ServingModels(engine, model_name, engine.max_model_len)
@@ -77,6 +78,7 @@ class Serving:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self.prompts = PromptEncoder(self.tokenizer, self.max_model_len)
+        self.chat_prompts = ChatPrompts(self.prompts, mm_processor, media or MediaOptions(), engine.info)
         self.num_cut = 0  # responses ended by the drain deadline (finish_reason "abort")
         self._token_text: dict[int, str] = {}
 
@@ -116,16 +118,14 @@ class Serving:
         lora = self.check_model(req)
         self._need_tokenizer("chat")
         check_tool_request(req, self.parsing)
-        kwargs = template_kwargs(req)
-        messages = [m.to_template_dict() for m in req.messages]
-        ids = self.prompts.apply_chat_template(messages, req.add_generation_prompt, tool_text_length(req), **kwargs)
-        prep = self._prepare(req, [ids], "messages", lora)
+        ids, features = self.chat_prompts.prompt(req)
+        prep = self._prepare(req, [ids], "messages", lora, features)
         forced = attach_tool_constraint(req, prep.params)
         prep.chat_parser = chat_parser_factory(req, self.parsing, self.tokenizer, prep.params, forced, ids)
         return prep
 
     def _prepare(self, req: SamplingRequest, prompts: list[list[int]], prompt_field: str,
-                 lora: Optional[LoRARequest] = None) -> Prepared:
+                 lora: Optional[LoRARequest] = None, mm_features: Optional[list] = None) -> Prepared:
         limits = self.limits
         if req.n > limits.max_n:
             raise APIError(400, f"n must be <= {limits.max_n}, got {req.n}", param="n")
@@ -151,11 +151,13 @@ class Serving:
                 code="context_length_exceeded")
         params = req.to_sampling_params(max_tokens, self.engine.generation_defaults)
         return Prepared(uuid.uuid4().hex, prompts, params, prompt_field=prompt_field, lora_request=lora,
-                        model_name=lora.lora_name if lora is not None else self.model_name)
+                        model_name=lora.lora_name if lora is not None else self.model_name, mm_features=mm_features)
 
     async def submit(self, prep: Prepared, req: SamplingRequest) -> RequestStream:
         try:
-            return await self.engine.add_requests(prep.request_id, prep.prompts, prep.params,
+            prompts = [{"prompt_token_ids": p, "mm_features": prep.mm_features} for p in prep.prompts] \
+                if prep.mm_features else prep.prompts  # a chat's images (one prompt)
+            return await self.engine.add_requests(prep.request_id, prompts, prep.params,
                                                   priority=req.priority, cache_salt=req.cache_salt,
                                                   lora_request=prep.lora_request)
         except TooManyRequestsError as exc:
@@ -367,7 +369,7 @@ class Serving:
                 batch = [(stream.index(o.request_id), o) for o in (out, *stream.ready())]
                 for i, o in (batch if any(o.finish_reason == "error" for _, o in batch) else coalesce(batch)):
                     if o.finish_reason == "error":
-                        yield event(_error_json(f"the engine failed on this request: {o.error}", 500))
+                        yield event(error_json(f"the engine failed on this request: {o.error}", 500))
                         failed = True
                         break
                     if o.finished:
@@ -382,7 +384,7 @@ class Serving:
                 if req.include_usage:
                     yield event(usage_chunk(self.usage(prep, finals)).model_dump_json())
         except (EngineDeadError, EngineShutdownError) as exc:
-            yield event(_error_json(str(exc), 503))
+            yield event(error_json(str(exc), 503))
         finally:
             stream.close()
             self.num_cut += cut
@@ -391,10 +393,3 @@ class Serving:
 
 DONE = event("[DONE]")
 
-
-def unavailable(exc: Exception) -> APIError:
-    return APIError(503, str(exc), type="server_error", code=503, headers={"Retry-After": RETRY_AFTER_503})
-
-
-def _error_json(message: str, status: int) -> str:
-    return json.dumps(APIError(status, message, type="server_error").response_body())

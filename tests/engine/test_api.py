@@ -254,6 +254,11 @@ def test_generate_refuses_a_prompt_longer_than_the_context_by_name(capsys):
     (["serve", "--tp", "0"], "must be > 0, got 0"),
     (["serve", "--served-model-name", " "], "argument --served-model-name: must not be empty"),
     (["serve", "--log-level", "bogus"], "argument --log-level: invalid choice: 'bogus'"),
+    (["serve", "--limit-mm-per-prompt", '{"video": 1}'], "argument --limit-mm-per-prompt: 'video': the modalities "
+     "served are image"),
+    (["serve", "--limit-mm-per-prompt", "image=4"], "argument --limit-mm-per-prompt: must be JSON"),
+    (["serve", "--allowed-local-media-path", "/no/such/folder"], "argument --allowed-local-media-path: "
+     "'/no/such/folder' is not a folder"),
 ])
 def test_flags_out_of_range_are_refused_at_parse(capsys, argv, message):
     from pagedmlx.cli import main

@@ -160,10 +160,10 @@ def test_bad_image_requests_are_refused_by_name():
     with pytest.raises(ValueError, match="processor refused the prompt with 1 images"):
         mm_llm.generate({"prompt": "Hello", "multi_modal_data": {"image": image(2)}}, GREEDY)
     assert not mm_llm.engine.has_unfinished_requests()
-    with pytest.raises(ValueError, match="data: URLs"):
+    with pytest.raises(ValueError, match="remote images"):
         processor.process_chat([{"role": "user", "content": [{"type": "image_url",
                                                                "image_url": {"url": "http://x/y.png"}}]}])
-    with pytest.raises(ValueError, match="not a readable image"):
+    with pytest.raises(ValueError, match="not an image"):
         processor.process_chat([{"role": "user", "content": [{"type": "image_url",
                                                                "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
 

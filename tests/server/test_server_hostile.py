@@ -105,6 +105,8 @@ COMPLETION_FIELDS = {
 CHAT_FIELDS = {
     "messages": '"messages": [{"role": "user", "content": "%s"}]',
     "messages part": '"messages": [{"role": "user", "content": [{"type": "text", "text": "%s"}]}]',
+    "messages image": '"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "%s"}}]}]',
+    "messages image string": '"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "%s"}]}]',
     "messages role": '"messages": [{"role": "%s", "content": "hi"}]',
     "messages name": '"messages": [{"role": "user", "content": "hi", "name": "%s"}]',
     "model": '"model": "%s", "messages": [{"role": "user", "content": "hi"}]',
