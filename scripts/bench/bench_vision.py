@@ -50,9 +50,23 @@ SHAPES = {
 }
 
 
+def _one_image_per_prompt():
+    """Gemma3Processor that reads a flat image list beside as many prompts as one image per prompt: mlx-vlm 0.7.10's
+    batch_generate hands it the batch's images flat, which the processor takes as one prompt's images."""
+    from mlx_vlm.models.gemma3.processing_gemma3 import Gemma3Processor
+
+    class OneImagePerPrompt(Gemma3Processor):
+        def __call__(self, text=None, images=None, **kwargs):
+            if isinstance(text, list) and isinstance(images, list) and len(text) == len(images) > 1 \
+                    and not isinstance(images[0], list):
+                images = [[image] for image in images]
+            return super().__call__(text=text, images=images, **kwargs)
+
+    return OneImagePerPrompt
+
+
 def gemma3_vlm(shape: str, dtype: mx.Dtype):
     """(mlx-vlm model, processor) of a random Gemma 3 VLM at `shape`'s widths."""
-    from mlx_vlm.models.gemma3.processing_gemma3 import Gemma3Processor
     from mlx_vlm.tokenizer_utils import NaiveStreamingDetokenizer
     from mlx_vlm.utils import StoppingCriteria
     from transformers.models.gemma3 import Gemma3ImageProcessorPil
@@ -73,8 +87,9 @@ def gemma3_vlm(shape: str, dtype: mx.Dtype):
     hf.boi_token, hf.eoi_token, hf.image_token = BOI, EOI, IMAGE
     hf.image_token_id = hf.convert_tokens_to_ids(IMAGE)
     hf.chat_template = TEMPLATE
+    processor_class = _one_image_per_prompt()
     image_processor = Gemma3ImageProcessorPil(size={"height": pixels, "width": pixels}, do_pan_and_scan=False)
-    processor = Gemma3Processor(image_processor, hf, image_seq_length=tokens, chat_template=TEMPLATE)
+    processor = processor_class(image_processor, hf, image_seq_length=tokens, chat_template=TEMPLATE)
     processor.detokenizer = NaiveStreamingDetokenizer(hf)  # what mlx-vlm's load_processor adds
     hf.stopping_criteria = StoppingCriteria([hf.eos_token_id], hf)
     return model, processor
