@@ -1,30 +1,32 @@
 """CUDA kernels compiled once per machine and kept on disk, so that a second start builds none of them.
 
 MLX compiles each custom CUDA kernel with NVRTC the first time a process runs it (a second or more each, and a
-model's load-time checks meet dozens) and writes none of them to disk; but before compiling any module it reads
+model's load-time checks meet dozens) and writes none of them to disk (custom_kernel.cpp asks get_jit_module for
+no disk cache; MLX's built-in JIT kernels it does keep); but before compiling any module it reads
 MLX_PTX_CACHE_DIR/<module>.ptx if that file exists (mlx/backend/cuda/jit_module.cpp). So the first time a process
 meets a kernel variant, CachedCudaKernel renders the very source MLX generates for it (custom_kernel.cpp's
 build_kernel: the signature from the inputs' dtypes, template constants, header and body), names the module as MLX
 does (the kernel's name and std::hash of that source), and where no file is there yet compiles it with NVRTC as MLX
-does and writes it there. Later processes, and MLX in this one, load it instead of compiling.
+does (nvrtc.py) and writes it there. Later processes, and MLX in this one, load it instead of compiling.
 
 Safe by construction: MLX reads a file only under the name its own source hashes to, and the file holds what that
-very text compiles to; an MLX version that renders differently misses the files and compiles as before. Any
-failure here (no NVRTC, no headers) leaves MLX to compile as it always has.
+very text compiles to, with the one header MLX supplies from memory (utils.cuh) given as nvrtc.py's stand-in, which
+declares the signature's types as MLX does; an MLX version that renders differently misses the files and compiles
+as before. Any failure here (no NVRTC, no headers, a body that needs more of MLX's header) leaves MLX to compile as
+it always has.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import threading
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 
 from pagedmlx import envs
+from pagedmlx.kernels.nvrtc import NVRTC, device_arch
 
 logger = logging.getLogger("pagedmlx")
 
@@ -113,79 +115,17 @@ def ptx_cache_dir() -> Path:
     return Path(envs.MLX_PTX_CACHE_DIR or "")
 
 
-class _NVRTC:
-    """NVRTC through ctypes: the library MLX itself loaded."""
-
-    def __init__(self) -> None:
-        self.lib = self._load()
-        info = mx.device_info()
-        major, minor = int(info["compute_capability_major"]), int(info["compute_capability_minor"])
-        self.arch = f"--gpu-architecture=sm_{major}{minor}{'a' if major >= 9 else ''}"
-        self.includes = [f"--include-path={p}" for p in self._include_paths()]
-        self.lock = threading.Lock()
-
-    @staticmethod
-    def _load() -> ctypes.CDLL:
-        mlx_root = Path(mx.__file__).resolve().parent
-        for name in ("libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so",
-                     str(mlx_root.parent / "nvidia" / "cu13" / "lib" / "libnvrtc.so.13")):
-            try:
-                return ctypes.CDLL(name)
-            except OSError:
-                continue
-        raise OSError("libnvrtc not found")
-
-    @staticmethod
-    def _include_paths() -> list[str]:
-        root = Path(mx.__file__).resolve().parent  # site-packages/mlx, as MLX's include_path_args finds it
-        include = root / "include"
-        cuda = root.parent / "nvidia" / "cu13" / "include"
-        if not cuda.exists():
-            cuda = Path(envs.CUDA_HOME or "/usr/local/cuda") / "include"
-        return [str(p) for p in (include, include / "cccl", cuda) if p.exists()]
-
-    def compile(self, source: str, module_name: str, kernel_name: str) -> tuple[bytes, str]:
-        """(cubin, lowered name of kernel_name)."""
-        lib, prog = self.lib, ctypes.c_void_p()
-        self._ok(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{module_name}.cu".encode(), 0,
-                                        None, None), "nvrtcCreateProgram")
-        try:
-            self._ok(lib.nvrtcAddNameExpression(prog, kernel_name.encode()), "nvrtcAddNameExpression")
-            opts = [b"--device-as-default-execution-space", self.arch.encode(), *(p.encode() for p in self.includes)]
-            if lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)) != 0:
-                size = ctypes.c_size_t()
-                lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-                log = ctypes.create_string_buffer(size.value + 1)
-                lib.nvrtcGetProgramLog(prog, log)
-                raise RuntimeError(f"NVRTC could not compile {module_name}: {log.value.decode(errors='replace')}")
-            lowered = ctypes.c_char_p()
-            self._ok(lib.nvrtcGetLoweredName(prog, kernel_name.encode(), ctypes.byref(lowered)), "nvrtcGetLoweredName")
-            mangled = lowered.value.decode()
-            size = ctypes.c_size_t()
-            self._ok(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
-            cubin = ctypes.create_string_buffer(size.value)
-            self._ok(lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-            return cubin.raw, mangled
-        finally:
-            lib.nvrtcDestroyProgram(ctypes.byref(prog))
-
-    @staticmethod
-    def _ok(code: int, what: str) -> None:
-        if code != 0:
-            raise RuntimeError(f"{what} failed ({code})")
-
-
-_nvrtc: Optional[_NVRTC] = None
+_nvrtc: Optional[NVRTC] = None
 _nvrtc_failed = False
 # Kernel variants this process met: found in the cache, or compiled and written now.
 stats = {"found": 0, "compiled": 0}
 
 
-def _compiler() -> Optional[_NVRTC]:
+def _compiler() -> Optional[NVRTC]:
     global _nvrtc, _nvrtc_failed
     if _nvrtc is None and not _nvrtc_failed:
         try:
-            _nvrtc = _NVRTC()
+            _nvrtc = NVRTC(device_arch())
         except Exception:  # noqa: BLE001 - no disk cache; MLX compiles as before
             _nvrtc_failed = True
             logger.info("kernel disk cache off: NVRTC could not be set up", exc_info=True)

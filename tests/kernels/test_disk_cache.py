@@ -1,20 +1,27 @@
 """The kernel disk cache (kernels/disk_cache.py): the module names MLX gives custom kernels, the source it
-renders for them, and files written where MLX reads them. On a CUDA GPU, the rendered source is checked
-against the one MLX prints for the same call, and a written module is what the next call loads."""
+renders for them, and files written where MLX reads them. Where NVRTC and the CUDA headers are found (no GPU
+needed), rendered sources compile with nvrtc.py's header: a probe, and the variants a Llama-8B start meets (slow).
+On a CUDA GPU, the rendered source is checked against the one MLX prints for the same call, and a process
+loads the module written under its name and computes with it."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import os
+import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
 
-from pagedmlx.kernels import build, disk_cache
+from pagedmlx.kernels import (add_rms_norm, build, decode_attention, disk_cache, nvrtc, page_write, prefill_attention,
+                              skinny_gemm)
 from pagedmlx.kernels.dialect import CUDA
 
 ON_CUDA = build.gpu_backend() == CUDA
@@ -100,28 +107,139 @@ def test_each_variant_is_seeded_once_under_mlxs_module_name(tmp_path, monkeypatc
     assert names == sorted(f"custom_kernel_k_abc_2_{disk_cache.std_hash(s):x}" for s in fake.sources)
 
 
+# Shape and Strides by value between two inputs: the output reads right only where their layout is MLX's.
+PROBE_HEADER = "template <typename T> __device__ T twice(T v) { return v + v; }\n"
+PROBE_BODY = ("  const int i = threadIdx.x;\n"
+              "  if (i < x_shape[0]) y[i] = twice(x[i]) + (T)N + z[0] * (T)x_strides[0] + (T)z_shape[0];")
+ELF = b"\x7fELF"
+
+
+def _render_probe(func: str, template, body: str = PROBE_BODY) -> str:
+    return disk_cache.render(func, PROBE_HEADER, body, ["x", "z"], [(mx.float32, 1), (mx.float32, 1)], ["y"],
+                             [mx.float32], template)
+
+
+def _probe_call() -> dict:
+    """y[i] = 2 i + N + 100 * 1 + 3."""
+    return dict(inputs=[mx.arange(8, dtype=mx.float32), mx.array([100.0, 0.0, 0.0])], output_shapes=[(8,)],
+                output_dtypes=[mx.float32], grid=(8, 1, 1), threadgroup=(8, 1, 1))
+
+
+@functools.cache
+def _nvrtc_here():
+    """NVRTC set up for an H100 (sm_90a) as disk_cache sets it up; None without the library or the headers."""
+    try:
+        lib = nvrtc.load_library()
+    except OSError:
+        return None
+    includes = nvrtc.include_paths()
+    if not all(any((Path(p) / f).exists() for p in includes) for f in ("cuda_fp16.h", "cuda/std/array")):
+        return None
+    return nvrtc.NVRTC("sm_90a", includes, lib)
+
+
+needs_nvrtc = pytest.mark.skipif(_nvrtc_here() is None, reason="NVRTC and the CUDA headers (CUDA_HOME) compile")
+
+
+@needs_nvrtc
+def test_nvrtc_compiles_a_rendered_source_with_mlxs_shape_and_strides():
+    func = "custom_kernel_probe_3_float"
+    source = _render_probe(func, [("N", 3), ("T", mx.float32)])
+    cubin, lowered = _nvrtc_here().compile(source, f"{func}_{disk_cache.std_hash(source):x}", "mlx::core::cu::" + func)
+    assert cubin[:4] == ELF
+    config = Path(nvrtc.include_paths()[0]) / "mlx" / "backend" / "cuda" / "device" / "config.h"
+    max_ndim = re.search(r"#define MAX_NDIM (\d+)", config.read_text()).group(1)
+    # (const float*, array<int, MAX_NDIM>, array<long long, MAX_NDIM>, const float*, array<int, MAX_NDIM>, float*)
+    assert re.fullmatch(rf"_ZN3mlx4core2cu{len(func)}{func}EPKfN4cuda3std3__\d+5arrayIiLm{max_ndim}EEENS\d+_IxLm"
+                        rf"{max_ndim}EEES\d+_S\d+_Pf", lowered), lowered
+
+
+def llama_start():
+    """The kernel variants a Llama-8B start meets (bfloat16, 32 query heads on 8 KV heads of 128, 16-token pages):
+    paged prefill and decode, unsplit and split (and their merge), the page write, residual add + RMSNorm, skinny
+    GEMMs of its widths."""
+    dt, h, kv, d, bs = mx.bfloat16, 32, 8, 128, 16
+    one, pages = mx.zeros((1,), mx.int32), mx.zeros((4, kv, bs, d), dt)
+    for splits in (1, 2):
+        prefill_attention.paged_prefill(mx.zeros((16, h, d), dt), pages, pages, mx.zeros((1, 2), mx.int32),
+                                        mx.zeros((1, 4), mx.int32), mx.zeros((1, 2), mx.int32), 1.0, splits, one)
+        decode_attention.paged_decode(mx.zeros((2, h, d), dt), pages, pages, mx.zeros((2, 2), mx.int32),
+                                      mx.array([32, 20]), 1.0, splits, one, backend=CUDA)
+    page_write.reshape_and_cache(mx.zeros((3, kv, 1, d), dt), mx.zeros((3, kv, 1, d), dt), pages, pages,
+                                 mx.zeros((3,), mx.int32), backend=CUDA)
+    add_rms_norm.add_rms_norm(mx.zeros((3, 4096), dt), mx.zeros((3, 4096), dt), mx.zeros((4096,), dt), 1e-5, CUDA)
+    for rows, k, n in ((2, 4096, 6144), (4, 4096, 1024), (8, 14336, 4096), (8, 4096, 28672)):
+        skinny_gemm.skinny_gemm(mx.zeros((rows, k), dt), mx.zeros((n, k), dt), CUDA, mma=False)
+
+
+KERNEL_CACHES = (decode_attention._kernels, page_write._write_kernel, prefill_attention._prefill_kernels,
+                 add_rms_norm._kernel, skinny_gemm._kernel)
+
+
+@pytest.mark.slow
+@needs_nvrtc
+def test_the_variants_a_llama_start_meets_compile_into_the_cache(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(disk_cache, "_compiler", _nvrtc_here)
+    monkeypatch.setattr(disk_cache, "stats", {"found": 0, "compiled": 0})
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+    zeros = lambda output_shapes, output_dtypes, **_: [mx.zeros(s, t) for s, t in zip(output_shapes, output_dtypes)]
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda *a, **kw: zeros, raising=False)
+    monkeypatch.setattr(build, "gpu_backend", lambda: CUDA)
+    for cache in KERNEL_CACHES:
+        cache.cache_clear()
+    try:
+        with caplog.at_level("INFO", logger="pagedmlx"):
+            llama_start()
+    finally:
+        for cache in KERNEL_CACHES:
+            cache.cache_clear()
+    modules = sorted(tmp_path.glob("*.ptx"))
+    assert len(modules) == disk_cache.stats["compiled"] >= 11, caplog.text[-3000:]
+    for module in modules:
+        assert module.read_bytes()[:4] == ELF
+        name, lowered = module.with_suffix(".txt").read_text().rstrip("\n").split("\t")
+        func = name.removeprefix("mlx::core::cu::")
+        assert module.stem.startswith(func + "_") and lowered.startswith(f"_ZN3mlx4core2cu{len(func)}{func}E")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_CUDA, reason="a CUDA GPU runs MLX's own kernel build")
-def test_the_rendered_source_is_the_one_mlx_builds_and_a_kept_module_is_loaded():
-    header = "template <typename T> __device__ T twice(T v) { return v + v; }\n"
-    body = "  uint i = threadIdx.x;\n  if (i < x_shape[0]) y[i] = twice(x[i]) + (T)N;"
+def test_the_rendered_source_is_the_one_mlx_builds_and_a_kept_module_is_loaded(tmp_path):
     name = f"pagedmlx_cache_probe_{os.getpid()}"
     template = [("N", 3), ("T", mx.float32)]
-    x = mx.arange(8, dtype=mx.float32)
-    call = dict(inputs=[x], output_shapes=[(8,)], output_dtypes=[mx.float32], grid=(8, 1, 1), threadgroup=(8, 1, 1))
-    mlx_kernel = mx.fast.cuda_kernel(name, ["x"], ["y"], body, header=header)
-    printed = _stdout_of(lambda: mx.eval(mlx_kernel(**call, template=template, verbose=True)))
+    mlx_kernel = mx.fast.cuda_kernel(name, ["x", "z"], ["y"], PROBE_BODY, header=PROBE_HEADER)
+    printed = _stdout_of(lambda: mx.eval(mlx_kernel(**_probe_call(), template=template, verbose=True)))
+    assert _render_probe("custom_kernel_" + name + disk_cache.template_hash(template), template) in printed
+    # A fresh process: MLX reads MLX_PTX_CACHE_DIR once, before its first kernel build.
+    root = Path(__file__).resolve().parents[2]
+    path = os.pathsep.join([str(root), str(root / "tests" / "kernels"), os.environ.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", f"import test_disk_cache as t; t.run_kept_modules({str(tmp_path)!r})"],
+                       env=dict(os.environ, MLX_PTX_CACHE_DIR=str(tmp_path), PYTHONPATH=path), cwd=root,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["decoy"] == [-1.0] * 8  # MLX ran the module kept under the name of its source, not its own build
+    assert out["kept"] == [2 * i + 4 + 103 for i in range(8)]  # compiled here with nvrtc.py's header
+    assert out["stats"] == {"found": 0, "compiled": 1}
+
+
+def run_kept_modules(cache: str) -> None:
+    """(The GPU test's second process.) A decoy module kept under the name of one variant's source, and another
+    variant kept by CachedCudaKernel; prints what each call computed."""
+    name = f"pagedmlx_cache_probe_{os.getpid()}"
+    mlx_kernel = mx.fast.cuda_kernel(name, ["x", "z"], ["y"], PROBE_BODY, header=PROBE_HEADER)
+    template = [("N", 3), ("T", mx.float32)]
     func = "custom_kernel_" + name + disk_cache.template_hash(template)
-    mine = disk_cache.render(func, header, body, ["x"], [(mx.float32, 1)], ["y"], [mx.float32], template)
-    assert mine in printed
-    # NVRTC, as set up here, compiles that text into a cubin, and names the kernel as MLX looks it up.
-    with tempfile.TemporaryDirectory() as d:
-        module = f"{func}_{disk_cache.std_hash(mine):x}"
-        assert disk_cache.write_module(Path(d), module, "mlx::core::cu::" + func, mine)
-        assert (Path(d) / f"{module}.ptx").read_bytes()[:4] == b"\x7fELF"
-        assert (Path(d) / f"{module}.txt").read_text().startswith(f"mlx::core::cu::{func}\t_Z")
-    out = disk_cache.CachedCudaKernel(mlx_kernel, name, ["x"], ["y"], body, header)(**call, template=template)[0]
-    assert out.tolist() == [2 * i + 3 for i in range(8)]
+    decoy = _render_probe(func, template, "  (void)x_shape; (void)x_strides; (void)z_shape;\n  y[threadIdx.x] = -1.0f;")
+    cubin, lowered = disk_cache._compiler().compile(decoy, "decoy", "mlx::core::cu::" + func)
+    path = disk_cache.ptx_path(Path(cache), f"{func}_{disk_cache.std_hash(_render_probe(func, template)):x}")
+    path.with_suffix(".txt").write_text(f"mlx::core::cu::{func}\t{lowered}\n")
+    path.write_bytes(cubin)
+    out = {"decoy": mlx_kernel(**_probe_call(), template=template)[0].tolist()}
+    kept = disk_cache.CachedCudaKernel(mlx_kernel, name, ["x", "z"], ["y"], PROBE_BODY, PROBE_HEADER)
+    out["kept"] = kept(**_probe_call(), template=[("N", 4), ("T", mx.float32)])[0].tolist()
+    out["stats"] = disk_cache.stats
+    print(json.dumps(out))
 
 
 def _stdout_of(fn) -> str:
