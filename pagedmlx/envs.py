@@ -32,7 +32,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDMLX_CACHE_DIR": _str("PAGEDMLX_CACHE_DIR"),
     "XDG_CACHE_HOME": _str("XDG_CACHE_HOME"),
     # Where MLX's CUDA backend reads (and keeps) compiled kernel modules; pagedmlx sets it to
-    # $PAGEDMLX_CACHE_DIR/mlx-ptx/<MLX version> unless it is set, or PAGEDMLX_KERNEL_CACHE is 0 (kernels/disk_cache.py).
+    # $PAGEDMLX_CACHE_DIR/mlx-ptx/<MLX version>/sm_<cc> unless it is set, or PAGEDMLX_KERNEL_CACHE is 0
+    # (kernels/disk_cache.py).
     "MLX_PTX_CACHE_DIR": _str("MLX_PTX_CACHE_DIR"),
     "PAGEDMLX_KERNEL_CACHE": _on("PAGEDMLX_KERNEL_CACHE", True),
     # The `pagedmlx` command runs again with OpenBLAS preloaded on Linux where it is installed and not loaded

@@ -51,13 +51,20 @@ def cache_dir() -> Path:
 
 def use_kernel_cache() -> None:
     """Point MLX's compiled-module cache (MLX_PTX_CACHE_DIR, read once by MLX's CUDA backend before its first
-    kernel build) at cache_dir()/mlx-ptx/<MLX version>, unless it is set: kernels/disk_cache.py writes pagedmlx's
-    kernels there, and MLX keeps its own built-in ones there too, across reboots."""
+    kernel build) at cache_dir()/mlx-ptx/<MLX version>/sm_<compute capability>, unless it is set:
+    kernels/disk_cache.py writes pagedmlx's kernels there, and MLX keeps its own built-in ones there too, across
+    reboots. The compute capability is in the path because the modules are cubins for one architecture: a home
+    folder shared by two kinds of card must not hand one the other's."""
     if envs.MLX_PTX_CACHE_DIR or envs.PAGEDMLX_KERNEL_CACHE is False:
         return
     import mlx.core as mx
 
-    os.environ["MLX_PTX_CACHE_DIR"] = str(cache_dir() / "mlx-ptx" / mx.__version__)
+    folder = cache_dir() / "mlx-ptx" / mx.__version__
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        info = mx.device_info()
+        folder /= f"sm_{info.get('compute_capability_major', 0)}{info.get('compute_capability_minor', 0)}"
+    os.environ["MLX_PTX_CACHE_DIR"] = str(folder)
 
 
 def backend_name() -> str:
