@@ -117,12 +117,18 @@ class CoreProcess:
         poller = self._zmq.Poller()
         poller.register(self._output, self._zmq.POLLIN)
         poller.register(self.proc.sentinel, self._zmq.POLLIN)
+        tokenizer = None
         while True:
             events = dict(poller.poll())
             if self._output in events:
                 message = decode(self._output.recv_multipart())
-                if message[0] == "ready":
-                    return message[1]
+                if message[0] == "tokenizer":  # before "ready", which then leaves it out
+                    tokenizer = message[1]
+                elif message[0] == "ready":
+                    info = message[1]
+                    if info.tokenizer is None:
+                        info.tokenizer = tokenizer
+                    return info
                 if message[0] == "failed":
                     raise CoreStartupError(message[1])
             elif not self.proc.is_alive():

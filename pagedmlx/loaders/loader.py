@@ -12,7 +12,7 @@ import mlx.nn as nn
 
 from pagedmlx.bench.presets import PRESET_PREFIX, preset_model
 from pagedmlx.loaders.gguf import load_gguf
-from pagedmlx.loaders.pypi_models import DEFAULT_MODEL, PYPI_PREFIX, fetch, lookup
+from pagedmlx.loaders.pypi_models import DEFAULT_MODEL, PYPI_PREFIX, fetch
 from pagedmlx.loaders.random_model import RANDOM_PREFIX, load_random
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper  # noqa: E402 - after pagedmlx.loaders, which guards its import
@@ -55,16 +55,6 @@ def weights_path(model: str | None) -> Path | None:
     if model.startswith((RANDOM_PREFIX, PRESET_PREFIX)):
         return None
     return Path(model).expanduser() if _is_gguf(model) else model_folder(model)
-
-
-def model_name(model: str | None) -> str:
-    """A display id: the default model's name, a PyPI model's name, a GGUF file's stem, else the
-    argument as given."""
-    if model is None or model.startswith(PYPI_PREFIX):
-        return lookup(model or DEFAULT_MODEL).name
-    if _is_gguf(model):
-        return Path(model).stem
-    return model.rstrip("/")
 
 
 # What vLLM's `--generation-config auto` takes from a model's generation_config.json.

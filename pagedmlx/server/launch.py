@@ -185,10 +185,10 @@ def _import_server() -> None:
 
 
 def served_model_name(args: argparse.Namespace, model: str | None) -> str:
-    """--served-model-name, else the model's own name, as vLLM's --model string (loader.model_name)."""
+    """--served-model-name, else the model's own name, as vLLM's --model string (pypi_models.model_name)."""
     if args.served_model_name:
         return args.served_model_name
-    from pagedmlx.loaders.loader import model_name
+    from pagedmlx.loaders.pypi_models import model_name
 
     return model_name(model)
 
