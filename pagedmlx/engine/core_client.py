@@ -99,19 +99,21 @@ class CoreProcess:
         if wait:
             self.wait_ready()
 
-    def wait_ready(self, while_starting: Optional[Callable[[], None]] = None) -> CoreInfo:
+    def wait_ready(self, while_starting: Optional[Callable[[], None]] = None,
+                   on_tokenizer: Optional[Callable[[Any], None]] = None) -> CoreInfo:
         """Wait for the core's "ready" (CoreStartupError: it could not start), running `while_starting` (the
-        front end's own start-up) first, beside the core's."""
+        front end's own start-up) first, beside the core's, and on_tokenizer(tokenizer) once the core has
+        read its model (the front end's work on the tokenizer, beside the rest of the core's)."""
         try:
             if while_starting is not None:
                 while_starting()
-            self.info = self._wait_ready()
+            self.info = self._wait_ready(on_tokenizer)
         except BaseException:
             self.join(timeout=5)
             raise
         return self.info
 
-    def _wait_ready(self) -> CoreInfo:
+    def _wait_ready(self, on_tokenizer: Optional[Callable[[Any], None]] = None) -> CoreInfo:
         from pagedmlx.engine.messages import decode
 
         poller = self._zmq.Poller()
@@ -124,6 +126,8 @@ class CoreProcess:
                 message = decode(self._output.recv_multipart())
                 if message[0] == "tokenizer":  # before "ready", which then leaves it out
                     tokenizer = message[1]
+                    if on_tokenizer is not None and tokenizer is not None:
+                        on_tokenizer(tokenizer)
                 elif message[0] == "ready":
                     info = message[1]
                     if info.tokenizer is None:

@@ -164,7 +164,7 @@ def _spawn_core(args: argparse.Namespace, config: Any, distributed: bool):
 def _start_engine(args: argparse.Namespace, config: Any, core: Any):
     """The AsyncEngine over `core` (a started CoreProcess), once it is ready; None: an engine in this process."""
     if core is not None:
-        core.wait_ready(while_starting=_import_server)
+        core.wait_ready(while_starting=_import_server, on_tokenizer=_read_tokenizer)
     else:
         from pagedmlx.engine.llm_engine import LLMEngine
 
@@ -182,6 +182,14 @@ def _import_server() -> None:
     import pagedmlx.engine.async_engine  # noqa: F401
     import pagedmlx.server.api  # noqa: F401
     import pagedmlx.server.http_server  # noqa: F401
+    import pydantic.v1  # noqa: F401 - what FastAPI imports as the app's first route is added
+
+
+def _read_tokenizer(tokenizer: Any) -> None:
+    """What the app reads from the tokenizer, read while the engine core builds the engine."""
+    from pagedmlx.server.prompts import longest_token_chars
+
+    longest_token_chars(tokenizer)
 
 
 def served_model_name(args: argparse.Namespace, model: str | None) -> str:
