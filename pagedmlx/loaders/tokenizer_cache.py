@@ -35,7 +35,9 @@ def load_tokenizer(folder: Path, eos_token_ids: Any = None) -> Any:
     path = cache_dir() / "tokenizers" / f"{_key(folder, eos_token_ids)}.pickle"
     try:
         with open(path, "rb") as f:
-            return pickle.load(f)
+            tokenizer = pickle.load(f)
+        logger.info("the tokenizer an earlier start read from this folder was kept: not read again")
+        return tokenizer
     except FileNotFoundError:
         pass
     except Exception:  # noqa: BLE001 - a file cut short or from other code: read the folder instead
