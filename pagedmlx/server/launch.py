@@ -138,7 +138,7 @@ def listen_sockets(host: str, port: int) -> list[socket.socket]:
     sockets: list[socket.socket] = []
     try:
         for family, kind, proto, _, addr in dict.fromkeys(socket.getaddrinfo(
-                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)):
+                host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)):
             sock = socket.socket(family, kind, proto)
             sockets.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
