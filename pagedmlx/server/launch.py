@@ -162,7 +162,8 @@ def _spawn_core(args: argparse.Namespace, config: Any, distributed: bool):
 
 
 def _start_engine(args: argparse.Namespace, config: Any, core: Any):
-    """The AsyncEngine over `core` (a started CoreProcess), once it is ready; None: an engine in this process."""
+    """The AsyncEngine over `core` (a CoreProcess just started) once it is ready, or, where `core` is None, over
+    an engine built in this process."""
     if core is not None:
         core.wait_ready(while_starting=_import_server, on_tokenizer=_read_tokenizer)
     else:
