@@ -133,8 +133,9 @@ def _console():
 
 def listen_sockets(host: str, port: int) -> list[socket.socket]:
     """The server's listening sockets (every address of `host`, as uvicorn binds them), taken before the engine
-    starts, as vLLM does: a port in use fails at once, and a client that connects while the model loads waits
-    in the backlog for its answer instead of being refused."""
+    starts. vLLM binds its socket then too, so that a port in use fails at once; these also listen, so that a
+    client that connects while the model loads waits in the backlog for its answer (as with mlx_lm.server, which
+    loads at the first request) instead of being refused. /health answers once the engine is ready."""
     sockets: list[socket.socket] = []
     try:
         for family, kind, proto, _, addr in dict.fromkeys(socket.getaddrinfo(
