@@ -64,6 +64,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 0: every load-time model check runs, also where it passed before with the same weights, setup and code
     # (runner/check_cache.py keeps passes under $PAGEDMLX_CACHE_DIR/checks).
     "PAGEDMLX_CHECK_CACHE": _on("PAGEDMLX_CHECK_CACHE", True),
+    # 0: a model folder's tokenizer is read from the folder at every start, not from the pickle an earlier start
+    # kept under $PAGEDMLX_CACHE_DIR/tokenizers (loaders/tokenizer_cache.py).
+    "PAGEDMLX_TOKENIZER_CACHE": _on("PAGEDMLX_TOKENIZER_CACHE", True),
     # Tensor parallelism: what launchers (mlx.launch, mpirun) tell a rank, and the pid of the `--tp` parent
     # that spawned this rank (a rank ends when it goes).
     "MLX_RANK": _str("MLX_RANK"),

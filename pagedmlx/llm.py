@@ -20,7 +20,7 @@ from pagedmlx.lora.request import LoRARequest
 from pagedmlx.outputs import EngineOutput, RequestOutput, RequestOutputBuilder
 from pagedmlx.request import fan_out
 from pagedmlx.sampling_params import SamplingParams
-from pagedmlx.tp.group import launched_backend
+from pagedmlx.tp.launcher import launched_backend
 
 # A prompt as vLLM takes it: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}; with images,
 # {"prompt": text, "multi_modal_data": {"image": image or [images]}} (PIL images or data: URLs; the text holds the

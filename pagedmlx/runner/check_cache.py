@@ -4,7 +4,9 @@ A model's check (runner/selfcheck.py) proves that its paged forward gives mlx-lm
 what it ran: these weights, this runner's setup (kernels, rewrites, block size), this pagedmlx source, these MLX
 and mlx-lm versions, on this device. A pass is kept under a key of all of those and read back instead of running
 again; anything that differs is another key, so it runs. Only models loaded from a name whose weights can be
-identified (model_identity) are kept; PAGEDMLX_CHECK_CACHE=0 runs every check, as `pagedmlx doctor` does.
+identified (model_identity) are kept; PAGEDMLX_CHECK_CACHE=0 runs every check, as `pagedmlx doctor` does. A
+compiled decode trace's proof (ModelRunner._prove_trace) is kept the same way, under the model check's key and
+the trace's own.
 """
 
 from __future__ import annotations
@@ -80,3 +82,12 @@ def runner_check_key(runner: Any, identity: Optional[str]) -> Optional[str]:
     setup = (runner.block_size, runner.merges, runner.merged_groups, bool(runner.skinny), bool(runner.fused_norms),
              runner._head is not None, repr(runner.kernels), sorted(runner.kv_quant), runner.windows)
     return check_key("model", identity, *setup)
+
+
+def trace_check_key(runner: Any, identity: Optional[str], trace_key: Optional[tuple]) -> Optional[str]:
+    """The key of a compiled decode trace's proof (ModelRunner._prove_trace): the model check's, and the trace's
+    own key but its pool (a number of this process); None for a trace of adapter slots (their weights change)."""
+    base = runner_check_key(runner, identity)
+    if base is None or trace_key is None or trace_key[3] is not None:
+        return None
+    return check_key("trace", base, *trace_key[:-1])

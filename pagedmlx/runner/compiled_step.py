@@ -12,7 +12,7 @@ Where the page-write kernel writes pages in place (CUDA), a trace takes the pool
 MLX scatters the new K/V into them (Metal, the CPU), the trace takes the pools as its state
 (mx.compile's inputs / outputs): each replay scatters into the pools it is handed (MLX donates their
 buffers: no copy) and hands the new arrays back to KVPool's lists; each new trace's first replay is
-checked against the step built as usual (ModelRunner._prove_trace). Models with recurrent-state layers
+checked against the step built as usual (ModelRunner._prove_trace; a pass kept). Models with recurrent-state layers
 are compiled only where the state kernels write in place too. A step of short segments (speculative
 decoding's verifying 1 + k tokens) whose tokens all run as decode rows (attention_metadata.decode_token_rows)
 is decode-only here too, on models without recurrent state, and compiled once hot (a short prompt's step
@@ -65,6 +65,7 @@ class CompiledDecode:
         self.fns: OrderedDict[tuple, Callable] = OrderedDict()
         self.seen: dict[tuple, int] = {}  # steps of each larger key not compiled yet
         self.new_trace = False  # the last call traced its key (runner.forward proves it where pages are scattered)
+        self.last_key: Optional[tuple] = None  # ... and that key
         self.larger = not any(p.state is not None for p in runner.plan)  # larger steps compiled when hot
 
     @staticmethod
@@ -116,7 +117,7 @@ class CompiledDecode:
                (lora.slots, lora.dora_slots, r.lora_manager.generation) if lora is not None else None, r.keep_hidden,
                r.kv_pool.serial)  # a trace holds its pool's arrays (or, where they are scattered, its lists)
         fn = self.fns.get(key)
-        self.new_trace = fn is None
+        self.new_trace, self.last_key = fn is None, key
         if fn is None:
             rows_of_segments = so.num_decodes < so.total_num_scheduled_tokens  # a one-off prompt's length: no trace
             if lora is not None or rows_of_segments or self.max_decodes is not None and so.num_reqs > self.max_decodes:

@@ -66,6 +66,7 @@ class ModelRunner:
         """draft_block_bytes: a draft model's bytes per block of the full-attention group (spec_decode/draft_model.py),
         counted in the KV budget. identity: what names the weights (runner/check_cache.py), None: unnamed."""
         self.model = model
+        self.identity = identity
         self.draft_block_bytes = draft_block_bytes
         self.block_size = config.block_size
         self.merges = _merges_projections(config)  # False: separate products, even where another runner merged
@@ -287,7 +288,10 @@ class ModelRunner:
             try:
                 logits = self.compiled_decode(so, prev_sampled, lora)
                 if logits is not None and self.compiled_decode.new_trace and not self.pages_in_place:
-                    logits = self._prove_trace(so, prev_sampled, lora, logits)
+                    key = check_cache.trace_check_key(self, self.identity, self.compiled_decode.last_key)
+                    if not check_cache.passed(key):
+                        logits = self._prove_trace(so, prev_sampled, lora, logits)
+                        check_cache.record_pass(key)
                 if logits is not None:
                     if self.pages_in_place:  # as below
                         mx.async_eval(logits)
@@ -321,7 +325,8 @@ class ModelRunner:
 
     def _prove_trace(self, so: SchedulerOutput, prev_sampled: Optional[mx.array], lora, compiled: mx.array) -> mx.array:
         """A new trace over scattered pages (Metal, the CPU: traces the GPU suite does not run) against the
-        step built as usual, once a trace: the built step writes the same rows again. One that disagrees
+        step built as usual, once a trace (a pass is kept on disk: check_cache.trace_check_key): the built step
+        writes the same rows again. One that disagrees
         beyond the load-time check's tolerance switches compiled steps off. Its writes may have reached
         other rows than the built step's, and no page can be trusted then: they are zeroed and PagesLost
         has the engine recompute every running request."""

@@ -204,10 +204,12 @@ def plan_layers(model: nn.Module) -> tuple[list[LayerPlan], int]:
 
     probes = [_Probe(returned, modules) for _ in range(max(num_layers, len(layer_parts)))]
     logits = model(mx.array([[1, 2, 3]]), cache=probe_caches(probes))
-    mx.eval(logits)
-    first = [s.arrays() if s is not None else None for s in states]
     if any(s is not None for s in states):  # again from the states just written: their dtypes from then on
+        mx.eval(logits)
+        first = [s.arrays() if s is not None else None for s in states]
         mx.eval(model(mx.array([[4, 5]]), cache=probe_caches([_Probe({}, modules) for _ in probes])))
+    else:  # what the layers asked of their caches is known once the graph is built: not run (a read of every weight)
+        first = [None] * len(states)
     plan = []
     for i, parts in enumerate(layer_parts):
         attention = [(k, w) for k, w in parts if k != "state"]

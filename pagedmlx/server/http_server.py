@@ -29,6 +29,8 @@ class PagedServer(uvicorn.Server):
     async def startup(self, sockets: Optional[list[socket.socket]] = None) -> None:
         install_accept_error_filter(asyncio.get_running_loop())
         await super().startup(sockets)
+        if sockets and self.started:  # uvicorn says where it listens only on sockets it bound itself
+            self._log_started_message(sockets)
 
     async def shutdown(self, sockets: Optional[list[socket.socket]] = None) -> None:
         if self.on_shutdown is not None:

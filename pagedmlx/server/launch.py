@@ -6,12 +6,15 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 from typing import Any, Callable
 
 from pagedmlx import envs
 from pagedmlx.engine.arg_utils import add_engine_args, engine_config, non_negative, port_number, positive
 from pagedmlx.platform import hard_exit
+
+LISTEN_BACKLOG = 2048  # uvicorn's default
 
 
 def _model_name(text: str) -> str:
@@ -66,16 +69,16 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def add_chat_parsing_args(p: argparse.ArgumentParser) -> None:
-    from pagedmlx.server.reasoning import REASONING_PARSERS
-    from pagedmlx.server.tool_parsers import TOOL_PARSERS
+    from pagedmlx.server.parser_names import REASONING_PARSER_NAMES as REASONING
+    from pagedmlx.server.parser_names import TOOL_CALL_PARSER_NAMES as TOOL_CALLS
 
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="tool_choice \"auto\": the model's tool calls are parsed into tool_calls (with "
                         "--tool-call-parser, or the parser the model's chat template points to)")
-    p.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS), metavar="NAME",
-                   help=f"the model's tool call format: {', '.join(TOOL_PARSERS)} (implies --enable-auto-tool-choice)")
-    p.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS), metavar="NAME",
-                   help=f"split the model's reasoning into reasoning_content: {', '.join(REASONING_PARSERS)}")
+    p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALLS, metavar="NAME",
+                   help=f"the model's tool call format: {', '.join(TOOL_CALLS)} (implies --enable-auto-tool-choice)")
+    p.add_argument("--reasoning-parser", default=None, choices=REASONING, metavar="NAME",
+                   help=f"split the model's reasoning into reasoning_content: {', '.join(REASONING)}")
 
 
 def add_media_args(p: argparse.ArgumentParser) -> None:
@@ -122,16 +125,11 @@ def chat_parsing(args: argparse.Namespace, tokenizer: Any) -> Any:
 
 def run_serve(args: argparse.Namespace) -> int:
     from pagedmlx.server.file_limit import raise_file_limit
+    from pagedmlx.tp.launcher import launched_backend, launched_rank
 
     # mlx-lm is imported later (pagedmlx.platform.import_mlx_lm, which keeps the operator's open-file limit: see
     # file_limit.py), once the engine-core process has started: nothing before that imports it.
     nofile = raise_file_limit()
-    from rich.console import Console
-
-    from pagedmlx.engine.core_client import CoreStartupError
-    from pagedmlx.tp.group import launched_backend, launched_rank
-
-    console = Console(stderr=True, soft_wrap=True)  # a log file gets each line whole, not cut at 80 columns
     config = engine_config(args)
     launcher = launched_backend()
     distributed = bool(args.tp) or launcher is not None
@@ -140,26 +138,71 @@ def run_serve(args: argparse.Namespace) -> int:
 
         why = unsupported(config)
         if why:
-            console.print(f"[red]pagedmlx serve:[/] {why}")
+            _console().print(f"[red]pagedmlx serve:[/] {why}")
             return 2
     if distributed and (not args.engine_process or launcher == "mpi" or (launcher and launched_rank() != 0)):
-        return _serve_in_thread_or_worker(args, config, console)  # ranks > 0 serve rank 0's steps there
+        return _serve_in_thread_or_worker(args, config, _console())  # ranks > 0 serve rank 0's steps there
+    try:
+        sockets = listen_sockets(args.host, args.port)
+    except OSError as exc:
+        _console().print(f"[red]pagedmlx serve: cannot listen on {args.host}:{args.port}:[/] {exc}")
+        return 1
+    # The engine core starts first: everything below is imported while it loads the model.
+    core = _spawn_core(args, config, distributed) if args.engine_process else None
+    from pagedmlx.engine.core_client import CoreStartupError
+
+    console = _console()
     try:
         with console.status("loading the model..."):
-            async_engine = _start_engine(args, config, distributed)
+            async_engine = _start_engine(args, config, core)
     except CoreStartupError as exc:
         console.print(f"[red]pagedmlx: the engine could not start:[/] {exc}")
         return 1
-    return _serve(args, async_engine, console, nofile)
+    return _serve(args, async_engine, console, nofile, sockets=sockets)
 
 
-def _start_engine(args: argparse.Namespace, config: Any, distributed: bool):
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=True, soft_wrap=True)  # a log file gets each line whole, not cut at 80 columns
+
+
+def listen_sockets(host: str, port: int) -> list[socket.socket]:
+    """The server's listening sockets (every address of `host`, as uvicorn binds them), taken before the engine
+    starts. vLLM binds its socket then too, so that a port in use fails at once; these also listen, so that a
+    client that connects while the model loads waits in the backlog for its answer (as with mlx_lm.server, which
+    loads at the first request) instead of being refused. /health answers once the engine is ready."""
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, addr in dict.fromkeys(socket.getaddrinfo(
+                host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(addr)
+            sock.listen(LISTEN_BACKLOG)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def _spawn_core(args: argparse.Namespace, config: Any, distributed: bool):
     from pagedmlx.engine.core_client import CoreProcess  # light: the core process starts before the rest is imported
 
-    if args.engine_process:
-        argv = list(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
-        core = CoreProcess(config, distributed=distributed, tp=args.tp, tp_timeout=args.tp_timeout, argv=argv,
-                           log_level=args.log_level, while_starting=_import_server)
+    argv = list(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
+    return CoreProcess(config, distributed=distributed, tp=args.tp, tp_timeout=args.tp_timeout, argv=argv,
+                       log_level=args.log_level, wait=False)
+
+
+def _start_engine(args: argparse.Namespace, config: Any, core: Any):
+    """The AsyncEngine over `core` (a CoreProcess just started) once it is ready, or, where `core` is None, over
+    an engine built in this process."""
+    if core is not None:
+        core.wait_ready(while_starting=_import_server, on_tokenizer=_read_tokenizer)
     else:
         from pagedmlx.engine.llm_engine import LLMEngine
 
@@ -177,13 +220,21 @@ def _import_server() -> None:
     import pagedmlx.engine.async_engine  # noqa: F401
     import pagedmlx.server.api  # noqa: F401
     import pagedmlx.server.http_server  # noqa: F401
+    import pydantic.v1  # noqa: F401 - what FastAPI imports as the app's first route is added
+
+
+def _read_tokenizer(tokenizer: Any) -> None:
+    """What the app reads from the tokenizer, read while the engine core builds the engine."""
+    from pagedmlx.server.prompts import longest_token_chars
+
+    longest_token_chars(tokenizer)
 
 
 def served_model_name(args: argparse.Namespace, model: str | None) -> str:
-    """--served-model-name, else the model's own name, as vLLM's --model string (loader.model_name)."""
+    """--served-model-name, else the model's own name, as vLLM's --model string (pypi_models.model_name)."""
     if args.served_model_name:
         return args.served_model_name
-    from pagedmlx.loaders.loader import model_name
+    from pagedmlx.loaders.pypi_models import model_name
 
     return model_name(model)
 
@@ -232,7 +283,9 @@ def _serve_in_thread_or_worker(args: argparse.Namespace, config: Any, console: A
 
 
 def _serve(args: argparse.Namespace, async_engine: Any, console: Any, nofile: tuple[int, int],
-           on_lost: Callable[[Callable[[BaseException], None]], None] | None = None) -> int:
+           on_lost: Callable[[Callable[[BaseException], None]], None] | None = None,
+           sockets: list[socket.socket] | None = None) -> int:
+    """Serve `async_engine` on `sockets` (listen_sockets), or on --host and --port bound here."""
     from pagedmlx.engine.core_info import defaults_line
     from pagedmlx.server.api import build_app
     from pagedmlx.server.file_limit import RESERVED_FDS
@@ -306,7 +359,7 @@ def _serve(args: argparse.Namespace, async_engine: Any, console: Any, nofile: tu
     # must end like Ctrl-C, here, and not kill the process (exit 143, no cleanup).
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        server.run()  # a signal: stop accepting, drain, then the lifespan stops the engine
+        server.run(sockets)  # a signal: stop accepting, drain, then the lifespan stops the engine
     except KeyboardInterrupt:
         pass
     finally:

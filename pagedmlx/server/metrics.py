@@ -10,13 +10,15 @@ scrape time.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pagedmlx.engine.async_engine import RequestTiming
-from pagedmlx.engine.core import EngineCore
 from pagedmlx.outputs import EngineOutput
+
+if TYPE_CHECKING:  # read in the core's process (EngineSnapshot.take), never imported by the front end
+    from pagedmlx.engine.core import EngineCore
 
 # vLLM's buckets.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,

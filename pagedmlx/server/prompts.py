@@ -6,7 +6,9 @@ before it is tokenized at all."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional, TypeVar
 
@@ -19,13 +21,24 @@ T = TypeVar("T")
 NORMALIZER_SLACK = 4
 
 
+_LONGEST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def longest_token_chars(tokenizer: Any) -> Optional[int]:
     """The longest vocabulary entry, in characters. Byte-level BPE spells one byte per character and
-    SentencePiece one character per character, so no token covers more text than this."""
+    SentencePiece one character per character, so no token covers more text than this. Kept per tokenizer:
+    `pagedmlx serve` reads it while the engine core starts."""
     try:
-        return max(map(len, tokenizer.get_vocab()))
+        return _LONGEST[tokenizer]
+    except (KeyError, TypeError):  # TypeError: a tokenizer that takes no weak reference
+        pass
+    try:
+        longest = max(map(len, tokenizer.get_vocab()))
     except Exception:  # noqa: BLE001 - no vocabulary to read: no cheap bound
-        return None
+        longest = None
+    with contextlib.suppress(TypeError):
+        _LONGEST[tokenizer] = longest
+    return longest
 
 
 class PromptEncoder:

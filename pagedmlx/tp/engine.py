@@ -32,7 +32,8 @@ from pagedmlx.platform import backend_name, hard_exit
 from pagedmlx.runner.model import ModelRunner, UnsupportedModelError, model_type, weights_nbytes
 from pagedmlx.tp.channel import RankLostError
 from pagedmlx.tp.driver import TPDriver, serve_worker
-from pagedmlx.tp.group import launched_backend, local_ranks
+from pagedmlx.tp.group import local_ranks
+from pagedmlx.tp.launcher import launched_backend
 
 logger = logging.getLogger("pagedmlx")
 

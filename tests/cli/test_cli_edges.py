@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import socket
 import subprocess
 import sys
 import time
@@ -75,6 +76,19 @@ def test_serve_names_the_model_and_keeps_start_up_lines_whole_when_piped():
                for line in lines), err
     connections = [line for line in lines if line.startswith("  connections: at most ")]
     assert len(connections) == 1 and len(connections[0]) > 80 and connections[0].endswith("drain 30 s"), err
+
+
+def test_serve_takes_its_port_before_the_engine_starts():
+    """A port in use ends `serve` at once, before an engine-core process is started (vLLM's order)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "pagedmlx.cli", "serve", "random:llama-tiny", "--port", str(port)],
+                              capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in proc.stderr, proc.stderr
+    assert "engine core" not in proc.stderr and time.monotonic() - start < 30
 
 
 def test_line_progress_when_piped():

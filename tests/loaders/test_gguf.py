@@ -17,7 +17,8 @@ from mlx_lm.models.llama import Model, ModelArgs
 
 from gguf_utils import ROUND_TRIP, quantized_round_trip, randomize, shape_metadata, stream_decode, write_gguf
 
-from pagedmlx.loaders.loader import load_model, model_name
+from pagedmlx.loaders.loader import load_model
+from pagedmlx.loaders.pypi_models import model_name
 from pagedmlx.loaders import pypi_models
 from pagedmlx.loaders.gguf import load_gguf
 from pagedmlx.loaders.gguf_file import GGUFFile

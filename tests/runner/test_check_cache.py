@@ -58,3 +58,31 @@ def test_a_file_backed_model_is_named_by_its_files(tmp_path):
     assert check_cache.model_identity(str(weights), None, weights) != first
     assert check_cache.model_identity("no/such/folder", None) is None
     assert check_cache.model_identity("preset:llama-8b", "bfloat16") == "preset:llama-8b|bfloat16"
+
+
+def test_a_compiled_traces_proof_is_kept_with_the_model_check(checks, monkeypatch):
+    from pagedmlx.runner.model import ModelRunner
+    from pagedmlx.sampling_params import SamplingParams
+
+    proofs = []
+    real = ModelRunner._prove_trace
+
+    def counted(self, *args):
+        proofs.append(self.compiled_decode.last_key)
+        return real(self, *args)
+
+    monkeypatch.setattr(ModelRunner, "_prove_trace", counted)
+
+    def run(**kw):
+        engine = LLMEngine.from_config(EngineConfig(model="random:llama-tiny", compile_decode=True, **kw))
+        engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0))
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    run()
+    assert len(proofs) == 1  # one decode key
+    run()  # a second start: the same trace's proof passed here before
+    assert len(proofs) == 1
+    monkeypatch.setenv("PAGEDMLX_CHECK_CACHE", "0")
+    run()
+    assert len(proofs) == 2

@@ -57,6 +57,14 @@ def test_tool_choice_named_output(case, text, expected):
     assert ChatOutputParser(None, NamedToolParser(None, req)).finish_reason("stop") == "stop"  # OpenAI's, named
 
 
+def test_command_line_names_are_the_registered_parsers():
+    from pagedmlx.server.parser_names import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES
+    from pagedmlx.server.reasoning import REASONING_PARSERS
+
+    assert TOOL_CALL_PARSER_NAMES == tuple(TOOL_PARSERS)
+    assert REASONING_PARSER_NAMES == tuple(REASONING_PARSERS)
+
+
 def test_vllm_entry_points_and_finish_reason():
     text = BY_PARSER["hermes"][2][1]
     info = TOOL_PARSERS["hermes"](None, request()).extract_tool_calls(text, request())
