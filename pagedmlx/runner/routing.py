@@ -35,7 +35,9 @@ class _Call:
     kth: int
     axis: int
     out: mx.array
+    values: mx.array
     host: Optional[np.ndarray] = None
+    host_values: Optional[np.ndarray] = None
 
     def partition(self) -> np.ndarray:
         """(tokens, rows per token, n): the partition with its axis last."""
@@ -44,10 +46,22 @@ class _Call:
             self.host = moved.reshape(len(self.rows), -1, moved.shape[-1])
         return self.host
 
+    def router_values(self) -> np.ndarray:
+        """(tokens, rows per token, n): the values it partitioned, in float32, their axis last."""
+        if self.host_values is None:
+            self.host_values = _rows_last(self.values, self.axis, len(self.rows))
+        return self.host_values
+
+
+def _rows_last(a: mx.array, axis: int, tokens: int) -> np.ndarray:
+    moved = np.moveaxis(np.array(a.astype(mx.float32)), axis, -1)
+    return moved.reshape(tokens, -1, moved.shape[-1])
+
 
 @dataclass
 class Divergence:
-    """The reference row whose forced choice strays furthest from its own router values."""
+    """The reference row furthest from something (its forced choice from its own router values, its router values
+    from the paged ones or from its own under other rounding), and how far."""
 
     ratio: float = 0.0  # how far, relative to the row's largest |router value|
     where: Optional[RowKey] = None
@@ -57,12 +71,19 @@ class Divergence:
 @dataclass
 class RoutingMatch:
     """Records the paged forward's argpartitions (`record`) and replays them into mlx-lm's (`follow`).
-    `forced` counts reference rows that took another choice than their own; `worst` is the furthest of them."""
+    `forced` counts reference rows that took another choice than their own; `worst` is the furthest of them.
+    `drift` is the reference row whose router values are furthest from the paged ones (the same experts taken
+    before, so the same function: a router that computes wrong values on pages shows here, whatever it picks);
+    `noise` the furthest of a second reference pass (`follow(rows, noise=True)`, e.g. with other rounding) from the
+    first one's router values: how far this model's router values move with rounding alone."""
 
     calls: list[_Call] = field(default_factory=list)
     index: dict[tuple[str, int, int], tuple[int, int]] = field(default_factory=dict)  # (req, pos, nth) -> call, row
     forced: int = 0
     worst: Divergence = field(default_factory=Divergence)
+    drift: Divergence = field(default_factory=Divergence)
+    noise: Divergence = field(default_factory=Divergence)
+    reference: dict[tuple[str, int, int], np.ndarray] = field(default_factory=dict)  # (req, pos, nth) -> values
     _mode: Optional[str] = None
     _rows: list[RowKey] = field(default_factory=list)
     _nth: int = 0
@@ -74,11 +95,16 @@ class RoutingMatch:
             yield
 
     @contextlib.contextmanager
-    def follow(self, rows: list[RowKey]) -> Iterator[None]:
+    def follow(self, rows: list[RowKey], noise: bool = False) -> Iterator[None]:
         """A reference forward whose input rows are `rows` (in order): each routing decision is the recorded
-        paged one for the same token and call where there is one of the same shape, else its own."""
-        with self._scope("follow", rows):
+        paged one for the same token and call where there is one of the same shape, else its own. Its router
+        values are measured against the paged ones (`drift`), or with `noise` against the first reference's."""
+        with self._scope("noise" if noise else "follow", rows):
             yield
+
+    def reset(self) -> None:
+        """The measures zeroed (for the next prompt); the recorded routing kept."""
+        self.forced, self.worst, self.drift, self.noise = 0, Divergence(), Divergence(), Divergence()
 
     @contextlib.contextmanager
     def _scope(self, mode: str, rows: list[RowKey]) -> Iterator[None]:
@@ -100,7 +126,7 @@ class RoutingMatch:
         if self._mode == "record":
             for row, (rid, pos) in enumerate(self._rows):
                 self.index[(rid, pos, nth)] = (len(self.calls), row)
-            self.calls.append(_Call(list(self._rows), kth, axis, out))
+            self.calls.append(_Call(list(self._rows), kth, axis, out, a))
             return out
         return self._follow(a, kth, axis, nth, out)
 
@@ -108,18 +134,34 @@ class RoutingMatch:
         spots = [self.index.get((rid, pos, nth)) for rid, pos in self._rows]
         if any(s is None for s in spots):
             return own
-        moved = np.moveaxis(np.array(a.astype(mx.float32)), axis, -1)
-        values = moved.reshape(len(self._rows), -1, moved.shape[-1])
-        taken = []
+        values = _rows_last(a, axis, len(self._rows))
+        taken, paged = [], []
         for c, r in spots:
             call = self.calls[c]
             if call.kth != kth or call.partition().shape[1:] != values.shape[1:]:
                 return own
             taken.append(call.partition()[r])
+            paged.append(call.router_values()[r])
         forced = np.stack(taken)
-        mine = np.moveaxis(np.array(own), axis, -1).reshape(forced.shape)
-        self._judge(values, forced, mine, kth % values.shape[-1], nth)
-        return mx.array(np.moveaxis(forced.reshape(moved.shape), -1, axis)).astype(own.dtype)
+        keys = [(rid, pos, nth) for rid, pos in self._rows]
+        if self._mode == "noise":
+            if all(k in self.reference for k in keys):
+                self.noise = self._furthest(values, np.stack([self.reference[k] for k in keys]), nth, self.noise)
+        else:
+            self.reference.update(zip(keys, values))
+            self.drift = self._furthest(values, np.stack(paged), nth, self.drift)
+            mine = np.moveaxis(np.array(own), axis, -1).reshape(forced.shape)
+            self._judge(values, forced, mine, kth % values.shape[-1], nth)
+        shape = np.moveaxis(np.empty(a.shape, np.int8), axis, -1).shape
+        return mx.array(np.moveaxis(forced.reshape(shape), -1, axis)).astype(own.dtype)
+
+    def _furthest(self, values: np.ndarray, other: np.ndarray, nth: int, worst: Divergence) -> Divergence:
+        """`worst`, or the row of `values` further from `other` than it: max |difference| over the row's scale."""
+        ratio = np.abs(values - other).max(-1) / np.maximum(np.abs(values).max(-1), 1e-30)
+        t, r = np.unravel_index(int(np.argmax(ratio)), ratio.shape)
+        if ratio[t, r] > worst.ratio or not np.isfinite(ratio[t, r]):
+            return Divergence(float(ratio[t, r]), self._rows[t], nth)
+        return worst
 
     def _judge(self, values: np.ndarray, forced: np.ndarray, mine: np.ndarray, kth: int, nth: int) -> None:
         """Counts the rows whose forced partition is not their own, and keeps the one furthest from a valid
