@@ -116,7 +116,7 @@ def test_without_the_match_the_same_tie_is_refused(monkeypatch, paged_flag):
 
             from pagedmlx.runner.routing import RoutingMatch
             match = RoutingMatch()
-            match.record = match.follow = lambda rows: nullcontext()
+            match.record = match.follow = lambda rows, noise=False: nullcontext()
             return match
 
         def __exit__(self, *exc):
@@ -128,14 +128,15 @@ def test_without_the_match_the_same_tie_is_refused(monkeypatch, paged_flag):
 
 
 def test_a_wrong_expert_product_on_pages_is_refused(paged_flag):
-    """Expert 3's output 10% too large in one layer, on pages only: routing agrees, the logits do not."""
+    """Expert 3's output 10% too large in one layer, on pages only: routing agrees, the next layers' router values
+    and the logits do not."""
     model = tied_moe()
 
     def wrong(y: mx.array, x: mx.array, inds: mx.array) -> mx.array:
         return mx.where((inds == 3)[..., None], 1.1 * y, y)
 
     wrap_layers(model, "switch_mlp", wrong, layers={1})
-    with pytest.raises(UnsupportedModelError, match="max relative logit difference"):
+    with pytest.raises(UnsupportedModelError, match="max relative logit difference|router values differ"):
         ModelRunner(model, CONFIG)
 
 
@@ -163,3 +164,66 @@ def test_busy_engine_equals_solo_with_tied_experts():
     for i, p in enumerate(prompts):
         assert_solo_greedy(done[str(i)], model, p, params.max_tokens, f"request {i} ({len(p)} tokens)")
     assert_no_leaks(engine)
+
+
+def bf16_moe(experts: int = 64, top_k: int = 8, layers: int = 8) -> nn.Module:
+    """qwen3_5_moe-tiny in bf16 with many experts and layers, 4-bit (routers 8-bit)."""
+    text = dict(RANDOM_ARCHS["qwen3_5_moe-tiny"]["text_config"], num_experts=experts, num_experts_per_tok=top_k,
+                num_hidden_layers=layers)
+    model = build_model(dict(RANDOM_ARCHS["qwen3_5_moe-tiny"], text_config=text))
+    model.set_dtype(mx.bfloat16)
+    quantize_model(model, Quantization(4, group_size=32))
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.fixture
+def kernels_by_row_count(monkeypatch):
+    """A backend like MLX's CUDA one: a quantized product of one row runs another kernel than one of several,
+    which rounds otherwise (here: several rows in float32, rounded once). Pages multiply the step's rows at once,
+    mlx-lm a decode's one row: both right, and the router values drift apart by more than the fixed bound."""
+    real = mx.quantized_matmul
+
+    def product(x, *args, **kwargs):
+        if x.dtype != mx.bfloat16 or x.ndim < 2 or x.shape[-2] == 1:
+            return real(x, *args, **kwargs)
+        up = [a.astype(mx.float32) if isinstance(a, mx.array) and a.dtype == mx.bfloat16 else a for a in args]
+        return real(x.astype(mx.float32), *up, **kwargs).astype(x.dtype)
+
+    monkeypatch.setattr(mx, "quantized_matmul", product)
+
+
+def test_bf16_routers_drifting_with_the_kernels_pass(monkeypatch, kernels_by_row_count):
+    """The drift is past the fixed bound (6e-2 of the logits' and router values' scale), and within how far
+    mlx-lm's own values move when it runs the paged step's row count: the model starts."""
+    seen, errors = recorded(monkeypatch), {}
+    assert selfcheck.check_paged_forward(ModelRunner(bf16_moe(), CONFIG, verify=False), errors) is None
+    tol = selfcheck.LOGIT_TOLERANCE[mx.bfloat16]
+    assert max(errors.values()) > tol and seen[0].drift.ratio > tol, (errors, seen[0].drift)
+
+
+def router_fault(change) -> str:
+    model = bf16_moe()
+    wrap_layers(model, "gate", lambda logits, x: change(logits), layers={2})
+    return selfcheck.check_paged_forward(ModelRunner(model, CONFIG, verify=False)) or ""
+
+
+def test_bf16_routing_to_other_experts_is_refused_through_the_drift(kernels_by_row_count, paged_flag):
+    """The last expert's router logit one higher on pages, in one layer: another choice, refused by name."""
+    assert "routes to other experts than mlx-lm" in router_fault(
+        lambda logits: logits + mx.array([0.0] * (logits.shape[-1] - 1) + [1.0], logits.dtype))
+
+
+def test_bf16_wrong_router_values_are_refused_through_the_drift(kernels_by_row_count, paged_flag):
+    """Router logits 20% too sharp on pages, in one layer: the forced choice cannot hide them."""
+    why = router_fault(lambda logits: logits * 1.2)
+    assert "router values differ from mlx-lm's" in why or "routes to other experts" in why, why
+
+
+def test_bf16_wrong_expert_product_is_refused_through_the_drift(kernels_by_row_count, paged_flag):
+    """Expert 3's output 10% too large in one layer, on pages only: the next layers' router values or the logits
+    show it."""
+    model = bf16_moe()
+    wrap_layers(model, "switch_mlp", lambda y, x, inds: mx.where((inds == 3)[..., None], 1.1 * y, y), layers={1})
+    why = selfcheck.check_paged_forward(ModelRunner(model, CONFIG, verify=False)) or ""
+    assert "max relative logit difference" in why or "router values differ from mlx-lm's" in why, why
