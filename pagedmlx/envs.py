@@ -67,6 +67,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 0: a model folder's tokenizer is read from the folder at every start, not from the pickle an earlier start
     # kept under $PAGEDMLX_CACHE_DIR/tokenizers (loaders/tokenizer_cache.py).
     "PAGEDMLX_TOKENIZER_CACHE": _on("PAGEDMLX_TOKENIZER_CACHE", True),
+    # 1: the load-time model check (runner/selfcheck.py) logs each prompt's logit and MoE router-value differences
+    # from mlx-lm beside mlx-lm's against itself (which it then always measures), as warnings on the "pagedmlx" logger.
+    "PAGEDMLX_CHECK_REPORT": _on("PAGEDMLX_CHECK_REPORT", False),
     # Tensor parallelism: what launchers (mlx.launch, mpirun) tell a rank, and the pid of the `--tp` parent
     # that spawned this rank (a rank ends when it goes).
     "MLX_RANK": _str("MLX_RANK"),

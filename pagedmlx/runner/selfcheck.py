@@ -6,12 +6,14 @@ never by importing model.py, so that the two modules are no import circle."""
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Callable, Optional, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from pagedmlx import envs
 from pagedmlx.core.kv.manager import KVCacheManager
 from pagedmlx.layers.quantized_linear import flat_rows
 from pagedmlx.core.kv.spec import KVCacheConfig, KVCacheGroupSpec, MambaSpec, cdiv
@@ -22,6 +24,7 @@ from pagedmlx.runner.routing import RoutingMatch, routing_match
 from pagedmlx.runner.state import StatePool
 from pagedmlx.core.sched.output import SchedulerOutput, build_scheduler_output
 
+logger = logging.getLogger("pagedmlx")
 # float32: 5e-3, not less: on tensor-core GPUs MLX multiplies float32 in TF32 by default
 # (MLX_ENABLE_TF32), and the paged and mlx-lm passes round differently (1.06e-3 seen on an H200).
 # A wrong page, position or window shows up as an O(1) difference.
@@ -118,7 +121,7 @@ def _run(runner: CheckedRunner, tokens: dict[str, list[int]], steps: list[list[t
         if errors is not None:
             errors[rid] = err
         drift, gap = routes.drift.ratio, routes.worst.ratio
-        if err <= tol and drift <= tol and gap <= 2 * tol:
+        if err <= tol and drift <= tol and gap <= 2 * tol and not envs.PAGEDMLX_CHECK_REPORT:
             continue
         # mlx-lm against itself, the same experts taken: in one chunk instead of these, as a batch of copies with
         # at least as many rows as the busiest paged step, its quantized products over all rows at once as on pages
@@ -131,6 +134,10 @@ def _run(runner: CheckedRunner, tokens: dict[str, list[int]], steps: list[list[t
                                    functools.partial(routes.follow, noise=True), rid, copies)
         noise, _ = _max_error(again, want)
         route_bound = max(tol, 4 * routes.noise.ratio)
+        if envs.PAGEDMLX_CHECK_REPORT:
+            logger.warning("check, prompt %r (%s): logits %.2e from mlx-lm's (mlx-lm against itself %.2e); router "
+                           "values %.2e (itself %.2e); %d choices forced, %.2e apart; bound %.0e", rid, dtype, err,
+                           noise, drift, routes.noise.ratio, routes.forced, gap, tol)
         if not gap <= 2 * route_bound:  # NaN included; each side's values may stray by route_bound
             where = routes.worst.where
             return (f"prompt {rid!r} position {where[1]}: the paged forward routes to other experts than mlx-lm "
