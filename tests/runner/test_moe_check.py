@@ -1,7 +1,9 @@
 """The load-time check on MoE models (runner/routing.py): where two experts tie, rounding on pages may pick the
 other one, and the check must still pass that model; a model whose pages compute a wrong expert product or route
 to experts no tie explains must still be refused, by its reason. A 4-bit Qwen3.6-style MoE (qwen3_5_moe) whose
-routers have duplicate rows: experts 0 and 1 tie exactly in every layer."""
+routers have duplicate rows: experts 0 and 1 tie exactly in every layer; and a bf16 4-bit one with 64 experts, top-8,
+on an emulated backend whose products round by row count (as MLX's CUDA kernels do), where the router values drift
+past the fixed bound: it passes, and faults on it are still refused."""
 
 from __future__ import annotations
 
