@@ -123,16 +123,7 @@ def _run(runner: CheckedRunner, tokens: dict[str, list[int]], steps: list[list[t
         drift, gap = routes.drift.ratio, routes.worst.ratio
         if err <= tol and drift <= tol and gap <= 2 * tol and not envs.PAGEDMLX_CHECK_REPORT:
             continue
-        # mlx-lm against itself, the same experts taken: in one chunk instead of these, as a batch of copies with
-        # at least as many rows as the busiest paged step, its quantized products over all rows at once as on pages
-        # (layers/quantized_linear.py), so that they run the kernels a product of that many rows runs (a backend
-        # picks them by row count: one row's kernel and a tiled one round differently). How far this model's
-        # logits and router values move with that alone in this dtype; pages may differ by as much, not more.
-        copies = cdiv(max(sum(n for _, n in s) for s in steps), len(t))
-        with flat_rows():
-            again = _mlx_lm_logits(runner.model, t, sorted(got[rid]), [sum(chunks)],
-                                   functools.partial(routes.follow, noise=True), rid, copies)
-        noise, _ = _max_error(again, want)
+        noise = _self_noise(runner.model, t, sorted(got[rid]), chunks, steps, routes, rid, want)
         route_bound = max(tol, 4 * routes.noise.ratio)
         if envs.PAGEDMLX_CHECK_REPORT:
             logger.warning("check, prompt %r (%s): logits %.2e from mlx-lm's (mlx-lm against itself %.2e); router "
@@ -152,6 +143,24 @@ def _run(runner: CheckedRunner, tokens: dict[str, list[int]], steps: list[list[t
             return (f"prompt {rid!r} position {pos}: max relative logit difference {err:.2e} > {tol:.0e} "
                     f"(mlx-lm against itself: {noise:.2e})")
     return None
+
+
+def _self_noise(model, tokens: list[int], positions: list[int], chunks: list[int], steps: list[list[tuple[str, int]]],
+                routes: RoutingMatch, rid: str, want: dict[int, mx.array]) -> float:
+    """mlx-lm against itself, the same experts taken (its router values' distance in `routes.noise`): in one chunk
+    instead of these; and as a batch of copies with at least as many rows as the busiest paged step, its quantized
+    products over all rows at once as on pages (layers/quantized_linear.py), so that they run the kernels a product
+    of that many rows runs (a backend picks them by row count, and one row's kernel and a tiled one round
+    differently). The largest relative logit difference: how far this model moves with that alone in this dtype."""
+    follow = functools.partial(routes.follow, noise=True)
+    noise, _ = _max_error(_mlx_lm_logits(model, tokens, positions, [sum(chunks)], follow, rid), want)
+    copies = cdiv(max(sum(n for _, n in s) for s in steps), len(tokens))
+    try:
+        with flat_rows():
+            again = _mlx_lm_logits(model, tokens, positions, [sum(chunks)], follow, rid, copies)
+    except Exception:  # noqa: BLE001 - a model mlx-lm runs one sequence at a time: the first measure alone
+        return noise
+    return max(noise, _max_error(again, want)[0])
 
 
 def _max_error(got: dict[int, mx.array], want: dict[int, mx.array]) -> tuple[float, int]:
