@@ -7,6 +7,8 @@ difference, so that the table names the kernel at fault or shows that the portab
 
   python3 scripts/gpu/check_families.py                      # every test family, float32 and bfloat16
   python3 scripts/gpu/check_families.py --presets gemma4-e2b-16l gemma3-27b-16l --dtypes bfloat16
+  PAGEDMLX_CHECK_REPORT=1 python3 scripts/gpu/check_families.py --families --presets qwen3.6-35b-a3b-16l-4bit \
+      --dtypes bfloat16    # a quantization suffix; each prompt's logit and router-value differences logged
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pagedmlx.bench.presets import random_model as preset_model  # noqa: E402
+from pagedmlx.bench.presets import random_model as preset_model, split_preset_name  # noqa: E402
 from pagedmlx.config import EngineConfig  # noqa: E402
 from pagedmlx.kernels.selector import KernelPlan  # noqa: E402
 from pagedmlx.loaders.random_model import RANDOM_ARCHS, build_model  # noqa: E402
+from pagedmlx.runner import verify  # noqa: E402
 from pagedmlx.runner.model import ModelRunner  # noqa: E402
 from pagedmlx.runner.selfcheck import check_paged_forward  # noqa: E402
 
@@ -52,7 +55,7 @@ def check_model(name: str, model, dtype: mx.Dtype, block_size: int) -> list[tupl
     runner = ModelRunner(model, EngineConfig(block_size=block_size, num_blocks=64), verify=False)
     plan, rows = runner.kernels, []
     runner.kernels = variants(plan)["none"]
-    if runner._head is not None and runner._check() is not None:
+    if runner._head is not None and verify._check(runner) is not None:
         runner._body = runner._head = None
     summary = ",".join(k for k in ("decode", "page_write", "prefill", "state") if getattr(plan, k)) or \
         f"off ({plan.reason})"
@@ -87,7 +90,8 @@ def main() -> None:
             if rows[0][1] != "ok":
                 failed.append((name, dtype))
         for name in args.presets:
-            rows = check_model(name, preset_model(name, dtype), dtype, args.block_size)
+            base, quantization = split_preset_name(name)
+            rows = check_model(name, preset_model(base, dtype, quantization=quantization), dtype, args.block_size)
             if rows[0][1] != "ok":
                 failed.append((name, dtype))
             mx.clear_cache()
