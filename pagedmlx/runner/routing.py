@@ -157,7 +157,7 @@ class RoutingMatch:
             self.drift = self._furthest(values, np.stack(paged), nth, self.drift)
             mine = np.moveaxis(np.array(own), axis, -1).reshape(forced.shape)
             self._judge(values, forced, mine, kth % values.shape[-1], nth)
-        shape = np.moveaxis(np.empty(a.shape, np.int8), axis, -1).shape
+        shape = (*a.shape[:axis], *a.shape[axis + 1:], a.shape[axis])
         return mx.array(np.moveaxis(forced.reshape(shape), -1, axis)).astype(own.dtype)
 
     def _furthest(self, values: np.ndarray, other: np.ndarray, nth: int, worst: Divergence) -> Divergence:
