@@ -3,9 +3,11 @@ generation as the reference."""
 
 from __future__ import annotations
 
+import base64
 import copy
 import dataclasses
 import functools
+import io
 from typing import Callable, Optional, Union
 
 import mlx.core as mx
@@ -159,6 +161,17 @@ def family_reference(family: Family, vlm, features):
     """mlx-vlm's greedy continuation reference for a prompt with these images (greedy_mismatch's)."""
     pixels, kwargs = family.reference_inputs(features)
     return vlm_reference(vlm, pixels, **kwargs)
+
+
+def encode(picture, fmt: str = "PNG") -> bytes:
+    """A PIL image as the bytes of a `fmt` file."""
+    buf = io.BytesIO()
+    picture.save(buf, fmt)
+    return buf.getvalue()
+
+
+def data_url(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
 
 
 def image(seed: int, size: tuple[int, int] = (24, 20)):

@@ -3,27 +3,16 @@ nothing outside --allowed-local-media-path is read."""
 
 from __future__ import annotations
 
-import base64
-import io
 import os
 import time
 
 import pytest
+from mm_utils import data_url, encode
 from PIL import Image
 
 from pagedmlx.multimodal.media import MediaConnector, MediaError
 
 PART = "messages[0].content[1].image_url"
-
-
-def encode(image: Image.Image, fmt: str = "PNG") -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, fmt)
-    return buf.getvalue()
-
-
-def data_url(data: bytes, media_type: str = "image/png") -> str:
-    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
 
 
 def png(width: int = 24, height: int = 16, mode: str = "RGB", color=(200, 30, 60)) -> bytes:

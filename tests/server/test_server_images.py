@@ -5,7 +5,6 @@ the part and the server goes on serving; a text-only model refuses images; --all
 from __future__ import annotations
 
 import asyncio
-import base64
 import io
 import json
 import os
@@ -19,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from mm_utils import GEMMA3_VLM, gemma3_processor, gemma3_vlm, image
+from mm_utils import GEMMA3_VLM, data_url, encode, gemma3_processor, gemma3_vlm, image
 from PIL import Image
 from server_utils import MODEL, Served, error_of, free_port, make_engine
 from utils import run_to_completion
@@ -39,16 +38,6 @@ CONFIG = dict(block_size=4, num_blocks=128, max_num_batched_tokens=24)
 
 def png_bytes(size=(24, 20), color=(200, 30, 60)) -> bytes:
     return encode(Image.new("RGB", size, color))
-
-
-def encode(picture: Image.Image, fmt: str = "PNG") -> bytes:
-    buf = io.BytesIO()
-    picture.save(buf, fmt)
-    return buf.getvalue()
-
-
-def data_url(data: bytes, media_type: str = "image/png") -> str:
-    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
 
 
 def chat(*parts, text: str = "What is in the picture?", max_tokens: int = 4) -> dict:

@@ -7,16 +7,14 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
 from test_server_images import vision_engine
-from test_server_openapi import CHECKS, _short
+from test_server_openapi import fuzz
 from server_utils import Served
 
 from pagedmlx.server.chat_media import MediaOptions
 
 schemathesis = pytest.importorskip("schemathesis")
 from schemathesis import GenerationMode  # noqa: E402
-from schemathesis.core.failures import FailureGroup  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -34,19 +32,7 @@ def test_chat_fuzzing_on_a_vision_model(served):
     failures: list[str] = []
 
     for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-        @settings(max_examples=40, deadline=None, database=None, derandomize=True, phases=[Phase.generate],
-                  suppress_health_check=list(HealthCheck))
-        @given(case=operation.as_strategy(generation_mode=mode))
-        def one(case) -> None:
-            _short(case)
-            response = case.call(base_url=served.url, timeout=30)
-            statuses[response.status_code] += 1
-            try:
-                case.validate_response(response, checks=CHECKS)
-            except (FailureGroup, AssertionError) as exc:
-                failures.append(f"{mode.value}: {exc}"[:2000])
-
-        one()
+        fuzz(served.url, operation, mode, 40, statuses, failures)
     assert statuses[400] > 10, statuses
     assert not [s for s in statuses if s >= 500], statuses
     assert not failures, f"{len(failures)} responses outside the document; the first:\n" + "\n".join(failures[:3])

@@ -74,32 +74,34 @@ def test_document_lists_tool_calling_and_reasoning(served):
     assert schemas["FunctionDefinition"]["properties"]["name"]["pattern"] == "^[A-Za-z0-9_.-]{1,64}$"
 
 
+def fuzz(url: str, operation, mode: GenerationMode, examples: int, statuses: Counter, failures: list[str]) -> None:
+    """`examples` generated cases of `operation` against the server at `url`: each response's status counted, and
+    each one outside the document kept in `failures` (collected, so that one run reports them all)."""
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=True, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def one(case) -> None:
+        _short(case)
+        response = case.call(base_url=url, timeout=30)
+        statuses[response.status_code] += 1
+        try:
+            case.validate_response(response, checks=CHECKS)
+        except (FailureGroup, AssertionError) as exc:
+            failures.append(f"{operation.label} {mode.value}: {exc}"[:2000])
+
+    one()
+
+
 def test_schema_fuzzing_finds_no_5xx_and_nothing_undocumented(served):
     schema = schemathesis.openapi.from_url(served.url + "/openapi.json")
     statuses: Counter = Counter()
     failures: list[str] = []
-
-    def fuzz(operation, mode: GenerationMode, examples: int) -> None:
-        @settings(max_examples=examples, deadline=None, database=None, derandomize=True, phases=[Phase.generate],
-                  suppress_health_check=list(HealthCheck))
-        @given(case=operation.as_strategy(generation_mode=mode))
-        def one(case) -> None:
-            _short(case)
-            response = case.call(base_url=served.url, timeout=30)
-            statuses[response.status_code] += 1
-            try:
-                case.validate_response(response, checks=CHECKS)
-            except (FailureGroup, AssertionError) as exc:  # collected, so that one run reports them all
-                failures.append(f"{operation.label} {mode.value}: {exc}"[:2000])
-
-        one()
-
     for result in schema.get_all_operations():
         operation = result.ok()
         method = operation.method.upper()
-        fuzz(operation, GenerationMode.POSITIVE, EXAMPLES[method])
+        fuzz(served.url, operation, GenerationMode.POSITIVE, EXAMPLES[method], statuses, failures)
         if method == "POST":  # only bodies can be made invalid: the other routes take no input
-            fuzz(operation, GenerationMode.NEGATIVE, EXAMPLES[method])
+            fuzz(served.url, operation, GenerationMode.NEGATIVE, EXAMPLES[method], statuses, failures)
     assert sum(statuses.values()) > 100 and statuses[200] > 20 and statuses[400] > 20, statuses
     assert not [s for s in statuses if s >= 500], statuses
     assert not failures, f"{len(failures)} responses outside the document; the first:\n" + "\n".join(failures[:3])
