@@ -66,6 +66,7 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(self.runner.kv_cache_config,
                                                enable_caching=self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.kv_cache_manager, self.max_model_len)
+        self.scheduler.encoder_cache_manager.whole_images = bool(getattr(self.mm_encoder, "bidirectional", False))
         self.sampler = Sampler()
         self.eos_token_ids = tuple(sorted(getattr(tokenizer, "eos_token_ids", None) or ()))
         self.structured_output_manager = StructuredOutputManager(tokenizer, self.eos_token_ids)  # guided decoding

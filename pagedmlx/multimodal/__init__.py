@@ -17,9 +17,9 @@ hash (identifier), its placeholder range in `ids` and its processed arrays as by
 Then give the engine the prompt as {"prompt_token_ids": ids, "mm_features": features}:
 AsyncEngine.add_request / add_requests / generate take that dict as a prompt (the features cross to the engine-core
 process in messages.AddRequest.mm_features), LLMEngine.add_request(..., mm_features=features) too.
-A request with images for a model that takes none, or whose images are refused (e.g. Gemma 4 with bidirectional
-vision attention, a family without an adapter), raises ValueError when added, with the reason; a front end can
-tell beforehand from AsyncEngine.info (CoreInfo.takes_images, CoreInfo.images_refused).
+A request with images for a model that takes none, or whose images are refused (e.g. a family without an
+adapter), raises ValueError when added, with the reason; a front end can tell beforehand from AsyncEngine.info
+(CoreInfo.takes_images, CoreInfo.images_refused).
 Families: Gemma 3, Gemma 4 (models.py), Qwen3.5 / 3.6 with M-RoPE positions (qwen3_5.py, mrope.py).
 
 Offline: LLM(model=<mlx-vlm folder or model object>, tokenizer=<its processor for an object>) then

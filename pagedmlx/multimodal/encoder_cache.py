@@ -26,6 +26,10 @@ class EncoderCacheManager:
         self._step_budget = encoder_budget
         self._step_images = False  # a request trimmed this step reaches an image's tokens
         self.mrope_requests: set[str] = set()  # unfinished requests whose images take M-RoPE positions
+        # An image's tokens attend each other both ways (Gemma 4 use_bidirectional_attention="vision"): every image
+        # is computed whole in one step (vLLM's rule for bidirectional encoder outputs), a prefix hit never ends
+        # inside one.
+        self.whole_images = False
 
     @property
     def needs_update(self) -> bool:
@@ -36,10 +40,25 @@ class EncoderCacheManager:
     def begin_step(self) -> None:
         self._step_encoded, self._step_budget, self._step_images = set(), self.encoder_budget, False
 
-    def trim(self, request: Request, num_computed: int, num_new_tokens: int) -> int:
+    def trim(self, request: Request, num_computed: int, num_new_tokens: int, uncapped: Optional[int] = None) -> int:
         """num_new_tokens cut, where needed, so that the images whose tokens it reaches can be encoded this step:
         those not cached cost their length of the step's budget; the first image past the budget ends the chunk
-        before its placeholder (unless it is the step's first image: any image can be encoded alone)."""
+        before its placeholder (unless it is the step's first image: any image can be encoded alone). With
+        whole_images, a chunk that would end inside an image ends before it; one that would then be empty takes
+        the image whole past long_prefill_token_threshold's cap (up to `uncapped`, the budget's), else an image
+        longer than the cap would wait for every decode to end."""
+        if self.whole_images:
+            n = whole_image_cut(request.mm_features, num_computed, num_new_tokens)
+            if n == 0 and uncapped is not None and uncapped > num_new_tokens:
+                n = whole_image_cut(request.mm_features, num_computed, uncapped)
+                if n > num_new_tokens:  # only this image past the cap, not the text after it
+                    n = next(hi for lo, hi in image_blocks(request.mm_features)
+                             if lo <= num_computed + num_new_tokens < hi) - num_computed
+            num_new_tokens = n
+            return whole_image_cut(request.mm_features, num_computed, self._trim(request, num_computed, num_new_tokens))
+        return self._trim(request, num_computed, num_new_tokens)
+
+    def _trim(self, request: Request, num_computed: int, num_new_tokens: int) -> int:
         end = num_computed + num_new_tokens
         for f in request.mm_features:
             pos = f.mm_position
@@ -55,6 +74,14 @@ class EncoderCacheManager:
             self._step_budget -= pos.length
             self._step_encoded.add(f.identifier)
         return num_new_tokens
+
+    def image_start_before(self, request: Request, num_tokens: int) -> int:
+        """With whole_images: num_tokens cut back to the start of the image it ends inside (else unchanged)."""
+        if self.whole_images:
+            for lo, hi in image_blocks(request.mm_features):
+                if lo < num_tokens < hi:
+                    return lo
+        return num_tokens
 
     def update(self, scheduled: list[tuple[Request, int]]) -> tuple[dict[str, list[MultiModalFeatureSpec]], list[str]]:
         """After the step is scheduled (before num_computed_tokens advances): per request, the images whose tokens
@@ -79,6 +106,11 @@ class EncoderCacheManager:
         return step, self.take_freed()
 
     def add_request(self, request: Request) -> None:
+        if self.whole_images:  # each image in one step: it must fit a step's tokens (ValueError before it is added)
+            longest = max((hi - lo for lo, hi in image_blocks(request.mm_features)), default=0)
+            if longest > self.encoder_budget:
+                raise ValueError(f"an image of {longest} tokens must be computed in one step, which takes at most "
+                                 f"{self.encoder_budget} (max_num_batched_tokens)")
         if uses_mrope(request.mm_features):
             self.mrope_requests.add(request.request_id)
 
@@ -109,3 +141,25 @@ class EncoderCacheManager:
         if not refs:
             del self.cached[identifier]
             self._freed.append(identifier)
+
+
+def image_blocks(features: list[MultiModalFeatureSpec]) -> list[tuple[int, int]]:
+    """The prompt positions [lo, hi) of each run of image tokens (adjacent placeholder ranges make one run, as
+    mlx-vlm's Gemma 4 block ids do)."""
+    blocks: list[list[int]] = []
+    for f in features:
+        pos = f.mm_position
+        if blocks and blocks[-1][1] == pos.offset:
+            blocks[-1][1] = pos.end
+        else:
+            blocks.append([pos.offset, pos.end])
+    return [(lo, hi) for lo, hi in blocks]
+
+
+def whole_image_cut(features: list[MultiModalFeatureSpec], num_computed: int, num_new_tokens: int) -> int:
+    """num_new_tokens cut so that the chunk does not end inside a run of image tokens."""
+    end = num_computed + num_new_tokens
+    for lo, hi in image_blocks(features):
+        if lo < end < hi:
+            return max(0, lo - num_computed)
+    return num_new_tokens

@@ -31,6 +31,9 @@ class VisionEncoder:
     model_type: str = ""
     image_token_id: int = -1
     modules: tuple = ()  # the mlx-vlm modules it runs (tower, projector)
+    # The tokens of one image (a run of adjacent placeholder ranges) attend each other both ways, over the causal
+    # mask, in every attention layer (Gemma 4 use_bidirectional_attention="vision").
+    bidirectional: bool = False
 
     def parameters(self) -> list:
         return [m.parameters() for m in self.modules]
@@ -110,10 +113,10 @@ class Gemma4Vision(VisionEncoder):
         self.tower, self.embedder = vlm.vision_tower, vlm.embed_vision
         self.modules = (self.tower, self.embedder)
         bidirectional = getattr(config.text_config, "use_bidirectional_attention", None)
-        if bidirectional:
+        if bidirectional and bidirectional != "vision":
             raise UnsupportedMultiModalError(
-                f"gemma4: text_config.use_bidirectional_attention={bidirectional!r} attends image tokens "
-                "bidirectionally; paged attention is causal, so images are not served for this model")
+                f"gemma4: text_config.use_bidirectional_attention={bidirectional!r} is not served with images")
+        self.bidirectional = bidirectional == "vision"
 
     def encode_stacked(self, features: list[MultiModalFeatureSpec], dtype: mx.Dtype) -> list[mx.array]:
         """The tower drops each image's padding and concatenates the images' rows: (1, sum of lengths, hidden)."""

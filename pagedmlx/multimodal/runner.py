@@ -6,13 +6,14 @@ built exactly as before."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from pagedmlx.core.sched.output import SchedulerOutput
+from pagedmlx.multimodal.encoder_cache import image_blocks
 from pagedmlx.multimodal.models import VisionEncoder
 
 logger = logging.getLogger("pagedmlx")
@@ -61,6 +62,24 @@ class MultiModalRunner:
         image_rows = mx.array(np.concatenate(rows).astype(np.int32))
         image_embeds = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces)
         return self.encoder.input_embeddings(self.body, input_ids, image_rows, image_embeds)
+
+    def image_spans(self, so: SchedulerOutput) -> Optional[np.ndarray]:
+        """For a model whose image tokens attend each other both ways: (T, 2) the positions [lo, hi) of the image
+        run each row's token lies in (lo == hi == 0 for other rows); the scheduler puts each run whole in one step.
+        None otherwise."""
+        if not self.encoder.bidirectional or not so.mm_features:
+            return None
+        spans = np.zeros((so.total_num_scheduled_tokens, 2), np.int32)
+        index = {rid: i for i, rid in enumerate(so.req_ids)}
+        for rid, features in so.mm_features.items():
+            i = index[rid]
+            start = int(so.seq_lens[i]) - so.num_scheduled_tokens[i]
+            row0 = int(so.query_start_loc[i]) - start  # the row of position p is row0 + p
+            for lo, hi in image_blocks(features):
+                if lo < start or hi > start + so.num_scheduled_tokens[i]:
+                    raise RuntimeError(f"request {rid}: image tokens [{lo}, {hi}) split across steps")
+                spans[row0 + lo:row0 + hi] = (lo, hi)
+        return spans
 
     def forward_context(self, so: SchedulerOutput):
         """The family's context around the text model's call on a step with image rows."""

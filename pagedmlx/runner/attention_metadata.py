@@ -224,14 +224,17 @@ class StepMetadata:
               kernel_kv_heads: Optional[list[int]] = None, pages_in_place: bool = False,
               backend: Optional[str] = None, sdpa_quantum: int = 0,
               prefill_heads: Optional[list[Optional[tuple[int, int]]]] = None,
-              extra: Optional[dict[str, np.ndarray]] = None) -> "StepMetadata":
+              extra: Optional[dict[str, np.ndarray]] = None,
+              image_spans: Optional[np.ndarray] = None) -> "StepMetadata":
         """windows: each group's sliding window (None: full attention). kernel_kv_heads: per group,
         the KV heads the paged-decode kernel is split for (0 or None: decode rows gather pages);
         pages_in_place: the page-write kernel writes new K/V (else MLX scatters them); backend: the
         kernels' (None: kernels.build.gpu_backend); sdpa_quantum: prefill attention shapes are
         padded to its multiples (sdpa_shape_quantum); prefill_heads: per group, (KV heads, query
         heads per KV head) where the paged prefill kernel attends its prefill rows (None: groups); extra:
-        int arrays uploaded with the rest (StepMetadata.extra)."""
+        int arrays uploaded with the rest (StepMetadata.extra); image_spans: (T, 2) the positions [lo, hi) of the
+        image each row's token lies in, which it also sees (bidirectional images: lo == hi elsewhere); such a
+        step's prefill rows go through prefill groups under explicit masks, never the kernels."""
         kernel_kv_heads = kernel_kv_heads or [0] * len(windows)
         prefill_heads = prefill_heads or [None] * len(windows)
         positions = so.rope_positions if len(so.rope_positions) else so.positions  # RoPE's (M-RoPE: shifted)
@@ -240,7 +243,7 @@ class StepMetadata:
         if len(so.placeholder_rows):
             host.update(placeholder_rows=so.placeholder_rows, placeholder_src=so.placeholder_src)
         builders = [_GroupBuilder(so, g, block_size, w, kernel_kv_heads[g], pages_in_place, backend, sdpa_quantum,
-                                  prefill_heads[g]) for g, w in enumerate(windows)]
+                                  prefill_heads[g], image_spans) for g, w in enumerate(windows)]
         for g, b in enumerate(builders):
             host.update({f"{g}.{k}": v for k, v in b.host.items()})
         dev = upload_indices(host)
@@ -253,8 +256,12 @@ class _GroupBuilder:
     """The host half of one group's AttentionMetadata; `finish` makes it from the uploaded arrays."""
 
     def __init__(self, so: SchedulerOutput, group: int, block_size: int, window: Optional[int], kernel_heads: int,
-                 in_place: bool, backend: Optional[str], quantum: int, prefill_heads: Optional[tuple[int, int]]):
-        rows = decode_token_rows(so) if kernel_heads > 0 else None  # every token a decode row
+                 in_place: bool, backend: Optional[str], quantum: int, prefill_heads: Optional[tuple[int, int]],
+                 image_spans: Optional[np.ndarray] = None):
+        self.image_spans = image_spans
+        if image_spans is not None:
+            prefill_heads = None
+        rows = decode_token_rows(so) if kernel_heads > 0 and image_spans is None else None  # every token a decode row
         self.T, self.bs, self.window = so.total_num_scheduled_tokens, block_size, window
         self.nd = so.num_decodes if rows is None else self.T
         self.backend, self.quantum, self.prefill_heads = backend, quantum, prefill_heads
@@ -316,7 +323,8 @@ class _GroupBuilder:
                 by_shape.setdefault((front + seg.n + back, seg.num_keys + back), []).append((seg, front, back))
             else:
                 short.append((seg, 0, 0))
-        plans = [(Lq, K, members, any(self._needs_band(seg, back) for seg, _, back in members))
+        plans = [(Lq, K, members, self.image_spans is not None
+                  or any(self._needs_band(seg, back) for seg, _, back in members))
                  for (Lq, K), members in by_shape.items()]
         if short:  # under one mask: each its own length and keys
             Lq, nb = max(seg.n for seg, _, _ in short), max(len(seg.pages) for seg, _, _ in short)
@@ -327,6 +335,9 @@ class _GroupBuilder:
             P = len(members) if quantum <= 1 else 1 << (len(members) - 1).bit_length()
             idx = group_indices([(seg, front) for seg, front, _ in members], Lq, K, P, bs, nd)
             host.update({f"group{i}.{k}": v for k, v in idx.items() if explicit or k in _DEVICE_FIELDS})
+            if self.image_spans is not None:
+                spans = self.image_spans[nd + idx["query_rows"]].reshape(P, Lq, 2)
+                host.update({f"group{i}.image_lo": spans[..., 0], f"group{i}.image_hi": spans[..., 1]})
             self.groups.append((Lq, K, explicit, tuple((front, back) for _, front, back in members)))
         order = [seg for _, _, members, _ in plans for seg, _, _ in members]
         if any(a.row > b.row for a, b in zip(order, order[1:])):
@@ -356,7 +367,11 @@ class _GroupBuilder:
             mask = "causal"
             if explicit:  # built once a step, shared by the group's layers
                 key_pos = get[f"group{i}.key_offset"][:, None, None] + mx.arange(K)[None, None, :]
-                mask = causal_mask(key_pos, get[f"group{i}.query_pos"][:, :, None], self.window)[:, None]
+                mask = causal_mask(key_pos, get[f"group{i}.query_pos"][:, :, None], self.window)
+                if self.image_spans is not None:  # over the causal mask and the window: the row's own image
+                    lo, hi = get[f"group{i}.image_lo"][:, :, None], get[f"group{i}.image_hi"][:, :, None]
+                    mask = mask | ((key_pos >= lo) & (key_pos < hi))
+                mask = mask[:, None]
             md.prefill_groups.append(PrefillGroup(Lq, K, mask=mask, pads=pads, **g))
         return md
 

@@ -344,7 +344,8 @@ class ModelRunner:
                        state_pool: Optional[StatePool], lora) -> mx.array:
         md = StepMetadata.build(so, self.block_size, self.windows, self.kernel_kv_heads, self.kernels.page_write,
                                 self.kernels.backend, self.sdpa_quantum, self.prefill_heads,
-                                lora.host if lora is not None else None)
+                                lora.host if lora is not None else None,
+                                self.mm.image_spans(so) if self.mm is not None else None)
         state_md = StateMetadata.build(so) if len(so.state_slots) else None
         caches = self.make_caches(md, kv_pool or self.kv_pool, state_md, state_pool or self.state_pool)
         inputs = md.input_ids

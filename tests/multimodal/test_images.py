@@ -198,8 +198,9 @@ def test_an_mlx_vlm_folder_loads_text_on_pages_and_the_tower_from_mlx_vlm(tmp_pa
 
 
 def test_families_whose_images_need_more_are_served_text_only():
-    """Gemma 4 with bidirectional attention over image tokens: text requests run, image requests get the reason.
-    Families without an adapter are refused by name."""
+    """Gemma 4 with bidirectional attention other than over image tokens ("vision" is served:
+    test_images_bidirectional.py): text requests run, image requests get the reason. Families without an adapter
+    are refused by name."""
     import copy
     import types
 
@@ -209,7 +210,7 @@ def test_families_whose_images_need_more_are_served_text_only():
     from pagedmlx.multimodal.models import UnsupportedMultiModalError
 
     cfg = copy.deepcopy(GEMMA4_VLM)
-    cfg["text_config"]["use_bidirectional_attention"] = "vision"
+    cfg["text_config"]["use_bidirectional_attention"] = "all"
     text, encoder = split_vlm(build_vlm(cfg))
     assert isinstance(encoder, RefusedVision)
     processor, tokenizer = vlm_processor(gemma4_processor(), encoder)

@@ -99,7 +99,7 @@ class KVCacheManager:
             hash_request_blocks(request.all_token_ids, self.block_size, request.block_hashes,
                                 self._extra_keys(request), request.mm_features)
 
-    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+    def get_computed_blocks(self, request: Request, max_tokens: Optional[int] = None) -> tuple[KVCacheBlocks, int]:
         """The longest prefix of the request that every group has cached, as each group's blocks
         and a token count.
 
@@ -107,11 +107,14 @@ class KVCacheManager:
         sample from. Does not count in the stats (a request blocked at the head of the queue is looked
         up every step); the caller records the lookup that admits it with record_prefix_query.
         A request that wants its prompt's logprobs computes every prompt token (as vLLM): no hit.
+        max_tokens: the hit ends at or before it (a whole number of blocks).
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return tuple([] for _ in self.managers), 0
         self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if max_tokens is not None:
+            max_blocks = min(max_blocks, max_tokens // self.block_size)
         hits, num_blocks = intersect_hits(self.managers, request.block_hashes, max_blocks)
         if self.state_manager is not None and num_blocks:
             self._check_state_hit(hits[-1], request.block_hashes[num_blocks - 1], num_blocks)

@@ -109,8 +109,8 @@ class Scheduler:
                 raise ValueError(f"prompt has {n} tokens and can grow to {longest} (max_tokens={max_tokens}, "
                                  f"max_model_len={self.max_model_len}), whose KV needs {needed} blocks, but the "
                                  f"pool has only {have}")
-        self.requests[request.request_id] = request
         self.encoder_cache_manager.add_request(request)
+        self.requests[request.request_id] = request
         self.waiting.add(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
@@ -152,10 +152,11 @@ class Scheduler:
             if self._reaches_length(request, request.num_output_placeholders):
                 return 0  # its last token is still in flight and ends it: nothing more to compute
         n = request.num_tokens_with_placeholders + len(request.spec_token_ids) - num_computed
+        uncapped = min(n, budget)
         if cap > 0:
             n = min(n, cap)
         n = min(n, budget)
-        return self.encoder_cache_manager.trim(request, num_computed, n) if request.mm_features else n
+        return self.encoder_cache_manager.trim(request, num_computed, n, uncapped) if request.mm_features else n
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -218,6 +219,10 @@ class Scheduler:
                 compiling.append(self.waiting.pop())
                 continue
             hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(req)
+            if req.mm_features and self.encoder_cache_manager.whole_images:
+                limit = self.encoder_cache_manager.image_start_before(req, num_hit_tokens)
+                if limit < num_hit_tokens:
+                    hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(req, max_tokens=limit)
             n = self._num_new_tokens(req, budget, num_hit_tokens, cap)
             if (n <= 0 and req.mm_features) or self.kv_cache_manager.allocate_slots(
                     req, n, num_new_computed_tokens=num_hit_tokens, new_computed_blocks=hits) is None:
