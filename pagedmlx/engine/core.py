@@ -17,6 +17,7 @@ import mlx.nn as nn
 
 from pagedmlx.platform import warn_if_slow_blas
 from pagedmlx.config import EngineConfig
+from pagedmlx.engine.input_checks import check_logit_bias, check_token_ids
 from pagedmlx.engine.prompt_logprobs import prompt_logprobs, record_prompt_logprobs
 from pagedmlx.engine.step import LaunchedStep, StepStats
 from pagedmlx.kernels.check import error_line
@@ -25,6 +26,7 @@ from pagedmlx.lora.request import LoRARequest
 from pagedmlx.multimodal.engine import attach_encoder, check_mm_request
 from pagedmlx.outputs import EngineCoreOutput, TokenLogprob
 from pagedmlx.request import Request, RequestStatus
+from pagedmlx.runner.kv_budget import DEFAULT_MAX_MODEL_LEN, max_model_len
 from pagedmlx.runner.model import ModelRunner, PagesLost, weights_nbytes
 from pagedmlx.sample.sampler import Sampler, to_host
 from pagedmlx.sampling_params import SamplingParams
@@ -37,7 +39,6 @@ from pagedmlx.structured_outputs.manager import StructuredOutputManager
 
 logger = logging.getLogger("pagedmlx")
 
-DEFAULT_MAX_MODEL_LEN = 8192
 __all__ = ["DEFAULT_MAX_MODEL_LEN", "EngineCore", "LaunchedStep", "StepStats"]
 
 
@@ -62,7 +63,7 @@ class EngineCore:
             raise ValueError("enable_lora is not supported with tensor parallelism yet")
         if self.lora_manager is not None:
             self.lora_manager.in_use = self._loras_in_use
-        self.max_model_len = self._max_model_len()
+        self.max_model_len = max_model_len(self.config, self.model, self.runner.kv_cache_config)
         self.kv_cache_manager = KVCacheManager(self.runner.kv_cache_config,
                                                enable_caching=self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.kv_cache_manager, self.max_model_len)
@@ -133,21 +134,8 @@ class EngineCore:
         """SamplingParams from the model's defaults; `overrides` (a request's own values) win."""
         return SamplingParams(**{**self.generation_defaults, **overrides})
 
-    def _max_model_len(self) -> int:
-        args = getattr(self.model, "args", None)
-        limit = self.config.max_model_len or getattr(args, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
-        paged = [g for g in self.runner.kv_cache_config.kv_cache_groups if not g.is_state]
-        capacity = paged[0].num_blocks * self.config.block_size if paged else limit  # states hold any length
-        if limit > capacity:
-            logger.warning("max_model_len %d exceeds the KV pool (%d tokens); capping it", limit, capacity)
-        return min(limit, capacity)
-
     def check_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
-        ids = list(prompt_token_ids)
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}")
-        return ids
+        return check_token_ids(prompt_token_ids, self.vocab_size)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: Optional[SamplingParams] = None,
                     priority: int = 0, arrival_time: Optional[float] = None,
@@ -158,9 +146,7 @@ class EngineCore:
         params = params or SamplingParams()
         if lora_request is not None:
             self.add_lora(lora_request)
-        bad_bias = [t for t in params.logit_bias if t >= self.vocab_size]
-        if bad_bias:
-            raise ValueError(f"logit_bias keys must be token ids in [0, {self.vocab_size}), got {bad_bias[:5]}")
+        check_logit_bias(params, self.vocab_size)
         ids = self.check_prompt(prompt_token_ids)
         request = Request(request_id, ids, params, self.eos_token_ids, arrival_time=arrival_time, priority=priority,
                           cache_salt=cache_salt, lora_request=lora_request,

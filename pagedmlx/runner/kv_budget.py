@@ -24,6 +24,7 @@ from pagedmlx.config import EngineConfig
 
 logger = logging.getLogger("pagedmlx")
 
+DEFAULT_MAX_MODEL_LEN = 8192  # where neither the config nor the model names one
 CPU_MIN_BYTES = 512 * 2**20
 CPU_MAX_FRACTION = 0.25
 
@@ -106,3 +107,15 @@ def kv_cache_budget(config: EngineConfig, model: nn.Module, body: Optional[Calla
         raise ValueError(f"no memory left for KV pages: {how} = {nbytes / 1e9:.2f} GB; raise gpu_memory_utilization "
                          f"(--gpu-memory-utilization), lower max_num_batched_tokens, or give kv_cache_memory_gb")
     return KVBudget(nbytes, how)
+
+
+def max_model_len(config: EngineConfig, model: nn.Module, kv_cache_config) -> int:
+    """config.max_model_len, else the model's max_position_embeddings, else DEFAULT_MAX_MODEL_LEN; capped (with a
+    warning) at what the pool's pages hold (recurrent states hold any length)."""
+    limit = (config.max_model_len or getattr(getattr(model, "args", None), "max_position_embeddings", None)
+             or DEFAULT_MAX_MODEL_LEN)
+    paged = [g for g in kv_cache_config.kv_cache_groups if not g.is_state]
+    capacity = paged[0].num_blocks * config.block_size if paged else limit
+    if limit > capacity:
+        logger.warning("max_model_len %d exceeds the KV pool (%d tokens); capping it", limit, capacity)
+    return min(limit, capacity)

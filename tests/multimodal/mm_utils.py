@@ -13,7 +13,7 @@ from typing import Callable, Optional, Union
 import mlx.core as mx
 import numpy as np
 
-from utils import Greedy
+from utils import Greedy, run_to_completion
 
 from pagedmlx.loaders.random_model import tiny_tokenizer
 from pagedmlx.multimodal.loader import build_vlm
@@ -180,6 +180,20 @@ def image(seed: int, size: tuple[int, int] = (24, 20)):
 
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), "RGB")
+
+
+def run_arriving(engine, prompts: dict, params) -> dict:
+    """Adds the processed prompts {rid: (ids, features)} one by one, two steps after every second one (requests
+    arrive while others prefill and decode), then runs the engine dry; {rid: its finished output}."""
+    done = {}
+    for i, (rid, (ids, features)) in enumerate(prompts.items()):
+        engine.add_request(rid, ids, params, mm_features=features)
+        if i % 2:
+            for out in engine.step() + engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+    done.update(run_to_completion(engine))
+    return done
 
 
 def vlm_greedy(vlm, prompt: list[int], pixel_values: Optional[mx.array], max_tokens: int, **kwargs) -> Greedy:

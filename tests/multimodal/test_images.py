@@ -10,7 +10,7 @@ import io
 import msgspec
 import pytest
 
-from mm_utils import FAMILIES, Family, family_reference, gemma3_processor, gemma3_vlm, image
+from mm_utils import FAMILIES, Family, family_reference, gemma3_processor, gemma3_vlm, image, run_arriving
 from utils import greedy_mismatch, run_to_completion
 
 from pagedmlx.config import EngineConfig
@@ -58,14 +58,7 @@ def test_busy_equals_solo_with_images_text_chunks_and_preemption(family):
     prompts = {}
     for i, (text, images) in enumerate(texts):
         prompts[f"r{i}"] = processor.process(text, images)
-    done = {}
-    for i, (rid, (ids, features)) in enumerate(prompts.items()):
-        engine.add_request(rid, ids, GREEDY, mm_features=features)
-        if i % 2:
-            for out in engine.step() + engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-    done.update(run_to_completion(engine))
+    done = run_arriving(engine, prompts, GREEDY)
     assert engine.scheduler.num_preemptions > 0
     distinct = {f.identifier for _, features in prompts.values() for f in features}
     assert len(distinct) == 6  # r5's second image is r0's: the same pixels, the same identifier

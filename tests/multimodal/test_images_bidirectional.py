@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mm_utils import FAMILIES, GEMMA4_VLM, gemma4_processor, image, pixels_of, vlm_greedy
+from mm_utils import FAMILIES, GEMMA4_VLM, gemma4_processor, image, pixels_of, run_arriving, vlm_greedy
 from utils import greedy_mismatch, run_to_completion
 
 from pagedmlx.config import EngineConfig
@@ -73,15 +73,7 @@ TEXTS = [(f"Describe {MARKER} now.", [image(1, (24, 20))]),
 
 def run_busy(engine, processor):
     prompts = {f"r{i}": processor.process(text, images) for i, (text, images) in enumerate(TEXTS)}
-    done = {}
-    for i, (rid, (ids, features)) in enumerate(prompts.items()):
-        engine.add_request(rid, ids, GREEDY, mm_features=features)
-        if i % 2:
-            for out in engine.step() + engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-    done.update(run_to_completion(engine))
-    return prompts, done
+    return prompts, run_arriving(engine, prompts, GREEDY)
 
 
 @pytest.mark.parametrize("cap", [0, 5])
