@@ -9,11 +9,20 @@ SchedulerOutput.free_encoder_mm_hashes names once that step is built."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from pagedmlx.multimodal.inputs import MultiModalFeatureSpec
 from pagedmlx.multimodal.mrope import step_rope_positions, uses_mrope
 from pagedmlx.request import Request
+
+
+def overlapping(features: list[MultiModalFeatureSpec], start: int, end: int) -> Iterator[MultiModalFeatureSpec]:
+    """The images (features in prompt order) with placeholder tokens among positions [start, end)."""
+    for f in features:
+        if f.mm_position.offset >= end:
+            return
+        if f.mm_position.end > start:
+            yield f
 
 
 class EncoderCacheManager:
@@ -59,13 +68,8 @@ class EncoderCacheManager:
         return self._trim(request, num_computed, num_new_tokens)
 
     def _trim(self, request: Request, num_computed: int, num_new_tokens: int) -> int:
-        end = num_computed + num_new_tokens
-        for f in request.mm_features:
+        for f in overlapping(request.mm_features, num_computed, num_computed + num_new_tokens):
             pos = f.mm_position
-            if pos.offset >= end:
-                break
-            if pos.end <= num_computed:
-                continue
             self._step_images = True
             if f.identifier in self.cached or f.identifier in self._step_encoded:
                 continue
@@ -90,16 +94,11 @@ class EncoderCacheManager:
         step: dict[str, list[MultiModalFeatureSpec]] = {}
         done: list[tuple[str, str]] = []
         for req, n in scheduled:
-            start, end = req.num_computed_tokens, req.num_computed_tokens + n
-            for f in req.mm_features:
-                pos = f.mm_position
-                if pos.offset >= end:
-                    break
-                if pos.end <= start:
-                    continue
+            end = req.num_computed_tokens + n
+            for f in overlapping(req.mm_features, req.num_computed_tokens, end):
                 step.setdefault(req.request_id, []).append(f)
                 self.cached.setdefault(f.identifier, set()).add(req.request_id)
-                if pos.end <= end:
+                if f.mm_position.end <= end:
                     done.append((f.identifier, req.request_id))
         for identifier, rid in done:
             self._release(identifier, rid)
