@@ -12,8 +12,8 @@ from pagedmlx.spec_decode.config import SpeculativeConfig
 __all__ = ["EngineConfig", "SpeculativeConfig", "COMPILATION_SWITCHES", "compilation_switches"]
 
 # The keys of --compilation-config / EngineConfig.compilation_config: None (the default: where it pays) or a bool.
-COMPILATION_SWITCHES = ("compile_decode", "merge_projections", "fuse_norms", "skinny_gemm", "warm_up_attention",
-                        "prefill_kernel")
+COMPILATION_SWITCHES = ("compile_decode", "merge_projections", "fuse_norms", "skinny_gemm", "quantized_gemm",
+                        "warm_up_attention", "prefill_kernel")
 
 
 def compilation_switches(value: Any) -> dict[str, Optional[bool]]:
@@ -97,6 +97,10 @@ class EngineConfig:
     # 2+ rows through cuBLASLt at several times the kernel's host time a call (PAGEDMLX_SKINNY_MAX_ROWS). None: on
     # CUDA, off elsewhere (Metal's matmul has no such host cost). Its load-time check builds kernels at start-up.
     skinny_gemm: Optional[bool] = None
+    # Products of quantized linear layers (MLX's affine 4 and 8 bits) over 2-256 rows as one kernel of ours that
+    # dequantizes in registers (layers/quantized_linear.py, kernels/quantized_gemm.py) instead of MLX's quantized
+    # matmul. None: on CUDA where it passes its load-time check; off elsewhere.
+    quantized_gemm: Optional[bool] = None
     # "auto": sampling defaults from the model's generation_config.json (as vLLM); "vllm": vLLM's own.
     generation_config: str = "auto"
     dtype: Optional[str] = None  # "float32" / "float16" / "bfloat16" for unquantized weights; None: as loaded
@@ -122,7 +126,8 @@ class EngineConfig:
     # None: off). pagedmlx/spec_decode/.
     speculative_config: Any = None
     # vLLM's compilation_config: the kernel and graph switches above (compile_decode, merge_projections, fuse_norms,
-    # skinny_gemm, warm_up_attention, prefill_kernel) as one dict or JSON text; a key given there sets that field.
+    # skinny_gemm, quantized_gemm, warm_up_attention, prefill_kernel) as one dict or JSON text; a key given there
+    # sets that field.
     compilation_config: Any = None
 
     def __post_init__(self) -> None:

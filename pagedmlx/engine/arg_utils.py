@@ -51,11 +51,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "default: steps of at most 8 requests), merge_projections (q/k/v and gate/up as one matmul "
                         "each; default: GPU backends), fuse_norms (residual add + RMSNorm as one kernel; "
                         "default off), skinny_gemm (products of 2-5 rows as pagedmlx's kernel; default: CUDA), "
+                        "quantized_gemm (4- and 8-bit products of 2-256 rows as pagedmlx's kernel; default: CUDA), "
                         "warm_up_attention (build long prompts' attention shapes before serving; default: CUDA), "
                         "prefill_kernel (the paged prefill kernel; default: CUDA). Example: "
                         "-O '{\"skinny_gemm\": false}'")
-    for name in ("compile-decode", "merge-projections", "fuse-norms", "skinny-gemm", "warm-up-attention",
-                 "prefill-kernel"):
+    for name in ("compile-decode", "merge-projections", "fuse-norms", "skinny-gemm", "quantized-gemm",
+                 "warm-up-attention", "prefill-kernel"):
         key = name.replace("-", "_")
         p.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=None,
                        help=f"the same as --compilation-config '{{\"{key}\": true}}' (or false with --no-{name})")
@@ -166,7 +167,8 @@ def _engine_config(args: argparse.Namespace):
                         async_scheduling=args.async_scheduling, warm_up_attention=args.warm_up_attention,
                         prefill_kernel=args.prefill_kernel, compile_decode=args.compile_decode,
                         merge_projections=args.merge_projections, fuse_norms=args.fuse_norms or False,
-                        skinny_gemm=args.skinny_gemm, compilation_config=args.compilation_config,
+                        skinny_gemm=args.skinny_gemm, quantized_gemm=args.quantized_gemm,
+                        compilation_config=args.compilation_config,
                         generation_config=args.generation_config,
                         scheduling_policy=args.scheduling_policy, dtype=args.dtype,
                         state_checkpoint_interval=args.state_checkpoint_interval,

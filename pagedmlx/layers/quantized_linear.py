@@ -1,30 +1,39 @@
-"""Quantized products over the step's rows as one matrix: the runner feeds its T tokens as T sequences of one
-(inputs (T, 1), activations (T, 1, D)), and MLX's CUDA quantized matmul takes an input's second-to-last axis as
-the product's rows and the axes before it as a batch of separate products. Over (T, 1, D) that is T products of
-one row each: past a few rows its tiled kernel (qmm_sm80: tiles of at least 16 rows, one tile per batch entry)
-reads the whole weight matrix once per token and computes 16 rows for each one, so a quantized model's step
-costs about T times its weights' bytes (Llama-8B 4-bit at batch 64: slower than batch 1). MLX's Metal backend
-folds such a batch into the rows itself; its CUDA backend does not. Reshaped to (T, D), the same product is one
-matrix of T rows: the weights are read once per 64 rows, as bf16 weights' matmul does.
+"""Quantized products over the step's rows as one matrix, and on CUDA as our own kernel.
+
+The runner feeds its T tokens as T sequences of one (inputs (T, 1), activations (T, 1, D)), and MLX's CUDA
+quantized matmul takes an input's second-to-last axis as the product's rows and the axes before it as a batch of
+separate products. Over (T, 1, D) that is T products of one row each: past a few rows its tiled kernel (qmm_sm80:
+tiles of at least 16 rows, one tile per batch entry) reads the whole weight matrix once per token (Llama-8B 4-bit
+at batch 64: slower than batch 1). MLX's Metal backend folds such a batch into the rows itself; its CUDA backend
+does not. Reshaped to (T, D), the same product is one matrix of T rows.
 
 Inside `flat_rows()` (the runner's forward pass) the model's nn.QuantizedLinear layers (merged groups' modules
 included: layers/merged_linear.py) multiply over their input's rows flattened, then give the output its shape
-back: the same values, another kernel. Outside it each layer runs nn.QuantizedLinear's own call, so mlx-lm's
-generation on the same model object computes exactly what it did. The LM head's rows are flattened by the runner
-itself (ModelRunner.logits), which also covers a tied head (nn.QuantizedEmbedding.as_linear).
-PAGEDMLX_FLAT_QUANTIZED=0 leaves the layers as they are (for comparisons: scripts/bench/bench_offline.py)."""
+back: the same values, another kernel. Where use_quantized_gemm() swapped them in (CUDA, affine 4- and 8-bit
+weights, its load-time check passed), products of QUANTIZED_GEMM_ROWS rows run kernels/quantized_gemm.py instead.
+Outside flat_rows() each layer runs nn.QuantizedLinear's own call, so mlx-lm's generation on the same model object
+computes exactly what it did. The LM head's rows are flattened by the runner itself (ModelRunner.logits), which
+also covers a tied head (nn.QuantizedEmbedding.as_linear). PAGEDMLX_FLAT_QUANTIZED=0 leaves the layers as they are
+(for comparisons: scripts/bench/bench_offline.py)."""
 
 from __future__ import annotations
 
-from typing import ContextManager
+import logging
+from typing import ContextManager, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from pagedmlx import envs
+from pagedmlx.kernels import build, quantized_gemm
+from pagedmlx.kernels.dialect import CUDA
 from pagedmlx.runner.thread_flag import ThreadFlag
 
+logger = logging.getLogger("pagedmlx")
+
 _active = ThreadFlag()
+# The row counts the engine gives the kernel: one-row products keep MLX's own matrix-vector kernel.
+QUANTIZED_GEMM_ROWS = range(envs.PAGEDMLX_QUANTIZED_GEMM_MIN_ROWS, quantized_gemm.MAX_ROWS + 1)
 
 
 def flat_rows() -> ContextManager[None]:
@@ -33,10 +42,18 @@ def flat_rows() -> ContextManager[None]:
 
 
 class FlatQuantizedLinear(nn.QuantizedLinear):
-    """nn.QuantizedLinear whose product, inside flat_rows(), takes every leading axis as rows."""
+    """nn.QuantizedLinear whose product, inside flat_rows(), takes every leading axis as rows, through the
+    quantized GEMM kernel where use_quantized_gemm() turned it on (_kernel)."""
+
+    _kernel = False
 
     def __call__(self, x: mx.array) -> mx.array:
-        if _active.on and x.ndim > 2:
+        if not _active.on:
+            return super().__call__(x)
+        if self._kernel and x.size // x.shape[-1] in QUANTIZED_GEMM_ROWS:
+            y = quantized_gemm.quantized_gemm(x, self.weight, self.scales, self.biases, self.bits, self.group_size)
+            return y + self["bias"] if "bias" in self else y
+        if x.ndim > 2:
             return super().__call__(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
         return super().__call__(x)
 
@@ -44,15 +61,62 @@ class FlatQuantizedLinear(nn.QuantizedLinear):
 QUANTIZED_LINEAR = (nn.QuantizedLinear, FlatQuantizedLinear)
 
 
+def _quantized_linears(model: nn.Module) -> list[nn.QuantizedLinear]:
+    """The model's nn.QuantizedLinear layers, merged groups' separate parts included."""
+    mods = [x for _, m in model.named_modules() for x in (m, *getattr(m, "_separate", ()))]
+    return [m for m in mods if type(m) in QUANTIZED_LINEAR]
+
+
 def flatten_quantized(model: nn.Module) -> int:
     """Swap the model's nn.QuantizedLinear layers (merged groups' separate parts included) for
     FlatQuantizedLinear; returns how many layers are swapped (those of an earlier call included)."""
     if not envs.PAGEDMLX_FLAT_QUANTIZED:
         return 0
-    mods = [x for _, m in model.named_modules() for x in (m, *getattr(m, "_separate", ()))]
-    swapped = 0
+    mods = _quantized_linears(model)
     for m in mods:
-        if type(m) in QUANTIZED_LINEAR:
-            m.__class__ = FlatQuantizedLinear
-            swapped += 1
-    return swapped
+        m.__class__ = FlatQuantizedLinear
+    return len(mods)
+
+
+def _takes(m: nn.QuantizedLinear) -> bool:
+    k = m.weight.shape[1] * 32 // m.bits
+    return (type(m) is FlatQuantizedLinear and "biases" in m
+            and quantized_gemm.supports(QUANTIZED_GEMM_ROWS[-1], k, m.scales.dtype, m.bits, m.group_size,
+                                        getattr(m, "mode", "affine")))
+
+
+def use_quantized_gemm(setting: Optional[bool], model: nn.Module, kernels_enabled: bool) -> bool:
+    """EngineConfig.quantized_gemm at load (None: on CUDA): the model's flattened quantized layers of a format the
+    kernel takes run it for QUANTIZED_GEMM_ROWS rows, if it passes its check at their widths. Warns why not when
+    asked for; by default a model with no such layers keeps MLX's quantized matmul quietly."""
+    backend = build.gpu_backend()
+    if not (setting or (setting is None and backend == CUDA and kernels_enabled)):
+        return False
+    taken = [m for m in _quantized_linears(model) if _takes(m)]
+    why = ("it needs CUDA's kernels" if backend != CUDA or not kernels_enabled
+           else "no quantized layer of a format it takes (affine 4 or 8 bits, group size 32, 64 or 128, "
+                "16-bit scales)" if not taken else None)
+    if why is not None and setting is None:
+        return False
+    if why is None:
+        by_dtype: dict = {}
+        for m in taken:
+            shape = (m.weight.shape[0], m.weight.shape[1] * 32 // m.bits, m.bits, m.group_size)
+            by_dtype.setdefault(m.scales.dtype, {})[(shape[1:], quantized_gemm.warps_for(*shape[:2]))] = shape
+        why = next((err for dtype, shapes in by_dtype.items()
+                    if (err := quantized_gemm.check_quantized_gemm(sorted(shapes.values()), dtype))), None)
+    if why is not None:
+        logger.warning("quantized products left to MLX's quantized matmul (quantized_gemm): %s", why)
+        return False
+    for m in taken:
+        m._kernel = True
+    logger.info("%d quantized layers take the quantized GEMM kernel for %d-%d rows (layers/quantized_linear.py)",
+                len(taken), QUANTIZED_GEMM_ROWS[0], QUANTIZED_GEMM_ROWS[-1])
+    return True
+
+
+def drop_quantized_gemm(model: nn.Module) -> bool:
+    """Every layer back to MLX's quantized matmul; False (the runner's flag)."""
+    for m in _quantized_linears(model):
+        m._kernel = False
+    return False

@@ -80,7 +80,8 @@ def runner_check_key(runner: Any, identity: Optional[str]) -> Optional[str]:
     if identity is None:
         return None
     setup = (runner.block_size, runner.merges, runner.merged_groups, bool(runner.skinny), bool(runner.fused_norms),
-             runner._head is not None, repr(runner.kernels), sorted(runner.kv_quant), runner.windows)
+             runner._head is not None, repr(runner.kernels), sorted(runner.kv_quant), runner.windows,
+             bool(getattr(runner, "quantized_gemm", False)))
     return check_key("model", identity, *setup)
 
 

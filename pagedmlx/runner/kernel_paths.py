@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from pagedmlx.kernels import decode_attention, decode_attention_quant, prefill_attention
 from pagedmlx.kernels.dialect import CUDA
-from pagedmlx.layers import skinny_linear
+from pagedmlx.layers import quantized_linear, skinny_linear
 
 PORTABLE = "gather + SDPA"  # pages gathered into a contiguous copy, then MLX's attention
 
@@ -65,6 +65,10 @@ def kernel_path_lines(runner: Any) -> list[str]:
     if getattr(runner, "skinny", False):
         rows = skinny_linear.rows_taken()
         lines.append(f"products of {rows[0]}-{rows[-1]} rows: skinny GEMM kernel (layers/skinny_linear.py)")
+    if getattr(runner, "quantized_gemm", False):
+        rows = quantized_linear.QUANTIZED_GEMM_ROWS
+        lines.append(f"quantized products of {rows[0]}-{rows[-1]} rows: quantized GEMM kernel "
+                     "(layers/quantized_linear.py)")
     lora = getattr(runner, "lora_manager", None)
     if lora is not None:
         lines.append("LoRA adapters: " + (f"batched LoRA kernel on {lora.punica.kernel_backend} (DoRA rows: MLX's "

@@ -21,7 +21,7 @@ from pagedmlx.runner.compiled_step import AUTO_MAX_DECODES, CompiledDecode
 from pagedmlx.layers.fused_residual import fuse_norms, fused_residuals
 from pagedmlx.runner.lm_head import split_lm_head
 from pagedmlx.layers.merged_linear import merge_projections, merged_products
-from pagedmlx.layers.quantized_linear import flat_rows, flatten_quantized
+from pagedmlx.layers.quantized_linear import flat_rows, flatten_quantized, use_quantized_gemm
 from pagedmlx.layers.skinny_linear import skinny_products, use_skinny_gemm
 from pagedmlx.runner.attention_metadata import (StepMetadata, sdpa_shape_quantum)
 from pagedmlx.runner.plan import UnsupportedModelError, model_type, plan_layers
@@ -108,6 +108,7 @@ class ModelRunner:
                                             sinks=tuple(sorted({p.sinks for p in attending})))
         self.fused_norms = fuse_norms(config.fuse_norms, model, self._body, self.kernels)
         self.skinny = use_skinny_gemm(config.skinny_gemm, model, self.kernels.enabled)
+        self.quantized_gemm = use_quantized_gemm(config.quantized_gemm, model, self.kernels.enabled)
         self.sdpa_quantum = (config.sdpa_quantum if config.sdpa_quantum is not None
                              else sdpa_shape_quantum(build.gpu_backend()))
         if self.kernels.state:

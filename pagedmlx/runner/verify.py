@@ -7,6 +7,7 @@ import logging
 from typing import Optional
 
 from pagedmlx.kernels.check import error_line
+from pagedmlx.layers.quantized_linear import drop_quantized_gemm
 from pagedmlx.layers.skinny_linear import drop_skinny_gemm
 from pagedmlx.runner import check_cache
 from pagedmlx.runner.plan import UnsupportedModelError, model_type
@@ -36,6 +37,11 @@ def verify_against_mlx_lm(runner, key: Optional[str] = None) -> None:
     if err is not None and runner.skinny:  # our own products give way first (layers/skinny_linear.py)
         logger.warning("few-row products left to MLX's matmul: the paged forward disagrees with them (%s)", err)
         runner.skinny = drop_skinny_gemm(runner.model)
+        err = _check(runner)
+    if err is not None and runner.quantized_gemm:  # likewise the quantized GEMM (layers/quantized_linear.py)
+        logger.warning("quantized products left to MLX's quantized matmul: the paged forward disagrees with them "
+                       "(%s)", err)
+        runner.quantized_gemm = drop_quantized_gemm(runner.model)
         err = _check(runner)
     if err is not None and runner.fused_norms:  # the fused residual adds give way first (layers/fused_residual.py)
         logger.warning("residual adds not fused with their norms: the paged forward disagrees with them (%s)", err)

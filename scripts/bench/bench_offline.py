@@ -188,6 +188,9 @@ def main() -> None:
                          "backends); mlx-lm's runs keep the separate modules either way")
     ap.add_argument("--skinny-gemm", action=argparse.BooleanOptionalAction, default=None,
                     help="EngineConfig.skinny_gemm: products of 2-5 rows as pagedmlx's kernel (default: on CUDA)")
+    ap.add_argument("--quantized-gemm", action=argparse.BooleanOptionalAction, default=None,
+                    help="EngineConfig.quantized_gemm: quantized products of 2-256 rows as pagedmlx's kernel "
+                         "(default: on CUDA)")
     ap.add_argument("--skip-peer", action="store_true", help="run pagedmlx only (for sweeps of its own settings)")
     ap.add_argument("--peer-max-batch", type=int, help="run mlx-lm at batch sizes up to this only (larger: pagedmlx "
                                                       "only, mlx-lm's cells nan)")
@@ -221,7 +224,8 @@ def main() -> None:
         max_model_len=tokens_per_seq + 1, enable_prefix_caching=False,
         async_scheduling=False if args.no_async else (True if args.ab_async else None),
         compile_decode=args.compile_decode, merge_projections=args.merge_projections,
-        kv_cache_dtype=args.kv_cache_dtype, skinny_gemm=args.skinny_gemm))
+        kv_cache_dtype=args.kv_cache_dtype, skinny_gemm=args.skinny_gemm,
+        quantized_gemm=args.quantized_gemm))
 
     startup_s = time.perf_counter() - t_engine  # the load-time checks and their kernels' builds
     console = Console()

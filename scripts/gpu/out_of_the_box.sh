@@ -4,7 +4,8 @@
 # clients with the default KV pool (sized by --gpu-memory-utilization) against --kv-cache-gb KV_GB; a table last.
 # The model is written once as an mlx-lm folder (scripts/export_mlx_model.py) so that mlx_lm.server's start is
 # timed on the very same files; "ready" is the first answered one-token completion, for both servers.
-#   bash scripts/gpu/out_of_the_box.sh            MODEL (default preset:llama-8b), CLIENTS (256), KV_GB (30)
+#   bash scripts/gpu/out_of_the_box.sh            MODEL (default preset:llama-8b), CLIENTS (256), KV_GB (30),
+#                                                 STARTS_ONLY=1: no load, the start times only
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ootb}; mkdir -p "$OUT"
@@ -46,8 +47,10 @@ load() {  # name
 serve mlx-lm && stop
 serve mlx-lm && stop
 serve cold && stop
-serve warm && load default && stop
-serve pool --kv-cache-gb "$KV_GB" && load pool && stop
+if [ -n "${STARTS_ONLY:-}" ]; then serve warm && stop; else  # STARTS_ONLY=1: the start times only
+  serve warm && load default && stop
+  serve pool --kv-cache-gb "$KV_GB" && load pool && stop
+fi
 python3 - "$OUT" "$KV_GB" <<'PY'
 import json, sys
 from pathlib import Path

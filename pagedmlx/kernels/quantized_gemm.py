@@ -1,0 +1,134 @@
+"""The products of quantized linear layers over a step's rows as one launch of our own on CUDA: MLX's affine 4- and
+8-bit weights dequantized in registers, multiplied on tensor cores (sources/quantized_gemm_cuda.py).
+
+Why: MLX's CUDA quantized matmul (0.32) multiplies 2-256 rows with its tiled kernel (qmm_sm80), which on an H100
+drew about 190 GB/s of a 4-bit Llama-8B's weights at 64 rows: its step took twice bf16's. This kernel reads each
+weight once a step for up to 8 * MT rows a thread block. Where it runs is decided at load (check_quantized_gemm
+against MLX's quantized matmul at the model's widths)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from pagedmlx.kernels import build, check
+from pagedmlx.kernels.dialect import CUDA, render
+from pagedmlx.kernels.sources import decode_attention_mma_cuda as mma_src
+from pagedmlx.kernels.sources import prefill_attention_cuda as prefill_src
+from pagedmlx.kernels.sources import quantized_gemm_cuda as src
+
+BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128)
+DTYPES = (mx.bfloat16, mx.float16)
+TOLERANCE = {mx.bfloat16: 2e-2, mx.float16: 4e-3}  # relative to the output's largest magnitude
+MAX_ROWS = 256  # x's rows a launch takes; more (long prefill chunks) take MLX's quantized matmul
+MAX_TILES = 8  # 8-row tiles of x a thread block takes (MT): more rows launch more blocks, each reading the weights
+SHARED_BYTES = 48 * 1024  # a block's static shared memory: its warps' partial tiles
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A launch's shape: 16-column tiles a warp computes (nt), 8-row tiles of x a block takes (mt), warps splitting
+    K (warps)."""
+
+    nt: int
+    mt: int
+    warps: int
+
+    def shared_bytes(self) -> int:
+        return self.warps * self.nt * 16 * (self.mt * 8 + 1) * 4
+
+
+def warps_for(n: int, k: int) -> int:
+    """Warps a thread block splits K over: enough warps in all to keep loads in flight (~16 an SM of an H100's 132),
+    each taking at least 4 of K's 128-wide chunks. From N and K only, so that a row's sums are the same at any M."""
+    warps = 1
+    while warps < 8 and -(-n // 16) * warps < 2048 and k // 128 >= 4 * warps * 2:
+        warps *= 2
+    return warps
+
+
+def launch_for(n: int, k: int, rows: int) -> Launch:
+    """The launch for a product of `rows` rows against an (N, K) weight."""
+    mt = 1
+    while mt < MAX_TILES and 8 * mt < rows:
+        mt *= 2
+    return Launch(1, mt, warps_for(n, k))
+
+
+def quantized_gemm_source() -> str:
+    return render(src.QUANTIZED_GEMM, CUDA)
+
+
+def _header() -> str:  # read at build time: tests stand in the emulator's PTX helpers
+    return mma_src.MMA_HEADER + prefill_src.PREFILL_HEADER + src.QUANTIZED_GEMM_HEADER
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    return build.make_kernel(CUDA, "pagedmlx_quantized_gemm", ["x", "w", "scales", "biases"], ["y"],
+                             quantized_gemm_source(), _header())
+
+
+def supports(rows: int, k: int, dtype: mx.Dtype, bits: int, group_size: int, mode: str = "affine") -> bool:
+    """The kernel takes `rows` rows of width K (input features) against weights of this format: MLX's affine
+    quantization at BITS and GROUP_SIZES, 16-bit activations, K a whole number of 32-value runs."""
+    return (1 <= rows <= MAX_ROWS and mode == "affine" and bits in BITS and group_size in GROUP_SIZES
+            and dtype in DTYPES and k % 32 == 0 and k % group_size == 0)
+
+
+def quantized_gemm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int,
+                   launch: Optional[Launch] = None) -> mx.array:
+    """x @ dequantize(w, scales, biases).T for x (..., K) and MLX's affine (w, scales, biases) of N rows, as
+    mx.quantized_matmul(transpose=True) computes it up to the order of its float sums (supports() says which).
+    launch: the launch's shape (default launch_for; studies)."""
+    *lead, k = x.shape
+    rows, n = x.size // k, w.shape[0]
+    launch = launch or launch_for(n, k, rows)
+    dtype = scales.dtype
+    y = _kernel()(
+        inputs=[x.reshape(rows, k).astype(dtype), w, scales, biases],
+        template=[("T", dtype), ("BITS", bits), ("GS", group_size), ("NT", launch.nt), ("MT", launch.mt),
+                  ("WARPS", launch.warps)],
+        grid=(-(-n // (16 * launch.nt)) * 32 * launch.warps, -(-rows // (8 * launch.mt)), 1),
+        threadgroup=(32 * launch.warps, 1, 1), output_shapes=[(rows, n)], output_dtypes=[dtype])[0]
+    return y.reshape(*lead, n)
+
+
+def check_rows(max_rows: int) -> tuple[int, ...]:
+    """Row counts the load-time check takes: each row tile count (MT) a launch uses, a partial tile of each, and
+    more rows than one block takes."""
+    rows = {1, 2, 7, 9, 16, 17, 33, 64, 8 * MAX_TILES + 1, max_rows}
+    return tuple(sorted(r for r in rows if r <= max_rows))
+
+
+def check_quantized_gemm(shapes: Sequence[tuple[int, int, int, int]], dtype: mx.Dtype = mx.bfloat16,
+                         rows_checked: Sequence[int] = check_rows(MAX_ROWS), seed: int = 0) -> Optional[str]:
+    """The kernel against MLX's quantized matmul in float32 on the device (the same weights; MLX's CPU product
+    sums bfloat16 inputs less exactly than the kernel) for each (N, K, bits, group_size) in `shapes` (the model's,
+    at load) and row count. None if every output agrees within the dtype's tolerance, else what differs."""
+    try:
+        return _check(shapes, dtype, rows_checked, seed)
+    except Exception as exc:  # compilation or launch: MLX raises when the kernel is built or run
+        return f"did not compile or run ({check.error_line(exc)})"
+
+
+def _check(shapes, dtype, rows_checked, seed) -> Optional[str]:
+    keys = iter(mx.random.split(mx.random.key(seed), len(shapes) * (1 + len(rows_checked))))
+    for n, k, bits, group_size in shapes:
+        w, scales, biases = mx.quantize(mx.random.normal((n, k), dtype, scale=k ** -0.5, key=next(keys)),
+                                        group_size=group_size, bits=bits)
+        for rows in rows_checked:
+            x = mx.random.normal((rows, k), dtype, key=next(keys))
+            got = quantized_gemm(x, w, scales, biases, bits, group_size).astype(mx.float32)
+            want = mx.quantized_matmul(x.astype(mx.float32), w, scales.astype(mx.float32),
+                                       biases.astype(mx.float32), transpose=True, group_size=group_size, bits=bits)
+            err = (mx.abs(got - want).max() / mx.maximum(mx.abs(want).max(), 1e-6)).item()
+            if not (np.isfinite(err) and err <= TOLERANCE[dtype]):
+                return (f"max relative difference {err:.2e} > {TOLERANCE[dtype]:.0e} ({rows} rows x {k} @ {n} x {k}, "
+                        f"{bits}-bit, group size {group_size}, {check._dtype_name(dtype)})")
+    return None

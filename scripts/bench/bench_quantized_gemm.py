@@ -1,0 +1,88 @@
+"""The quantized GEMM kernel (kernels/quantized_gemm.py) against MLX's quantized matmul and a bf16 matmul of the same
+shape, per product of a model's widths and row count, on the device: microseconds a product (the median of repeats,
+each a chain of products over enough weight copies to miss the L2 cache), the weight bytes drawn a second, and the
+kernel's speed-up over MLX's product. --sweep also times every launch shape and prints the best.
+
+  python scripts/bench/bench_quantized_gemm.py --bits 4 --rows 1 2 8 32 64 128 256 [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import time
+
+import mlx.core as mx
+
+from pagedmlx.kernels import quantized_gemm as qg
+
+# (N, K) of Llama-8B's products as the engine runs them: q/k/v merged, o, gate/up merged, down, the head
+LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+L2_MISS_BYTES = 256 << 20  # weight copies a chain cycles through: several times an H100's / H200's 50 MB L2
+
+
+def timed(fn, calls: int, repeats: int) -> float:
+    """Microseconds a call: the median over repeats of a chain of `calls` calls evaluated together."""
+    mx.eval(fn(0))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mx.eval([fn(i) for i in range(calls)])
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(times)
+
+
+def launches(n: int, k: int, rows: int) -> list[qg.Launch]:
+    """Launch shapes worth timing: the default's row tiles or half as many, 1-2 column tiles, 1-8 warps."""
+    mt = qg.launch_for(n, k, rows).mt
+    shapes = itertools.product((1, 2), sorted({mt, max(1, mt // 2)}), (1, 2, 4, 8))
+    return [launch for launch in (qg.Launch(*s) for s in shapes) if launch.shared_bytes() <= qg.SHARED_BYTES]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--bits", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 8, 16, 32, 64, 128, 256])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--sweep", action="store_true", help="time every launch shape too, and print the best")
+    args = p.parse_args()
+    dtype = getattr(mx, args.dtype)
+    print(f"{mx.default_device()}  {args.dtype}  group size {args.group_size}")
+    print(f"{'bits':>4} {'N':>6} {'K':>6} {'rows':>4} {'MLX us':>8} {'bf16 us':>8} {'ours us':>8} {'GB/s':>6} "
+          f"{'vs MLX':>7} {'vs bf16':>7} {'err':>8}" + ("  best launch (us)" if args.sweep else ""))
+    for bits, (n, k) in itertools.product(args.bits, LLAMA_8B):
+        wbytes = n * k * bits // 8
+        copies = max(1, -(-L2_MISS_BYTES // wbytes))
+        ws = [mx.quantize(mx.random.normal((n, k), dtype, scale=k ** -0.5), group_size=args.group_size, bits=bits)
+              for _ in range(copies)]
+        dense = [mx.random.normal((n, k), dtype, scale=k ** -0.5) for _ in range(max(1, -(-copies // 4)))]
+        mx.eval(ws, dense)
+        calls = max(copies, 16)
+        for rows in args.rows:
+            x = mx.random.normal((rows, k), dtype)
+            mlx_us = timed(lambda i: mx.quantized_matmul(x, *ws[i % copies], transpose=True,
+                                                         group_size=args.group_size, bits=bits), calls, args.repeats)
+            bf16_us = timed(lambda i: x @ dense[i % len(dense)].T, calls, args.repeats)
+            ours_us = timed(lambda i: qg.quantized_gemm(x, *ws[i % copies], bits, args.group_size), calls,
+                            args.repeats)
+            want = mx.quantized_matmul(x.astype(mx.float32), ws[0][0], ws[0][1].astype(mx.float32),
+                                       ws[0][2].astype(mx.float32), transpose=True, group_size=args.group_size,
+                                       bits=bits)
+            got = qg.quantized_gemm(x, *ws[0], bits, args.group_size).astype(mx.float32)
+            err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
+            line = (f"{bits:>4} {n:>6} {k:>6} {rows:>4} {mlx_us:>8.1f} {bf16_us:>8.1f} {ours_us:>8.1f} "
+                    f"{wbytes / ours_us / 1e3:>6.0f} {mlx_us / ours_us:>6.2f}x {bf16_us / ours_us:>6.2f}x {err:>8.1e}")
+            if args.sweep:
+                best = min(((timed(lambda i, L=launch: qg.quantized_gemm(x, *ws[i % copies], bits, args.group_size,
+                                                                          launch=L), calls, 3), launch)
+                            for launch in launches(n, k, rows)), key=lambda t: t[0])
+                line += f"  nt{best[1].nt} mt{best[1].mt} w{best[1].warps} ({best[0]:.1f}; default " \
+                        f"{qg.launch_for(n, k, rows)})"
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""The quantized GEMM (kernels/quantized_gemm.py: MLX's affine 4- and 8-bit weights dequantized in registers and
+multiplied on tensor cores) run on the CPU in the kernel emulator, its PTX helpers emulated
+(tests/kernel_emulator/mma.py): its load-time check passes against MLX's quantized matmul for every format, row
+count and launch shape, and fails kernels that are wrong in the ways a kernel goes wrong; quantized layers swapped
+to it (layers/quantized_linear.py) give a busy engine mlx-lm's own tokens; where it cannot run the engine keeps
+MLX's product. What only the GPU shows: the real PTX, NVRTC's compile and speed
+(scripts/bench/bench_quantized_gemm.py)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from kernel_emulator import EmulatedKernel, have_compiler
+from kernel_emulator.mma import EMU_MMA_HEADER, EMU_PREFILL_HEADER
+from utils import assert_no_leaks, fast_first, make_prompts, run_staggered, solo_mismatch
+
+from pagedmlx.bench.presets import Quantization, quantize_model
+from pagedmlx.config import EngineConfig
+from pagedmlx.engine.llm_engine import LLMEngine
+from pagedmlx.kernels import build, quantized_gemm
+from pagedmlx.kernels.dialect import CUDA, foreign_names, leftover_tokens
+from pagedmlx.kernels.sources import decode_attention_mma_cuda as mma_src
+from pagedmlx.kernels.sources import prefill_attention_cuda as prefill_src
+from pagedmlx.kernels.sources import quantized_gemm_cuda as gemm_src
+from pagedmlx.layers import quantized_linear
+from pagedmlx.loaders.random_model import build_model
+from pagedmlx.runner.kernel_paths import kernel_path_lines
+from pagedmlx.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(not have_compiler(), reason="g++ runs the emulated kernels")
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    monkeypatch.setattr(build, "make_kernel", EmulatedKernel)
+    monkeypatch.setattr(mma_src, "MMA_HEADER", EMU_MMA_HEADER)
+    monkeypatch.setattr(prefill_src, "PREFILL_HEADER", EMU_PREFILL_HEADER)
+    quantized_gemm._kernel.cache_clear()
+    yield monkeypatch
+    quantized_gemm._kernel.cache_clear()
+
+
+def test_the_source_renders_for_cuda_and_names_nothing_of_metal():
+    text = quantized_gemm.quantized_gemm_source()
+    assert not leftover_tokens(text) and not foreign_names(text, CUDA) and "mma16816_rows(" in text
+
+
+def test_supported_formats():
+    assert quantized_gemm.supports(64, 4096, mx.bfloat16, 4, 64)
+    assert quantized_gemm.supports(1, 14336, mx.float16, 8, 128)
+    assert not quantized_gemm.supports(quantized_gemm.MAX_ROWS + 1, 4096, mx.bfloat16, 4, 64)  # a long chunk: MLX's
+    assert not quantized_gemm.supports(8, 4096, mx.float32, 4, 64)  # float32 scales
+    assert not quantized_gemm.supports(8, 4096, mx.bfloat16, 3, 64)
+    assert not quantized_gemm.supports(8, 4096, mx.bfloat16, 4, 32, mode="mxfp4")
+    assert not quantized_gemm.supports(8, 4112, mx.bfloat16, 4, 16)  # no 32-value runs in one group
+
+
+def test_a_launch_splits_k_by_the_weights_shape_only():
+    """warps_for depends on (N, K) alone, so a row's float sums are the same whatever the step's row count; row
+    tiles grow with the rows up to MAX_TILES, and every launch fits a block's shared memory."""
+    for n, k in ((1024, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (64, 256)):
+        launches = [quantized_gemm.launch_for(n, k, rows) for rows in range(1, quantized_gemm.MAX_ROWS + 1)]
+        assert {launch.warps for launch in launches} == {quantized_gemm.warps_for(n, k)}
+        assert [launch.mt for launch in launches][:18:8] == [1, 2, 4]
+        assert max(launch.mt for launch in launches) == quantized_gemm.MAX_TILES
+        assert all(launch.shared_bytes() <= quantized_gemm.SHARED_BYTES for launch in launches)
+
+
+FORMATS = [(4, 64, mx.bfloat16), (4, 32, mx.bfloat16), (4, 128, mx.float16), (8, 64, mx.bfloat16),
+           (8, 32, mx.float16)]
+LAUNCHES = [None, quantized_gemm.Launch(2, 2, 2), quantized_gemm.Launch(1, 4, 4)]
+
+
+@pytest.mark.parametrize("bits,group_size,dtype", fast_first(1, FORMATS))
+@pytest.mark.parametrize("launch", fast_first(1, LAUNCHES, unpack=False), ids=["default", "nt2-mt2-w2", "mt4-w4"])
+def test_emulated_kernel_passes_its_check(emulated, bits, group_size, dtype, launch):
+    """Against MLX's quantized matmul in float32 on the same weights, at the tolerance of the output's dtype
+    (rounding it is 2e-3 of bf16's largest magnitude): N not a whole number of tiles, K a whole number of
+    32-value runs but not of a warp's 128-value chunks, rows of partial tiles and of several blocks."""
+    if launch is not None:
+        emulated.setattr(quantized_gemm, "launch_for", lambda n, k, rows: launch)
+    k = 1024 + max(group_size, 64)  # past whole 128-value chunks, but for group size 128
+    assert quantized_gemm.check_quantized_gemm([(40, k, bits, group_size)], dtype,
+                                               rows_checked=(1, 2, 9, 17, 40)) is None
+
+
+@pytest.mark.parametrize("original,wrong", [
+    ("(q >> (2 * i * BITS)) & MASK", "(q >> ((2 * i + 1) * BITS)) & MASK"),  # a pair's two values swapped
+    ("k0 += WARPS * 128", "k0 += 2 * WARPS * 128"),  # every other chunk of K
+    ("scales[n * row_groups + kl / GS]", "scales[n * row_groups + k0 / GS]"),  # the chunk's first group's scale
+    ("s += part[v][c][r]", "s += part[0][c][r]"),  # one warp's partial counted for all
+    ("IMIN(m0 + mt * 8 + g, M - 1)", "IMIN(m0 + g, M - 1)"),  # every row tile reads the first's rows
+    ("a[nt][0][2 * j + 1], a[nt][1][2 * j + 1]", "a[nt][1][2 * j + 1], a[nt][0][2 * j + 1]"),  # A's rows mixed
+])
+def test_the_check_fails_a_wrong_kernel(emulated, original, wrong):
+    name = next(n for n in ("QUANTIZED_GEMM", "QUANTIZED_GEMM_HEADER") if original in getattr(gemm_src, n))
+    emulated.setattr(gemm_src, name, getattr(gemm_src, name).replace(original, wrong, 1))
+    emulated.setattr(quantized_gemm, "launch_for", lambda n, k, rows: quantized_gemm.Launch(1, 2, 2))
+    err = quantized_gemm.check_quantized_gemm([(32, 512, 4, 64)], mx.bfloat16, rows_checked=(16,))
+    assert err is not None and "max relative difference" in err
+
+
+def test_a_kernel_that_does_not_build_is_a_reason_not_a_crash(emulated):
+    emulated.setattr(gemm_src, "QUANTIZED_GEMM", gemm_src.QUANTIZED_GEMM + "\n    no_such_function();")
+    err = quantized_gemm.check_quantized_gemm([(32, 512, 4, 64)], mx.bfloat16, rows_checked=(2,))
+    assert err is not None and err.startswith("did not compile or run")
+
+
+LLAMA = dict(model_type="llama", hidden_size=256, num_hidden_layers=2, intermediate_size=512, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=512, rms_norm_eps=1e-5, tie_word_embeddings=False)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def _quantized_model(seed: int, quantization: Quantization = Quantization(4, 64)) -> nn.Module:
+    model = build_model(LLAMA, seed=seed)
+    model.set_dtype(mx.bfloat16)
+    quantize_model(model, quantization)  # as the quantized presets and mlx-lm's convert do
+    return model
+
+
+def _cpu():
+    return None
+
+
+def _float32_sums(real=mx.quantized_matmul):
+    """MLX's quantized product as a GPU computes it: the weights dequantized once into x's dtype, float32 sums
+    (MLX's CPU product sums bfloat16 inputs less exactly: 1% of the largest output at K = 128)."""
+    def product(x, w, scales, biases=None, transpose=True, group_size=64, bits=4, **kw):
+        if x.dtype == mx.float32:
+            return real(x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits, **kw)
+        weights = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group_size,
+                                bits=bits).astype(x.dtype).astype(mx.float32)
+        return (x.astype(mx.float32) @ (weights.T if transpose else weights)).astype(x.dtype)
+    return product
+
+
+def test_busy_engine_with_the_kernel_equals_mlx_lm_alone(emulated):
+    """A bf16 4-bit model with 8-bit embeddings and head: every quantized product of 2-256 rows of the engine's
+    steps (decodes of up to 8 requests beside chunked prompts, merged projections) runs the kernel, and each
+    request's tokens are mlx-lm's for its prompt alone, up to rounding's near ties; MLX's own products, the
+    engine's one-row ones and mlx-lm's, sum in float32 as on the GPU (_float32_sums)."""
+    emulated.setattr(mx, "quantized_matmul", _float32_sums())
+    model = _quantized_model(31, Quantization(4, 64, head_bits=8))
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=256, max_num_batched_tokens=48,
+                                                 long_prefill_token_threshold=16, max_num_seqs=8,
+                                                 compile_decode=False))  # the emulator evaluates: no traces
+    runner = engine.runner
+    assert not runner.quantized_gemm  # off by default on the CPU
+    emulated.setattr(build, "gpu_backend", lambda: CUDA)
+    runner.quantized_gemm = quantized_linear.use_quantized_gemm(True, model, True)  # its check, emulated
+    emulated.setattr(build, "gpu_backend", _cpu)
+    assert runner.quantized_gemm
+    assert "quantized products of 2-256 rows: quantized GEMM kernel" in "\n".join(kernel_path_lines(runner))
+    rows, real = [], quantized_gemm.quantized_gemm
+    emulated.setattr(quantized_gemm, "quantized_gemm", lambda x, *a, **k: rows.append(x.size // x.shape[-1])
+                     or real(x, *a, **k))
+    prompts = [p[:40] for p in make_prompts(10, LLAMA["vocab_size"], seed=13)]
+    done = run_staggered(engine, prompts, GREEDY, seed=3)
+    assert rows and min(rows) >= 2 and max(rows) > 8
+    for i, p in enumerate(prompts):
+        why = solo_mismatch(done[str(i)], model, p, GREEDY.max_tokens)
+        assert why is None, f"request {i}: {why}"
+    assert_no_leaks(engine)
+    quantized_linear.drop_quantized_gemm(model)
+    assert not any(m._kernel for m in quantized_linear._quantized_linears(model))
+
+
+def test_on_by_default_on_cuda_only_and_asked_for_elsewhere_says_why(emulated, caplog):
+    model = _quantized_model(33)
+    quantized_linear.flatten_quantized(model)
+    assert not quantized_linear.use_quantized_gemm(None, model, True)  # the CPU: quietly MLX's
+    with caplog.at_level("WARNING", logger="pagedmlx"):
+        assert not quantized_linear.use_quantized_gemm(True, model, True)
+    assert "quantized_gemm): it needs CUDA's kernels" in caplog.text
+    emulated.setattr(build, "gpu_backend", lambda: CUDA)
+    assert not quantized_linear.use_quantized_gemm(None, model, False)  # kernels off
+    checked = []
+    emulated.setattr(quantized_gemm, "check_quantized_gemm", lambda shapes, dtype: checked.append(shapes))
+    assert quantized_linear.use_quantized_gemm(None, model, True)
+    taken = [m for m in quantized_linear._quantized_linears(model) if m._kernel]
+    assert len(taken) == 2 * 7 + 1  # each layer's seven projections and the head
+    assert checked and all(shape[2:] == (4, 64) for shapes in checked for shape in shapes)
+
+
+def test_a_failed_check_keeps_mlx_quantized_matmul(emulated, caplog):
+    model = _quantized_model(35)
+    quantized_linear.flatten_quantized(model)
+    emulated.setattr(build, "gpu_backend", lambda: CUDA)
+    emulated.setattr(quantized_gemm, "check_quantized_gemm", lambda shapes, dtype: "max relative difference 1")
+    with caplog.at_level("WARNING", logger="pagedmlx"):
+        assert not quantized_linear.use_quantized_gemm(None, model, True)
+    assert "left to MLX's quantized matmul (quantized_gemm): max relative difference 1" in caplog.text
+    assert not any(m._kernel for m in quantized_linear._quantized_linears(model))
