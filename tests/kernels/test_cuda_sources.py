@@ -15,7 +15,7 @@ import pytest
 from nvcc_utils import RecordingCudaKernel, compile_sources, have_nvcc
 
 from pagedmlx.kernels import (add_rms_norm, build, decode_attention, decode_attention_quant, lora, page_write,
-                              prefill_attention, recurrent_state, skinny_gemm)
+                              prefill_attention, quantized_gemm, recurrent_state, skinny_gemm)
 from pagedmlx.core.kv.cache_dtype import KVQuant
 from pagedmlx.runner.kv_quant import QuantizedPages
 
@@ -104,7 +104,7 @@ def attention_cases():
 
 
 def quantized_cases():
-    """Quantized pages: decode on tensor cores (every head_dim it takes, int8 / int4 at each group size, window
+    """Quantized weights' GEMM (formats, row tiles, K split); quantized pages: decode on tensor cores (every head_dim it takes, int8 / int4 at each group size, window
     and sinks, unsplit and split) and on lanes; prefill (both head dims, int8 and int4); the page writes."""
     one = mx.zeros((1,), mx.int32)
     lanes = decode_attention.SETTINGS["cuda"].__class__(**{**decode_attention.SETTINGS["cuda"].__dict__, "mma": 0})
@@ -142,6 +142,11 @@ def quantized_cases():
                 prefill_attention.paged_prefill(mx.zeros((16, g, d), dt), *pages, mx.zeros((1, 2), mx.int32),
                                                 mx.zeros((1, 4), mx.int32), mx.zeros((1, 2), mx.int32), 1.0, splits,
                                                 one, window=window, sinks=mx.zeros((g,)) if sinks else None)
+    for dt, bits, group_size in ((mx.bfloat16, 4, 64), (mx.float16, 8, 32), (mx.bfloat16, 4, 128)):
+        for rows, n, k in ((2, 6144, 4096), (64, 4096, 14336), (256, 28672, 4096), (9, 1000, 1088)):
+            RecordingCudaKernel.label = f"quantized_gemm {dt} {bits}-bit g{group_size} M={rows} K={k} N={n}"
+            w, scales, biases = mx.quantize(mx.zeros((n, k), dt), group_size=group_size, bits=bits)
+            quantized_gemm.quantized_gemm(mx.zeros((rows, k), dt), w, scales, biases, bits, group_size)
     for dt in (mx.bfloat16, mx.float16, mx.float32):
         for quant in (KVQuant(8, 128), KVQuant(4, 32)):
             RecordingCudaKernel.label = f"page write {dt} {quant}"
@@ -158,7 +163,8 @@ def recorded(monkeypatch):
     monkeypatch.setattr(build, "make_kernel", RecordingCudaKernel)
     cached = (decode_attention._kernels, decode_attention_quant._kernels, page_write._write_kernel,
               page_write._quant_write_kernel, page_write._quantizing_write_kernel, prefill_attention._prefill_kernels,
-              recurrent_state._kernel, lora._kernel, add_rms_norm._kernel, skinny_gemm._kernel)
+              recurrent_state._kernel, lora._kernel, add_rms_norm._kernel, skinny_gemm._kernel,
+              quantized_gemm._kernel)
     for fn in cached:
         fn.cache_clear()
     RecordingCudaKernel.sources = []

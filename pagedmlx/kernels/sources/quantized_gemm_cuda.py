@@ -41,6 +41,27 @@ QUANTIZED_GEMM = """
         for (int mt = 0; mt < MT; ++mt)
             #pragma unroll
             for (int e = 0; e < 4; ++e) d[nt][mt][e] = 0.0f;
+    // A chunk's packed words, scales and biases are loaded one chunk ahead (held raw), so that a warp's next
+    // weights are in flight while it multiplies.
+    uint4 q[NT][2][BITS / 4];
+    float sc[NT][2], bi[NT][2];
+    auto load = [&](int k0) {
+        const int kl = k0 + 32 * t;
+        const bool live = kl < K;
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const size_t n = IMIN(n0 + nt * 16 + g + 8 * h, N - 1);
+                sc[nt][h] = live ? static_cast<float>(scales[n * row_groups + kl / GS]) : 0.0f;
+                bi[nt][h] = live ? static_cast<float>(biases[n * row_groups + kl / GS]) : 0.0f;
+                const auto* words = reinterpret_cast<const uint4*>(w + n * row_words + kl / 32 * BITS);
+                #pragma unroll
+                for (int v = 0; v < BITS / 4; ++v) q[nt][h][v] = live ? LOAD16(words + v) : make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+    };
+    load(warp * 128);
     for (int k0 = warp * 128; k0 < K; k0 += WARPS * 128) {
         const int kl = k0 + 32 * t;
         const bool live = kl < K;
@@ -49,20 +70,17 @@ QUANTIZED_GEMM = """
         for (int nt = 0; nt < NT; ++nt) {
             #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const size_t n = IMIN(n0 + nt * 16 + g + 8 * h, N - 1);
-                const float s = live ? static_cast<float>(scales[n * row_groups + kl / GS]) : 0.0f;
-                const float b = live ? static_cast<float>(biases[n * row_groups + kl / GS]) : 0.0f;
-                const auto* q = reinterpret_cast<const uint4*>(w + n * row_words + kl / 32 * BITS);
                 #pragma unroll
                 for (int v = 0; v < BITS / 4; ++v) {
-                    const uint4 u = live ? LOAD16(q + v) : make_uint4(0u, 0u, 0u, 0u);
-                    dequantize_word<BITS, T>(u.x, s, b, &a[nt][h][(4 * v + 0) * 16 / BITS]);
-                    dequantize_word<BITS, T>(u.y, s, b, &a[nt][h][(4 * v + 1) * 16 / BITS]);
-                    dequantize_word<BITS, T>(u.z, s, b, &a[nt][h][(4 * v + 2) * 16 / BITS]);
-                    dequantize_word<BITS, T>(u.w, s, b, &a[nt][h][(4 * v + 3) * 16 / BITS]);
+                    const uint4 u = q[nt][h][v];
+                    dequantize_word<BITS, T>(u.x, sc[nt][h], bi[nt][h], &a[nt][h][(4 * v + 0) * 16 / BITS]);
+                    dequantize_word<BITS, T>(u.y, sc[nt][h], bi[nt][h], &a[nt][h][(4 * v + 1) * 16 / BITS]);
+                    dequantize_word<BITS, T>(u.z, sc[nt][h], bi[nt][h], &a[nt][h][(4 * v + 2) * 16 / BITS]);
+                    dequantize_word<BITS, T>(u.w, sc[nt][h], bi[nt][h], &a[nt][h][(4 * v + 3) * 16 / BITS]);
                 }
             }
         }
+        if (k0 + WARPS * 128 < K) load(k0 + WARPS * 128);
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             if (m0 + mt * 8 >= M) break;  // the same for every lane: no mma left half-issued
