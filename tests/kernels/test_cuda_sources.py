@@ -104,8 +104,9 @@ def attention_cases():
 
 
 def quantized_cases():
-    """Quantized weights' GEMM (formats, row tiles, K split); quantized pages: decode on tensor cores (every head_dim it takes, int8 / int4 at each group size, window
-    and sinks, unsplit and split) and on lanes; prefill (both head dims, int8 and int4); the page writes."""
+    """Quantized weights' GEMM (formats, row tiles, K split); quantized pages: decode on tensor cores (every
+    head_dim it takes, int8 / int4 at each group size, window and sinks, unsplit and split) and on lanes; prefill
+    (both head dims, int8 and int4); the page writes."""
     one = mx.zeros((1,), mx.int32)
     lanes = decode_attention.SETTINGS["cuda"].__class__(**{**decode_attention.SETTINGS["cuda"].__dict__, "mma": 0})
     for dt, d, g, window, sinks in ((mx.bfloat16, 128, 4, 0, False), (mx.bfloat16, 128, 7, 100, True),
