@@ -27,6 +27,7 @@ import mlx.nn as nn
 from pagedmlx import envs
 from pagedmlx.kernels import build, quantized_gemm
 from pagedmlx.kernels.dialect import CUDA
+from pagedmlx.runner import check_cache
 from pagedmlx.runner.thread_flag import ThreadFlag
 
 logger = logging.getLogger("pagedmlx")
@@ -103,8 +104,7 @@ def use_quantized_gemm(setting: Optional[bool], model: nn.Module, kernels_enable
         for m in taken:
             shape = (m.weight.shape[0], m.weight.shape[1] * 32 // m.bits, m.bits, m.group_size)
             by_dtype.setdefault(m.scales.dtype, {})[(shape[1:], quantized_gemm.warps_for(*shape[:2]))] = shape
-        why = next((err for dtype, shapes in by_dtype.items()
-                    if (err := quantized_gemm.check_quantized_gemm(sorted(shapes.values()), dtype))), None)
+        why = next((err for dtype, shapes in by_dtype.items() if (err := _check(sorted(shapes.values()), dtype))), None)
     if why is not None:
         logger.warning("quantized products left to MLX's quantized matmul (quantized_gemm): %s", why)
         return False
@@ -113,6 +113,18 @@ def use_quantized_gemm(setting: Optional[bool], model: nn.Module, kernels_enable
     logger.info("%d quantized layers take the quantized GEMM kernel for %d-%d rows (layers/quantized_linear.py)",
                 len(taken), QUANTIZED_GEMM_ROWS[0], QUANTIZED_GEMM_ROWS[-1])
     return True
+
+
+def _check(shapes: list[tuple[int, int, int, int]], dtype: mx.Dtype) -> Optional[str]:
+    """The kernel's load-time check at these shapes, skipped where it passed before (runner/check_cache.py: same
+    source, MLX and device)."""
+    key = check_cache.check_key("quantized_gemm", shapes, dtype)
+    if check_cache.passed(key):
+        return None
+    why = quantized_gemm.check_quantized_gemm(shapes, dtype)
+    if why is None:
+        check_cache.record_pass(key)
+    return why
 
 
 def drop_quantized_gemm(model: nn.Module) -> bool:
