@@ -192,3 +192,18 @@ def test_a_failed_check_keeps_mlx_quantized_matmul(emulated, caplog):
         assert not quantized_linear.use_quantized_gemm(None, model, True)
     assert "left to MLX's quantized matmul (quantized_gemm): max relative difference 1" in caplog.text
     assert not any(m._kernel for m in quantized_linear._quantized_linears(model))
+
+
+def test_a_passed_check_is_kept_and_a_failed_one_runs_again(emulated, tmp_path):
+    """runner/check_cache.py keeps the check's pass for the same shapes, source, MLX and device; a failure is not
+    kept."""
+    emulated.setenv("PAGEDMLX_CACHE_DIR", str(tmp_path))
+    emulated.delenv("PAGEDMLX_CHECK_CACHE", raising=False)
+    emulated.setattr(build, "gpu_backend", lambda: CUDA)
+    results, runs = ["max relative difference 1", None, None], []
+    emulated.setattr(quantized_gemm, "check_quantized_gemm", lambda shapes, dtype: runs.append(shapes)
+                     or results[len(runs) - 1])
+    model = _quantized_model(37)
+    quantized_linear.flatten_quantized(model)
+    assert [quantized_linear.use_quantized_gemm(None, model, True) for _ in range(3)] == [False, True, True]
+    assert len(runs) == 2
