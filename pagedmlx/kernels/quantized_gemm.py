@@ -2,9 +2,9 @@
 8-bit weights dequantized in registers, multiplied on tensor cores (sources/quantized_gemm_cuda.py).
 
 Why: MLX's CUDA quantized matmul (0.32) multiplies 2-256 rows with its tiled kernel (qmm_sm80), which on an H100
-drew about 190 GB/s of a 4-bit Llama-8B's weights at 64 rows: its step took twice bf16's. This kernel reads each
-weight once a step for up to 8 * MT rows a thread block. Where it runs is decided at load (check_quantized_gemm
-against MLX's quantized matmul at the model's widths)."""
+drew a few hundred GB/s of a 4-bit Llama-8B's weights at 64 rows: its steps took twice bf16's. This kernel reads
+each weight once for up to 64 rows. Where it runs is decided at load (check_quantized_gemm against MLX's quantized
+matmul at the model's widths)."""
 
 from __future__ import annotations
 
@@ -27,29 +27,27 @@ DTYPES = (mx.bfloat16, mx.float16)
 TOLERANCE = {mx.bfloat16: 2e-2, mx.float16: 4e-3}  # relative to the output's largest magnitude
 MAX_ROWS = 256  # x's rows a launch takes; more (long prefill chunks) take MLX's quantized matmul
 MAX_TILES = 8  # 8-row tiles of x a thread block takes (MT): more rows launch more blocks, each reading the weights
-SHARED_BYTES = 48 * 1024  # a block's static shared memory: its warps' partial tiles
+WARPS = 8  # warps a thread block (WN), each 16 columns: a chunk of x staged in shared memory serves 128 columns
+BLOCKS = 264  # thread blocks a product is split up to along K (two an SM of an H100's 132)
 
 
 @dataclass(frozen=True)
 class Launch:
-    """A launch's shape: 16-column tiles a warp computes (nt), 8-row tiles of x a block takes (mt), warps splitting
-    K (warps)."""
+    """A launch's shape: 8-row tiles of x a block takes (mt), warps a block (wn, 16 columns each), splits of K
+    (ks: blocks along grid z, whose float32 partial sums are added)."""
 
-    nt: int
     mt: int
-    warps: int
-
-    def shared_bytes(self) -> int:
-        return self.warps * self.nt * 16 * (self.mt * 8 + 1) * 4
+    wn: int
+    ks: int
 
 
-def warps_for(n: int, k: int) -> int:
-    """Warps a thread block splits K over: enough warps in all to keep loads in flight (~16 an SM of an H100's 132),
-    each taking at least 4 of K's 128-wide chunks. From N and K only, so that a row's sums are the same at any M."""
-    warps = 1
-    while warps < 8 and -(-n // 16) * warps < 2048 and k // 128 >= 4 * warps * 2:
-        warps *= 2
-    return warps
+def k_splits(n: int, k: int) -> int:
+    """Splits of K: up to BLOCKS thread blocks (at one row tile), each taking at least 4 of K's 128-wide chunks.
+    From N and K only, so that a row's sums are the same at any M."""
+    blocks, chunks, ks = -(-n // (16 * WARPS)), -(-k // 128), 1
+    while ks < 8 and blocks * ks * 2 <= BLOCKS and chunks >= 4 * ks * 2:
+        ks *= 2
+    return ks
 
 
 def launch_for(n: int, k: int, rows: int) -> Launch:
@@ -57,7 +55,7 @@ def launch_for(n: int, k: int, rows: int) -> Launch:
     mt = 1
     while mt < MAX_TILES and 8 * mt < rows:
         mt *= 2
-    return Launch(1, mt, warps_for(n, k))
+    return Launch(mt, WARPS, k_splits(n, k))
 
 
 def quantized_gemm_source() -> str:
@@ -90,12 +88,14 @@ def quantized_gemm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
     rows, n = x.size // k, w.shape[0]
     launch = launch or launch_for(n, k, rows)
     dtype = scales.dtype
+    out = dtype if launch.ks == 1 else mx.float32
     y = _kernel()(
         inputs=[x.reshape(rows, k).astype(dtype), w, scales, biases],
-        template=[("T", dtype), ("BITS", bits), ("GS", group_size), ("NT", launch.nt), ("MT", launch.mt),
-                  ("WARPS", launch.warps)],
-        grid=(-(-n // (16 * launch.nt)) * 32 * launch.warps, -(-rows // (8 * launch.mt)), 1),
-        threadgroup=(32 * launch.warps, 1, 1), output_shapes=[(rows, n)], output_dtypes=[dtype])[0]
+        template=[("T", dtype), ("OUT", out), ("BITS", bits), ("GS", group_size), ("MT", launch.mt),
+                  ("WN", launch.wn), ("KS", launch.ks)],
+        grid=(-(-n // (16 * launch.wn)) * 32 * launch.wn, -(-rows // (8 * launch.mt)), launch.ks),
+        threadgroup=(32 * launch.wn, 1, 1), output_shapes=[(launch.ks, rows, n)], output_dtypes=[out])[0]
+    y = y[0] if launch.ks == 1 else y.sum(axis=0).astype(dtype)
     return y.reshape(*lead, n)
 
 

@@ -103,7 +103,7 @@ def use_quantized_gemm(setting: Optional[bool], model: nn.Module, kernels_enable
         by_dtype: dict = {}
         for m in taken:
             shape = (m.weight.shape[0], m.weight.shape[1] * 32 // m.bits, m.bits, m.group_size)
-            by_dtype.setdefault(m.scales.dtype, {})[(shape[1:], quantized_gemm.warps_for(*shape[:2]))] = shape
+            by_dtype.setdefault(m.scales.dtype, {})[(shape[1:], quantized_gemm.k_splits(*shape[:2]))] = shape
         why = next((err for dtype, shapes in by_dtype.items() if (err := _check(sorted(shapes.values()), dtype))), None)
     if why is not None:
         logger.warning("quantized products left to MLX's quantized matmul (quantized_gemm): %s", why)

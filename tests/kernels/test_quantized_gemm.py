@@ -57,23 +57,24 @@ def test_supported_formats():
 
 
 def test_a_launch_splits_k_by_the_weights_shape_only():
-    """warps_for depends on (N, K) alone, so a row's float sums are the same whatever the step's row count; row
-    tiles grow with the rows up to MAX_TILES, and every launch fits a block's shared memory."""
+    """k_splits depends on (N, K) alone, so a row's float sums are the same whatever the step's row count; row
+    tiles grow with the rows up to MAX_TILES; narrow products split K to fill the GPU, each split 4+ chunks."""
     for n, k in ((1024, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (64, 256)):
         launches = [quantized_gemm.launch_for(n, k, rows) for rows in range(1, quantized_gemm.MAX_ROWS + 1)]
-        assert {launch.warps for launch in launches} == {quantized_gemm.warps_for(n, k)}
+        assert {launch.ks for launch in launches} == {quantized_gemm.k_splits(n, k)}
         assert [launch.mt for launch in launches][:18:8] == [1, 2, 4]
         assert max(launch.mt for launch in launches) == quantized_gemm.MAX_TILES
-        assert all(launch.shared_bytes() <= quantized_gemm.SHARED_BYTES for launch in launches)
+        assert all(-(-k // 128) >= 4 * launch.ks or launch.ks == 1 for launch in launches)
+    assert quantized_gemm.k_splits(4096, 4096) > 1 and quantized_gemm.k_splits(128256, 4096) == 1
 
 
 FORMATS = [(4, 64, mx.bfloat16), (4, 32, mx.bfloat16), (4, 128, mx.float16), (8, 64, mx.bfloat16),
            (8, 32, mx.float16)]
-LAUNCHES = [None, quantized_gemm.Launch(2, 2, 2), quantized_gemm.Launch(1, 4, 4)]
+LAUNCHES = [None, quantized_gemm.Launch(2, 2, 3), quantized_gemm.Launch(4, 4, 1)]
 
 
 @pytest.mark.parametrize("bits,group_size,dtype", fast_first(1, FORMATS))
-@pytest.mark.parametrize("launch", fast_first(1, LAUNCHES, unpack=False), ids=["default", "nt2-mt2-w2", "mt4-w4"])
+@pytest.mark.parametrize("launch", fast_first(1, LAUNCHES, unpack=False), ids=["default", "mt2-wn2-ks3", "mt4-wn4"])
 def test_emulated_kernel_passes_its_check(emulated, bits, group_size, dtype, launch):
     """Against MLX's quantized matmul in float32 on the same weights, at the tolerance of the output's dtype
     (rounding it is 2e-3 of bf16's largest magnitude): N not a whole number of tiles, K a whole number of
@@ -87,17 +88,20 @@ def test_emulated_kernel_passes_its_check(emulated, bits, group_size, dtype, lau
 
 @pytest.mark.parametrize("original,wrong", [
     ("(q >> (2 * i * BITS)) & MASK", "(q >> ((2 * i + 1) * BITS)) & MASK"),  # a pair's two values swapped
-    ("k0 += WARPS * 128", "k0 += 2 * WARPS * 128"),  # every other chunk of K
-    ("scales[n * row_groups + kl / GS]", "scales[n * row_groups + k0 / GS]"),  # the chunk's first group's scale
-    ("s += part[v][c][r]", "s += part[0][c][r]"),  # one warp's partial counted for all
-    ("IMIN(m0 + mt * 8 + g, M - 1)", "IMIN(m0 + g, M - 1)"),  # every row tile reads the first's rows
-    ("a[nt][0][2 * j + 1], a[nt][1][2 * j + 1]", "a[nt][1][2 * j + 1], a[nt][0][2 * j + 1]"),  # A's rows mixed
+    ("c_end = IMIN(c_begin + per_split, chunks)", "c_end = IMIN(c_begin + per_split / 2, chunks)"),  # half of K
+    ("scales[n * row_groups + kl / GS]", "scales[n * row_groups + c * 128 / GS]"),  # the chunk's first group's
+    ("xs[base + ((j2 + t) & 3)]", "xs[base + j2]"),  # x's pieces read unrotated
+    ("r * 20 + 4 * s + ((u + s) & 3)", "r * 20 + 4 * s + u"),  # stored unrotated
+    ("if (c + 1 < c_end) {", "if (c + 2 < c_end) {"),  # the last chunk multiplies the one before again
+    ("const int base = (mt * 8 + g) * 20", "const int base = g * 20"),  # every row tile reads the first's rows
+    ("{a[0][4 * j2], a[1][4 * j2], a[0][4 * j2 + 1], a[1][4 * j2 + 1]}",
+     "{a[1][4 * j2], a[0][4 * j2], a[0][4 * j2 + 1], a[1][4 * j2 + 1]}"),  # A's rows mixed
 ])
 def test_the_check_fails_a_wrong_kernel(emulated, original, wrong):
     name = next(n for n in ("QUANTIZED_GEMM", "QUANTIZED_GEMM_HEADER") if original in getattr(gemm_src, n))
     emulated.setattr(gemm_src, name, getattr(gemm_src, name).replace(original, wrong, 1))
-    emulated.setattr(quantized_gemm, "launch_for", lambda n, k, rows: quantized_gemm.Launch(1, 2, 2))
-    err = quantized_gemm.check_quantized_gemm([(32, 512, 4, 64)], mx.bfloat16, rows_checked=(16,))
+    emulated.setattr(quantized_gemm, "launch_for", lambda n, k, rows: quantized_gemm.Launch(2, 2, 2))
+    err = quantized_gemm.check_quantized_gemm([(32, 1024, 4, 64)], mx.bfloat16, rows_checked=(16,))
     assert err is not None and "max relative difference" in err
 
 
