@@ -29,16 +29,25 @@ MAX_ROWS = 256  # x's rows a launch takes; more (long prefill chunks) take MLX's
 MAX_TILES = 8  # 8-row tiles of x a thread block takes (MT): more rows launch more blocks, each reading the weights
 WARPS = 8  # warps a thread block (WN), each 16 columns: a chunk of x staged in shared memory serves 128 columns
 BLOCKS = 264  # thread blocks a product is split up to along K (two an SM of an H100's 132)
+X_SLOTS_BYTES = 40 << 10  # shared memory the ST slots of x may take (under CUDA's 48 KB of static shared memory)
+MAX_STAGES = 4  # chunks in flight (ST): registers a chunk's weights take in each of its slots bound it
 
 
 @dataclass(frozen=True)
 class Launch:
     """A launch's shape: 8-row tiles of x a block takes (mt), warps a block (wn, 16 columns each), splits of K
-    (ks: blocks along grid z, whose float32 partial sums are added)."""
+    (ks: blocks along grid z, whose float32 partial sums are added), chunks in flight (st, 2 or more)."""
 
     mt: int
     wn: int
     ks: int
+    st: int = 0  # 0: stages_for(mt)
+
+
+def stages_for(mt: int) -> int:
+    """Chunks in flight for blocks of mt row tiles: MAX_STAGES, fewer where ST slots of x (mt * 2,560 bytes each)
+    would pass X_SLOTS_BYTES."""
+    return max(2, min(MAX_STAGES, X_SLOTS_BYTES // (mt * 8 * 20 * 16)))
 
 
 def k_splits(n: int, k: int) -> int:
@@ -55,7 +64,7 @@ def launch_for(n: int, k: int, rows: int) -> Launch:
     mt = 1
     while mt < MAX_TILES and 8 * mt < rows:
         mt *= 2
-    return Launch(mt, WARPS, k_splits(n, k))
+    return Launch(mt, WARPS, k_splits(n, k), stages_for(mt))
 
 
 def quantized_gemm_source() -> str:
@@ -87,12 +96,13 @@ def quantized_gemm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
     *lead, k = x.shape
     rows, n = x.size // k, w.shape[0]
     launch = launch or launch_for(n, k, rows)
+    stages = launch.st or stages_for(launch.mt)
     dtype = scales.dtype
     out = dtype if launch.ks == 1 else mx.float32
     y = _kernel()(
         inputs=[x.reshape(rows, k).astype(dtype), w, scales, biases],
         template=[("T", dtype), ("OUT", out), ("BITS", bits), ("GS", group_size), ("MT", launch.mt),
-                  ("WN", launch.wn), ("KS", launch.ks)],
+                  ("WN", launch.wn), ("KS", launch.ks), ("ST", stages)],
         grid=(-(-n // (16 * launch.wn)) * 32 * launch.wn, -(-rows // (8 * launch.mt)), launch.ks),
         threadgroup=(32 * launch.wn, 1, 1), output_shapes=[(launch.ks, rows, n)], output_dtypes=[out])[0]
     y = y[0] if launch.ks == 1 else y.sum(axis=0).astype(dtype)

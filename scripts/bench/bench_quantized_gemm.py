@@ -34,9 +34,11 @@ def timed(fn, calls: int, repeats: int) -> float:
 
 
 def launches(n: int, k: int, rows: int) -> list[qg.Launch]:
-    """Launch shapes worth timing: the default's row tiles or half as many, 4 or 8 warps, 1-8 splits of K."""
+    """Launch shapes worth timing: the default's row tiles or half as many, 4 or 8 warps, 1-8 splits of K, 2-4
+    chunks in flight (as many as fit shared memory)."""
     mt = qg.launch_for(n, k, rows).mt
-    return [qg.Launch(*s) for s in itertools.product(sorted({mt, max(1, mt // 2)}), (4, 8), (1, 2, 4, 8))]
+    shapes = itertools.product(sorted({mt, max(1, mt // 2)}), (4, 8), (1, 2, 4, 8), (2, 3, 4))
+    return [qg.Launch(*s) for s in shapes if s[3] <= max(2, qg.stages_for(s[0]))]
 
 
 def main() -> None:
@@ -78,7 +80,7 @@ def main() -> None:
                 best = min(((timed(lambda i, L=launch: qg.quantized_gemm(x, *ws[i % copies], bits, args.group_size,
                                                                           launch=L), calls, 3), launch)
                             for launch in launches(n, k, rows)), key=lambda t: t[0])
-                line += f"  mt{best[1].mt} wn{best[1].wn} ks{best[1].ks} ({best[0]:.1f}; default " \
+                line += f"  mt{best[1].mt} wn{best[1].wn} ks{best[1].ks} st{best[1].st} ({best[0]:.1f}; default " \
                         f"{qg.launch_for(n, k, rows)})"
             print(line, flush=True)
 

@@ -110,6 +110,7 @@ inline void cp_async16(void* dst, const void* src, bool valid) {
 }
 inline void cp_async_commit() {}
 inline void cp_async_wait_1() {}
+template <int N> inline void cp_async_wait() {}
 inline void cp_async_wait_all() {}
 """  # noqa: E501 - kernel source text, kept verbatim
 

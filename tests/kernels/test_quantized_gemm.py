@@ -86,22 +86,27 @@ def test_emulated_kernel_passes_its_check(emulated, bits, group_size, dtype, lau
                                                rows_checked=(1, 2, 9, 17, 40)) is None
 
 
-@pytest.mark.parametrize("original,wrong", [
-    ("(q >> (2 * i * BITS)) & MASK", "(q >> ((2 * i + 1) * BITS)) & MASK"),  # a pair's two values swapped
-    ("c_end = IMIN(c_begin + per_split, chunks)", "c_end = IMIN(c_begin + per_split / 2, chunks)"),  # half of K
-    ("scales[n * row_groups + kl / GS]", "scales[n * row_groups + c * 128 / GS]"),  # the chunk's first group's
-    ("xs[base + ((j2 + t) & 3)]", "xs[base + j2]"),  # x's pieces read unrotated
-    ("r * 20 + 4 * s + ((u + s) & 3)", "r * 20 + 4 * s + u"),  # stored unrotated
-    ("if (c + 1 < c_end) {", "if (c + 2 < c_end) {"),  # the last chunk multiplies the one before again
-    ("const int base = (mt * 8 + g) * 20", "const int base = g * 20"),  # every row tile reads the first's rows
-    ("{a[0][4 * j2], a[1][4 * j2], a[0][4 * j2 + 1], a[1][4 * j2 + 1]}",
+@pytest.mark.parametrize("bits,original,wrong", [
+    (8, "(q >> (2 * i * BITS)) & MASK", "(q >> ((2 * i + 1) * BITS)) & MASK"),  # a pair's two values swapped
+    (4, "(q >> (4 * i)) & 0x000F000Fu", "(q >> (4 * i)) & 0x00F0000Fu"),  # a pair's second value misread
+    (4, "__byte_perm(u.x, u.z, 0x5410), __byte_perm(u.x, u.z, 0x7632)", "u.x, u.y"),  # x's pairs not regrouped
+    (4, "c_end = IMIN(c_begin + per_split, chunks)", "c_end = IMIN(c_begin + per_split / 2, chunks)"),  # half of K
+    (4, "sraw[n * row_groups + kl / GS]", "sraw[n * row_groups + c * 128 / GS]"),  # the chunk's first group's
+    (8, "braw[n * row_groups + kl / GS]", "braw[n * row_groups + c * 128 / GS]"),
+    (4, "xs[slot][base + ((j2 + t) & 3)]", "xs[slot][base + j2]"),  # x's pieces read unrotated
+    (4, "r * 20 + 4 * s + ((u + s) & 3)", "r * 20 + 4 * s + u"),  # stored unrotated
+    (4, "issue(c0 + s + ST - 1, (s + ST - 1) % ST)", "issue(c0 + s + ST - 1, (s + ST - 2) % ST)"),  # a live slot
+    (8, "if (c0 + s >= c_end) break;", "if (c0 + s + 1 >= c_end) break;"),  # the last chunk dropped
+    (4, "{q[slot][h][v].x,", "{q[(slot + 1) % ST][h][v].x,"),  # another chunk's weights
+    (4, "const int base = (mt * 8 + g) * 20", "const int base = g * 20"),  # every row tile reads the first's rows
+    (4, "{a[0][4 * j2], a[1][4 * j2], a[0][4 * j2 + 1], a[1][4 * j2 + 1]}",
      "{a[1][4 * j2], a[0][4 * j2], a[0][4 * j2 + 1], a[1][4 * j2 + 1]}"),  # A's rows mixed
 ])
-def test_the_check_fails_a_wrong_kernel(emulated, original, wrong):
+def test_the_check_fails_a_wrong_kernel(emulated, bits, original, wrong):
     name = next(n for n in ("QUANTIZED_GEMM", "QUANTIZED_GEMM_HEADER") if original in getattr(gemm_src, n))
     emulated.setattr(gemm_src, name, getattr(gemm_src, name).replace(original, wrong, 1))
     emulated.setattr(quantized_gemm, "launch_for", lambda n, k, rows: quantized_gemm.Launch(2, 2, 2))
-    err = quantized_gemm.check_quantized_gemm([(32, 1024, 4, 64)], mx.bfloat16, rows_checked=(16,))
+    err = quantized_gemm.check_quantized_gemm([(32, 1024, bits, 64)], mx.bfloat16, rows_checked=(16,))
     assert err is not None and "max relative difference" in err
 
 

@@ -53,6 +53,7 @@ __device__ inline void cp_async16(void* dst, const void* src, bool valid) {
 }
 __device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ inline void cp_async_wait_1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+template <int N> __device__ inline void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 """  # noqa: E501 - kernel source text, kept verbatim
 
 ACCUMULATE_MMA = """

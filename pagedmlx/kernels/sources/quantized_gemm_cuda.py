@@ -6,12 +6,15 @@ Marlin does.
 
 A thread block of WN warps takes 16 * WN columns of y (each warp 16: W's rows as mma.sync's A, 16 x 16) for MT
 8-row tiles of x (x's rows as B's columns, 16 x 8), over K's 128-wide chunks of its split (KS splits: blocks along
-grid z, each writing float32 partial sums that the launch adds). A chunk of x is staged once in shared memory for
-the block's warps (read from L2 once per 16 * WN columns, not once per warp); the next chunk's x and weights are
-loaded into registers while the warps multiply. In a chunk, lane (g, t) holds the 32 values from 32 t of W's rows
-g and g + 8 (one 16-byte load at 4 bits, two at 8) and of x's rows g of each row tile; the mma's k positions are
-permuted alike for A and B (mma j takes each lane's values 4 j .. 4 j + 3), which changes only the order of the
-float sums. A row's sums never depend on the other rows: the same arithmetic for any M.
+grid z, each writing float32 partial sums that the launch adds). ST chunks are in flight at once: a chunk's x is
+copied by cp.async into one of ST shared-memory slots (one copy for the block's warps), its weights, scales and
+biases are loaded into one of ST register slots, ST - 1 chunks ahead of the one the warps multiply, so that a
+chunk's memory latency is paid once per ST chunks. In a chunk, lane (g, t) holds the 32 values from 32 t of W's
+rows g and g + 8 (one 16-byte load at 4 bits, two at 8) and of x's rows g of each row tile. The mma's k positions
+are permuted alike for A and B, which changes only the order of the float sums: at 8 bits mma j takes each lane's
+values 4 j .. 4 j + 3; at 4 bits a 16-bit pair holds values i and i + 4 of a word (one shift and one mask give both
+nibbles in place for a magic-number dequantization in 16-bit pairs), and x's pairs are regrouped alike
+(__byte_perm). A row's sums never depend on the other rows: the same arithmetic for any M.
 """
 
 QUANTIZED_GEMM_HEADER = r"""
@@ -27,10 +30,32 @@ __device__ inline void dequantize_word(unsigned q, float s, float b, unsigned* o
         out[i] = pack2(fmaf(s, lo, b), fmaf(s, hi, b), T());
     }
 }
+// A 16-bit value's bits as a float.
+__device__ inline float raw_float(unsigned short r, __nv_bfloat16) { return __uint_as_float(unsigned(r) << 16); }
+__device__ inline float raw_float(unsigned short r, __half) { return __half2float(*reinterpret_cast<const __half*>(&r)); }
+// A 16-bit pair type and the pair of its magic number M (bf16 128, fp16 1024): M + q for q < 16 is exact in it.
+template <class T> struct pair_of;
+template <> struct pair_of<__nv_bfloat16> { typedef __nv_bfloat162 type; static constexpr unsigned MAGIC = 0x43004300u; };
+template <> struct pair_of<__half> { typedef __half2 type; static constexpr unsigned MAGIC = 0x64006400u; };
+// r holds M + q in each half: (s * q_lo + b, s * q_hi + b), each fma rounded once to T (s2, b2: s and b twice).
+template <class T>
+__device__ inline unsigned scale_pair(unsigned r, unsigned s2, unsigned b2) {
+    typedef typename pair_of<T>::type P;
+    const unsigned m = pair_of<T>::MAGIC;
+    const P v = __hsub2(*reinterpret_cast<const P*>(&r), *reinterpret_cast<const P*>(&m));
+    P out = __hfma2(v, *reinterpret_cast<const P*>(&s2), *reinterpret_cast<const P*>(&b2));
+    return *reinterpret_cast<unsigned*>(&out);
+}
+// A 4-bit word's eight values as four pairs (i, i + 4): out[i] = (s q[i] + b, s q[i + 4] + b).
+template <class T>
+__device__ inline void dequantize_word4(unsigned q, unsigned s2, unsigned b2, unsigned* out) {
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) out[i] = scale_pair<T>(((q >> (4 * i)) & 0x000F000Fu) | pair_of<T>::MAGIC, s2, b2);
+}
 """
 
 QUANTIZED_GEMM = """
-    // Template: T, OUT (T; float for a split's partial sums), BITS (4 or 8), GS (32, 64 or 128), MT, WN, KS.
+    // Template: T, OUT (T; float for a split's partial sums), BITS (4 or 8), GS (32, 64 or 128), MT, WN, KS, ST.
     // K % 32 == 0: a lane's 32 values are in K or past it (zeros), and in one group. x's rows past M repeat its
     // last row, W's rows past N its last: never written.
     const int N = w_shape[0], M = x_shape[0], K = x_shape[1];
@@ -39,40 +64,73 @@ QUANTIZED_GEMM = """
     const int chunks = (K + 127) / 128, per_split = (chunks + KS - 1) / KS;
     const int c_begin = GROUP_Z * per_split, c_end = IMIN(c_begin + per_split, chunks);
     const int row_words = K / 32 * BITS, row_groups = K / GS;
-    // The x tile: row r's 16-byte piece u of segment s (a lane's 32 values) at r * 20 + 4 s + ((u + s) & 3):
-    // 320 bytes a row and the pieces rotated by segment, so that a quarter warp's loads and stores meet no bank twice.
+    const auto* sraw = reinterpret_cast<const unsigned short*>(scales);
+    const auto* braw = reinterpret_cast<const unsigned short*>(biases);
+    // x's slot: row r's 16-byte piece u of segment s (a lane's 32 values) at r * 20 + 4 s + ((u + s) & 3): 320
+    // bytes a row and the pieces rotated by segment, so that a quarter warp's reads meet no bank twice.
     constexpr int PIECES = 8 * MT * 16, THREADS = 32 * WN, PER_THREAD = (PIECES + THREADS - 1) / THREADS;
-    SHARED uint4 xs[8 * MT * 20];
-    uint4 xr[PER_THREAD];
-    auto load_x = [&](int c) {
-        #pragma unroll
-        for (int i = 0; i < PER_THREAD; ++i) {
-            const int idx = THREAD_IN_GROUP + i * THREADS, r = idx >> 4, k = c * 128 + (idx & 15) * 8;
-            const auto* src = reinterpret_cast<const uint4*>(x + (size_t)IMIN(m0 + r, M - 1) * K + k);
-            xr[i] = idx < PIECES && k < K ? LOAD16(src) : make_uint4(0u, 0u, 0u, 0u);
+    SHARED uint4 xs[ST][8 * MT * 20];
+    uint4 q[ST][2][BITS / 4];  // a chunk's packed words of rows g and g + 8, its scales and biases, raw
+    unsigned short sr[ST][2], br[ST][2];
+    // Chunk c into slot `slot` (one cp.async group per chunk, empty past the split: the wait counts stay aligned).
+    auto issue = [&](int c, int slot) {
+        if (c < c_end) {
+            #pragma unroll
+            for (int i = 0; i < PER_THREAD; ++i) {
+                const int idx = THREAD_IN_GROUP + i * THREADS, r = idx >> 4, s = (idx >> 2) & 3, u = idx & 3;
+                const int k = c * 128 + (idx & 15) * 8;
+                if (idx < PIECES)
+                    cp_async16(&xs[slot][r * 20 + 4 * s + ((u + s) & 3)],
+                               x + (size_t)IMIN(m0 + r, M - 1) * K + (k < K ? k : 0), k < K);
+            }
+            const int kl = c * 128 + 32 * t;
+            const bool live = kl < K;
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const size_t n = IMIN(n0 + g + 8 * h, N - 1);
+                sr[slot][h] = live ? sraw[n * row_groups + kl / GS] : (unsigned short)0;
+                br[slot][h] = live ? braw[n * row_groups + kl / GS] : (unsigned short)0;
+                const auto* words = reinterpret_cast<const uint4*>(w + n * row_words + kl / 32 * BITS);
+                #pragma unroll
+                for (int v = 0; v < BITS / 4; ++v) q[slot][h][v] = live ? LOAD16(words + v) : make_uint4(0u, 0u, 0u, 0u);
+            }
         }
+        cp_async_commit();
     };
-    auto store_x = [&]() {
-        #pragma unroll
-        for (int i = 0; i < PER_THREAD; ++i) {
-            const int idx = THREAD_IN_GROUP + i * THREADS, r = idx >> 4, s = (idx >> 2) & 3, u = idx & 3;
-            if (idx < PIECES) xs[r * 20 + 4 * s + ((u + s) & 3)] = xr[i];
-        }
-    };
-    // A chunk's packed words, scales and biases of rows g and g + 8, held raw until the chunk is multiplied.
-    uint4 q[2][BITS / 4];
-    float sc[2], bi[2];
-    auto load_w = [&](int c) {
-        const int kl = c * 128 + 32 * t;
-        const bool live = kl < K;
+    // The warp's 16 columns of chunk `slot` for every row tile.
+    auto multiply = [&](int slot, float (&d)[MT][4]) {
+        unsigned a[2][16];  // [row g, g + 8][pair]
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const size_t n = IMIN(n0 + g + 8 * h, N - 1);
-            sc[h] = live ? static_cast<float>(scales[n * row_groups + kl / GS]) : 0.0f;
-            bi[h] = live ? static_cast<float>(biases[n * row_groups + kl / GS]) : 0.0f;
-            const auto* words = reinterpret_cast<const uint4*>(w + n * row_words + kl / 32 * BITS);
+            const unsigned s2 = sr[slot][h] * 0x10001u, b2 = br[slot][h] * 0x10001u;
             #pragma unroll
-            for (int v = 0; v < BITS / 4; ++v) q[h][v] = live ? LOAD16(words + v) : make_uint4(0u, 0u, 0u, 0u);
+            for (int v = 0; v < BITS / 4; ++v) {
+                const unsigned words[4] = {q[slot][h][v].x, q[slot][h][v].y, q[slot][h][v].z, q[slot][h][v].w};
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    if constexpr (BITS == 4) dequantize_word4<T>(words[j], s2, b2, &a[h][4 * j]);
+                    else dequantize_word<BITS, T>(words[j], raw_float(sr[slot][h], T()), raw_float(br[slot][h], T()),
+                                                  &a[h][(4 * v + j) * 2]);
+                }
+            }
+        }
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            if (m0 + mt * 8 >= M) break;  // the same for every lane: no mma left half-issued
+            const int base = (mt * 8 + g) * 20 + 4 * t;
+            #pragma unroll
+            for (int j2 = 0; j2 < 4; ++j2) {  // piece j2: x's values 8 j2 .. 8 j2 + 7 of the lane's segment
+                const uint4 u = xs[slot][base + ((j2 + t) & 3)];
+                const unsigned f0[4] = {a[0][4 * j2], a[1][4 * j2], a[0][4 * j2 + 1], a[1][4 * j2 + 1]};
+                const unsigned f1[4] = {a[0][4 * j2 + 2], a[1][4 * j2 + 2], a[0][4 * j2 + 3], a[1][4 * j2 + 3]};
+                if constexpr (BITS == 4) {  // x's pairs as the weights': (0, 4), (1, 5) | (2, 6), (3, 7)
+                    mma16816_rows(d[mt], f0, __byte_perm(u.x, u.z, 0x5410), __byte_perm(u.x, u.z, 0x7632), T());
+                    mma16816_rows(d[mt], f1, __byte_perm(u.y, u.w, 0x5410), __byte_perm(u.y, u.w, 0x7632), T());
+                } else {
+                    mma16816_rows(d[mt], f0, u.x, u.y, T());
+                    mma16816_rows(d[mt], f1, u.z, u.w, T());
+                }
+            }
         }
     };
     float d[MT][4];
@@ -80,42 +138,16 @@ QUANTIZED_GEMM = """
     for (int mt = 0; mt < MT; ++mt)
         #pragma unroll
         for (int e = 0; e < 4; ++e) d[mt][e] = 0.0f;
-    if (c_begin < c_end) {
-        load_x(c_begin);
-        load_w(c_begin);
-    }
-    for (int c = c_begin; c < c_end; ++c) {
-        BARRIER();  // every warp is done with the previous chunk's tile
-        store_x();
-        BARRIER();
-        unsigned a[2][16];  // [row g, g + 8][pair]
+    #pragma unroll
+    for (int s = 0; s < ST - 1; ++s) issue(c_begin + s, s);
+    for (int c0 = c_begin; c0 < c_end; c0 += ST) {
         #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            #pragma unroll
-            for (int v = 0; v < BITS / 4; ++v) {
-                dequantize_word<BITS, T>(q[h][v].x, sc[h], bi[h], &a[h][(4 * v + 0) * 16 / BITS]);
-                dequantize_word<BITS, T>(q[h][v].y, sc[h], bi[h], &a[h][(4 * v + 1) * 16 / BITS]);
-                dequantize_word<BITS, T>(q[h][v].z, sc[h], bi[h], &a[h][(4 * v + 2) * 16 / BITS]);
-                dequantize_word<BITS, T>(q[h][v].w, sc[h], bi[h], &a[h][(4 * v + 3) * 16 / BITS]);
-            }
-        }
-        if (c + 1 < c_end) {
-            load_x(c + 1);
-            load_w(c + 1);
-        }
-        if (n0 >= N) continue;  // a warp past N's last tile only stages x
-        #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            if (m0 + mt * 8 >= M) break;  // the same for every lane: no mma left half-issued
-            const int base = (mt * 8 + g) * 20 + 4 * t;
-            #pragma unroll
-            for (int j2 = 0; j2 < 4; ++j2) {  // piece j2 holds the pairs of mma 2 j2 and 2 j2 + 1
-                const uint4 u = xs[base + ((j2 + t) & 3)];
-                const unsigned f0[4] = {a[0][4 * j2], a[1][4 * j2], a[0][4 * j2 + 1], a[1][4 * j2 + 1]};
-                const unsigned f1[4] = {a[0][4 * j2 + 2], a[1][4 * j2 + 2], a[0][4 * j2 + 3], a[1][4 * j2 + 3]};
-                mma16816_rows(d[mt], f0, u.x, u.y, T());
-                mma16816_rows(d[mt], f1, u.z, u.w, T());
-            }
+        for (int s = 0; s < ST; ++s) {  // register slots indexed by the unrolled s only
+            if (c0 + s >= c_end) break;
+            cp_async_wait<ST - 2>();  // this thread's copies of chunk c0 + s have landed
+            BARRIER();  // everyone's have; every warp is done with the slot chunk c0 + s + ST - 1 takes
+            issue(c0 + s + ST - 1, (s + ST - 1) % ST);
+            if (n0 < N) multiply(s, d);  // a warp past N's last tile only stages x
         }
     }
     if (n0 >= N) return;
