@@ -103,7 +103,7 @@ def quantized_gemm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
         inputs=[x.reshape(rows, k).astype(dtype), w, scales, biases],
         template=[("T", dtype), ("OUT", out), ("BITS", bits), ("GS", group_size), ("MT", launch.mt),
                   ("WN", launch.wn), ("KS", launch.ks), ("ST", stages)],
-        grid=(-(-n // (16 * launch.wn)) * 32 * launch.wn, -(-rows // (8 * launch.mt)), launch.ks),
+        grid=(-(-rows // (8 * launch.mt)) * 32 * launch.wn, -(-n // (16 * launch.wn)), launch.ks),
         threadgroup=(32 * launch.wn, 1, 1), output_shapes=[(launch.ks, rows, n)], output_dtypes=[out])[0]
     y = y[0] if launch.ks == 1 else y.sum(axis=0).astype(dtype)
     return y.reshape(*lead, n)

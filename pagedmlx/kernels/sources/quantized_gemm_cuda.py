@@ -60,7 +60,8 @@ QUANTIZED_GEMM = """
     // last row, W's rows past N its last: never written.
     const int N = w_shape[0], M = x_shape[0], K = x_shape[1];
     const int warp = SIMD_ID, g = LANE >> 2, t = LANE & 3;
-    const int n0 = (GROUP_X * WN + warp) * 16, m0 = GROUP_Y * (8 * MT);
+    // Row blocks along x: the blocks of one column tile run together and read its weights from L2 after the first.
+    const int n0 = (GROUP_Y * WN + warp) * 16, m0 = GROUP_X * (8 * MT);
     const int chunks = (K + 127) / 128, per_split = (chunks + KS - 1) / KS;
     const int c_begin = GROUP_Z * per_split, c_end = IMIN(c_begin + per_split, chunks);
     const int row_words = K / 32 * BITS, row_groups = K / GS;
