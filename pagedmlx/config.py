@@ -97,7 +97,7 @@ class EngineConfig:
     # 2+ rows through cuBLASLt at several times the kernel's host time a call (PAGEDMLX_SKINNY_MAX_ROWS). None: on
     # CUDA, off elsewhere (Metal's matmul has no such host cost). Its load-time check builds kernels at start-up.
     skinny_gemm: Optional[bool] = None
-    # Products of quantized linear layers (MLX's affine 4 and 8 bits) over 2-256 rows as one kernel of ours that
+    # Products of quantized linear layers (MLX's affine 4 and 8 bits) over 1-256 rows as one kernel of ours that
     # dequantizes in registers (layers/quantized_linear.py, kernels/quantized_gemm.py) instead of MLX's quantized
     # matmul. None: on CUDA where it passes its load-time check; off elsewhere.
     quantized_gemm: Optional[bool] = None

@@ -51,7 +51,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "default: steps of at most 8 requests), merge_projections (q/k/v and gate/up as one matmul "
                         "each; default: GPU backends), fuse_norms (residual add + RMSNorm as one kernel; "
                         "default off), skinny_gemm (products of 2-5 rows as pagedmlx's kernel; default: CUDA), "
-                        "quantized_gemm (4- and 8-bit products of 2-256 rows as pagedmlx's kernel; default: CUDA), "
+                        "quantized_gemm (4- and 8-bit products of 1-256 rows as pagedmlx's kernel; default: CUDA), "
                         "warm_up_attention (build long prompts' attention shapes before serving; default: CUDA), "
                         "prefill_kernel (the paged prefill kernel; default: CUDA). Example: "
                         "-O '{\"skinny_gemm\": false}'")

@@ -33,7 +33,8 @@ from pagedmlx.runner.thread_flag import ThreadFlag
 logger = logging.getLogger("pagedmlx")
 
 _active = ThreadFlag()
-# The row counts the engine gives the kernel: one-row products keep MLX's own matrix-vector kernel.
+# The row counts the engine gives the kernel (PAGEDMLX_QUANTIZED_GEMM_MIN_ROWS=2 leaves one-row products to MLX's
+# matrix-vector kernel).
 QUANTIZED_GEMM_ROWS = range(envs.PAGEDMLX_QUANTIZED_GEMM_MIN_ROWS, quantized_gemm.MAX_ROWS + 1)
 
 
@@ -108,6 +109,7 @@ def use_quantized_gemm(setting: Optional[bool], model: nn.Module, kernels_enable
     if why is not None:
         logger.warning("quantized products left to MLX's quantized matmul (quantized_gemm): %s", why)
         return False
+    quantized_gemm.split_counters()  # made here, outside any compiled step's trace
     for m in taken:
         m._kernel = True
     logger.info("%d quantized layers take the quantized GEMM kernel for %d-%d rows (layers/quantized_linear.py)",

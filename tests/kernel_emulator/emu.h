@@ -217,6 +217,9 @@ inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); r
 template <class T> T __shfl_xor_sync(unsigned, T v, int mask) { return emu::shuffle_xor(v, mask); }
 inline void __syncthreads() { emu::barrier(); }
 template <class T> T __ldg(const T* p) { return *p; }
+template <class T> T __ldcg(const T* p) { return *p; }
+template <class T> T atomicAdd(T* p, T v) { T old = *p; *p = old + v; return old; }  // fibers switch at waits only
+inline void __threadfence() {}
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 #endif

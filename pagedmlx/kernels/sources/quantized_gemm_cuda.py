@@ -6,7 +6,8 @@ Marlin does.
 
 A thread block of WN warps takes 16 * WN columns of y (each warp 16: W's rows as mma.sync's A, 16 x 16) for MT
 8-row tiles of x (x's rows as B's columns, 16 x 8), over K's 128-wide chunks of its split (KS splits: blocks along
-grid z, each writing float32 partial sums that the launch adds). ST chunks are in flight at once: a chunk's x is
+grid z: each writes float32 partial sums to a workspace and counts itself done on its tile's counter; the tile's
+last block adds the KS partials in split order and writes y, and sets the counter back to zero). ST chunks are in flight at once: a chunk's x is
 copied by cp.async into one of ST shared-memory slots (one copy for the block's warps), its weights, scales and
 biases are loaded into one of ST register slots, ST - 1 chunks ahead of the one the warps multiply, so that a
 chunk's memory latency is paid once per ST chunks. In a chunk, lane (g, t) holds the 32 values from 32 t of W's
@@ -55,9 +56,9 @@ __device__ inline void dequantize_word4(unsigned q, unsigned s2, unsigned b2, un
 """
 
 QUANTIZED_GEMM = """
-    // Template: T, OUT (T; float for a split's partial sums), BITS (4 or 8), GS (32, 64 or 128), MT, WN, KS, ST.
+    // Template: T, BITS (4 or 8), GS (32, 64 or 128), MT, WN, KS, ST.
     // K % 32 == 0: a lane's 32 values are in K or past it (zeros), and in one group. x's rows past M repeat its
-    // last row, W's rows past N its last: never written.
+    // last row, W's rows past N its last: never written. counters: one int a tile (row block, column block), zero.
     const int N = w_shape[0], M = x_shape[0], K = x_shape[1];
     const int warp = SIMD_ID, g = LANE >> 2, t = LANE & 3;
     // Row blocks along x: the blocks of one column tile run together and read its weights from L2 after the first.
@@ -151,13 +152,42 @@ QUANTIZED_GEMM = """
             if (n0 < N) multiply(s, d);  // a warp past N's last tile only stages x
         }
     }
-    if (n0 >= N) return;
+    // Unsplit: y. Split: this split's partials, then the tile's last block adds them all (in split order, so the
+    // sums are the same whichever block comes last) and resets the tile's counter (counters stay zero between launches).
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
         #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int m = m0 + mt * 8 + 2 * t + (e & 1), n = n0 + g + 8 * (e >> 1);
-            if (m < M && n < N) y[((size_t)GROUP_Z * M + m) * N + n] = static_cast<OUT>(d[mt][e]);
+            if (m < M && n < N) {
+                if constexpr (KS == 1) y[(size_t)m * N + n] = static_cast<T>(d[mt][e]);
+                else partials[((size_t)GROUP_Z * M + m) * N + n] = d[mt][e];
+            }
+        }
+    }
+    if constexpr (KS > 1) {
+        SHARED int last;
+        __threadfence();  // this block's partials before its count
+        BARRIER();
+        if (THREAD_IN_GROUP == 0) {
+            int* count = const_cast<int*>(counters) + GROUP_Y * ((M + 8 * MT - 1) / (8 * MT)) + GROUP_X;
+            last = atomicAdd(count, 1) == KS - 1;
+            if (last) *count = 0;
+        }
+        BARRIER();
+        if (!last) return;
+        __threadfence();
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int m = m0 + mt * 8 + 2 * t + (e & 1), n = n0 + g + 8 * (e >> 1);
+                if (m < M && n < N) {
+                    float sum = 0.0f;
+                    for (int z = 0; z < KS; ++z) sum += __ldcg(partials + ((size_t)z * M + m) * N + n);
+                    y[(size_t)m * N + n] = static_cast<T>(sum);
+                }
+            }
         }
     }
 """  # noqa: E501 - kernel source text, kept verbatim
