@@ -77,20 +77,8 @@ def _header() -> str:  # read at build time: tests stand in the emulator's PTX h
 
 @functools.lru_cache(maxsize=None)
 def _kernel():
-    return build.make_kernel(CUDA, "pagedmlx_quantized_gemm", ["x", "w", "scales", "biases", "counters"],
-                             ["y", "partials"], quantized_gemm_source(), _header())
-
-
-COUNTERS = 1 << 16  # tiles a split launch may have: one int each, zero between launches
-
-
-@functools.lru_cache(maxsize=None)
-def split_counters() -> mx.array:
-    """The split launches' tile counters (the kernel writes them through its input and leaves them zero). One set
-    serves every launch: MLX runs a device's kernels one after another on its stream."""
-    counters = mx.zeros((COUNTERS,), mx.int32)
-    mx.eval(counters)
-    return counters
+    return build.make_kernel(CUDA, "pagedmlx_quantized_gemm", ["x", "w", "scales", "biases"],
+                             ["y", "partials", "counters"], quantized_gemm_source(), _header())
 
 
 def supports(rows: int, k: int, dtype: mx.Dtype, bits: int, group_size: int, mode: str = "affine") -> bool:
@@ -110,16 +98,16 @@ def quantized_gemm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
     launch = launch or launch_for(n, k, rows)
     stages = launch.st or stages_for(launch.mt)
     row_blocks, col_blocks = -(-rows // (8 * launch.mt)), -(-n // (16 * launch.wn))
-    if launch.ks > 1 and row_blocks * col_blocks > COUNTERS:
-        raise ValueError(f"quantized_gemm: {row_blocks * col_blocks} tiles > {COUNTERS} counters for a split launch")
+    split = launch.ks > 1  # the partials' workspace and the tiles' counters (zero-filled), else unused
     dtype = scales.dtype
     y = _kernel()(
-        inputs=[x.reshape(rows, k).astype(dtype), w, scales, biases, split_counters()],
+        inputs=[x.reshape(rows, k).astype(dtype), w, scales, biases],
         template=[("T", dtype), ("BITS", bits), ("GS", group_size), ("MT", launch.mt), ("WN", launch.wn),
                   ("KS", launch.ks), ("ST", stages)],
         grid=(row_blocks * 32 * launch.wn, col_blocks, launch.ks), threadgroup=(32 * launch.wn, 1, 1),
-        output_shapes=[(rows, n), (launch.ks, rows, n) if launch.ks > 1 else (1,)],
-        output_dtypes=[dtype, mx.float32])[0]
+        output_shapes=[(rows, n), (launch.ks, rows, n) if split else (1,),
+                       (row_blocks * col_blocks,) if split else (1,)],
+        output_dtypes=[dtype, mx.float32, mx.int32], init_value=0 if split else None)[0]
     return y.reshape(*lead, n)
 
 

@@ -109,7 +109,6 @@ def use_quantized_gemm(setting: Optional[bool], model: nn.Module, kernels_enable
     if why is not None:
         logger.warning("quantized products left to MLX's quantized matmul (quantized_gemm): %s", why)
         return False
-    quantized_gemm.split_counters()  # made here, outside any compiled step's trace
     for m in taken:
         m._kernel = True
     logger.info("%d quantized layers take the quantized GEMM kernel for %d-%d rows (layers/quantized_linear.py)",

@@ -144,7 +144,8 @@ def quantized_cases():
                                                 mx.zeros((1, 4), mx.int32), mx.zeros((1, 2), mx.int32), 1.0, splits,
                                                 one, window=window, sinks=mx.zeros((g,)) if sinks else None)
     for dt, bits, group_size in ((mx.bfloat16, 4, 64), (mx.float16, 8, 32), (mx.bfloat16, 4, 128)):
-        for rows, n, k in ((2, 6144, 4096), (64, 4096, 14336), (256, 28672, 4096), (9, 1000, 1024 + max(group_size, 64))):
+        odd_k = 1024 + max(group_size, 64)  # past whole 128-value chunks
+        for rows, n, k in ((2, 6144, 4096), (64, 4096, 14336), (256, 28672, 4096), (9, 1000, odd_k)):
             RecordingCudaKernel.label = f"quantized_gemm {dt} {bits}-bit g{group_size} M={rows} K={k} N={n}"
             w, scales, biases = mx.quantize(mx.zeros((n, k), dt), group_size=group_size, bits=bits)
             quantized_gemm.quantized_gemm(mx.zeros((rows, k), dt), w, scales, biases, bits, group_size)

@@ -1,21 +1,21 @@
-"""CUDA source of the quantized GEMM on tensor cores (sm_80+): y = x @ dequantize(w)^T for x of a step's rows
-(M, K) in bfloat16 or float16 and w in MLX's affine layout (mx.quantize: `bits`-bit values packed low bits first
-into uint32 words, a scale and a bias per `group_size` values of a row). The weights are dequantized in registers
-and never written out, so a step reads them once (a quarter of bf16's bytes at 4 bits) for all its rows, as vLLM's
-Marlin does.
+"""CUDA source of the quantized GEMM on tensor cores (sm_80+): y = x @ dequantize(w)^T for x of a step's rows (M, K) in
+bfloat16 or float16 and w in MLX's affine layout (mx.quantize: `bits`-bit values packed low bits first into uint32
+words, a scale and a bias per `group_size` values of a row). The weights are dequantized in registers and never
+written out, so a step reads them once (a quarter of bf16's bytes at 4 bits) for all its rows, as vLLM's Marlin
+does.
 
-A thread block of WN warps takes 16 * WN columns of y (each warp 16: W's rows as mma.sync's A, 16 x 16) for MT
-8-row tiles of x (x's rows as B's columns, 16 x 8), over K's 128-wide chunks of its split (KS splits: blocks along
-grid z: each writes float32 partial sums to a workspace and counts itself done on its tile's counter; the tile's
-last block adds the KS partials in split order and writes y, and sets the counter back to zero). ST chunks are in flight at once: a chunk's x is
-copied by cp.async into one of ST shared-memory slots (one copy for the block's warps), its weights, scales and
-biases are loaded into one of ST register slots, ST - 1 chunks ahead of the one the warps multiply, so that a
-chunk's memory latency is paid once per ST chunks. In a chunk, lane (g, t) holds the 32 values from 32 t of W's
-rows g and g + 8 (one 16-byte load at 4 bits, two at 8) and of x's rows g of each row tile. The mma's k positions
-are permuted alike for A and B, which changes only the order of the float sums: at 8 bits mma j takes each lane's
-values 4 j .. 4 j + 3; at 4 bits a 16-bit pair holds values i and i + 4 of a word (one shift and one mask give both
-nibbles in place for a magic-number dequantization in 16-bit pairs), and x's pairs are regrouped alike
-(__byte_perm). A row's sums never depend on the other rows: the same arithmetic for any M.
+A thread block of WN warps takes 16 * WN columns of y (each warp 16: W's rows as mma.sync's A, 16 x 16) for MT 8-row
+tiles of x (x's rows as B's columns, 16 x 8), over K's 128-wide chunks of its split (KS splits: blocks along grid z:
+each writes float32 partial sums to a workspace and counts itself done on its tile's counter, an output of the
+launch filled with zeros; the tile's last block adds the KS partials in split order and writes y). ST chunks are in
+flight at once: a chunk's x is copied by cp.async into one of ST shared-memory slots (one copy for the block's
+warps), its weights, scales and biases are loaded into one of ST register slots, ST - 1 chunks ahead of the one the
+warps multiply, so that a chunk's memory latency is paid once per ST chunks. In a chunk, lane (g, t) holds the 32
+values from 32 t of W's rows g and g + 8 (one 16-byte load at 4 bits, two at 8) and of x's rows g of each row tile.
+The mma's k positions are permuted alike for A and B, which changes only the order of the float sums: at 8 bits mma
+j takes each lane's values 4 j .. 4 j + 3; at 4 bits a 16-bit pair holds values i and i + 4 of a word (one shift and
+one mask give both nibbles in place for a magic-number dequantization in 16-bit pairs), and x's pairs are regrouped
+alike (__byte_perm). A row's sums never depend on the other rows: the same arithmetic for any M.
 """
 
 QUANTIZED_GEMM_HEADER = r"""
@@ -53,12 +53,12 @@ __device__ inline void dequantize_word4(unsigned q, unsigned s2, unsigned b2, un
     #pragma unroll
     for (int i = 0; i < 4; ++i) out[i] = scale_pair<T>(((q >> (4 * i)) & 0x000F000Fu) | pair_of<T>::MAGIC, s2, b2);
 }
-"""
+"""  # noqa: E501 - kernel source text, kept verbatim
 
 QUANTIZED_GEMM = """
     // Template: T, BITS (4 or 8), GS (32, 64 or 128), MT, WN, KS, ST.
     // K % 32 == 0: a lane's 32 values are in K or past it (zeros), and in one group. x's rows past M repeat its
-    // last row, W's rows past N its last: never written. counters: one int a tile (row block, column block), zero.
+    // last row, W's rows past N its last: never written. counters: one int a tile (row block, column block), zero at launch.
     const int N = w_shape[0], M = x_shape[0], K = x_shape[1];
     const int warp = SIMD_ID, g = LANE >> 2, t = LANE & 3;
     // Row blocks along x: the blocks of one column tile run together and read its weights from L2 after the first.
@@ -153,7 +153,8 @@ QUANTIZED_GEMM = """
         }
     }
     // Unsplit: y. Split: this split's partials, then the tile's last block adds them all (in split order, so the
-    // sums are the same whichever block comes last) and resets the tile's counter (counters stay zero between launches).
+    // sums are the same whichever block comes last). Each launch has counters of its own: MLX may run independent
+    // kernels at once (CUDA graph branches), so none may be shared between launches.
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
         #pragma unroll
@@ -170,9 +171,7 @@ QUANTIZED_GEMM = """
         __threadfence();  // this block's partials before its count
         BARRIER();
         if (THREAD_IN_GROUP == 0) {
-            int* count = const_cast<int*>(counters) + GROUP_Y * ((M + 8 * MT - 1) / (8 * MT)) + GROUP_X;
-            last = atomicAdd(count, 1) == KS - 1;
-            if (last) *count = 0;
+            last = atomicAdd(counters + GROUP_Y * ((M + 8 * MT - 1) / (8 * MT)) + GROUP_X, 1) == KS - 1;
         }
         BARRIER();
         if (!last) return;
