@@ -5,7 +5,11 @@ the device: on CUDA, encoding and launching it) and in mx.eval / host reads (wai
 is Python building the graph. A second pass times each engine's forward alone in lockstep: the
 graph built (Python), then evaluated (dispatch + device + sync), which bounds the device time.
 
-  python scripts/bench/profile_step.py --preset llama-8b --dtype bfloat16 [--batch 256]
+--kernels also lists the device's kernels by time over a few overlapped steps (CUPTI, through torch.profiler where
+torch is installed, as on the GPU machine) beside the steps' wall time: a step whose kernels add up to much less
+than its wall time is bound by the host.
+
+  python scripts/bench/profile_step.py --preset llama-8b --dtype bfloat16 [--quantization 4bit] [--batch 64 --kernels]
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from scripts.bench.bench_offline import PRESETS, make_prompts, random_model  # noqa: E402
+from scripts.bench.bench_offline import PRESETS, make_prompts, parse_quantization, random_model  # noqa: E402
 
 
 class Clock:
@@ -102,6 +106,36 @@ def forward_alone(fn, n: int = 20) -> tuple[float, float]:
     return 1e3 * statistics.median(build), 1e3 * statistics.median(run)
 
 
+def kernel_times(engine, prompts, steps: int = 10) -> tuple[float, float, list[tuple[float, int, str]]]:
+    """(wall ms a step, device ms a step, [(device ms a step, launches a step, kernel)]) over `steps` overlapped
+    decode steps, from CUPTI's kernel records (torch.profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagedmlx.sampling_params import SamplingParams
+
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"kernels-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=steps + 8,
+                                                                  ignore_eos=True))
+    while engine.scheduler.waiting:
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    torch.zeros(1, device="cuda")  # CUPTI needs the CUDA context
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        mx.synchronize()
+        wall = (time.perf_counter() - t) / steps * 1e3
+    while engine.has_unfinished_requests():
+        engine.step()
+    device_us = lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)  # noqa: E731
+    rows = [(device_us(e) / 1e3 / steps, e.count // steps, e.key) for e in prof.key_averages()]
+    rows = sorted((r for r in rows if r[0] > 0), reverse=True)
+    return wall, sum(r[0] for r in rows), rows
+
+
 def main() -> None:
     from mlx_lm.models.cache import make_prompt_cache
     from rich.console import Console
@@ -116,8 +150,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=64)
     ap.add_argument("--batch", type=int, default=1, help="decode rows per step (mlx-lm's rows: batch 1 only)")
+    ap.add_argument("--quantization", help="the preset quantized as bench_offline.py's --quantization")
+    ap.add_argument("--kernels", action="store_true", help="the device's kernels by time (CUDA, torch installed)")
     args = ap.parse_args()
-    model = random_model(args.preset, getattr(mx, args.dtype))
+    model = random_model(args.preset, getattr(mx, args.dtype), quantization=parse_quantization(args.quantization))
     prompts = make_prompts(args.batch, args.prompt_len, model.args.vocab_size, 9)
     prompt = prompts[0]
     n = args.prompt_len + args.gen_len
@@ -150,6 +186,14 @@ def main() -> None:
         console.print(f"  {name}: engine stats per step (means): build {rows[name]['build_s']:.2f} ms "
                       f"(graph + async_eval), wait {rows[name]['wait_s']:.2f} ms (sampled tokens to the host)")
 
+    if args.kernels:
+        wall, busy, kernels = kernel_times(engine, prompts)
+        ktable = Table(title=f"kernels, batch {args.batch}: {wall:.2f} ms a step, {busy:.2f} ms of it on the device")
+        for col in ("ms a step", "launches a step", "kernel"):
+            ktable.add_column(col, justify="right" if col != "kernel" else "left")
+        for ms, count, name in kernels[:20]:
+            ktable.add_row(f"{ms:.3f}", str(count), name[:100])
+        console.print(ktable)
     if args.batch > 1:
         return
     # Forward alone, lockstep: mlx-lm's model with its KVCache, ours through the runner's forward.
