@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
 import mlx.core as mx
@@ -174,15 +176,35 @@ class CachedCudaKernel:
 
     def __call__(self, *, inputs: Sequence[Any], output_dtypes: Sequence[Any], template: Optional[Sequence] = None,
                  **kwargs: Any) -> Any:
-        try:  # a few microseconds a launch: the variant's key
-            key = (tuple([x.dtype for x in inputs]), tuple([inputs[i].ndim > 0 for i in self._shaped]),
-                   tuple(output_dtypes), tuple(template or ()))
-        except (AttributeError, TypeError):  # a Python scalar among the inputs, or a list in the template:
-            key = None  # MLX builds this variant itself, as it always has
+        key = self._key(inputs, output_dtypes, template)
         if key is not None and key not in self._seen:
             self._seen.add(key)
             self._seed(inputs, output_dtypes, list(template or []))
         return self.kernel(inputs=inputs, output_dtypes=output_dtypes, template=template, **kwargs)
+
+    def prebuild(self, variants: Sequence[tuple[Sequence[tuple[Any, int]], Sequence[Any], Sequence]]) -> None:
+        """Compile these variants into the cache at once, in parallel (NVRTC runs outside the GIL), before their
+        first launches: (inputs' (dtype, ndim), output dtypes, template) each. A load-time check that will launch a
+        dozen variants pays for the slowest instead of the sum."""
+        todo = []
+        for inputs, output_dtypes, template in variants:
+            arrays = [SimpleNamespace(dtype=dtype, ndim=ndim) for dtype, ndim in inputs]
+            key = self._key(arrays, output_dtypes, template)
+            if key is not None and key not in self._seen:
+                self._seen.add(key)
+                todo.append((arrays, list(output_dtypes), list(template)))
+        if not todo or _compiler() is None:
+            return
+        with ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1, 16), thread_name_prefix="pagedmlx-nvrtc") as pool:
+            list(pool.map(lambda v: self._seed(*v), todo))
+
+    def _key(self, inputs: Sequence[Any], output_dtypes: Sequence[Any],
+             template: Optional[Sequence]) -> Optional[tuple]:
+        try:  # a few microseconds a launch: the variant's key
+            return (tuple([x.dtype for x in inputs]), tuple([inputs[i].ndim > 0 for i in self._shaped]),
+                    tuple(output_dtypes), tuple(template or ()))
+        except (AttributeError, TypeError):  # a Python scalar among the inputs, or a list in the template:
+            return None  # MLX builds this variant itself, as it always has
 
     def _seed(self, arrays: Sequence[Any], output_dtypes: Sequence[Any], template: list) -> None:
         try:  # any failure leaves MLX to build the variant, as it always has

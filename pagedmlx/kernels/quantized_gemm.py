@@ -96,19 +96,33 @@ def quantized_gemm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
     *lead, k = x.shape
     rows, n = x.size // k, w.shape[0]
     launch = launch or launch_for(n, k, rows)
-    stages = launch.st or stages_for(launch.mt)
     row_blocks, col_blocks = -(-rows // (8 * launch.mt)), -(-n // (16 * launch.wn))
     split = launch.ks > 1  # the partials' workspace and the tiles' counters (zero-filled), else unused
     dtype = scales.dtype
     y = _kernel()(
         inputs=[x.reshape(rows, k).astype(dtype), w, scales, biases],
-        template=[("T", dtype), ("BITS", bits), ("GS", group_size), ("MT", launch.mt), ("WN", launch.wn),
-                  ("KS", launch.ks), ("ST", stages)],
+        template=_template(dtype, bits, group_size, launch),
         grid=(row_blocks * 32 * launch.wn, col_blocks, launch.ks), threadgroup=(32 * launch.wn, 1, 1),
         output_shapes=[(rows, n), (launch.ks, rows, n) if split else (1,),
                        (row_blocks * col_blocks,) if split else (1,)],
         output_dtypes=[dtype, mx.float32, mx.int32], init_value=0 if split else None)[0]
     return y.reshape(*lead, n)
+
+
+def _template(dtype: mx.Dtype, bits: int, group_size: int, launch: Launch) -> list:
+    return [("T", dtype), ("BITS", bits), ("GS", group_size), ("MT", launch.mt), ("WN", launch.wn), ("KS", launch.ks),
+            ("ST", launch.st or stages_for(launch.mt))]
+
+
+def prebuild(shapes: Sequence[tuple[int, int, int, int]], dtype: mx.Dtype, rows: Sequence[int]) -> None:
+    """Compile the kernel's variants for these (N, K, bits, group_size) shapes and row counts into the disk cache
+    at once, in parallel (kernels/disk_cache.py), where the cache is on."""
+    kernel = _kernel()
+    if not hasattr(kernel, "prebuild"):
+        return
+    inputs = [(dtype, 2), (mx.uint32, 2), (dtype, 2), (dtype, 2)]
+    kernel.prebuild([(inputs, [dtype, mx.float32, mx.int32], _template(dtype, bits, group_size, launch_for(n, k, r)))
+                     for n, k, bits, group_size in shapes for r in rows])
 
 
 def check_rows(max_rows: int) -> tuple[int, ...]:
@@ -130,6 +144,7 @@ def check_quantized_gemm(shapes: Sequence[tuple[int, int, int, int]], dtype: mx.
 
 
 def _check(shapes, dtype, rows_checked, seed) -> Optional[str]:
+    prebuild(shapes, dtype, rows_checked)
     keys = iter(mx.random.split(mx.random.key(seed), len(shapes) * (1 + len(rows_checked))))
     for n, k, bits, group_size in shapes:
         w, scales, biases = mx.quantize(mx.random.normal((n, k), dtype, scale=k ** -0.5, key=next(keys)),

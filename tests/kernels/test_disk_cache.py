@@ -21,7 +21,7 @@ import mlx.core as mx
 import pytest
 
 from pagedmlx.kernels import (add_rms_norm, build, decode_attention, disk_cache, nvrtc, page_write, prefill_attention,
-                              skinny_gemm)
+                              quantized_gemm, skinny_gemm)
 from pagedmlx.kernels.dialect import CUDA
 
 ON_CUDA = build.gpu_backend() == CUDA
@@ -105,6 +105,44 @@ def test_each_variant_is_seeded_once_under_mlxs_module_name(tmp_path, monkeypatc
     assert len(calls) == 4 and len(fake.sources) == 2  # two variants: float32 and float16 inputs
     names = sorted(p.stem for p in tmp_path.glob("*.ptx"))
     assert names == sorted(f"custom_kernel_k_abc_2_{disk_cache.std_hash(s):x}" for s in fake.sources)
+
+
+def test_prebuild_compiles_each_variant_once_in_parallel_and_launches_then_find_them(tmp_path, monkeypatch):
+    """The quantized GEMM's check compiles the variants it will launch in a thread pool first (disk_cache.prebuild):
+    each once, under the very module names its launches seed, so that those launches compile nothing."""
+    import threading
+    import time
+
+    fake, threads, launched = FakeNVRTC(), set(), []
+    compile_one = fake.compile
+
+    def compile_in_thread(*a):
+        threads.add(threading.get_ident())
+        time.sleep(0.05)  # as NVRTC takes seconds: every worker gets some
+        return compile_one(*a)
+
+    fake.compile = compile_in_thread
+    monkeypatch.setattr(disk_cache, "_compiler", lambda: fake)
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+    def run(*, inputs, output_shapes, output_dtypes, **kw):
+        launched.append(kw["template"])
+        return [mx.zeros(s, dt) for s, dt in zip(output_shapes, output_dtypes)]
+
+    kernel = disk_cache.CachedCudaKernel(run, "pagedmlx_quantized_gemm_x", ["x", "w", "scales", "biases"],
+                                         ["y", "partials", "counters"], quantized_gemm.quantized_gemm_source(), "")
+    monkeypatch.setattr(quantized_gemm, "_kernel", lambda: kernel)
+    shapes, rows = [(4096, 4096, 4, 64), (28672, 4096, 4, 64), (4096, 14336, 8, 32)], (1, 9, 64)
+    quantized_gemm.prebuild(shapes, mx.bfloat16, rows)
+    variants = {(bits, gs, tuple(quantized_gemm.launch_for(n, k, r).__dict__.values()))
+                for n, k, bits, gs in shapes for r in rows}
+    assert len(fake.sources) == len(variants) > 1 and len(threads) > 1
+    quantized_gemm.prebuild(shapes, mx.bfloat16, rows)  # known variants: nothing again
+    for n, k, bits, gs in shapes:
+        w, scales, biases = mx.quantize(mx.zeros((n, k), mx.bfloat16), group_size=gs, bits=bits)
+        for r in rows:
+            quantized_gemm.quantized_gemm(mx.zeros((r, k), mx.bfloat16), w, scales, biases, bits, gs)
+    assert len(launched) == len(shapes) * len(rows) and len(fake.sources) == len(variants)
+    assert len(list(tmp_path.glob("*.ptx"))) == len(variants)
 
 
 # Shape and Strides by value between two inputs: the output reads right only where their layout is MLX's.
