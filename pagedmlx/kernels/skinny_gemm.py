@@ -66,7 +66,11 @@ def _mma_on(backend: Optional[str]) -> bool:
 def uses_tensor_cores(backend: Optional[str], weight: mx.array) -> bool:
     """The product runs the tensor-core kernel: CUDA with PAGEDMLX_SKINNY_MMA=1, 16-bit weights, K whole 32-value
     chunks."""
-    return _mma_on(backend) and weight.dtype in MMA_DTYPES and weight.shape[-1] % 32 == 0
+    return _tensor_cores(backend, weight.dtype, weight.shape[-1])
+
+
+def _tensor_cores(backend: Optional[str], dtype: mx.Dtype, k: int) -> bool:
+    return _mma_on(backend) and dtype in MMA_DTYPES and k % 32 == 0
 
 
 def kernel_dtypes(backend: Optional[str]) -> set:
@@ -113,22 +117,36 @@ def skinny_gemm(x: mx.array, w: mx.array, backend: Optional[str] = None, *, mma:
     backend = backend or build.gpu_backend()
     *lead, k = x.shape
     rows, n = x.size // k, w.shape[0]
-    if uses_tensor_cores(backend, w) if mma is None else mma:
-        y = _kernel(backend, True)(
-            inputs=[x.reshape(rows, k).astype(w.dtype), w],
-            template=[("T", w.dtype), ("M", rows), ("K", k), ("WARPS", warps), ("UNROLL", unroll)],
-            grid=(-(-n // 16) * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1), output_shapes=[(rows, n)],
-            output_dtypes=[w.dtype])[0]
-        return y.reshape(*lead, n)
-    per_warp, split = rows_per_warp(n), split or k_split(n, k, w.dtype, rows)
-    groups = -(-n // (per_warp * WARPS // split))
-    y = _kernel(backend)(
-        inputs=[x.reshape(rows, k).astype(w.dtype), w], template=[("T", w.dtype), ("M", rows), ("K", k),
-                                                                   ("ROWS", per_warp), ("WARPS", WARPS),
-                                                                   ("SPLIT", split)],
-        grid=(groups * 32 * WARPS, 1, 1), threadgroup=(32 * WARPS, 1, 1), output_shapes=[(rows, n)],
-        output_dtypes=[w.dtype])[0]
+    mma, template, groups = _launch(backend, n, k, w.dtype, rows, mma, warps, unroll, split)
+    threads = 32 * (warps if mma else WARPS)
+    y = _kernel(backend, mma)(
+        inputs=[x.reshape(rows, k).astype(w.dtype), w], template=template, grid=(groups * threads, 1, 1),
+        threadgroup=(threads, 1, 1), output_shapes=[(rows, n)], output_dtypes=[w.dtype])[0]
     return y.reshape(*lead, n)
+
+
+def _launch(backend: Optional[str], n: int, k: int, dtype: mx.Dtype, rows: int, mma: Optional[bool] = None,
+            warps: int = MMA_WARPS, unroll: int = MMA_UNROLL, split: Optional[int] = None) -> tuple[bool, list, int]:
+    """(the tensor-core kernel or the lanes', its template, thread groups) for a product of rows x K @ (N x K)^T."""
+    if _tensor_cores(backend, dtype, k) if mma is None else mma:
+        return True, [("T", dtype), ("M", rows), ("K", k), ("WARPS", warps), ("UNROLL", unroll)], -(-n // 16)
+    per_warp, split = rows_per_warp(n), split or k_split(n, k, dtype, rows)
+    return (False, [("T", dtype), ("M", rows), ("K", k), ("ROWS", per_warp), ("WARPS", WARPS), ("SPLIT", split)],
+            -(-n // (per_warp * WARPS // split)))
+
+
+def prebuild(backend: str, shapes: Sequence[tuple[int, int]], dtype: mx.Dtype, rows: Sequence[int]) -> None:
+    """Compile the variants of these (N, K) shapes and row counts into the disk cache at once, in parallel
+    (kernels/disk_cache.py), where the cache is on."""
+    by_kernel: dict = {}
+    for n, k in shapes:
+        for r in rows:
+            mma, template, _ = _launch(backend, n, k, dtype, r)
+            by_kernel.setdefault(mma, []).append(([(dtype, 2), (dtype, 2)], [dtype], template))
+    for mma, variants in by_kernel.items():
+        kernel = _kernel(backend, mma)
+        if hasattr(kernel, "prebuild"):
+            kernel.prebuild(variants)
 
 
 def check_skinny_gemm(backend: str, shapes: tuple[tuple[int, int], ...], dtype: mx.Dtype = mx.bfloat16,
@@ -144,6 +162,7 @@ def check_skinny_gemm(backend: str, shapes: tuple[tuple[int, int], ...], dtype: 
 
 def _check(backend: str, shapes: tuple[tuple[int, int], ...], dtype: mx.Dtype, rows_checked: Sequence[int],
            seed: int) -> Optional[str]:
+    prebuild(backend, shapes, dtype, rows_checked)
     # drawn on the device: numpy took ~27 s (this CPU) for Llama-8B's widths, its 128k-row head most of it
     keys = iter(mx.random.split(mx.random.key(seed), len(shapes) * (1 + len(rows_checked))))
     for n, k in shapes:

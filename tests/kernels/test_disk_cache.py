@@ -145,6 +145,29 @@ def test_prebuild_compiles_each_variant_once_in_parallel_and_launches_then_find_
     assert len(list(tmp_path.glob("*.ptx"))) == len(variants)
 
 
+def test_the_skinny_gemms_check_prebuilds_the_variants_its_launches_meet(tmp_path, monkeypatch):
+    fake, launched = FakeNVRTC(), []
+    monkeypatch.setattr(disk_cache, "_compiler", lambda: fake)
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+
+    def run(*, output_shapes, output_dtypes, template, **kw):
+        launched.append(template)
+        return [mx.zeros(s, dt) for s, dt in zip(output_shapes, output_dtypes)]
+
+    kernels = {mma: disk_cache.CachedCudaKernel(run, f"skinny_{mma}", ["x", "w"], ["y"],
+                                                skinny_gemm.skinny_gemm_source(CUDA, mma), "")
+               for mma in (False, True)}
+    monkeypatch.setattr(skinny_gemm, "_kernel", lambda backend, mma=False: kernels[mma])
+    shapes, rows = [(4096, 4096), (6144, 4096), (4096, 14336)], (2, 3, 5)
+    skinny_gemm.prebuild(CUDA, shapes, mx.bfloat16, rows)
+    compiled = len(fake.sources)
+    assert compiled == len({tuple(skinny_gemm._launch(CUDA, n, k, mx.bfloat16, r)[1]) for n, k in shapes for r in rows})
+    for n, k in shapes:
+        for r in rows:
+            skinny_gemm.skinny_gemm(mx.zeros((r, k), mx.bfloat16), mx.zeros((n, k), mx.bfloat16), CUDA)
+    assert len(launched) == len(shapes) * len(rows) and len(fake.sources) == compiled
+
+
 # Shape and Strides by value between two inputs: the output reads right only where their layout is MLX's.
 PROBE_HEADER = "template <typename T> __device__ T twice(T v) { return v + v; }\n"
 PROBE_BODY = ("  const int i = threadIdx.x;\n"
