@@ -59,6 +59,7 @@ def k_splits(n: int, k: int) -> int:
     return ks
 
 
+@functools.lru_cache(maxsize=4096)  # a step asks once a product: the host's dispatch bounds batched 4-bit steps
 def launch_for(n: int, k: int, rows: int) -> Launch:
     """The launch for a product of `rows` rows against an (N, K) weight."""
     mt = 1
@@ -109,6 +110,7 @@ def quantized_gemm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
     return y.reshape(*lead, n)
 
 
+@functools.lru_cache(maxsize=4096)
 def _template(dtype: mx.Dtype, bits: int, group_size: int, launch: Launch) -> list:
     return [("T", dtype), ("BITS", bits), ("GS", group_size), ("MT", launch.mt), ("WN", launch.wn), ("KS", launch.ks),
             ("ST", launch.st or stages_for(launch.mt))]
