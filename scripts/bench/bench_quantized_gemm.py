@@ -3,6 +3,10 @@ shape, per product of a model's widths and row count, on the device: microsecond
 each a chain of products over enough weight copies to miss the L2 cache), the weight bytes drawn a second, and the
 kernel's speed-up over MLX's product. --sweep also times every launch shape and prints the best.
 
+A chain's wall time is bound by the host's dispatch (tens of microseconds an MLX op on CUDA) wherever a product
+takes less on the device, so where torch is installed (the GPU machine) the times are the device's own: CUPTI's
+kernel durations through torch.profiler, summed over the chain. --wall times the chain instead.
+
   python scripts/bench/bench_quantized_gemm.py --bits 4 --rows 1 2 8 32 64 128 256 [--sweep]
 """
 
@@ -15,6 +19,7 @@ import time
 
 import mlx.core as mx
 
+from pagedmlx.bench import cupti
 from pagedmlx.kernels import quantized_gemm as qg
 
 # (N, K) of Llama-8B's products as the engine runs them: q/k/v merged, o, gate/up merged, down, the head
@@ -22,15 +27,25 @@ LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4
 L2_MISS_BYTES = 256 << 20  # weight copies a chain cycles through: several times an H100's / H200's 50 MB L2
 
 
-def timed(fn, calls: int, repeats: int) -> float:
-    """Microseconds a call: the median over repeats of a chain of `calls` calls evaluated together."""
+def timed(fn, calls: int, repeats: int, wall: bool = False) -> float:
+    """Microseconds a call: the median over repeats of a chain of `calls` calls evaluated together; the device's
+    kernel time where CUPTI can be read (device_us), else the chain's wall time."""
     mx.eval(fn(0))
     times = []
     for _ in range(repeats):
+        if not wall and (us := device_us(lambda: mx.eval([fn(i) for i in range(calls)]))) is not None:
+            times.append(us / calls)
+            continue
         t0 = time.perf_counter()
         mx.eval([fn(i) for i in range(calls)])
         times.append((time.perf_counter() - t0) / calls * 1e6)
     return statistics.median(times)
+
+
+def device_us(run) -> float | None:
+    """Microseconds of kernels the device ran for run() (CUPTI); None without torch or CUDA."""
+    kernels = cupti.kernel_times(run)
+    return None if kernels is None else sum(us for us, _, _ in kernels)
 
 
 def launches(n: int, k: int, rows: int) -> list[qg.Launch]:
@@ -49,9 +64,11 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--sweep", action="store_true", help="time every launch shape too, and print the best")
+    p.add_argument("--wall", action="store_true", help="wall time of a chain (the host's dispatch included)")
     args = p.parse_args()
     dtype = getattr(mx, args.dtype)
-    print(f"{mx.default_device()}  {args.dtype}  group size {args.group_size}")
+    timing = "wall time of chains" if args.wall or device_us(lambda: None) is None else "device time (CUPTI)"
+    print(f"{mx.default_device()}  {args.dtype}  group size {args.group_size}  {timing}")
     print(f"{'bits':>4} {'N':>6} {'K':>6} {'rows':>4} {'MLX us':>8} {'bf16 us':>8} {'ours us':>8} {'GB/s':>6} "
           f"{'vs MLX':>7} {'vs bf16':>7} {'err':>8}" + ("  best launch (us)" if args.sweep else ""))
     for bits, (n, k) in itertools.product(args.bits, LLAMA_8B):
@@ -65,10 +82,11 @@ def main() -> None:
         for rows in args.rows:
             x = mx.random.normal((rows, k), dtype)
             mlx_us = timed(lambda i: mx.quantized_matmul(x, *ws[i % copies], transpose=True,
-                                                         group_size=args.group_size, bits=bits), calls, args.repeats)
-            bf16_us = timed(lambda i: x @ dense[i % len(dense)].T, calls, args.repeats)
+                                                         group_size=args.group_size, bits=bits), calls, args.repeats,
+                           args.wall)
+            bf16_us = timed(lambda i: x @ dense[i % len(dense)].T, calls, args.repeats, args.wall)
             ours_us = timed(lambda i: qg.quantized_gemm(x, *ws[i % copies], bits, args.group_size), calls,
-                            args.repeats)
+                            args.repeats, args.wall)
             want = mx.quantized_matmul(x.astype(mx.float32), ws[0][0], ws[0][1].astype(mx.float32),
                                        ws[0][2].astype(mx.float32), transpose=True, group_size=args.group_size,
                                        bits=bits)
@@ -78,7 +96,7 @@ def main() -> None:
                     f"{wbytes / ours_us / 1e3:>6.0f} {mlx_us / ours_us:>6.2f}x {bf16_us / ours_us:>6.2f}x {err:>8.1e}")
             if args.sweep:
                 best = min(((timed(lambda i, L=launch: qg.quantized_gemm(x, *ws[i % copies], bits, args.group_size,
-                                                                          launch=L), calls, 3), launch)
+                                                                          launch=L), calls, 3, args.wall), launch)
                             for launch in launches(n, k, rows)), key=lambda t: t[0])
                 line += f"  mt{best[1].mt} wn{best[1].wn} ks{best[1].ks} st{best[1].st} ({best[0]:.1f}; default " \
                         f"{qg.launch_for(n, k, rows)})"
