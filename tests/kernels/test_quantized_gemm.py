@@ -70,11 +70,11 @@ def test_a_launch_splits_k_by_the_weights_shape_only():
 
 FORMATS = [(4, 64, mx.bfloat16), (4, 32, mx.bfloat16), (4, 128, mx.float16), (8, 64, mx.bfloat16),
            (8, 32, mx.float16)]
-LAUNCHES = [None, quantized_gemm.Launch(2, 2, 3), quantized_gemm.Launch(4, 4, 1)]
+LAUNCHES = [None, quantized_gemm.Launch(2, 2, 3, 3), quantized_gemm.Launch(4, 4, 1)]  # stages 2 and 4 by default
 
 
 @pytest.mark.parametrize("bits,group_size,dtype", fast_first(1, FORMATS))
-@pytest.mark.parametrize("launch", fast_first(1, LAUNCHES, unpack=False), ids=["default", "mt2-wn2-ks3", "mt4-wn4"])
+@pytest.mark.parametrize("launch", fast_first(1, LAUNCHES, unpack=False), ids=["default", "mt2-wn2-ks3-st3", "mt4-wn4"])
 def test_emulated_kernel_passes_its_check(emulated, bits, group_size, dtype, launch):
     """Against MLX's quantized matmul in float32 on the same weights, at the tolerance of the output's dtype
     (rounding it is 2e-3 of bf16's largest magnitude): N not a whole number of tiles, K a whole number of
