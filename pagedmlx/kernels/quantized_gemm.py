@@ -43,6 +43,10 @@ class Launch:
     ks: int
     st: int = 0  # 0: stages_for(mt)
 
+    @property
+    def stages(self) -> int:
+        return self.st or stages_for(self.mt)
+
 
 def stages_for(mt: int) -> int:
     """Chunks in flight for blocks of mt row tiles: MAX_STAGES, fewer where ST slots of x (mt * 2,560 bytes each)
@@ -65,7 +69,7 @@ def launch_for(n: int, k: int, rows: int) -> Launch:
     mt = 1
     while mt < MAX_TILES and 8 * mt < rows:
         mt *= 2
-    return Launch(mt, WARPS, k_splits(n, k), stages_for(mt))
+    return Launch(mt, WARPS, k_splits(n, k))
 
 
 def quantized_gemm_source() -> str:
@@ -113,7 +117,7 @@ def quantized_gemm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
 @functools.lru_cache(maxsize=4096)
 def _template(dtype: mx.Dtype, bits: int, group_size: int, launch: Launch) -> list:
     return [("T", dtype), ("BITS", bits), ("GS", group_size), ("MT", launch.mt), ("WN", launch.wn), ("KS", launch.ks),
-            ("ST", launch.st or stages_for(launch.mt))]
+            ("ST", launch.stages)]
 
 
 def prebuild(shapes: Sequence[tuple[int, int, int, int]], dtype: mx.Dtype, rows: Sequence[int]) -> None:

@@ -117,8 +117,7 @@ def skinny_gemm(x: mx.array, w: mx.array, backend: Optional[str] = None, *, mma:
     backend = backend or build.gpu_backend()
     *lead, k = x.shape
     rows, n = x.size // k, w.shape[0]
-    mma, template, groups = _launch(backend, n, k, w.dtype, rows, mma, warps, unroll, split)
-    threads = 32 * (warps if mma else WARPS)
+    mma, template, groups, threads = _launch(backend, n, k, w.dtype, rows, mma, warps, unroll, split)
     y = _kernel(backend, mma)(
         inputs=[x.reshape(rows, k).astype(w.dtype), w], template=template, grid=(groups * threads, 1, 1),
         threadgroup=(threads, 1, 1), output_shapes=[(rows, n)], output_dtypes=[w.dtype])[0]
@@ -126,13 +125,16 @@ def skinny_gemm(x: mx.array, w: mx.array, backend: Optional[str] = None, *, mma:
 
 
 def _launch(backend: Optional[str], n: int, k: int, dtype: mx.Dtype, rows: int, mma: Optional[bool] = None,
-            warps: int = MMA_WARPS, unroll: int = MMA_UNROLL, split: Optional[int] = None) -> tuple[bool, list, int]:
-    """(the tensor-core kernel or the lanes', its template, thread groups) for a product of rows x K @ (N x K)^T."""
+            warps: int = MMA_WARPS, unroll: int = MMA_UNROLL,
+            split: Optional[int] = None) -> tuple[bool, list, int, int]:
+    """(the tensor-core kernel or the lanes', its template, thread groups, threads a group) for a product of
+    rows x K @ (N x K)^T."""
     if _tensor_cores(backend, dtype, k) if mma is None else mma:
-        return True, [("T", dtype), ("M", rows), ("K", k), ("WARPS", warps), ("UNROLL", unroll)], -(-n // 16)
+        return (True, [("T", dtype), ("M", rows), ("K", k), ("WARPS", warps), ("UNROLL", unroll)], -(-n // 16),
+                32 * warps)
     per_warp, split = rows_per_warp(n), split or k_split(n, k, dtype, rows)
     return (False, [("T", dtype), ("M", rows), ("K", k), ("ROWS", per_warp), ("WARPS", WARPS), ("SPLIT", split)],
-            -(-n // (per_warp * WARPS // split)))
+            -(-n // (per_warp * WARPS // split)), 32 * WARPS)
 
 
 def prebuild(backend: str, shapes: Sequence[tuple[int, int]], dtype: mx.Dtype, rows: Sequence[int]) -> None:
@@ -141,7 +143,7 @@ def prebuild(backend: str, shapes: Sequence[tuple[int, int]], dtype: mx.Dtype, r
     by_kernel: dict = {}
     for n, k in shapes:
         for r in rows:
-            mma, template, _ = _launch(backend, n, k, dtype, r)
+            mma, template, _, _ = _launch(backend, n, k, dtype, r)
             by_kernel.setdefault(mma, []).append(([(dtype, 2), (dtype, 2)], [dtype], template))
     for mma, variants in by_kernel.items():
         kernel = _kernel(backend, mma)

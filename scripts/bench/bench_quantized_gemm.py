@@ -53,7 +53,7 @@ def launches(n: int, k: int, rows: int) -> list[qg.Launch]:
     chunks in flight (as many as fit shared memory)."""
     mt = qg.launch_for(n, k, rows).mt
     shapes = itertools.product(sorted({mt, max(1, mt // 2)}), (4, 8), (1, 2, 4, 8), (2, 3, 4))
-    return [qg.Launch(*s) for s in shapes if s[3] <= max(2, qg.stages_for(s[0]))]
+    return [qg.Launch(*s) for s in shapes if s[3] <= qg.stages_for(s[0])]
 
 
 def main() -> None:
@@ -98,7 +98,7 @@ def main() -> None:
                 best = min(((timed(lambda i, L=launch: qg.quantized_gemm(x, *ws[i % copies], bits, args.group_size,
                                                                           launch=L), calls, 3, args.wall), launch)
                             for launch in launches(n, k, rows)), key=lambda t: t[0])
-                line += f"  mt{best[1].mt} wn{best[1].wn} ks{best[1].ks} st{best[1].st} ({best[0]:.1f}; default " \
+                line += f"  mt{best[1].mt} wn{best[1].wn} ks{best[1].ks} st{best[1].stages} ({best[0]:.1f}; default " \
                         f"{qg.launch_for(n, k, rows)})"
             print(line, flush=True)
 

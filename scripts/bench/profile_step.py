@@ -106,7 +106,7 @@ def forward_alone(fn, n: int = 20) -> tuple[float, float]:
     return 1e3 * statistics.median(build), 1e3 * statistics.median(run)
 
 
-def kernel_times(engine, prompts, steps: int = 10) -> tuple[float, float, list[tuple[float, int, str]]]:
+def step_kernels(engine, prompts, steps: int = 10) -> tuple[float, float, list[tuple[float, int, str]]]:
     """(wall ms a step, device ms a step, [(device ms a step, launches a step, kernel)]) over `steps` overlapped
     decode steps, from CUPTI's kernel records (torch.profiler)."""
     from pagedmlx.bench import cupti
@@ -188,7 +188,7 @@ def main() -> None:
                       f"(graph + async_eval), wait {rows[name]['wait_s']:.2f} ms (sampled tokens to the host)")
 
     if args.kernels:
-        wall, busy, kernels = kernel_times(engine, prompts)
+        wall, busy, kernels = step_kernels(engine, prompts)
         ktable = Table(title=f"kernels, batch {args.batch}: {wall:.2f} ms a step, {busy:.2f} ms of it on the device")
         for col in ("ms a step", "launches a step", "kernel"):
             ktable.add_column(col, justify="right" if col != "kernel" else "left")
