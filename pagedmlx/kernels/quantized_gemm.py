@@ -9,6 +9,7 @@ matmul at the model's widths)."""
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -31,6 +32,7 @@ WARPS = 8  # warps a thread block (WN), each 16 columns: a chunk of x staged in 
 BLOCKS = 264  # thread blocks a product is split up to along K (two an SM of an H100's 132)
 X_SLOTS_BYTES = 40 << 10  # shared memory the ST slots of x may take (under CUDA's 48 KB of static shared memory)
 MAX_STAGES = 4  # chunks in flight (ST): registers a chunk's weights take in each of its slots bound it
+COUNTERS = 1 << 20  # the ring of split tiles' counters (4 MB): a step's launches take about 15k at 256 rows
 
 
 @dataclass(frozen=True)
@@ -82,8 +84,30 @@ def _header() -> str:  # read at build time: tests stand in the emulator's PTX h
 
 @functools.lru_cache(maxsize=None)
 def _kernel():
-    return build.make_kernel(CUDA, "pagedmlx_quantized_gemm", ["x", "w", "scales", "biases"],
-                             ["y", "partials", "counters"], quantized_gemm_source(), _header())
+    return build.make_kernel(CUDA, "pagedmlx_quantized_gemm", ["x", "w", "scales", "biases", "counters"],
+                             ["y", "partials"], quantized_gemm_source(), _header())
+
+
+class _CounterRing:
+    """Zeroed int32 counters for split launches' tiles, a stretch a launch, from a ring made once. A launch's last
+    blocks zero its stretch again, so no fill is launched (a step has ~160 split products and is bound by its
+    launches). A stretch comes round again after COUNTERS counters' worth of later launches, many steps on; the
+    engine has at most two steps in flight."""
+
+    def __init__(self, size: int):
+        self.size, self.lock, self.ring, self.next = size, threading.Lock(), None, 0
+
+    def take(self, count: int) -> mx.array:
+        with self.lock:
+            if self.ring is None:
+                self.ring = mx.zeros((self.size,), mx.int32)
+                mx.eval(self.ring)
+            start = self.next if self.next + count <= self.size else 0
+            self.next = start + count
+            return self.ring[start:start + count]
+
+
+_counters = _CounterRing(COUNTERS)  # a split launch has at most BLOCKS // 2 tiles (k_splits)
 
 
 def supports(rows: int, k: int, dtype: mx.Dtype, bits: int, group_size: int, mode: str = "affine") -> bool:
@@ -102,16 +126,21 @@ def quantized_gemm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
     rows, n = x.size // k, w.shape[0]
     launch = launch or launch_for(n, k, rows)
     row_blocks, col_blocks = -(-rows // (8 * launch.mt)), -(-n // (16 * launch.wn))
-    split = launch.ks > 1  # the partials' workspace and the tiles' counters (zero-filled), else unused
+    split = launch.ks > 1  # the partials' workspace and the tiles' counters, else unused
     dtype = scales.dtype
     y = _kernel()(
-        inputs=[x.reshape(rows, k).astype(dtype), w, scales, biases],
+        inputs=[x.reshape(rows, k).astype(dtype), w, scales, biases,
+                _counters.take(row_blocks * col_blocks) if split else _no_counters()],
         template=_template(dtype, bits, group_size, launch),
         grid=(row_blocks * 32 * launch.wn, col_blocks, launch.ks), threadgroup=(32 * launch.wn, 1, 1),
-        output_shapes=[(rows, n), (launch.ks, rows, n) if split else (1,),
-                       (row_blocks * col_blocks,) if split else (1,)],
-        output_dtypes=[dtype, mx.float32, mx.int32], init_value=0 if split else None)[0]
+        output_shapes=[(rows, n), (launch.ks, rows, n) if split else (1,)],
+        output_dtypes=[dtype, mx.float32])[0]
     return y.reshape(*lead, n)
+
+
+@functools.lru_cache(maxsize=None)
+def _no_counters() -> mx.array:  # an unsplit launch's counters, never read (past 8 bytes: build.device_constant)
+    return mx.zeros((4,), mx.int32)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -126,8 +155,8 @@ def prebuild(shapes: Sequence[tuple[int, int, int, int]], dtype: mx.Dtype, rows:
     kernel = _kernel()
     if not hasattr(kernel, "prebuild"):
         return
-    inputs = [(dtype, 2), (mx.uint32, 2), (dtype, 2), (dtype, 2)]
-    kernel.prebuild([(inputs, [dtype, mx.float32, mx.int32], _template(dtype, bits, group_size, launch_for(n, k, r)))
+    inputs = [(dtype, 2), (mx.uint32, 2), (dtype, 2), (dtype, 2), (mx.int32, 1)]
+    kernel.prebuild([(inputs, [dtype, mx.float32], _template(dtype, bits, group_size, launch_for(n, k, r)))
                      for n, k, bits, group_size in shapes for r in rows])
 
 

@@ -128,8 +128,8 @@ def test_prebuild_compiles_each_variant_once_in_parallel_and_launches_then_find_
         launched.append(kw["template"])
         return [mx.zeros(s, dt) for s, dt in zip(output_shapes, output_dtypes)]
 
-    kernel = disk_cache.CachedCudaKernel(run, "pagedmlx_quantized_gemm_x", ["x", "w", "scales", "biases"],
-                                         ["y", "partials", "counters"], quantized_gemm.quantized_gemm_source(), "")
+    kernel = disk_cache.CachedCudaKernel(run, "pagedmlx_quantized_gemm_x", ["x", "w", "scales", "biases",
+                                         "counters"], ["y", "partials"], quantized_gemm.quantized_gemm_source(), "")
     monkeypatch.setattr(quantized_gemm, "_kernel", lambda: kernel)
     shapes, rows = [(4096, 4096, 4, 64), (28672, 4096, 4, 64), (4096, 14336, 8, 32)], (1, 9, 64)
     quantized_gemm.prebuild(shapes, mx.bfloat16, rows)

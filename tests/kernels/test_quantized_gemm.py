@@ -81,12 +81,13 @@ def test_emulated_kernel_passes_its_check(emulated, bits, group_size, dtype, lau
     32-value runs but not of a warp's 128-value chunks, rows of partial tiles and of several blocks."""
     if launch is not None:
         emulated.setattr(quantized_gemm, "launch_for", lambda n, k, rows: launch)
+    emulated.setattr(quantized_gemm, "_counters", quantized_gemm._CounterRing(8))  # every launch: the same counters
     k = 1024 + max(group_size, 64)  # past whole 128-value chunks, but for group size 128
     assert quantized_gemm.check_quantized_gemm([(40, k, bits, group_size)], dtype,
                                                rows_checked=(1, 2, 9, 17, 40)) is None
 
 
-@pytest.mark.parametrize("bits,original,wrong", [
+@pytest.mark.parametrize("bits,original,wrong,ks", [(*case, 2)[:4] for case in [
     (8, "(q >> (2 * i * BITS)) & MASK", "(q >> ((2 * i + 1) * BITS)) & MASK"),  # a pair's two values swapped
     (4, "(q >> (4 * i)) & 0x000F000Fu", "(q >> (4 * i)) & 0x00F0000Fu"),  # a pair's second value misread
     (4, "__byte_perm(u.x, u.z, 0x5410), __byte_perm(u.x, u.z, 0x7632)", "u.x, u.y"),  # x's pairs not regrouped
@@ -99,15 +100,17 @@ def test_emulated_kernel_passes_its_check(emulated, bits, group_size, dtype, lau
     (8, "if (c0 + s >= c_end) break;", "if (c0 + s + 1 >= c_end) break;"),  # the last chunk dropped
     (4, "{q[slot][h][v].x,", "{q[(slot + 1) % ST][h][v].x,"),  # another chunk's weights
     (4, "for (int z = 0; z < KS; ++z)", "for (int z = 1; z < KS; ++z)"),  # a split's partials left out of y
-    (4, "1) == KS - 1;", "1) == KS - 2;"),  # the tile written before its last split is in
+    (4, "1) == KS - 1;", "1) == KS - 2;", 3),  # the tile written before its last split is in
+    (4, "*count = 0;", "*count += 0;"),  # the counters not zeroed for the ring's next lap
     (4, "const int base = (mt * 8 + g) * 20", "const int base = g * 20"),  # every row tile reads the first's rows
     (4, "{a[0][4 * j2], a[1][4 * j2], a[0][4 * j2 + 1], a[1][4 * j2 + 1]}",
      "{a[1][4 * j2], a[0][4 * j2], a[0][4 * j2 + 1], a[1][4 * j2 + 1]}"),  # A's rows mixed
-])
-def test_the_check_fails_a_wrong_kernel(emulated, bits, original, wrong):
+]])
+def test_the_check_fails_a_wrong_kernel(emulated, bits, original, wrong, ks):
     name = next(n for n in ("QUANTIZED_GEMM", "QUANTIZED_GEMM_HEADER") if original in getattr(gemm_src, n))
     emulated.setattr(gemm_src, name, getattr(gemm_src, name).replace(original, wrong, 1))
-    emulated.setattr(quantized_gemm, "launch_for", lambda n, k, rows: quantized_gemm.Launch(2, 2, 2))
+    emulated.setattr(quantized_gemm, "launch_for", lambda n, k, rows: quantized_gemm.Launch(2, 2, ks))
+    emulated.setattr(quantized_gemm, "_counters", quantized_gemm._CounterRing(1))  # the next launch: the same counter
     err = quantized_gemm.check_quantized_gemm([(32, 1024, bits, 64)], mx.bfloat16, rows_checked=(16, 9))
     assert err is not None and "max relative difference" in err
 

@@ -6,8 +6,8 @@ does.
 
 A thread block of WN warps takes 16 * WN columns of y (each warp 16: W's rows as mma.sync's A, 16 x 16) for MT 8-row
 tiles of x (x's rows as B's columns, 16 x 8), over K's 128-wide chunks of its split (KS splits: blocks along grid z:
-each writes float32 partial sums to a workspace and counts itself done on its tile's counter, an output of the
-launch filled with zeros; the tile's last block adds the KS partials in split order and writes y). ST chunks are in
+each writes float32 partial sums to a workspace and counts itself done on its tile's counter, zero at launch; the
+tile's last block adds the KS partials in split order, writes y and sets the counter back to zero). ST chunks are in
 flight at once: a chunk's x is copied by cp.async into one of ST shared-memory slots (one copy for the block's
 warps), its weights, scales and biases are loaded into one of ST register slots, ST - 1 chunks ahead of the one the
 warps multiply, so that a chunk's memory latency is paid once per ST chunks. In a chunk, lane (g, t) holds the 32
@@ -58,7 +58,8 @@ __device__ inline void dequantize_word4(unsigned q, unsigned s2, unsigned b2, un
 QUANTIZED_GEMM = """
     // Template: T, BITS (4 or 8), GS (32, 64 or 128), MT, WN, KS, ST.
     // K % 32 == 0: a lane's 32 values are in K or past it (zeros), and in one group. x's rows past M repeat its
-    // last row, W's rows past N its last: never written. counters: one int a tile (row block, column block), zero at launch.
+    // last row, W's rows past N its last: never written. counters: one int a tile (row block, column block), zero at
+    // launch and again when it ends (an input: a stretch of a ring kept by the host, kernels/quantized_gemm.py).
     const int N = w_shape[0], M = x_shape[0], K = x_shape[1];
     const int warp = SIMD_ID, g = LANE >> 2, t = LANE & 3;
     // Row blocks along x: the blocks of one column tile run together and read its weights from L2 after the first.
@@ -154,7 +155,7 @@ QUANTIZED_GEMM = """
     }
     // Unsplit: y. Split: this split's partials, then the tile's last block adds them all (in split order, so the
     // sums are the same whichever block comes last). Each launch has counters of its own: MLX may run independent
-    // kernels at once (CUDA graph branches), so none may be shared between launches.
+    // kernels at once (CUDA graph branches), so none may be shared by launches in flight together.
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
         #pragma unroll
@@ -168,13 +169,13 @@ QUANTIZED_GEMM = """
     }
     if constexpr (KS > 1) {
         SHARED int last;
+        int* count = const_cast<int*>(counters) + GROUP_Y * ((M + 8 * MT - 1) / (8 * MT)) + GROUP_X;
         __threadfence();  // this block's partials before its count
         BARRIER();
-        if (THREAD_IN_GROUP == 0) {
-            last = atomicAdd(counters + GROUP_Y * ((M + 8 * MT - 1) / (8 * MT)) + GROUP_X, 1) == KS - 1;
-        }
+        if (THREAD_IN_GROUP == 0) last = atomicAdd(count, 1) == KS - 1;
         BARRIER();
         if (!last) return;
+        if (THREAD_IN_GROUP == 0) *count = 0;  // every block of the tile has counted: zero for the ring's next lap
         __threadfence();
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
