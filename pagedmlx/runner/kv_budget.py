@@ -101,8 +101,9 @@ def kv_cache_budget(config: EngineConfig, model: nn.Module, body: Optional[Calla
     if peak is None:  # the step could not run alone: keep a tenth of the device for it
         peak, peak_text = int(0.1 * total), f"{0.1 * total / 1e9:.1f} GB for a step (not profiled)"
     nbytes = int(util * total) - held - peak
-    how = (f"gpu_memory_utilization {util:g} x {total / 1e9:.1f} GB {what} - {held / 1e9:.2f} GB held (weights) - "
-           f"{peak_text}")
+    others = f", {(held - weights) / 1e9:.2f} GB other arrays (another engine's pool?)" if held - weights > 1e9 else ""
+    how = (f"gpu_memory_utilization {util:g} x {total / 1e9:.1f} GB {what} - {held / 1e9:.2f} GB held (weights "
+           f"{weights / 1e9:.2f} GB{others}) - {peak_text}")
     if nbytes <= 0:
         raise ValueError(f"no memory left for KV pages: {how} = {nbytes / 1e9:.2f} GB; raise gpu_memory_utilization "
                          f"(--gpu-memory-utilization), lower max_num_batched_tokens, or give kv_cache_memory_gb")

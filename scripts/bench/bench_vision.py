@@ -148,7 +148,10 @@ def main() -> None:
     args = ap.parse_args()
     model, processor = gemma3_vlm(args.shape, getattr(mx, args.dtype))
     config = {"kv_cache_memory_gb": args.kv_cache_gb} if args.kv_cache_gb else {}
-    llm = LLM(model=model, tokenizer=processor, max_num_seqs=max(args.batch + args.text_only, 1), **config)
+    # Two engines in one process: the first takes half of the default memory fraction, the text-only one what is
+    # left of the whole (the budget counts the first's pool as held).
+    first = config or ({"gpu_memory_utilization": 0.45} if args.text_only else {})
+    llm = LLM(model=model, tokenizer=processor, max_num_seqs=max(args.batch + args.text_only, 1), **first)
     pics = images(args.batch)
     prompt = chat_prompt(model, processor)
     run_pagedmlx(llm, pics[:2], 4, prompt=prompt)  # warm-up: kernels, the tower's first call

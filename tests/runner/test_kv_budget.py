@@ -32,6 +32,10 @@ def test_a_fraction_that_leaves_nothing_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(kv_budget, "held_bytes", lambda model: 10**9)
     with pytest.raises(ValueError, match="no memory left for KV pages.*--gpu-memory-utilization"):
         kv_budget.kv_cache_budget(EngineConfig(gpu_memory_utilization=0.5), model, *split_lm_head(model), on_gpu=True)
+    # Held far past the weights (another engine's pool in this process): the message says so
+    monkeypatch.setattr(kv_budget, "held_bytes", lambda model: 3 * 10**9 + kv_budget.weights_nbytes(model))
+    with pytest.raises(ValueError, match=r"held \(weights 0.\d\d GB, 3.00 GB other arrays \(another engine's pool"):
+        kv_budget.kv_cache_budget(EngineConfig(gpu_memory_utilization=0.5), model, *split_lm_head(model), on_gpu=True)
 
 
 @pytest.mark.parametrize("value", [0, -0.1, 1.01, "0.9"])
