@@ -91,8 +91,10 @@ def _kernel():
 class _CounterRing:
     """Zeroed int32 counters for split launches' tiles, a stretch a launch, from a ring made once. A launch's last
     blocks zero its stretch again, so no fill is launched (a step has ~160 split products and is bound by its
-    launches). A stretch comes round again after COUNTERS counters' worth of later launches, many steps on; the
-    engine has at most two steps in flight."""
+    launches). A stretch comes round again after COUNTERS counters' worth of later launches, many steps on, and a
+    compiled decode step (runner/compiled_step.py) keeps the stretches its trace took for every replay. Both are
+    safe because no two launches that share a stretch are in flight together: within a step each launch has its
+    own, and a step's products all feed the tokens the next step's products read, so the steps run in order."""
 
     def __init__(self, size: int):
         self.size, self.lock, self.ring, self.next = size, threading.Lock(), None, 0
