@@ -28,6 +28,7 @@ class CoreInfo:
     # Images (pagedmlx/multimodal/): the core serves them, or why a vision-language model serves text only
     takes_images: bool = False
     images_refused: str = ""
+    start_line: str = ""  # start_line's text
 
     @classmethod
     def of(cls, core: Any) -> "CoreInfo":
@@ -35,7 +36,7 @@ class CoreInfo:
                    core.config.model, core.config.max_num_seqs, kv_pool_line(core),
                    list(getattr(core, "rank_lines", [])), kernel_lines(core), backend_name(), os.getpid(),
                    core.config.max_loras if core.config.enable_lora else 0, core.config.max_lora_rank,
-                   *image_support(core))
+                   *image_support(core), start_line(core))
 
 
 def image_support(core: Any) -> tuple[bool, str]:
@@ -52,6 +53,15 @@ def kernel_lines(engine: Any) -> list[str]:
 
     runner = getattr(engine.runner, "runner", engine.runner)  # tp/driver.py's TPDriver wraps rank 0's runner
     return kernel_path_lines(runner) if hasattr(runner, "kernels") else []
+
+
+def start_line(engine: Any) -> str:
+    """Where the runner's start went (runner/start_times.py), then what the kernel disk cache gave: "41.2 s: skinny
+    GEMM's check 30.6 s, ...; kernel cache ...: 14 kernel variants loaded, 0 compiled and kept"."""
+    from pagedmlx.kernels.disk_cache import stats_line
+
+    times = getattr(getattr(engine.runner, "runner", engine.runner), "start_times", None)
+    return "; ".join(part for part in (times.line() if times is not None else "", stats_line()) if part)
 
 
 def kv_pool_line(engine: Any) -> str:

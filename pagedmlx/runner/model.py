@@ -29,6 +29,7 @@ from pagedmlx.runner.selfcheck import LOGIT_TOLERANCE, relative_error
 from pagedmlx.runner import check_cache, warm_up
 from pagedmlx.runner.verify import verify_against_mlx_lm
 from pagedmlx.runner.kv_budget import kv_cache_budget, weights_nbytes
+from pagedmlx.runner.start_times import StartTimes
 from pagedmlx.runner.state import (StateLayerCache, StateMetadata, StatePool, install_regrouping, pages_budget,
                                    state_group)
 from pagedmlx.core.sched.output import SchedulerOutput
@@ -65,6 +66,7 @@ class ModelRunner:
                  identity: Optional[str] = None):
         """draft_block_bytes: a draft model's bytes per block of the full-attention group (spec_decode/draft_model.py),
         counted in the KV budget. identity: what names the weights (runner/check_cache.py), None: unnamed."""
+        self.start_times = StartTimes()
         self.model = model
         self.identity = identity
         self.draft_block_bytes = draft_block_bytes
@@ -72,6 +74,7 @@ class ModelRunner:
         self.merges = _merges_projections(config)  # False: separate products, even where another runner merged
         self.merged_groups = merge_projections(model) if self.merges else 0
         flatten_quantized(model)  # after the merge: its modules too
+        self.start_times.lap("merge probe")
         if self.merged_groups:
             logger.info("merged %d projection groups (layers/merged_linear.py)", self.merged_groups)
         # Routed first: the plan's probe sees each layer's query heads and sinks through the dispatcher.
@@ -85,7 +88,9 @@ class ModelRunner:
         self.kv_quant = {i: q for i, p in enumerate(self.plan) if p.has_pages
                          and (q := layer_quant(config.kv_cache_dtype, config.kv_cache_group_size, p.spec[1], p.spec[2],
                                                config.kv_cache_rotate))}
+        self.start_times.lap("layer plan")
         self.kv_budget = kv_cache_budget(config, model, self._body, self._head) if config.num_blocks is None else None
+        self.start_times.lap("KV budget's profile step")
         self.kv_cache_config = self._kv_cache_config(config)
         paged = [g for g in self.kv_cache_config.kv_cache_groups if not g.is_state]  # the state group is last
         self.windows = [g.sliding_window for g in paged]
@@ -107,8 +112,11 @@ class ModelRunner:
                                             windows=tuple(sorted(set(self.windows), key=str)),
                                             sinks=tuple(sorted({p.sinks for p in attending})))
         self.fused_norms = fuse_norms(config.fuse_norms, model, self._body, self.kernels)
+        self.start_times.lap("paged kernels' checks")
         self.skinny = use_skinny_gemm(config.skinny_gemm, model, self.kernels.enabled)
+        self.start_times.lap("skinny GEMM's check")
         self.quantized_gemm = use_quantized_gemm(config.quantized_gemm, model, self.kernels.enabled)
+        self.start_times.lap("quantized GEMM's check")
         self.sdpa_quantum = (config.sdpa_quantum if config.sdpa_quantum is not None
                              else sdpa_shape_quantum(build.gpu_backend()))
         if self.kernels.state:
@@ -121,8 +129,10 @@ class ModelRunner:
         self.last_hidden: Optional[mx.array] = None
         if verify:
             self._verify_against_mlx_lm(check_cache.runner_check_key(self, identity))
+        self.start_times.lap("forward against mlx-lm")
         self.kv_pool = self.make_pool(self.kv_cache_config)
         self.state_pool = self.make_state_pool(self.kv_cache_config)
+        self.start_times.lap("pools")
         self.lora_manager = self._make_lora_manager(config) if config.enable_lora else None
         # Decode-only steps through mx.compile (runner/compiled_step.py).
         self.compiled_decode = (CompiledDecode(self, None if config.compile_decode else AUTO_MAX_DECODES)

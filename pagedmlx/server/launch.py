@@ -332,6 +332,8 @@ def _serve(args: argparse.Namespace, async_engine: Any, console: Any, nofile: tu
         console.print("  kernels per KV cache group:")
     for line in info.kernel_lines:
         console.print(f"    {line}", soft_wrap=True, markup=False, highlight=False)
+    if info.start_line:
+        console.print(f"  start-up: {info.start_line}", soft_wrap=True, markup=False, highlight=False)
     console.print(f"  sampling defaults: {defaults_line(info.generation_defaults, info.model)}")
     console.print(f"  tool calls: {parsing.describe()}; reasoning parser: {parsing.reasoning_parser or 'none'}")
     if info.takes_images or info.images_refused:

@@ -201,6 +201,7 @@ def main() -> None:
 
     from pagedmlx.config import EngineConfig
     from pagedmlx.engine.llm_engine import LLMEngine
+    from pagedmlx.engine.core_info import start_line
 
     dtype = getattr(mx, args.dtype)
     if args.model:
@@ -241,7 +242,8 @@ def main() -> None:
     if not args.skip_peer:
         run_mlx_lm(model, make_prompts(2, 16, vocab, 0), 4)
     mlx_env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(("MLX_", "PAGEDMLX_")))
-    console.print(f"  MLX environment: {mlx_env or '(defaults)'}; engine start-up {startup_s:.1f} s")
+    console.print(f"  MLX environment: {mlx_env or '(defaults)'}; engine start-up {startup_s:.1f} s "
+                  f"(runner {start_line(engine)})", soft_wrap=True)
 
     single_stream = None
     if 1 in args.batch_sizes and not args.skip_peer:  # a warm-up; batch 1's runs below time it again

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import threading
 import time
@@ -367,6 +368,7 @@ def test_cli_serve_drains_on_ctrl_c():
     assert "CPU" in err and "256 blocks" in err and f"127.0.0.1:{server.port}/v1" in err
     assert ("kernels per KV cache group:\n    full (layers 0-1): decode gather + SDPA; prefill gather + SDPA; "
             "page write MLX scatter (no GPU backend)\n") in err  # runner/kernel_paths.py
+    assert re.search(r"\n  start-up: \d+\.\d s", err)  # runner/start_times.py (a check kept on disk: no phases)
     assert results["plain"]["choices"][0]["finish_reason"] == "length"
     assert results["plain"]["usage"]["completion_tokens"] == 240
     assert results["stream"][-1] == "[DONE]" and json.loads(results["stream"][-2])["choices"][0]["finish_reason"] \
