@@ -46,12 +46,17 @@ def image_support(core: Any) -> tuple[bool, str]:
     return encoder is not None and not reason, reason
 
 
+def rank0_runner(engine: Any) -> Any:
+    """The core's ModelRunner; under tensor parallelism rank 0's (tp/driver.py's TPDriver wraps it)."""
+    return getattr(engine.runner, "runner", engine.runner)
+
+
 def kernel_lines(engine: Any) -> list[str]:
     """runner/kernel_paths.py's lines: which kernel each KV cache group's layers run, and why a
     portable path runs where one does (under tensor parallelism, rank 0's shard: every rank has its shapes)."""
     from pagedmlx.runner.kernel_paths import kernel_path_lines
 
-    runner = getattr(engine.runner, "runner", engine.runner)  # tp/driver.py's TPDriver wraps rank 0's runner
+    runner = rank0_runner(engine)
     return kernel_path_lines(runner) if hasattr(runner, "kernels") else []
 
 
@@ -60,7 +65,7 @@ def start_line(engine: Any) -> str:
     GEMM's check 30.6 s, ...; kernel cache ...: 14 kernel variants loaded, 0 compiled and kept"."""
     from pagedmlx.kernels.disk_cache import stats_line
 
-    times = getattr(getattr(engine.runner, "runner", engine.runner), "start_times", None)
+    times = getattr(rank0_runner(engine), "start_times", None)
     return "; ".join(part for part in (times.line() if times is not None else "", stats_line()) if part)
 
 
@@ -76,7 +81,7 @@ def kv_pool_line(engine: Any) -> str:
         line = parts[0]
     else:
         line = "; ".join(f"{g.name} ({len(g.layer_ids)} layers): {p}" for g, p in zip(config.kv_cache_groups, parts))
-    budget = getattr(getattr(engine.runner, "runner", engine.runner), "kv_budget", None)
+    budget = getattr(rank0_runner(engine), "kv_budget", None)
     return line + (f"; sized by {budget.how}" if budget is not None else "")
 
 
