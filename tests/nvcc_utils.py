@@ -47,7 +47,8 @@ class RecordingCudaKernel:
     sources: list[tuple[str, str]] = []
     label = ""  # the case being recorded, set by the caller
 
-    def __init__(self, backend: str, name: str, input_names, output_names, source: str, header: str):
+    def __init__(self, backend: str, name: str, input_names, output_names, source: str, header: str,
+                 shared_memory: int = 0):
         assert backend == "cuda", backend
         self.name, self.input_names, self.output_names = name, list(input_names), list(output_names)
         self.source, self.header = source, header

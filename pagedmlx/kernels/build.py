@@ -25,12 +25,14 @@ def gpu_backend() -> Optional[str]:
     return _BACKENDS.get(gpu_backend_name()) if mx.default_device() == mx.gpu else None
 
 
-def make_kernel(backend: str, name: str, inputs: list[str], outputs: list[str], source: str, header: str):
+def make_kernel(backend: str, name: str, inputs: list[str], outputs: list[str], source: str, header: str,
+                shared_memory: int = 0):
     """The one place kernels are built (tests stand in for it). Sources are already rendered; the
-    name carries their hash, so no cache keyed by name (MLX's JIT caches) serves an older text."""
+    name carries their hash, so no cache keyed by name (MLX's JIT caches) serves an older text.
+    shared_memory: the dynamic shared memory (bytes, CUDA) each launch gets."""
     name = f"{name}_{hashlib.sha1((header + source).encode()).hexdigest()[:10]}"
     if backend == CUDA:
-        kernel = mx.fast.cuda_kernel(name, inputs, outputs, source, header=header)
+        kernel = mx.fast.cuda_kernel(name, inputs, outputs, source, header=header, shared_memory=shared_memory)
         if not envs.MLX_PTX_CACHE_DIR:  # no folder MLX reads modules from: nothing to keep
             return kernel
         return CachedCudaKernel(kernel, name, inputs, outputs, source, header)

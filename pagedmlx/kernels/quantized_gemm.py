@@ -30,7 +30,7 @@ MAX_ROWS = 256  # x's rows a launch takes; more (long prefill chunks) take MLX's
 MAX_TILES = 8  # 8-row tiles of x a thread block takes (MT): more rows launch more blocks, each reading the weights
 WARPS = 8  # warps a thread block (WN), each 16 columns: a chunk of x staged in shared memory serves 128 columns
 BLOCKS = 264  # thread blocks a product is split up to along K (two an SM of an H100's 132)
-X_SLOTS_BYTES = 40 << 10  # shared memory the ST slots of x may take (under CUDA's 48 KB of static shared memory)
+X_SLOTS_BYTES = 40 << 10  # shared memory the ST slots of x take at most by default (stages_for)
 MAX_STAGES = 4  # chunks in flight (ST): registers a chunk's weights take in each of its slots bound it
 COUNTERS = 1 << 20  # the ring of split tiles' counters (4 MB): a step's launches take about 15k at 256 rows
 
@@ -53,7 +53,13 @@ class Launch:
 def stages_for(mt: int) -> int:
     """Chunks in flight for blocks of mt row tiles: MAX_STAGES, fewer where ST slots of x (mt * 2,560 bytes each)
     would pass X_SLOTS_BYTES."""
-    return max(2, min(MAX_STAGES, X_SLOTS_BYTES // (mt * 8 * 20 * 16)))
+    return max(2, min(MAX_STAGES, X_SLOTS_BYTES // x_slot_bytes(mt)))
+
+
+def x_slot_bytes(mt: int) -> int:
+    """Shared memory one chunk of x takes at mt row tiles: 8 mt rows of 320 bytes (128 values and 64 bytes that
+    keep a quarter warp's reads off each other's banks)."""
+    return mt * 8 * 20 * 16
 
 
 def k_splits(n: int, k: int) -> int:
@@ -83,9 +89,15 @@ def _header() -> str:  # read at build time: tests stand in the emulator's PTX h
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel():
+def _kernel(shared_memory: int):
+    """The kernel whose launches get `shared_memory` bytes of dynamic shared memory: one object per size, a
+    function of the template (a module's size never changes)."""
     return build.make_kernel(CUDA, "pagedmlx_quantized_gemm", ["x", "w", "scales", "biases", "counters"],
-                             ["y", "partials"], quantized_gemm_source(), _header())
+                             ["y", "partials"], quantized_gemm_source(), _header(), shared_memory=shared_memory)
+
+
+def _kernel_for(launch: Launch):
+    return _kernel(launch.stages * x_slot_bytes(launch.mt))
 
 
 class _CounterRing:
@@ -130,7 +142,7 @@ def quantized_gemm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
     row_blocks, col_blocks = -(-rows // (8 * launch.mt)), -(-n // (16 * launch.wn))
     split = launch.ks > 1  # the partials' workspace and the tiles' counters, else unused
     dtype = scales.dtype
-    y = _kernel()(
+    y = _kernel_for(launch)(
         inputs=[x.reshape(rows, k).astype(dtype), w, scales, biases,
                 _counters.take(row_blocks * col_blocks) if split else _no_counters()],
         template=_template(dtype, bits, group_size, launch),
@@ -151,15 +163,17 @@ def _template(dtype: mx.Dtype, bits: int, group_size: int, launch: Launch) -> li
             ("ST", launch.stages)]
 
 
-def prebuild(shapes: Sequence[tuple[int, int, int, int]], dtype: mx.Dtype, rows: Sequence[int]) -> None:
+def prebuild(shapes: Sequence[tuple[int, int, int, int]], dtype: mx.Dtype, rows: Sequence[int],
+             launches: Optional[Sequence[Launch]] = None) -> None:
     """Compile the kernel's variants for these (N, K, bits, group_size) shapes and row counts into the disk cache
-    at once, in parallel (kernels/disk_cache.py), where the cache is on."""
-    kernel = _kernel()
-    if not hasattr(kernel, "prebuild"):
+    at once, in parallel (kernels/disk_cache.py), where the cache is on. launches: these launch shapes for every
+    shape instead of launch_for's (studies)."""
+    if not hasattr(_kernel(0), "prebuild"):
         return
     inputs = [(dtype, 2), (mx.uint32, 2), (dtype, 2), (dtype, 2), (mx.int32, 1)]
-    kernel.prebuild([(inputs, [dtype, mx.float32], _template(dtype, bits, group_size, launch_for(n, k, r)))
-                     for n, k, bits, group_size in shapes for r in rows])
+    _kernel(0).prebuild([(inputs, [dtype, mx.float32], _template(dtype, bits, group_size, launch))
+                         for n, k, bits, group_size in shapes
+                         for launch in (launches or [launch_for(n, k, r) for r in rows])])
 
 
 def check_rows(max_rows: int) -> tuple[int, ...]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import re
 import statistics
 import time
 
@@ -21,6 +22,7 @@ import mlx.core as mx
 
 from pagedmlx.bench import cupti
 from pagedmlx.kernels import quantized_gemm as qg
+from pagedmlx.kernels.disk_cache import template_hash
 
 # (N, K) of Llama-8B's products as the engine runs them: q/k/v merged, o, gate/up merged, down, the head
 LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
@@ -49,11 +51,41 @@ def device_us(run) -> float | None:
 
 
 def launches(n: int, k: int, rows: int) -> list[qg.Launch]:
-    """Launch shapes worth timing: the default's row tiles or half as many, 4 or 8 warps, 1-8 splits of K, 2-4
-    chunks in flight (as many as fit shared memory)."""
+    """Launch shapes worth timing: the default's row tiles or a half or a quarter as many, 4, 8 or 16 warps, 1-8
+    splits of K, 2 to MAX_STAGES chunks in flight."""
     mt = qg.launch_for(n, k, rows).mt
-    shapes = itertools.product(sorted({mt, max(1, mt // 2)}), (4, 8), (1, 2, 4, 8), (2, 3, 4))
-    return [qg.Launch(*s) for s in shapes if s[3] <= qg.stages_for(s[0])]
+    shapes = itertools.product(sorted({mt, max(1, mt // 2), max(1, mt // 4)}), (4, 8, 16), (1, 2, 4, 8),
+                               range(2, qg.MAX_STAGES + 1))
+    return [qg.Launch(*s) for s in shapes if s[1] < 16 or s[0] * s[3] < 32]  # else past 64K registers a block
+
+
+def sweep(x: mx.array, ws: list, bits: int, group_size: int, launches: list[qg.Launch], calls: int, repeats: int,
+          wall: bool) -> list[tuple[float, qg.Launch]]:
+    """(microseconds a product, launch) for each launch shape that builds and runs, fastest first. Under CUPTI one
+    profile takes every shape's chains (a profile's start costs more than a chain), each variant's kernels told
+    apart by its template in their name."""
+    def chain(launch: qg.Launch) -> list[mx.array]:
+        return [qg.quantized_gemm(x, *ws[i % len(ws)], bits, group_size, launch=launch) for i in range(calls)]
+
+    runnable = []
+    for launch in launches:
+        try:
+            mx.eval(chain(launch)[0])
+            runnable.append(launch)
+        except Exception as exc:  # noqa: BLE001 - a shape past the device's registers or shared memory
+            print(f"  {launch}: {str(exc).splitlines()[0][:120]}")
+    every = [L for _ in range(repeats) for L in runnable]
+    kernels = None if wall else cupti.kernel_times(lambda: [mx.eval(chain(L)) for L in every])
+    if kernels is None:
+        return sorted((timed(lambda i, L=launch: chain(L)[i % calls], calls, repeats, True), launch)
+                      for launch in runnable)
+    times = []
+    for launch in runnable:
+        tag = re.compile(re.escape(template_hash(qg._template(x.dtype, bits, group_size, launch))) + r"(?![0-9_])")
+        hits = [(us, count) for us, count, name in kernels if tag.search(name)]
+        if hits:
+            times.append((sum(us for us, _ in hits) / sum(c for _, c in hits), launch))
+    return sorted(times, key=lambda t: t[0])
 
 
 def main() -> None:
@@ -70,7 +102,12 @@ def main() -> None:
     timing = "wall time of chains" if args.wall or device_us(lambda: None) is None else "device time (CUPTI)"
     print(f"{mx.default_device()}  {args.dtype}  group size {args.group_size}  {timing}")
     print(f"{'bits':>4} {'N':>6} {'K':>6} {'rows':>4} {'MLX us':>8} {'bf16 us':>8} {'ours us':>8} {'GB/s':>6} "
-          f"{'vs MLX':>7} {'vs bf16':>7} {'err':>8}" + ("  best launch (us)" if args.sweep else ""))
+          f"{'vs MLX':>7} {'vs bf16':>7} {'err':>8}" + ("  fastest launches (us)" if args.sweep else ""))
+    if args.sweep:  # every variant compiled at once, in parallel, before anything is timed
+        for bits in args.bits:
+            qg.prebuild([(n, k, bits, args.group_size) for n, k in LLAMA_8B], dtype, args.rows,
+                        launches=sorted({L for n, k in LLAMA_8B for r in args.rows for L in launches(n, k, r)},
+                                        key=str))
     for bits, (n, k) in itertools.product(args.bits, LLAMA_8B):
         wbytes = n * k * bits // 8
         copies = max(1, -(-L2_MISS_BYTES // wbytes))
@@ -95,11 +132,8 @@ def main() -> None:
             line = (f"{bits:>4} {n:>6} {k:>6} {rows:>4} {mlx_us:>8.1f} {bf16_us:>8.1f} {ours_us:>8.1f} "
                     f"{wbytes / ours_us / 1e3:>6.0f} {mlx_us / ours_us:>6.2f}x {bf16_us / ours_us:>6.2f}x {err:>8.1e}")
             if args.sweep:
-                best = min(((timed(lambda i, L=launch: qg.quantized_gemm(x, *ws[i % copies], bits, args.group_size,
-                                                                          launch=L), calls, 3, args.wall), launch)
-                            for launch in launches(n, k, rows)), key=lambda t: t[0])
-                line += f"  mt{best[1].mt} wn{best[1].wn} ks{best[1].ks} st{best[1].stages} ({best[0]:.1f}; default " \
-                        f"{qg.launch_for(n, k, rows)})"
+                ranked = sweep(x, ws, bits, args.group_size, launches(n, k, rows), calls, 3, args.wall)
+                line += "  " + ", ".join(f"mt{L.mt} wn{L.wn} ks{L.ks} st{L.stages} {us:.1f}" for us, L in ranked[:4])
             print(line, flush=True)
 
 

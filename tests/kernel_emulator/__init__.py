@@ -170,7 +170,8 @@ class EmulatedKernel:
 
     sources: list[str] = []
 
-    def __init__(self, backend: str, name: str, input_names, output_names, source: str, header: str):
+    def __init__(self, backend: str, name: str, input_names, output_names, source: str, header: str,
+                 shared_memory: int = 0):  # dynamic shared memory: the emulated source sizes its arrays itself
         self.backend, self.name = backend, name
         self.input_names, self.output_names = list(input_names), list(output_names)
         self.source, self.header = source, header

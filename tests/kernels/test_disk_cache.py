@@ -130,7 +130,7 @@ def test_prebuild_compiles_each_variant_once_in_parallel_and_launches_then_find_
 
     kernel = disk_cache.CachedCudaKernel(run, "pagedmlx_quantized_gemm_x", ["x", "w", "scales", "biases",
                                          "counters"], ["y", "partials"], quantized_gemm.quantized_gemm_source(), "")
-    monkeypatch.setattr(quantized_gemm, "_kernel", lambda: kernel)
+    monkeypatch.setattr(quantized_gemm, "_kernel", lambda shared_memory: kernel)
     shapes, rows = [(4096, 4096, 4, 64), (28672, 4096, 4, 64), (4096, 14336, 8, 32)], (1, 9, 64)
     quantized_gemm.prebuild(shapes, mx.bfloat16, rows)
     variants = {(bits, gs, tuple(quantized_gemm.launch_for(n, k, r).__dict__.values()))

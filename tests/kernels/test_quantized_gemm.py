@@ -94,7 +94,8 @@ def test_emulated_kernel_passes_its_check(emulated, bits, group_size, dtype, lau
     (4, "c_end = IMIN(c_begin + per_split, chunks)", "c_end = IMIN(c_begin + per_split / 2, chunks)"),  # half of K
     (4, "sraw[n * row_groups + kl / GS]", "sraw[n * row_groups + c * 128 / GS]"),  # the chunk's first group's
     (8, "braw[n * row_groups + kl / GS]", "braw[n * row_groups + c * 128 / GS]"),
-    (4, "xs[slot][base + ((j2 + t) & 3)]", "xs[slot][base + j2]"),  # x's pieces read unrotated
+    (4, "xs[slot * SLOT + base + ((j2 + t) & 3)]", "xs[slot * SLOT + base + j2]"),  # x's pieces read unrotated
+    (4, "u = xs[slot * SLOT + base", "u = xs[(slot + 1) % ST * SLOT + base"),  # another chunk's x
     (4, "r * 20 + 4 * s + ((u + s) & 3)", "r * 20 + 4 * s + u"),  # stored unrotated
     (4, "issue(c0 + s + ST - 1, (s + ST - 1) % ST)", "issue(c0 + s + ST - 1, (s + ST - 2) % ST)"),  # a live slot
     (8, "if (c0 + s >= c_end) break;", "if (c0 + s + 1 >= c_end) break;"),  # the last chunk dropped

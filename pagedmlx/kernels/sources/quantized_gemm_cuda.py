@@ -8,10 +8,11 @@ A thread block of WN warps takes 16 * WN columns of y (each warp 16: W's rows as
 tiles of x (x's rows as B's columns, 16 x 8), over K's 128-wide chunks of its split (KS splits: blocks along grid z:
 each writes float32 partial sums to a workspace and counts itself done on its tile's counter, zero at launch; the
 tile's last block adds the KS partials in split order, writes y and sets the counter back to zero). ST chunks are in
-flight at once: a chunk's x is copied by cp.async into one of ST shared-memory slots (one copy for the block's
-warps), its weights, scales and biases are loaded into one of ST register slots, ST - 1 chunks ahead of the one the
-warps multiply, so that a chunk's memory latency is paid once per ST chunks. In a chunk, lane (g, t) holds the 32
-values from 32 t of W's rows g and g + 8 (one 16-byte load at 4 bits, two at 8) and of x's rows g of each row tile.
+flight at once: a chunk's x is copied by cp.async into one of ST slots of dynamic shared memory (one copy for the
+block's warps), its weights, scales and biases are loaded into one of ST register slots, ST - 1 chunks ahead of the
+one the warps multiply, so that a chunk's memory latency is paid once per ST chunks. In a chunk, lane (g, t) holds
+the 32 values from 32 t of W's rows g and g + 8 (one 16-byte load at 4 bits, two at 8) and of x's rows g of each row
+tile.
 The mma's k positions are permuted alike for A and B, which changes only the order of the float sums: at 8 bits mma
 j takes each lane's values 4 j .. 4 j + 3; at 4 bits a 16-bit pair holds values i and i + 4 of a word (one shift and
 one mask give both nibbles in place for a magic-number dequantization in 16-bit pairs), and x's pairs are regrouped
@@ -19,6 +20,13 @@ alike (__byte_perm). A row's sums never depend on the other rows: the same arith
 """
 
 QUANTIZED_GEMM_HEADER = r"""
+// x's ST slots in dynamic shared memory (the launch asks for their bytes: past CUDA's 48 KB of static shared memory
+// at 8 row tiles and 3+ chunks in flight); the kernel emulator compiles them as a static array.
+#if defined(__CUDACC__)
+#define X_SLOTS(name, count) extern __shared__ uint4 name[]
+#else
+#define X_SLOTS(name, count) static uint4 name[count]
+#endif
 // Pairs of dequantized values of one packed word (values low bits first), as the 16-bit pairs an mma register
 // holds: out[i] = (s * q[2i] + b, s * q[2i + 1] + b), each rounded once to T. 2^23 + q read as a float is exact.
 template <int BITS, class T>
@@ -72,7 +80,8 @@ QUANTIZED_GEMM = """
     // x's slot: row r's 16-byte piece u of segment s (a lane's 32 values) at r * 20 + 4 s + ((u + s) & 3): 320
     // bytes a row and the pieces rotated by segment, so that a quarter warp's reads meet no bank twice.
     constexpr int PIECES = 8 * MT * 16, THREADS = 32 * WN, PER_THREAD = (PIECES + THREADS - 1) / THREADS;
-    SHARED uint4 xs[ST][8 * MT * 20];
+    constexpr int SLOT = 8 * MT * 20;  // uint4 a slot
+    X_SLOTS(xs, ST * SLOT);
     uint4 q[ST][2][BITS / 4];  // a chunk's packed words of rows g and g + 8, its scales and biases, raw
     unsigned short sr[ST][2], br[ST][2];
     // Chunk c into slot `slot` (one cp.async group per chunk, empty past the split: the wait counts stay aligned).
@@ -83,7 +92,7 @@ QUANTIZED_GEMM = """
                 const int idx = THREAD_IN_GROUP + i * THREADS, r = idx >> 4, s = (idx >> 2) & 3, u = idx & 3;
                 const int k = c * 128 + (idx & 15) * 8;
                 if (idx < PIECES)
-                    cp_async16(&xs[slot][r * 20 + 4 * s + ((u + s) & 3)],
+                    cp_async16(&xs[slot * SLOT + r * 20 + 4 * s + ((u + s) & 3)],
                                x + (size_t)IMIN(m0 + r, M - 1) * K + (k < K ? k : 0), k < K);
             }
             const int kl = c * 128 + 32 * t;
@@ -123,7 +132,7 @@ QUANTIZED_GEMM = """
             const int base = (mt * 8 + g) * 20 + 4 * t;
             #pragma unroll
             for (int j2 = 0; j2 < 4; ++j2) {  // piece j2: x's values 8 j2 .. 8 j2 + 7 of the lane's segment
-                const uint4 u = xs[slot][base + ((j2 + t) & 3)];
+                const uint4 u = xs[slot * SLOT + base + ((j2 + t) & 3)];
                 const unsigned f0[4] = {a[0][4 * j2], a[1][4 * j2], a[0][4 * j2 + 1], a[1][4 * j2 + 1]};
                 const unsigned f1[4] = {a[0][4 * j2 + 2], a[1][4 * j2 + 2], a[0][4 * j2 + 3], a[1][4 * j2 + 3]};
                 if constexpr (BITS == 4) {  // x's pairs as the weights': (0, 4), (1, 5) | (2, 6), (3, 7)
