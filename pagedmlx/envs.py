@@ -64,6 +64,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # The fewest rows a quantized product takes the quantized GEMM kernel for (layers/quantized_linear.py); fewer
     # keep MLX's own quantized matmul (its matrix-vector kernel for one row).
     "PAGEDMLX_QUANTIZED_GEMM_MIN_ROWS": _int("PAGEDMLX_QUANTIZED_GEMM_MIN_ROWS", 1),
+    # 0: kernels keep their own launch rules, not the launch shapes tuned for this GPU (kernels/launch_configs.py).
+    "PAGEDMLX_TUNED_CONFIGS": _on("PAGEDMLX_TUNED_CONFIGS", True),
     # 0: every load-time model check runs, also where it passed before with the same weights, setup and code
     # (runner/check_cache.py keeps passes under $PAGEDMLX_CACHE_DIR/checks).
     "PAGEDMLX_CHECK_CACHE": _on("PAGEDMLX_CHECK_CACHE", True),

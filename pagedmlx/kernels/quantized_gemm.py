@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from pagedmlx.kernels import build, check
+from pagedmlx.kernels import build, check, launch_configs
 from pagedmlx.kernels.dialect import CUDA, render
 from pagedmlx.kernels.sources import decode_attention_mma_cuda as mma_src
 from pagedmlx.kernels.sources import prefill_attention_cuda as prefill_src
@@ -62,9 +62,12 @@ def x_slot_bytes(mt: int) -> int:
     return mt * 8 * 20 * 16
 
 
-def k_splits(n: int, k: int) -> int:
-    """Splits of K: up to BLOCKS thread blocks (at one row tile), each taking at least 4 of K's 128-wide chunks.
-    From N and K only, so that a row's sums are the same at any M."""
+def k_splits(n: int, k: int, bits: int, group_size: int) -> int:
+    """Splits of K for an (N, K) weight of this format: the tuned config's (tuned()), else up to BLOCKS thread blocks
+    (at one row tile), each taking at least 4 of K's 128-wide chunks. Never from the rows, so that a row's sums are
+    the same at any M."""
+    if (config := tuned(n, k, bits, group_size)) is not None:
+        return int(config["ks"])
     blocks, chunks, ks = -(-n // (16 * WARPS)), -(-k // 128), 1
     while ks < 8 and blocks * ks * 2 <= BLOCKS and chunks >= 4 * ks * 2:
         ks *= 2
@@ -72,12 +75,30 @@ def k_splits(n: int, k: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)  # a step asks once a product: the host's dispatch bounds batched 4-bit steps
-def launch_for(n: int, k: int, rows: int) -> Launch:
-    """The launch for a product of `rows` rows against an (N, K) weight."""
+def launch_for(n: int, k: int, rows: int, bits: int, group_size: int) -> Launch:
+    """The launch for a product of `rows` rows against an (N, K) weight of this format: the tuned config's launch
+    for the fewest tuned rows at or above `rows` (the most, past them), else row tiles enough for the rows up to
+    MAX_TILES, WARPS warps, stages_for's chunks in flight."""
+    ks = k_splits(n, k, bits, group_size)
+    if (config := tuned(n, k, bits, group_size)) is not None:
+        tuned_rows = sorted(int(r) for r in config["rows"])
+        mt, wn, st = config["rows"][str(next((r for r in tuned_rows if r >= rows), tuned_rows[-1]))]
+        return Launch(mt, wn, ks, st)
+    return Launch(row_tiles(rows), WARPS, ks)
+
+
+def row_tiles(rows: int) -> int:
+    """8-row tiles of x a block takes by default: enough for `rows` (a power of two) up to MAX_TILES."""
     mt = 1
     while mt < MAX_TILES and 8 * mt < rows:
         mt *= 2
-    return Launch(mt, WARPS, k_splits(n, k))
+    return mt
+
+
+def tuned(n: int, k: int, bits: int, group_size: int) -> Optional[dict]:
+    """This GPU's tuned launches for an (N, K) weight of this format (kernels/launch_configs.py): {"ks": splits of
+    K, "rows": {row count: [mt, wn, st]}}; None where none was tuned."""
+    return launch_configs.load("quantized_gemm").get("shapes", {}).get(f"{n},{k},{bits},{group_size}")
 
 
 def quantized_gemm_source() -> str:
@@ -138,7 +159,7 @@ def quantized_gemm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
     launch: the launch's shape (default launch_for; studies)."""
     *lead, k = x.shape
     rows, n = x.size // k, w.shape[0]
-    launch = launch or launch_for(n, k, rows)
+    launch = launch or launch_for(n, k, rows, bits, group_size)
     row_blocks, col_blocks = -(-rows // (8 * launch.mt)), -(-n // (16 * launch.wn))
     split = launch.ks > 1  # the partials' workspace and the tiles' counters, else unused
     dtype = scales.dtype
@@ -173,7 +194,7 @@ def prebuild(shapes: Sequence[tuple[int, int, int, int]], dtype: mx.Dtype, rows:
     inputs = [(dtype, 2), (mx.uint32, 2), (dtype, 2), (dtype, 2), (mx.int32, 1)]
     _kernel(0).prebuild([(inputs, [dtype, mx.float32], _template(dtype, bits, group_size, launch))
                          for n, k, bits, group_size in shapes
-                         for launch in (launches or [launch_for(n, k, r) for r in rows])])
+                         for launch in (launches or [launch_for(n, k, r, bits, group_size) for r in rows])])
 
 
 def check_rows(max_rows: int) -> tuple[int, ...]:

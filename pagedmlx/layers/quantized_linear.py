@@ -101,10 +101,12 @@ def use_quantized_gemm(setting: Optional[bool], model: nn.Module, kernels_enable
     if why is not None and setting is None:
         return False
     if why is None:
-        by_dtype: dict = {}
+        by_dtype: dict = {}  # a shape checked for each format, K and set of launches the engine's rows meet
         for m in taken:
             shape = (m.weight.shape[0], m.weight.shape[1] * 32 // m.bits, m.bits, m.group_size)
-            by_dtype.setdefault(m.scales.dtype, {})[(shape[1:], quantized_gemm.k_splits(*shape[:2]))] = shape
+            launches = tuple(quantized_gemm.launch_for(*shape[:2], r, *shape[2:]) for r in quantized_gemm.check_rows(
+                QUANTIZED_GEMM_ROWS[-1]))
+            by_dtype.setdefault(m.scales.dtype, {})[(shape[1:], launches)] = shape
         why = next((err for dtype, shapes in by_dtype.items() if (err := _check(sorted(shapes.values()), dtype))), None)
     if why is not None:
         logger.warning("quantized products left to MLX's quantized matmul (quantized_gemm): %s", why)

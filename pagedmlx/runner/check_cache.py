@@ -25,9 +25,9 @@ _PACKAGE = Path(__file__).resolve().parents[1]
 
 @functools.cache
 def source_digest() -> str:
-    """A digest of every pagedmlx source file: a pass proves nothing for other code."""
+    """A digest of every pagedmlx source file and tuned launch config: a pass proves nothing for other code."""
     h = hashlib.sha256()
-    for path in sorted(_PACKAGE.rglob("*.py")):
+    for path in sorted([*_PACKAGE.rglob("*.py"), *_PACKAGE.rglob("kernels/configs/*.json")]):
         h.update(path.relative_to(_PACKAGE).as_posix().encode())
         h.update(path.read_bytes())
     return h.hexdigest()

@@ -133,7 +133,7 @@ def test_prebuild_compiles_each_variant_once_in_parallel_and_launches_then_find_
     monkeypatch.setattr(quantized_gemm, "_kernel", lambda shared_memory: kernel)
     shapes, rows = [(4096, 4096, 4, 64), (28672, 4096, 4, 64), (4096, 14336, 8, 32)], (1, 9, 64)
     quantized_gemm.prebuild(shapes, mx.bfloat16, rows)
-    variants = {(bits, gs, tuple(quantized_gemm.launch_for(n, k, r).__dict__.values()))
+    variants = {(bits, gs, tuple(quantized_gemm.launch_for(n, k, r, bits, gs).__dict__.values()))
                 for n, k, bits, gs in shapes for r in rows}
     assert len(fake.sources) == len(variants) > 1 and len(threads) > 1
     quantized_gemm.prebuild(shapes, mx.bfloat16, rows)  # known variants: nothing again

@@ -8,6 +8,9 @@ MLX's product. What only the GPU shows: the real PTX, NVRTC's compile and speed
 
 from __future__ import annotations
 
+import functools
+import json
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -18,7 +21,7 @@ from utils import assert_no_leaks, fast_first, make_prompts, run_staggered, solo
 from pagedmlx.bench.presets import Quantization, quantize_model
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine.llm_engine import LLMEngine
-from pagedmlx.kernels import build, quantized_gemm
+from pagedmlx.kernels import build, launch_configs, quantized_gemm
 from pagedmlx.kernels.dialect import CUDA, foreign_names, leftover_tokens
 from pagedmlx.kernels.sources import decode_attention_mma_cuda as mma_src
 from pagedmlx.kernels.sources import prefill_attention_cuda as prefill_src
@@ -60,12 +63,60 @@ def test_a_launch_splits_k_by_the_weights_shape_only():
     """k_splits depends on (N, K) alone, so a row's float sums are the same whatever the step's row count; row
     tiles grow with the rows up to MAX_TILES; narrow products split K to fill the GPU, each split 4+ chunks."""
     for n, k in ((1024, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (64, 256)):
-        launches = [quantized_gemm.launch_for(n, k, rows) for rows in range(1, quantized_gemm.MAX_ROWS + 1)]
-        assert {launch.ks for launch in launches} == {quantized_gemm.k_splits(n, k)}
+        launches = [quantized_gemm.launch_for(n, k, rows, 4, 64) for rows in range(1, quantized_gemm.MAX_ROWS + 1)]
+        assert {launch.ks for launch in launches} == {quantized_gemm.k_splits(n, k, 4, 64)}
         assert [launch.mt for launch in launches][:18:8] == [1, 2, 4]
         assert max(launch.mt for launch in launches) == quantized_gemm.MAX_TILES
         assert all(-(-k // 128) >= 4 * launch.ks or launch.ks == 1 for launch in launches)
-    assert quantized_gemm.k_splits(4096, 4096) > 1 and quantized_gemm.k_splits(128256, 4096) == 1
+    assert quantized_gemm.k_splits(4096, 4096, 4, 64) > 1 and quantized_gemm.k_splits(128256, 4096, 4, 64) == 1
+
+
+TUNED = {"device_name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0",
+         "shapes": {"96,512,4,64": {"ks": 2, "rows": {"1": [1, 4, 4], "16": [2, 2, 3], "64": [4, 2, 2]}}}}
+
+
+def test_a_tuned_config_gives_its_launches_by_row_count_with_one_split_of_k(monkeypatch):
+    """kernels/launch_configs.py: a shape tuned on this GPU takes its launch for the fewest tuned rows at or above the
+    step's (the most tuned past them), always with the shape's one ks; an untuned shape or format keeps the rules."""
+    monkeypatch.setattr(launch_configs, "load", lambda kernel: TUNED)
+    quantized_gemm.launch_for.cache_clear()
+    try:
+        got = {r: quantized_gemm.launch_for(96, 512, r, 4, 64) for r in (1, 2, 16, 17, 64, 200)}
+        assert got == {1: quantized_gemm.Launch(1, 4, 2, 4), 2: quantized_gemm.Launch(2, 2, 2, 3),
+                       16: quantized_gemm.Launch(2, 2, 2, 3), 17: quantized_gemm.Launch(4, 2, 2, 2),
+                       64: quantized_gemm.Launch(4, 2, 2, 2), 200: quantized_gemm.Launch(4, 2, 2, 2)}
+        assert quantized_gemm.launch_for(96, 512, 9, 8, 64) == quantized_gemm.Launch(2, quantized_gemm.WARPS, 1)
+    finally:
+        quantized_gemm.launch_for.cache_clear()
+
+
+def test_a_config_is_found_by_device_name_else_by_compute_capability(tmp_path):
+    for name, capability in (("NVIDIA H100 80GB HBM3", "9.0"), ("NVIDIA A100-SXM4-80GB", "8.0")):
+        path = tmp_path / launch_configs.file_name("quantized_gemm", name)
+        path.write_text(json.dumps({**TUNED, "device_name": name, "compute_capability": capability}))
+    assert path.name == "quantized_gemm-NVIDIA_A100_SXM4_80GB.json"
+    find = functools.partial(launch_configs.find, "quantized_gemm", folder=tmp_path)
+    assert find("NVIDIA H100 80GB HBM3", "9.0")["device_name"] == "NVIDIA H100 80GB HBM3"
+    assert find("NVIDIA H200", "9.0")["device_name"] == "NVIDIA H100 80GB HBM3"  # the same compute capability
+    assert find("NVIDIA L4", "8.9") == {}
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_check_covers_a_tuned_configs_launches(emulated, bits):
+    """The load-time check runs the launches the config gives at the check's row counts, so a tuned launch runs only
+    once proven (here: right, and wrong where the kernel is)."""
+    tuned = {"shapes": {f"96,512,{bits},64": TUNED["shapes"]["96,512,4,64"]}}
+    emulated.setattr(launch_configs, "load", lambda kernel: tuned)
+    quantized_gemm.launch_for.cache_clear()
+    try:
+        assert quantized_gemm.check_quantized_gemm([(96, 512, bits, 64)], mx.bfloat16, rows_checked=(1, 9, 33)) is None
+        emulated.setattr(gemm_src, "QUANTIZED_GEMM", gemm_src.QUANTIZED_GEMM.replace(
+            "for (int z = 0; z < KS; ++z)", "for (int z = 1; z < KS; ++z)", 1))
+        quantized_gemm._kernel.cache_clear()
+        err = quantized_gemm.check_quantized_gemm([(96, 512, bits, 64)], mx.bfloat16, rows_checked=(33,))
+        assert err is not None and "max relative difference" in err
+    finally:
+        quantized_gemm.launch_for.cache_clear()
 
 
 FORMATS = [(4, 64, mx.bfloat16), (4, 32, mx.bfloat16), (4, 128, mx.float16), (8, 64, mx.bfloat16),
@@ -80,7 +131,7 @@ def test_emulated_kernel_passes_its_check(emulated, bits, group_size, dtype, lau
     (rounding it is 2e-3 of bf16's largest magnitude): N not a whole number of tiles, K a whole number of
     32-value runs but not of a warp's 128-value chunks, rows of partial tiles and of several blocks."""
     if launch is not None:
-        emulated.setattr(quantized_gemm, "launch_for", lambda n, k, rows: launch)
+        emulated.setattr(quantized_gemm, "launch_for", lambda *shape: launch)
     emulated.setattr(quantized_gemm, "_counters", quantized_gemm._CounterRing(8))  # every launch: the same counters
     k = 1024 + max(group_size, 64)  # past whole 128-value chunks, but for group size 128
     assert quantized_gemm.check_quantized_gemm([(40, k, bits, group_size)], dtype,
@@ -110,7 +161,7 @@ def test_emulated_kernel_passes_its_check(emulated, bits, group_size, dtype, lau
 def test_the_check_fails_a_wrong_kernel(emulated, bits, original, wrong, ks):
     name = next(n for n in ("QUANTIZED_GEMM", "QUANTIZED_GEMM_HEADER") if original in getattr(gemm_src, n))
     emulated.setattr(gemm_src, name, getattr(gemm_src, name).replace(original, wrong, 1))
-    emulated.setattr(quantized_gemm, "launch_for", lambda n, k, rows: quantized_gemm.Launch(2, 2, ks))
+    emulated.setattr(quantized_gemm, "launch_for", lambda *shape: quantized_gemm.Launch(2, 2, ks))
     emulated.setattr(quantized_gemm, "_counters", quantized_gemm._CounterRing(1))  # the next launch: the same counter
     err = quantized_gemm.check_quantized_gemm([(32, 1024, bits, 64)], mx.bfloat16, rows_checked=(16, 9))
     assert err is not None and "max relative difference" in err
