@@ -206,9 +206,9 @@ def check_rows(max_rows: int) -> tuple[int, ...]:
 
 def check_quantized_gemm(shapes: Sequence[tuple[int, int, int, int]], dtype: mx.Dtype = mx.bfloat16,
                          rows_checked: Sequence[int] = check_rows(MAX_ROWS), seed: int = 0) -> Optional[str]:
-    """The kernel against MLX's quantized matmul in float32 on the device (the same weights; MLX's CPU product
-    sums bfloat16 inputs less exactly than the kernel) for each (N, K, bits, group_size) in `shapes` (the model's,
-    at load) and row count. None if every output agrees within the dtype's tolerance, else what differs."""
+    """The kernel against MLX's dequantized weights multiplied in float32 on the device (the same values
+    mx.quantized_matmul multiplies; MLX's CPU product sums bfloat16 inputs less exactly than the kernel) for each
+    (N, K, bits, group_size) in `shapes` (the model's, at load) and row count. None if every output agrees within the dtype's tolerance, else what differs."""
     try:
         return _check(shapes, dtype, rows_checked, seed)
     except Exception as exc:  # compilation or launch: MLX raises when the kernel is built or run
@@ -221,11 +221,17 @@ def _check(shapes, dtype, rows_checked, seed) -> Optional[str]:
     for n, k, bits, group_size in shapes:
         w, scales, biases = mx.quantize(mx.random.normal((n, k), dtype, scale=k ** -0.5, key=next(keys)),
                                         group_size=group_size, bits=bits)
+        # The weights dequantized once and multiplied in float32 (cuBLAS): mx.quantized_matmul in float32 would
+        # JIT-build a kernel of MLX's for each row count on a first start (a minute of a large model's cold start).
+        # MLX's CUDA float32 matmul runs on TF32 (MLX_ENABLE_TF32), exact for x's 16-bit values but not for the
+        # weights': they are multiplied as a bfloat16 part (exact in TF32) and the rest.
+        dense = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group_size,
+                              bits=bits).T
+        high = dense.astype(mx.bfloat16).astype(mx.float32)
         for rows in rows_checked:
             x = mx.random.normal((rows, k), dtype, key=next(keys))
             got = quantized_gemm(x, w, scales, biases, bits, group_size).astype(mx.float32)
-            want = mx.quantized_matmul(x.astype(mx.float32), w, scales.astype(mx.float32),
-                                       biases.astype(mx.float32), transpose=True, group_size=group_size, bits=bits)
+            want = x.astype(mx.float32) @ high + x.astype(mx.float32) @ (dense - high)
             err = (mx.abs(got - want).max() / mx.maximum(mx.abs(want).max(), 1e-6)).item()
             if not (np.isfinite(err) and err <= TOLERANCE[dtype]):
                 return (f"max relative difference {err:.2e} > {TOLERANCE[dtype]:.0e} ({rows} rows x {k} @ {n} x {k}, "

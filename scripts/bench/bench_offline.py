@@ -218,6 +218,9 @@ def main() -> None:
     max_b = max(args.batch_sizes)
     tokens_per_seq = max(args.prompt_len + args.gen_len, args.prefill_len + 1)
     num_blocks = max_b * (-(-tokens_per_seq // args.block_size) + 1) + 8
+    console = Console()
+    console.print(f"[bold]bench_offline[/] {name}: starting the engine (its load-time checks; a first run on this "
+                  "machine also compiles their kernels)")
     t_engine = time.perf_counter()
     engine = LLMEngine(model, None, EngineConfig(
         block_size=args.block_size, num_blocks=num_blocks, max_num_seqs=max_b,
@@ -229,7 +232,6 @@ def main() -> None:
         quantized_gemm=args.quantized_gemm))
 
     startup_s = time.perf_counter() - t_engine  # the load-time checks and their kernels' builds
-    console = Console()
     console.print(f"[bold]bench_offline[/] {name} on {mx.default_device()}, {platform.machine()}, "
                   f"prompt {args.prompt_len}, gen {args.gen_len}, {time.strftime('%Y-%m-%d')}, "
                   f"{'async' if engine.async_scheduling else 'lockstep'} steps"

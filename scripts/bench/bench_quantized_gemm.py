@@ -28,6 +28,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from pagedmlx import platform
 from pagedmlx.bench import cupti
 from pagedmlx.kernels import launch_configs
 from pagedmlx.kernels import quantized_gemm as qg
@@ -113,6 +114,7 @@ def main() -> None:
     p.add_argument("--write-config", metavar="DIR", help="with --sweep: write the fastest launches as this GPU's "
                    "tuned config into DIR (kernels/launch_configs.py; the package's own: pagedmlx/kernels/configs)")
     args = p.parse_args()
+    platform.use_kernel_cache()  # as the engine: every variant compiled once, in parallel (prebuild), kept on disk
     dtype = getattr(mx, args.dtype)
     timing = "wall time of chains" if args.wall or device_us(lambda: None) is None else "device time (CUPTI)"
     print(f"{mx.default_device()}  {args.dtype}  group size {args.group_size}  {timing}")
