@@ -208,7 +208,8 @@ def check_quantized_gemm(shapes: Sequence[tuple[int, int, int, int]], dtype: mx.
                          rows_checked: Sequence[int] = check_rows(MAX_ROWS), seed: int = 0) -> Optional[str]:
     """The kernel against MLX's dequantized weights multiplied in float32 on the device (the same values
     mx.quantized_matmul multiplies; MLX's CPU product sums bfloat16 inputs less exactly than the kernel) for each
-    (N, K, bits, group_size) in `shapes` (the model's, at load) and row count. None if every output agrees within the dtype's tolerance, else what differs."""
+    (N, K, bits, group_size) in `shapes` (the model's, at load) and row count. None if every output agrees within
+    the dtype's tolerance, else what differs."""
     try:
         return _check(shapes, dtype, rows_checked, seed)
     except Exception as exc:  # compilation or launch: MLX raises when the kernel is built or run
