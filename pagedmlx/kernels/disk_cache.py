@@ -183,9 +183,9 @@ class CachedCudaKernel:
         return self.kernel(inputs=inputs, output_dtypes=output_dtypes, template=template, **kwargs)
 
     def prebuild(self, variants: Sequence[tuple[Sequence[tuple[Any, int]], Sequence[Any], Sequence]]) -> None:
-        """Compile these variants into the cache at once, in parallel (NVRTC runs outside the GIL), before their
-        first launches: (inputs' (dtype, ndim), output dtypes, template) each. A load-time check that will launch a
-        dozen variants pays for the slowest instead of the sum."""
+        """Compile these variants into the cache before their first launches: (inputs' (dtype, ndim), output dtypes,
+        template) each. In a thread pool, which overlaps the rendering and the writes; NVRTC itself compiles one
+        program at a time in a process (docs/kernels.md, the kernel cache), so the builds still add up."""
         todo = []
         for inputs, output_dtypes, template in variants:
             arrays = [SimpleNamespace(dtype=dtype, ndim=ndim) for dtype, ndim in inputs]

@@ -187,7 +187,7 @@ def _template(dtype: mx.Dtype, bits: int, group_size: int, launch: Launch) -> li
 def prebuild(shapes: Sequence[tuple[int, int, int, int]], dtype: mx.Dtype, rows: Sequence[int],
              launches: Optional[Sequence[Launch]] = None) -> None:
     """Compile the kernel's variants for these (N, K, bits, group_size) shapes and row counts into the disk cache
-    at once, in parallel (kernels/disk_cache.py), where the cache is on. launches: these launch shapes for every
+    before their first launches (kernels/disk_cache.py), where the cache is on. launches: these launch shapes for every
     shape instead of launch_for's (studies)."""
     if not hasattr(_kernel(0), "prebuild"):
         return

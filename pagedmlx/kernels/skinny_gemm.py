@@ -138,7 +138,7 @@ def _launch(backend: Optional[str], n: int, k: int, dtype: mx.Dtype, rows: int, 
 
 
 def prebuild(backend: str, shapes: Sequence[tuple[int, int]], dtype: mx.Dtype, rows: Sequence[int]) -> None:
-    """Compile the variants of these (N, K) shapes and row counts into the disk cache at once, in parallel
+    """Compile the variants of these (N, K) shapes and row counts into the disk cache before their first launches
     (kernels/disk_cache.py), where the cache is on."""
     by_kernel: dict = {}
     for n, k in shapes:

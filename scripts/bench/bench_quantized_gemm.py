@@ -114,13 +114,13 @@ def main() -> None:
     p.add_argument("--write-config", metavar="DIR", help="with --sweep: write the fastest launches as this GPU's "
                    "tuned config into DIR (kernels/launch_configs.py; the package's own: pagedmlx/kernels/configs)")
     args = p.parse_args()
-    platform.use_kernel_cache()  # as the engine: every variant compiled once, in parallel (prebuild), kept on disk
+    platform.use_kernel_cache()  # as the engine: every variant compiled once (prebuild) and kept on disk
     dtype = getattr(mx, args.dtype)
     timing = "wall time of chains" if args.wall or device_us(lambda: None) is None else "device time (CUPTI)"
     print(f"{mx.default_device()}  {args.dtype}  group size {args.group_size}  {timing}")
     print(f"{'bits':>4} {'N':>6} {'K':>6} {'rows':>4} {'MLX us':>8} {'bf16 us':>8} {'ours us':>8} {'GB/s':>6} "
           f"{'vs MLX':>7} {'vs bf16':>7} {'err':>8}" + ("  fastest launches (us)" if args.sweep else ""))
-    for bits in args.bits:  # every variant compiled at once, in parallel, before anything is timed
+    for bits in args.bits:  # every variant compiled before anything is timed
         shapes = [(n, k, bits, args.group_size) for n, k in LLAMA_8B]
         qg.prebuild(shapes, dtype, args.rows)
         if args.sweep:
