@@ -15,7 +15,8 @@
 
 dialect.py renders one source text for CUDA or Metal (sources without a backend suffix are in it);
 build.py builds kernels (the process's GPU backend, MLX's custom-kernel call, device constants);
-disk_cache.py keeps the CUDA ones compiled on disk (nvrtc.py compiles them as MLX does);
+disk_cache.py keeps the CUDA ones compiled on disk (nvrtc.py compiles them as MLX does, in
+compile_workers.py's processes on a first start); launch_configs.py reads launch shapes tuned per GPU;
 selector.py decides at load which kernels a process runs (its KernelPlan), after check.py's
 checks against the portable path. runner/ calls the kernels where the plan says so, and gathers
 pages into MLX's attention (SDPA) everywhere else.

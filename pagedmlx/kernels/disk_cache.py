@@ -18,9 +18,10 @@ it always has.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional, Sequence
@@ -28,6 +29,7 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 
 from pagedmlx import envs
+from pagedmlx.kernels import compile_workers
 from pagedmlx.kernels.nvrtc import NVRTC, device_arch
 
 logger = logging.getLogger("pagedmlx")
@@ -134,13 +136,15 @@ def _compiler() -> Optional[NVRTC]:
     return _nvrtc
 
 
-def write_module(cache_dir: Path, module_name: str, kernel_name: str, source: str) -> bool:
-    """Compile `source` and write it where MLX reads module_name from, unless it is there. True: written now."""
+def write_module(cache_dir: Path, module_name: str, kernel_name: str, source: str,
+                 nvrtc: Optional[NVRTC] = None) -> bool:
+    """Compile `source` (with `nvrtc`, default this process's) and write it where MLX reads module_name from,
+    unless it is there. True: written now."""
     path = ptx_path(cache_dir, module_name)
     if path.exists():
         stats["found"] += 1
         return False
-    nvrtc = _compiler()
+    nvrtc = nvrtc or _compiler()
     if nvrtc is None:
         return False
     cubin, mangled = nvrtc.compile(source, module_name, kernel_name)
@@ -184,8 +188,8 @@ class CachedCudaKernel:
 
     def prebuild(self, variants: Sequence[tuple[Sequence[tuple[Any, int]], Sequence[Any], Sequence]]) -> None:
         """Compile these variants into the cache before their first launches: (inputs' (dtype, ndim), output dtypes,
-        template) each. In a thread pool, which overlaps the rendering and the writes; NVRTC itself compiles one
-        program at a time in a process (docs/kernels.md, the kernel cache), so the builds still add up."""
+        template) each. Those not on disk yet are compiled by worker processes at once (compile_workers.py: NVRTC
+        compiles one program at a time in a process), any a worker left undone by this process."""
         todo = []
         for inputs, output_dtypes, template in variants:
             arrays = [SimpleNamespace(dtype=dtype, ndim=ndim) for dtype, ndim in inputs]
@@ -195,8 +199,21 @@ class CachedCudaKernel:
                 todo.append((arrays, list(output_dtypes), list(template)))
         if not todo or _compiler() is None:
             return
-        with ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1, 16), thread_name_prefix="pagedmlx-nvrtc") as pool:
-            list(pool.map(lambda v: self._seed(*v), todo))
+        jobs = [job for variant in todo if (job := self._job(*variant)) is not None]
+        cache = ptx_cache_dir()
+        missing = [job for job in jobs if not ptx_path(cache, job[0]).exists()]
+        workers = min(len(missing), os.cpu_count() or 1, compile_workers.WORKERS)
+        built: set[str] = set()
+        if workers > 1:
+            try:
+                compile_workers.compile_in_workers(missing, _compiler().arch, cache, workers)
+            except Exception:  # noqa: BLE001 - no worker processes here: this process compiles them
+                logger.info("kernel variants not compiled in worker processes", exc_info=True)
+            built = {job[0] for job in missing if ptx_path(cache, job[0]).exists()}
+            stats["compiled"] += len(built)
+        for job in jobs:
+            if job[0] not in built:
+                self._write(job)
 
     def _key(self, inputs: Sequence[Any], output_dtypes: Sequence[Any],
              template: Optional[Sequence]) -> Optional[tuple]:
@@ -207,12 +224,42 @@ class CachedCudaKernel:
             return None  # MLX builds this variant itself, as it always has
 
     def _seed(self, arrays: Sequence[Any], output_dtypes: Sequence[Any], template: list) -> None:
-        try:  # any failure leaves MLX to build the variant, as it always has
+        job = self._job(arrays, output_dtypes, template)
+        if job is not None:
+            self._write(job)
+
+    def _job(self, arrays: Sequence[Any], output_dtypes: Sequence[Any],
+             template: list) -> Optional[compile_workers.Job]:
+        """(module name, kernel name, source) of a variant as MLX renders it; None if it cannot be rendered."""
+        try:
             func = "custom_kernel_" + self.name + template_hash(template)
             source = render(func, self.header, self.source, self.input_names, [(x.dtype, x.ndim) for x in arrays],
                             self.output_names, output_dtypes, template)
-            module_name = f"{func}_{std_hash(source):x}"
-            if write_module(ptx_cache_dir(), module_name, "mlx::core::cu::" + func, source):
-                logger.debug("kernel %s compiled into the disk cache", module_name)
+            return f"{func}_{std_hash(source):x}", "mlx::core::cu::" + func, source
+        except Exception:  # noqa: BLE001 - any failure leaves MLX to build the variant, as it always has
+            logger.info("could not render a variant of kernel %s", self.name, exc_info=True)
+            return None
+
+    def _write(self, job: compile_workers.Job) -> None:
+        try:  # any failure leaves MLX to build the variant, as it always has
+            if write_module(ptx_cache_dir(), *job):
+                logger.debug("kernel %s compiled into the disk cache", job[0])
         except Exception:  # noqa: BLE001
             logger.info("could not keep a variant of kernel %s on disk", self.name, exc_info=True)
+
+
+def worker_main(argv: Sequence[str]) -> int:
+    """A compile worker (compile_workers.py): ARCH CACHE_DIR JOBS_JSON, the jobs [[module, kernel, source]] each
+    written into CACHE_DIR by an NVRTC for ARCH (no GPU touched). 1 if any did not compile (left to the parent)."""
+    arch, cache_dir, jobs = argv
+    compiler, failed = NVRTC(arch), 0
+    for module_name, kernel_name, source in json.loads(Path(jobs).read_text()):
+        try:
+            write_module(Path(cache_dir), module_name, kernel_name, source, compiler)
+        except Exception:  # noqa: BLE001 - the parent compiles it again and says why
+            failed += 1
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(sys.argv[1:]))

@@ -65,7 +65,7 @@ def load_library() -> ctypes.CDLL:
 
 class NVRTC:
     def __init__(self, arch: str, includes: Optional[Sequence[str]] = None, lib: Optional[ctypes.CDLL] = None):
-        self.lib = lib or load_library()
+        self.arch, self.lib = arch, lib or load_library()
         self.options = [b"--device-as-default-execution-space", f"--gpu-architecture={arch}".encode(),
                         *(f"--include-path={p}".encode() for p in (include_paths() if includes is None else includes))]
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from pagedmlx.kernels import (add_rms_norm, build, decode_attention, disk_cache, nvrtc, page_write, prefill_attention,
-                              quantized_gemm, skinny_gemm)
+from pagedmlx.kernels import (add_rms_norm, build, compile_workers, decode_attention, disk_cache, nvrtc, page_write,
+                              prefill_attention, quantized_gemm, skinny_gemm)
 from pagedmlx.kernels.dialect import CUDA
 
 ON_CUDA = build.gpu_backend() == CUDA
@@ -107,23 +107,7 @@ def test_each_variant_is_seeded_once_under_mlxs_module_name(tmp_path, monkeypatc
     assert names == sorted(f"custom_kernel_k_abc_2_{disk_cache.std_hash(s):x}" for s in fake.sources)
 
 
-def test_prebuild_compiles_each_variant_once_in_parallel_and_launches_then_find_them(tmp_path, monkeypatch):
-    """The quantized GEMM's check compiles the variants it will launch in a thread pool first (disk_cache.prebuild):
-    each once, under the very module names its launches seed, so that those launches compile nothing."""
-    import threading
-    import time
-
-    fake, threads, launched = FakeNVRTC(), set(), []
-    compile_one = fake.compile
-
-    def compile_in_thread(*a):
-        threads.add(threading.get_ident())
-        time.sleep(0.05)  # as NVRTC takes seconds: every worker gets some
-        return compile_one(*a)
-
-    fake.compile = compile_in_thread
-    monkeypatch.setattr(disk_cache, "_compiler", lambda: fake)
-    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+def _quantized_gemm_kernel(monkeypatch, launched):
     def run(*, inputs, output_shapes, output_dtypes, **kw):
         launched.append(kw["template"])
         return [mx.zeros(s, dt) for s, dt in zip(output_shapes, output_dtypes)]
@@ -131,18 +115,84 @@ def test_prebuild_compiles_each_variant_once_in_parallel_and_launches_then_find_
     kernel = disk_cache.CachedCudaKernel(run, "pagedmlx_quantized_gemm_x", ["x", "w", "scales", "biases",
                                          "counters"], ["y", "partials"], quantized_gemm.quantized_gemm_source(), "")
     monkeypatch.setattr(quantized_gemm, "_kernel", lambda shared_memory: kernel)
+
+
+@pytest.mark.parametrize("workers_write", [True, False], ids=["workers", "workers-failed"])
+def test_prebuild_compiles_each_variant_once_in_workers_and_launches_then_find_them(tmp_path, monkeypatch,
+                                                                                    workers_write):
+    """The quantized GEMM's check has the variants it will launch compiled first by worker processes at once
+    (compile_workers.py; NVRTC compiles one program at a time in a process): each once, under the very module names
+    its launches seed, so that those launches compile nothing. What the workers leave undone this process
+    compiles."""
+    fake, launched, given = FakeNVRTC(), [], []
+    fake.arch = "sm_90a"
+
+    def workers(jobs, arch, cache_dir, count):  # stands in for the processes: the same writes, or none
+        given.append((len(jobs), arch, count))
+        ours = dict(disk_cache.stats)  # a worker's counts are its own process's
+        for job in jobs if workers_write else ():
+            disk_cache.write_module(cache_dir, *job, fake)
+        disk_cache.stats.update(ours)
+
+    monkeypatch.setattr(disk_cache, "_compiler", lambda: fake)
+    monkeypatch.setattr(disk_cache.compile_workers, "compile_in_workers", workers)
+    monkeypatch.setattr(disk_cache.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(disk_cache, "stats", {"found": 0, "compiled": 0})
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+    _quantized_gemm_kernel(monkeypatch, launched)
     shapes, rows = [(4096, 4096, 4, 64), (28672, 4096, 4, 64), (4096, 14336, 8, 32)], (1, 9, 64)
     quantized_gemm.prebuild(shapes, mx.bfloat16, rows)
     variants = {(bits, gs, tuple(quantized_gemm.launch_for(n, k, r, bits, gs).__dict__.values()))
                 for n, k, bits, gs in shapes for r in rows}
-    assert len(fake.sources) == len(variants) > 1 and len(threads) > 1
+    assert given == [(len(variants), "sm_90a", 4)] and len(fake.sources) == len(variants) > 4
+    assert disk_cache.stats == {"found": 0, "compiled": len(variants)}
     quantized_gemm.prebuild(shapes, mx.bfloat16, rows)  # known variants: nothing again
     for n, k, bits, gs in shapes:
         w, scales, biases = mx.quantize(mx.zeros((n, k), mx.bfloat16), group_size=gs, bits=bits)
         for r in rows:
             quantized_gemm.quantized_gemm(mx.zeros((r, k), mx.bfloat16), w, scales, biases, bits, gs)
-    assert len(launched) == len(shapes) * len(rows) and len(fake.sources) == len(variants)
+    assert len(launched) == len(shapes) * len(rows) and len(fake.sources) == len(variants) and len(given) == 1
     assert len(list(tmp_path.glob("*.ptx"))) == len(variants)
+
+
+def test_a_worker_writes_its_share_and_keeps_going_past_a_failed_variant(tmp_path, monkeypatch):
+    """disk_cache.worker_main as a worker process runs it: a compiler for the parent's architecture, each job written
+    where MLX reads it, a job that does not compile left (the worker says so in its exit code)."""
+    made = []
+
+    class Compiler(FakeNVRTC):
+        def __init__(self, arch):
+            super().__init__()
+            made.append(arch)
+
+        def compile(self, source, module_name, kernel_name):
+            if source == "broken":
+                raise RuntimeError("NVRTC could not compile")
+            return super().compile(source, module_name, kernel_name)
+
+    monkeypatch.setattr(disk_cache, "NVRTC", Compiler)
+    jobs = tmp_path / "jobs.json"
+    jobs.write_text(json.dumps([["mod_a", "mlx::core::cu::k_a", "a"], ["mod_b", "mlx::core::cu::k_b", "broken"],
+                                ["mod_c", "mlx::core::cu::k_c", "c"]]))
+    assert disk_cache.worker_main(["sm_90a", str(tmp_path), str(jobs)]) == 1
+    assert made == ["sm_90a"] and sorted(p.name for p in tmp_path.glob("*.ptx")) == ["mod_a.ptx", "mod_c.ptx"]
+
+
+def test_workers_are_processes_that_import_pagedmlx_as_the_parent_does(tmp_path):
+    """compile_in_workers starts `python -m pagedmlx.kernels.disk_cache` children (subprocess: the engine core
+    is a daemon process) with the parent's import path; without NVRTC they write nothing and end."""
+    job = ("mod_x", "mlx::core::cu::k_x", "src")
+    compile_workers.compile_in_workers([job, job], "sm_90a", tmp_path, 2)
+    if not _have_nvrtc():
+        assert not list(tmp_path.iterdir())
+
+
+def _have_nvrtc() -> bool:
+    try:
+        nvrtc.load_library()
+        return True
+    except OSError:
+        return False
 
 
 def test_the_skinny_gemms_check_prebuilds_the_variants_its_launches_meet(tmp_path, monkeypatch):
