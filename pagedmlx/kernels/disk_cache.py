@@ -166,6 +166,9 @@ def stats_line() -> Optional[str]:
             f"and kept")
 
 
+_SEEN: dict[tuple[str, str], set] = {}  # (kernel name, cache folder) -> the variant keys seeded (CachedCudaKernel)
+
+
 class CachedCudaKernel:
     """An mx.fast.cuda_kernel whose compiled variants are kept on disk (see the module's docstring)."""
 
@@ -176,7 +179,9 @@ class CachedCudaKernel:
         # The inputs whose rank changes the signature MLX generates (a 0-d input gets no shape arguments).
         self._shaped = [i for i, n in enumerate(input_names)
                         if any(f"{n}_{what}" in source for what in ("shape", "strides", "ndim"))]
-        self._seen: set = set()
+        # Variants seeded already, by any object of this name and cache folder (the same source: quantized_gemm.py
+        # makes one object per dynamic shared memory size), so that none is rendered and counted twice.
+        self._seen = _SEEN.setdefault((name, str(ptx_cache_dir())), set())
 
     def __call__(self, *, inputs: Sequence[Any], output_dtypes: Sequence[Any], template: Optional[Sequence] = None,
                  **kwargs: Any) -> Any:

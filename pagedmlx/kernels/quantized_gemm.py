@@ -62,12 +62,9 @@ def x_slot_bytes(mt: int) -> int:
     return mt * 8 * 20 * 16
 
 
-def k_splits(n: int, k: int, bits: int, group_size: int) -> int:
-    """Splits of K for an (N, K) weight of this format: the tuned config's (tuned()), else up to BLOCKS thread blocks
-    (at one row tile), each taking at least 4 of K's 128-wide chunks. Never from the rows, so that a row's sums are
-    the same at any M."""
-    if (config := tuned(n, k, bits, group_size)) is not None:
-        return int(config["ks"])
+def k_splits(n: int, k: int) -> int:
+    """Splits of K where no tuned config says (launch_for): up to BLOCKS thread blocks (at one row tile), each taking
+    at least 4 of K's 128-wide chunks. Never from the rows, so that a row's sums are the same at any M."""
     blocks, chunks, ks = -(-n // (16 * WARPS)), -(-k // 128), 1
     while ks < 8 and blocks * ks * 2 <= BLOCKS and chunks >= 4 * ks * 2:
         ks *= 2
@@ -79,12 +76,11 @@ def launch_for(n: int, k: int, rows: int, bits: int, group_size: int) -> Launch:
     """The launch for a product of `rows` rows against an (N, K) weight of this format: the tuned config's launch
     for the fewest tuned rows at or above `rows` (the most, past them), else row tiles enough for the rows up to
     MAX_TILES, WARPS warps, stages_for's chunks in flight."""
-    ks = k_splits(n, k, bits, group_size)
-    if (config := tuned(n, k, bits, group_size)) is not None:
+    if (config := tuned(n, k, bits, group_size)) is not None:  # one ks for every row count, as k_splits
         tuned_rows = sorted(int(r) for r in config["rows"])
         mt, wn, st = config["rows"][str(next((r for r in tuned_rows if r >= rows), tuned_rows[-1]))]
-        return Launch(mt, wn, ks, st)
-    return Launch(row_tiles(rows), WARPS, ks)
+        return Launch(mt, wn, int(config["ks"]), st)
+    return Launch(row_tiles(rows), WARPS, k_splits(n, k))
 
 
 def row_tiles(rows: int) -> int:
@@ -142,7 +138,7 @@ class _CounterRing:
             return self.ring[start:start + count]
 
 
-_counters = _CounterRing(COUNTERS)  # a split launch has at most BLOCKS // 2 tiles (k_splits)
+_counters = _CounterRing(COUNTERS)  # a split launch takes at most ~64k tiles (256 rows, 1-row tiles, 64 columns)
 
 
 def supports(rows: int, k: int, dtype: mx.Dtype, bits: int, group_size: int, mode: str = "affine") -> bool:

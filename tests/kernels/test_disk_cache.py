@@ -155,6 +155,21 @@ def test_prebuild_compiles_each_variant_once_in_workers_and_launches_then_find_t
     assert len(list(tmp_path.glob("*.ptx"))) == len(variants)
 
 
+def test_objects_of_one_kernel_name_seed_a_variant_once(tmp_path, monkeypatch):
+    """The quantized GEMM makes one kernel object per dynamic shared memory size, all of one source: a variant its
+    prebuild compiled through one of them is neither rendered nor counted again when another launches it."""
+    fake = FakeNVRTC()
+    monkeypatch.setattr(disk_cache, "_compiler", lambda: fake)
+    monkeypatch.setattr(disk_cache, "stats", {"found": 0, "compiled": 0})
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+    run = lambda **kw: [mx.zeros(s, dt) for s, dt in zip(kw["output_shapes"], kw["output_dtypes"])]  # noqa: E731
+    first, second = (disk_cache.CachedCudaKernel(run, "k_same", ["x"], ["y"], "y[0] = x[0];", "") for _ in range(2))
+    first.prebuild([([(mx.float32, 1)], [mx.float32], [("N", 2)])])
+    second(inputs=[mx.zeros((4,))], output_dtypes=[mx.float32], output_shapes=[(4,)], template=[("N", 2)],
+           grid=(1, 1, 1), threadgroup=(1, 1, 1))
+    assert len(fake.sources) == 1 and disk_cache.stats == {"found": 0, "compiled": 1}
+
+
 def test_a_worker_writes_its_share_and_keeps_going_past_a_failed_variant(tmp_path, monkeypatch):
     """disk_cache.worker_main as a worker process runs it: a compiler for the parent's architecture, each job written
     where MLX reads it, a job that does not compile left (the worker says so in its exit code)."""

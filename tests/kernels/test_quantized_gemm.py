@@ -64,11 +64,11 @@ def test_a_launch_splits_k_by_the_weights_shape_only():
     tiles grow with the rows up to MAX_TILES; narrow products split K to fill the GPU, each split 4+ chunks."""
     for n, k in ((1024, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (64, 256)):
         launches = [quantized_gemm.launch_for(n, k, rows, 4, 64) for rows in range(1, quantized_gemm.MAX_ROWS + 1)]
-        assert {launch.ks for launch in launches} == {quantized_gemm.k_splits(n, k, 4, 64)}
+        assert {launch.ks for launch in launches} == {quantized_gemm.k_splits(n, k)}
         assert [launch.mt for launch in launches][:18:8] == [1, 2, 4]
         assert max(launch.mt for launch in launches) == quantized_gemm.MAX_TILES
         assert all(-(-k // 128) >= 4 * launch.ks or launch.ks == 1 for launch in launches)
-    assert quantized_gemm.k_splits(4096, 4096, 4, 64) > 1 and quantized_gemm.k_splits(128256, 4096, 4, 64) == 1
+    assert quantized_gemm.k_splits(4096, 4096) > 1 and quantized_gemm.k_splits(128256, 4096) == 1
 
 
 TUNED = {"device_name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0",
