@@ -67,6 +67,16 @@ def use_kernel_cache() -> None:
     os.environ["MLX_PTX_CACHE_DIR"] = str(folder)
 
 
+def device_name() -> str:
+    """MLX's name for its default device (mx.device_info's device_name; "" where it has none)."""
+    import mlx.core as mx
+
+    try:
+        return str(mx.device_info().get("device_name", ""))
+    except Exception:  # noqa: BLE001 - an MLX without device_info
+        return ""
+
+
 def backend_name() -> str:
     """"Metal", "CUDA", "GPU" (another MLX GPU backend) or "CPU": where MLX computes by default."""
     import mlx.core as mx

@@ -24,7 +24,7 @@ import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 
@@ -167,6 +167,47 @@ def stats_line() -> Optional[str]:
 
 
 _SEEN: dict[tuple[str, str], set] = {}  # (kernel name, cache folder) -> the variant keys seeded (CachedCudaKernel)
+_met: Optional[dict[str, compile_workers.Job]] = None  # during prebuild_met's dry pass: the variants its calls met
+
+
+def collecting() -> bool:
+    """True during prebuild_met's dry pass, when no cached kernel launches (load-time checks then count as passed:
+    only the variants they meet matter)."""
+    return _met is not None
+
+
+def prebuild_met(run: Callable[[], object]) -> None:
+    """Compile, in worker processes at once, the variants that `run` (load-time checks, say) will meet, before it
+    runs: `run` is called once as a dry pass in which every cached kernel's call gives zeros of its outputs instead
+    of launching, its variants noted. Without this each variant compiles when first launched, one at a time. Does
+    nothing where this process compiles nothing (no NVRTC, or the cache off)."""
+    global _met
+    if _compiler() is None or not envs.MLX_PTX_CACHE_DIR:
+        return
+    _met = {}
+    try:
+        run()
+    except Exception:  # noqa: BLE001 - an optimisation: the variants met so far are still built
+        logger.info("the dry pass before a prebuild stopped early", exc_info=True)
+    finally:
+        jobs, _met = list(_met.values()), None
+    _compile_missing(jobs)
+
+
+def _compile_missing(jobs: Sequence[compile_workers.Job]) -> set[str]:
+    """The jobs whose modules are not on disk compiled by worker processes at once; the module names written."""
+    cache = ptx_cache_dir()
+    missing = [job for job in jobs if not ptx_path(cache, job[0]).exists()]
+    workers = min(len(missing), os.cpu_count() or 1, compile_workers.WORKERS)
+    if workers < 2:
+        return set()
+    try:
+        compile_workers.compile_in_workers(missing, _compiler().arch, cache, workers)
+    except Exception:  # noqa: BLE001 - no worker processes here: the caller compiles them
+        logger.info("kernel variants not compiled in worker processes", exc_info=True)
+    built = {job[0] for job in missing if ptx_path(cache, job[0]).exists()}
+    stats["compiled"] += len(built)
+    return built
 
 
 class CachedCudaKernel:
@@ -186,6 +227,11 @@ class CachedCudaKernel:
     def __call__(self, *, inputs: Sequence[Any], output_dtypes: Sequence[Any], template: Optional[Sequence] = None,
                  **kwargs: Any) -> Any:
         key = self._key(inputs, output_dtypes, template)
+        if _met is not None:  # prebuild_met's dry pass: noted, not launched
+            job = self._job(inputs, output_dtypes, list(template or [])) if key is not None else None
+            if job is not None:
+                _met[job[0]] = job
+            return [mx.zeros(shape, dtype) for shape, dtype in zip(kwargs["output_shapes"], output_dtypes)]
         if key is not None and key not in self._seen:
             self._seen.add(key)
             self._seed(inputs, output_dtypes, list(template or []))
@@ -205,17 +251,7 @@ class CachedCudaKernel:
         if not todo or _compiler() is None:
             return
         jobs = [job for variant in todo if (job := self._job(*variant)) is not None]
-        cache = ptx_cache_dir()
-        missing = [job for job in jobs if not ptx_path(cache, job[0]).exists()]
-        workers = min(len(missing), os.cpu_count() or 1, compile_workers.WORKERS)
-        built: set[str] = set()
-        if workers > 1:
-            try:
-                compile_workers.compile_in_workers(missing, _compiler().arch, cache, workers)
-            except Exception:  # noqa: BLE001 - no worker processes here: this process compiles them
-                logger.info("kernel variants not compiled in worker processes", exc_info=True)
-            built = {job[0] for job in missing if ptx_path(cache, job[0]).exists()}
-            stats["compiled"] += len(built)
+        built = _compile_missing(jobs)
         for job in jobs:
             if job[0] not in built:
                 self._write(job)

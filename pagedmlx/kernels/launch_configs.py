@@ -18,7 +18,7 @@ from typing import Any, Optional
 import mlx.core as mx
 
 from pagedmlx import envs
-from pagedmlx.kernels.selector import device_name
+from pagedmlx.platform import device_name
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 

@@ -22,10 +22,12 @@ from typing import Optional
 import mlx.core as mx
 
 from pagedmlx import envs
-from pagedmlx.kernels import (add_rms_norm, build, check, decode_attention, decode_attention_quant, lora,
+from pagedmlx.kernels import (add_rms_norm, build, check, decode_attention, decode_attention_quant, disk_cache, lora,
                               prefill_attention)
 from pagedmlx.kernels.dialect import CUDA
 from pagedmlx.core.kv.cache_dtype import KVQuant
+from pagedmlx.platform import device_name
+from pagedmlx.runner import check_cache
 
 logger = logging.getLogger("pagedmlx")
 
@@ -72,13 +74,6 @@ class KernelPlan:
         return KernelPlan(self.backend, state=self.state and keep_state, checks=self.checks, reason=reason)
 
 
-def device_name() -> str:
-    try:
-        return str(mx.device_info().get("device_name", ""))
-    except Exception:  # an MLX without device_info
-        return ""
-
-
 def select_kernels(layer_specs: list[tuple[int, int, int, mx.Dtype]], query_heads: list[int], block_size: int,
                    windows: tuple[Optional[int], ...] = (None,), sinks: tuple[bool, ...] = (False,),
                    state_layers: bool = False, prefill: bool = True, quantized: bool = False) -> KernelPlan:
@@ -110,10 +105,16 @@ def select_kernels(layer_specs: list[tuple[int, int, int, mx.Dtype]], query_head
         plan.checks.append((f"{name}: checked by tests/test_gpu_kernels.py", "trusted"))
         return plan
     checked = prefill_shapes if plan.prefill else []
+    key = check_cache.check_key("paged kernels", shapes, block_size, plan.page_write, windows, sinks, checked)
+    if check_cache.passed(key):
+        plan.checks.append(("paged kernels' checks", "passed here before (runner/check_cache.py)"))
+        return plan
     for label, ok, detail in check.run_checks(backend, shapes, block_size, plan.page_write, windows, sinks, checked):
         plan.checks.append((label, "passed" if ok else f"failed: {detail}"))
         if not ok:
             return plan.switch_off(f"{label}: {detail}", keep_state=True)
+    if not disk_cache.collecting():
+        check_cache.record_pass(key)
     return plan
 
 

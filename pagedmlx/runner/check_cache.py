@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from pagedmlx import envs
-from pagedmlx.platform import cache_dir
+from pagedmlx.platform import cache_dir, device_name
 
 _PACKAGE = Path(__file__).resolve().parents[1]
 
@@ -49,8 +49,6 @@ def model_identity(model: Optional[str], dtype: Optional[str], resolved: Optiona
 def check_key(kind: str, *parts: Any) -> str:
     import mlx.core as mx
     import mlx_lm
-
-    from pagedmlx.kernels.selector import device_name
 
     text = json.dumps([kind, source_digest(), mx.__version__, mlx_lm.__version__, str(mx.default_device()),
                        device_name(), *map(str, parts)])

@@ -12,9 +12,9 @@ import mlx.nn as nn
 from pagedmlx.config import EngineConfig
 from pagedmlx.core.kv.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec,
                                    sliding_pool_blocks)
-from pagedmlx.kernels import build, prefill_attention, recurrent_state
+from pagedmlx.kernels import build, disk_cache, mlx_jit_warm, prefill_attention, recurrent_state
 from pagedmlx.kernels.check import error_line
-from pagedmlx.kernels.selector import select_kernels, select_lora_kernel, select_quantized
+from pagedmlx.kernels.selector import KernelPlan, select_kernels, select_lora_kernel, select_quantized
 from pagedmlx.core.kv.cache_dtype import bytes_per_token, layer_quant
 from pagedmlx.runner.attention import (KVPool, PagedLayerCache, install_paged_attention)
 from pagedmlx.runner.compiled_step import AUTO_MAX_DECODES, CompiledDecode
@@ -71,6 +71,7 @@ class ModelRunner:
         self.identity = identity
         self.draft_block_bytes = draft_block_bytes
         self.block_size = config.block_size
+        mlx_jit_warm.start(model)  # MLX's quantized matmul kernels built in other processes meanwhile (cold start)
         self.merges = _merges_projections(config)  # False: separate products, even where another runner merged
         self.merged_groups = merge_projections(model) if self.merges else 0
         flatten_quantized(model)  # after the merge: its modules too
@@ -89,6 +90,8 @@ class ModelRunner:
                          and (q := layer_quant(config.kv_cache_dtype, config.kv_cache_group_size, p.spec[1], p.spec[2],
                                                config.kv_cache_rotate))}
         self.start_times.lap("layer plan")
+        mlx_jit_warm.wait()
+        self.start_times.lap("MLX's quantized matmul built ahead")
         self.kv_budget = kv_cache_budget(config, model, self._body, self._head) if config.num_blocks is None else None
         self.start_times.lap("KV budget's profile step")
         self.kv_cache_config = self._kv_cache_config(config)
@@ -98,19 +101,9 @@ class ModelRunner:
         # Where the paged kernels run and pass their load-time check, decode rows read the pages
         # through the block table (and on CUDA new K/V are written in place); elsewhere MLX
         # scatters the writes and decode rows gather the pages.
-        owners = [p for p in self.plan if p.has_pages]
-        attending = [p for p in self.plan if p.has_pages or p.kind == "shared"]
-        self.kernels = select_kernels([p.spec for p in owners], [p.n_heads for p in owners], self.block_size,
-                                      windows=tuple(sorted(set(self.windows), key=str)),
-                                      sinks=tuple(sorted({p.sinks for p in attending})),
-                                      state_layers=any(p.state is not None for p in self.plan),
-                                      prefill=config.prefill_kernel is not False, quantized=bool(self.kv_quant))
-        if self.kv_quant:  # the quantized decode kernel where it takes the layers and passes its check
-            self.kernels = select_quantized(self.kernels, [(p.spec, p.n_heads, self.kv_quant[i]) for i, p in
-                                                           enumerate(self.plan) if i in self.kv_quant],
-                                            self.block_size, config.kv_cache_dtype,
-                                            windows=tuple(sorted(set(self.windows), key=str)),
-                                            sinks=tuple(sorted({p.sinks for p in attending})))
+        # The checks' kernel variants compiled at once first (a dry pass names them), not one by one as met.
+        disk_cache.prebuild_met(lambda: self._select_kernels(config))
+        self.kernels = self._select_kernels(config)
         self.fused_norms = fuse_norms(config.fuse_norms, model, self._body, self.kernels)
         self.start_times.lap("paged kernels' checks")
         self.skinny = use_skinny_gemm(config.skinny_gemm, model, self.kernels.enabled)
@@ -137,6 +130,20 @@ class ModelRunner:
         # Decode-only steps through mx.compile (runner/compiled_step.py).
         self.compiled_decode = (CompiledDecode(self, None if config.compile_decode else AUTO_MAX_DECODES)
                                 if config.compile_decode is not False and CompiledDecode.runs_on(self) else None)
+
+    def _select_kernels(self, config: EngineConfig) -> KernelPlan:
+        """The paged kernels that run here (kernels/selector.py), checked at this model's shapes."""
+        owners = [p for p in self.plan if p.has_pages]
+        attending = [p for p in self.plan if p.has_pages or p.kind == "shared"]
+        windows, sinks = tuple(sorted(set(self.windows), key=str)), tuple(sorted({p.sinks for p in attending}))
+        kernels = select_kernels([p.spec for p in owners], [p.n_heads for p in owners], self.block_size,
+                                 windows=windows, sinks=sinks, state_layers=any(p.state is not None for p in self.plan),
+                                 prefill=config.prefill_kernel is not False, quantized=bool(self.kv_quant))
+        if self.kv_quant:  # the quantized decode kernel where it takes the layers and passes its check
+            kernels = select_quantized(kernels, [(p.spec, p.n_heads, self.kv_quant[i]) for i, p in
+                                                 enumerate(self.plan) if i in self.kv_quant],
+                                       self.block_size, config.kv_cache_dtype, windows=windows, sinks=sinks)
+        return kernels
 
     def _make_lora_manager(self, config: EngineConfig):
         """Batched LoRA (pagedmlx/lora/): adapters on the layers that run token-major, as every row does."""

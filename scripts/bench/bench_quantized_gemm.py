@@ -9,7 +9,7 @@ takes less on the device, so where torch is installed (the GPU machine) the time
 kernel durations through torch.profiler, summed over the chain. --wall times the chain instead.
 
   python scripts/bench/bench_quantized_gemm.py --bits 4 --rows 1 2 8 32 64 128 256 [--sweep]
-  python scripts/bench/bench_quantized_gemm.py --bits 4 8 --rows 1 16 64 256 --repeats 1 --sweep \
+  python scripts/bench/bench_quantized_gemm.py --bits 4 8 --rows 1 16 64 256 --repeats 1 --sweep --skip-mlx \
       --write-config pagedmlx/kernels/configs
 """
 
@@ -111,6 +111,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--sweep", action="store_true", help="time every launch shape too, and print the best")
     p.add_argument("--wall", action="store_true", help="wall time of a chain (the host's dispatch included)")
+    p.add_argument("--skip-mlx", action="store_true", help="no MLX quantized matmul column: on a GPU's first run MLX's "
+                   "JIT builds its kernels for each row count, tens of seconds each")
     p.add_argument("--write-config", metavar="DIR", help="with --sweep: write the fastest launches as this GPU's "
                    "tuned config into DIR (kernels/launch_configs.py; the package's own: pagedmlx/kernels/configs)")
     args = p.parse_args()
@@ -120,11 +122,13 @@ def main() -> None:
     print(f"{mx.default_device()}  {args.dtype}  group size {args.group_size}  {timing}")
     print(f"{'bits':>4} {'N':>6} {'K':>6} {'rows':>4} {'MLX us':>8} {'bf16 us':>8} {'ours us':>8} {'GB/s':>6} "
           f"{'vs MLX':>7} {'vs bf16':>7} {'err':>8}" + ("  fastest launches (us)" if args.sweep else ""))
+    start = time.perf_counter()
     for bits in args.bits:  # every variant compiled before anything is timed
         shapes = [(n, k, bits, args.group_size) for n, k in LLAMA_8B]
         qg.prebuild(shapes, dtype, args.rows)
         if args.sweep:
             qg.prebuild(shapes, dtype, args.rows, launches=sorted({L for r in args.rows for L in launches(r)}, key=str))
+    print(f"  kernel variants ready after {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     swept: dict = {}
     for bits, (n, k) in itertools.product(args.bits, LLAMA_8B):
         wbytes = n * k * bits // 8
@@ -132,19 +136,19 @@ def main() -> None:
         ws = [mx.quantize(mx.random.normal((n, k), dtype, scale=k ** -0.5), group_size=args.group_size, bits=bits)
               for _ in range(copies)]
         dense = [mx.random.normal((n, k), dtype, scale=k ** -0.5) for _ in range(max(1, -(-copies // 4)))]
-        mx.eval(ws, dense)
+        reference = mx.dequantize(ws[0][0], ws[0][1].astype(mx.float32), ws[0][2].astype(mx.float32),
+                                  group_size=args.group_size, bits=bits).T
+        mx.eval(ws, dense, reference)
         calls = max(copies, 16)
         for rows in args.rows:
             x = mx.random.normal((rows, k), dtype)
-            mlx_us = timed(lambda i: mx.quantized_matmul(x, *ws[i % copies], transpose=True,
-                                                         group_size=args.group_size, bits=bits), calls, args.repeats,
-                           args.wall)
+            mlx_us = float("nan") if args.skip_mlx else timed(
+                lambda i: mx.quantized_matmul(x, *ws[i % copies], transpose=True, group_size=args.group_size,
+                                              bits=bits), calls, args.repeats, args.wall)
             bf16_us = timed(lambda i: x @ dense[i % len(dense)].T, calls, args.repeats, args.wall)
             ours_us = timed(lambda i: qg.quantized_gemm(x, *ws[i % copies], bits, args.group_size), calls,
                             args.repeats, args.wall)
-            want = mx.quantized_matmul(x.astype(mx.float32), ws[0][0], ws[0][1].astype(mx.float32),
-                                       ws[0][2].astype(mx.float32), transpose=True, group_size=args.group_size,
-                                       bits=bits)
+            want = x.astype(mx.float32) @ reference  # the load-time check's reference (no JIT build of MLX's)
             got = qg.quantized_gemm(x, *ws[0], bits, args.group_size).astype(mx.float32)
             err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
             line = (f"{bits:>4} {n:>6} {k:>6} {rows:>4} {mlx_us:>8.1f} {bf16_us:>8.1f} {ours_us:>8.1f} "
@@ -153,7 +157,7 @@ def main() -> None:
                 ranked = sweep(x, ws, bits, args.group_size, launches(rows), calls, 3, args.wall)
                 swept.setdefault((n, k, bits, args.group_size), {})[rows] = ranked
                 line += "  " + ", ".join(f"mt{L.mt} wn{L.wn} ks{L.ks} st{L.stages} {us:.1f}" for us, L in ranked[:4])
-            print(line, flush=True)
+            print(line + f"  [{time.perf_counter() - start:.0f} s]", flush=True)
         if args.sweep and args.write_config:  # after each shape: a run cut short keeps what it tuned
             print(f"  tuned config: {write_config(swept, args)}", flush=True)
 

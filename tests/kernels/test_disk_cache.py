@@ -20,8 +20,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from pagedmlx.kernels import (add_rms_norm, build, compile_workers, decode_attention, disk_cache, nvrtc, page_write,
-                              prefill_attention, quantized_gemm, skinny_gemm)
+from pagedmlx.kernels import (add_rms_norm, build, check, compile_workers, decode_attention, disk_cache, nvrtc,
+                              page_write, prefill_attention, quantized_gemm, selector, skinny_gemm)
 from pagedmlx.kernels.dialect import CUDA
 
 ON_CUDA = build.gpu_backend() == CUDA
@@ -105,6 +105,51 @@ def test_each_variant_is_seeded_once_under_mlxs_module_name(tmp_path, monkeypatc
     assert len(calls) == 4 and len(fake.sources) == 2  # two variants: float32 and float16 inputs
     names = sorted(p.stem for p in tmp_path.glob("*.ptx"))
     assert names == sorted(f"custom_kernel_k_abc_2_{disk_cache.std_hash(s):x}" for s in fake.sources)
+
+
+def test_the_paged_kernels_checks_have_their_variants_compiled_at_once_before_they_run(tmp_path, monkeypatch):
+    """The load-time checks' kernel variants (prefill, decode split and unsplit, the page write) are named by a dry
+    pass that launches nothing, compiled by worker processes at once, and then found on disk by the checks' own
+    launches: none is compiled one at a time as it is met. The dry pass decides nothing (it records no pass)."""
+    fake, launched, given = FakeNVRTC(), [], []
+    fake.arch = "sm_90a"
+
+    def workers(jobs, arch, cache_dir, count):
+        given.append(sorted(job[0] for job in jobs))
+        ours = dict(disk_cache.stats)
+        for job in jobs:
+            disk_cache.write_module(cache_dir, *job, fake)
+        disk_cache.stats.update(ours)
+
+    def launch(output_shapes, output_dtypes, **kw):
+        launched.append(kw["template"])
+        return [mx.zeros(s, t) for s, t in zip(output_shapes, output_dtypes)]
+
+    monkeypatch.setattr(disk_cache, "_compiler", lambda: fake)
+    monkeypatch.setattr(disk_cache.compile_workers, "compile_in_workers", workers)
+    monkeypatch.setattr(disk_cache.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(disk_cache, "stats", {"found": 0, "compiled": 0})
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda *a, **kw: launch, raising=False)
+    monkeypatch.setattr(build, "gpu_backend", lambda: CUDA)
+    monkeypatch.setattr(check, "_compare", lambda got, want, dtype: None)  # zeros pass: every check runs
+    recorded = []
+    monkeypatch.setattr(selector.check_cache, "record_pass", recorded.append)
+    for cache in KERNEL_CACHES:
+        cache.cache_clear()
+    run = functools.partial(selector.select_kernels, [(8, 128, 128, mx.bfloat16)], [32], 16, windows=(None, 512))
+    try:
+        disk_cache.prebuild_met(run)
+        assert launched == [] and recorded == [] and len(given) == 1 and len(given[0]) >= 5
+        plan = run()
+    finally:
+        for cache in KERNEL_CACHES:
+            cache.cache_clear()
+    # Every check ran on its kernels (the page write's, last, fails: these launches write nothing).
+    assert len(plan.checks) >= 5 and all(result == "passed" for _, result in plan.checks[:-1])
+    assert plan.checks[-1][0].startswith("page write") and not plan.decode and recorded == []
+    assert sorted(p.stem for p in tmp_path.glob("*.ptx")) == given[0] and len(fake.sources) == len(given[0])
+    assert disk_cache.stats == {"found": len(given[0]), "compiled": len(given[0])} and len(launched) > len(given[0])
 
 
 def _quantized_gemm_kernel(monkeypatch, launched):

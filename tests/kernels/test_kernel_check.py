@@ -153,3 +153,22 @@ def test_the_check_covers_only_the_variants_the_model_runs(monkeypatch):
     shape = (4, 2, 64, mx.float16)
     names = [name for name, _, _ in check.run_checks("metal", [shape], 4, False, (None, 8), sinks=(True,))]
     assert checked == [(None, True), (8, True)] and all(name.endswith(" sinks") for name in names)
+
+
+def test_checks_that_passed_here_are_kept_and_a_failure_is_not(monkeypatch, tmp_path):
+    """The paged kernels' checks that passed are kept (runner/check_cache.py) under the shapes they ran, so that a
+    second start skips them; a failed check is not kept (it runs again), and other shapes are another key."""
+    monkeypatch.setenv("PAGEDMLX_CHECK_CACHE", "1")
+    monkeypatch.setenv("PAGEDMLX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(build, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(selector, "device_name", lambda: "NVIDIA GeForce RTX 4090")
+    runs, verdict = [], [("decode", True, "ok")]
+    monkeypatch.setattr(check, "run_checks", lambda *a, **k: runs.append(a) or iter(verdict))
+    specs, heads = [(8, 128, 128, mx.bfloat16)], [32]
+    first, second = selector.select_kernels(specs, heads, 16), selector.select_kernels(specs, heads, 16)
+    assert len(runs) == 1 and first.enabled and second.enabled and second.prefill
+    assert second.checks == [("paged kernels' checks", "passed here before (runner/check_cache.py)")]
+    verdict[:] = [("decode", False, "disagrees")]
+    for _ in range(2):
+        assert not selector.select_kernels(specs, heads, 32).enabled
+    assert len(runs) == 3

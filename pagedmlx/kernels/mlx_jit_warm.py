@@ -1,0 +1,113 @@
+"""MLX's own tiled quantized matmul built ahead, in worker processes at once, on a model's first start here.
+
+On CUDA (compute capability 8 and up), MLX multiplies 8 rows or more of a quantized product with qmm_sm80, a
+CUTLASS kernel that it builds with NVRTC the first time a process meets one of its row tiles (16, 32 or 64 rows) for
+a format (activation dtype, bits, group size, mode), then keeps in MLX_PTX_CACHE_DIR under a module name of those
+(mlx/backend/cuda/quantized/qmm/qmm_sm80.cu). Each build takes tens of seconds, and a process builds one at a time.
+A quantized model's start meets every tile of its formats: the KV budget's profile step, and mlx-lm's own passes in
+the load-time check. On an H100 (2026-12-07) a 4-bit Llama-8B's first start spent 68 s in that check alone.
+
+start() launches one process per (format, tile) whose module is not on disk yet, each running one small product of
+that tile (its module then lands on disk), and returns at once; wait() waits for them before the first such product.
+An MLX that names its modules otherwise is not harmed: its process builds what it meets, as before, and the workers'
+products are wasted.
+
+    python -m pagedmlx.kernels.mlx_jit_warm DTYPE BITS GROUP_SIZE MODE ROWS    # a worker (worker_main)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from typing import Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from pagedmlx import envs
+from pagedmlx.kernels import build, compile_workers, disk_cache
+from pagedmlx.kernels.dialect import CUDA
+
+logger = logging.getLogger("pagedmlx")
+
+TILES = (16, 32, 64)  # qmm_sm80's row tiles: max(16, min(64, next power of 2 of the rows))
+TIMEOUT_S = 300
+Format = tuple[str, int, int, str]  # (activation dtype's name, bits, group size, mode)
+
+_running: list[subprocess.Popen] = []
+
+
+def module_name(fmt: Format, tile: int) -> str:
+    dtype, bits, group_size, mode = fmt
+    return f"qmm_sm80_tn_{dtype}_m{tile}_b{bits}_g{group_size}_{mode}"
+
+
+def formats(model: nn.Module) -> set[Format]:
+    """The formats of the model's affine-quantized layers that qmm_sm80 multiplies (4 and 8 bits; the activations'
+    dtype is the scales')."""
+    found = set()
+    for _, m in model.named_modules():
+        scales = m.get("scales") if isinstance(m, nn.Module) else None
+        if (isinstance(scales, mx.array) and scales.dtype in (mx.float16, mx.bfloat16)
+                and getattr(m, "mode", "affine") == "affine" and getattr(m, "bits", 0) in (4, 8)):
+            found.add((str(scales.dtype).removeprefix("mlx.core."), m.bits, m.group_size, "affine"))
+    return found
+
+
+def _on_cuda_sm80() -> bool:
+    if build.gpu_backend() != CUDA:
+        return False
+    return int(mx.device_info().get("compute_capability_major", 0)) >= 8
+
+
+def start(model: nn.Module) -> int:
+    """Launch the workers for the model's formats' tiles not on disk; how many were launched."""
+    if not envs.MLX_PTX_CACHE_DIR or not _on_cuda_sm80():
+        return 0
+    cache = disk_cache.ptx_cache_dir()
+    todo = [(fmt, tile) for fmt in sorted(formats(model)) for tile in TILES
+            if not disk_cache.ptx_path(cache, module_name(fmt, tile)).exists()]
+    for (dtype, bits, group_size, mode), tile in todo[:compile_workers.WORKERS]:
+        try:
+            _running.append(subprocess.Popen(
+                [sys.executable, "-m", __name__, dtype, str(bits), str(group_size), mode, str(tile)],
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        except OSError:  # no processes here: the engine builds them itself as it meets them
+            logger.info("MLX's quantized matmul not built ahead", exc_info=True)
+            break
+    if _running:
+        logger.info("building %d of MLX's quantized matmul kernels in worker processes", len(_running))
+    return len(_running)
+
+
+def wait() -> None:
+    """Wait for the workers start() launched (each stopped after TIMEOUT_S)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while _running:
+        proc = _running.pop()
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def worker_main(argv: Sequence[str]) -> int:
+    """One product of ROWS rows in this format (the smallest widths qmm_sm80 takes), so that MLX builds and keeps
+    that tile's module."""
+    dtype_name, bits, group_size, mode, rows = argv
+    bits, group_size, rows = int(bits), int(group_size), int(rows)
+    dtype = getattr(mx, dtype_name)
+    k = 2 * max(64, group_size)
+    w = mx.quantize(mx.random.normal((128, k)).astype(dtype), group_size=group_size, bits=bits, mode=mode)
+    x = mx.random.normal((rows, k)).astype(dtype)
+    mx.eval(mx.quantized_matmul(x, *w, transpose=True, group_size=group_size, bits=bits, mode=mode))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(sys.argv[1:]))
