@@ -171,6 +171,19 @@ def select_quantized(plan: KernelPlan, layers: list[tuple[tuple[int, int, int, m
     tensor cores where CUDA's 16-bit kernel is) for the layers it takes. All are checked here on every GPU
     (no GPU suite has trusted them yet). layers: ((kv heads, Dk, Dv, dtype), query heads, quant) of each
     quantized layer."""
+    key = check_cache.check_key("quantized paged kernels", plan, layers, block_size, kv_cache_dtype, windows, sinks)
+    if check_cache.passed(key):
+        with check.passed_before():
+            return _select_quantized(plan, layers, block_size, kv_cache_dtype, windows, sinks)
+    chosen = _select_quantized(plan, layers, block_size, kv_cache_dtype, windows, sinks)
+    if all(result in ("passed", "trusted") for _, result in chosen.checks) and not disk_cache.collecting():
+        check_cache.record_pass(key)
+    return chosen
+
+
+def _select_quantized(plan: KernelPlan, layers: list[tuple[tuple[int, int, int, mx.Dtype], int, KVQuant]],
+                      block_size: int, kv_cache_dtype: str, windows: tuple[Optional[int], ...],
+                      sinks: tuple[bool, ...]) -> KernelPlan:
     checks = list(plan.checks)
     prefill, prefill_why = plan.prefill, plan.prefill_reason
     if prefill:

@@ -331,3 +331,28 @@ def test_engine_writes_quantized_pages_in_place_and_serves_equal_tokens(monkeypa
     assert any("w_min = fminf" in text or "w_min = metal::min" in text for text in ran) == gpu_quantizer
     assert any("k_q[src * KW + d]" in text for text in ran) != gpu_quantizer
     clear_kernel_caches()
+
+
+def test_the_quantized_pages_checks_are_kept_once_all_passed(monkeypatch, tmp_path):
+    """select_quantized's checks, once all passed here, are kept (runner/check_cache.py): a second start decides the
+    same plan without running them. A start where one failed keeps nothing, and runs them all again next time."""
+    from pagedmlx.kernels import check, selector
+
+    monkeypatch.setenv("PAGEDMLX_CHECK_CACHE", "1")
+    monkeypatch.setenv("PAGEDMLX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(build, "gpu_backend", lambda: CUDA)
+    monkeypatch.setattr(selector, "device_name", lambda: "NVIDIA H200")
+    plan = selector.select_kernels([(8, 128, 128, mx.bfloat16)], [32], 16, quantized=True)
+    runs, decode_err = [], [None]
+    monkeypatch.setattr(check, "check_decode_quantized", lambda *a: runs.append("decode") or decode_err[0])
+    monkeypatch.setattr(check, "check_prefill", lambda *a, quant=None: runs.append("prefill"))
+    monkeypatch.setattr(check, "check_page_write_quantized", lambda *a, quantizing=False: runs.append("write"))
+    first = selector.select_quantized(plan, [((8, 128, 128, mx.bfloat16), 32, KVQuant(8, 128))], 16, "int8")
+    ran = len(runs)
+    second = selector.select_quantized(plan, [((8, 128, 128, mx.bfloat16), 32, KVQuant(8, 128))], 16, "int8")
+    assert ran >= 4 and len(runs) == ran and first == second and second.decode and second.prefill
+    decode_err[0] = "max |difference| 1"
+    layers = [((8, 128, 128, mx.bfloat16), 32, KVQuant(4, 64))]  # another key
+    for _ in range(2):
+        assert not selector.select_quantized(plan, layers, 16, "int4").decode
+    assert len(runs) == 3 * ran
