@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Optional, Sequence
@@ -167,31 +168,44 @@ def stats_line() -> Optional[str]:
 
 
 _SEEN: dict[tuple[str, str], set] = {}  # (kernel name, cache folder) -> the variant keys seeded (CachedCudaKernel)
-_met: Optional[dict[str, compile_workers.Job]] = None  # during prebuild_met's dry pass: the variants its calls met
+
+
+class _DryPass(threading.local):
+    """Per thread (another thread's engine keeps launching): during prebuild_met's dry pass, the variants met, by
+    module name: (kernel object, variant key, job)."""
+    met: Optional[dict[str, tuple["CachedCudaKernel", tuple, compile_workers.Job]]] = None
+
+
+_dry = _DryPass()
 
 
 def collecting() -> bool:
-    """True during prebuild_met's dry pass, when no cached kernel launches (load-time checks then count as passed:
-    only the variants they meet matter)."""
-    return _met is not None
+    """True in this thread during prebuild_met's dry pass, when no cached kernel launches (load-time checks then
+    count as passed: only the variants they meet matter)."""
+    return _dry.met is not None
 
 
 def prebuild_met(run: Callable[[], object]) -> None:
     """Compile, in worker processes at once, the variants that `run` (load-time checks, say) will meet, before it
-    runs: `run` is called once as a dry pass in which every cached kernel's call gives zeros of its outputs instead
-    of launching, its variants noted. Without this each variant compiles when first launched, one at a time. Does
-    nothing where this process compiles nothing (no NVRTC, or the cache off)."""
-    global _met
+    runs: `run` is called once as a dry pass in which every cached kernel's call (in this thread) gives zeros of its
+    outputs instead of launching, its variants noted. Without this each variant compiles when first launched, one at
+    a time. Does nothing where this process compiles nothing (no NVRTC, or the cache off)."""
     if _compiler() is None or not envs.MLX_PTX_CACHE_DIR:
         return
-    _met = {}
+    before, _dry.met = _dry.met, {}
     try:
         run()
     except Exception:  # noqa: BLE001 - an optimisation: the variants met so far are still built
         logger.info("the dry pass before a prebuild stopped early", exc_info=True)
     finally:
-        jobs, _met = list(_met.values()), None
-    _compile_missing(jobs)
+        met, _dry.met = list(_dry.met.values()), before
+    cache = ptx_cache_dir()
+    found = {job[0] for _, _, job in met if ptx_path(cache, job[0]).exists()}
+    built = _compile_missing([job for _, _, job in met])
+    stats["found"] += len(found)
+    for kernel, key, job in met:  # on disk now: their launches load them (and count nothing again)
+        if job[0] in found or job[0] in built:
+            kernel._seen.add(key)
 
 
 def _compile_missing(jobs: Sequence[compile_workers.Job]) -> set[str]:
@@ -227,10 +241,10 @@ class CachedCudaKernel:
     def __call__(self, *, inputs: Sequence[Any], output_dtypes: Sequence[Any], template: Optional[Sequence] = None,
                  **kwargs: Any) -> Any:
         key = self._key(inputs, output_dtypes, template)
-        if _met is not None:  # prebuild_met's dry pass: noted, not launched
+        if _dry.met is not None:  # prebuild_met's dry pass: noted, not launched
             job = self._job(inputs, output_dtypes, list(template or [])) if key is not None else None
-            if job is not None:
-                _met[job[0]] = job
+            if job is not None and key not in self._seen:
+                _dry.met[job[0]] = (self, key, job)
             return [mx.zeros(shape, dtype) for shape, dtype in zip(kwargs["output_shapes"], output_dtypes)]
         if key is not None and key not in self._seen:
             self._seen.add(key)

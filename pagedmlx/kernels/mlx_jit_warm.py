@@ -7,22 +7,27 @@ a format (activation dtype, bits, group size, mode), then keeps in MLX_PTX_CACHE
 A quantized model's start meets every tile of its formats: the KV budget's profile step, and mlx-lm's own passes in
 the load-time check. On an H100 (2026-12-07) a 4-bit Llama-8B's first start spent 68 s in that check alone.
 
-start() launches one process per (format, tile) whose module is not on disk yet, each running one small product of
-that tile (its module then lands on disk), and returns at once; wait() waits for them before the first such product.
-An MLX that names its modules otherwise is not harmed: its process builds what it meets, as before, and the workers'
-products are wasted.
+building(model) launches, as the runner's first step, one process per (format, tile) whose module is not on disk
+yet, each running one small product of that tile into a folder of its own, and waits for them where it ends (before
+the first such product); what they built is then moved into the cache, each module whole (os.replace), so that
+another process (a tensor-parallel rank doing the same) never reads half a file. Where a worker ran and its module is
+not under the name expected here (another MLX), a marker stops this for that MLX version: its process builds what it
+meets, as before.
 
     python -m pagedmlx.kernels.mlx_jit_warm DTYPE BITS GROUP_SIZE MODE ROWS    # a worker (worker_main)
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
 import sys
+import tempfile
 import time
-from typing import Sequence
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -37,7 +42,7 @@ TILES = (16, 32, 64)  # qmm_sm80's row tiles: max(16, min(64, next power of 2 of
 TIMEOUT_S = 300
 Format = tuple[str, int, int, str]  # (activation dtype's name, bits, group size, mode)
 
-_running: list[subprocess.Popen] = []
+NAMES_DIFFER = "qmm_sm80-names-differ"  # the marker, in the cache folder (one per MLX version)
 
 
 def module_name(fmt: Format, tile: int) -> str:
@@ -63,37 +68,70 @@ def _on_cuda_sm80() -> bool:
     return int(mx.device_info().get("compute_capability_major", 0)) >= 8
 
 
-def start(model: nn.Module) -> int:
-    """Launch the workers for the model's formats' tiles not on disk; how many were launched."""
-    if not envs.MLX_PTX_CACHE_DIR or not _on_cuda_sm80():
-        return 0
+@contextlib.contextmanager
+def building(model: nn.Module) -> Iterator[int]:
+    """Build the model's missing qmm_sm80 modules in worker processes while the block runs (it gets how many were
+    started); on leaving, wait for them (each stopped after TIMEOUT_S) and move their modules into the cache. A
+    block that raises stops them."""
     cache = disk_cache.ptx_cache_dir()
+    todo = _missing(model, cache)
+    if not todo:
+        yield 0
+        return
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".qmm-", dir=cache) as tmp:  # beside the cache: os.replace stays atomic
+        workers = [w for w in (_launch(fmt, tile, Path(tmp) / str(i)) for i, (fmt, tile) in enumerate(todo)) if w]
+        if workers:
+            logger.info("building %d of MLX's quantized matmul kernels in worker processes", len(workers))
+        try:
+            yield len(workers)
+        except BaseException:
+            for proc, *_ in workers:
+                proc.kill()
+            raise
+        finally:
+            _finish(workers, cache)
+
+
+def _missing(model: nn.Module, cache: Path) -> list[tuple[Format, int]]:
+    if not envs.MLX_PTX_CACHE_DIR or not _on_cuda_sm80() or (cache / NAMES_DIFFER).exists():
+        return []
     todo = [(fmt, tile) for fmt in sorted(formats(model)) for tile in TILES
             if not disk_cache.ptx_path(cache, module_name(fmt, tile)).exists()]
-    for (dtype, bits, group_size, mode), tile in todo[:compile_workers.WORKERS]:
-        try:
-            _running.append(subprocess.Popen(
-                [sys.executable, "-m", __name__, dtype, str(bits), str(group_size), mode, str(tile)],
-                env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        except OSError:  # no processes here: the engine builds them itself as it meets them
-            logger.info("MLX's quantized matmul not built ahead", exc_info=True)
-            break
-    if _running:
-        logger.info("building %d of MLX's quantized matmul kernels in worker processes", len(_running))
-    return len(_running)
+    return todo[:compile_workers.WORKERS]
 
 
-def wait() -> None:
-    """Wait for the workers start() launched (each stopped after TIMEOUT_S)."""
+def _launch(fmt: Format, tile: int, folder: Path) -> Optional[tuple[subprocess.Popen, Format, int, Path]]:
+    folder.mkdir(parents=True)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", __name__, *map(str, fmt), str(tile)],
+                                env={**os.environ, "MLX_PTX_CACHE_DIR": str(folder),
+                                     "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except OSError:  # no processes here: the engine builds them itself as it meets them
+        logger.info("MLX's quantized matmul not built ahead", exc_info=True)
+        return None
+    return proc, fmt, tile, folder
+
+
+def _finish(workers: list, cache: Path) -> None:
     deadline = time.monotonic() + TIMEOUT_S
-    while _running:
-        proc = _running.pop()
+    for proc, fmt, tile, folder in workers:
         try:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            ran = proc.wait(timeout=max(1.0, deadline - time.monotonic())) == 0
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+            ran = False
+        if ran and not disk_cache.ptx_path(folder, module_name(fmt, tile)).exists():
+            (cache / NAMES_DIFFER).touch()
+        modules = sorted(folder.rglob("*.ptx")) if ran else []
+        for ptx in modules:  # its names first, then the module: MLX reads the .txt once the .ptx exists
+            dest = cache / ptx.relative_to(folder)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if ptx.with_suffix(".txt").exists():
+                os.replace(ptx.with_suffix(".txt"), dest.with_suffix(".txt"))
+            os.replace(ptx, dest)
 
 
 def worker_main(argv: Sequence[str]) -> int:

@@ -15,6 +15,7 @@ the plan off if the model disagrees with mlx-lm.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Optional
@@ -105,17 +106,24 @@ def select_kernels(layer_specs: list[tuple[int, int, int, mx.Dtype]], query_head
         plan.checks.append((f"{name}: checked by tests/test_gpu_kernels.py", "trusted"))
         return plan
     checked = prefill_shapes if plan.prefill else []
-    key = check_cache.check_key("paged kernels", shapes, block_size, plan.page_write, windows, sinks, checked)
-    if check_cache.passed(key):
-        plan.checks.append(("paged kernels' checks", "passed here before (runner/check_cache.py)"))
-        return plan
-    for label, ok, detail in check.run_checks(backend, shapes, block_size, plan.page_write, windows, sinks, checked):
-        plan.checks.append((label, "passed" if ok else f"failed: {detail}"))
-        if not ok:
-            return plan.switch_off(f"{label}: {detail}", keep_state=True)
-    if not disk_cache.collecting():
+    key = _check_key("paged kernels", backend, shapes, block_size, plan.page_write, windows, sinks, checked)
+    replay = check_cache.passed(key)  # the same checks, counted as passed unrun: the same plan as then
+    with check.passed_before() if replay else contextlib.nullcontext():
+        for label, ok, detail in check.run_checks(backend, shapes, block_size, plan.page_write, windows, sinks,
+                                                  checked):
+            plan.checks.append((label, "passed" if ok else f"failed: {detail}"))
+            if not ok:
+                return plan.switch_off(f"{label}: {detail}", keep_state=True)
+    if not replay and not disk_cache.collecting():
         check_cache.record_pass(key)
     return plan
+
+
+def _check_key(kind: str, backend: str, *parts: object) -> str:
+    """The check cache's key of a selector's checks: what they ran on, and the switches that choose the kernels'
+    variants (the decode kernel's settings, the quantized pages' tile options)."""
+    return check_cache.check_key(kind, decode_attention.SETTINGS.get(backend), envs.PAGEDMLX_QUANT_AFTER,
+                                 envs.PAGEDMLX_QUANT_PREFETCH, *parts)
 
 
 def select_lora_kernel(plan: KernelPlan) -> tuple[Optional[str], Optional[str]]:
@@ -171,7 +179,7 @@ def select_quantized(plan: KernelPlan, layers: list[tuple[tuple[int, int, int, m
     tensor cores where CUDA's 16-bit kernel is) for the layers it takes. All are checked here on every GPU
     (no GPU suite has trusted them yet). layers: ((kv heads, Dk, Dv, dtype), query heads, quant) of each
     quantized layer."""
-    key = check_cache.check_key("quantized paged kernels", plan, layers, block_size, kv_cache_dtype, windows, sinks)
+    key = _check_key("quantized paged kernels", plan.backend, plan, layers, block_size, kv_cache_dtype, windows, sinks)
     if check_cache.passed(key):
         with check.passed_before():
             return _select_quantized(plan, layers, block_size, kv_cache_dtype, windows, sinks)

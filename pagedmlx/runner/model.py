@@ -71,26 +71,8 @@ class ModelRunner:
         self.identity = identity
         self.draft_block_bytes = draft_block_bytes
         self.block_size = config.block_size
-        mlx_jit_warm.start(model)  # MLX's quantized matmul kernels built in other processes meanwhile (cold start)
-        self.merges = _merges_projections(config)  # False: separate products, even where another runner merged
-        self.merged_groups = merge_projections(model) if self.merges else 0
-        flatten_quantized(model)  # after the merge: its modules too
-        self.start_times.lap("merge probe")
-        if self.merged_groups:
-            logger.info("merged %d projection groups (layers/merged_linear.py)", self.merged_groups)
-        # Routed first: the plan's probe sees each layer's query heads and sinks through the dispatcher.
-        routed = install_paged_attention(model)
-        self.plan, self.vocab_size = plan_layers(model)  # refuses the layers it cannot page, by name
-        install_regrouping(model, self.plan)
-        if routed == 0 and any(p.has_pages for p in self.plan):
-            raise UnsupportedModelError(
-                f"model type {model_type(model)!r} does not call mlx-lm's scaled_dot_product_attention")
-        self._body, self._head = split_lm_head(model)
-        self.kv_quant = {i: q for i, p in enumerate(self.plan) if p.has_pages
-                         and (q := layer_quant(config.kv_cache_dtype, config.kv_cache_group_size, p.spec[1], p.spec[2],
-                                               config.kv_cache_rotate))}
-        self.start_times.lap("layer plan")
-        mlx_jit_warm.wait()
+        with mlx_jit_warm.building(model):  # MLX's quantized matmul tiles built in other processes meanwhile
+            self._merge_and_plan(config, model)
         self.start_times.lap("MLX's quantized matmul built ahead")
         self.kv_budget = kv_cache_budget(config, model, self._body, self._head) if config.num_blocks is None else None
         self.start_times.lap("KV budget's profile step")
@@ -130,6 +112,28 @@ class ModelRunner:
         # Decode-only steps through mx.compile (runner/compiled_step.py).
         self.compiled_decode = (CompiledDecode(self, None if config.compile_decode else AUTO_MAX_DECODES)
                                 if config.compile_decode is not False and CompiledDecode.runs_on(self) else None)
+
+    def _merge_and_plan(self, config: EngineConfig, model: nn.Module) -> None:
+        """Merged projections, the layer plan (refusing what cannot be paged), the LM head split off, the KV pages'
+        quantization per layer."""
+        self.merges = _merges_projections(config)  # False: separate products, even where another runner merged
+        self.merged_groups = merge_projections(model) if self.merges else 0
+        flatten_quantized(model)  # after the merge: its modules too
+        self.start_times.lap("merge probe")
+        if self.merged_groups:
+            logger.info("merged %d projection groups (layers/merged_linear.py)", self.merged_groups)
+        # Routed first: the plan's probe sees each layer's query heads and sinks through the dispatcher.
+        routed = install_paged_attention(model)
+        self.plan, self.vocab_size = plan_layers(model)  # refuses the layers it cannot page, by name
+        install_regrouping(model, self.plan)
+        if routed == 0 and any(p.has_pages for p in self.plan):
+            raise UnsupportedModelError(
+                f"model type {model_type(model)!r} does not call mlx-lm's scaled_dot_product_attention")
+        self._body, self._head = split_lm_head(model)
+        self.kv_quant = {i: q for i, p in enumerate(self.plan) if p.has_pages
+                         and (q := layer_quant(config.kv_cache_dtype, config.kv_cache_group_size, p.spec[1], p.spec[2],
+                                               config.kv_cache_rotate))}
+        self.start_times.lap("layer plan")
 
     def _select_kernels(self, config: EngineConfig) -> KernelPlan:
         """The paged kernels that run here (kernels/selector.py), checked at this model's shapes."""

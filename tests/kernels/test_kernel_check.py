@@ -5,6 +5,7 @@ the gather path serves. Either way every token equals mlx-lm's own greedy genera
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import mlx.core as mx
@@ -157,18 +158,26 @@ def test_the_check_covers_only_the_variants_the_model_runs(monkeypatch):
 
 def test_checks_that_passed_here_are_kept_and_a_failure_is_not(monkeypatch, tmp_path):
     """The paged kernels' checks that passed are kept (runner/check_cache.py) under the shapes they ran, so that a
-    second start skips them; a failed check is not kept (it runs again), and other shapes are another key."""
+    second start decides the same plan, check for check, without running them (the runner's own check key holds
+    the plan); a failed check is not kept (it runs again), and other shapes or kernel settings are another key."""
     monkeypatch.setenv("PAGEDMLX_CHECK_CACHE", "1")
     monkeypatch.setenv("PAGEDMLX_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(build, "gpu_backend", lambda: "cuda")
     monkeypatch.setattr(selector, "device_name", lambda: "NVIDIA GeForce RTX 4090")
-    runs, verdict = [], [("decode", True, "ok")]
-    monkeypatch.setattr(check, "run_checks", lambda *a, **k: runs.append(a) or iter(verdict))
+    runs, decode_err = [], [None]
+    monkeypatch.setattr(check, "check_prefill", lambda *a, **k: runs.append("prefill"))
+    monkeypatch.setattr(check, "check_decode", lambda *a, **k: runs.append("decode") or decode_err[0])
+    monkeypatch.setattr(check, "check_page_write", lambda *a, **k: runs.append("write"))
     specs, heads = [(8, 128, 128, mx.bfloat16)], [32]
-    first, second = selector.select_kernels(specs, heads, 16), selector.select_kernels(specs, heads, 16)
-    assert len(runs) == 1 and first.enabled and second.enabled and second.prefill
-    assert second.checks == [("paged kernels' checks", "passed here before (runner/check_cache.py)")]
-    verdict[:] = [("decode", False, "disagrees")]
+    first = selector.select_kernels(specs, heads, 16)
+    ran = len(runs)
+    second = selector.select_kernels(specs, heads, 16)
+    assert ran >= 3 and len(runs) == ran and first == second and second.enabled and second.prefill
+    monkeypatch.setitem(decode_attention.SETTINGS, "cuda",
+                        dataclasses.replace(decode_attention.SETTINGS["cuda"], mma=False))  # another variant
+    selector.select_kernels(specs, heads, 16)
+    assert len(runs) == 2 * ran
+    decode_err[0] = "disagrees"
     for _ in range(2):
         assert not selector.select_kernels(specs, heads, 32).enabled
-    assert len(runs) == 3
+    assert runs.count("decode") == 4  # once each: the first start, the other settings, both failing starts

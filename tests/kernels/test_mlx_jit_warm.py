@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import pytest
 from utils import make_model
 
 from pagedmlx.kernels import build, mlx_jit_warm
@@ -26,16 +28,26 @@ def _mixed_model():
 
 
 class FakeProcess:
-    def __init__(self, argv, **kwargs):
-        self.argv, self.waited = argv, False
+    """A worker that "builds" its module into its folder: under the expected name, another, or dies."""
+
+    def __init__(self, argv, env, **kwargs):
+        self.argv, self.folder, self.killed = argv, Path(env["MLX_PTX_CACHE_DIR"]), False
         LAUNCHED.append(self)
 
     def wait(self, timeout=None):
-        self.waited = True
-        return 0
+        fmt, tile = (self.argv[3], int(self.argv[4]), int(self.argv[5]), self.argv[6]), int(self.argv[7])
+        name = mlx_jit_warm.module_name(fmt, tile) if BUILDS == "expected" else f"qmm_other_{fmt[1]}_{tile}"
+        if not self.killed:
+            (self.folder / f"{name}.txt").write_text("names")
+            (self.folder / f"{name}.ptx").write_bytes(b"\x7fELF")
+        return -9 if self.killed else 0
+
+    def kill(self):
+        self.killed = True
 
 
 LAUNCHED: list[FakeProcess] = []
+BUILDS = "expected"
 
 
 def test_formats_are_the_models_quantized_layers():
@@ -43,25 +55,65 @@ def test_formats_are_the_models_quantized_layers():
     assert mlx_jit_warm.formats(make_model("llama")) == set()  # float weights: nothing of qmm's
 
 
-def test_a_worker_per_format_and_tile_not_on_disk_and_none_elsewhere(tmp_path, monkeypatch):
+@pytest.fixture
+def on_cuda(tmp_path, monkeypatch):
     monkeypatch.setattr(mlx_jit_warm.subprocess, "Popen", FakeProcess)
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
-    LAUNCHED.clear()
-    model = _mixed_model()
-    assert mlx_jit_warm.start(model) == 0 and not LAUNCHED  # not CUDA: MLX builds nothing of the kind
     monkeypatch.setattr(build, "gpu_backend", lambda: CUDA)
     monkeypatch.setattr(mx, "device_info", lambda: {"compute_capability_major": 9, "compute_capability_minor": 0})
-    (tmp_path / (mlx_jit_warm.module_name(BF16_4, 32) + ".ptx")).write_bytes(b"\x7fELF")  # built before
-    assert mlx_jit_warm.start(model) == 5
+    monkeypatch.setattr(sys.modules[__name__], "BUILDS", "expected")
+    LAUNCHED.clear()
+    return tmp_path
+
+
+def test_a_worker_per_format_and_tile_not_on_disk_its_module_moved_into_the_cache(on_cuda, monkeypatch):
+    model = _mixed_model()
+    (on_cuda / (mlx_jit_warm.module_name(BF16_4, 32) + ".ptx")).write_bytes(b"\x7fELF")  # built before
+    (on_cuda / (mlx_jit_warm.module_name(BF16_4, 32) + ".txt")).write_text("names")
+    with mlx_jit_warm.building(model) as started:
+        assert started == 5 and all(not list(p.folder.iterdir()) for p in LAUNCHED)
     args = sorted(tuple(p.argv[3:]) for p in LAUNCHED)
     assert args == sorted([("bfloat16", "4", "64", "affine", "16"), ("bfloat16", "4", "64", "affine", "64")]
                           + [("bfloat16", "8", "64", "affine", str(t)) for t in mlx_jit_warm.TILES])
     assert all(p.argv[:3] == [sys.executable, "-m", "pagedmlx.kernels.mlx_jit_warm"] for p in LAUNCHED)
-    mlx_jit_warm.wait()
-    assert all(p.waited for p in LAUNCHED) and not mlx_jit_warm._running
-    monkeypatch.delenv("MLX_PTX_CACHE_DIR")
+    modules = sorted(p.stem for p in on_cuda.glob("*.ptx"))
+    assert modules == sorted(mlx_jit_warm.module_name(f, t) for f in (BF16_4, BF16_8) for t in mlx_jit_warm.TILES)
+    assert all((on_cuda / f"{m}.txt").exists() for m in modules) and [p.name for p in on_cuda.iterdir()
+                                                                       if p.is_dir()] == []  # workers' folders gone
     LAUNCHED.clear()
-    assert mlx_jit_warm.start(model) == 0 and not LAUNCHED  # no folder MLX keeps modules in: nothing to build ahead
+    with mlx_jit_warm.building(model) as started:  # all on disk now: nothing to build
+        assert started == 0 and not LAUNCHED
+
+
+def test_nothing_is_built_off_cuda_or_without_a_cache_folder(on_cuda, monkeypatch):
+    model = _mixed_model()
+    monkeypatch.delenv("MLX_PTX_CACHE_DIR")
+    with mlx_jit_warm.building(model) as started:
+        assert started == 0
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(on_cuda))
+    monkeypatch.setattr(build, "gpu_backend", lambda: None)
+    with mlx_jit_warm.building(model) as started:
+        assert started == 0
+    assert not LAUNCHED and not list(on_cuda.iterdir())
+
+
+def test_a_failed_start_stops_its_workers_and_keeps_nothing(on_cuda):
+    with pytest.raises(RuntimeError, match="refused"):
+        with mlx_jit_warm.building(_mixed_model()):
+            raise RuntimeError("model refused")
+    assert LAUNCHED and all(p.killed for p in LAUNCHED) and not list(on_cuda.glob("*.ptx"))
+
+
+def test_an_mlx_that_names_its_modules_otherwise_is_left_alone_after_once(on_cuda, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "BUILDS", "other")
+    model = _mixed_model()
+    with mlx_jit_warm.building(model) as started:
+        assert started == 6
+    assert (on_cuda / mlx_jit_warm.NAMES_DIFFER).exists()
+    assert len(list(on_cuda.glob("qmm_other_*.ptx"))) == 6  # what it built is still MLX's own, kept
+    LAUNCHED.clear()
+    with mlx_jit_warm.building(model) as started:
+        assert started == 0 and not LAUNCHED
 
 
 def test_a_worker_runs_its_product_and_exits():
