@@ -356,3 +356,27 @@ def test_the_quantized_pages_checks_are_kept_once_all_passed(monkeypatch, tmp_pa
     for _ in range(2):
         assert not selector.select_quantized(plan, layers, 16, "int4").decode
     assert len(runs) == 3 * ran
+
+
+def test_a_dry_pass_keeps_no_pass_of_the_quantized_pages_checks(monkeypatch, tmp_path):
+    """The dry pass before a prebuild (disk_cache.prebuild_met) counts every check as passed; none of that is kept:
+    the real selection after it runs the checks."""
+    from pagedmlx.kernels import check, disk_cache, selector
+
+    monkeypatch.setenv("PAGEDMLX_CHECK_CACHE", "1")
+    monkeypatch.setenv("PAGEDMLX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
+    monkeypatch.setattr(disk_cache, "_compiler", lambda: object())
+    monkeypatch.setattr(build, "gpu_backend", lambda: CUDA)
+    monkeypatch.setattr(selector, "device_name", lambda: "NVIDIA H200")
+    plan = selector.select_kernels([(8, 128, 128, mx.bfloat16)], [32], 16, quantized=True)
+    runs = []
+    monkeypatch.setattr(check, "check_decode_quantized", lambda *a: runs.append("decode") or "max |difference| 1")
+    monkeypatch.setattr(check, "check_prefill", lambda *a, quant=None: runs.append("prefill"))
+    monkeypatch.setattr(check, "check_page_write_quantized", lambda *a, quantizing=False: runs.append("write"))
+    layers = [((8, 128, 128, mx.bfloat16), 32, KVQuant(8, 128))]
+    seen = []
+    disk_cache.prebuild_met(lambda: seen.append(selector.select_quantized(plan, layers, 16, "int8")))
+    assert seen[0].decode and not disk_cache.collecting()  # the dry pass: its failing check counted as passed
+    ran = len(runs)
+    assert not selector.select_quantized(plan, layers, 16, "int8").decode and len(runs) > ran  # run for real
