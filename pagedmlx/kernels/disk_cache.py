@@ -131,9 +131,10 @@ def _compiler() -> Optional[NVRTC]:
     if _nvrtc is None and not _nvrtc_failed:
         try:
             _nvrtc = NVRTC(device_arch())
-        except Exception:  # noqa: BLE001 - no disk cache; MLX compiles as before
+        except Exception as exc:  # noqa: BLE001 - no disk cache; MLX compiles as before
             _nvrtc_failed = True
-            logger.info("kernel disk cache off: NVRTC could not be set up", exc_info=True)
+            logger.info("kernel disk cache off: NVRTC could not be set up (%s: %s)", type(exc).__name__, exc)
+            logger.debug("NVRTC's set-up", exc_info=True)
     return _nvrtc
 
 

@@ -14,6 +14,7 @@ from pagedmlx.core.kv.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGrou
                                    sliding_pool_blocks)
 from pagedmlx.kernels import build, disk_cache, mlx_jit_warm, prefill_attention, recurrent_state
 from pagedmlx.kernels.check import error_line
+from pagedmlx.kernels.dialect import CUDA
 from pagedmlx.kernels.selector import KernelPlan, select_kernels, select_lora_kernel, select_quantized
 from pagedmlx.core.kv.cache_dtype import bytes_per_token, layer_quant
 from pagedmlx.runner.attention import (KVPool, PagedLayerCache, install_paged_attention)
@@ -83,8 +84,8 @@ class ModelRunner:
         # Where the paged kernels run and pass their load-time check, decode rows read the pages
         # through the block table (and on CUDA new K/V are written in place); elsewhere MLX
         # scatters the writes and decode rows gather the pages.
-        # The checks' kernel variants compiled at once first (a dry pass names them), not one by one as met.
-        disk_cache.prebuild_met(lambda: self._select_kernels(config))
+        if build.gpu_backend() == CUDA:  # the checks' variants compiled at once first (a dry pass names them)
+            disk_cache.prebuild_met(lambda: self._select_kernels(config))
         self.kernels = self._select_kernels(config)
         self.fused_norms = fuse_norms(config.fuse_norms, model, self._body, self.kernels)
         self.start_times.lap("paged kernels' checks")

@@ -454,3 +454,18 @@ def _stdout_of(fn) -> str:
             os.close(saved)
         f.seek(0)
         return f.read()
+
+
+def test_a_start_off_cuda_sets_up_no_compiler_and_runs_no_dry_pass(tmp_path, monkeypatch):
+    """The CPU (and Metal) have no CUDA kernels to build: an engine's start there asks nothing of NVRTC (whose set-up
+    fails there, and said so in the server's log)."""
+    from pagedmlx.engine.llm_engine import LLMEngine
+    from utils import make_model
+
+    def no_compiler():
+        raise AssertionError("NVRTC set up off CUDA")
+
+    monkeypatch.setattr(disk_cache, "_compiler", no_compiler)
+    monkeypatch.setattr(disk_cache, "prebuild_met", lambda run: no_compiler())
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+    assert LLMEngine(make_model("llama")).runner.kernels.backend is None
