@@ -32,6 +32,7 @@ import mlx.core as mx
 from pagedmlx import envs
 from pagedmlx.kernels import compile_workers
 from pagedmlx.kernels.nvrtc import NVRTC, device_arch
+from pagedmlx.platform import backend_name
 
 logger = logging.getLogger("pagedmlx")
 
@@ -127,7 +128,10 @@ stats = {"found": 0, "compiled": 0}
 
 
 def _compiler() -> Optional[NVRTC]:
+    """This process's NVRTC for its CUDA GPU; None off CUDA (nothing to compile) or where it cannot be set up."""
     global _nvrtc, _nvrtc_failed
+    if _nvrtc is None and not _nvrtc_failed and backend_name() != "CUDA":
+        _nvrtc_failed = True
     if _nvrtc is None and not _nvrtc_failed:
         try:
             _nvrtc = NVRTC(device_arch())

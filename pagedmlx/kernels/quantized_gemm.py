@@ -212,23 +212,30 @@ def check_quantized_gemm(shapes: Sequence[tuple[int, int, int, int]], dtype: mx.
         return f"did not compile or run ({check.error_line(exc)})"
 
 
+def reference_product(w: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int):
+    """x -> x @ dequantize(w).T in float32 on the device, the check's reference. The weights are dequantized once and
+    multiplied through cuBLAS: mx.quantized_matmul in float32 would JIT-build a kernel of MLX's for each row count on
+    a first start (a minute of a large model's cold start). MLX's CUDA float32 matmul runs on TF32 (MLX_ENABLE_TF32),
+    exact for x's 16-bit values but not for the weights': they are multiplied as a bfloat16 part (exact in TF32) and
+    the rest."""
+    dense = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group_size,
+                          bits=bits).T
+    high = dense.astype(mx.bfloat16).astype(mx.float32)
+    low = dense - high
+    return lambda x: x.astype(mx.float32) @ high + x.astype(mx.float32) @ low
+
+
 def _check(shapes, dtype, rows_checked, seed) -> Optional[str]:
     prebuild(shapes, dtype, rows_checked)
     keys = iter(mx.random.split(mx.random.key(seed), len(shapes) * (1 + len(rows_checked))))
     for n, k, bits, group_size in shapes:
         w, scales, biases = mx.quantize(mx.random.normal((n, k), dtype, scale=k ** -0.5, key=next(keys)),
                                         group_size=group_size, bits=bits)
-        # The weights dequantized once and multiplied in float32 (cuBLAS): mx.quantized_matmul in float32 would
-        # JIT-build a kernel of MLX's for each row count on a first start (a minute of a large model's cold start).
-        # MLX's CUDA float32 matmul runs on TF32 (MLX_ENABLE_TF32), exact for x's 16-bit values but not for the
-        # weights': they are multiplied as a bfloat16 part (exact in TF32) and the rest.
-        dense = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group_size,
-                              bits=bits).T
-        high = dense.astype(mx.bfloat16).astype(mx.float32)
+        reference = reference_product(w, scales, biases, bits, group_size)
         for rows in rows_checked:
             x = mx.random.normal((rows, k), dtype, key=next(keys))
             got = quantized_gemm(x, w, scales, biases, bits, group_size).astype(mx.float32)
-            want = x.astype(mx.float32) @ high + x.astype(mx.float32) @ (dense - high)
+            want = reference(x)
             err = (mx.abs(got - want).max() / mx.maximum(mx.abs(want).max(), 1e-6)).item()
             if not (np.isfinite(err) and err <= TOLERANCE[dtype]):
                 return (f"max relative difference {err:.2e} > {TOLERANCE[dtype]:.0e} ({rows} rows x {k} @ {n} x {k}, "

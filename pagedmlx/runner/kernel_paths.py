@@ -10,11 +10,37 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from pagedmlx.kernels import decode_attention, decode_attention_quant, prefill_attention
+from pagedmlx.config import EngineConfig
+from pagedmlx.core.kv.cache_dtype import KVQuant
+from pagedmlx.kernels import decode_attention, decode_attention_quant, disk_cache, prefill_attention
 from pagedmlx.kernels.dialect import CUDA
+from pagedmlx.kernels.selector import KernelPlan, select_kernels, select_quantized
 from pagedmlx.layers import quantized_linear, skinny_linear
 
 PORTABLE = "gather + SDPA"  # pages gathered into a contiguous copy, then MLX's attention
+
+
+def select_kernel_plan(plan: list, kv_quant: dict[int, KVQuant], windows: list[Optional[int]], block_size: int,
+                       config: EngineConfig) -> KernelPlan:
+    """The paged kernels these planned layers run here (kernels/selector.py), checked at their shapes, windows and
+    sinks; on CUDA the checks' kernel variants are compiled at once first (a dry pass names them:
+    disk_cache.prebuild_met), not one by one as the checks meet them."""
+    owners = [p for p in plan if p.has_pages]
+    attending = [p for p in plan if p.has_pages or p.kind == "shared"]
+    window_set, sinks = tuple(sorted(set(windows), key=str)), tuple(sorted({p.sinks for p in attending}))
+
+    def select() -> KernelPlan:
+        kernels = select_kernels([p.spec for p in owners], [p.n_heads for p in owners], block_size,
+                                 windows=window_set, sinks=sinks, state_layers=any(p.state is not None for p in plan),
+                                 prefill=config.prefill_kernel is not False, quantized=bool(kv_quant))
+        if kv_quant:  # the quantized decode kernel where it takes the layers and passes its check
+            kernels = select_quantized(kernels, [(p.spec, p.n_heads, kv_quant[i]) for i, p in enumerate(plan)
+                                                 if i in kv_quant], block_size, config.kv_cache_dtype,
+                                       windows=window_set, sinks=sinks)
+        return kernels
+
+    disk_cache.prebuild_met(select)
+    return select()
 
 
 def layer_list(ids: list[int]) -> str:

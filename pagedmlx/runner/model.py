@@ -12,10 +12,9 @@ import mlx.nn as nn
 from pagedmlx.config import EngineConfig
 from pagedmlx.core.kv.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec,
                                    sliding_pool_blocks)
-from pagedmlx.kernels import build, disk_cache, mlx_jit_warm, prefill_attention, recurrent_state
+from pagedmlx.kernels import build, mlx_jit_warm, prefill_attention, recurrent_state
 from pagedmlx.kernels.check import error_line
-from pagedmlx.kernels.dialect import CUDA
-from pagedmlx.kernels.selector import KernelPlan, select_kernels, select_lora_kernel, select_quantized
+from pagedmlx.kernels.selector import select_lora_kernel
 from pagedmlx.core.kv.cache_dtype import bytes_per_token, layer_quant
 from pagedmlx.runner.attention import (KVPool, PagedLayerCache, install_paged_attention)
 from pagedmlx.runner.compiled_step import AUTO_MAX_DECODES, CompiledDecode
@@ -29,6 +28,7 @@ from pagedmlx.runner.plan import UnsupportedModelError, model_type, plan_layers
 from pagedmlx.runner.selfcheck import LOGIT_TOLERANCE, relative_error
 from pagedmlx.runner import check_cache, warm_up
 from pagedmlx.runner.verify import verify_against_mlx_lm
+from pagedmlx.runner.kernel_paths import select_kernel_plan
 from pagedmlx.runner.kv_budget import kv_cache_budget, weights_nbytes
 from pagedmlx.runner.start_times import StartTimes
 from pagedmlx.runner.state import (StateLayerCache, StateMetadata, StatePool, install_regrouping, pages_budget,
@@ -84,9 +84,7 @@ class ModelRunner:
         # Where the paged kernels run and pass their load-time check, decode rows read the pages
         # through the block table (and on CUDA new K/V are written in place); elsewhere MLX
         # scatters the writes and decode rows gather the pages.
-        if build.gpu_backend() == CUDA:  # the checks' variants compiled at once first (a dry pass names them)
-            disk_cache.prebuild_met(lambda: self._select_kernels(config))
-        self.kernels = self._select_kernels(config)
+        self.kernels = select_kernel_plan(self.plan, self.kv_quant, self.windows, self.block_size, config)
         self.fused_norms = fuse_norms(config.fuse_norms, model, self._body, self.kernels)
         self.start_times.lap("paged kernels' checks")
         self.skinny = use_skinny_gemm(config.skinny_gemm, model, self.kernels.enabled)
@@ -135,20 +133,6 @@ class ModelRunner:
                          and (q := layer_quant(config.kv_cache_dtype, config.kv_cache_group_size, p.spec[1], p.spec[2],
                                                config.kv_cache_rotate))}
         self.start_times.lap("layer plan")
-
-    def _select_kernels(self, config: EngineConfig) -> KernelPlan:
-        """The paged kernels that run here (kernels/selector.py), checked at this model's shapes."""
-        owners = [p for p in self.plan if p.has_pages]
-        attending = [p for p in self.plan if p.has_pages or p.kind == "shared"]
-        windows, sinks = tuple(sorted(set(self.windows), key=str)), tuple(sorted({p.sinks for p in attending}))
-        kernels = select_kernels([p.spec for p in owners], [p.n_heads for p in owners], self.block_size,
-                                 windows=windows, sinks=sinks, state_layers=any(p.state is not None for p in self.plan),
-                                 prefill=config.prefill_kernel is not False, quantized=bool(self.kv_quant))
-        if self.kv_quant:  # the quantized decode kernel where it takes the layers and passes its check
-            kernels = select_quantized(kernels, [(p.spec, p.n_heads, self.kv_quant[i]) for i, p in
-                                                 enumerate(self.plan) if i in self.kv_quant],
-                                       self.block_size, config.kv_cache_dtype, windows=windows, sinks=sinks)
-        return kernels
 
     def _make_lora_manager(self, config: EngineConfig):
         """Batched LoRA (pagedmlx/lora/): adapters on the layers that run token-major, as every row does."""

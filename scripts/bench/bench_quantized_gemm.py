@@ -136,9 +136,8 @@ def main() -> None:
         ws = [mx.quantize(mx.random.normal((n, k), dtype, scale=k ** -0.5), group_size=args.group_size, bits=bits)
               for _ in range(copies)]
         dense = [mx.random.normal((n, k), dtype, scale=k ** -0.5) for _ in range(max(1, -(-copies // 4)))]
-        reference = mx.dequantize(ws[0][0], ws[0][1].astype(mx.float32), ws[0][2].astype(mx.float32),
-                                  group_size=args.group_size, bits=bits).T
-        mx.eval(ws, dense, reference)
+        reference = qg.reference_product(*ws[0], bits, args.group_size)  # the load-time check's: no JIT of MLX's
+        mx.eval(ws, dense)
         calls = max(copies, 16)
         for rows in args.rows:
             x = mx.random.normal((rows, k), dtype)
@@ -148,7 +147,7 @@ def main() -> None:
             bf16_us = timed(lambda i: x @ dense[i % len(dense)].T, calls, args.repeats, args.wall)
             ours_us = timed(lambda i: qg.quantized_gemm(x, *ws[i % copies], bits, args.group_size), calls,
                             args.repeats, args.wall)
-            want = x.astype(mx.float32) @ reference  # the load-time check's reference (no JIT build of MLX's)
+            want = reference(x)
             got = qg.quantized_gemm(x, *ws[0], bits, args.group_size).astype(mx.float32)
             err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
             line = (f"{bits:>4} {n:>6} {k:>6} {rows:>4} {mlx_us:>8.1f} {bf16_us:>8.1f} {ours_us:>8.1f} "

@@ -24,6 +24,7 @@ import pytest
 from pagedmlx.kernels import (add_rms_norm, build, compile_workers, decode_attention, disk_cache, nvrtc,
                               page_write, prefill_attention, quantized_gemm, selector, skinny_gemm)
 from pagedmlx.kernels.dialect import CUDA
+from kernel_cache_utils import FakeNVRTC, fake_compile_workers
 
 ON_CUDA = build.gpu_backend() == CUDA
 
@@ -70,15 +71,6 @@ def test_long_module_names_become_folders_as_mlx_splits_them(tmp_path):
     assert disk_cache.ptx_path(tmp_path, "short") == tmp_path / "short.ptx"
 
 
-class FakeNVRTC:
-    def __init__(self):
-        self.sources = []
-
-    def compile(self, source, module_name, kernel_name):
-        self.sources.append(source)
-        return b"\x7fELF cubin", "_ZN3mlx4core2cu" + kernel_name.rsplit(":", 1)[-1]
-
-
 def test_a_module_is_written_once_with_its_kernel_name(tmp_path, monkeypatch):
     fake = FakeNVRTC()
     monkeypatch.setattr(disk_cache, "_compiler", lambda: fake)
@@ -112,25 +104,13 @@ def test_the_paged_kernels_checks_have_their_variants_compiled_at_once_before_th
     """The load-time checks' kernel variants (prefill, decode split and unsplit, the page write) are named by a dry
     pass that launches nothing, compiled by worker processes at once, and then found on disk by the checks' own
     launches: none is compiled one at a time as it is met. The dry pass decides nothing (it records no pass)."""
-    fake, launched, given = FakeNVRTC(), [], []
-    fake.arch = "sm_90a"
-
-    def workers(jobs, arch, cache_dir, count):
-        given.append(sorted(job[0] for job in jobs))
-        ours = dict(disk_cache.stats)
-        for job in jobs:
-            disk_cache.write_module(cache_dir, *job, fake)
-        disk_cache.stats.update(ours)
+    launched = []
+    fake, calls = fake_compile_workers(monkeypatch, tmp_path)
 
     def launch(output_shapes, output_dtypes, **kw):
         launched.append(kw["template"])
         return [mx.zeros(s, t) for s, t in zip(output_shapes, output_dtypes)]
 
-    monkeypatch.setattr(disk_cache, "_compiler", lambda: fake)
-    monkeypatch.setattr(disk_cache.compile_workers, "compile_in_workers", workers)
-    monkeypatch.setattr(disk_cache.os, "cpu_count", lambda: 4)
-    monkeypatch.setattr(disk_cache, "stats", {"found": 0, "compiled": 0})
-    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda *a, **kw: launch, raising=False)
     monkeypatch.setattr(build, "gpu_backend", lambda: CUDA)
     recorded = []
@@ -140,6 +120,7 @@ def test_the_paged_kernels_checks_have_their_variants_compiled_at_once_before_th
     run = functools.partial(selector.select_kernels, [(8, 128, 128, mx.bfloat16)], [32], 16, windows=(None, 512))
     try:
         disk_cache.prebuild_met(run)
+        given = [names for names, _, _ in calls]
         assert launched == [] and recorded == [] and len(given) == 1 and len(given[0]) == 10  # two windows
         plan = run()
     finally:
@@ -198,34 +179,22 @@ def test_prebuild_compiles_each_variant_once_in_workers_and_launches_then_find_t
     (compile_workers.py; NVRTC compiles one program at a time in a process): each once, under the very module names
     its launches seed, so that those launches compile nothing. What the workers leave undone this process
     compiles."""
-    fake, launched, given = FakeNVRTC(), [], []
-    fake.arch = "sm_90a"
-
-    def workers(jobs, arch, cache_dir, count):  # stands in for the processes: the same writes, or none
-        given.append((len(jobs), arch, count))
-        ours = dict(disk_cache.stats)  # a worker's counts are its own process's
-        for job in jobs if workers_write else ():
-            disk_cache.write_module(cache_dir, *job, fake)
-        disk_cache.stats.update(ours)
-
-    monkeypatch.setattr(disk_cache, "_compiler", lambda: fake)
-    monkeypatch.setattr(disk_cache.compile_workers, "compile_in_workers", workers)
-    monkeypatch.setattr(disk_cache.os, "cpu_count", lambda: 4)
-    monkeypatch.setattr(disk_cache, "stats", {"found": 0, "compiled": 0})
-    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+    launched = []
+    fake, calls = fake_compile_workers(monkeypatch, tmp_path, write=workers_write)
     _quantized_gemm_kernel(monkeypatch, launched)
     shapes, rows = [(4096, 4096, 4, 64), (28672, 4096, 4, 64), (4096, 14336, 8, 32)], (1, 9, 64)
     quantized_gemm.prebuild(shapes, mx.bfloat16, rows)
     variants = {(bits, gs, tuple(quantized_gemm.launch_for(n, k, r, bits, gs).__dict__.values()))
                 for n, k, bits, gs in shapes for r in rows}
-    assert given == [(len(variants), "sm_90a", 4)] and len(fake.sources) == len(variants) > 4
+    assert [(len(names), arch, count) for names, arch, count in calls] == [(len(variants), "sm_90a", 4)]
+    assert len(fake.sources) == len(variants) > 4
     assert disk_cache.stats == {"found": 0, "compiled": len(variants)}
     quantized_gemm.prebuild(shapes, mx.bfloat16, rows)  # known variants: nothing again
     for n, k, bits, gs in shapes:
         w, scales, biases = mx.quantize(mx.zeros((n, k), mx.bfloat16), group_size=gs, bits=bits)
         for r in rows:
             quantized_gemm.quantized_gemm(mx.zeros((r, k), mx.bfloat16), w, scales, biases, bits, gs)
-    assert len(launched) == len(shapes) * len(rows) and len(fake.sources) == len(variants) and len(given) == 1
+    assert len(launched) == len(shapes) * len(rows) and len(fake.sources) == len(variants) and len(calls) == 1
     assert len(list(tmp_path.glob("*.ptx"))) == len(variants)
 
 
@@ -458,14 +427,17 @@ def _stdout_of(fn) -> str:
 
 def test_a_start_off_cuda_sets_up_no_compiler_and_runs_no_dry_pass(tmp_path, monkeypatch):
     """The CPU (and Metal) have no CUDA kernels to build: an engine's start there asks nothing of NVRTC (whose set-up
-    fails there, and said so in the server's log)."""
+    fails there, and said so in the server's log) and runs no dry pass."""
     from pagedmlx.engine.llm_engine import LLMEngine
     from utils import make_model
 
-    def no_compiler():
+    def no_compiler(*args):
         raise AssertionError("NVRTC set up off CUDA")
 
-    monkeypatch.setattr(disk_cache, "_compiler", no_compiler)
-    monkeypatch.setattr(disk_cache, "prebuild_met", lambda run: no_compiler())
+    monkeypatch.setattr(disk_cache, "NVRTC", no_compiler)
+    monkeypatch.setattr(disk_cache, "_nvrtc", None)
+    monkeypatch.setattr(disk_cache, "_nvrtc_failed", False)
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
     assert LLMEngine(make_model("llama")).runner.kernels.backend is None
+    disk_cache.prebuild_met(no_compiler)
+    assert disk_cache._compiler() is None

@@ -12,6 +12,7 @@ import pytest
 from kernel_emulator import EmulatedKernel, clear_kernel_caches, have_compiler
 from kernel_emulator.mma import EMU_MMA_HEADER, EMU_PREFILL_HEADER, WAIT_ALL
 from utils import QUANTIZED_GAP, assert_greedy
+from kernel_cache_utils import fake_compile_workers
 
 from pagedmlx.kernels import build, check, prefill_attention
 from pagedmlx.kernels.sources import decode_attention_mma_cuda as mma_src
@@ -94,35 +95,13 @@ def test_a_cuda_start_compiles_its_checks_variants_at_once_and_then_runs_them(em
     from pagedmlx.kernels import disk_cache
     from test_kv_quant import mlx_lm_quantized
 
-    class Compiler:
-        arch = "sm_90a"
-
-        def __init__(self):
-            self.sources = []
-
-        def compile(self, source, module_name, kernel_name):
-            self.sources.append(module_name)
-            return b"\x7fELF", "_Z" + kernel_name
-
-    fake, given = Compiler(), []
-
-    def workers(jobs, arch, cache_dir, count):
-        given.append(sorted(job[0] for job in jobs))
-        ours = dict(disk_cache.stats)
-        for job in jobs:
-            disk_cache.write_module(cache_dir, *job, fake)
-        disk_cache.stats.update(ours)
-
-    monkeypatch.setattr(disk_cache, "_compiler", lambda: fake)
-    monkeypatch.setattr(disk_cache.compile_workers, "compile_in_workers", workers)
-    monkeypatch.setattr(disk_cache.os, "cpu_count", lambda: 4)
-    monkeypatch.setattr(disk_cache, "stats", {"found": 0, "compiled": 0})
-    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+    fake, calls = fake_compile_workers(monkeypatch, tmp_path)
 
     def cached(kernel, backend, name, inputs, outputs, source, header, *rest):
         return disk_cache.CachedCudaKernel(kernel, name, inputs, outputs, source, header)
 
     model, engine = _quantized_engine(monkeypatch, [], wrap=cached)
+    given = [names for names, _, _ in calls]
     try:
         plan = engine.runner.kernels
         # (The emulator's copy of the tensor-core decode source fails its own splice check: the decode kernel and
@@ -130,9 +109,9 @@ def test_a_cuda_start_compiles_its_checks_variants_at_once_and_then_runs_them(em
         assert plan.prefill and ("prefill int8/64 H=2 kv=1 D=64", "passed") in plan.checks, plan.checks
         # The first workers' batch: the paged kernels' checks (the skinny GEMM's check prebuilds its own after).
         assert any("paged_prefill_quant" in name for name in given[0]), given
-        assert sorted(fake.sources[:len(given[0])]) == given[0]  # compiled before any check ran
+        assert sorted(fake.modules[:len(given[0])]) == given[0]  # compiled before any check ran
         worked = [name for batch in given for name in batch]
-        assert len(fake.sources) >= len(worked) and len(set(fake.sources)) == len(fake.sources)  # none built twice
+        assert len(fake.modules) >= len(worked) and len(set(fake.modules)) == len(fake.modules)  # none built twice
         prompt = list(range(1, 40))
         out = _greedy_request(engine, prompt, 4)
         assert out.finish_reason == "length"
