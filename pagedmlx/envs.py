@@ -66,6 +66,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDMLX_QUANTIZED_GEMM_MIN_ROWS": _int("PAGEDMLX_QUANTIZED_GEMM_MIN_ROWS", 1),
     # 0: kernels keep their own launch rules, not the launch shapes tuned for this GPU (kernels/launch_configs.py).
     "PAGEDMLX_TUNED_CONFIGS": _on("PAGEDMLX_TUNED_CONFIGS", True),
+    # A folder of tuned launch configs read before the package's own kernels/configs/ (vLLM's
+    # VLLM_TUNED_CONFIG_FOLDER): where a GPU is tuned without writing into the installed package.
+    "PAGEDMLX_TUNED_CONFIG_FOLDER": _str("PAGEDMLX_TUNED_CONFIG_FOLDER"),
     # 0: every load-time model check runs, also where it passed before with the same weights, setup and code
     # (runner/check_cache.py keeps passes under $PAGEDMLX_CACHE_DIR/checks).
     "PAGEDMLX_CHECK_CACHE": _on("PAGEDMLX_CHECK_CACHE", True),

@@ -1,7 +1,8 @@
 """Launch shapes tuned on a device and kept with the package, as vLLM keeps its fused-MoE kernel configs: a JSON file
 per kernel and device in kernels/configs/, written by the kernel's bench (scripts/bench/bench_quantized_gemm.py
 --sweep --write-config) on that device. A kernel reads the file for this process's GPU by its name (mx.device_info's
-device_name), else one tuned on a GPU of the same compute capability, else none and keeps its own rules.
+device_name), else one tuned on a GPU of the same compute capability, else none and keeps its own rules. A folder
+named by PAGEDMLX_TUNED_CONFIG_FOLDER is searched the same way first.
 
 What a file holds is each kernel's business (quantized_gemm.py: a launch per weight shape and row count); a tuned
 launch runs only after the same load-time check as any other. PAGEDMLX_TUNED_CONFIGS=0 reads none (comparisons).
@@ -44,7 +45,13 @@ def load(kernel: str) -> dict[str, Any]:
     dev = device()
     if dev is None or not envs.PAGEDMLX_TUNED_CONFIGS:
         return {}
-    return find(kernel, *dev, CONFIG_DIR)
+    return next((config for folder in folders() if (config := find(kernel, *dev, folder))), {})
+
+
+def folders() -> list[Path]:
+    """Where tuned configs are read, first match first: PAGEDMLX_TUNED_CONFIG_FOLDER, then the package's own."""
+    extra = envs.PAGEDMLX_TUNED_CONFIG_FOLDER
+    return [Path(extra).expanduser(), CONFIG_DIR] if extra else [CONFIG_DIR]
 
 
 def find(kernel: str, device_name: str, capability: str, folder: Path) -> dict[str, Any]:

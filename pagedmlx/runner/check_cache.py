@@ -25,10 +25,14 @@ _PACKAGE = Path(__file__).resolve().parents[1]
 
 @functools.cache
 def source_digest() -> str:
-    """A digest of every pagedmlx source file and tuned launch config: a pass proves nothing for other code."""
+    """A digest of every pagedmlx source file and tuned launch config (PAGEDMLX_TUNED_CONFIG_FOLDER's too): a pass
+    proves nothing for other code or other launches."""
+    from pagedmlx.kernels import launch_configs
+
     h = hashlib.sha256()
-    for path in sorted([*_PACKAGE.rglob("*.py"), *_PACKAGE.rglob("kernels/configs/*.json")]):
-        h.update(path.relative_to(_PACKAGE).as_posix().encode())
+    configs = [path for folder in launch_configs.folders() for path in sorted(folder.glob("*.json"))]
+    for path in [*sorted(_PACKAGE.rglob("*.py")), *configs]:
+        h.update(path.name.encode() if path.suffix == ".json" else path.relative_to(_PACKAGE).as_posix().encode())
         h.update(path.read_bytes())
     return h.hexdigest()
 

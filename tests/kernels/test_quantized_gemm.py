@@ -101,6 +101,24 @@ def test_a_config_is_found_by_device_name_else_by_compute_capability(tmp_path):
     assert find("NVIDIA L4", "8.9") == {}
 
 
+def test_a_tuned_config_folder_is_searched_before_the_packages_own_and_changes_the_check_key(tmp_path, monkeypatch):
+    from pagedmlx.runner import check_cache
+
+    assert launch_configs.folders() == [launch_configs.CONFIG_DIR]
+    before = check_cache.source_digest()
+    path = tmp_path / launch_configs.file_name("quantized_gemm", "NVIDIA H100 80GB HBM3")
+    path.write_text(json.dumps(TUNED))
+    monkeypatch.setenv("PAGEDMLX_TUNED_CONFIG_FOLDER", str(tmp_path))
+    check_cache.source_digest.cache_clear()
+    try:
+        assert launch_configs.folders() == [tmp_path, launch_configs.CONFIG_DIR]
+        assert check_cache.source_digest() != before  # a pass with other launches is another key
+    finally:
+        monkeypatch.delenv("PAGEDMLX_TUNED_CONFIG_FOLDER")
+        check_cache.source_digest.cache_clear()
+    assert check_cache.source_digest() == before
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_the_check_covers_a_tuned_configs_launches(emulated, bits):
     """The load-time check runs the launches the config gives at the check's row counts, so a tuned launch runs only
