@@ -97,8 +97,9 @@ def tuned(n: int, k: int, bits: int, group_size: int) -> Optional[dict]:
     return launch_configs.load("quantized_gemm").get("shapes", {}).get(f"{n},{k},{bits},{group_size}")
 
 
-def quantized_gemm_source() -> str:
-    return render(src.QUANTIZED_GEMM, CUDA)
+def quantized_gemm_source(rows: str = src.DENSE_ROWS) -> str:
+    """The kernel's source with a rows prelude: DENSE_ROWS (a step's rows), GROUPED_ROWS (kernels/fused_moe.py)."""
+    return render(rows + src.QUANTIZED_GEMM, CUDA)
 
 
 def _header() -> str:  # read at build time: tests stand in the emulator's PTX helpers

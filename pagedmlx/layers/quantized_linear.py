@@ -87,12 +87,17 @@ def _takes(m: nn.QuantizedLinear) -> bool:
                                         getattr(m, "mode", "affine")))
 
 
+def wanted(setting: Optional[bool], kernels_enabled: bool) -> bool:
+    """EngineConfig.quantized_gemm asks for our quantized kernels (None: on CUDA with the paged kernels on)."""
+    return bool(setting or (setting is None and build.gpu_backend() == CUDA and kernels_enabled))
+
+
 def use_quantized_gemm(setting: Optional[bool], model: nn.Module, kernels_enabled: bool) -> bool:
     """EngineConfig.quantized_gemm at load (None: on CUDA): the model's flattened quantized layers of a format the
     kernel takes run it for QUANTIZED_GEMM_ROWS rows, if it passes its check at their widths. Warns why not when
     asked for; by default a model with no such layers keeps MLX's quantized matmul quietly."""
     backend = build.gpu_backend()
-    if not (setting or (setting is None and backend == CUDA and kernels_enabled)):
+    if not wanted(setting, kernels_enabled):
         return False
     taken = [m for m in _quantized_linears(model) if _takes(m)]
     why = ("it needs CUDA's kernels" if backend != CUDA or not kernels_enabled

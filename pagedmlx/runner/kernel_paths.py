@@ -95,6 +95,8 @@ def kernel_path_lines(runner: Any) -> list[str]:
         rows = quantized_linear.QUANTIZED_GEMM_ROWS
         lines.append(f"quantized products of {rows[0]}-{rows[-1]} rows: quantized GEMM kernel "
                      "(layers/quantized_linear.py)")
+    if getattr(runner, "fused_moe", 0):
+        lines.append(f"MoE experts: fused MoE kernel in {runner.fused_moe} layers (layers/fused_moe.py)")
     lora = getattr(runner, "lora_manager", None)
     if lora is not None:
         lines.append("LoRA adapters: " + (f"batched LoRA kernel on {lora.punica.kernel_backend} (DoRA rows: MLX's "

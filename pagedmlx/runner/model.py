@@ -21,6 +21,7 @@ from pagedmlx.runner.compiled_step import AUTO_MAX_DECODES, CompiledDecode
 from pagedmlx.layers.fused_residual import fuse_norms, fused_residuals
 from pagedmlx.runner.lm_head import split_lm_head
 from pagedmlx.layers.merged_linear import merge_projections, merged_products
+from pagedmlx.layers.fused_moe import fuse_switch_glus, use_fused_moe
 from pagedmlx.layers.quantized_linear import flat_rows, flatten_quantized, use_quantized_gemm
 from pagedmlx.layers.skinny_linear import skinny_products, use_skinny_gemm
 from pagedmlx.runner.attention_metadata import (StepMetadata, sdpa_shape_quantum)
@@ -90,6 +91,7 @@ class ModelRunner:
         self.skinny = use_skinny_gemm(config.skinny_gemm, model, self.kernels.enabled)
         self.start_times.lap("skinny GEMM's check")
         self.quantized_gemm = use_quantized_gemm(config.quantized_gemm, model, self.kernels.enabled)
+        self.fused_moe = use_fused_moe(config.quantized_gemm, model, self.kernels.enabled)
         self.start_times.lap("quantized GEMM's check")
         self.sdpa_quantum = (config.sdpa_quantum if config.sdpa_quantum is not None
                              else sdpa_shape_quantum(build.gpu_backend()))
@@ -118,6 +120,7 @@ class ModelRunner:
         self.merges = _merges_projections(config)  # False: separate products, even where another runner merged
         self.merged_groups = merge_projections(model) if self.merges else 0
         flatten_quantized(model)  # after the merge: its modules too
+        fuse_switch_glus(model)
         self.start_times.lap("merge probe")
         if self.merged_groups:
             logger.info("merged %d projection groups (layers/merged_linear.py)", self.merged_groups)

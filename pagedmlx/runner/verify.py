@@ -7,6 +7,7 @@ import logging
 from typing import Optional
 
 from pagedmlx.kernels.check import error_line
+from pagedmlx.layers.fused_moe import drop_fused_moe
 from pagedmlx.layers.quantized_linear import drop_quantized_gemm
 from pagedmlx.layers.skinny_linear import drop_skinny_gemm
 from pagedmlx.runner import check_cache
@@ -42,6 +43,10 @@ def verify_against_mlx_lm(runner, key: Optional[str] = None) -> None:
         logger.warning("quantized products left to MLX's quantized matmul: the paged forward disagrees with them "
                        "(%s)", err)
         runner.quantized_gemm = drop_quantized_gemm(runner.model)
+        err = _check(runner)
+    if err is not None and getattr(runner, "fused_moe", 0):  # likewise the fused MoE kernel (layers/fused_moe.py)
+        logger.warning("MoE experts left to MLX's gather_qmm: the paged forward disagrees with them (%s)", err)
+        runner.fused_moe = drop_fused_moe(runner.model)
         err = _check(runner)
     if err is not None and runner.fused_norms:  # the fused residual adds give way first (layers/fused_residual.py)
         logger.warning("residual adds not fused with their norms: the paged forward disagrees with them (%s)", err)

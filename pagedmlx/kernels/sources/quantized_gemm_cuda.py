@@ -64,19 +64,23 @@ __device__ inline void dequantize_word4(unsigned q, unsigned s2, unsigned b2, un
 """  # noqa: E501 - kernel source text, kept verbatim
 
 QUANTIZED_GEMM = """
-    // Template: T, BITS (4 or 8), GS (32, 64 or 128), MT, WN, KS, ST.
+    // Template: T, BITS (4 or 8), GS (32, 64 or 128), MT, WN, KS, ST. The ROWS prelude (DENSE_ROWS or GROUPED_ROWS)
+    // says where a block's rows of x come from and where its rows of y go, and which expert's weights it reads.
     // K % 32 == 0: a lane's 32 values are in K or past it (zeros), and in one group. x's rows past M repeat its
     // last row, W's rows past N its last: never written. counters: one int a tile (row block, column block), zero at
     // launch and again when it ends (an input: a stretch of a ring kept by the host, kernels/quantized_gemm.py).
-    const int N = w_shape[0], M = x_shape[0], K = x_shape[1];
+    const int N = QG_N, M = x_shape[0], K = x_shape[1];
     const int warp = SIMD_ID, g = LANE >> 2, t = LANE & 3;
     // Row blocks along x: the blocks of one column tile run together and read its weights from L2 after the first.
     const int n0 = (GROUP_Y * WN + warp) * 16, m0 = GROUP_X * (8 * MT);
+    const int expert = QG_EXPERT;
+    if (expert < 0) return;  // a row block past the step's (the same for the whole block: before any barrier)
     const int chunks = (K + 127) / 128, per_split = (chunks + KS - 1) / KS;
     const int c_begin = GROUP_Z * per_split, c_end = IMIN(c_begin + per_split, chunks);
     const int row_words = K / 32 * BITS, row_groups = K / GS;
-    const auto* sraw = reinterpret_cast<const unsigned short*>(scales);
-    const auto* braw = reinterpret_cast<const unsigned short*>(biases);
+    const auto* sraw = reinterpret_cast<const unsigned short*>(scales) + (size_t)expert * N * row_groups;
+    const auto* braw = reinterpret_cast<const unsigned short*>(biases) + (size_t)expert * N * row_groups;
+    const auto* wq = w + (size_t)expert * N * row_words;
     // x's slot: row r's 16-byte piece u of segment s (a lane's 32 values) at r * 20 + 4 s + ((u + s) & 3): 320
     // bytes a row and the pieces rotated by segment, so that a quarter warp's reads meet no bank twice.
     constexpr int PIECES = 8 * MT * 16, THREADS = 32 * WN, PER_THREAD = (PIECES + THREADS - 1) / THREADS;
@@ -93,7 +97,7 @@ QUANTIZED_GEMM = """
                 const int k = c * 128 + (idx & 15) * 8;
                 if (idx < PIECES)
                     cp_async16(&xs[slot * SLOT + r * 20 + 4 * s + ((u + s) & 3)],
-                               x + (size_t)IMIN(m0 + r, M - 1) * K + (k < K ? k : 0), k < K);
+                               x + (size_t)QG_X_ROW(r) * K + (k < K ? k : 0), k < K);
             }
             const int kl = c * 128 + 32 * t;
             const bool live = kl < K;
@@ -102,7 +106,7 @@ QUANTIZED_GEMM = """
                 const size_t n = IMIN(n0 + g + 8 * h, N - 1);
                 sr[slot][h] = live ? sraw[n * row_groups + kl / GS] : (unsigned short)0;
                 br[slot][h] = live ? braw[n * row_groups + kl / GS] : (unsigned short)0;
-                const auto* words = reinterpret_cast<const uint4*>(w + n * row_words + kl / 32 * BITS);
+                const auto* words = reinterpret_cast<const uint4*>(wq + n * row_words + kl / 32 * BITS);
                 #pragma unroll
                 for (int v = 0; v < BITS / 4; ++v) q[slot][h][v] = live ? LOAD16(words + v) : make_uint4(0u, 0u, 0u, 0u);
             }
@@ -128,7 +132,7 @@ QUANTIZED_GEMM = """
         }
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-            if (m0 + mt * 8 >= M) break;  // the same for every lane: no mma left half-issued
+            if (!QG_TILE_LIVE(mt)) break;  // the same for every lane: no mma left half-issued
             const int base = (mt * 8 + g) * 20 + 4 * t;
             #pragma unroll
             for (int j2 = 0; j2 < 4; ++j2) {  // piece j2: x's values 8 j2 .. 8 j2 + 7 of the lane's segment
@@ -169,8 +173,8 @@ QUANTIZED_GEMM = """
     for (int mt = 0; mt < MT; ++mt) {
         #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int m = m0 + mt * 8 + 2 * t + (e & 1), n = n0 + g + 8 * (e >> 1);
-            if (m < M && n < N) {
+            const int m = QG_OUT_ROW(m0 + mt * 8 + 2 * t + (e & 1)), n = n0 + g + 8 * (e >> 1);
+            if (m >= 0 && n < N) {
                 if constexpr (KS == 1) y[(size_t)m * N + n] = static_cast<T>(d[mt][e]);
                 else partials[((size_t)GROUP_Z * M + m) * N + n] = d[mt][e];
             }
@@ -190,8 +194,8 @@ QUANTIZED_GEMM = """
         for (int mt = 0; mt < MT; ++mt) {
             #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int m = m0 + mt * 8 + 2 * t + (e & 1), n = n0 + g + 8 * (e >> 1);
-                if (m < M && n < N) {
+                const int m = QG_OUT_ROW(m0 + mt * 8 + 2 * t + (e & 1)), n = n0 + g + 8 * (e >> 1);
+                if (m >= 0 && n < N) {
                     float sum = 0.0f;
                     for (int z = 0; z < KS; ++z) sum += __ldcg(partials + ((size_t)z * M + m) * N + n);
                     y[(size_t)m * N + n] = static_cast<T>(sum);
@@ -200,3 +204,24 @@ QUANTIZED_GEMM = """
         }
     }
 """  # noqa: E501 - kernel source text, kept verbatim
+
+# A product over a step's rows: x (M, K) @ W (N, K)^T; rows past M repeat x's last and are not written.
+DENSE_ROWS = """
+#define QG_N w_shape[0]
+#define QG_EXPERT 0
+#define QG_X_ROW(r) IMIN(m0 + (r), M - 1)
+#define QG_TILE_LIVE(mt) (m0 + (mt) * 8 < M)
+#define QG_OUT_ROW(m) ((m) < M ? (m) : -1)
+"""
+
+# The experts' products of a MoE layer in one launch (vLLM's fused MoE): W (E, N, K) holds every expert's weights;
+# ids (row blocks x 8 MT) lists each block's (token, expert) pairs, all of one expert, experts[GROUP_X] (-1: a block
+# past the step's); slot s reads x's row x_rows[s] (its token's, or the pair's own for the last product) and writes
+# y's row ids[s]. A block's pairs come first, -1 after them (kernels/fused_moe.py's moe_align).
+GROUPED_ROWS = """
+#define QG_N w_shape[1]
+#define QG_EXPERT experts[GROUP_X]
+#define QG_X_ROW(r) x_rows[m0 + (r)]
+#define QG_TILE_LIVE(mt) (ids[m0 + (mt) * 8] >= 0)
+#define QG_OUT_ROW(m) ids[m]
+"""

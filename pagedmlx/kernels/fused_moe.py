@@ -1,0 +1,146 @@
+"""A MoE layer's expert products as one launch each on CUDA (vLLM's fused MoE): the quantized GEMM kernel
+(sources/quantized_gemm_cuda.py) with its GROUPED_ROWS prelude, over the step's (token, expert) pairs grouped by
+expert.
+
+Why: MLX's CUDA gather_qmm (0.32) multiplies each (token, expert) pair as a batch entry of its own: from 8 pairs on,
+a 16-row tile of its tiled kernel (qmm_sm80) for one row, each reading its expert's weights. Here a thread block
+takes up to BLOCK_ROWS pairs of one expert and reads that expert's weights once for all of them.
+
+moe_align (vLLM's moe_align_block_size) groups the pairs with MLX ops on the device: no host sync, and shapes that
+depend only on the step's token count, so a compiled decode step replays it."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from pagedmlx.kernels import build, check
+from pagedmlx.kernels import quantized_gemm as qg
+from pagedmlx.kernels.dialect import CUDA
+from pagedmlx.kernels.sources import quantized_gemm_cuda as src
+
+BLOCK_ROWS = 8  # pairs a thread block takes: one 8-row tile (MT 1)
+WARPS = 4  # warps a block (16 columns each): experts' products are narrow, so more blocks along N
+
+
+def max_blocks(pairs: int, num_experts: int) -> int:
+    """Row blocks enough for any routing of `pairs` pairs: each expert used rounds its pairs up to a block."""
+    return -(-pairs // BLOCK_ROWS) + min(num_experts, pairs)
+
+
+@functools.lru_cache(maxsize=None)
+def _one_token_ids(k: int) -> mx.array:
+    ids = np.full((k, BLOCK_ROWS), -1, np.int32)
+    ids[:, 0] = np.arange(k)
+    return mx.array(ids.reshape(-1))
+
+
+def moe_align(indices: mx.array, num_experts: int) -> tuple[mx.array, mx.array]:
+    """(ids, experts) for the experts (T, k) a step's tokens take: ids (blocks * BLOCK_ROWS,) int32 holds the pairs
+    (t * k + j) grouped by expert, each expert's from a block's start and -1 after them; experts (blocks,) int32 the
+    expert of each block, -1 for blocks past the last (blocks: max_blocks, or k for one token)."""
+    t, k = indices.shape
+    if t == 1:  # a token's experts are distinct: a block each
+        return _one_token_ids(k), indices.reshape(-1).astype(mx.int32)
+    pairs = t * k
+    flat = indices.reshape(-1).astype(mx.int32)
+    order = mx.argsort(flat).astype(mx.int32)  # the pairs by expert (ties in any order: rows are independent)
+    sorted_experts = flat[order]
+    counts = mx.zeros((num_experts,), mx.int32).at[flat].add(mx.ones_like(flat))
+    blocks = (counts + BLOCK_ROWS - 1) // BLOCK_ROWS
+    blocks_end = mx.cumsum(blocks)
+    pairs_start = mx.cumsum(counts) - counts
+    slot = ((blocks_end - blocks)[sorted_experts] * BLOCK_ROWS + mx.arange(pairs, dtype=mx.int32)
+            - pairs_start[sorted_experts])
+    n_blocks = max_blocks(pairs, num_experts)
+    ids = mx.zeros((n_blocks * BLOCK_ROWS,), mx.int32).at[slot].add(order + 1) - 1
+    block_expert = (blocks_end[None, :] <= mx.arange(n_blocks, dtype=mx.int32)[:, None]).astype(mx.int32).sum(-1)
+    return ids, mx.where(block_expert < num_experts, block_expert, -1).astype(mx.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    return build.make_kernel(CUDA, "pagedmlx_fused_moe",
+                             ["x", "w", "scales", "biases", "counters", "x_rows", "ids", "experts"], ["y", "partials"],
+                             qg.quantized_gemm_source(src.GROUPED_ROWS), qg._header(),
+                             shared_memory=qg.stages_for(1) * qg.x_slot_bytes(1))
+
+
+def _template(dtype: mx.Dtype, bits: int, group_size: int) -> list:
+    return [("T", dtype), ("BITS", bits), ("GS", group_size), ("MT", 1), ("WN", WARPS), ("KS", 1),
+            ("ST", qg.stages_for(1))]
+
+
+def x_rows(ids: mx.array, per_row: int) -> mx.array:
+    """The row of x each slot of ids reads: its pair's token (per_row: the experts a token takes) for the first
+    products, the pair itself (per_row 1) for the last; row 0 for an empty slot (read, never written)."""
+    return mx.where(ids >= 0, ids // per_row if per_row > 1 else ids, 0)
+
+
+def grouped_quantized_gemm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, rows: mx.array,
+                           ids: mx.array, experts: mx.array, pairs: int, bits: int, group_size: int) -> mx.array:
+    """y (pairs, N): y[ids[s]] = x[rows[s]] @ dequantize(w[e], scales[e], biases[e]).T for each slot s of a block of
+    expert e (ids, experts: moe_align; rows: x_rows), for x (rows, K) and MLX's affine (w, scales, biases) of E
+    experts' (N, K) weights, as gather_qmm computes it up to the order of its float sums."""
+    n, dtype = w.shape[1], scales.dtype
+    return _kernel()(
+        inputs=[x.astype(dtype), w, scales, biases, qg._no_counters(), rows, ids, experts],
+        template=_template(dtype, bits, group_size),
+        grid=(experts.shape[0] * 32 * WARPS, -(-n // (16 * WARPS)), 1), threadgroup=(32 * WARPS, 1, 1),
+        output_shapes=[(pairs, n), (1,)], output_dtypes=[dtype, mx.float32])[0]
+
+
+def supports(k: int, dtype: mx.Dtype, bits: int, group_size: int, mode: str = "affine") -> bool:
+    """The kernel takes experts of this format (input width K): the quantized GEMM's."""
+    return qg.supports(1, k, dtype, bits, group_size, mode)
+
+
+def prebuild(shapes: Sequence[tuple[int, int, int, int]], dtype: mx.Dtype) -> None:
+    """Compile the variants of these (N, K, bits, group_size) experts' products into the disk cache at once."""
+    if hasattr(_kernel(), "prebuild"):
+        inputs = [(dtype, 2), (mx.uint32, 3), (dtype, 3), (dtype, 3)] + [(mx.int32, 1)] * 4
+        _kernel().prebuild([(inputs, [dtype, mx.float32], _template(dtype, bits, gs)) for _, _, bits, gs in shapes])
+
+
+def check_fused_moe(shapes: Sequence[tuple[int, int, int, int]], top_k: int, dtype: mx.Dtype = mx.bfloat16,
+                    tokens_checked: Sequence[int] = (1, 3, 37), seed: int = 0) -> Optional[str]:
+    """The kernel against each expert's dequantized weights multiplied in float32 (quantized_gemm.reference_product)
+    for each (N, K, bits, group_size) experts' product of the model's, over top_k + 1 experts of those widths with
+    top_k taken a token at random, as the first products (a token's row) and the last (a pair's row), for each token
+    count (37 tokens: an expert's pairs past one block). None if every output agrees within the dtype's tolerance,
+    else what differs."""
+    try:
+        return _check(shapes, top_k, dtype, tokens_checked, seed)
+    except Exception as exc:  # compilation or launch: MLX raises when the kernel is built or run
+        return f"did not compile or run ({check.error_line(exc)})"
+
+
+def _check(shapes, top_k, dtype, tokens_checked, seed) -> Optional[str]:
+    prebuild(shapes, dtype)
+    n_experts = top_k + 1
+    keys = iter(mx.random.split(mx.random.key(seed), len(shapes) * (1 + 4 * len(tokens_checked))))
+    for n, k, bits, group_size in shapes:
+        w, scales, biases = mx.quantize(mx.random.normal((n_experts, n, k), dtype, scale=k ** -0.5, key=next(keys)),
+                                        group_size=group_size, bits=bits)
+        references = [qg.reference_product(w[e], scales[e], biases[e], bits, group_size) for e in range(n_experts)]
+        for tokens, per_row in itertools.product(tokens_checked, (top_k, 1)):
+            route = mx.argsort(mx.random.uniform(shape=(tokens, n_experts), key=next(keys)), axis=-1)[:, :top_k]
+            x = mx.random.normal((tokens * top_k // per_row, k), dtype, key=next(keys))
+            ids, block_experts = moe_align(route, n_experts)
+            got = grouped_quantized_gemm(x, w, scales, biases, x_rows(ids, per_row), ids, block_experts,
+                                         tokens * top_k, bits, group_size).astype(mx.float32)
+            flat = np.array(route).reshape(-1)
+            want = mx.zeros(got.shape, mx.float32)
+            for e in range(n_experts):
+                if (pairs := np.nonzero(flat == e)[0]).size:
+                    want[mx.array(pairs)] = references[e](x[mx.array(pairs // per_row)])
+            err = (mx.abs(got - want).max() / mx.maximum(mx.abs(want).max(), 1e-6)).item()
+            if not (np.isfinite(err) and err <= qg.TOLERANCE[dtype]):
+                return (f"max relative difference {err:.2e} > {qg.TOLERANCE[dtype]:.0e} ({tokens} tokens x {top_k} of "
+                        f"{n_experts} experts, {k} @ {n} x {k}, {bits}-bit, group size {group_size}, "
+                        f"{check._dtype_name(dtype)})")
+    return None

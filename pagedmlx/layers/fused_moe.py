@@ -1,0 +1,116 @@
+"""MoE layers' quantized experts as one launch a product on CUDA (kernels/fused_moe.py), in place of mlx-lm's
+gather_qmm over each (token, expert) pair.
+
+flatten_quantized() (layers/quantized_linear.py) also makes mlx-lm's SwitchGLU modules FusedSwitchGLU. Inside
+flat_rows() (the runner's forward) one whose kernel use_fused_moe() turned on groups the step's pairs by expert once
+(moe_align) and runs its gate, up and down products through the kernel; anywhere else, or with the kernel off, it is
+mlx-lm's SwitchGLU, so mlx-lm's generation on the same model object computes exactly what it did."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
+
+from pagedmlx.kernels import fused_moe
+from pagedmlx.layers import quantized_linear
+from pagedmlx.runner import check_cache
+
+logger = logging.getLogger("pagedmlx")
+
+
+class FusedSwitchGLU(SwitchGLU):
+    """SwitchGLU whose quantized experts, inside flat_rows(), run the fused MoE kernel where use_fused_moe() turned it
+    on (_kernel)."""
+
+    _kernel = False
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        if not (self._kernel and quantized_linear._active.on):
+            return super().__call__(x, indices)
+        k = indices.shape[-1]
+        x = x.reshape(-1, x.shape[-1])
+        pairs = x.shape[0] * k
+        ids, experts = fused_moe.moe_align(indices.reshape(-1, k), self.gate_proj.num_experts)
+        token_rows = fused_moe.x_rows(ids, k)
+        up = _product(self.up_proj, x, token_rows, ids, experts, pairs)
+        gate = _product(self.gate_proj, x, token_rows, ids, experts, pairs)
+        y = _product(self.down_proj, self.activation(up, gate), fused_moe.x_rows(ids, 1), ids, experts, pairs)
+        return y.reshape(*indices.shape, -1)
+
+
+def _product(layer: QuantizedSwitchLinear, x: mx.array, rows: mx.array, ids: mx.array, experts: mx.array,
+             pairs: int) -> mx.array:
+    return fused_moe.grouped_quantized_gemm(x, layer.weight, layer.scales, layer.biases, rows, ids, experts, pairs,
+                                            layer.bits, layer.group_size)
+
+
+def fuse_switch_glus(model: nn.Module) -> int:
+    """Make the model's SwitchGLU modules FusedSwitchGLU (mlx-lm's computation until use_fused_moe turns a kernel
+    on); returns how many."""
+    mods = [m for _, m in model.named_modules() if type(m) in (SwitchGLU, FusedSwitchGLU)]
+    for m in mods:
+        m.__class__ = FusedSwitchGLU
+    return len(mods)
+
+
+def _experts(m: FusedSwitchGLU) -> Optional[list[tuple[int, int, int, int]]]:
+    """The (N, K, bits, group_size) of its three products where the kernel takes them all: MLX's affine 4- or 8-bit
+    experts with 16-bit scales and no bias."""
+    shapes = []
+    for p in (m.gate_proj, m.up_proj, m.down_proj):
+        if type(p) is not QuantizedSwitchLinear or "biases" not in p or "bias" in p:
+            return None
+        k = p.weight.shape[-1] * 32 // p.bits
+        if not fused_moe.supports(k, p.scales.dtype, p.bits, p.group_size, getattr(p, "mode", "affine")):
+            return None
+        shapes.append((p.weight.shape[1], k, p.bits, p.group_size))
+    return shapes
+
+
+CHECK_TOP_K = 4  # experts a token takes in the check (the kernel's rows come from moe_align, whatever k is)
+
+
+def use_fused_moe(setting: Optional[bool], model: nn.Module, kernels_enabled: bool) -> int:
+    """EngineConfig.quantized_gemm at load (None: on CUDA), as for the quantized GEMM: the fused MoE kernel on for the
+    model's FusedSwitchGLU layers it takes, once its check passes at their widths; returns how many layers take it
+    (0: mlx-lm's products)."""
+    if not quantized_linear.wanted(setting, kernels_enabled):
+        return 0
+    layers = [(m, shapes) for _, m in model.named_modules() if type(m) is FusedSwitchGLU
+              and (shapes := _experts(m)) is not None]
+    if not layers:
+        return 0
+    by_dtype: dict = {}
+    for m, shapes in layers:
+        by_dtype.setdefault(m.gate_proj.scales.dtype, set()).update(shapes)
+    why = next((err for dtype, shapes in by_dtype.items() if (err := _check(sorted(shapes), dtype))), None)
+    if why is not None:
+        logger.warning("MoE experts left to MLX's gather_qmm (fused MoE kernel): %s", why)
+        return 0
+    for m, _ in layers:
+        m._kernel = True
+    logger.info("%d MoE layers take the fused MoE kernel (layers/fused_moe.py)", len(layers))
+    return len(layers)
+
+
+def _check(shapes: list[tuple[int, int, int, int]], dtype: mx.Dtype) -> Optional[str]:
+    """The kernel's load-time check, skipped where it passed before (runner/check_cache.py)."""
+    key = check_cache.check_key("fused_moe", shapes, CHECK_TOP_K, dtype)
+    if check_cache.passed(key):
+        return None
+    why = fused_moe.check_fused_moe(shapes, CHECK_TOP_K, dtype)
+    if why is None:
+        check_cache.record_pass(key)
+    return why
+
+
+def drop_fused_moe(model: nn.Module) -> int:
+    """Every MoE layer back to mlx-lm's gather_qmm; 0 (the runner's count)."""
+    for _, m in model.named_modules():
+        if type(m) is FusedSwitchGLU:
+            m._kernel = False
+    return 0

@@ -1,0 +1,142 @@
+"""The fused MoE product (kernels/fused_moe.py: the quantized GEMM kernel over a step's (token, expert) pairs
+grouped by expert) run on the CPU in the kernel emulator: moe_align's grouping, the kernel's check against each
+expert's dequantized weights, the check failing kernels that read the wrong expert, row or block; what only the GPU
+shows: NVRTC's compile and speed."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from kernel_emulator import EmulatedKernel, have_compiler
+from kernel_emulator.mma import EMU_MMA_HEADER, EMU_PREFILL_HEADER
+
+from pagedmlx.kernels import build, fused_moe, quantized_gemm
+from pagedmlx.kernels.sources import decode_attention_mma_cuda as mma_src
+from pagedmlx.kernels.sources import prefill_attention_cuda as prefill_src
+from pagedmlx.kernels.sources import quantized_gemm_cuda as gemm_src
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    if not have_compiler():
+        pytest.skip("g++ runs the emulated kernels")
+    monkeypatch.setattr(build, "make_kernel", EmulatedKernel)
+    monkeypatch.setattr(mma_src, "MMA_HEADER", EMU_MMA_HEADER)
+    monkeypatch.setattr(prefill_src, "PREFILL_HEADER", EMU_PREFILL_HEADER)
+    fused_moe._kernel.cache_clear()
+    yield monkeypatch
+    fused_moe._kernel.cache_clear()
+
+
+@pytest.mark.parametrize("tokens,k,experts", [(1, 8, 256), (5, 2, 4), (64, 8, 256), (40, 2, 3), (300, 8, 16)])
+def test_moe_align_puts_every_pair_once_in_a_block_of_its_expert(tokens, k, experts):
+    rng = np.random.default_rng(tokens)
+    route = np.stack([rng.permutation(experts)[:k] for _ in range(tokens)]).astype(np.int32)
+    ids, block_experts = (np.array(a) for a in fused_moe.moe_align(mx.array(route), experts))
+    n_blocks = block_experts.shape[0]  # one token: a block a pair; else enough for any routing
+    assert n_blocks == (k if tokens == 1 else fused_moe.max_blocks(tokens * k, experts))
+    assert ids.shape == (n_blocks * fused_moe.BLOCK_ROWS,)
+    assert sorted(ids[ids >= 0].tolist()) == list(range(tokens * k))  # every pair exactly once
+    blocks = ids.reshape(n_blocks, fused_moe.BLOCK_ROWS)
+    flat = route.reshape(-1)
+    for b, row in enumerate(blocks):
+        live = row[row >= 0]
+        assert (row[:live.size] >= 0).all()  # a block's pairs first, then -1
+        if block_experts[b] < 0:
+            assert live.size == 0
+        else:
+            assert live.size > 0 and (flat[live] == block_experts[b]).all()
+    # the blocks past the last are the trailing ones
+    used = block_experts >= 0
+    assert not used[np.argmin(used):].any() if not used.all() else True
+
+
+SHAPES = [(40, 256, 4, 64), (72, 160, 4, 32), (40, 256, 8, 64)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=["4bit", "4bit-g32", "8bit"])
+def test_emulated_fused_moe_passes_its_check(emulated, shape):
+    """N not a whole number of 64-column tiles, K of 128-value chunks or not; one token, a few, and an expert with
+    more pairs than a block takes; a token's row for each of its pairs, and a row per pair."""
+    assert fused_moe.check_fused_moe([shape], 2, mx.bfloat16, tokens_checked=(1, 3, 21)) is None
+
+
+@pytest.mark.parametrize("original,wrong", [
+    ("#define QG_EXPERT experts[GROUP_X]", "#define QG_EXPERT (experts[GROUP_X] > 0 ? 0 : experts[GROUP_X])"),
+    ("#define QG_X_ROW(r) x_rows[m0 + (r)]", "#define QG_X_ROW(r) x_rows[m0]"),  # every slot the block's first row
+    ("#define QG_OUT_ROW(m) ids[m]", "#define QG_OUT_ROW(m) ids[(m) & ~7]"),  # a block's rows onto its first
+    ("#define QG_TILE_LIVE(mt) (ids[m0 + (mt) * 8] >= 0)", "#define QG_TILE_LIVE(mt) (ids[m0 + (mt) * 8 + 1] >= 0)"),
+    ("+ (size_t)expert * N * row_groups;\n    const auto* wq", "+ 0;\n    const auto* wq"),  # another expert's biases
+])
+def test_the_check_fails_a_wrong_fused_moe(emulated, original, wrong):
+    assert original in gemm_src.GROUPED_ROWS + gemm_src.QUANTIZED_GEMM
+    emulated.setattr(gemm_src, "GROUPED_ROWS", gemm_src.GROUPED_ROWS.replace(original, wrong))
+    emulated.setattr(gemm_src, "QUANTIZED_GEMM", gemm_src.QUANTIZED_GEMM.replace(original, wrong))
+    err = fused_moe.check_fused_moe([(40, 256, 4, 64)], 2, mx.bfloat16, tokens_checked=(1, 21))
+    assert err is not None and ("max relative difference" in err or "did not compile" in err)
+
+
+def test_the_dense_kernel_keeps_its_rows_prelude():
+    text = quantized_gemm.quantized_gemm_source()
+    assert "#define QG_N w_shape[0]" in text and "ids[" not in text
+
+
+def _float32_gather_sums(real=mx.gather_qmm):
+    """MLX's gather_qmm as a GPU computes it: the experts' weights dequantized once into x's dtype, float32 sums (MLX's
+    CPU product sums bfloat16 inputs less exactly)."""
+    def product(x, w, scales, biases=None, lhs_indices=None, rhs_indices=None, transpose=True, group_size=64, bits=4,
+                mode="affine", sorted_indices=False, **kw):
+        if x.dtype == mx.float32 or mode != "affine" or lhs_indices is not None:
+            return real(x, w, scales, biases, lhs_indices=lhs_indices, rhs_indices=rhs_indices, transpose=transpose,
+                        group_size=group_size, bits=bits, mode=mode, sorted_indices=sorted_indices, **kw)
+        dense = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group_size,
+                              bits=bits).astype(x.dtype).astype(mx.float32)[rhs_indices]
+        out = x.astype(mx.float32) @ (mx.swapaxes(dense, -1, -2) if transpose else dense)
+        return out.astype(x.dtype)
+    return product
+
+
+def test_busy_engine_with_the_fused_moe_equals_mlx_lm_alone(emulated):
+    """A bf16 4-bit Qwen3.5-MoE (16 experts, 4 a token): every MoE layer's experts of the engine's steps (decodes of up
+    to 8 requests beside chunked prompts, one-token steps) run the fused kernel, and each request's tokens are
+    mlx-lm's for its prompt alone, up to rounding's near ties."""
+    from pagedmlx.bench.presets import Quantization, quantize_model
+    from pagedmlx.config import EngineConfig
+    from pagedmlx.engine.llm_engine import LLMEngine
+    from pagedmlx.kernels.dialect import CUDA
+    from pagedmlx.layers import fused_moe as fused_layer
+    from pagedmlx.loaders.random_model import RANDOM_ARCHS, build_model
+    from pagedmlx.runner.kernel_paths import kernel_path_lines
+    from pagedmlx.sampling_params import SamplingParams
+    from utils import assert_no_leaks, make_prompts, run_staggered, solo_mismatch
+
+    emulated.setattr(mx, "gather_qmm", _float32_gather_sums())
+    arch = RANDOM_ARCHS["qwen3_5_moe-tiny"]
+    model = build_model(dict(arch, text_config=dict(arch["text_config"], num_experts=16, num_experts_per_tok=4)),
+                        seed=5)
+    model.set_dtype(mx.bfloat16)
+    quantize_model(model, Quantization(4, group_size=32))
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=256, max_num_batched_tokens=48,
+                                                 long_prefill_token_threshold=16, max_num_seqs=8,
+                                                 compile_decode=False))  # the emulator evaluates: no traces
+    runner = engine.runner
+    assert not runner.fused_moe  # off by default on the CPU
+    emulated.setattr(build, "gpu_backend", lambda: CUDA)
+    runner.fused_moe = fused_layer.use_fused_moe(True, model, True)  # its check, emulated
+    emulated.setattr(build, "gpu_backend", lambda: None)
+    assert runner.fused_moe == 4  # every layer's experts
+    assert "MoE experts: fused MoE kernel in 4 layers" in "\n".join(kernel_path_lines(runner))
+    tokens, real = [], fused_moe.moe_align
+    emulated.setattr(fused_moe, "moe_align", lambda idx, e: tokens.append(idx.shape[0]) or real(idx, e))
+    prompts = [p[:40] for p in make_prompts(10, 512, seed=13)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    done = run_staggered(engine, prompts, params, seed=3)
+    assert 1 in tokens and max(tokens) > 8  # one-token steps and chunked prompts beside decodes
+    for i, p in enumerate(prompts):
+        why = solo_mismatch(done[str(i)], model, p, params.max_tokens)
+        assert why is None, f"request {i}: {why}"
+    assert_no_leaks(engine)
+    fused_layer.drop_fused_moe(model)
+    assert not any(getattr(m, "_kernel", False) for _, m in model.named_modules()
+                   if type(m) is fused_layer.FusedSwitchGLU)
