@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -32,22 +32,35 @@ def max_blocks(pairs: int, num_experts: int) -> int:
     return -(-pairs // BLOCK_ROWS) + min(num_experts, pairs)
 
 
+class Blocks(NamedTuple):
+    """A step's (token, expert) pairs grouped by expert (moe_align): ids (blocks * BLOCK_ROWS,) the pairs (t * k + j),
+    each expert's from a block's start and -1 after them; experts (blocks,) each block's expert, -1 past the last;
+    the row of x each slot reads: its token's (token_rows, the first products) or its own (pair_rows, the last), row 0
+    for an empty slot (read, never written)."""
+
+    ids: mx.array
+    experts: mx.array
+    token_rows: mx.array
+    pair_rows: mx.array
+
+
 @functools.lru_cache(maxsize=None)
-def _one_token_ids(k: int) -> mx.array:
+def _one_token(k: int) -> tuple[mx.array, mx.array, mx.array]:
     ids = np.full((k, BLOCK_ROWS), -1, np.int32)
     ids[:, 0] = np.arange(k)
-    return mx.array(ids.reshape(-1))
+    ids = ids.reshape(-1)
+    return mx.array(ids), mx.zeros(ids.shape, mx.int32), mx.array(np.maximum(ids, 0))
 
 
-def moe_align(indices: mx.array, num_experts: int) -> tuple[mx.array, mx.array]:
-    """(ids, experts) for the experts (T, k) a step's tokens take: ids (blocks * BLOCK_ROWS,) int32 holds the pairs
-    (t * k + j) grouped by expert, each expert's from a block's start and -1 after them; experts (blocks,) int32 the
-    expert of each block, -1 for blocks past the last (blocks: max_blocks, or k for one token)."""
+def moe_align(indices: mx.array, num_experts: int) -> Blocks:
+    """The Blocks of the experts (T, k) a step's tokens take: max_blocks of them (k for one token, whose experts are
+    distinct: a block each, no sort)."""
     t, k = indices.shape
-    if t == 1:  # a token's experts are distinct: a block each
-        return _one_token_ids(k), indices.reshape(-1).astype(mx.int32)
-    pairs = t * k
     flat = indices.reshape(-1).astype(mx.int32)
+    if t == 1:
+        ids, token_rows, pair_rows = _one_token(k)
+        return Blocks(ids, flat, token_rows, pair_rows)
+    pairs = t * k
     order = mx.argsort(flat).astype(mx.int32)  # the pairs by expert (ties in any order: rows are independent)
     sorted_experts = flat[order]
     counts = mx.zeros((num_experts,), mx.int32).at[flat].add(mx.ones_like(flat))
@@ -59,7 +72,9 @@ def moe_align(indices: mx.array, num_experts: int) -> tuple[mx.array, mx.array]:
     n_blocks = max_blocks(pairs, num_experts)
     ids = mx.zeros((n_blocks * BLOCK_ROWS,), mx.int32).at[slot].add(order + 1) - 1
     block_expert = (blocks_end[None, :] <= mx.arange(n_blocks, dtype=mx.int32)[:, None]).astype(mx.int32).sum(-1)
-    return ids, mx.where(block_expert < num_experts, block_expert, -1).astype(mx.int32)
+    pair_rows = mx.maximum(ids, 0)
+    return Blocks(ids, mx.where(block_expert < num_experts, block_expert, -1).astype(mx.int32), pair_rows // k,
+                  pair_rows)
 
 
 @functools.lru_cache(maxsize=None)
@@ -75,17 +90,11 @@ def _template(dtype: mx.Dtype, bits: int, group_size: int) -> list:
             ("ST", qg.stages_for(1))]
 
 
-def x_rows(ids: mx.array, per_row: int) -> mx.array:
-    """The row of x each slot of ids reads: its pair's token (per_row: the experts a token takes) for the first
-    products, the pair itself (per_row 1) for the last; row 0 for an empty slot (read, never written)."""
-    return mx.where(ids >= 0, ids // per_row if per_row > 1 else ids, 0)
-
-
 def grouped_quantized_gemm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, rows: mx.array,
                            ids: mx.array, experts: mx.array, pairs: int, bits: int, group_size: int) -> mx.array:
     """y (pairs, N): y[ids[s]] = x[rows[s]] @ dequantize(w[e], scales[e], biases[e]).T for each slot s of a block of
-    expert e (ids, experts: moe_align; rows: x_rows), for x (rows, K) and MLX's affine (w, scales, biases) of E
-    experts' (N, K) weights, as gather_qmm computes it up to the order of its float sums."""
+    expert e (a moe_align's Blocks: rows its token_rows or pair_rows), for x (rows, K) and MLX's affine (w, scales,
+    biases) of E experts' (N, K) weights, as gather_qmm computes it up to the order of its float sums."""
     n, dtype = w.shape[1], scales.dtype
     return _kernel()(
         inputs=[x.astype(dtype), w, scales, biases, qg._no_counters(), rows, ids, experts],
@@ -130,9 +139,9 @@ def _check(shapes, top_k, dtype, tokens_checked, seed) -> Optional[str]:
         for tokens, per_row in itertools.product(tokens_checked, (top_k, 1)):
             route = mx.argsort(mx.random.uniform(shape=(tokens, n_experts), key=next(keys)), axis=-1)[:, :top_k]
             x = mx.random.normal((tokens * top_k // per_row, k), dtype, key=next(keys))
-            ids, block_experts = moe_align(route, n_experts)
-            got = grouped_quantized_gemm(x, w, scales, biases, x_rows(ids, per_row), ids, block_experts,
-                                         tokens * top_k, bits, group_size).astype(mx.float32)
+            b = moe_align(route, n_experts)
+            got = grouped_quantized_gemm(x, w, scales, biases, b.token_rows if per_row > 1 else b.pair_rows, b.ids,
+                                         b.experts, tokens * top_k, bits, group_size).astype(mx.float32)
             flat = np.array(route).reshape(-1)
             want = mx.zeros(got.shape, mx.float32)
             for e in range(n_experts):

@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 
+from pagedmlx import envs
 from pagedmlx.kernels import fused_moe
 from pagedmlx.layers import quantized_linear
 from pagedmlx.runner import check_cache
@@ -34,18 +35,16 @@ class FusedSwitchGLU(SwitchGLU):
         k = indices.shape[-1]
         x = x.reshape(-1, x.shape[-1])
         pairs = x.shape[0] * k
-        ids, experts = fused_moe.moe_align(indices.reshape(-1, k), self.gate_proj.num_experts)
-        token_rows = fused_moe.x_rows(ids, k)
-        up = _product(self.up_proj, x, token_rows, ids, experts, pairs)
-        gate = _product(self.gate_proj, x, token_rows, ids, experts, pairs)
-        y = _product(self.down_proj, self.activation(up, gate), fused_moe.x_rows(ids, 1), ids, experts, pairs)
+        b = fused_moe.moe_align(indices.reshape(-1, k), self.gate_proj.num_experts)
+        up = _product(self.up_proj, x, b.token_rows, b, pairs)
+        gate = _product(self.gate_proj, x, b.token_rows, b, pairs)
+        y = _product(self.down_proj, self.activation(up, gate), b.pair_rows, b, pairs)
         return y.reshape(*indices.shape, -1)
 
 
-def _product(layer: QuantizedSwitchLinear, x: mx.array, rows: mx.array, ids: mx.array, experts: mx.array,
-             pairs: int) -> mx.array:
-    return fused_moe.grouped_quantized_gemm(x, layer.weight, layer.scales, layer.biases, rows, ids, experts, pairs,
-                                            layer.bits, layer.group_size)
+def _product(layer: QuantizedSwitchLinear, x: mx.array, rows: mx.array, b: fused_moe.Blocks, pairs: int) -> mx.array:
+    return fused_moe.grouped_quantized_gemm(x, layer.weight, layer.scales, layer.biases, rows, b.ids, b.experts,
+                                            pairs, layer.bits, layer.group_size)
 
 
 def fuse_switch_glus(model: nn.Module) -> int:
@@ -78,7 +77,7 @@ def use_fused_moe(setting: Optional[bool], model: nn.Module, kernels_enabled: bo
     """EngineConfig.quantized_gemm at load (None: on CUDA), as for the quantized GEMM: the fused MoE kernel on for the
     model's FusedSwitchGLU layers it takes, once its check passes at their widths; returns how many layers take it
     (0: mlx-lm's products)."""
-    if not quantized_linear.wanted(setting, kernels_enabled):
+    if not (quantized_linear.wanted(setting, kernels_enabled) and envs.PAGEDMLX_FUSED_MOE):
         return 0
     layers = [(m, shapes) for _, m in model.named_modules() if type(m) is FusedSwitchGLU
               and (shapes := _experts(m)) is not None]

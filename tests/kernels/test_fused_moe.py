@@ -33,7 +33,10 @@ def emulated(monkeypatch):
 def test_moe_align_puts_every_pair_once_in_a_block_of_its_expert(tokens, k, experts):
     rng = np.random.default_rng(tokens)
     route = np.stack([rng.permutation(experts)[:k] for _ in range(tokens)]).astype(np.int32)
-    ids, block_experts = (np.array(a) for a in fused_moe.moe_align(mx.array(route), experts))
+    b = fused_moe.moe_align(mx.array(route), experts)
+    ids, block_experts = np.array(b.ids), np.array(b.experts)
+    assert (np.array(b.pair_rows) == np.maximum(ids, 0)).all()  # empty slots read row 0
+    assert (np.array(b.token_rows) == np.maximum(ids, 0) // k).all()
     n_blocks = block_experts.shape[0]  # one token: a block a pair; else enough for any routing
     assert n_blocks == (k if tokens == 1 else fused_moe.max_blocks(tokens * k, experts))
     assert ids.shape == (n_blocks * fused_moe.BLOCK_ROWS,)
