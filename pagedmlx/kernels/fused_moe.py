@@ -24,7 +24,13 @@ from pagedmlx.kernels.dialect import CUDA
 from pagedmlx.kernels.sources import quantized_gemm_cuda as src
 
 BLOCK_ROWS = 8  # pairs a thread block takes: one 8-row tile (MT 1)
-WARPS = 4  # warps a block (16 columns each): experts' products are narrow, so more blocks along N
+WARPS = (2, 4)  # warps a block (16 columns each) below FEW_PAIRS pairs and from there: narrow products, few blocks
+FEW_PAIRS = 64
+
+
+def warps_for(pairs: int) -> int:
+    """Warps a block for a product of `pairs` pairs: fewer where few blocks would leave most of the GPU idle."""
+    return WARPS[0] if pairs < FEW_PAIRS else WARPS[1]
 
 
 def max_blocks(pairs: int, num_experts: int) -> int:
@@ -85,8 +91,8 @@ def _kernel():
                              shared_memory=qg.stages_for(1) * qg.x_slot_bytes(1))
 
 
-def _template(dtype: mx.Dtype, bits: int, group_size: int) -> list:
-    return [("T", dtype), ("BITS", bits), ("GS", group_size), ("MT", 1), ("WN", WARPS), ("KS", 1),
+def _template(dtype: mx.Dtype, bits: int, group_size: int, warps: int) -> list:
+    return [("T", dtype), ("BITS", bits), ("GS", group_size), ("MT", 1), ("WN", warps), ("KS", 1),
             ("ST", qg.stages_for(1))]
 
 
@@ -95,11 +101,11 @@ def grouped_quantized_gemm(x: mx.array, w: mx.array, scales: mx.array, biases: m
     """y (pairs, N): y[ids[s]] = x[rows[s]] @ dequantize(w[e], scales[e], biases[e]).T for each slot s of a block of
     expert e (a moe_align's Blocks: rows its token_rows or pair_rows), for x (rows, K) and MLX's affine (w, scales,
     biases) of E experts' (N, K) weights, as gather_qmm computes it up to the order of its float sums."""
-    n, dtype = w.shape[1], scales.dtype
+    n, dtype, warps = w.shape[1], scales.dtype, warps_for(pairs)
     return _kernel()(
         inputs=[x.astype(dtype), w, scales, biases, qg._no_counters(), rows, ids, experts],
-        template=_template(dtype, bits, group_size),
-        grid=(experts.shape[0] * 32 * WARPS, -(-n // (16 * WARPS)), 1), threadgroup=(32 * WARPS, 1, 1),
+        template=_template(dtype, bits, group_size, warps),
+        grid=(experts.shape[0] * 32 * warps, -(-n // (16 * warps)), 1), threadgroup=(32 * warps, 1, 1),
         output_shapes=[(pairs, n), (1,)], output_dtypes=[dtype, mx.float32])[0]
 
 
@@ -112,7 +118,8 @@ def prebuild(shapes: Sequence[tuple[int, int, int, int]], dtype: mx.Dtype) -> No
     """Compile the variants of these (N, K, bits, group_size) experts' products into the disk cache at once."""
     if hasattr(_kernel(), "prebuild"):
         inputs = [(dtype, 2), (mx.uint32, 3), (dtype, 3), (dtype, 3)] + [(mx.int32, 1)] * 4
-        _kernel().prebuild([(inputs, [dtype, mx.float32], _template(dtype, bits, gs)) for _, _, bits, gs in shapes])
+        _kernel().prebuild([(inputs, [dtype, mx.float32], _template(dtype, bits, gs, warps))
+                            for _, _, bits, gs in shapes for warps in WARPS])
 
 
 def check_fused_moe(shapes: Sequence[tuple[int, int, int, int]], top_k: int, dtype: mx.Dtype = mx.bfloat16,
@@ -120,8 +127,8 @@ def check_fused_moe(shapes: Sequence[tuple[int, int, int, int]], top_k: int, dty
     """The kernel against each expert's dequantized weights multiplied in float32 (quantized_gemm.reference_product)
     for each (N, K, bits, group_size) experts' product of the model's, over top_k + 1 experts of those widths with
     top_k taken a token at random, as the first products (a token's row) and the last (a pair's row), for each token
-    count (37 tokens: an expert's pairs past one block). None if every output agrees within the dtype's tolerance,
-    else what differs."""
+    count (37 tokens: an expert's pairs past one block; at top_k 4, fewer and more than FEW_PAIRS pairs). None if
+    every output agrees within the dtype's tolerance, else what differs."""
     try:
         return _check(shapes, top_k, dtype, tokens_checked, seed)
     except Exception as exc:  # compilation or launch: MLX raises when the kernel is built or run
