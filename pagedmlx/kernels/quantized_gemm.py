@@ -99,7 +99,7 @@ def tuned(n: int, k: int, bits: int, group_size: int) -> Optional[dict]:
 
 def quantized_gemm_source(rows: str = src.DENSE_ROWS) -> str:
     """The kernel's source with a rows prelude: DENSE_ROWS (a step's rows), GROUPED_ROWS (kernels/fused_moe.py)."""
-    return render(rows + src.QUANTIZED_GEMM, CUDA)
+    return render(rows + src.QUANTIZED_GEMM + src.END_ROWS, CUDA)
 
 
 def _header() -> str:  # read at build time: tests stand in the emulator's PTX helpers

@@ -14,8 +14,8 @@ import mlx.core as mx
 import pytest
 from nvcc_utils import RecordingCudaKernel, compile_sources, have_nvcc
 
-from pagedmlx.kernels import (add_rms_norm, build, decode_attention, decode_attention_quant, lora, page_write,
-                              prefill_attention, quantized_gemm, recurrent_state, skinny_gemm)
+from pagedmlx.kernels import (add_rms_norm, build, decode_attention, decode_attention_quant, fused_moe, lora,
+                              page_write, prefill_attention, quantized_gemm, recurrent_state, skinny_gemm)
 from pagedmlx.core.kv.cache_dtype import KVQuant
 from pagedmlx.runner.kv_quant import QuantizedPages
 
@@ -149,6 +149,12 @@ def quantized_cases():
             RecordingCudaKernel.label = f"quantized_gemm {dt} {bits}-bit g{group_size} M={rows} K={k} N={n}"
             w, scales, biases = mx.quantize(mx.zeros((n, k), dt), group_size=group_size, bits=bits)
             quantized_gemm.quantized_gemm(mx.zeros((rows, k), dt), w, scales, biases, bits, group_size)
+        for tokens, n, k in ((1, 512, 2048), (64, 2048, 512)):  # a one-token step (2 warps), 64 tokens (4)
+            RecordingCudaKernel.label = f"fused_moe {dt} {bits}-bit g{group_size} T={tokens} K={k} N={n}"
+            w, scales, biases = mx.quantize(mx.zeros((16, n, k), dt), group_size=group_size, bits=bits)
+            b = fused_moe.moe_align(mx.zeros((tokens, 8), mx.int32) + mx.arange(8), 16)
+            fused_moe.grouped_quantized_gemm(mx.zeros((tokens, k), dt), w, scales, biases, b.token_rows, b.ids,
+                                             b.experts, tokens * 8, bits, group_size)
     for dt in (mx.bfloat16, mx.float16, mx.float32):
         for quant in (KVQuant(8, 128), KVQuant(4, 32)):
             RecordingCudaKernel.label = f"page write {dt} {quant}"
@@ -166,7 +172,7 @@ def recorded(monkeypatch):
     cached = (decode_attention._kernels, decode_attention_quant._kernels, page_write._write_kernel,
               page_write._quant_write_kernel, page_write._quantizing_write_kernel, prefill_attention._prefill_kernels,
               recurrent_state._kernel, lora._kernel, add_rms_norm._kernel, skinny_gemm._kernel,
-              quantized_gemm._kernel)
+              quantized_gemm._kernel, fused_moe._kernel)
     for fn in cached:
         fn.cache_clear()
     RecordingCudaKernel.sources = []

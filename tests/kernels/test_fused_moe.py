@@ -126,6 +126,8 @@ def test_busy_engine_with_the_fused_moe_equals_mlx_lm_alone(emulated):
     runner = engine.runner
     assert not runner.fused_moe  # off by default on the CPU
     emulated.setattr(build, "gpu_backend", lambda: CUDA)
+    assert fused_layer.use_fused_moe(True, model, True) == 0  # off until PAGEDMLX_FUSED_MOE=1
+    emulated.setenv("PAGEDMLX_FUSED_MOE", "1")
     runner.fused_moe = fused_layer.use_fused_moe(True, model, True)  # its check, emulated
     emulated.setattr(build, "gpu_backend", lambda: None)
     assert runner.fused_moe == 4  # every layer's experts

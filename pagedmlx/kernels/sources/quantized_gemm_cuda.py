@@ -225,3 +225,12 @@ GROUPED_ROWS = """
 #define QG_TILE_LIVE(mt) (ids[m0 + (mt) * 8] >= 0)
 #define QG_OUT_ROW(m) ids[m]
 """
+
+# After the body: a translation unit of several kernels (nvcc's compile test) defines the prelude's names again.
+END_ROWS = """
+#undef QG_N
+#undef QG_EXPERT
+#undef QG_X_ROW
+#undef QG_TILE_LIVE
+#undef QG_OUT_ROW
+"""
