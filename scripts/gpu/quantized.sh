@@ -7,8 +7,9 @@
 #                                              pagedmlx/kernels/configs/ and commit it)
 #   PART=bench bash scripts/gpu/quantized.sh   4-bit Llama-8B with the tuned config (if any), BatchGenerator at 64
 #                                              and at 256, then bf16
-#   PART=shapes bash scripts/gpu/quantized.sh  8-bit against bf16 at 64, 4-bit Gemma-4-E4B at 128, the 4-bit
-#                                              Qwen3.6-35B-A3B shape at 1 and 64 with the fused MoE kernel and without
+#   PART=shapes bash scripts/gpu/quantized.sh  8-bit against bf16 at 64, 4-bit Gemma-4-E4B at 128
+#   PART=moe bash scripts/gpu/quantized.sh     the fused MoE kernel against gather_qmm (bench_fused_moe.py), the 4-bit
+#                                              Qwen3.6-35B-A3B shape at 1 and 64 with the kernel and without
 #   PART=profile bash scripts/gpu/quantized.sh the steps split into kernels (profile_step --kernels): the 4-bit
 #                                              Qwen3.6-35B-A3B shape at 64 and 1, bf16 Llama-8B at 64
 # A first call on a fresh machine also pays for its kernels' builds (the start-up lines say how long).
@@ -48,8 +49,12 @@ case "${PART:-bench}" in
   shapes)
     offline q8 100 --preset llama-8b --quantization 8bit --gen-len 256 --batch-sizes 64 --skip-peer
     offline bf16-64 60 --preset llama-8b --gen-len 256 --batch-sizes 64 --skip-peer
-    offline gemma4 140 --preset gemma4-e4b --quantization 4bit --gen-len 128 --batch-sizes 128 --peer-max-batch 128
-    # the MoE shape with the fused MoE kernel (and mlx-lm beside it), then with MLX's gather_qmm
+    offline gemma4 140 --preset gemma4-e4b --quantization 4bit --gen-len 128 --batch-sizes 128 --peer-max-batch 128 ;;
+  moe)
+    # a MoE layer's experts through the fused MoE kernel against gather_qmm, then the 4-bit MoE shape with the kernel
+    # (and mlx-lm beside it), then with MLX's gather_qmm
+    timeout 150 python3 -u scripts/bench/bench_fused_moe.py --tokens 1 8 64 256 2>&1 | grep -v Warn | tee "$OUT/fused_moe.log"
+    stop_gpu
     PAGEDMLX_FUSED_MOE=1 offline moe-fused 300 --preset qwen3.6-35b-a3b-16l --quantization 4bit --gen-len 128 \
       --batch-sizes 64 1 --peer-max-batch 64
     offline moe-gather 120 --preset qwen3.6-35b-a3b-16l --quantization 4bit --gen-len 128 --batch-sizes 64 1 \
@@ -58,6 +63,6 @@ case "${PART:-bench}" in
     PAGEDMLX_FUSED_MOE=1 profile moe-64 150 --preset qwen3.6-35b-a3b-16l --quantization 4bit --batch 64
     profile bf16-64 110 --preset llama-8b --batch 64
     profile moe-1 120 --preset qwen3.6-35b-a3b-16l --quantization 4bit --batch 1 ;;
-  *) echo "PART is tune, bench, shapes or profile"; exit 2 ;;
+  *) echo "PART is tune, bench, shapes, moe or profile"; exit 2 ;;
 esac
 date -u
