@@ -237,3 +237,13 @@ def fast_first(n: int, values: list, unpack: bool = True) -> list:
     run in `make test-all`. unpack: each value is a tuple of several parameters."""
     slow = pytest.mark.slow
     return [v if i < n else pytest.param(*(v if unpack else (v,)), marks=slow) for i, v in enumerate(values)]
+
+
+def emulated_busy_engine(model):
+    """An engine whose steps mix decodes of up to 8 requests with 16-token chunks of prompts, not compiled (the kernel
+    emulator evaluates: no traces), for the emulated kernels' busy == solo tests."""
+    from pagedmlx.config import EngineConfig
+    from pagedmlx.engine.llm_engine import LLMEngine
+
+    return LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=256, max_num_batched_tokens=48,
+                                               long_prefill_token_threshold=16, max_num_seqs=8, compile_decode=False))

@@ -8,25 +8,16 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from kernel_emulator import EmulatedKernel, have_compiler
-from kernel_emulator.mma import EMU_MMA_HEADER, EMU_PREFILL_HEADER
+from utils import assert_no_leaks, emulated_busy_engine, make_prompts, run_staggered, solo_mismatch
 
+from pagedmlx.bench.presets import Quantization, quantize_model
 from pagedmlx.kernels import build, fused_moe, quantized_gemm
-from pagedmlx.kernels.sources import decode_attention_mma_cuda as mma_src
-from pagedmlx.kernels.sources import prefill_attention_cuda as prefill_src
+from pagedmlx.kernels.dialect import CUDA
 from pagedmlx.kernels.sources import quantized_gemm_cuda as gemm_src
-
-
-@pytest.fixture
-def emulated(monkeypatch):
-    if not have_compiler():
-        pytest.skip("g++ runs the emulated kernels")
-    monkeypatch.setattr(build, "make_kernel", EmulatedKernel)
-    monkeypatch.setattr(mma_src, "MMA_HEADER", EMU_MMA_HEADER)
-    monkeypatch.setattr(prefill_src, "PREFILL_HEADER", EMU_PREFILL_HEADER)
-    fused_moe._kernel.cache_clear()
-    yield monkeypatch
-    fused_moe._kernel.cache_clear()
+from pagedmlx.layers import fused_moe as fused_layer
+from pagedmlx.loaders.random_model import RANDOM_ARCHS, build_model
+from pagedmlx.runner.kernel_paths import kernel_path_lines
+from pagedmlx.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("tokens,k,experts", [(1, 8, 256), (5, 2, 4), (64, 8, 256), (40, 2, 3), (300, 8, 16)])
@@ -59,7 +50,7 @@ SHAPES = [(40, 256, 4, 64), (72, 160, 4, 32), (40, 256, 8, 64)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=["4bit", "4bit-g32", "8bit"])
-def test_emulated_fused_moe_passes_its_check(emulated, shape):
+def test_emulated_fused_moe_passes_its_check(emulated_gemm, shape):
     """N not a whole number of 64-column tiles, K of 128-value chunks or not; one token, a few, and an expert with
     more pairs than a block takes; a token's row for each of its pairs, and a row per pair."""
     assert fused_moe.check_fused_moe([shape], 2, mx.bfloat16, tokens_checked=(1, 3, 37)) is None  # 2 and 4 warps
@@ -72,10 +63,10 @@ def test_emulated_fused_moe_passes_its_check(emulated, shape):
     ("#define QG_TILE_LIVE(mt) (ids[m0 + (mt) * 8] >= 0)", "#define QG_TILE_LIVE(mt) (ids[m0 + (mt) * 8 + 1] >= 0)"),
     ("+ (size_t)expert * N * row_groups;\n    const auto* wq", "+ 0;\n    const auto* wq"),  # another expert's biases
 ])
-def test_the_check_fails_a_wrong_fused_moe(emulated, original, wrong):
+def test_the_check_fails_a_wrong_fused_moe(emulated_gemm, original, wrong):
     assert original in gemm_src.GROUPED_ROWS + gemm_src.QUANTIZED_GEMM
-    emulated.setattr(gemm_src, "GROUPED_ROWS", gemm_src.GROUPED_ROWS.replace(original, wrong))
-    emulated.setattr(gemm_src, "QUANTIZED_GEMM", gemm_src.QUANTIZED_GEMM.replace(original, wrong))
+    emulated_gemm.setattr(gemm_src, "GROUPED_ROWS", gemm_src.GROUPED_ROWS.replace(original, wrong))
+    emulated_gemm.setattr(gemm_src, "QUANTIZED_GEMM", gemm_src.QUANTIZED_GEMM.replace(original, wrong))
     err = fused_moe.check_fused_moe([(40, 256, 4, 64)], 2, mx.bfloat16, tokens_checked=(1, 21))
     assert err is not None and ("max relative difference" in err or "did not compile" in err)
 
@@ -100,40 +91,28 @@ def _float32_gather_sums(real=mx.gather_qmm):
     return product
 
 
-def test_busy_engine_with_the_fused_moe_equals_mlx_lm_alone(emulated):
+def test_busy_engine_with_the_fused_moe_equals_mlx_lm_alone(emulated_gemm):
     """A bf16 4-bit Qwen3.5-MoE (16 experts, 4 a token): every MoE layer's experts of the engine's steps (decodes of up
     to 8 requests beside chunked prompts, one-token steps) run the fused kernel, and each request's tokens are
     mlx-lm's for its prompt alone, up to rounding's near ties."""
-    from pagedmlx.bench.presets import Quantization, quantize_model
-    from pagedmlx.config import EngineConfig
-    from pagedmlx.engine.llm_engine import LLMEngine
-    from pagedmlx.kernels.dialect import CUDA
-    from pagedmlx.layers import fused_moe as fused_layer
-    from pagedmlx.loaders.random_model import RANDOM_ARCHS, build_model
-    from pagedmlx.runner.kernel_paths import kernel_path_lines
-    from pagedmlx.sampling_params import SamplingParams
-    from utils import assert_no_leaks, make_prompts, run_staggered, solo_mismatch
-
-    emulated.setattr(mx, "gather_qmm", _float32_gather_sums())
+    emulated_gemm.setattr(mx, "gather_qmm", _float32_gather_sums())
     arch = RANDOM_ARCHS["qwen3_5_moe-tiny"]
     model = build_model(dict(arch, text_config=dict(arch["text_config"], num_experts=16, num_experts_per_tok=4)),
                         seed=5)
     model.set_dtype(mx.bfloat16)
     quantize_model(model, Quantization(4, group_size=32))
-    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=256, max_num_batched_tokens=48,
-                                                 long_prefill_token_threshold=16, max_num_seqs=8,
-                                                 compile_decode=False))  # the emulator evaluates: no traces
+    engine = emulated_busy_engine(model)
     runner = engine.runner
     assert not runner.fused_moe  # off by default on the CPU
-    emulated.setattr(build, "gpu_backend", lambda: CUDA)
+    emulated_gemm.setattr(build, "gpu_backend", lambda: CUDA)
     assert fused_layer.use_fused_moe(True, model, True) == 0  # off until PAGEDMLX_FUSED_MOE=1
-    emulated.setenv("PAGEDMLX_FUSED_MOE", "1")
+    emulated_gemm.setenv("PAGEDMLX_FUSED_MOE", "1")
     runner.fused_moe = fused_layer.use_fused_moe(True, model, True)  # its check, emulated
-    emulated.setattr(build, "gpu_backend", lambda: None)
+    emulated_gemm.setattr(build, "gpu_backend", lambda: None)
     assert runner.fused_moe == 4  # every layer's experts
     assert "MoE experts: fused MoE kernel in 4 layers" in "\n".join(kernel_path_lines(runner))
     tokens, real = [], fused_moe.moe_align
-    emulated.setattr(fused_moe, "moe_align", lambda idx, e: tokens.append(idx.shape[0]) or real(idx, e))
+    emulated_gemm.setattr(fused_moe, "moe_align", lambda idx, e: tokens.append(idx.shape[0]) or real(idx, e))
     prompts = [p[:40] for p in make_prompts(10, 512, seed=13)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     done = run_staggered(engine, prompts, params, seed=3)

@@ -14,17 +14,12 @@ import json
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from kernel_emulator import EmulatedKernel, have_compiler
-from kernel_emulator.mma import EMU_MMA_HEADER, EMU_PREFILL_HEADER
-from utils import assert_no_leaks, fast_first, make_prompts, run_staggered, solo_mismatch
+from kernel_emulator import have_compiler
+from utils import assert_no_leaks, emulated_busy_engine, fast_first, make_prompts, run_staggered, solo_mismatch
 
 from pagedmlx.bench.presets import Quantization, quantize_model
-from pagedmlx.config import EngineConfig
-from pagedmlx.engine.llm_engine import LLMEngine
 from pagedmlx.kernels import build, launch_configs, quantized_gemm
 from pagedmlx.kernels.dialect import CUDA, foreign_names, leftover_tokens
-from pagedmlx.kernels.sources import decode_attention_mma_cuda as mma_src
-from pagedmlx.kernels.sources import prefill_attention_cuda as prefill_src
 from pagedmlx.kernels.sources import quantized_gemm_cuda as gemm_src
 from pagedmlx.layers import quantized_linear
 from pagedmlx.loaders.random_model import build_model
@@ -32,16 +27,6 @@ from pagedmlx.runner.kernel_paths import kernel_path_lines
 from pagedmlx.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not have_compiler(), reason="g++ runs the emulated kernels")
-
-
-@pytest.fixture
-def emulated(monkeypatch):
-    monkeypatch.setattr(build, "make_kernel", EmulatedKernel)
-    monkeypatch.setattr(mma_src, "MMA_HEADER", EMU_MMA_HEADER)
-    monkeypatch.setattr(prefill_src, "PREFILL_HEADER", EMU_PREFILL_HEADER)
-    quantized_gemm._kernel.cache_clear()
-    yield monkeypatch
-    quantized_gemm._kernel.cache_clear()
 
 
 def test_the_source_renders_for_cuda_and_names_nothing_of_metal():
@@ -120,15 +105,15 @@ def test_a_tuned_config_folder_is_searched_before_the_packages_own_and_changes_t
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_the_check_covers_a_tuned_configs_launches(emulated, bits):
+def test_the_check_covers_a_tuned_configs_launches(emulated_gemm, bits):
     """The load-time check runs the launches the config gives at the check's row counts, so a tuned launch runs only
     once proven (here: right, and wrong where the kernel is)."""
     tuned = {"shapes": {f"96,512,{bits},64": TUNED["shapes"]["96,512,4,64"]}}
-    emulated.setattr(launch_configs, "load", lambda kernel: tuned)
+    emulated_gemm.setattr(launch_configs, "load", lambda kernel: tuned)
     quantized_gemm.launch_for.cache_clear()
     try:
         assert quantized_gemm.check_quantized_gemm([(96, 512, bits, 64)], mx.bfloat16, rows_checked=(1, 9, 33)) is None
-        emulated.setattr(gemm_src, "QUANTIZED_GEMM", gemm_src.QUANTIZED_GEMM.replace(
+        emulated_gemm.setattr(gemm_src, "QUANTIZED_GEMM", gemm_src.QUANTIZED_GEMM.replace(
             "for (int z = 0; z < KS; ++z)", "for (int z = 1; z < KS; ++z)", 1))
         quantized_gemm._kernel.cache_clear()
         err = quantized_gemm.check_quantized_gemm([(96, 512, bits, 64)], mx.bfloat16, rows_checked=(33,))
@@ -144,13 +129,14 @@ LAUNCHES = [None, quantized_gemm.Launch(2, 2, 3, 3), quantized_gemm.Launch(4, 4,
 
 @pytest.mark.parametrize("bits,group_size,dtype", fast_first(1, FORMATS))
 @pytest.mark.parametrize("launch", fast_first(1, LAUNCHES, unpack=False), ids=["default", "mt2-wn2-ks3-st3", "mt4-wn4"])
-def test_emulated_kernel_passes_its_check(emulated, bits, group_size, dtype, launch):
+def test_emulated_kernel_passes_its_check(emulated_gemm, bits, group_size, dtype, launch):
     """Against MLX's quantized matmul in float32 on the same weights, at the tolerance of the output's dtype
     (rounding it is 2e-3 of bf16's largest magnitude): N not a whole number of tiles, K a whole number of
     32-value runs but not of a warp's 128-value chunks, rows of partial tiles and of several blocks."""
     if launch is not None:
-        emulated.setattr(quantized_gemm, "launch_for", lambda *shape: launch)
-    emulated.setattr(quantized_gemm, "_counters", quantized_gemm._CounterRing(8))  # every launch: the same counters
+        emulated_gemm.setattr(quantized_gemm, "launch_for", lambda *shape: launch)
+    # every launch: the same counters
+    emulated_gemm.setattr(quantized_gemm, "_counters", quantized_gemm._CounterRing(8))
     k = 1024 + max(group_size, 64)  # past whole 128-value chunks, but for group size 128
     assert quantized_gemm.check_quantized_gemm([(40, k, bits, group_size)], dtype,
                                                rows_checked=(1, 2, 9, 17, 40)) is None
@@ -176,17 +162,18 @@ def test_emulated_kernel_passes_its_check(emulated, bits, group_size, dtype, lau
     (4, "{a[0][4 * j2], a[1][4 * j2], a[0][4 * j2 + 1], a[1][4 * j2 + 1]}",
      "{a[1][4 * j2], a[0][4 * j2], a[0][4 * j2 + 1], a[1][4 * j2 + 1]}"),  # A's rows mixed
 ]])
-def test_the_check_fails_a_wrong_kernel(emulated, bits, original, wrong, ks):
+def test_the_check_fails_a_wrong_kernel(emulated_gemm, bits, original, wrong, ks):
     name = next(n for n in ("QUANTIZED_GEMM", "QUANTIZED_GEMM_HEADER") if original in getattr(gemm_src, n))
-    emulated.setattr(gemm_src, name, getattr(gemm_src, name).replace(original, wrong, 1))
-    emulated.setattr(quantized_gemm, "launch_for", lambda *shape: quantized_gemm.Launch(2, 2, ks))
-    emulated.setattr(quantized_gemm, "_counters", quantized_gemm._CounterRing(1))  # the next launch: the same counter
+    emulated_gemm.setattr(gemm_src, name, getattr(gemm_src, name).replace(original, wrong, 1))
+    emulated_gemm.setattr(quantized_gemm, "launch_for", lambda *shape: quantized_gemm.Launch(2, 2, ks))
+    # the next launch: the same counter
+    emulated_gemm.setattr(quantized_gemm, "_counters", quantized_gemm._CounterRing(1))
     err = quantized_gemm.check_quantized_gemm([(32, 1024, bits, 64)], mx.bfloat16, rows_checked=(16, 9))
     assert err is not None and "max relative difference" in err
 
 
-def test_a_kernel_that_does_not_build_is_a_reason_not_a_crash(emulated):
-    emulated.setattr(gemm_src, "QUANTIZED_GEMM", gemm_src.QUANTIZED_GEMM + "\n    no_such_function();")
+def test_a_kernel_that_does_not_build_is_a_reason_not_a_crash(emulated_gemm):
+    emulated_gemm.setattr(gemm_src, "QUANTIZED_GEMM", gemm_src.QUANTIZED_GEMM + "\n    no_such_function();")
     err = quantized_gemm.check_quantized_gemm([(32, 512, 4, 64)], mx.bfloat16, rows_checked=(2,))
     assert err is not None and err.startswith("did not compile or run")
 
@@ -219,25 +206,23 @@ def _float32_sums(real=mx.quantized_matmul):
     return product
 
 
-def test_busy_engine_with_the_kernel_equals_mlx_lm_alone(emulated):
+def test_busy_engine_with_the_kernel_equals_mlx_lm_alone(emulated_gemm):
     """A bf16 4-bit model with 8-bit embeddings and head: every quantized product of 1-256 rows of the engine's
     steps (decodes of up to 8 requests beside chunked prompts, merged projections) runs the kernel, and each
     request's tokens are mlx-lm's for its prompt alone, up to rounding's near ties; MLX's own products (mlx-lm's)
     sum in float32 as on the GPU (_float32_sums)."""
-    emulated.setattr(mx, "quantized_matmul", _float32_sums())
+    emulated_gemm.setattr(mx, "quantized_matmul", _float32_sums())
     model = _quantized_model(31, Quantization(4, 64, head_bits=8))
-    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=256, max_num_batched_tokens=48,
-                                                 long_prefill_token_threshold=16, max_num_seqs=8,
-                                                 compile_decode=False))  # the emulator evaluates: no traces
+    engine = emulated_busy_engine(model)
     runner = engine.runner
     assert not runner.quantized_gemm  # off by default on the CPU
-    emulated.setattr(build, "gpu_backend", lambda: CUDA)
+    emulated_gemm.setattr(build, "gpu_backend", lambda: CUDA)
     runner.quantized_gemm = quantized_linear.use_quantized_gemm(True, model, True)  # its check, emulated
-    emulated.setattr(build, "gpu_backend", _cpu)
+    emulated_gemm.setattr(build, "gpu_backend", _cpu)
     assert runner.quantized_gemm
     assert "quantized products of 1-256 rows: quantized GEMM kernel" in "\n".join(kernel_path_lines(runner))
     rows, real = [], quantized_gemm.quantized_gemm
-    emulated.setattr(quantized_gemm, "quantized_gemm", lambda x, *a, **k: rows.append(x.size // x.shape[-1])
+    emulated_gemm.setattr(quantized_gemm, "quantized_gemm", lambda x, *a, **k: rows.append(x.size // x.shape[-1])
                      or real(x, *a, **k))
     prompts = [p[:40] for p in make_prompts(10, LLAMA["vocab_size"], seed=13)]
     done = run_staggered(engine, prompts, GREEDY, seed=3)
@@ -250,42 +235,42 @@ def test_busy_engine_with_the_kernel_equals_mlx_lm_alone(emulated):
     assert not any(m._kernel for m in quantized_linear._quantized_linears(model))
 
 
-def test_on_by_default_on_cuda_only_and_asked_for_elsewhere_says_why(emulated, caplog):
+def test_on_by_default_on_cuda_only_and_asked_for_elsewhere_says_why(emulated_gemm, caplog):
     model = _quantized_model(33)
     quantized_linear.flatten_quantized(model)
     assert not quantized_linear.use_quantized_gemm(None, model, True)  # the CPU: quietly MLX's
     with caplog.at_level("WARNING", logger="pagedmlx"):
         assert not quantized_linear.use_quantized_gemm(True, model, True)
     assert "quantized_gemm): it needs CUDA's kernels" in caplog.text
-    emulated.setattr(build, "gpu_backend", lambda: CUDA)
+    emulated_gemm.setattr(build, "gpu_backend", lambda: CUDA)
     assert not quantized_linear.use_quantized_gemm(None, model, False)  # kernels off
     checked = []
-    emulated.setattr(quantized_gemm, "check_quantized_gemm", lambda shapes, dtype: checked.append(shapes))
+    emulated_gemm.setattr(quantized_gemm, "check_quantized_gemm", lambda shapes, dtype: checked.append(shapes))
     assert quantized_linear.use_quantized_gemm(None, model, True)
     taken = [m for m in quantized_linear._quantized_linears(model) if m._kernel]
     assert len(taken) == 2 * 7 + 1  # each layer's seven projections and the head
     assert checked and all(shape[2:] == (4, 64) for shapes in checked for shape in shapes)
 
 
-def test_a_failed_check_keeps_mlx_quantized_matmul(emulated, caplog):
+def test_a_failed_check_keeps_mlx_quantized_matmul(emulated_gemm, caplog):
     model = _quantized_model(35)
     quantized_linear.flatten_quantized(model)
-    emulated.setattr(build, "gpu_backend", lambda: CUDA)
-    emulated.setattr(quantized_gemm, "check_quantized_gemm", lambda shapes, dtype: "max relative difference 1")
+    emulated_gemm.setattr(build, "gpu_backend", lambda: CUDA)
+    emulated_gemm.setattr(quantized_gemm, "check_quantized_gemm", lambda shapes, dtype: "max relative difference 1")
     with caplog.at_level("WARNING", logger="pagedmlx"):
         assert not quantized_linear.use_quantized_gemm(None, model, True)
     assert "left to MLX's quantized matmul (quantized_gemm): max relative difference 1" in caplog.text
     assert not any(m._kernel for m in quantized_linear._quantized_linears(model))
 
 
-def test_a_passed_check_is_kept_and_a_failed_one_runs_again(emulated, tmp_path):
+def test_a_passed_check_is_kept_and_a_failed_one_runs_again(emulated_gemm, tmp_path):
     """runner/check_cache.py keeps the check's pass for the same shapes, source, MLX and device; a failure is not
     kept."""
-    emulated.setenv("PAGEDMLX_CACHE_DIR", str(tmp_path))
-    emulated.delenv("PAGEDMLX_CHECK_CACHE", raising=False)
-    emulated.setattr(build, "gpu_backend", lambda: CUDA)
+    emulated_gemm.setenv("PAGEDMLX_CACHE_DIR", str(tmp_path))
+    emulated_gemm.delenv("PAGEDMLX_CHECK_CACHE", raising=False)
+    emulated_gemm.setattr(build, "gpu_backend", lambda: CUDA)
     results, runs = ["max relative difference 1", None, None], []
-    emulated.setattr(quantized_gemm, "check_quantized_gemm", lambda shapes, dtype: runs.append(shapes)
+    emulated_gemm.setattr(quantized_gemm, "check_quantized_gemm", lambda shapes, dtype: runs.append(shapes)
                      or results[len(runs) - 1])
     model = _quantized_model(37)
     quantized_linear.flatten_quantized(model)
