@@ -247,3 +247,30 @@ def emulated_busy_engine(model):
 
     return LLMEngine(model, None, EngineConfig(block_size=4, num_blocks=256, max_num_batched_tokens=48,
                                                long_prefill_token_threshold=16, max_num_seqs=8, compile_decode=False))
+
+
+def float32_quantized_matmul(real=mx.quantized_matmul):
+    """MLX's quantized product as a GPU computes it: the weights dequantized once into x's dtype, float32 sums
+    (MLX's CPU product sums bfloat16 inputs less exactly: 1% of the largest output at K = 128)."""
+    def product(x, w, scales, biases=None, transpose=True, group_size=64, bits=4, **kw):
+        if x.dtype == mx.float32:
+            return real(x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits, **kw)
+        weights = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group_size,
+                                bits=bits).astype(x.dtype).astype(mx.float32)
+        return (x.astype(mx.float32) @ (weights.T if transpose else weights)).astype(x.dtype)
+    return product
+
+
+def float32_gather_qmm(real=mx.gather_qmm):
+    """MLX's gather_qmm as a GPU computes it: the experts' weights dequantized once into x's dtype, float32 sums (MLX's
+    CPU product sums bfloat16 inputs less exactly)."""
+    def product(x, w, scales, biases=None, lhs_indices=None, rhs_indices=None, transpose=True, group_size=64, bits=4,
+                mode="affine", sorted_indices=False, **kw):
+        if x.dtype == mx.float32 or mode != "affine" or lhs_indices is not None:
+            return real(x, w, scales, biases, lhs_indices=lhs_indices, rhs_indices=rhs_indices, transpose=transpose,
+                        group_size=group_size, bits=bits, mode=mode, sorted_indices=sorted_indices, **kw)
+        dense = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group_size,
+                              bits=bits).astype(x.dtype).astype(mx.float32)[rhs_indices]
+        out = x.astype(mx.float32) @ (mx.swapaxes(dense, -1, -2) if transpose else dense)
+        return out.astype(x.dtype)
+    return product

@@ -55,7 +55,8 @@ def _one_token(k: int) -> tuple[mx.array, mx.array, mx.array]:
     ids = np.full((k, BLOCK_ROWS), -1, np.int32)
     ids[:, 0] = np.arange(k)
     ids = ids.reshape(-1)
-    return mx.array(ids), mx.zeros(ids.shape, mx.int32), mx.array(np.maximum(ids, 0))
+    # From numpy: made now, not a lazy op that a compiled step's trace or another thread's stream would hold.
+    return mx.array(ids), mx.array(np.zeros_like(ids)), mx.array(np.maximum(ids, 0))
 
 
 def moe_align(indices: mx.array, num_experts: int) -> Blocks:
@@ -77,7 +78,9 @@ def moe_align(indices: mx.array, num_experts: int) -> Blocks:
             - pairs_start[sorted_experts])
     n_blocks = max_blocks(pairs, num_experts)
     ids = mx.zeros((n_blocks * BLOCK_ROWS,), mx.int32).at[slot].add(order + 1) - 1
-    block_expert = (blocks_end[None, :] <= mx.arange(n_blocks, dtype=mx.int32)[:, None]).astype(mx.int32).sum(-1)
+    # A block's expert: how many experts' blocks end at or before it (a mark at each end, summed up to it).
+    ends = mx.zeros((n_blocks + 1,), mx.int32).at[blocks_end].add(mx.ones_like(blocks_end))
+    block_expert = mx.cumsum(ends)[:n_blocks]
     pair_rows = mx.maximum(ids, 0)
     return Blocks(ids, mx.where(block_expert < num_experts, block_expert, -1).astype(mx.int32), pair_rows // k,
                   pair_rows)

@@ -30,8 +30,8 @@ class FusedSwitchGLU(SwitchGLU):
     _kernel = False
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        if not (self._kernel and quantized_linear._active.on):
-            return super().__call__(x, indices)
+        if not (self._kernel and quantized_linear.kernels_on() and x.dtype == self.gate_proj.scales.dtype):
+            return super().__call__(x, indices)  # (another dtype: gather_qmm's promotion, not the kernel's cast)
         k = indices.shape[-1]
         x = x.reshape(-1, x.shape[-1])
         pairs = x.shape[0] * k

@@ -18,8 +18,9 @@ also covers a tied head (nn.QuantizedEmbedding.as_linear). PAGEDMLX_FLAT_QUANTIZ
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import ContextManager, Optional
+from typing import Iterator, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -33,14 +34,24 @@ from pagedmlx.runner.thread_flag import ThreadFlag
 logger = logging.getLogger("pagedmlx")
 
 _active = ThreadFlag()
+_mlx_products = ThreadFlag()  # inside flat_rows(kernels=False): MLX's own products over the flattened rows
 # The row counts the engine gives the kernel (PAGEDMLX_QUANTIZED_GEMM_MIN_ROWS=2 leaves one-row products to MLX's
 # matrix-vector kernel).
 QUANTIZED_GEMM_ROWS = range(envs.PAGEDMLX_QUANTIZED_GEMM_MIN_ROWS, quantized_gemm.MAX_ROWS + 1)
 
 
-def flat_rows() -> ContextManager[None]:
-    """Swapped quantized layers multiply over their input's rows as one matrix (in this thread) while inside."""
-    return _active.scope()
+@contextlib.contextmanager
+def flat_rows(kernels: bool = True) -> Iterator[None]:
+    """Swapped quantized layers multiply over their input's rows as one matrix (in this thread) while inside: through
+    our kernels where they are on, or with kernels=False MLX's own products (the load-time check's reference, which
+    must not take the kernels it judges)."""
+    with _active.scope(), (contextlib.nullcontext() if kernels else _mlx_products.scope()):
+        yield
+
+
+def kernels_on() -> bool:
+    """This thread's swapped layers may run our kernels (inside flat_rows(), kernels not turned away)."""
+    return _active.on and not _mlx_products.on
 
 
 class FlatQuantizedLinear(nn.QuantizedLinear):
@@ -52,7 +63,7 @@ class FlatQuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
         if not _active.on:
             return super().__call__(x)
-        if self._kernel and x.size // x.shape[-1] in QUANTIZED_GEMM_ROWS:
+        if self._kernel and not _mlx_products.on and x.size // x.shape[-1] in QUANTIZED_GEMM_ROWS:
             y = quantized_gemm.quantized_gemm(x, self.weight, self.scales, self.biases, self.bits, self.group_size)
             return y + self["bias"] if "bias" in self else y
         if x.ndim > 2:

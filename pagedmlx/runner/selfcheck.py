@@ -149,14 +149,15 @@ def _self_noise(model, tokens: list[int], positions: list[int], chunks: list[int
                 routes: RoutingMatch, rid: str, want: dict[int, mx.array]) -> float:
     """mlx-lm against itself, the same experts taken (its router values' distance in `routes.noise`): in one chunk
     instead of these; and as a batch of copies with at least as many rows as the busiest paged step, its quantized
-    products over all rows at once as on pages (layers/quantized_linear.py), so that they run the kernels a product
+    products over all rows at once as on pages (layers/quantized_linear.py), so that they run MLX's kernels a product
     of that many rows runs (a backend picks them by row count, and one row's kernel and a tiled one round
-    differently). The largest relative logit difference: how far this model moves with that alone in this dtype."""
+    differently); never pagedmlx's own kernels, which the check judges. The largest relative logit difference: how
+    far this model moves with that alone in this dtype."""
     follow = functools.partial(routes.follow, noise=True)
     noise, _ = _max_error(_mlx_lm_logits(model, tokens, positions, [sum(chunks)], follow, rid), want)
     copies = cdiv(max(sum(n for _, n in s) for s in steps), len(tokens))
     try:
-        with flat_rows():
+        with flat_rows(kernels=False):  # MLX's products: a wrong kernel of ours must not widen its own bound
             again = _mlx_lm_logits(model, tokens, positions, [sum(chunks)], follow, rid, copies)
     except Exception:  # noqa: BLE001 - a model mlx-lm runs one sequence at a time: the first measure alone
         return noise

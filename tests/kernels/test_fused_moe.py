@@ -6,16 +6,20 @@ shows: NVRTC's compile and speed."""
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
-from utils import assert_no_leaks, emulated_busy_engine, make_prompts, run_staggered, solo_mismatch
+from utils import (assert_no_leaks, emulated_busy_engine, float32_gather_qmm, float32_quantized_matmul, make_prompts,
+                   run_staggered, solo_mismatch)
 
 from pagedmlx.bench.presets import Quantization, quantize_model
 from pagedmlx.kernels import build, fused_moe, quantized_gemm
 from pagedmlx.kernels.dialect import CUDA
 from pagedmlx.kernels.sources import quantized_gemm_cuda as gemm_src
 from pagedmlx.layers import fused_moe as fused_layer
+from pagedmlx.layers import quantized_linear
 from pagedmlx.loaders.random_model import RANDOM_ARCHS, build_model
+from pagedmlx.runner import verify
 from pagedmlx.runner.kernel_paths import kernel_path_lines
 from pagedmlx.sampling_params import SamplingParams
 
@@ -76,31 +80,24 @@ def test_the_dense_kernel_keeps_its_rows_prelude():
     assert "#define QG_N w_shape[0]" in text and "ids[" not in text
 
 
-def _float32_gather_sums(real=mx.gather_qmm):
-    """MLX's gather_qmm as a GPU computes it: the experts' weights dequantized once into x's dtype, float32 sums (MLX's
-    CPU product sums bfloat16 inputs less exactly)."""
-    def product(x, w, scales, biases=None, lhs_indices=None, rhs_indices=None, transpose=True, group_size=64, bits=4,
-                mode="affine", sorted_indices=False, **kw):
-        if x.dtype == mx.float32 or mode != "affine" or lhs_indices is not None:
-            return real(x, w, scales, biases, lhs_indices=lhs_indices, rhs_indices=rhs_indices, transpose=transpose,
-                        group_size=group_size, bits=bits, mode=mode, sorted_indices=sorted_indices, **kw)
-        dense = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group_size,
-                              bits=bits).astype(x.dtype).astype(mx.float32)[rhs_indices]
-        out = x.astype(mx.float32) @ (mx.swapaxes(dense, -1, -2) if transpose else dense)
-        return out.astype(x.dtype)
-    return product
 
 
-def test_busy_engine_with_the_fused_moe_equals_mlx_lm_alone(emulated_gemm):
-    """A bf16 4-bit Qwen3.5-MoE (16 experts, 4 a token): every MoE layer's experts of the engine's steps (decodes of up
-    to 8 requests beside chunked prompts, one-token steps) run the fused kernel, and each request's tokens are
-    mlx-lm's for its prompt alone, up to rounding's near ties."""
-    emulated_gemm.setattr(mx, "gather_qmm", _float32_gather_sums())
+def _moe_model() -> nn.Module:
+    """A bf16 4-bit Qwen3.5-MoE, 16 experts, 4 a token."""
     arch = RANDOM_ARCHS["qwen3_5_moe-tiny"]
     model = build_model(dict(arch, text_config=dict(arch["text_config"], num_experts=16, num_experts_per_tok=4)),
                         seed=5)
     model.set_dtype(mx.bfloat16)
     quantize_model(model, Quantization(4, group_size=32))
+    return model
+
+
+def test_busy_engine_with_the_fused_moe_equals_mlx_lm_alone(emulated_gemm):
+    """Every MoE layer's experts of the engine's steps (decodes of up to 8 requests beside chunked prompts, one-token
+    steps) run the fused kernel, and each request's tokens are mlx-lm's for its prompt alone, up to rounding's near
+    ties."""
+    emulated_gemm.setattr(mx, "gather_qmm", float32_gather_qmm())
+    model = _moe_model()
     engine = emulated_busy_engine(model)
     runner = engine.runner
     assert not runner.fused_moe  # off by default on the CPU
@@ -124,3 +121,24 @@ def test_busy_engine_with_the_fused_moe_equals_mlx_lm_alone(emulated_gemm):
     fused_layer.drop_fused_moe(model)
     assert not any(getattr(m, "_kernel", False) for _, m in model.named_modules()
                    if type(m) is fused_layer.FusedSwitchGLU)
+
+
+def test_a_fused_moe_the_model_check_refuses_gives_way_before_the_quantized_gemm(emulated_gemm):
+    """The model's load-time check passes with both kernels on; where the fused MoE's experts go wrong after its own
+    check, the model check drops it (back to gather_qmm) and keeps the quantized GEMM, which is right."""
+    emulated_gemm.setattr(mx, "gather_qmm", float32_gather_qmm())
+    emulated_gemm.setattr(mx, "quantized_matmul", float32_quantized_matmul())
+    model = _moe_model()
+    runner = emulated_busy_engine(model).runner
+    emulated_gemm.setattr(build, "gpu_backend", lambda: CUDA)
+    emulated_gemm.setenv("PAGEDMLX_FUSED_MOE", "1")
+    runner.quantized_gemm = quantized_linear.use_quantized_gemm(True, model, True)
+    runner.fused_moe = fused_layer.use_fused_moe(True, model, True)
+    emulated_gemm.setattr(build, "gpu_backend", lambda: None)
+    assert runner.quantized_gemm and runner.fused_moe == 4
+    verify.verify_against_mlx_lm(runner)
+    assert runner.quantized_gemm and runner.fused_moe == 4  # right: both kept
+    real = fused_moe.grouped_quantized_gemm
+    emulated_gemm.setattr(fused_moe, "grouped_quantized_gemm", lambda *a: real(*a) * 4)
+    verify.verify_against_mlx_lm(runner)
+    assert runner.quantized_gemm and runner.fused_moe == 0

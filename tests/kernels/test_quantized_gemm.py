@@ -15,7 +15,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from kernel_emulator import have_compiler
-from utils import assert_no_leaks, emulated_busy_engine, fast_first, make_prompts, run_staggered, solo_mismatch
+from utils import (assert_no_leaks, emulated_busy_engine, fast_first, float32_quantized_matmul, make_prompts,
+                   run_staggered, solo_mismatch)
 
 from pagedmlx.bench.presets import Quantization, quantize_model
 from pagedmlx.kernels import build, launch_configs, quantized_gemm
@@ -23,6 +24,7 @@ from pagedmlx.kernels.dialect import CUDA, foreign_names, leftover_tokens
 from pagedmlx.kernels.sources import quantized_gemm_cuda as gemm_src
 from pagedmlx.layers import quantized_linear
 from pagedmlx.loaders.random_model import build_model
+from pagedmlx.runner import verify
 from pagedmlx.runner.kernel_paths import kernel_path_lines
 from pagedmlx.sampling_params import SamplingParams
 
@@ -194,24 +196,14 @@ def _cpu():
     return None
 
 
-def _float32_sums(real=mx.quantized_matmul):
-    """MLX's quantized product as a GPU computes it: the weights dequantized once into x's dtype, float32 sums
-    (MLX's CPU product sums bfloat16 inputs less exactly: 1% of the largest output at K = 128)."""
-    def product(x, w, scales, biases=None, transpose=True, group_size=64, bits=4, **kw):
-        if x.dtype == mx.float32:
-            return real(x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits, **kw)
-        weights = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group_size,
-                                bits=bits).astype(x.dtype).astype(mx.float32)
-        return (x.astype(mx.float32) @ (weights.T if transpose else weights)).astype(x.dtype)
-    return product
 
 
 def test_busy_engine_with_the_kernel_equals_mlx_lm_alone(emulated_gemm):
     """A bf16 4-bit model with 8-bit embeddings and head: every quantized product of 1-256 rows of the engine's
     steps (decodes of up to 8 requests beside chunked prompts, merged projections) runs the kernel, and each
     request's tokens are mlx-lm's for its prompt alone, up to rounding's near ties; MLX's own products (mlx-lm's)
-    sum in float32 as on the GPU (_float32_sums)."""
-    emulated_gemm.setattr(mx, "quantized_matmul", _float32_sums())
+    sum in float32 as on the GPU (utils.float32_quantized_matmul)."""
+    emulated_gemm.setattr(mx, "quantized_matmul", float32_quantized_matmul())
     model = _quantized_model(31, Quantization(4, 64, head_bits=8))
     engine = emulated_busy_engine(model)
     runner = engine.runner
@@ -233,6 +225,23 @@ def test_busy_engine_with_the_kernel_equals_mlx_lm_alone(emulated_gemm):
     assert_no_leaks(engine)
     quantized_linear.drop_quantized_gemm(model)
     assert not any(m._kernel for m in quantized_linear._quantized_linears(model))
+
+
+def test_a_quantized_gemm_the_model_check_refuses_gives_way_to_mlx(emulated_gemm):
+    """The model's load-time check keeps a right kernel and refuses one that goes wrong after its own check: its
+    reference (mlx-lm against itself over the flattened rows) runs MLX's products, never the kernel it judges."""
+    emulated_gemm.setattr(mx, "quantized_matmul", float32_quantized_matmul())
+    model = _quantized_model(31)
+    runner = emulated_busy_engine(model).runner
+    emulated_gemm.setattr(build, "gpu_backend", lambda: CUDA)
+    runner.quantized_gemm = quantized_linear.use_quantized_gemm(True, model, True)
+    emulated_gemm.setattr(build, "gpu_backend", _cpu)
+    verify.verify_against_mlx_lm(runner)
+    assert runner.quantized_gemm  # right: kept
+    real = quantized_gemm.quantized_gemm
+    emulated_gemm.setattr(quantized_gemm, "quantized_gemm", lambda *a, **k: real(*a, **k) * 1.05)
+    verify.verify_against_mlx_lm(runner)
+    assert not runner.quantized_gemm
 
 
 def test_on_by_default_on_cuda_only_and_asked_for_elsewhere_says_why(emulated_gemm, caplog):
