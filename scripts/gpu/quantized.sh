@@ -57,6 +57,8 @@ case "${PART:-bench}" in
     stop_gpu
     PAGEDMLX_FUSED_MOE=1 offline moe-fused 300 --preset qwen3.6-35b-a3b-16l --quantization 4bit --gen-len 128 \
       --batch-sizes 64 1 --peer-max-batch 64
+    grep -m1 -o "MoE experts: fused MoE kernel in [0-9]* layers\|MoE experts left to MLX's gather_qmm.*" \
+      "$OUT/moe-fused.log" || echo "moe-fused: the log does not say whether the fused MoE kernel ran"
     offline moe-gather 120 --preset qwen3.6-35b-a3b-16l --quantization 4bit --gen-len 128 --batch-sizes 64 1 \
       --skip-peer ;;
   profile)

@@ -6,7 +6,9 @@
 #                                          INPUT_LEN (128), OUTPUT_LEN (256)
 # vLLM runs a 4-bit preset as AWQ at the same group size (scripts/export_mlx_model.py --vllm-config: its Marlin
 # kernels; embeddings and head stay 16-bit there, 4-bit here). Both tools are `bench throughput` with vLLM's flags
-# and JSON; vLLM's first start in a process compiles (torch.compile, CUDA graphs), inside its timing as ours is.
+# and JSON, and both time the requests only (vLLM's torch.compile and CUDA graphs, and our load and checks, come
+# before). Each run may take up to 280 s with its start: give one call (600 s) one preset and one batch size, e.g.
+# PRESETS=llama-8b BATCHES=64, and run the script again for the others (the table reads every result in $OUT).
 set -u
 OUT=${OUT:-/tmp/yardstick}; mkdir -p "$OUT"
 PRESETS=${PRESETS:-llama-8b llama-8b-4bit}; BATCHES=${BATCHES:-64 256}
@@ -26,6 +28,7 @@ for preset in $PRESETS; do
   PYTHONPATH=$MLX_PATH python3 scripts/export_mlx_model.py --vllm-config "preset:$preset" "$OUT/$preset" \
     > /dev/null || exit 1
   for b in $BATCHES; do
+    rm -f "$OUT/pagedmlx-$preset-$b.json" "$OUT/vllm-$preset-$b.json"  # a failed run leaves no older figure
     PYTHONPATH=$MLX_PATH timeout 280 python3 -m pagedmlx.cli bench throughput --model "preset:$preset" \
       --dtype bfloat16 $(flags "$b") --disable-tqdm --output-json "$OUT/pagedmlx-$preset-$b.json" \
       > "$OUT/pagedmlx-$preset-$b.log" 2>&1 || echo "pagedmlx $preset $b: exit $? ($OUT/pagedmlx-$preset-$b.log)"
@@ -38,20 +41,16 @@ for preset in $PRESETS; do
     stop_gpu; date -u
   done
 done
-python3 - "$OUT" "$OUTPUT_LEN" $PRESETS -- $BATCHES <<'PY'
-import json, sys
+python3 - "$OUT" "$OUTPUT_LEN" <<'PY'
+import json, re, sys
 from pathlib import Path
 out, output_len = Path(sys.argv[1]), int(sys.argv[2])
-rest = sys.argv[3:]
-presets, batches = rest[:rest.index("--")], rest[rest.index("--") + 1:]
 def tok_s(path):  # output tokens a second from vLLM's throughput JSON
-    if not path.exists():
-        return None
-    return json.loads(path.read_text())["requests_per_second"] * output_len
+    return json.loads(path.read_text())["requests_per_second"] * output_len if path.exists() else None
+runs = sorted((m[1], int(m[2])) for p in out.glob("pagedmlx-*.json") if (m := re.fullmatch(r"pagedmlx-(.+)-(\d+)", p.stem)))
 print(f"{'preset':>16} {'batch':>6} {'pagedmlx out tok/s':>19} {'vLLM out tok/s':>15} {'pagedmlx / vLLM':>16}")
-for p in presets:
-    for b in batches:
-        ours, theirs = tok_s(out / f"pagedmlx-{p}-{b}.json"), tok_s(out / f"vllm-{p}-{b}.json")
-        ratio = f"{ours / theirs:.2f}x" if ours and theirs else "-"
-        print(f"{p:>16} {b:>6} {ours or float('nan'):>19.0f} {theirs or float('nan'):>15.0f} {ratio:>16}")
+for preset, b in runs:
+    ours, theirs = tok_s(out / f"pagedmlx-{preset}-{b}.json"), tok_s(out / f"vllm-{preset}-{b}.json")
+    ratio = f"{ours / theirs:.2f}x" if ours and theirs else "-"
+    print(f"{preset:>16} {b:>6} {ours or float('nan'):>19.0f} {theirs or float('nan'):>15.0f} {ratio:>16}")
 PY
