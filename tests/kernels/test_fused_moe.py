@@ -82,22 +82,26 @@ def test_the_dense_kernel_keeps_its_rows_prelude():
 
 
 
-def _moe_model() -> nn.Module:
-    """A bf16 4-bit Qwen3.5-MoE, 16 experts, 4 a token."""
-    arch = RANDOM_ARCHS["qwen3_5_moe-tiny"]
-    model = build_model(dict(arch, text_config=dict(arch["text_config"], num_experts=16, num_experts_per_tok=4)),
-                        seed=5)
+def _moe_model(family: str = "qwen3_5_moe-tiny") -> nn.Module:
+    """A bf16 4-bit MoE: Qwen3.5-MoE with 16 experts, 4 a token; Gemma 4's MoE block (GeGLU experts) with 8, 2."""
+    arch = RANDOM_ARCHS[family]
+    if family == "qwen3_5_moe-tiny":
+        arch = dict(arch, text_config=dict(arch["text_config"], num_experts=16, num_experts_per_tok=4))
+    else:
+        arch = dict(arch, num_experts=8)
+    model = build_model(arch, seed=5)
     model.set_dtype(mx.bfloat16)
     quantize_model(model, Quantization(4, group_size=32))
     return model
 
 
-def test_busy_engine_with_the_fused_moe_equals_mlx_lm_alone(emulated_gemm):
+@pytest.mark.parametrize("family,layers", [("qwen3_5_moe-tiny", 4), ("gemma4-moe-tiny", 6)])
+def test_busy_engine_with_the_fused_moe_equals_mlx_lm_alone(emulated_gemm, family, layers):
     """Every MoE layer's experts of the engine's steps (decodes of up to 8 requests beside chunked prompts, one-token
     steps) run the fused kernel, and each request's tokens are mlx-lm's for its prompt alone, up to rounding's near
     ties."""
     emulated_gemm.setattr(mx, "gather_qmm", float32_gather_qmm())
-    model = _moe_model()
+    model = _moe_model(family)
     engine = emulated_busy_engine(model)
     runner = engine.runner
     assert not runner.fused_moe  # off by default on the CPU
@@ -106,8 +110,8 @@ def test_busy_engine_with_the_fused_moe_equals_mlx_lm_alone(emulated_gemm):
     emulated_gemm.setenv("PAGEDMLX_FUSED_MOE", "1")
     runner.fused_moe = fused_layer.use_fused_moe(True, model, True)  # its check, emulated
     emulated_gemm.setattr(build, "gpu_backend", lambda: None)
-    assert runner.fused_moe == 4  # every layer's experts
-    assert "MoE experts: fused MoE kernel in 4 layers" in "\n".join(kernel_path_lines(runner))
+    assert runner.fused_moe == layers  # every layer's experts
+    assert f"MoE experts: fused MoE kernel in {layers} layers" in "\n".join(kernel_path_lines(runner))
     tokens, real = [], fused_moe.moe_align
     emulated_gemm.setattr(fused_moe, "moe_align", lambda idx, e: tokens.append(idx.shape[0]) or real(idx, e))
     prompts = [p[:40] for p in make_prompts(10, 512, seed=13)]
