@@ -6,8 +6,9 @@ Why: MLX's CUDA gather_qmm (0.32) multiplies each (token, expert) pair as a batc
 a 16-row tile of its tiled kernel (qmm_sm80) for one row, each reading its expert's weights. Here a thread block
 takes up to BLOCK_ROWS pairs of one expert and reads that expert's weights once for all of them.
 
-moe_align (vLLM's moe_align_block_size) groups the pairs with MLX ops on the device: no host sync, and shapes that
-depend only on the step's token count, so a compiled decode step replays it."""
+moe_align (vLLM's moe_align_block_size) groups the pairs on the device in one launch of its own kernel
+(sources/fused_moe_cuda.py): no host sync, and shapes that depend only on the step's token count, so a compiled
+decode step replays it."""
 
 from __future__ import annotations
 
@@ -20,10 +21,12 @@ import numpy as np
 
 from pagedmlx.kernels import build, check
 from pagedmlx.kernels import quantized_gemm as qg
-from pagedmlx.kernels.dialect import CUDA
+from pagedmlx.kernels.dialect import CUDA, render
+from pagedmlx.kernels.sources import fused_moe_cuda as align_src
 from pagedmlx.kernels.sources import quantized_gemm_cuda as src
 
 BLOCK_ROWS = 8  # pairs a thread block takes: one 8-row tile (MT 1)
+ALIGN_THREADS = 256  # moe_align's one thread block
 WARPS = (2, 4)  # warps a block (16 columns each) below FEW_PAIRS pairs and from there: narrow products, few blocks
 FEW_PAIRS = 64
 
@@ -60,30 +63,29 @@ def _one_token(k: int) -> tuple[mx.array, mx.array, mx.array]:
 
 
 def moe_align(indices: mx.array, num_experts: int) -> Blocks:
-    """The Blocks of the experts (T, k) a step's tokens take: max_blocks of them (k for one token, whose experts are
-    distinct: a block each, no sort)."""
+    """The Blocks of the experts (T, k) a step's tokens take: max_blocks of them, grouped in one launch (ALIGN_THREADS
+    threads); k for one token, whose experts are distinct: a block each, no launch at all."""
     t, k = indices.shape
-    flat = indices.reshape(-1).astype(mx.int32)
     if t == 1:
         ids, token_rows, pair_rows = _one_token(k)
-        return Blocks(ids, flat, token_rows, pair_rows)
+        return Blocks(ids, indices.reshape(-1), token_rows, pair_rows)
     pairs = t * k
-    order = mx.argsort(flat).astype(mx.int32)  # the pairs by expert (ties in any order: rows are independent)
-    sorted_experts = flat[order]
-    counts = mx.zeros((num_experts,), mx.int32).at[flat].add(mx.ones_like(flat))
-    blocks = (counts + BLOCK_ROWS - 1) // BLOCK_ROWS
-    blocks_end = mx.cumsum(blocks)
-    pairs_start = mx.cumsum(counts) - counts
-    slot = ((blocks_end - blocks)[sorted_experts] * BLOCK_ROWS + mx.arange(pairs, dtype=mx.int32)
-            - pairs_start[sorted_experts])
-    n_blocks = max_blocks(pairs, num_experts)
-    ids = mx.zeros((n_blocks * BLOCK_ROWS,), mx.int32).at[slot].add(order + 1) - 1
-    # A block's expert: how many experts' blocks end at or before it (a mark at each end, summed up to it).
-    ends = mx.zeros((n_blocks + 1,), mx.int32).at[blocks_end].add(mx.ones_like(blocks_end))
-    block_expert = mx.cumsum(ends)[:n_blocks]
-    pair_rows = mx.maximum(ids, 0)
-    return Blocks(ids, mx.where(block_expert < num_experts, block_expert, -1).astype(mx.int32), pair_rows // k,
-                  pair_rows)
+    slots, n_blocks = max_blocks(pairs, num_experts) * BLOCK_ROWS, max_blocks(pairs, num_experts)
+    ids, token_rows, pair_rows, experts = _align_kernel()(
+        inputs=[indices.reshape(-1)], template=_align_template(num_experts, k),
+        grid=(ALIGN_THREADS, 1, 1), threadgroup=(ALIGN_THREADS, 1, 1),
+        output_shapes=[(slots,), (slots,), (slots,), (n_blocks,)], output_dtypes=[mx.int32] * 4)
+    return Blocks(ids, experts, token_rows, pair_rows)
+
+
+@functools.lru_cache(maxsize=None)
+def _align_kernel():
+    return build.make_kernel(CUDA, "pagedmlx_moe_align", ["indices"],
+                             ["ids", "token_rows", "pair_rows", "block_experts"], render(align_src.MOE_ALIGN, CUDA), "")
+
+
+def _align_template(num_experts: int, k: int) -> list:
+    return [("E", num_experts), ("BR", BLOCK_ROWS), ("K", k), ("THREADS", ALIGN_THREADS)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,12 +119,17 @@ def supports(k: int, dtype: mx.Dtype, bits: int, group_size: int, mode: str = "a
     return qg.supports(1, k, dtype, bits, group_size, mode)
 
 
-def prebuild(shapes: Sequence[tuple[int, int, int, int]], dtype: mx.Dtype) -> None:
-    """Compile the variants of these (N, K, bits, group_size) experts' products into the disk cache at once."""
+def prebuild(shapes: Sequence[tuple[int, int, int, int]], dtype: mx.Dtype,
+             routings: Sequence[tuple[int, int]] = ()) -> None:
+    """Compile into the disk cache at once the variants of these (N, K, bits, group_size) experts' products (experts
+    of either index dtype: a one-token step's are the router's own) and moe_align's for these (experts, k)."""
     if hasattr(_kernel(), "prebuild"):
-        inputs = [(dtype, 2), (mx.uint32, 3), (dtype, 3), (dtype, 3)] + [(mx.int32, 1)] * 4
-        _kernel().prebuild([(inputs, [dtype, mx.float32], _template(dtype, bits, gs, warps))
-                            for _, _, bits, gs in shapes for warps in WARPS])
+        inputs = [[(dtype, 2), (mx.uint32, 3), (dtype, 3), (dtype, 3)] + [(mx.int32, 1)] * 3 + [(expert_dtype, 1)]
+                  for expert_dtype in (mx.int32, mx.uint32)]
+        _kernel().prebuild([(ins, [dtype, mx.float32], _template(dtype, bits, gs, warps))
+                            for _, _, bits, gs in shapes for warps in WARPS for ins in inputs])
+    if hasattr(_align_kernel(), "prebuild"):
+        _align_kernel().prebuild([([(mx.uint32, 1)], [mx.int32] * 4, _align_template(e, k)) for e, k in routings])
 
 
 def check_fused_moe(shapes: Sequence[tuple[int, int, int, int]], top_k: int, dtype: mx.Dtype = mx.bfloat16,
@@ -139,8 +146,8 @@ def check_fused_moe(shapes: Sequence[tuple[int, int, int, int]], top_k: int, dty
 
 
 def _check(shapes, top_k, dtype, tokens_checked, seed) -> Optional[str]:
-    prebuild(shapes, dtype)
     n_experts = top_k + 1
+    prebuild(shapes, dtype, [(n_experts, top_k)])
     keys = iter(mx.random.split(mx.random.key(seed), len(shapes) * (1 + 4 * len(tokens_checked))))
     for n, k, bits, group_size in shapes:
         w, scales, biases = mx.quantize(mx.random.normal((n_experts, n, k), dtype, scale=k ** -0.5, key=next(keys)),

@@ -92,8 +92,22 @@ def use_fused_moe(setting: Optional[bool], model: nn.Module, kernels_enabled: bo
         return 0
     for m, _ in layers:
         m._kernel = True
+    routings = {(m.gate_proj.num_experts, k) for m, _ in layers for k in _top_ks(model)}
+    fused_moe.prebuild([], mx.bfloat16, sorted(routings))  # moe_align's variants, before the first steps
     logger.info("%d MoE layers take the fused MoE kernel (layers/fused_moe.py)", len(layers))
     return len(layers)
+
+
+def _top_ks(model: nn.Module) -> set[int]:
+    """The experts a token takes, where the model's modules or their configs name it (a variant of moe_align for
+    another k is compiled when first met)."""
+    found = set()
+    for _, m in model.named_modules():
+        for holder in (m, getattr(m, "config", None), getattr(m, "args", None)):
+            for name in ("top_k", "num_experts_per_tok", "top_k_experts"):
+                if isinstance(value := getattr(holder, name, None), int) and value > 0:
+                    found.add(value)
+    return found
 
 
 def _check(shapes: list[tuple[int, int, int, int]], dtype: mx.Dtype) -> Optional[str]:

@@ -132,15 +132,16 @@ def compile_kernel(backend: str, text: str):
     CACHE.mkdir(parents=True, exist_ok=True)
     key = hashlib.sha1(code.encode() + (HERE / "emu.h").read_bytes()).hexdigest()[:16]
     lib = CACHE / f"{key}.so"
-    if not lib.exists():
-        src = CACHE / f"{key}.cpp"
+    if not lib.exists():  # each process its own source and output file: test workers may build the same kernel
+        src, tmp = CACHE / f"{key}.{os.getpid()}.cpp", f"{lib}.{os.getpid()}.tmp"
         src.write_text(code)
         cmd = ["g++", "-std=c++20", os.environ.get("EMU_OPT", "-O1"), "-g", "-shared", "-fPIC", "-U_FORTIFY_SOURCE",
-               "-Wno-attributes", "-Wno-unknown-pragmas", "-Wno-unused", "-o", str(lib) + ".tmp", str(src)]
+               "-Wno-attributes", "-Wno-unknown-pragmas", "-Wno-unused", "-o", tmp, str(src)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"g++ failed on the {backend} source ({src}):\n{done.stderr[:4000]}")
-        os.replace(str(lib) + ".tmp", lib)
+        os.replace(tmp, lib)
+        src.unlink(missing_ok=True)
     dll = ctypes.CDLL(str(lib))
     dll.emu_run.restype = ctypes.c_int
     return dll, buffers

@@ -20,7 +20,7 @@ def emulated_gemm(monkeypatch):
     monkeypatch.setattr(build, "make_kernel", EmulatedKernel)
     monkeypatch.setattr(mma_src, "MMA_HEADER", EMU_MMA_HEADER)
     monkeypatch.setattr(prefill_src, "PREFILL_HEADER", EMU_PREFILL_HEADER)
-    kernels = (quantized_gemm._kernel, fused_moe._kernel)
+    kernels = (quantized_gemm._kernel, fused_moe._kernel, fused_moe._align_kernel)
     for kernel in kernels:
         kernel.cache_clear()
     yield monkeypatch

@@ -172,7 +172,7 @@ def recorded(monkeypatch):
     cached = (decode_attention._kernels, decode_attention_quant._kernels, page_write._write_kernel,
               page_write._quant_write_kernel, page_write._quantizing_write_kernel, prefill_attention._prefill_kernels,
               recurrent_state._kernel, lora._kernel, add_rms_norm._kernel, skinny_gemm._kernel,
-              quantized_gemm._kernel, fused_moe._kernel)
+              quantized_gemm._kernel, fused_moe._kernel, fused_moe._align_kernel)
     for fn in cached:
         fn.cache_clear()
     RecordingCudaKernel.sources = []

@@ -15,6 +15,7 @@ from utils import (assert_no_leaks, emulated_busy_engine, float32_gather_qmm, fl
 from pagedmlx.bench.presets import Quantization, quantize_model
 from pagedmlx.kernels import build, fused_moe, quantized_gemm
 from pagedmlx.kernels.dialect import CUDA
+from pagedmlx.kernels.sources import fused_moe_cuda as align_src
 from pagedmlx.kernels.sources import quantized_gemm_cuda as gemm_src
 from pagedmlx.layers import fused_moe as fused_layer
 from pagedmlx.layers import quantized_linear
@@ -25,9 +26,9 @@ from pagedmlx.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("tokens,k,experts", [(1, 8, 256), (5, 2, 4), (64, 8, 256), (40, 2, 3), (300, 8, 16)])
-def test_moe_align_puts_every_pair_once_in_a_block_of_its_expert(tokens, k, experts):
+def test_moe_align_puts_every_pair_once_in_a_block_of_its_expert(emulated_gemm, tokens, k, experts):
     rng = np.random.default_rng(tokens)
-    route = np.stack([rng.permutation(experts)[:k] for _ in range(tokens)]).astype(np.int32)
+    route = np.stack([rng.permutation(experts)[:k] for _ in range(tokens)]).astype(np.uint32)  # as argpartition's
     b = fused_moe.moe_align(mx.array(route), experts)
     ids, block_experts = np.array(b.ids), np.array(b.experts)
     assert (np.array(b.pair_rows) == np.maximum(ids, 0)).all()  # empty slots read row 0
@@ -73,6 +74,19 @@ def test_the_check_fails_a_wrong_fused_moe(emulated_gemm, original, wrong):
     emulated_gemm.setattr(gemm_src, "QUANTIZED_GEMM", gemm_src.QUANTIZED_GEMM.replace(original, wrong))
     err = fused_moe.check_fused_moe([(40, 256, 4, 64)], 2, mx.bfloat16, tokens_checked=(1, 21))
     assert err is not None and ("max relative difference" in err or "did not compile" in err)
+
+
+@pytest.mark.parametrize("original,wrong", [
+    ("token_rows[slot] = p / K;", "token_rows[slot] = p;"),  # the pair's row for a token's
+    ("block += (counts[e] + BR - 1) / BR;", "block += counts[e] / BR;"),  # an expert's last block shared
+    ("block_experts[first_block[e] + j] = e;", "block_experts[first_block[e] + j] = 0;"),  # every block expert 0
+    ("cursor[e] = block * BR;", "cursor[e] = block * BR + 1;"),  # a block's first slot left empty
+])
+def test_the_check_fails_a_wrong_moe_align(emulated_gemm, original, wrong):
+    assert original in align_src.MOE_ALIGN
+    emulated_gemm.setattr(align_src, "MOE_ALIGN", align_src.MOE_ALIGN.replace(original, wrong))
+    err = fused_moe.check_fused_moe([(40, 256, 4, 64)], 2, mx.bfloat16, tokens_checked=(3, 21))
+    assert err is not None and ("max relative difference" in err or "did not compile or run" in err)
 
 
 def test_the_dense_kernel_keeps_its_rows_prelude():
