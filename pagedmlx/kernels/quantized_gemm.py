@@ -236,9 +236,16 @@ def _check(shapes, dtype, rows_checked, seed) -> Optional[str]:
         for rows in rows_checked:
             x = mx.random.normal((rows, k), dtype, key=next(keys))
             got = quantized_gemm(x, w, scales, biases, bits, group_size).astype(mx.float32)
-            want = reference(x)
-            err = (mx.abs(got - want).max() / mx.maximum(mx.abs(want).max(), 1e-6)).item()
-            if not (np.isfinite(err) and err <= TOLERANCE[dtype]):
-                return (f"max relative difference {err:.2e} > {TOLERANCE[dtype]:.0e} ({rows} rows x {k} @ {n} x {k}, "
-                        f"{bits}-bit, group size {group_size}, {check._dtype_name(dtype)})")
+            if why := disagreement(got, reference(x), dtype, f"{rows} rows x {k} @ {n} x {k}, {bits}-bit, group size "
+                                   f"{group_size}"):
+                return why
     return None
+
+
+def disagreement(got: mx.array, want: mx.array, dtype: mx.Dtype, what: str) -> Optional[str]:
+    """None where `got` is within the dtype's TOLERANCE of the float32 reference `want` (relative to its largest
+    magnitude); else how far, and `what` was multiplied."""
+    err = (mx.abs(got - want).max() / mx.maximum(mx.abs(want).max(), 1e-6)).item()
+    if np.isfinite(err) and err <= TOLERANCE[dtype]:
+        return None
+    return f"max relative difference {err:.2e} > {TOLERANCE[dtype]:.0e} ({what}, {check._dtype_name(dtype)})"

@@ -1,13 +1,14 @@
 """MoE layers' quantized experts as one launch a product on CUDA (kernels/fused_moe.py), in place of mlx-lm's
 gather_qmm over each (token, expert) pair.
 
-flatten_quantized() (layers/quantized_linear.py) also makes mlx-lm's SwitchGLU modules FusedSwitchGLU. Inside
+fuse_switch_glus() (the runner, beside flatten_quantized) makes mlx-lm's SwitchGLU modules FusedSwitchGLU. Inside
 flat_rows() (the runner's forward) one whose kernel use_fused_moe() turned on groups the step's pairs by expert once
 (moe_align) and runs its gate, up and down products through the kernel; anywhere else, or with the kernel off, it is
 mlx-lm's SwitchGLU, so mlx-lm's generation on the same model object computes exactly what it did."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Optional
 
@@ -86,14 +87,16 @@ def use_fused_moe(setting: Optional[bool], model: nn.Module, kernels_enabled: bo
     by_dtype: dict = {}
     for m, shapes in layers:
         by_dtype.setdefault(m.gate_proj.scales.dtype, set()).update(shapes)
-    why = next((err for dtype, shapes in by_dtype.items() if (err := _check(sorted(shapes), dtype))), None)
-    if why is not None:
-        logger.warning("MoE experts left to MLX's gather_qmm (fused MoE kernel): %s", why)
-        return 0
+    for dtype, shapes in by_dtype.items():  # each skipped where it passed before (runner/check_cache.py)
+        checked = sorted(shapes)
+        run = functools.partial(fused_moe.check_fused_moe, checked, CHECK_TOP_K, dtype)
+        if (why := check_cache.kept("fused_moe", run, checked, CHECK_TOP_K, dtype)) is not None:
+            logger.warning("MoE experts left to MLX's gather_qmm (fused MoE kernel): %s", why)
+            return 0
     for m, _ in layers:
         m._kernel = True
     routings = {(m.gate_proj.num_experts, k) for m, _ in layers for k in _top_ks(model)}
-    fused_moe.prebuild([], mx.bfloat16, sorted(routings))  # moe_align's variants, before the first steps
+    fused_moe.prebuild_align(sorted(routings))  # before the first steps
     logger.info("%d MoE layers take the fused MoE kernel (layers/fused_moe.py)", len(layers))
     return len(layers)
 
@@ -108,17 +111,6 @@ def _top_ks(model: nn.Module) -> set[int]:
                 if isinstance(value := getattr(holder, name, None), int) and value > 0:
                     found.add(value)
     return found
-
-
-def _check(shapes: list[tuple[int, int, int, int]], dtype: mx.Dtype) -> Optional[str]:
-    """The kernel's load-time check, skipped where it passed before (runner/check_cache.py)."""
-    key = check_cache.check_key("fused_moe", shapes, CHECK_TOP_K, dtype)
-    if check_cache.passed(key):
-        return None
-    why = fused_moe.check_fused_moe(shapes, CHECK_TOP_K, dtype)
-    if why is None:
-        check_cache.record_pass(key)
-    return why
 
 
 def drop_fused_moe(model: nn.Module) -> int:

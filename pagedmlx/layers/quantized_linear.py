@@ -19,6 +19,7 @@ also covers a tied head (nn.QuantizedEmbedding.as_linear). PAGEDMLX_FLAT_QUANTIZ
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import Iterator, Optional
 
@@ -123,7 +124,11 @@ def use_quantized_gemm(setting: Optional[bool], model: nn.Module, kernels_enable
             launches = tuple(quantized_gemm.launch_for(*shape[:2], r, *shape[2:]) for r in quantized_gemm.check_rows(
                 QUANTIZED_GEMM_ROWS[-1]))
             by_dtype.setdefault(m.scales.dtype, {})[(shape[1:], launches)] = shape
-        why = next((err for dtype, shapes in by_dtype.items() if (err := _check(sorted(shapes.values()), dtype))), None)
+        for dtype, shapes in by_dtype.items():  # each skipped where it passed before (runner/check_cache.py)
+            checked = sorted(shapes.values())
+            run = functools.partial(quantized_gemm.check_quantized_gemm, checked, dtype)
+            if (why := check_cache.kept("quantized_gemm", run, checked, dtype)) is not None:
+                break
     if why is not None:
         logger.warning("quantized products left to MLX's quantized matmul (quantized_gemm): %s", why)
         return False
@@ -132,18 +137,6 @@ def use_quantized_gemm(setting: Optional[bool], model: nn.Module, kernels_enable
     logger.info("%d quantized layers take the quantized GEMM kernel for %d-%d rows (layers/quantized_linear.py)",
                 len(taken), QUANTIZED_GEMM_ROWS[0], QUANTIZED_GEMM_ROWS[-1])
     return True
-
-
-def _check(shapes: list[tuple[int, int, int, int]], dtype: mx.Dtype) -> Optional[str]:
-    """The kernel's load-time check at these shapes, skipped where it passed before (runner/check_cache.py: same
-    source, MLX and device)."""
-    key = check_cache.check_key("quantized_gemm", shapes, dtype)
-    if check_cache.passed(key):
-        return None
-    why = quantized_gemm.check_quantized_gemm(shapes, dtype)
-    if why is None:
-        check_cache.record_pass(key)
-    return why
 
 
 def drop_quantized_gemm(model: nn.Module) -> bool:

@@ -15,7 +15,7 @@ import functools
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from pagedmlx import envs
 from pagedmlx.platform import cache_dir, device_name
@@ -65,6 +65,18 @@ def _path(key: str) -> Path:
 
 def passed(key: Optional[str]) -> bool:
     return key is not None and envs.PAGEDMLX_CHECK_CACHE and _path(key).exists()
+
+
+def kept(kind: str, run: Callable[[], Optional[str]], *parts: Any) -> Optional[str]:
+    """run() (a load-time check: None if it passed, else why not), skipped where it passed before under
+    check_key(kind, *parts); a pass is kept."""
+    key = check_key(kind, *parts)
+    if passed(key):
+        return None
+    why = run()
+    if why is None:
+        record_pass(key)
+    return why
 
 
 def record_pass(key: Optional[str]) -> None:
