@@ -1,7 +1,7 @@
 """Kernel variants compiled by worker processes, for the disk cache's prebuild (disk_cache.py).
 
-NVRTC compiles one program at a time within a process (CUDA 13, 2026-12-07: two threads compiled four quantized
-GEMM variants no faster than one; two processes 1.65x faster), and a first start on a machine meets dozens of
+NVRTC compiles one program at a time within a process (with CUDA 13, two threads compiled four quantized GEMM
+variants no faster than one; two processes, 1.65x faster), and a first start on a machine meets dozens of
 variants, a few seconds each. So up to WORKERS interpreters run disk_cache.py's worker_main at once, each compiling
 its share of the variants straight into the cache folder. They are started with `subprocess`, not multiprocessing:
 the engine core is a daemon process, which multiprocessing lets have no children. A worker touches no GPU (NVRTC is

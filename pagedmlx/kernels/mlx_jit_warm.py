@@ -5,7 +5,7 @@ CUTLASS kernel that it builds with NVRTC the first time a process meets one of i
 a format (activation dtype, bits, group size, mode), then keeps in MLX_PTX_CACHE_DIR under a module name of those
 (mlx/backend/cuda/quantized/qmm/qmm_sm80.cu). Each build takes tens of seconds, and a process builds one at a time.
 A quantized model's start meets every tile of its formats: the KV budget's profile step, and mlx-lm's own passes in
-the load-time check. On an H100 (2026-12-07) a 4-bit Llama-8B's first start spent 68 s in that check alone.
+the load-time check. A 4-bit Llama-8B's first start on an H100 spent over a minute in that check alone.
 
 building(model) launches, as the runner's first step, one process per (format, tile) whose module is not on disk
 yet, each running one small product of that tile into a folder of its own, and waits for them where it ends (before
