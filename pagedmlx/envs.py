@@ -64,9 +64,12 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # The fewest rows a quantized product takes the quantized GEMM kernel for (layers/quantized_linear.py); fewer
     # keep MLX's own quantized matmul (its matrix-vector kernel for one row).
     "PAGEDMLX_QUANTIZED_GEMM_MIN_ROWS": _int("PAGEDMLX_QUANTIZED_GEMM_MIN_ROWS", 1),
-    # 1: MoE layers' quantized experts run the fused MoE kernel where the quantized GEMM is on (layers/fused_moe.py),
-    # not MLX's gather_qmm. Off by default until a GPU has timed it against gather_qmm (checked and nvcc-compiled).
-    "PAGEDMLX_FUSED_MOE": _on("PAGEDMLX_FUSED_MOE", False),
+    # 0: MoE layers' quantized experts keep MLX's gather_qmm instead of the fused MoE kernel where the quantized GEMM
+    # is on (layers/fused_moe.py).
+    "PAGEDMLX_FUSED_MOE": _on("PAGEDMLX_FUSED_MOE", True),
+    # The fewest tokens a step gives the fused MoE kernel; fewer keep gather_qmm, which reads fewer experts' weights
+    # faster (docs/kernels.md#the-fused-moe-kernel).
+    "PAGEDMLX_FUSED_MOE_MIN_TOKENS": _int("PAGEDMLX_FUSED_MOE_MIN_TOKENS", 8),
     # 0: kernels keep their own launch rules, not the launch shapes tuned for this GPU (kernels/launch_configs.py).
     "PAGEDMLX_TUNED_CONFIGS": _on("PAGEDMLX_TUNED_CONFIGS", True),
     # A folder of tuned launch configs read before the package's own kernels/configs/ (vLLM's

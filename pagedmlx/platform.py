@@ -31,12 +31,14 @@ def _no_file_limit_changes() -> Iterator[None]:
         resource.setrlimit = real
 
 
-def import_mlx_lm() -> None:
+def import_mlx_lm(kernel_cache: bool = True) -> None:
     """Import mlx-lm with its RLIMIT_NOFILE call skipped: importing `mlx_lm.utils` sets the open-file
     limit to (2048, 4096) whatever the operator set, lowering a higher hard limit for good and failing
     under a lower one (server/file_limit.py). The packages that import mlx-lm (runner, models) call it
-    first; a no-op once mlx-lm is imported. Also keeps compiled kernels on disk (use_kernel_cache)."""
-    use_kernel_cache()
+    first; a no-op once mlx-lm is imported. Also keeps compiled kernels on disk (use_kernel_cache), unless
+    kernel_cache is False: the server's front end, which builds no kernel, asks nothing of the GPU."""
+    if kernel_cache:
+        use_kernel_cache()
     with _no_file_limit_changes():
         import mlx_lm.utils  # noqa: F401
 

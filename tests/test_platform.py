@@ -50,3 +50,16 @@ def test_an_engine_without_openblas_says_how_to_get_it():
     fast = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env=dict(env, LD_PRELOAD=OPENBLAS))
     assert fast.stdout.strip() == "None"
+
+
+def test_the_servers_front_end_asks_nothing_of_the_gpu(monkeypatch):
+    """The front end builds no kernel, so it never points MLX's kernel cache at the device (which asks the GPU for its
+    compute capability, and on CUDA can hold a context's memory beside the engine core's)."""
+    from pagedmlx.server import launch
+
+    asked = []
+    monkeypatch.setattr(platform, "use_kernel_cache", lambda: asked.append(True))
+    launch._import_server()
+    assert asked == []
+    platform.import_mlx_lm()  # the engine's packages do
+    assert asked == [True]

@@ -62,6 +62,8 @@ def run_engine_core(args: CoreArgs) -> None:
     try:
         core = build_core(args, send_tokenizer)
     except BaseException as exc:  # noqa: BLE001 - the front end says why and exits
+        if not isinstance(exc, (ValueError, OSError)):  # not a setting or a path the user can fix: where it failed
+            logger.error("the engine could not be built", exc_info=True)
         send(("failed", f"{type(exc).__name__}: {exc}"))
         output.close(linger=5000)
         ctx.term()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from pagedmlx import envs
 from pagedmlx.config import EngineConfig
 from pagedmlx.core.kv.cache_dtype import KVQuant
 from pagedmlx.kernels import decode_attention, decode_attention_quant, disk_cache, prefill_attention
@@ -96,7 +97,10 @@ def kernel_path_lines(runner: Any) -> list[str]:
         lines.append(f"quantized products of {rows[0]}-{rows[-1]} rows: quantized GEMM kernel "
                      "(layers/quantized_linear.py)")
     if getattr(runner, "fused_moe", 0):
-        lines.append(f"MoE experts: fused MoE kernel in {runner.fused_moe} layers (layers/fused_moe.py)")
+        fewest = envs.PAGEDMLX_FUSED_MOE_MIN_TOKENS
+        lines.append(f"MoE experts: fused MoE kernel in {runner.fused_moe} layers"
+                     + (f" for steps of {fewest}+ tokens, gather_qmm below" if fewest > 1 else "")
+                     + " (layers/fused_moe.py)")
     lora = getattr(runner, "lora_manager", None)
     if lora is not None:
         lines.append("LoRA adapters: " + (f"batched LoRA kernel on {lora.punica.kernel_backend} (DoRA rows: MLX's "

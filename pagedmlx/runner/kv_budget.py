@@ -7,14 +7,20 @@ model's own forward at start. On the CPU, whose RAM the rest of the machine shar
 model: as many bytes as its weights, at least CPU_MIN_BYTES, at most CPU_MAX_FRACTION of RAM.
 `kv_cache_memory_gb` (and `num_blocks`) override either. Recurrent-state slots and a draft model's pages come
 out of the same budget (runner/model.py sizes the groups inside it).
+
+Memory this process's arrays do not account for (other processes on the card, CUDA contexts) is counted too, as vLLM
+counts its non-torch memory: where MLX says what is free on the device (CUDA: mx.device_info's free_memory, across
+processes), the pool never takes more than what is free less the step's peak and FREE_MARGIN, and a given
+`kv_cache_memory_gb` that does not fit is refused by name instead of failing in the allocator.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -27,12 +33,50 @@ logger = logging.getLogger("pagedmlx")
 DEFAULT_MAX_MODEL_LEN = 8192  # where neither the config nor the model names one
 CPU_MIN_BYTES = 512 * 2**20
 CPU_MAX_FRACTION = 0.25
+FREE_MARGIN = 2**30  # left free on the device beyond the step's peak (CUDA graphs, MLX's small buffers)
 
 
 @dataclass
 class KVBudget:
     nbytes: int
     how: str  # how it was sized, for the start-up line
+
+
+def release_cache() -> None:
+    """MLX's cached buffers given back to the device (the load-time checks leave gigabytes of them)."""
+    mx.synchronize()
+    mx.clear_cache()
+    mx.synchronize()  # CUDA's memory pool hands freed memory back at a synchronization
+
+
+def free_device_bytes(on_gpu: bool) -> Optional[int]:
+    """Bytes free on this process's GPU now, whoever holds the rest, once MLX has given back its cached buffers;
+    None where MLX does not say (Metal, the CPU)."""
+    if not on_gpu:
+        return None
+    release_cache()
+    free = mx.device_info().get("free_memory")
+    return int(free) if free else None
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether MLX's allocator raised `exc` for want of device memory (CUDA's cudaMalloc*, Metal's)."""
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+@contextlib.contextmanager
+def pool_allocation(nbytes: int) -> Iterator[None]:
+    """Around the pools' allocation: MLX's cached buffers given back first, and an allocator's out-of-memory error
+    said as what to change."""
+    release_cache()
+    try:
+        yield
+    except RuntimeError as exc:
+        if not out_of_memory(exc):
+            raise
+        raise ValueError(f"the KV pool ({nbytes / 1e9:.2f} GB) could not be allocated ({exc}): lower "
+                         f"gpu_memory_utilization (--gpu-memory-utilization) or kv_cache_memory_gb (--kv-cache-gb), "
+                         f"or free the device's memory that other processes hold") from exc
 
 
 def device_memory(on_gpu: bool) -> tuple[int, str]:
@@ -83,9 +127,14 @@ def kv_cache_budget(config: EngineConfig, model: nn.Module, body: Optional[Calla
                     on_gpu: Optional[bool] = None) -> KVBudget:
     """The KV pool's bytes (pages and state slots together), and how they were sized. on_gpu: size as on a GPU
     backend (None: where this process computes)."""
-    if config.kv_cache_memory_gb is not None:
-        return KVBudget(int(config.kv_cache_memory_gb * 1e9), f"kv_cache_memory_gb {config.kv_cache_memory_gb:g}")
     on_gpu = mx.default_device() == mx.gpu if on_gpu is None else on_gpu
+    if config.kv_cache_memory_gb is not None:
+        nbytes, free = int(config.kv_cache_memory_gb * 1e9), free_device_bytes(on_gpu)
+        if free is not None and nbytes > free - FREE_MARGIN:
+            raise ValueError(f"kv_cache_memory_gb {config.kv_cache_memory_gb:g} (--kv-cache-gb) does not fit: "
+                             f"{free / 1e9:.2f} GB are free on the device, less {FREE_MARGIN / 1e9:.2f} GB kept free; "
+                             f"give less, or leave it out to size the pool by --gpu-memory-utilization")
+        return KVBudget(nbytes, f"kv_cache_memory_gb {config.kv_cache_memory_gb:g}")
     total, what = device_memory(on_gpu)
     weights = weights_nbytes(model)
     if not on_gpu:
@@ -97,16 +146,23 @@ def kv_cache_budget(config: EngineConfig, model: nn.Module, body: Optional[Calla
     held = held_bytes(model)
     tokens = config.max_num_batched_tokens
     peak = step_peak_bytes(body, head, tokens, min(config.max_num_seqs, tokens))
-    peak_text = f"{peak / 1e9:.2f} GB a {tokens}-token step's peak"
     if peak is None:  # the step could not run alone: keep a tenth of the device for it
         peak, peak_text = int(0.1 * total), f"{0.1 * total / 1e9:.1f} GB for a step (not profiled)"
+    else:
+        peak_text = f"{peak / 1e9:.2f} GB a {tokens}-token step's peak"
     nbytes = int(util * total) - held - peak
     others = f", {(held - weights) / 1e9:.2f} GB other arrays (another engine's pool?)" if held - weights > 1e9 else ""
     how = (f"gpu_memory_utilization {util:g} x {total / 1e9:.1f} GB {what} - {held / 1e9:.2f} GB held (weights "
            f"{weights / 1e9:.2f} GB{others}) - {peak_text}")
+    free = free_device_bytes(on_gpu)
+    if free is not None and nbytes > free - peak - FREE_MARGIN:  # others hold part of the fraction
+        nbytes = free - peak - FREE_MARGIN
+        how += (f"; lowered to {nbytes / 1e9:.2f} GB: {free / 1e9:.2f} GB free on the device (other processes "
+                f"hold {max(total - free - held, 0) / 1e9:.2f} GB) - the step - {FREE_MARGIN / 1e9:.2f} GB kept free")
     if nbytes <= 0:
         raise ValueError(f"no memory left for KV pages: {how} = {nbytes / 1e9:.2f} GB; raise gpu_memory_utilization "
-                         f"(--gpu-memory-utilization), lower max_num_batched_tokens, or give kv_cache_memory_gb")
+                         f"(--gpu-memory-utilization), lower max_num_batched_tokens, give kv_cache_memory_gb, or "
+                         f"free the device's memory that other processes hold")
     return KVBudget(nbytes, how)
 
 

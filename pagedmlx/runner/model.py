@@ -30,7 +30,7 @@ from pagedmlx.runner.selfcheck import LOGIT_TOLERANCE, relative_error
 from pagedmlx.runner import check_cache, warm_up
 from pagedmlx.runner.verify import verify_against_mlx_lm
 from pagedmlx.runner.kernel_paths import select_kernel_plan
-from pagedmlx.runner.kv_budget import kv_cache_budget, weights_nbytes
+from pagedmlx.runner.kv_budget import kv_cache_budget, pool_allocation, weights_nbytes
 from pagedmlx.runner.start_times import StartTimes
 from pagedmlx.runner.state import (StateLayerCache, StateMetadata, StatePool, install_regrouping, pages_budget,
                                    state_group)
@@ -106,8 +106,9 @@ class ModelRunner:
         if verify:
             self._verify_against_mlx_lm(check_cache.runner_check_key(self, identity))
         self.start_times.lap("forward against mlx-lm")
-        self.kv_pool = self.make_pool(self.kv_cache_config)
-        self.state_pool = self.make_state_pool(self.kv_cache_config)
+        with pool_allocation(sum(g.num_blocks * g.page_size_bytes for g in self.kv_cache_config.kv_cache_groups)):
+            self.kv_pool = self.make_pool(self.kv_cache_config)
+            self.state_pool = self.make_state_pool(self.kv_cache_config)
         self.start_times.lap("pools")
         self.lora_manager = self._make_lora_manager(config) if config.enable_lora else None
         # Decode-only steps through mx.compile (runner/compiled_step.py).

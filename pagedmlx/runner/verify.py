@@ -11,6 +11,7 @@ from pagedmlx.layers.fused_moe import drop_fused_moe
 from pagedmlx.layers.quantized_linear import drop_quantized_gemm
 from pagedmlx.layers.skinny_linear import drop_skinny_gemm
 from pagedmlx.runner import check_cache
+from pagedmlx.runner.kv_budget import out_of_memory
 from pagedmlx.runner.plan import UnsupportedModelError, model_type
 from pagedmlx.runner.selfcheck import check_paged_forward
 
@@ -21,6 +22,9 @@ def _check(runner) -> Optional[str]:  # a kernel that fails to build or run coun
     try:
         return check_paged_forward(runner)
     except Exception as exc:  # noqa: BLE001 - MLX raises when a kernel is built or run
+        if out_of_memory(exc):  # no kernel's fault: said as it is, not as a model that disagrees
+            raise ValueError(f"the model's load-time check ran out of device memory ({exc}): free the memory other "
+                             f"processes hold on the device, or serve a smaller model") from exc
         return error_line(exc)
 
 

@@ -216,7 +216,7 @@ def _import_server() -> None:
     """The front end's modules, imported while the engine core loads the model (seconds of a start)."""
     from pagedmlx.platform import import_mlx_lm
 
-    import_mlx_lm()  # first: keep the operator's open-file limit (file_limit.py)
+    import_mlx_lm(kernel_cache=False)  # first: keep the operator's open-file limit (file_limit.py)
     import pagedmlx.engine.async_engine  # noqa: F401
     import pagedmlx.server.api  # noqa: F401
     import pagedmlx.server.http_server  # noqa: F401

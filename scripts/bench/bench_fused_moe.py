@@ -40,7 +40,7 @@ def main() -> None:
     p.add_argument("--wall", action="store_true", help="wall time of a chain (the host's dispatch included)")
     args = p.parse_args()
     platform.use_kernel_cache()
-    os.environ["PAGEDMLX_FUSED_MOE"] = "1"  # the kernel on for this study (it is off by default)
+    os.environ["PAGEDMLX_FUSED_MOE_MIN_TOKENS"] = "1"  # the kernel at every token count, for this study
     layers = []
     for _ in range(args.layers):
         glu = SwitchGLU(args.hidden, args.intermediate, args.experts)

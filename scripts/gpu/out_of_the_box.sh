@@ -36,8 +36,9 @@ serve() {  # name, extra flags...: start on a port of its own, wait for an answe
   echo "$name ready $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s" | tee -a "$OUT/ready.txt"
   grep -m1 "KV pool" "$OUT/$name.log"
 }
-stop() {  # the server and its engine-core process
+stop() {  # the server and its engine-core process, then until the GPU has their memory back
   pkill -9 -P $SERVER 2>/dev/null; kill -9 $SERVER 2>/dev/null; wait $SERVER 2>/dev/null
+  while [ -n "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader)" ]; do sleep 0.5; done
 }
 load() {  # name
   timeout 240 python3 -m pagedmlx.cli bench serve --port $PORT --dataset-name random --random-input-len 100 \

@@ -55,14 +55,14 @@ case "${PART:-bench}" in
     # (and mlx-lm beside it), then with MLX's gather_qmm
     timeout 150 python3 -u scripts/bench/bench_fused_moe.py --tokens 1 8 64 256 2>&1 | grep -v Warn | tee "$OUT/fused_moe.log"
     stop_gpu
-    PAGEDMLX_FUSED_MOE=1 offline moe-fused 300 --preset qwen3.6-35b-a3b-16l --quantization 4bit --gen-len 128 \
+    offline moe-fused 300 --preset qwen3.6-35b-a3b-16l --quantization 4bit --gen-len 128 \
       --batch-sizes 64 1 --peer-max-batch 64
     grep -m1 -o "MoE experts: fused MoE kernel in [0-9]* layers\|MoE experts left to MLX's gather_qmm.*" \
       "$OUT/moe-fused.log" || echo "moe-fused: the log does not say whether the fused MoE kernel ran"
-    offline moe-gather 120 --preset qwen3.6-35b-a3b-16l --quantization 4bit --gen-len 128 --batch-sizes 64 1 \
+    PAGEDMLX_FUSED_MOE=0 offline moe-gather 120 --preset qwen3.6-35b-a3b-16l --quantization 4bit --gen-len 128 --batch-sizes 64 1 \
       --skip-peer ;;
   profile)
-    PAGEDMLX_FUSED_MOE=1 profile moe-64 150 --preset qwen3.6-35b-a3b-16l --quantization 4bit --batch 64
+    profile moe-64 150 --preset qwen3.6-35b-a3b-16l --quantization 4bit --batch 64
     profile bf16-64 110 --preset llama-8b --batch 64
     profile moe-1 120 --preset qwen3.6-35b-a3b-16l --quantization 4bit --batch 1 ;;
   *) echo "PART is tune, bench, shapes, moe or profile"; exit 2 ;;

@@ -120,8 +120,10 @@ def test_busy_engine_with_the_fused_moe_equals_mlx_lm_alone(emulated_gemm, famil
     runner = engine.runner
     assert not runner.fused_moe  # off by default on the CPU
     emulated_gemm.setattr(build, "gpu_backend", lambda: CUDA)
-    assert fused_layer.use_fused_moe(True, model, True) == 0  # off until PAGEDMLX_FUSED_MOE=1
-    emulated_gemm.setenv("PAGEDMLX_FUSED_MOE", "1")
+    emulated_gemm.setenv("PAGEDMLX_FUSED_MOE", "0")
+    assert fused_layer.use_fused_moe(True, model, True) == 0  # turned off by name
+    emulated_gemm.delenv("PAGEDMLX_FUSED_MOE")
+    emulated_gemm.setenv("PAGEDMLX_FUSED_MOE_MIN_TOKENS", "1")  # one-token steps through the kernel too
     runner.fused_moe = fused_layer.use_fused_moe(True, model, True)  # its check, emulated
     emulated_gemm.setattr(build, "gpu_backend", lambda: None)
     assert runner.fused_moe == layers  # every layer's experts
@@ -149,7 +151,6 @@ def test_a_fused_moe_the_model_check_refuses_gives_way_before_the_quantized_gemm
     model = _moe_model()
     runner = emulated_busy_engine(model).runner
     emulated_gemm.setattr(build, "gpu_backend", lambda: CUDA)
-    emulated_gemm.setenv("PAGEDMLX_FUSED_MOE", "1")
     runner.quantized_gemm = quantized_linear.use_quantized_gemm(True, model, True)
     runner.fused_moe = fused_layer.use_fused_moe(True, model, True)
     emulated_gemm.setattr(build, "gpu_backend", lambda: None)
@@ -160,3 +161,29 @@ def test_a_fused_moe_the_model_check_refuses_gives_way_before_the_quantized_gemm
     emulated_gemm.setattr(fused_moe, "grouped_quantized_gemm", lambda *a: real(*a) * 4)
     verify.verify_against_mlx_lm(runner)
     assert runner.quantized_gemm and runner.fused_moe == 0
+
+
+class _Kernel(Exception):
+    """The step reached the fused MoE kernel's grouping."""
+
+
+def test_steps_of_fewer_tokens_than_the_minimum_keep_gather_qmm(monkeypatch):
+    model = _moe_model()
+    fused_layer.fuse_switch_glus(model)
+    layer = next(m for _, m in model.named_modules() if type(m) is fused_layer.FusedSwitchGLU)
+    layer._kernel, layer._min_tokens = True, 8
+    reached = []
+
+    def align(indices, experts):
+        reached.append(indices.shape[0])
+        raise _Kernel
+
+    monkeypatch.setattr(fused_moe, "moe_align", align)
+    width, k = layer.gate_proj.weight.shape[-1] * 32 // layer.gate_proj.bits, 4
+    with quantized_linear.flat_rows():
+        for tokens in (1, 7):
+            y = layer(mx.ones((tokens, 1, width), mx.bfloat16), mx.zeros((tokens, 1, k), mx.uint32))
+            assert y.shape == (tokens, 1, k, width)  # gather_qmm's, as mlx-lm computes it
+        with pytest.raises(_Kernel):
+            layer(mx.ones((8, 1, width), mx.bfloat16), mx.zeros((8, 1, k), mx.uint32))
+    assert reached == [8]
