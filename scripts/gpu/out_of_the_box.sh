@@ -30,7 +30,7 @@ serve() {  # name, extra flags...: start on a port of its own, wait for an answe
   fi
   SERVER=$!
   until answered; do
-    kill -0 $SERVER 2>/dev/null || { echo "$name: server exited"; tail -5 "$OUT/$name.log"; return 1; }
+    kill -0 $SERVER 2>/dev/null || { echo "$name: server exited"; grep -v Warn "$OUT/$name.log" | tail -30; return 1; }
     sleep 0.5
   done
   echo "$name ready $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s" | tee -a "$OUT/ready.txt"
