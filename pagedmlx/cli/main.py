@@ -30,11 +30,31 @@ def load_engine(config, command: str):
 
     console = Console(stderr=True)
     try:
-        with console.status("loading the model..."):
+        with console.status("loading the model..."), engine_log_lines(console):
             return build_engine(config)
     except Exception as exc:  # noqa: BLE001 - whatever stopped the load is the user's to fix: said, not a traceback
         console.print(f"[red]pagedmlx {command}: the engine could not start:[/] {type(exc).__name__}: {exc}")
         return None
+
+
+@contextlib.contextmanager
+def engine_log_lines(console):
+    """The engine's start-up lines (kernels built, checks kept, ...) under the spinner while it starts: a first start
+    on a GPU builds kernels for minutes, and `serve` shows the same lines."""
+    import logging
+
+    from rich.logging import RichHandler
+
+    logger = logging.getLogger("pagedmlx")
+    handler = RichHandler(console=console, show_time=False, show_path=False, level=logging.INFO)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(min(level or logging.INFO, logging.INFO))
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 # ---- generate --------------------------------------------------------------------------------

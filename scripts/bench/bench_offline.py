@@ -20,6 +20,7 @@ compares the two (medians over the interleaved runs, and the median of the runs'
 from __future__ import annotations
 
 import argparse
+import logging
 import dataclasses
 import json
 import os
@@ -195,6 +196,7 @@ def main() -> None:
     ap.add_argument("--peer-max-batch", type=int, help="run mlx-lm at batch sizes up to this only (larger: pagedmlx "
                                                       "only, mlx-lm's cells nan)")
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="  %(name)s: %(message)s")  # the engine's start-up lines
 
     from rich.console import Console
     from rich.table import Table

@@ -36,6 +36,23 @@ def test_generate_prints_mlx_lm_stats_lines(capsys):
     assert err[i + 3].startswith("Peak memory: ") and err[i + 3].endswith(" GB")
 
 
+def test_the_engines_start_up_lines_show_while_it_loads(monkeypatch, capsys):
+    import importlib
+    import logging
+
+    cli_main = importlib.import_module("pagedmlx.cli.main")  # the module (pagedmlx.cli.main is also its function)
+
+    def build_engine(config):
+        logging.getLogger("pagedmlx").info("compiled 4 paged kernel variants in 1.5 s")
+        return "engine"
+
+    monkeypatch.setattr(cli_main, "build_engine", build_engine)
+    assert cli_main.load_engine(argparse.Namespace(), "generate") == "engine"
+    assert "compiled 4 paged kernel variants in 1.5 s" in capsys.readouterr().err
+    logging.getLogger("pagedmlx").info("after the load")  # the engine's own handlers only, as before
+    assert "after the load" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("model,name", [
     (None, "SmolLM2-135M-Instruct"), ("pypi:gemma-3-270m", "gemma-3-270m"), ("/models/x/Qwen3-0.6B.gguf", "Qwen3-0.6B"),
     ("mlx-community/Qwen3-0.6B-bf16", "mlx-community/Qwen3-0.6B-bf16"), ("./my-model/", "./my-model"),
