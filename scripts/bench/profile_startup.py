@@ -1,7 +1,8 @@
 """Where an engine's start-up goes: LLMEngine built on a random preset model under cProfile, the runner's start-up
 lines timestamped, then the functions that took longest (cumulative, ours and MLX's calls).
 
-    python scripts/bench/profile_startup.py --preset llama-8b --dtype bfloat16 [--no-skinny-gemm] [--top 30]
+    python scripts/bench/profile_startup.py --preset llama-8b --dtype bfloat16 [--quantization 4bit] [--no-skinny-gemm]
+        [--top 30]
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pagedmlx.bench.presets import PRESETS, random_model  # noqa: E402
+from scripts.bench.bench_offline import parse_quantization  # noqa: E402
 from pagedmlx.config import EngineConfig  # noqa: E402
 from pagedmlx.engine.llm_engine import LLMEngine  # noqa: E402
 
@@ -27,13 +29,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="llama-8b", choices=sorted(PRESETS))
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--quantization", help="the preset's weights quantized as bench_offline.py's flag: 4bit, 8bit, ...")
     ap.add_argument("--skinny-gemm", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--top", type=int, default=30)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)8.0f ms %(name)s: %(message)s")
     t = time.perf_counter()
-    model = random_model(args.preset, getattr(mx, args.dtype))
+    model = random_model(args.preset, getattr(mx, args.dtype), quantization=parse_quantization(args.quantization))
     mx.eval(model.parameters())
     print(f"model built and evaluated in {time.perf_counter() - t:.1f} s", flush=True)
     config = EngineConfig(num_blocks=256, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048,
