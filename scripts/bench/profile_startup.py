@@ -19,8 +19,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pagedmlx.bench.presets import PRESETS, random_model  # noqa: E402
-from scripts.bench.bench_offline import parse_quantization  # noqa: E402
+from pagedmlx.bench.presets import PRESETS, parse_quantization, random_model  # noqa: E402
 from pagedmlx.config import EngineConfig  # noqa: E402
 from pagedmlx.engine.llm_engine import LLMEngine  # noqa: E402
 
