@@ -95,7 +95,8 @@ def runner_check_key(runner: Any, identity: Optional[str]) -> Optional[str]:
         return None
     setup = (runner.block_size, runner.merges, runner.merged_groups, bool(runner.skinny), bool(runner.fused_norms),
              runner._head is not None, repr(runner.kernels), sorted(runner.kv_quant), runner.windows,
-             bool(getattr(runner, "quantized_gemm", False)), bool(getattr(runner, "fused_moe", 0)))
+             bool(getattr(runner, "quantized_gemm", False)), bool(getattr(runner, "fused_moe", 0)),
+             envs.PAGEDMLX_FUSED_MOE_MIN_TOKENS if getattr(runner, "fused_moe", 0) else 0)  # which steps take it
     return check_key("model", identity, *setup)
 
 

@@ -86,3 +86,15 @@ def test_a_compiled_traces_proof_is_kept_with_the_model_check(checks, monkeypatc
     monkeypatch.setenv("PAGEDMLX_CHECK_CACHE", "0")
     run()
     assert len(proofs) == 2
+
+
+def test_the_model_checks_key_names_which_steps_take_the_fused_moe(monkeypatch):
+    runner = LLMEngine(make_model("llama"), None, EngineConfig(num_blocks=64)).runner
+    plain = check_cache.runner_check_key(runner, "weights")
+    assert plain is not None
+    monkeypatch.setenv("PAGEDMLX_FUSED_MOE_MIN_TOKENS", "1")
+    assert check_cache.runner_check_key(runner, "weights") == plain  # no fused MoE here: the setting is not the key's
+    runner.fused_moe = 4
+    one = check_cache.runner_check_key(runner, "weights")
+    monkeypatch.setenv("PAGEDMLX_FUSED_MOE_MIN_TOKENS", "8")
+    assert one not in (plain, check_cache.runner_check_key(runner, "weights"))
