@@ -93,10 +93,12 @@ def runner_check_key(runner: Any, identity: Optional[str]) -> Optional[str]:
     """The key of a ModelRunner's model check: the weights and everything of the runner the check ran through."""
     if identity is None:
         return None
+    from pagedmlx.layers.fused_moe import min_tokens
+
     setup = (runner.block_size, runner.merges, runner.merged_groups, bool(runner.skinny), bool(runner.fused_norms),
              runner._head is not None, repr(runner.kernels), sorted(runner.kv_quant), runner.windows,
-             bool(getattr(runner, "quantized_gemm", False)), bool(getattr(runner, "fused_moe", 0)),
-             envs.PAGEDMLX_FUSED_MOE_MIN_TOKENS if getattr(runner, "fused_moe", 0) else 0)  # which steps take it
+             bool(getattr(runner, "quantized_gemm", False)),
+             min_tokens() if getattr(runner, "fused_moe", 0) else 0)  # the fused MoE's steps (0: none)
     return check_key("model", identity, *setup)
 
 

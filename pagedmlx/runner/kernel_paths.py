@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from pagedmlx import envs
 from pagedmlx.config import EngineConfig
 from pagedmlx.core.kv.cache_dtype import KVQuant
 from pagedmlx.kernels import decode_attention, decode_attention_quant, disk_cache, prefill_attention
 from pagedmlx.kernels.dialect import CUDA
 from pagedmlx.kernels.selector import KernelPlan, select_kernels, select_quantized
-from pagedmlx.layers import quantized_linear, skinny_linear
+from pagedmlx.layers import fused_moe, quantized_linear, skinny_linear
 
 PORTABLE = "gather + SDPA"  # pages gathered into a contiguous copy, then MLX's attention
 
@@ -97,7 +96,7 @@ def kernel_path_lines(runner: Any) -> list[str]:
         lines.append(f"quantized products of {rows[0]}-{rows[-1]} rows: quantized GEMM kernel "
                      "(layers/quantized_linear.py)")
     if getattr(runner, "fused_moe", 0):
-        fewest = envs.PAGEDMLX_FUSED_MOE_MIN_TOKENS
+        fewest = fused_moe.min_tokens()
         lines.append(f"MoE experts: fused MoE kernel in {runner.fused_moe} layers"
                      + (f" for steps of {fewest}+ tokens, gather_qmm below" if fewest > 1 else "")
                      + " (layers/fused_moe.py)")
