@@ -19,6 +19,7 @@ from typing import NamedTuple, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from pagedmlx import envs
 from pagedmlx.kernels import build, check
 from pagedmlx.kernels import quantized_gemm as qg
 from pagedmlx.kernels.dialect import CUDA, render
@@ -29,6 +30,12 @@ BLOCK_ROWS = 8  # pairs a thread block takes: one 8-row tile (MT 1)
 ALIGN_THREADS = 256  # moe_align's one thread block
 WARPS = (2, 4)  # warps a block (16 columns each) below FEW_PAIRS pairs and from there: narrow products, few blocks
 FEW_PAIRS = 64
+
+
+def min_tokens() -> int:
+    """The fewest tokens of a step that the kernel takes (PAGEDMLX_FUSED_MOE_MIN_TOKENS, at least 1); fewer keep
+    gather_qmm (layers/fused_moe.py)."""
+    return max(envs.PAGEDMLX_FUSED_MOE_MIN_TOKENS, 1)
 
 
 def warps_for(pairs: int) -> int:

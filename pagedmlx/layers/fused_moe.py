@@ -31,7 +31,7 @@ class FusedSwitchGLU(SwitchGLU):
     on (_kernel)."""
 
     _kernel = False
-    _min_tokens = 1  # use_fused_moe sets min_tokens()
+    _min_tokens = 1  # use_fused_moe sets fused_moe.min_tokens()
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         if not (self._kernel and quantized_linear.kernels_on() and x.dtype == self.gate_proj.scales.dtype
@@ -98,16 +98,11 @@ def use_fused_moe(setting: Optional[bool], model: nn.Module, kernels_enabled: bo
             logger.warning("MoE experts left to MLX's gather_qmm (fused MoE kernel): %s", why)
             return 0
     for m, _ in layers:
-        m._kernel, m._min_tokens = True, min_tokens()
+        m._kernel, m._min_tokens = True, fused_moe.min_tokens()
     routings = {(m.gate_proj.num_experts, k) for m, _ in layers for k in _top_ks(model)}
     fused_moe.prebuild_align(sorted(routings))  # before the first steps
     logger.info("%d MoE layers take the fused MoE kernel (layers/fused_moe.py)", len(layers))
     return len(layers)
-
-
-def min_tokens() -> int:
-    """The fewest tokens of a step that the kernel takes (PAGEDMLX_FUSED_MOE_MIN_TOKENS, at least 1)."""
-    return max(envs.PAGEDMLX_FUSED_MOE_MIN_TOKENS, 1)
 
 
 def _top_ks(model: nn.Module) -> set[int]:

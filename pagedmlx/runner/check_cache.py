@@ -93,7 +93,7 @@ def runner_check_key(runner: Any, identity: Optional[str]) -> Optional[str]:
     """The key of a ModelRunner's model check: the weights and everything of the runner the check ran through."""
     if identity is None:
         return None
-    from pagedmlx.layers.fused_moe import min_tokens
+    from pagedmlx.kernels.fused_moe import min_tokens
 
     setup = (runner.block_size, runner.merges, runner.merged_groups, bool(runner.skinny), bool(runner.fused_norms),
              runner._head is not None, repr(runner.kernels), sorted(runner.kv_quant), runner.windows,

@@ -12,10 +12,10 @@ from typing import Any, Optional
 
 from pagedmlx.config import EngineConfig
 from pagedmlx.core.kv.cache_dtype import KVQuant
-from pagedmlx.kernels import decode_attention, decode_attention_quant, disk_cache, prefill_attention
+from pagedmlx.kernels import decode_attention, decode_attention_quant, disk_cache, fused_moe, prefill_attention
 from pagedmlx.kernels.dialect import CUDA
 from pagedmlx.kernels.selector import KernelPlan, select_kernels, select_quantized
-from pagedmlx.layers import fused_moe, quantized_linear, skinny_linear
+from pagedmlx.layers import quantized_linear, skinny_linear
 
 PORTABLE = "gather + SDPA"  # pages gathered into a contiguous copy, then MLX's attention
 
