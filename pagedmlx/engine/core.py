@@ -109,14 +109,18 @@ class EngineCore:
                     on_loaded: Optional[Callable[[Any], None]] = None) -> "EngineCore":
         """Load config.model (with its own tokenizer, unless one is given) and build the engine.
         on_loaded(tokenizer): called once the model is read, before the engine is built."""
+        from pagedmlx.engine import kernel_prebuild
         from pagedmlx.loaders.loader import load_model, weights_path
         from pagedmlx.multimodal.loader import load_vision_encoder
         from pagedmlx.runner.check_cache import model_identity
 
+        prebuild = kernel_prebuild.start(config)  # a first start's kernels, built while the weights are read
         model, loaded_tokenizer = load_model(config.model, dtype=config.dtype)
         tokenizer = tokenizer or loaded_tokenizer
         if on_loaded is not None:
             on_loaded(tokenizer)
+        if prebuild is not None:
+            prebuild.wait()
         identity = model_identity(config.model, config.dtype, weights_path(config.model))
         engine = cls(model, tokenizer, config, model_identity=identity, mm_encoder=load_vision_encoder(config.model))
         engine.load_generation_defaults(config.model)

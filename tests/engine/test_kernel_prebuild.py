@@ -1,0 +1,77 @@
+"""engine/kernel_prebuild.py: a first start's kernels built by a shallow copy of the model in a process of its own."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from pagedmlx.config import EngineConfig
+from pagedmlx.engine import kernel_prebuild
+from pagedmlx.engine.kernel_prebuild import shallow_overrides
+from pagedmlx.loaders.random_model import build_model, tiny_tokenizer
+
+LLAMA = dict(model_type="llama", hidden_size=64, num_hidden_layers=7, intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512, tie_word_embeddings=False)
+
+
+def test_overrides_keep_every_layer_kind_of_the_pattern():
+    assert shallow_overrides(LLAMA) == {"num_hidden_layers": 4}
+    assert shallow_overrides({**LLAMA, "num_hidden_layers": 4}) is None  # nothing to cut
+    assert shallow_overrides({"model_type": "x"}) is None  # no layer count: not cut
+    assert shallow_overrides({**LLAMA, "num_hidden_layers": 48, "sliding_window_pattern": 6}) == {
+        "num_hidden_layers": 6}
+    assert shallow_overrides({**LLAMA, "num_hidden_layers": 61, "first_k_dense_replace": 3}) == {
+        "num_hidden_layers": 4}
+    types = ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 5 + ["full_attention"]
+    cut = shallow_overrides({**LLAMA, "num_hidden_layers": 12, "layer_types": types, "num_kv_shared_layers": 4})
+    assert cut == {"num_hidden_layers": 6, "layer_types": types[:6], "num_kv_shared_layers": 0}
+    # a vision-language config: its text model's layers, the rest of text_config kept
+    text = {**LLAMA, "num_hidden_layers": 40, "full_attention_interval": 4}
+    assert shallow_overrides({"model_type": "qwen3_5_moe", "text_config": text}) == {
+        "text_config": {**text, "num_hidden_layers": 4}}
+
+
+def _folder(path: Path) -> Path:
+    path.mkdir(exist_ok=True)
+    model = build_model(LLAMA)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(LLAMA))
+    tiny_tokenizer(LLAMA["vocab_size"])._tokenizer.save_pretrained(str(path))
+    return path
+
+
+def test_child_runs_the_engine_on_a_shallow_copy_once(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("PAGEDMLX_CACHE_DIR", str(tmp_path / "cache"))
+    folder = _folder(tmp_path / "model")
+    config = EngineConfig(model=str(folder), block_size=4, max_model_len=64)
+    assert kernel_prebuild.start(config) is None  # the CPU: nothing to build
+    caplog.set_level("INFO", logger="pagedmlx")
+    prebuild = kernel_prebuild.start(config, on_cuda=True)
+    assert prebuild is not None
+    prebuild.wait()
+    assert prebuild.proc.returncode == 0, prebuild.log.read_text()[-3000:]
+    assert "kernels prebuilt" in caplog.text
+    assert json.loads(prebuild.marker.read_text())["layers"] == {"num_hidden_layers": 4}
+    assert kernel_prebuild.start(config, on_cuda=True) is None  # built before: no second child
+    monkeypatch.setenv("PAGEDMLX_FUSED_MOE_MIN_TOKENS", "3")  # another switch: other builds
+    assert kernel_prebuild.start(config, on_cuda=True) is not None
+
+
+def test_a_failing_child_leaves_the_builds_to_the_engine(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("PAGEDMLX_CACHE_DIR", str(tmp_path / "cache"))
+    folder = _folder(tmp_path / "model")
+    (folder / "model.safetensors").write_bytes(b"not safetensors")  # the child cannot read its weights
+    caplog.set_level("INFO", logger="pagedmlx")
+    prebuild = kernel_prebuild.start(EngineConfig(model=str(folder)), on_cuda=True)
+    prebuild.wait()
+    assert prebuild.proc.returncode != 0 and not prebuild.marker.exists()
+    assert "the kernels' prebuild failed" in caplog.text and str(prebuild.log) in caplog.text
+
+
+def test_switched_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDMLX_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PAGEDMLX_PREBUILD", "0")
+    assert kernel_prebuild.start(EngineConfig(model=str(_folder(tmp_path))), on_cuda=True) is None
