@@ -34,7 +34,7 @@ serve() {  # name, extra flags...: start on a port of its own, wait for an answe
     sleep 0.5
   done
   echo "$name ready $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s" | tee -a "$OUT/ready.txt"
-  grep -m1 "KV pool" "$OUT/$name.log"
+  grep -e "KV pool" -e "prebuil" -e "start-up:" "$OUT/$name.log" | cut -c1-240
 }
 stop() {  # the server and its engine-core process, then until the GPU has their memory back
   pkill -9 -P $SERVER 2>/dev/null; kill -9 $SERVER 2>/dev/null; wait $SERVER 2>/dev/null
