@@ -5,8 +5,9 @@
 #                                              config written to $PAGEDMLX_TUNED_CONFIG_FOLDER (default /tmp/tuned),
 #                                              which the other parts read, and to $OUT/configs (copy it into
 #                                              pagedmlx/kernels/configs/ and commit it)
-#   PART=bench bash scripts/gpu/quantized.sh   4-bit Llama-8B with the tuned config (if any), BatchGenerator at 64
-#                                              and at 256, then bf16
+#   PART=bench bash scripts/gpu/quantized.sh   4-bit Llama-8B with the tuned config (if any) at 64 and 1, beside
+#                                              BatchGenerator and generate_step
+#   PART=bench256 bash scripts/gpu/quantized.sh  the same at 256 (BatchGenerator too), then bf16 at 64 and 256
 #   PART=shapes bash scripts/gpu/quantized.sh  8-bit against bf16 at 64, 4-bit Gemma-4-E4B at 128
 #   PART=moe bash scripts/gpu/quantized.sh     the fused MoE kernel against gather_qmm (bench_fused_moe.py), the 4-bit
 #                                              Qwen3.6-35B-A3B shape at 1 and 64 with the kernel and without
@@ -35,14 +36,16 @@ profile() {  # name, timeout, profile_step.py's flags...: its tables, the kernel
   stop_gpu
   grep -v Warn "$OUT/profile-$name.log" | tail -32
 }
-case "${PART:-bench}" in
+for part in ${PART:-bench}; do  # PART may name several: PART="tune bench"
+case "$part" in
   tune)
     timeout "${LIMIT:-560}" python3 -u scripts/bench/bench_quantized_gemm.py --bits ${BITS:-4 8} --rows 1 16 64 256 \
       --repeats 1 --sweep --skip-mlx --write-config "$PAGEDMLX_TUNED_CONFIG_FOLDER" 2>&1 | tee "$OUT/sweep.log" \
       | grep -v Warn | cut -c1-220
     mkdir -p "$OUT/configs" && cp "$PAGEDMLX_TUNED_CONFIG_FOLDER"/*.json "$OUT/configs/" && ls "$OUT/configs" ;;
   bench)
-    offline q4-tuned 250 --preset llama-8b --quantization 4bit --gen-len 256 --batch-sizes 64 256 1 --peer-max-batch 64
+    offline q4-tuned 250 --preset llama-8b --quantization 4bit --gen-len 256 --batch-sizes 64 1 --peer-max-batch 64 ;;
+  bench256)
     # BatchGenerator at 256 rows takes ~0.9 s a step (its (B, 1, D) products): 64 new tokens, a run of its own
     offline q4-256 150 --preset llama-8b --quantization 4bit --gen-len 64 --batch-sizes 256 --peer-max-batch 256
     offline bf16 80 --preset llama-8b --gen-len 256 --batch-sizes 64 256 --skip-peer ;;
@@ -65,6 +68,7 @@ case "${PART:-bench}" in
     profile moe-64 150 --preset qwen3.6-35b-a3b-16l --quantization 4bit --batch 64
     profile bf16-64 110 --preset llama-8b --batch 64
     profile moe-1 120 --preset qwen3.6-35b-a3b-16l --quantization 4bit --batch 1 ;;
-  *) echo "PART is tune, bench, shapes, moe or profile"; exit 2 ;;
+  *) echo "PART is tune, bench, bench256, shapes, moe or profile"; exit 2 ;;
 esac
+done
 date -u

@@ -75,3 +75,26 @@ def test_switched_off(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDMLX_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("PAGEDMLX_PREBUILD", "0")
     assert kernel_prebuild.start(EngineConfig(model=str(_folder(tmp_path))), on_cuda=True) is None
+
+
+def test_the_engine_is_built_after_the_child_exits(tmp_path, monkeypatch):
+    """EngineCore.from_config starts the child before the weights' read and builds its runner only once the child
+    has exited (its builds are then on disk, and its device memory given back before the KV pool is sized)."""
+    from pagedmlx.engine.core import EngineCore
+
+    monkeypatch.setenv("PAGEDMLX_CACHE_DIR", str(tmp_path / "cache"))
+    folder = _folder(tmp_path / "model")
+    started, seen = [], []
+    real_start = kernel_prebuild.start
+    monkeypatch.setattr(kernel_prebuild, "start", lambda config: started.append(real_start(config, on_cuda=True))
+                        or started[-1])
+    real_make_runner = EngineCore.make_runner
+
+    def make_runner(self, verify):
+        seen.append(started[0].proc.poll())
+        return real_make_runner(self, verify)
+
+    monkeypatch.setattr(EngineCore, "make_runner", make_runner)
+    engine = EngineCore.from_config(EngineConfig(model=str(folder), block_size=4, max_model_len=64))
+    assert seen == [0] and started[0].marker.exists()
+    assert len(engine.model.layers) == LLAMA["num_hidden_layers"]  # the engine's own model is whole
