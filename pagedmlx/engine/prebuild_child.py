@@ -17,6 +17,7 @@ from typing import Sequence
 from pagedmlx.engine.core import EngineCore
 from pagedmlx.loaders.tokenizer_cache import load_tokenizer
 from pagedmlx.platform import import_mlx_lm
+from pagedmlx.sampling_params import SamplingParams
 
 
 def main(argv: Sequence[str]) -> int:
@@ -32,8 +33,24 @@ def main(argv: Sequence[str]) -> int:
     tokenizer = load_tokenizer(folder, model_config.get("eos_token_id", None))
     engine = EngineCore(model, tokenizer, config)  # no identity: its checks are not kept
     engine.warm_up()
-    marker.write_text(json.dumps({"layers": overrides, "when": time.time()}))
+    tokens = serve_first_requests(engine)
+    marker.write_text(json.dumps({"layers": overrides, "tokens": tokens, "when": time.time()}))
     return 0
+
+
+
+def serve_first_requests(engine: EngineCore) -> int:
+    """Two short requests, greedy and sampled (temperature, top-p, top-k, logprobs), run to the end: the first
+    request a server answers then meets no build of its own (the sampler's, a decode step's). Returns the tokens
+    they got."""
+    prompt = [i % engine.vocab_size for i in range(1, 17)]
+    engine.add_request("prebuild-greedy", prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    engine.add_request("prebuild-sampled", prompt[::-1], SamplingParams(temperature=0.7, top_p=0.9, top_k=20,
+                                                                        max_tokens=4, ignore_eos=True, logprobs=2))
+    tokens = 0
+    while engine.has_unfinished_requests():
+        tokens += sum(len(out.new_token_ids) for out in engine.step())
+    return tokens
 
 
 if __name__ == "__main__":
