@@ -35,6 +35,7 @@ serve() {  # name, extra flags...: start on a port of its own, wait for an answe
   done
   echo "$name ready $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s" | tee -a "$OUT/ready.txt"
   grep -e "KV pool" -e "prebuil" -e "start-up:" "$OUT/$name.log" | cut -c1-240
+  echo "$name: GPU memory by process: $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ' ')"
 }
 stop() {  # the server and its engine-core process, then until the GPU has their memory back
   pkill -9 -P $SERVER 2>/dev/null; kill -9 $SERVER 2>/dev/null; wait $SERVER 2>/dev/null
