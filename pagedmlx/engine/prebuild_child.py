@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import pickle
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Sequence
@@ -23,6 +25,7 @@ from pagedmlx.sampling_params import SamplingParams
 def main(argv: Sequence[str]) -> int:
     """The child: the engine on a shallow copy of the model, warmed up; MARKER written when all of it ran."""
     args, marker = Path(argv[0]), Path(argv[1])
+    _exit_with_parent(os.getppid())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     import_mlx_lm()
     import mlx_lm.utils
@@ -37,6 +40,16 @@ def main(argv: Sequence[str]) -> int:
     marker.write_text(json.dumps({"layers": overrides, "tokens": tokens, "when": time.time()}))
     return 0
 
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A child whose engine is gone (killed in its start) stops at once: its builds are no one's, its memory is."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="pagedmlx-prebuild-parent", daemon=True).start()
 
 
 def serve_first_requests(engine: EngineCore) -> int:

@@ -99,3 +99,28 @@ def test_the_engine_is_built_after_the_child_exits(tmp_path, monkeypatch):
     engine = EngineCore.from_config(EngineConfig(model=str(folder), block_size=4, max_model_len=64))
     assert seen == [0] and started[0].marker.exists()
     assert len(engine.model.layers) == LLAMA["num_hidden_layers"]  # the engine's own model is whole
+
+
+def test_the_child_stops_with_its_engine():
+    """The engine core killed during its start: its child (here a sleeper watching its parent as the child does)
+    exits within seconds instead of building on."""
+    import subprocess
+    import sys
+    import time
+
+    child = ("import os, time; from pagedmlx.engine.prebuild_child import _exit_with_parent; "
+             "_exit_with_parent(os.getppid()); print('watching', flush=True); time.sleep(120)  # prebuild-orphan-test")
+    parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time; p = subprocess.Popen("
+                               f"[sys.executable, '-c', {child!r}]); print(p.pid, flush=True); time.sleep(120)"],
+                              stdout=subprocess.PIPE, text=True)
+    pid = int(parent.stdout.readline())
+    alive = lambda: subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True,
+                                   text=True).stdout.strip() not in ("", "Z")
+    time.sleep(3.0)  # the child imports and starts watching
+    assert alive()
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 20
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive()
