@@ -46,12 +46,13 @@ _PERIODS = ("sliding_window_pattern", "full_attention_interval", "interleave_moe
 def shallow_overrides(config: dict[str, Any]) -> Optional[dict[str, Any]]:
     """mlx-lm model_config overrides that cut a model's config.json to its first layers, with every layer kind of
     its pattern kept (a period of sliding and full attention, the first MoE layer past the dense ones, each of
-    `layer_types`); None where the config names no layer count or is already that shallow."""
+    `layer_types`); None where the config names no layer count, is already that shallow, or has per-layer inputs
+    (their weights' shapes follow the layer count: a cut model could not read them)."""
     nested = isinstance(config.get("text_config"), dict) and "num_hidden_layers" in config["text_config"]
     text = config["text_config"] if nested else config
     n = text.get("num_hidden_layers")
-    if not isinstance(n, int):
-        return None
+    if not isinstance(n, int) or text.get("hidden_size_per_layer_input"):
+        return None  # no layer count; or per-layer inputs (Gemma 3n/4 "E"), whose embedding is as wide as the layers
     depth = MIN_DEPTH
     for key in _PERIODS:
         if isinstance(text.get(key), int):

@@ -28,6 +28,7 @@ def test_overrides_keep_every_layer_kind_of_the_pattern():
     types = ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 5 + ["full_attention"]
     cut = shallow_overrides({**LLAMA, "num_hidden_layers": 12, "layer_types": types, "num_kv_shared_layers": 4})
     assert cut == {"num_hidden_layers": 6, "layer_types": types[:6], "num_kv_shared_layers": 0}
+    assert shallow_overrides({**LLAMA, "num_hidden_layers": 42, "hidden_size_per_layer_input": 256}) is None
     # a vision-language config: its text model's layers, the rest of text_config kept
     text = {**LLAMA, "num_hidden_layers": 40, "full_attention_interval": 4}
     assert shallow_overrides({"model_type": "qwen3_5_moe", "text_config": text}) == {
