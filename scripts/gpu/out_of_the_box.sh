@@ -5,7 +5,8 @@
 # The model is written once as an mlx-lm folder (scripts/export_mlx_model.py) so that mlx_lm.server's start is
 # timed on the very same files; "ready" is the first answered one-token completion, for both servers.
 #   bash scripts/gpu/out_of_the_box.sh            MODEL (default preset:llama-8b), CLIENTS (256), KV_GB (30),
-#                                                 STARTS_ONLY=1: no load, the start times only
+#                                                 STARTS_ONLY=1: no load, the start times only; MLX_STARTS:
+#                                                 mlx_lm.server's starts (2)
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ootb}; mkdir -p "$OUT"
@@ -46,8 +47,7 @@ load() {  # name
     --random-output-len 64 --ignore-eos --num-prompts $((CLIENTS * 2)) --max-concurrency $CLIENTS --num-processes 4 \
     --disable-tqdm --save-result --result-dir "$OUT" --result-filename "$1.json" 2>&1 | tail -4
 }
-serve mlx-lm && stop
-serve mlx-lm && stop
+for _ in $(seq "${MLX_STARTS:-2}"); do serve mlx-lm && stop; done
 serve cold && stop
 if [ -n "${STARTS_ONLY:-}" ]; then serve warm && stop; else  # STARTS_ONLY=1: the start times only
   serve warm && load default && stop
