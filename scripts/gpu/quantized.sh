@@ -7,6 +7,7 @@
 #                                              pagedmlx/kernels/configs/ and commit it)
 #   PART=bench bash scripts/gpu/quantized.sh   4-bit Llama-8B with the tuned config (if any) at 64 and 1, beside
 #                                              BatchGenerator and generate_step
+#   PART=b1 bash scripts/gpu/quantized.sh      4-bit Llama-8B at batch 1 with its one-row products left to MLX
 #   PART=bench256 bash scripts/gpu/quantized.sh  the same at 256 (BatchGenerator too), then bf16 at 64 and 256
 #   PART=shapes bash scripts/gpu/quantized.sh  8-bit against bf16 at 64, 4-bit Gemma-4-E4B at 128
 #   PART=moe bash scripts/gpu/quantized.sh     the fused MoE kernel against gather_qmm (bench_fused_moe.py), the 4-bit
@@ -45,6 +46,9 @@ case "$part" in
     mkdir -p "$OUT/configs" && cp "$PAGEDMLX_TUNED_CONFIG_FOLDER"/*.json "$OUT/configs/" && ls "$OUT/configs" ;;
   bench)
     offline q4-tuned 250 --preset llama-8b --quantization 4bit --gen-len 256 --batch-sizes 64 1 --peer-max-batch 64 ;;
+  b1)  # batch 1's one-row products on MLX's quantized matmul instead of ours
+    PAGEDMLX_QUANTIZED_GEMM_MIN_ROWS=2 offline q4-b1-mlx 120 --preset llama-8b --quantization 4bit --gen-len 256 \
+      --batch-sizes 1 --skip-peer ;;
   bench256)
     # BatchGenerator at 256 rows takes ~0.9 s a step (its (B, 1, D) products): 64 new tokens, a run of its own
     offline q4-256 150 --preset llama-8b --quantization 4bit --gen-len 64 --batch-sizes 256 --peer-max-batch 256
@@ -68,7 +72,7 @@ case "$part" in
     profile moe-64 150 --preset qwen3.6-35b-a3b-16l --quantization 4bit --batch 64
     profile bf16-64 110 --preset llama-8b --batch 64
     profile moe-1 120 --preset qwen3.6-35b-a3b-16l --quantization 4bit --batch 1 ;;
-  *) echo "PART is tune, bench, bench256, shapes, moe or profile"; exit 2 ;;
+  *) echo "PART is tune, bench, b1, bench256, shapes, moe or profile"; exit 2 ;;
 esac
 done
 date -u
