@@ -138,11 +138,10 @@ def start(config: EngineConfig, on_cuda: Optional[bool] = None) -> Optional[Preb
     if folder is None or not folder.is_dir() or not (folder / "config.json").is_file():
         return None
     overrides = shallow_overrides(json.loads((folder / "config.json").read_text()))
-    if overrides is None or not _fits(folder, overrides):
+    if overrides is None:
         return None
-    key = marker_key(config, folder)
-    marker = cache_dir() / "prebuilt" / key
-    if marker.exists():
+    marker = cache_dir() / "prebuilt" / marker_key(config, folder)
+    if marker.exists() or not _fits(folder):
         return None
     marker.parent.mkdir(parents=True, exist_ok=True)
     args = marker.with_suffix(".args")
@@ -156,7 +155,7 @@ def start(config: EngineConfig, on_cuda: Optional[bool] = None) -> Optional[Preb
     return Prebuild(proc, marker, log, time.monotonic())
 
 
-def _fits(folder: Path, overrides: dict[str, Any]) -> bool:
+def _fits(folder: Path) -> bool:
     """Whether the device's free memory holds the whole model and the child (its share of the weights, at most all
     of them, and CHILD_BYTES) at once; True where MLX does not say what is free."""
     from pagedmlx.runner.kv_budget import free_device_bytes

@@ -125,3 +125,21 @@ def test_the_child_stops_with_its_engine():
     while alive() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not alive()
+
+
+def test_no_child_where_the_device_cannot_hold_both(tmp_path, monkeypatch):
+    """The whole model and the child must fit in the device's free memory at once (twice the weights and the
+    child's pool and activations); else the engine builds its kernels itself, as before."""
+    from pagedmlx.runner import kv_budget
+
+    monkeypatch.setenv("PAGEDMLX_CACHE_DIR", str(tmp_path / "cache"))
+    folder = _folder(tmp_path / "model")
+    weights = (folder / "model.safetensors").stat().st_size
+    config = EngineConfig(model=str(folder))
+    monkeypatch.setattr(kv_budget, "free_device_bytes", lambda on_gpu: 2 * weights + kernel_prebuild.CHILD_BYTES - 1)
+    assert kernel_prebuild.start(config, on_cuda=True) is None
+    monkeypatch.setattr(kv_budget, "free_device_bytes", lambda on_gpu: 2 * weights + kernel_prebuild.CHILD_BYTES)
+    prebuild = kernel_prebuild.start(config, on_cuda=True)
+    assert prebuild is not None
+    prebuild.proc.kill()
+    prebuild.proc.wait()
