@@ -78,9 +78,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 0: every load-time model check runs, also where it passed before with the same weights, setup and code
     # (runner/check_cache.py keeps passes under $PAGEDMLX_CACHE_DIR/checks).
     "PAGEDMLX_CHECK_CACHE": _on("PAGEDMLX_CHECK_CACHE", True),
-    # 0: a first start on CUDA builds its kernels after the weights' read, not beside it in a process of its own
-    # (engine/kernel_prebuild.py).
-    "PAGEDMLX_PREBUILD": _on("PAGEDMLX_PREBUILD", True),
+    # 1: a first start on CUDA builds its kernels beside the weights' read, in a process of its own running a shallow
+    # copy of the model (engine/kernel_prebuild.py); off by default until it is timed on a GPU.
+    "PAGEDMLX_PREBUILD": _on("PAGEDMLX_PREBUILD", False),
     # 0: a model folder's tokenizer is read from the folder at every start, not from the pickle an earlier start
     # kept under $PAGEDMLX_CACHE_DIR/tokenizers (loaders/tokenizer_cache.py).
     "PAGEDMLX_TOKENIZER_CACHE": _on("PAGEDMLX_TOKENIZER_CACHE", True),

@@ -10,7 +10,8 @@ child has exited, finds it there. The child's checks are not kept (its weights a
 
 A marker under the cache folder, keyed by the model's config, the engine's settings, the environment's switches and
 the versions, says that a start already built them: later starts run no child. Nothing here is needed for
-correctness: a child that fails, or is skipped, leaves the builds to the engine, as before.
+correctness: a child that fails, or is skipped, leaves the builds to the engine, as before. Off unless
+PAGEDMLX_PREBUILD=1, until a GPU has timed it.
 
     python -m pagedmlx.engine.prebuild_child ARGS_PICKLE MARKER     # the child (prebuild_child.py)
 """
@@ -125,7 +126,7 @@ class Prebuild:
 
 def start(config: EngineConfig, on_cuda: Optional[bool] = None) -> Optional[Prebuild]:
     """A child building the engine's kernels for config.model, or None where it would not help: off CUDA or without
-    its disk cache (on_cuda=None: this process's backend), PAGEDMLX_PREBUILD=0, not an mlx-lm folder, a config it
+    its disk cache (on_cuda=None: this process's backend), PAGEDMLX_PREBUILD not 1, not an mlx-lm folder, a config it
     cannot cut, built before (its marker), or too little free device memory for it beside the whole model."""
     from pagedmlx.loaders.loader import weights_path
     from pagedmlx.platform import backend_name, cache_dir

@@ -6,7 +6,8 @@
 # timed on the very same files; "ready" is the first answered one-token completion, for both servers.
 #   bash scripts/gpu/out_of_the_box.sh            MODEL (default preset:llama-8b), CLIENTS (256), KV_GB (30),
 #                                                 STARTS_ONLY=1: no load, the start times only; MLX_STARTS:
-#                                                 mlx_lm.server's starts (2)
+#                                                 mlx_lm.server's starts (2); PREBUILD=1: a second first start
+#                                                 (empty cache) with PAGEDMLX_PREBUILD=1
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ootb}; mkdir -p "$OUT"
@@ -49,6 +50,9 @@ load() {  # name
 }
 for _ in $(seq "${MLX_STARTS:-2}"); do serve mlx-lm && stop; done
 serve cold && stop
+if [ -n "${PREBUILD:-}" ]; then  # PREBUILD=1: a first start again, its builds beside the weights' read
+  PAGEDMLX_PREBUILD=1 PAGEDMLX_CACHE_DIR=$PAGEDMLX_CACHE_DIR-prebuild serve cold-prebuild && stop
+fi
 if [ -n "${STARTS_ONLY:-}" ]; then serve warm && stop; else  # STARTS_ONLY=1: the start times only
   serve warm && load default && stop
   serve pool --kv-cache-gb "$KV_GB" && load pool && stop

@@ -8,6 +8,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+import pytest
+
 from pagedmlx.config import EngineConfig
 from pagedmlx.engine import kernel_prebuild
 from pagedmlx.engine.kernel_prebuild import shallow_overrides
@@ -15,6 +17,11 @@ from pagedmlx.loaders.random_model import build_model, tiny_tokenizer
 
 LLAMA = dict(model_type="llama", hidden_size=64, num_hidden_layers=7, intermediate_size=128, num_attention_heads=4,
              num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512, tie_word_embeddings=False)
+
+
+@pytest.fixture(autouse=True)
+def prebuild_on(monkeypatch):
+    monkeypatch.setenv("PAGEDMLX_PREBUILD", "1")
 
 
 def test_overrides_keep_every_layer_kind_of_the_pattern():
@@ -75,8 +82,11 @@ def test_a_failing_child_leaves_the_builds_to_the_engine(tmp_path, monkeypatch, 
 
 def test_switched_off(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDMLX_CACHE_DIR", str(tmp_path / "cache"))
+    config = EngineConfig(model=str(_folder(tmp_path)))
     monkeypatch.setenv("PAGEDMLX_PREBUILD", "0")
-    assert kernel_prebuild.start(EngineConfig(model=str(_folder(tmp_path))), on_cuda=True) is None
+    assert kernel_prebuild.start(config, on_cuda=True) is None
+    monkeypatch.delenv("PAGEDMLX_PREBUILD")  # the default: off until timed on a GPU
+    assert kernel_prebuild.start(config, on_cuda=True) is None
 
 
 def test_the_engine_is_built_after_the_child_exits(tmp_path, monkeypatch):
