@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 from pagedmlx import envs
 from pagedmlx.config import EngineConfig
+from pagedmlx.kernels.compile_workers import child_env
 
 logger = logging.getLogger("pagedmlx")
 
@@ -150,15 +151,15 @@ def start(config: EngineConfig, on_cuda: Optional[bool] = None) -> Optional[Preb
     log = marker.with_suffix(".log")
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", CHILD, str(args), str(marker)],
-                                stdout=out, stderr=subprocess.STDOUT, env=_child_env())
-    logger.info("building kernels in a process of its own while the weights are read (a %s-layer copy)",
-                overrides.get("num_hidden_layers", overrides.get("text_config", {}).get("num_hidden_layers")))
+                                stdout=out, stderr=subprocess.STDOUT, env=child_env())
+    logger.info("building kernels in a process of its own while the weights are read (a %d-layer copy)",
+                overrides.get("text_config", overrides)["num_hidden_layers"])
     return Prebuild(proc, marker, log, time.monotonic())
 
 
 def _fits(folder: Path) -> bool:
-    """Whether the device's free memory holds the whole model and the child (its share of the weights, at most all
-    of them, and CHILD_BYTES) at once; True where MLX does not say what is free."""
+    """Whether the device's free memory holds the whole model and the child at once (twice the weights, a bound on
+    the child's share of them, and CHILD_BYTES); True where MLX does not say what is free."""
     from pagedmlx.runner.kv_budget import free_device_bytes
 
     free = free_device_bytes(True)
@@ -166,8 +167,3 @@ def _fits(folder: Path) -> bool:
         return True
     weights = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     return free >= 2 * weights + CHILD_BYTES
-
-
-def _child_env() -> dict[str, str]:
-    """The parent's environment and import path (the child imports pagedmlx as the parent did)."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}

@@ -41,7 +41,6 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
-
 def _exit_with_parent(parent: int) -> None:
     """A child whose engine is gone (killed in its start) stops at once: its builds are no one's, its memory is."""
     def watch() -> None:

@@ -36,7 +36,7 @@ def compile_in_workers(jobs: Sequence[Job], arch: str, cache_dir: Path, workers:
             path = Path(tmp) / f"jobs{i}.json"
             path.write_text(json.dumps([list(job) for job in jobs[i::workers]]))
             procs.append(subprocess.Popen([sys.executable, "-m", WORKER, arch, str(cache_dir), str(path)],
-                                          env=_child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                                          env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         deadline = time.monotonic() + TIMEOUT_S
         for proc in procs:
             try:
@@ -46,6 +46,7 @@ def compile_in_workers(jobs: Sequence[Job], arch: str, cache_dir: Path, workers:
                 proc.wait()
 
 
-def _child_env() -> dict[str, str]:
-    """The parent's environment, with its import path: the worker imports pagedmlx as the parent did."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+def child_env(**extra: str) -> dict[str, str]:
+    """The parent's environment, with its import path (a child process imports pagedmlx as the parent did) and
+    `extra` variables."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **extra}

@@ -105,8 +105,7 @@ def _launch(fmt: Format, tile: int, folder: Path) -> Optional[tuple[subprocess.P
     folder.mkdir(parents=True)
     try:
         proc = subprocess.Popen([sys.executable, "-m", __name__, *map(str, fmt), str(tile)],
-                                env={**os.environ, "MLX_PTX_CACHE_DIR": str(folder),
-                                     "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+                                env=compile_workers.child_env(MLX_PTX_CACHE_DIR=str(folder)),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     except OSError:  # no processes here: the engine builds them itself as it meets them
         logger.info("MLX's quantized matmul not built ahead", exc_info=True)
